@@ -1,0 +1,159 @@
+"""Model specs: ``NAME:key=value,...`` strings that build a model of the zoo, a Hugging Face
+model from a config, or a user's own model from ``path/to/file.py:factory``.
+
+A :class:`ModelSpec` bundles the module with its inputs (named symbolic dims) and its loss, so
+that capture sees one training step: ``loss = spec.loss(module, *inputs)``.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from partitioner.errors import ModelSpecError
+from passes.meta import InputSpec
+
+LossFn = Callable[..., torch.Tensor]
+
+
+@dataclass(kw_only=True)
+class ModelSpec:
+    """A model ready to capture.
+
+    * ``module``: the user's ``nn.Module`` (on any device, ``meta`` included).
+    * ``inputs``: every tensor the training step takes, model inputs and targets alike.
+    * ``loss``: ``loss(module, *inputs) -> scalar tensor``; the step that capture records.
+    * ``dims``: default value of every named dim (e.g. ``{"batch": 2, "seq": 64}``).
+    """
+
+    name: str
+    module: nn.Module
+    inputs: tuple[InputSpec, ...]
+    loss: LossFn
+    dims: dict[str, int] = field(default_factory=dict)
+
+    def example_inputs(self, dims: dict[str, int] | None = None, *, device: str | torch.device = "cpu",
+                       seed: int = 0) -> tuple[torch.Tensor, ...]:
+        """Random tensors matching ``inputs`` with named dims set from ``dims`` (or defaults)."""
+        values = {**self.dims, **(dims or {})}
+        gen = torch.Generator().manual_seed(seed)
+        out = []
+        for spec in self.inputs:
+            shape = []
+            for d in spec.shape:
+                if isinstance(d, str):
+                    if d not in values:
+                        raise ModelSpecError(f"input {spec.name!r} needs a value for dim {d!r}; pass dims={{{d!r}: N}}")
+                    shape.append(values[d])
+                else:
+                    shape.append(d)
+            if spec.dtype.is_floating_point:
+                t = torch.randn(shape, generator=gen, dtype=spec.dtype)
+            else:
+                t = torch.randint(0, spec.high or 2, shape, generator=gen, dtype=spec.dtype)
+            out.append(t.to(device))
+        return tuple(out)
+
+
+Builder = Callable[..., ModelSpec]
+_REGISTRY: dict[str, tuple[Builder, str]] = {}
+
+
+def register(name: str, help: str) -> Callable[[Builder], Builder]:
+    """Register a zoo builder under ``name``; its keyword arguments are the spec keys."""
+
+    def deco(fn: Builder) -> Builder:
+        _REGISTRY[name] = (fn, help)
+        return fn
+
+    return deco
+
+
+def known_models() -> dict[str, str]:
+    _load_zoo()
+    return {k: h for k, (_, h) in sorted(_REGISTRY.items())}
+
+
+def _load_zoo() -> None:
+    import partitioner.zoo  # noqa: F401  (registers the builders)
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, int | float | str | bool]]:
+    """Split ``NAME:key=value,...`` into the name and typed keyword values."""
+    if not spec or not spec.strip():
+        raise ModelSpecError("empty model spec; write NAME:key=value,... e.g. gpt:layers=2,hidden=128")
+    name, _, rest = spec.strip().partition(":")
+    kwargs: dict[str, int | float | str | bool] = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, raw = item.partition("=")
+        if not eq or not key or not raw:
+            raise ModelSpecError(
+                f"malformed item {item!r} in model spec {spec!r}; each item must be key=value, "
+                f"e.g. gpt:layers=2,hidden=128")
+        kwargs[key.strip()] = _parse_value(raw.strip())
+    return name, kwargs
+
+
+def _parse_value(raw: str) -> int | float | str | bool:
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    for conv in (int, float):
+        try:
+            return conv(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def build_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                seed: int = 0) -> ModelSpec:
+    """Build the model a spec string names, on ``device`` (``"meta"`` allocates no weights).
+
+    ``path/to/file.py:factory`` calls ``factory()`` from that file; it must return a
+    :class:`ModelSpec`.
+    """
+    head = spec.partition(":")[0]
+    if head.endswith(".py"):
+        return _build_from_file(spec)
+    _load_zoo()
+    name, kwargs = parse_spec(spec)
+    if name not in _REGISTRY:
+        raise ModelSpecError(
+            f"unknown model {name!r} in spec {spec!r}; known models: {', '.join(sorted(_REGISTRY))}, "
+            f"or path/to/file.py:factory")
+    builder, _ = _REGISTRY[name]
+    torch.manual_seed(seed)
+    try:
+        with torch.device(device):
+            model = builder(**kwargs)
+    except TypeError as exc:
+        raise ModelSpecError(f"bad keys in model spec {spec!r}: {exc}; see `partitioner models`") from None
+    model.module.to(dtype=dtype)
+    model.name = spec
+    return model
+
+
+def _build_from_file(spec: str) -> ModelSpec:
+    path_str, _, factory = spec.partition(".py:")
+    path = Path(path_str + ".py")
+    if not factory:
+        raise ModelSpecError(f"model spec {spec!r} names a file but no factory; write {path}:make_model")
+    if not path.is_file():
+        raise ModelSpecError(f"model file {path} does not exist (from spec {spec!r})")
+    mod_spec = importlib.util.spec_from_file_location(f"user_model_{path.stem}", path)
+    assert mod_spec and mod_spec.loader
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    fn = getattr(module, factory, None)
+    if fn is None:
+        raise ModelSpecError(f"{path} has no function {factory!r}")
+    result = fn()
+    if not isinstance(result, ModelSpec):
+        raise ModelSpecError(f"{path}:{factory}() returned {type(result).__name__}; it must return a "
+                             f"partitioner.model_spec.ModelSpec(module=..., inputs=..., loss=...)")
+    result.name = spec
+    return result

@@ -1,0 +1,117 @@
+"""Run a captured graph on fake tensors, with each named dim a symbol.
+
+Analysis passes use this instead of real data: no weights are allocated (a 175B-parameter graph
+runs in seconds), sizes come out as sympy expressions in the named dims, and autograd behaves as
+it would on the real device, so what it saves for backward is what eager training saves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import sympy
+import torch
+from torch import fx
+from torch._dynamo.source import ConstantSource
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+from partitioner.errors import AnalysisError
+from passes.meta import CAPTURE, CaptureInfo, dim_symbol
+
+
+@dataclass
+class FakeContext:
+    """A fake-tensor mode whose shape environment knows the graph's named dims."""
+
+    mode: FakeTensorMode
+    dim_values: dict[str, Any]  # name -> SymInt (symbolic) or int (concrete)
+    rename: dict[sympy.Symbol, sympy.Symbol]  # shape-env symbol -> dim symbol
+
+    def to_sympy(self, value: Any) -> sympy.Expr:
+        """An int or SymInt as a sympy expression in the named dims."""
+        if isinstance(value, torch.SymInt):
+            return sympy.expand(value.node.expr.xreplace(self.rename))
+        return sympy.Integer(int(value))
+
+    def shape(self, t: torch.Tensor) -> tuple[sympy.Expr, ...]:
+        return tuple(self.to_sympy(d) for d in t.shape)
+
+
+def fake_context(info: CaptureInfo) -> FakeContext:
+    """A fresh fake mode with one symbol per symbolic dim of ``info`` (the others concrete)."""
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    values: dict[str, Any] = {}
+    rename: dict[sympy.Symbol, sympy.Symbol] = {}
+    for name, hint in info.dims:
+        if name in info.symbolic:
+            sym = env.create_symbol(hint, source=ConstantSource(f"dim_{name}"), dynamic_dim=DimDynamic.DYNAMIC)
+            values[name] = env.create_symintnode(sym, hint=hint)
+            rename[sym] = dim_symbol(name)
+        else:
+            values[name] = hint
+    return FakeContext(mode=mode, dim_values=values, rename=rename)
+
+
+def fake_inputs(ctx: FakeContext, info: CaptureInfo) -> list[torch.Tensor]:
+    """One fake tensor per graph input, on the graph's device."""
+    with ctx.mode:
+        return [torch.empty([ctx.dim_values[d] if isinstance(d, str) else d for d in spec.shape],
+                            dtype=spec.dtype, device=info.device)
+                for spec in info.inputs]
+
+
+def fake_attrs(ctx: FakeContext, gm: fx.GraphModule, device: str, *, requires_grad: bool) -> dict[str, torch.Tensor]:
+    """Fake stand-ins for every parameter and buffer, keyed by ``get_attr`` target.
+
+    Tied parameters (one tensor under two names) get one shared fake, so autograd sees the tie.
+    """
+    by_id: dict[int, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    with ctx.mode:
+        for name, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
+            if id(t) not in by_id:
+                fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+                if isinstance(t, torch.nn.Parameter):
+                    fake = torch.nn.Parameter(fake, requires_grad=requires_grad and t.requires_grad)
+                by_id[id(t)] = fake
+            out[name] = by_id[id(t)]
+    return out
+
+
+class FakeInterpreter(fx.Interpreter):
+    """Runs a graph on fake tensors; ``on_node(node, value)`` sees every node's result."""
+
+    def __init__(self, gm: fx.GraphModule, attrs: dict[str, torch.Tensor],
+                 on_node: Callable[[fx.Node, Any], None] | None = None):
+        super().__init__(gm, garbage_collect_values=False)
+        self.attrs = attrs
+        self.on_node = on_node
+        self.current: fx.Node | None = None
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.current = n
+        try:
+            result = super().run_node(n)
+        except AnalysisError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise AnalysisError(f"cannot run node {n.name!r} ({n.format_node()}) on fake tensors: "
+                                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+        if self.on_node is not None:
+            self.on_node(n, result)
+        return result
+
+    def get_attr(self, target, args, kwargs):
+        if target in self.attrs:
+            return self.attrs[target]
+        return super().get_attr(target, args, kwargs)
+
+
+def capture_info(gm: fx.GraphModule) -> CaptureInfo:
+    info = gm.meta.get(CAPTURE)
+    if info is None:
+        raise AnalysisError("graph has no capture info (gm.meta['capture']); capture it with "
+                            "passes.capture.capture_model first")
+    return info

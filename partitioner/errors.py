@@ -26,3 +26,7 @@ class PassError(PartitionerError):
 
 class ConfigError(PartitionerError, ValueError):
     """An option (dtype, optimizer, dims, ...) has a value we do not support."""
+
+
+class ClusterSpecError(ConfigError):
+    """A cluster description (preset, YAML/JSON file or dict) is malformed or out of range."""

@@ -1,0 +1,420 @@
+"""Description of the machines a plan runs on: devices, links between them, host memory.
+
+A :class:`Cluster` is ``nodes`` identical nodes of ``devices_per_node`` identical
+:class:`Device` s. Devices in one node talk over ``intra_node`` (NVLink/NVSwitch, PCIe, or
+loopback for CPU processes); nodes talk over ``inter_node`` NICs (InfiniBand, RoCE, Ethernet).
+Ranks are laid out node-major: ``rank = node * devices_per_node + local_rank``.
+
+Sizes are bytes, rates bytes per second (per direction), compute FLOP/s, times seconds.
+Files and dicts may write them with units (``"80GiB"``, ``"1.5TB"``, ``"200Gb/s"``,
+``"312TFLOP/s"``, ``"5us"``); the dataclasses always hold plain numbers. The schema is
+documented in ``docs/cluster_schema.md``; presets live in ``partitioner/presets/``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from partitioner.errors import ClusterSpecError
+
+LINK_KINDS = ("nvlink", "nvswitch", "pcie", "infiniband", "roce", "ethernet", "loopback")
+BACKENDS = ("nccl", "gloo")
+DTYPES = ("fp32", "tf32", "bf16", "fp16")
+_DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "tf32": "tf32",
+                  "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16"}
+
+PRESET_DIR = Path(__file__).parent / "presets"
+CLUSTER_FILE_ENV = "PARTITIONER_CLUSTER_FILE"
+DEFAULT_LOCAL_FILE = Path("~/.cache/partitioner/local-cluster.yaml")
+
+# ---------------------------------------------------------------------------------------------
+# Quantities with units
+# ---------------------------------------------------------------------------------------------
+
+_NUM = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*"
+_SI = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+_BIN = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
+_PREFIX = r"([kKMGTP]i?)?"
+# Bytes are "B", bits "b" (network rates are quoted in bits: 200Gb/s = 25GB/s).
+_PATTERNS = {
+    "bytes": (re.compile(f"^{_NUM}{_PREFIX}B$"), "'80GiB' (2**30 bytes each), '80GB' (10**9) or '1.5TB'"),
+    "bytes_per_s": (re.compile(f"^{_NUM}{_PREFIX}([Bb])(?:/s|ps)$"), "'300GB/s' or '200Gb/s' (bits)"),
+    "flops_per_s": (re.compile(f"^{_NUM}([kKMGTP])?FLOP(?:/s|S)$", re.IGNORECASE), "'312TFLOP/s'"),
+    "seconds": (re.compile(f"^{_NUM}(s|ms|us|µs|ns)$"), "'5us', '1.5ms' or '0.002s'"),
+}
+# Divisors rather than factors: 50 / 1e6 prints as 5e-05, 50 * 1e-6 as 4.9999999999999996e-05.
+_PER_SECOND = {"s": 1.0, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}
+
+
+def _prefix_factor(prefix: str | None) -> float:
+    prefix = prefix or ""
+    return _BIN[prefix[0].upper() + "i"] if prefix.endswith("i") else _SI[prefix]
+
+
+def parse_quantity(value: Any, kind: str, where: str) -> float:
+    """``value`` (a number, or a string with a unit) as a plain float of ``kind``.
+
+    ``kind`` is one of ``bytes``, ``bytes_per_s``, ``flops_per_s``, ``seconds``; ``where`` names
+    the field (``"Device.memory_bytes"``) for the error message.
+    """
+    pattern, example = _PATTERNS[kind]
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ClusterSpecError(f"{where}: expected a number or a string such as {example}, "
+                               f"got {value!r} of type {type(value).__name__}")
+    if not isinstance(value, str):
+        return float(value)
+    text = value.strip()
+    try:
+        float(text)
+    except ValueError:
+        pass
+    else:  # a quoted number: we will not guess its unit
+        raise ClusterSpecError(f"{where}: {value!r} is a string without a unit; write a plain number "
+                               f"(not quoted) or add a unit, e.g. {example}")
+    m = pattern.match(text)
+    if m is None:
+        raise ClusterSpecError(f"{where}: cannot read {value!r}; write a plain number or e.g. {example}")
+    number = float(m.group(1))
+    if kind == "seconds":
+        return number / _PER_SECOND[m.group(2)]
+    if kind == "flops_per_s":
+        return number * _SI[(m.group(2) or "").upper()]
+    factor = _prefix_factor(m.group(2))
+    if kind == "bytes_per_s" and m.group(3) == "b":
+        factor /= 8  # bits to bytes
+    return number * factor
+
+
+def _positive(where: str, value: float, fix: str, *, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ClusterSpecError(f"{where} must be {bound}, got {value!r}; {fix}")
+
+
+def _normalize(obj: Any, name: str, kind: str, fix: str, *, allow_zero: bool = False) -> None:
+    """Parse field ``name`` of a frozen dataclass in place and check its sign."""
+    where = f"{type(obj).__name__}.{name}"
+    value = parse_quantity(getattr(obj, name), kind, where)
+    _positive(where, value, fix, allow_zero=allow_zero)
+    if kind == "bytes":
+        if not float(value).is_integer():
+            raise ClusterSpecError(f"{where}: {value!r} is not a whole number of bytes")
+        value = int(value)
+    object.__setattr__(obj, name, value)
+
+
+def _count(obj: Any, name: str, fix: str) -> None:
+    value = getattr(obj, name)
+    where = f"{type(obj).__name__}.{name}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ClusterSpecError(f"{where} must be a whole number, got {value!r}; {fix}")
+    _positive(where, value, fix)
+
+
+def _choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(obj, name)
+    if value not in choices:
+        raise ClusterSpecError(f"{type(obj).__name__}.{name}: unknown value {value!r}; "
+                               f"choose one of {', '.join(choices)}")
+
+
+def _from_dict(cls: type, data: Any, where: str, nested: dict[str, type] | None = None):
+    """Build ``cls`` from a mapping, refusing unknown keys and converting nested mappings."""
+    if not isinstance(data, dict):
+        raise ClusterSpecError(f"{where}: expected a mapping of {cls.__name__} fields, got {data!r}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ClusterSpecError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                               f"{cls.__name__} takes {', '.join(names)}")
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [n for n in required if n not in data]
+    if missing:
+        raise ClusterSpecError(f"{where}: missing key(s) {', '.join(missing)} of {cls.__name__}")
+    kwargs = dict(data)
+    for key, sub in (nested or {}).items():
+        if key in kwargs:
+            kwargs[key] = sub.from_dict(kwargs[key], where=f"{where}.{key}")
+    try:
+        return cls(**kwargs)
+    except ClusterSpecError as e:
+        if "." not in where:  # top level: the class name in the message says enough
+            raise
+        raise ClusterSpecError(f"{where}: {e}") from None  # which of the three links, say
+
+
+# ---------------------------------------------------------------------------------------------
+# Dataclasses
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class PeakFlops:
+    """Dense (no sparsity) peak throughput of one device per dtype, in FLOP/s."""
+
+    fp32: float
+    """Plain fp32 (non tensor-core) FLOP/s."""
+    bf16: float
+    """bfloat16 tensor-core FLOP/s with fp32 accumulation."""
+    tf32: float | None = None
+    """TF32 tensor-core FLOP/s; defaults to ``fp32`` (devices without TF32 units)."""
+    fp16: float | None = None
+    """float16 tensor-core FLOP/s; defaults to ``bf16``."""
+
+    def __post_init__(self) -> None:
+        fix = "give the dense datasheet value in FLOP/s, e.g. '312TFLOP/s'"
+        if self.tf32 is None:
+            object.__setattr__(self, "tf32", self.fp32)
+        if self.fp16 is None:
+            object.__setattr__(self, "fp16", self.bf16)
+        for name in DTYPES:
+            _normalize(self, name, "flops_per_s", fix)
+
+    def for_dtype(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype`` (``fp32``, ``tf32``, ``bf16``, ``fp16``, or a torch name)."""
+        key = _DTYPE_ALIASES.get(str(dtype).removeprefix("torch."))
+        if key is None:
+            raise ClusterSpecError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        return getattr(self, key)
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "peak_flops") -> PeakFlops:
+        return _from_dict(cls, data, where)
+
+    def to_dict(self) -> dict:
+        return {name: getattr(self, name) for name in DTYPES}
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Device:
+    """One accelerator (or one CPU process for ``local-cpu``)."""
+
+    name: str
+    """Model name, e.g. ``"A100-SXM4-80GB"``; shown in reports only."""
+    memory_bytes: int
+    """Device memory in bytes (``"80GiB"`` in files)."""
+    memory_bandwidth_bytes_per_s: float
+    """Device memory (HBM/DRAM) bandwidth in bytes/s, for memory-bound ops."""
+    peak_flops: PeakFlops
+    """Dense peak FLOP/s per dtype."""
+
+    def __post_init__(self) -> None:
+        _normalize(self, "memory_bytes", "bytes", "give the device memory, e.g. '80GiB'")
+        _normalize(self, "memory_bandwidth_bytes_per_s", "bytes_per_s",
+                   "give the memory bandwidth, e.g. '2039GB/s'")
+        if isinstance(self.peak_flops, dict):
+            object.__setattr__(self, "peak_flops", PeakFlops.from_dict(self.peak_flops, "Device.peak_flops"))
+        if not isinstance(self.peak_flops, PeakFlops):
+            raise ClusterSpecError(f"Device.peak_flops must be a mapping of dtype to FLOP/s, got {self.peak_flops!r}")
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "device") -> Device:
+        return _from_dict(cls, data, where, {"peak_flops": PeakFlops})
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "memory_bytes": self.memory_bytes,
+                "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
+                "peak_flops": self.peak_flops.to_dict()}
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Link:
+    """A kind of connection, costed with the α-β model: time = latency_s + bytes / bandwidth."""
+
+    kind: str
+    """One of ``LINK_KINDS``: nvlink, nvswitch, pcie, infiniband, roce, ethernet, loopback."""
+    bandwidth_bytes_per_s: float
+    """Bytes/s in ONE direction, per device for intra-node and host links, per NIC for
+    inter-node links (datasheets often quote both directions added: halve those)."""
+    latency_s: float
+    """Start-up latency α of one message (one ring step), in seconds."""
+    count: int = 1
+    """How many such links a node has in parallel. For ``inter_node`` this is the number of NICs
+    per node (the node's aggregate bandwidth is ``count * bandwidth_bytes_per_s``); leave 1 for
+    intra-node and host links, whose bandwidth is already per device."""
+
+    def __post_init__(self) -> None:
+        _choice(self, "kind", LINK_KINDS)
+        _normalize(self, "bandwidth_bytes_per_s", "bytes_per_s",
+                   "give the one-direction bandwidth, e.g. '300GB/s' or '200Gb/s'")
+        _normalize(self, "latency_s", "seconds", "give the latency, e.g. '5us'", allow_zero=True)
+        _count(self, "count", "give the number of parallel links (NICs per node), at least 1")
+
+    @property
+    def aggregate_bytes_per_s(self) -> float:
+        """``count * bandwidth_bytes_per_s``: all links of this kind of one node together."""
+        return self.count * self.bandwidth_bytes_per_s
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "link") -> Link:
+        return _from_dict(cls, data, where)
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+                "latency_s": self.latency_s, "count": self.count}
+
+
+_LINK_FIELDS = ("intra_node", "inter_node", "host_to_device")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Cluster:
+    """``nodes`` identical nodes of ``devices_per_node`` identical devices; ranks node-major."""
+
+    name: str
+    """Preset name or a label of your own; shown in reports."""
+    nodes: int = 1
+    """Number of nodes (hosts)."""
+    devices_per_node: int
+    """Devices (GPUs, or processes for CPU) per node."""
+    device: Device
+    """The device every rank runs on."""
+    intra_node: Link
+    """Link between two devices of one node (bandwidth per device, per direction)."""
+    inter_node: Link
+    """NICs between nodes: bandwidth per NIC per direction, ``count`` = NICs per node."""
+    host_memory_bytes: int
+    """CPU memory of one node in bytes, the budget for CPU offload (shared by its devices)."""
+    host_to_device: Link
+    """Link between host memory and one device (PCIe), for offload."""
+    backend: str
+    """torch.distributed backend: ``nccl`` (GPUs) or ``gloo`` (CPU)."""
+
+    def __post_init__(self) -> None:
+        _count(self, "nodes", "a cluster has at least 1 node")
+        _count(self, "devices_per_node", "a node has at least 1 device")
+        _normalize(self, "host_memory_bytes", "bytes", "give the CPU memory of one node, e.g. '2TiB'")
+        _choice(self, "backend", BACKENDS)
+        if isinstance(self.device, dict):
+            object.__setattr__(self, "device", Device.from_dict(self.device, "Cluster.device"))
+        for name in _LINK_FIELDS:
+            if isinstance(getattr(self, name), dict):
+                object.__setattr__(self, name, Link.from_dict(getattr(self, name), f"Cluster.{name}"))
+        for name, cls in (("device", Device),) + tuple((n, Link) for n in _LINK_FIELDS):
+            if not isinstance(getattr(self, name), cls):
+                raise ClusterSpecError(f"Cluster.{name} must be a {cls.__name__} or a mapping, "
+                                       f"got {getattr(self, name)!r}")
+
+    # ---- derived facts ----------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        """Total number of ranks: ``nodes * devices_per_node``."""
+        return self.nodes * self.devices_per_node
+
+    @property
+    def nics_per_node(self) -> int:
+        """Inter-node NICs per node (``inter_node.count``)."""
+        return self.inter_node.count
+
+    def node_of(self, rank: int) -> int:
+        """The node of ``rank`` (node-major layout)."""
+        if not 0 <= rank < self.world_size:
+            raise ClusterSpecError(f"rank {rank} is outside the cluster's world of {self.world_size} ranks")
+        return rank // self.devices_per_node
+
+    def with_nodes(self, nodes: int) -> Cluster:
+        """The same cluster with ``nodes`` nodes."""
+        return dataclasses.replace(self, nodes=nodes)
+
+    # ---- serialization ----------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "cluster") -> Cluster:
+        """Build from a mapping as written in a cluster file (values may carry units)."""
+        nested = {"device": Device} | {name: Link for name in _LINK_FIELDS}
+        return _from_dict(cls, data, where, nested)
+
+    def to_dict(self) -> dict:
+        """Plain-number mapping (bytes, bytes/s, FLOP/s, seconds); ``from_dict`` reads it back."""
+        return {"name": self.name, "nodes": self.nodes, "devices_per_node": self.devices_per_node,
+                "backend": self.backend, "device": self.device.to_dict(),
+                "intra_node": self.intra_node.to_dict(), "inter_node": self.inter_node.to_dict(),
+                "host_memory_bytes": self.host_memory_bytes,
+                "host_to_device": self.host_to_device.to_dict()}
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Cluster:
+        """Read a ``.yaml``/``.yml`` or ``.json`` cluster file."""
+        path = Path(path).expanduser()
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ClusterSpecError(f"cannot read cluster file {path}: {e.strerror}") from e
+        try:
+            data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=_Loader)
+        except (yaml.YAMLError, json.JSONDecodeError) as e:
+            raise ClusterSpecError(f"cluster file {path} is not valid {path.suffix[1:] or 'YAML'}: {e}") from e
+        try:
+            return cls.from_dict(data)
+        except ClusterSpecError as e:
+            raise ClusterSpecError(f"in cluster file {path}: {e}") from None
+
+    def to_file(self, path: str | Path) -> Path:
+        """Write as JSON when ``path`` ends in ``.json``, else YAML; returns the path."""
+        path = Path(path).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = self.to_dict()
+        text = json.dumps(data, indent=2) + "\n" if path.suffix == ".json" else yaml.safe_dump(data, sort_keys=False)
+        path.write_text(text)
+        return path
+
+    # ---- presets and local machine ----------------------------------------------------------
+
+    @staticmethod
+    def presets() -> tuple[str, ...]:
+        """Names of the built-in presets."""
+        return tuple(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
+
+    @classmethod
+    def preset(cls, name: str, nodes: int = 1) -> Cluster:
+        """A built-in preset (see :meth:`presets`) with ``nodes`` nodes."""
+        path = PRESET_DIR / f"{name}.yaml"
+        if not path.is_file():
+            raise ClusterSpecError(f"unknown cluster preset {name!r}; known presets: {', '.join(cls.presets())}, "
+                                   f"or pass the path of a .yaml/.json cluster file")
+        return cls.from_file(path).with_nodes(nodes)
+
+    @classmethod
+    def load(cls, preset_or_path: str | Path, nodes: int | None = None) -> Cluster:
+        """A preset name or a cluster file path; ``nodes`` overrides the node count if given."""
+        text = str(preset_or_path)
+        is_path = isinstance(preset_or_path, Path) or text.endswith((".yaml", ".yml", ".json")) or os.sep in text
+        cluster = cls.from_file(text) if is_path else cls.preset(text)
+        return cluster if nodes is None else cluster.with_nodes(nodes)
+
+    @classmethod
+    def local(cls, world_size: int, backend: str = "gloo") -> Cluster:
+        """This machine as one node of ``world_size`` ranks.
+
+        Reads the calibration file named by ``$PARTITIONER_CLUSTER_FILE`` (which must exist when
+        set) or else ``~/.cache/partitioner/local-cluster.yaml`` if present; otherwise the
+        rough ``local-cpu`` preset.
+        """
+        env = os.environ.get(CLUSTER_FILE_ENV)
+        if env:
+            base = cls.from_file(env)  # an explicit request: a missing file is an error
+        elif DEFAULT_LOCAL_FILE.expanduser().is_file():
+            base = cls.from_file(DEFAULT_LOCAL_FILE)
+        else:
+            base = cls.preset("local-cpu")
+        return dataclasses.replace(base, nodes=1, devices_per_node=world_size, backend=backend)
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e9`` (no dot) as a float; YAML 1.1 would read it as text."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)

@@ -1,0 +1,366 @@
+"""Cost-model primitives of the planner: pure functions of a :class:`Cluster` and sizes.
+
+Times are seconds, sizes bytes, compute FLOPs. Nothing here looks at a graph: the search
+combines these primitives with the facts the analysis passes wrote.
+
+* Links: :func:`group_link` picks the link a process group communicates over.
+* Collectives, α-β model with ring algorithms: :func:`all_reduce_time`, :func:`all_gather_time`,
+  :func:`reduce_scatter_time`, :func:`all_to_all_time`, :func:`send_recv_time`.
+* Compute: :func:`compute_time` (with an :class:`EfficiencyCurve`), :func:`memory_bound_time`,
+  :func:`roofline_time`.
+* Pipelines: :func:`bubble_fraction`, :func:`pipeline_bubble_time`, :func:`pipeline_step_time`,
+  :func:`in_flight_microbatches`.
+* Model state under ZeRO: :func:`model_state_bytes`.
+* :class:`StepTimeTerms`: the named terms of one training step.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+
+from partitioner.cluster import Cluster, Device, Link
+from partitioner.errors import ConfigError
+
+# ---------------------------------------------------------------------------------------------
+# Which link a group uses
+# ---------------------------------------------------------------------------------------------
+
+
+def strided_ranks(size: int, stride: int = 1, start: int = 0) -> tuple[int, ...]:
+    """``(start, start + stride, ..., start + (size - 1) * stride)``: the ranks of a mesh axis."""
+    if size < 1 or stride < 1 or start < 0:
+        raise ConfigError(f"a group needs size >= 1, stride >= 1 and start >= 0; got size={size}, "
+                          f"stride={stride}, start={start}")
+    return tuple(start + i * stride for i in range(size))
+
+
+def group_link(cluster: Cluster, ranks: Sequence[int] | None = None, *,
+               size: int | None = None, stride: int = 1, start: int = 0) -> Link:
+    """The effective link of a process group: give ``ranks``, or ``size`` (and ``stride``, ``start``).
+
+    Model (ranks node-major, ``node = rank // devices_per_node``):
+
+    * all members in one node: ``cluster.intra_node``, unchanged;
+    * members on several nodes, at most ``k`` on any one node: the node's NICs
+      (``inter_node.count * inter_node.bandwidth``) are assumed shared evenly by the
+      ``devices_per_node / k`` sibling groups that run the same collective at the same time (every
+      device of a mesh belongs to one group of each axis). A ring of this group therefore gets
+      ``nics * nic_rate * k / devices_per_node`` bytes/s, capped by the intra-node link when
+      ``k > 1`` (the ring also has intra-node hops). Latency and kind are the inter-node link's.
+
+    E.g. on DGX A100 (8 GPUs, 8x 25 GB/s NICs): a data-parallel group with one GPU per node gets
+    25 GB/s; a group of all 16 GPUs of two nodes gets min(300, 200) = 200 GB/s.
+    """
+    if ranks is None:
+        if size is None:
+            raise ConfigError("group_link needs the group's ranks, or its size (with stride and start)")
+        ranks = strided_ranks(size, stride, start)
+    ranks = tuple(ranks)
+    if not ranks or len(set(ranks)) != len(ranks):
+        raise ConfigError(f"a group needs distinct ranks, got {ranks}")
+    per_node = Counter(cluster.node_of(r) for r in ranks)
+    if len(per_node) == 1:
+        return cluster.intra_node
+    k = max(per_node.values())
+    inter = cluster.inter_node
+    bandwidth = inter.aggregate_bytes_per_s * k / cluster.devices_per_node
+    if k > 1:
+        bandwidth = min(bandwidth, cluster.intra_node.bandwidth_bytes_per_s)
+    latency = max(inter.latency_s, cluster.intra_node.latency_s if k > 1 else 0.0)
+    return Link(kind=inter.kind, bandwidth_bytes_per_s=bandwidth, latency_s=latency)
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives: alpha-beta model, ring algorithms
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_collective(nbytes: float, n: int) -> None:
+    if n < 1:
+        raise ConfigError(f"a collective needs a group of at least 1 rank, got n={n}")
+    if nbytes < 0:
+        raise ConfigError(f"a collective moves >= 0 bytes, got {nbytes}")
+
+
+def ring_all_reduce_bytes_per_rank(nbytes: float, n: int) -> float:
+    """Bytes each rank sends (and receives) in a ring all-reduce of an ``nbytes`` buffer: 2(n−1)/n·bytes."""
+    _check_collective(nbytes, n)
+    return 2 * (n - 1) / n * nbytes
+
+
+def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-reduce of an ``nbytes`` buffer over ``n`` ranks: 2(n−1)/n·bytes/β + 2(n−1)·α seconds.
+
+    A reduce-scatter then an all-gather, each n−1 steps; 0 for n = 1.
+    """
+    if n == 1:
+        _check_collective(nbytes, n)
+        return 0.0
+    return ring_all_reduce_bytes_per_rank(nbytes, n) / link.bandwidth_bytes_per_s + 2 * (n - 1) * link.latency_s
+
+
+def all_gather_time(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-gather whose OUTPUT (the gathered buffer) is ``nbytes``: (n−1)/n·bytes/β + (n−1)·α."""
+    _check_collective(nbytes, n)
+    if n == 1:
+        return 0.0
+    return (n - 1) / n * nbytes / link.bandwidth_bytes_per_s + (n - 1) * link.latency_s
+
+
+def reduce_scatter_time(nbytes: float, n: int, link: Link) -> float:
+    """Ring reduce-scatter whose INPUT (the full buffer) is ``nbytes``: (n−1)/n·bytes/β + (n−1)·α."""
+    return all_gather_time(nbytes, n, link)
+
+
+def all_to_all_time(nbytes: float, n: int, link: Link) -> float:
+    """All-to-all of an ``nbytes`` buffer per rank (1/n of it stays local): (n−1)/n·bytes/β + (n−1)·α."""
+    return all_gather_time(nbytes, n, link)
+
+
+def send_recv_time(nbytes: float, link: Link) -> float:
+    """One point-to-point message of ``nbytes``: α + bytes/β."""
+    _check_collective(nbytes, 1)
+    return link.latency_s + nbytes / link.bandwidth_bytes_per_s
+
+
+# ---------------------------------------------------------------------------------------------
+# Compute
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class EfficiencyCurve:
+    """Fraction of peak FLOP/s a kernel of ``f`` FLOPs reaches: ``peak_efficiency · f / (f + f_half)``.
+
+    ``f_half = peak_flops_per_s · half_saturation_s`` is the size at which a kernel reaches half
+    of ``peak_efficiency``; tying it to time makes one curve fit fast and slow devices. The
+    resulting time ``(f + f_half) / (peak · peak_efficiency)`` is the ideal time plus a fixed
+    ``half_saturation_s / peak_efficiency`` per kernel (launch, tails, small tiles).
+    """
+
+    peak_efficiency: float = 0.75
+    """Best fraction of datasheet peak that large matmuls reach (0.7–0.8 is typical on GPUs)."""
+    half_saturation_s: float = 5e-6
+    """Seconds of peak-rate work at which efficiency is half of ``peak_efficiency``."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.peak_efficiency <= 1:
+            raise ConfigError(f"EfficiencyCurve.peak_efficiency must be in (0, 1], got {self.peak_efficiency}")
+        if self.half_saturation_s < 0:
+            raise ConfigError(f"EfficiencyCurve.half_saturation_s must be >= 0, got {self.half_saturation_s}")
+
+    def efficiency(self, flops: float, peak_flops_per_s: float) -> float:
+        """Fraction of ``peak_flops_per_s`` reached by one kernel of ``flops`` FLOPs."""
+        if flops <= 0:
+            return 0.0
+        return self.peak_efficiency * flops / (flops + peak_flops_per_s * self.half_saturation_s)
+
+
+DEFAULT_EFFICIENCY = EfficiencyCurve()
+
+
+def compute_time(flops: float, device: Device, dtype: str = "bf16",
+                 curve: EfficiencyCurve = DEFAULT_EFFICIENCY) -> float:
+    """Seconds for ONE kernel of ``flops`` FLOPs in ``dtype`` on ``device``; sum over kernels.
+
+    ``flops / (peak · curve.efficiency(flops))``; 0 for no FLOPs.
+    """
+    if flops < 0:
+        raise ConfigError(f"flops must be >= 0, got {flops}")
+    if flops == 0:
+        return 0.0
+    peak = device.peak_flops.for_dtype(dtype)
+    return flops / (peak * curve.efficiency(flops, peak))
+
+
+def memory_bound_time(bytes_moved: float, bandwidth: Device | float) -> float:
+    """Seconds to stream ``bytes_moved`` through device memory (a ``Device`` or bytes/s)."""
+    if bytes_moved < 0:
+        raise ConfigError(f"bytes_moved must be >= 0, got {bytes_moved}")
+    rate = bandwidth.memory_bandwidth_bytes_per_s if isinstance(bandwidth, Device) else bandwidth
+    return bytes_moved / rate
+
+
+def roofline_time(flops: float, bytes_moved: float, device: Device, dtype: str = "bf16",
+                  curve: EfficiencyCurve = DEFAULT_EFFICIENCY) -> float:
+    """Seconds for one kernel: the larger of its compute time and its memory time."""
+    return max(compute_time(flops, device, dtype, curve), memory_bound_time(bytes_moved, device))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipelines
+# ---------------------------------------------------------------------------------------------
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def _check_pipeline(schedule: str, p: int, m: int, v: int) -> None:
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if p < 1 or m < 1 or v < 1:
+        raise ConfigError(f"pipeline needs p >= 1 stages, m >= 1 micro-batches, v >= 1 chunks; "
+                          f"got p={p}, m={m}, v={v}")
+    if schedule != "interleaved" and v != 1:
+        raise ConfigError(f"schedule {schedule!r} has one model chunk per stage (v=1), got v={v}; "
+                          f"use schedule='interleaved' for v > 1")
+
+
+def _bubble_slots(schedule: str, p: int, m: int, v: int) -> float:
+    """Idle time of a stage in units of one micro-batch's forward+backward on that stage."""
+    _check_pipeline(schedule, p, m, v)
+    return (p - 1) / v
+
+
+def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """Fraction of the pipeline step spent idle (bubble / total time).
+
+    GPipe and 1F1B: (p−1)/(m+p−1). Interleaved with v chunks per stage (Narayanan et al. 2021):
+    the bubble time shrinks by v, so ((p−1)/v)/(m+(p−1)/v). Assumes forward and backward of a
+    micro-batch take the same time on every stage and ignores communication.
+    """
+    bubble = _bubble_slots(schedule, p, m, v)
+    return bubble / (m + bubble)
+
+
+def pipeline_bubble_time(fwd_s: float, bwd_s: float, p: int, m: int, schedule: str, v: int = 1) -> float:
+    """Idle seconds per step: (p−1)/v · (fwd_s + bwd_s).
+
+    ``fwd_s``/``bwd_s``: one micro-batch through one whole stage (all its v chunks).
+    """
+    return _bubble_slots(schedule, p, m, v) * (fwd_s + bwd_s)
+
+
+def pipeline_step_time(fwd_s: float, bwd_s: float, p: int, m: int, schedule: str, v: int = 1) -> float:
+    """Seconds of one pipeline step: (m + (p−1)/v) · (fwd_s + bwd_s), communication excluded."""
+    return m * (fwd_s + bwd_s) + pipeline_bubble_time(fwd_s, bwd_s, p, m, schedule, v)
+
+
+def in_flight_chunks(schedule: str, stage: int, p: int, m: int, v: int = 1) -> int:
+    """Peak number of (micro-batch, model chunk) forwards whose activations ``stage`` holds at once.
+
+    GPipe: all m. 1F1B: min(p − stage, m) (warm-up p − stage − 1, plus one). Interleaved
+    (Megatron-LM ``forward_backward_pipelining_with_interleaving``): warm-up
+    2(p − stage − 1) + (v − 1)·p chunk forwards, plus one, at most m·v; when m == p every
+    forward is warm-up (m·v).
+    """
+    _check_pipeline(schedule, p, m, v)
+    if not 0 <= stage < p:
+        raise ConfigError(f"stage must be in [0, {p}), got {stage}")
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(p - stage, m)
+    if m == p:
+        return m * v
+    return min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
+
+
+def in_flight_microbatches(schedule: str, stage: int, p: int, m: int, v: int = 1) -> float:
+    """Peak activations held by ``stage``, in micro-batches through the WHOLE stage.
+
+    :func:`in_flight_chunks` / v (one chunk holds 1/v of a stage's activations). For
+    interleaved, stage 0 holds p + (p−1)/v: a (1 + (p−1)/(p·v)) factor over 1F1B's p.
+    """
+    return in_flight_chunks(schedule, stage, p, m, v) / v
+
+
+# ---------------------------------------------------------------------------------------------
+# Model state under ZeRO
+# ---------------------------------------------------------------------------------------------
+
+OPTIMIZERS = ("adam", "adamw", "sgd", "sgd_momentum")
+PRECISIONS = ("fp32", "mixed", "bf16", "fp16")  # bf16/fp16 mean mixed precision with fp32 master weights
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ModelStateBytes:
+    """Bytes of model state one data-parallel rank holds."""
+
+    params: float
+    """Weights used in forward/backward (fp32, or the 16-bit copy under mixed precision)."""
+    grads: float
+    """Gradients, in the weights' dtype."""
+    optimizer: float
+    """Optimizer states, including fp32 master weights under mixed precision."""
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def _bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int]:
+    if precision not in PRECISIONS:
+        raise ConfigError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if optimizer not in OPTIMIZERS:
+        raise ConfigError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    mixed = precision != "fp32"
+    weight = 2 if mixed else 4
+    states = {"adam": 8, "adamw": 8, "sgd": 0, "sgd_momentum": 4}[optimizer]  # fp32 moments
+    master = 4 if mixed else 0
+    return weight, weight, states + master
+
+
+def model_state_bytes(params: float, n_dp: int, zero_stage: int, precision: str = "mixed",
+                      optimizer: str = "adam") -> ModelStateBytes:
+    """Model-state bytes per rank for ``params`` parameters over ``n_dp`` data-parallel ranks.
+
+    Per parameter (Rajbhandari et al. 2020): mixed-precision Adam 2 (16-bit weights) + 2 (grads)
+    + 12 (fp32 master, m, v) = 16; fp32 Adam 4 + 4 + 8 = 16; SGD keeps no states (+4 master
+    under mixed precision), SGD with momentum +4. ZeRO stage 1 shards the optimizer states,
+    stage 2 also the grads, stage 3 also the weights: for mixed Adam 16Ψ, 4Ψ + 12Ψ/N,
+    2Ψ + 14Ψ/N, 16Ψ/N.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    if n_dp < 1 or params < 0:
+        raise ConfigError(f"need n_dp >= 1 and params >= 0, got n_dp={n_dp}, params={params}")
+    w, g, o = _bytes_per_param(precision, optimizer)
+    shard = {"params": zero_stage >= 3, "grads": zero_stage >= 2, "optimizer": zero_stage >= 1}
+    return ModelStateBytes(
+        params=params * w / (n_dp if shard["params"] else 1),
+        grads=params * g / (n_dp if shard["grads"] else 1),
+        optimizer=params * o / (n_dp if shard["optimizer"] else 1),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Step time
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class StepTimeTerms:
+    """Seconds of one training step by cause. Put only the EXPOSED (not overlapped) part of a
+    term here: ``total`` is their plain sum."""
+
+    compute: float = 0.0
+    """Forward and backward kernels of one rank, all micro-batches."""
+    tp_comm: float = 0.0
+    """Tensor-parallel collectives (all-reduce / all-gather / reduce-scatter of activations)."""
+    pp_comm: float = 0.0
+    """Pipeline send/recv of activations and their gradients between stages."""
+    dp_comm: float = 0.0
+    """Data-parallel gradient all-reduce (or ZeRO reduce-scatter + all-gather)."""
+    bubble: float = 0.0
+    """Pipeline idle time."""
+    recompute: float = 0.0
+    """Extra forwards of activation checkpointing."""
+    offload: float = 0.0
+    """Host <-> device copies of offloaded tensors."""
+    optimizer: float = 0.0
+    """The optimizer step."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) < 0:
+                raise ConfigError(f"StepTimeTerms.{f.name} must be >= 0 seconds, got {getattr(self, f.name)}")
+
+    @property
+    def total(self) -> float:
+        """Sum of all terms, seconds."""
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def to_dict(self) -> dict[str, float]:
+        """Every term and ``total``, seconds."""
+        return asdict(self) | {"total": self.total}

@@ -1,0 +1,1 @@
+"""Built-in cluster presets (YAML); load them with ``Cluster.preset(name)``."""

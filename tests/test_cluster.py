@@ -1,0 +1,170 @@
+"""Cluster description: presets, units, file round-trips and validation messages."""
+import dataclasses
+import json
+
+import pytest
+
+from partitioner.cluster import Cluster, Device, Link, PeakFlops, parse_quantity
+from partitioner.errors import ClusterSpecError, ConfigError
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize("name,memory,bf16,intra,nic_bits", [
+    ("dgx-a100-40gb", 40 * GiB, 312e12, 300e9, 200e9),
+    ("dgx-a100-80gb", 80 * GiB, 312e12, 300e9, 200e9),
+    ("dgx-h100", 80 * GiB, 989e12, 450e9, 400e9),
+    ("dgx-h200", 141 * GiB, 989e12, 450e9, 400e9),
+])
+def test_dgx_presets_match_datasheets(name, memory, bf16, intra, nic_bits):
+    c = Cluster.preset(name, nodes=4)
+    assert (c.nodes, c.devices_per_node, c.world_size, c.backend) == (4, 8, 32, "nccl")
+    assert c.device.memory_bytes == memory
+    assert c.device.peak_flops.for_dtype("bf16") == bf16
+    assert c.device.peak_flops.for_dtype("torch.bfloat16") == bf16
+    assert c.intra_node.bandwidth_bytes_per_s == intra
+    assert c.nics_per_node == 8
+    assert c.inter_node.bandwidth_bytes_per_s == nic_bits / 8
+    assert c.inter_node.aggregate_bytes_per_s == 8 * nic_bits / 8
+    assert c.host_to_device.kind == "pcie"
+
+
+def test_local_cpu_preset_and_local():
+    c = Cluster.preset("local-cpu")
+    assert (c.backend, c.intra_node.kind) == ("gloo", "loopback")
+    assert c.device.peak_flops.tf32 == c.device.peak_flops.fp32  # defaulted
+
+
+def test_local_reads_calibration_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("PARTITIONER_CLUSTER_FILE", raising=False)
+    monkeypatch.setattr("partitioner.cluster.DEFAULT_LOCAL_FILE", tmp_path / "missing.yaml")
+    default = Cluster.local(4)
+    assert (default.name, default.world_size, default.backend) == ("local-cpu", 4, "gloo")
+
+    calibrated = dataclasses.replace(Cluster.preset("local-cpu"), name="my-box",
+                                     intra_node=Link(kind="loopback", bandwidth_bytes_per_s=2e9, latency_s=1e-5))
+    path = calibrated.to_file(tmp_path / "local.yaml")
+    monkeypatch.setenv("PARTITIONER_CLUSTER_FILE", str(path))
+    got = Cluster.local(3)
+    assert (got.name, got.world_size, got.intra_node.bandwidth_bytes_per_s) == ("my-box", 3, 2e9)
+
+    monkeypatch.setenv("PARTITIONER_CLUSTER_FILE", str(tmp_path / "nope.yaml"))
+    with pytest.raises(ClusterSpecError, match="cannot read cluster file .*nope.yaml"):
+        Cluster.local(2)
+
+
+def test_unknown_preset_lists_known_ones():
+    with pytest.raises(ClusterSpecError) as e:
+        Cluster.preset("dgx-b300")
+    msg = str(e.value)
+    assert "unknown cluster preset 'dgx-b300'" in msg
+    for name in ("dgx-a100-40gb", "dgx-a100-80gb", "dgx-h100", "dgx-h200", "local-cpu"):
+        assert name in msg
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_file_round_trip(tmp_path, suffix):
+    c = Cluster.preset("dgx-h100", nodes=2)
+    path = c.to_file(tmp_path / f"c{suffix}")
+    assert Cluster.from_file(path) == c
+    assert Cluster.load(path) == c
+    assert Cluster.load(str(path), nodes=5) == c.with_nodes(5)
+    assert Cluster.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+
+
+def test_units_and_yaml_exponent(tmp_path):
+    text = """
+name: box
+devices_per_node: 2
+backend: gloo
+device: {name: x, memory_bytes: 1.5TB, memory_bandwidth_bytes_per_s: 1e11,
+         peak_flops: {fp32: 1e12, bf16: 2 TFLOP/s}}
+intra_node: {kind: pcie, bandwidth_bytes_per_s: 16 GB/s, latency_s: 2us}
+inter_node: {kind: ethernet, bandwidth_bytes_per_s: 100Gbps, latency_s: 0.01ms, count: 2}
+host_memory_bytes: 512GiB
+host_to_device: {kind: pcie, bandwidth_bytes_per_s: 16GB/s, latency_s: 0}
+"""
+    path = tmp_path / "box.yml"
+    path.write_text(text)
+    c = Cluster.from_file(path)
+    assert c.nodes == 1
+    assert c.device.memory_bytes == 1_500_000_000_000
+    assert c.device.memory_bandwidth_bytes_per_s == 1e11  # "1e11" without a dot is still a number
+    assert c.device.peak_flops.bf16 == 2e12 and c.device.peak_flops.fp16 == 2e12
+    assert c.intra_node.latency_s == pytest.approx(2e-6)
+    assert c.inter_node.bandwidth_bytes_per_s == 12.5e9 and c.inter_node.latency_s == pytest.approx(1e-5)
+    assert c.host_memory_bytes == 512 * GiB
+
+
+@pytest.mark.parametrize("value,kind,expected", [
+    ("80GiB", "bytes", 80 * GiB), ("80GB", "bytes", 80e9), ("1.5TB", "bytes", 1.5e12), (1024, "bytes", 1024),
+    ("4KiB", "bytes", 4096), ("200Gb/s", "bytes_per_s", 25e9), ("300GB/s", "bytes_per_s", 300e9),
+    ("312TFLOP/s", "flops_per_s", 312e12), ("5us", "seconds", 5e-6),
+])
+def test_parse_quantity(value, kind, expected):
+    assert parse_quantity(value, kind, "x") == pytest.approx(expected)
+
+
+def _dgx(**changes):
+    d = Cluster.preset("dgx-a100-80gb").to_dict()
+    for path, value in changes.items():
+        *outer, last = path.split("__")
+        target = d
+        for key in outer:
+            target = target[key]
+        target[last] = value
+    return d
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"intra_node__bandwidth_bytes_per_s": -5},
+     "cluster.intra_node: Link.bandwidth_bytes_per_s must be > 0, got -5.0; give the one-direction bandwidth"),
+    ({"devices_per_node": 0}, "Cluster.devices_per_node must be > 0, got 0; a node has at least 1 device"),
+    ({"nodes": 1.5}, "Cluster.nodes must be a whole number, got 1.5"),
+    ({"inter_node__kind": "myrinet"}, "Link.kind: unknown value 'myrinet'; choose one of nvlink, nvswitch, pcie"),
+    ({"device__memory_bytes": "80"}, "cluster.device: Device.memory_bytes: '80' is a string without a unit; "
+                                     "write a plain number (not quoted) or add a unit, e.g. '80GiB'"),
+    ({"device__memory_bytes": "80 gigs"}, "Device.memory_bytes: cannot read '80 gigs'"),
+    ({"backend": "mpi"}, "Cluster.backend: unknown value 'mpi'; choose one of nccl, gloo"),
+    ({"inter_node__count": 0}, "cluster.inter_node: Link.count must be > 0, got 0"),
+    ({"device__peak_flops__bf16": "312"},
+     "cluster.device.peak_flops: PeakFlops.bf16: '312' is a string without a unit"),
+    ({"device__flops": 1}, "cluster.device: unknown key(s) 'flops'; Device takes name, memory_bytes"),
+])
+def test_validation_messages(changes, message):
+    with pytest.raises(ClusterSpecError) as e:
+        Cluster.from_dict(_dgx(**changes))
+    assert message in str(e.value)
+    assert isinstance(e.value, ConfigError)
+
+
+def test_missing_key_and_file_context(tmp_path):
+    d = _dgx()
+    del d["host_to_device"]
+    with pytest.raises(ClusterSpecError, match="missing key.*host_to_device"):
+        Cluster.from_dict(d)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(_dgx(nodes=0)))
+    with pytest.raises(ClusterSpecError, match=r"in cluster file .*bad\.json: Cluster\.nodes must be > 0"):
+        Cluster.load(path)
+
+
+def test_constructor_accepts_units_and_validates():
+    d = Device(name="g", memory_bytes="16GiB", memory_bandwidth_bytes_per_s="900GB/s",
+               peak_flops={"fp32": "10TFLOP/s", "bf16": "100TFLOP/s"})
+    assert d.memory_bytes == 16 * GiB and isinstance(d.peak_flops, PeakFlops)
+    with pytest.raises(ClusterSpecError, match="unknown dtype 'int8'"):
+        d.peak_flops.for_dtype("int8")
+    with pytest.raises(ClusterSpecError, match="Link.latency_s must be >= 0"):
+        Link(kind="nvlink", bandwidth_bytes_per_s=1e9, latency_s=-1)
+
+
+def test_docs_example_parses(tmp_path):
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[1] / "docs" / "cluster_schema.md").read_text()
+    example = re.search(r"## Example\n\n```yaml\n(.*?)```", doc, re.S).group(1)
+    (tmp_path / "c.yaml").write_text(example)
+    c = Cluster.from_file(tmp_path / "c.yaml")
+    assert c == dataclasses.replace(Cluster.preset("dgx-a100-80gb", nodes=2), name="my-a100-pair")

@@ -1,0 +1,181 @@
+"""Cost-model primitives against textbook formulas (Narayanan et al. 2021, ZeRO, ring collectives)."""
+import pytest
+
+from partitioner.cluster import Cluster, Link
+from partitioner.cost_model import (
+    EfficiencyCurve,
+    StepTimeTerms,
+    all_gather_time,
+    all_reduce_time,
+    bubble_fraction,
+    compute_time,
+    group_link,
+    in_flight_chunks,
+    in_flight_microbatches,
+    memory_bound_time,
+    model_state_bytes,
+    pipeline_bubble_time,
+    pipeline_step_time,
+    reduce_scatter_time,
+    ring_all_reduce_bytes_per_rank,
+    roofline_time,
+    send_recv_time,
+    strided_ranks,
+)
+from partitioner.errors import ConfigError
+
+LINK = Link(kind="nvlink", bandwidth_bytes_per_s=100e9, latency_s=2e-6)
+DGX = Cluster.preset("dgx-a100-80gb", nodes=2)
+
+
+# ---- links -----------------------------------------------------------------------------------
+
+def test_tp_group_inside_node_uses_nvlink_and_spanning_group_is_slower():
+    inside = group_link(DGX, size=8)
+    spanning = group_link(DGX, ranks=[0, 1, 2, 3, 8, 9, 10, 11])  # 4 GPUs on each of 2 nodes
+    assert inside == DGX.intra_node and inside.kind == "nvswitch"
+    assert spanning.kind == "infiniband"
+    # 8 NICs x 25 GB/s shared by the 2 sibling groups of 4 GPUs on each node
+    assert spanning.bandwidth_bytes_per_s == pytest.approx(8 * 25e9 * 4 / 8)
+    nbytes = 256 * 2**20
+    assert all_reduce_time(nbytes, 8, spanning) > 2 * all_reduce_time(nbytes, 8, inside)
+
+
+def test_group_link_data_parallel_and_whole_cluster():
+    dp = group_link(DGX, size=2, stride=8, start=3)  # one GPU per node: its own rail's NIC
+    assert dp.bandwidth_bytes_per_s == pytest.approx(25e9)
+    everyone = group_link(DGX, size=16)  # the full node's NICs, capped by NVLink
+    assert everyone.bandwidth_bytes_per_s == pytest.approx(min(300e9, 200e9))
+    assert group_link(DGX, ranks=[5]) == DGX.intra_node
+    with pytest.raises(ConfigError, match="rank 16 is outside the cluster's world of 16 ranks"):
+        group_link(DGX, size=2, stride=8, start=8)
+    with pytest.raises(ConfigError, match="distinct ranks"):
+        group_link(DGX, ranks=[1, 1])
+    assert strided_ranks(3, 4, 1) == (1, 5, 9)
+
+
+# ---- collectives -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [2, 4, 8, 64])
+def test_ring_collectives(n):
+    nbytes = 1e9
+    assert ring_all_reduce_bytes_per_rank(nbytes, n) == pytest.approx(2 * (n - 1) / n * nbytes)
+    ar = all_reduce_time(nbytes, n, LINK)
+    ag = all_gather_time(nbytes, n, LINK)
+    assert ar == pytest.approx(2 * (n - 1) / n * nbytes / 100e9 + 2 * (n - 1) * 2e-6)
+    assert ag == pytest.approx((n - 1) / n * nbytes / 100e9 + (n - 1) * 2e-6)
+    # an all-reduce is a reduce-scatter followed by an all-gather
+    assert ar == pytest.approx(reduce_scatter_time(nbytes, n, LINK) + ag)
+
+
+def test_collectives_edge_cases():
+    assert all_reduce_time(1e9, 1, LINK) == 0.0 and all_gather_time(1e9, 1, LINK) == 0.0
+    assert send_recv_time(1e6, LINK) == pytest.approx(2e-6 + 1e6 / 100e9)
+    # latency dominates small messages, bandwidth large ones
+    assert all_reduce_time(8, 8, LINK) == pytest.approx(14 * 2e-6, rel=1e-3)
+    with pytest.raises(ConfigError, match="at least 1 rank, got n=0"):
+        all_reduce_time(1, 0, LINK)
+
+
+# ---- compute ---------------------------------------------------------------------------------
+
+def test_compute_efficiency_rises_with_size():
+    dev = DGX.device
+    curve = EfficiencyCurve(peak_efficiency=0.8, half_saturation_s=1e-5)
+    f_half = 312e12 * 1e-5
+    assert curve.efficiency(f_half, 312e12) == pytest.approx(0.4)
+    effs = [curve.efficiency(f, 312e12) for f in (1e8, 1e10, 1e12, 1e14)]
+    assert effs == sorted(effs) and effs[-1] == pytest.approx(0.8, rel=1e-3)
+    assert compute_time(1e15, dev, "bf16", curve) == pytest.approx(1e15 / (0.8 * 312e12), rel=1e-3)
+    assert compute_time(1e12, dev, "fp32") > compute_time(1e12, dev, "bf16")
+    assert compute_time(0, dev) == 0.0
+    with pytest.raises(ConfigError, match=r"peak_efficiency must be in \(0, 1\]"):
+        EfficiencyCurve(peak_efficiency=1.5)
+
+
+def test_memory_bound_and_roofline():
+    dev = DGX.device
+    assert memory_bound_time(2039e9, dev) == pytest.approx(1.0)
+    assert memory_bound_time(1e9, 1e9) == 1.0
+    # an elementwise op: few FLOPs, many bytes -> memory bound
+    assert roofline_time(1e6, 1e9, dev) == memory_bound_time(1e9, dev)
+    assert roofline_time(1e14, 1e6, dev) == compute_time(1e14, dev)
+
+
+# ---- pipeline --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (8, 32), (1, 3)])
+def test_bubble_fraction_textbook(p, m):
+    for schedule in ("gpipe", "1f1b"):
+        assert bubble_fraction(schedule, p, m) == pytest.approx((p - 1) / (m + p - 1))
+    step = pipeline_step_time(1.0, 2.0, p, m, "1f1b")
+    assert pipeline_bubble_time(1.0, 2.0, p, m, "1f1b") / step == pytest.approx(bubble_fraction("1f1b", p, m))
+    # bubble over ideal time is (p-1)/m (Narayanan et al.)
+    assert pipeline_bubble_time(1.0, 2.0, p, m, "gpipe") / (m * 3.0) == pytest.approx((p - 1) / m)
+
+
+@pytest.mark.parametrize("v", [2, 4])
+def test_interleaving_divides_bubble_by_v(v):
+    p, m = 4, 8
+    plain = pipeline_bubble_time(1.0, 2.0, p, m, "1f1b")
+    assert pipeline_bubble_time(1.0, 2.0, p, m, "interleaved", v) == pytest.approx(plain / v)
+    assert bubble_fraction("interleaved", p, m, v) == pytest.approx(((p - 1) / v) / (m + (p - 1) / v))
+    assert bubble_fraction("interleaved", p, m, v) < bubble_fraction("1f1b", p, m)
+    assert bubble_fraction("interleaved", p, m, 1) == bubble_fraction("1f1b", p, m)
+
+
+def test_in_flight_microbatches():
+    p, m = 4, 8
+    assert [in_flight_microbatches("gpipe", s, p, m) for s in range(p)] == [8, 8, 8, 8]
+    assert [in_flight_microbatches("1f1b", s, p, m) for s in range(p)] == [4, 3, 2, 1]
+    assert in_flight_microbatches("1f1b", 0, p, 2) == 2  # fewer micro-batches than stages
+    # Megatron interleaved: stage 0 warms up 2(p-1) + (v-1)p chunks, holds p + (p-1)/v stages' worth
+    v = 2
+    assert in_flight_chunks("interleaved", 0, p, m, v) == 2 * (p - 1) + (v - 1) * p + 1
+    assert in_flight_microbatches("interleaved", 0, p, m, v) == pytest.approx(p + (p - 1) / v)
+    assert in_flight_chunks("interleaved", p - 1, p, m, v) == (v - 1) * p + 1
+    assert in_flight_chunks("interleaved", 2, p, p, v) == p * v  # m == p: all warm-up
+
+
+def test_pipeline_validation():
+    with pytest.raises(ConfigError, match="unknown pipeline schedule 'zb'"):
+        bubble_fraction("zb", 4, 8)
+    with pytest.raises(ConfigError, match="use schedule='interleaved' for v > 1"):
+        bubble_fraction("1f1b", 4, 8, v=2)
+    with pytest.raises(ConfigError, match=r"stage must be in \[0, 4\), got 4"):
+        in_flight_microbatches("1f1b", 4, 4, 8)
+
+
+# ---- ZeRO ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 8, 64])
+def test_zero_mixed_precision_adam(n):
+    psi = 7.5e9
+    assert model_state_bytes(psi, n, 0).total == pytest.approx(16 * psi)
+    assert model_state_bytes(psi, n, 1).total == pytest.approx(4 * psi + 12 * psi / n)
+    assert model_state_bytes(psi, n, 2).total == pytest.approx(2 * psi + 14 * psi / n)
+    assert model_state_bytes(psi, n, 3).total == pytest.approx(16 * psi / n)
+
+
+def test_zero_other_optimizers():
+    psi, n = 1e9, 4
+    fp32 = model_state_bytes(psi, n, 0, "fp32", "adamw")
+    assert (fp32.params, fp32.grads, fp32.optimizer) == (4 * psi, 4 * psi, 8 * psi)
+    assert model_state_bytes(psi, n, 1, "fp32", "adam").total == pytest.approx(8 * psi + 8 * psi / n)
+    assert model_state_bytes(psi, n, 0, "fp32", "sgd").total == pytest.approx(8 * psi)
+    assert model_state_bytes(psi, n, 0, "bf16", "sgd").total == pytest.approx(8 * psi)  # + fp32 master
+    assert model_state_bytes(psi, n, 3, "fp32", "sgd_momentum").total == pytest.approx(12 * psi / n)
+    with pytest.raises(ConfigError, match="unknown optimizer 'lion'"):
+        model_state_bytes(psi, n, 0, optimizer="lion")
+    with pytest.raises(ConfigError, match="zero_stage must be 0, 1, 2 or 3, got 4"):
+        model_state_bytes(psi, n, 4)
+
+
+# ---- step time -------------------------------------------------------------------------------
+
+def test_step_time_terms():
+    terms = StepTimeTerms(compute=1.0, tp_comm=0.25, dp_comm=0.5, bubble=0.125)
+    assert terms.total == 1.875
+    assert terms.to_dict()["total"] == 1.875 and terms.to_dict()["offload"] == 0.0
+    with pytest.raises(ConfigError, match="StepTimeTerms.bubble must be >= 0 seconds"):
+        StepTimeTerms(bubble=-1.0)

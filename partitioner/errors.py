@@ -30,3 +30,7 @@ class ConfigError(PartitionerError, ValueError):
 
 class ClusterSpecError(ConfigError):
     """A cluster description (preset, YAML/JSON file or dict) is malformed or out of range."""
+
+
+class InfeasiblePlanError(PartitionerError):
+    """No parallel plan fits the devices' memory; the message says the smallest need and the knobs tried."""

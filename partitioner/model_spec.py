@@ -6,7 +6,9 @@ that capture sees one training step: ``loss = spec.loss(module, *inputs)``.
 """
 from __future__ import annotations
 
+import difflib
 import importlib.util
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -87,6 +89,9 @@ def parse_spec(spec: str) -> tuple[str, dict[str, int | float | str | bool]]:
     if not spec or not spec.strip():
         raise ModelSpecError("empty model spec; write NAME:key=value,... e.g. gpt:layers=2,hidden=128")
     name, _, rest = spec.strip().partition(":")
+    name = name.strip()
+    if not name:
+        raise ModelSpecError(f"model spec {spec!r} has no model name before ':'; e.g. gpt:layers=2,hidden=128")
     kwargs: dict[str, int | float | str | bool] = {}
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, eq, raw = item.partition("=")
@@ -94,8 +99,41 @@ def parse_spec(spec: str) -> tuple[str, dict[str, int | float | str | bool]]:
             raise ModelSpecError(
                 f"malformed item {item!r} in model spec {spec!r}; each item must be key=value, "
                 f"e.g. gpt:layers=2,hidden=128")
+        if key.strip() in kwargs:
+            raise ModelSpecError(f"key {key.strip()!r} is given twice in model spec {spec!r}; keep one")
         kwargs[key.strip()] = _parse_value(raw.strip())
     return name, kwargs
+
+
+def format_spec(name: str, kwargs: dict[str, int | float | str | bool]) -> str:
+    """The spec string ``parse_spec`` reads back as ``(name, kwargs)``."""
+    if not kwargs:
+        return name
+    items = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in kwargs.items())
+    return f"{name}:{items}"
+
+
+def model_keys(name: str) -> tuple[str, ...] | None:
+    """The spec keys a zoo model takes, or ``None`` when its builder accepts any (``hf-*``)."""
+    _load_zoo()
+    if name not in _REGISTRY:
+        raise ModelSpecError(f"unknown model {name!r}; known models: {', '.join(sorted(_REGISTRY))}")
+    params = inspect.signature(_REGISTRY[name][0]).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return tuple(p.name for p in params)
+
+
+def _check_keys(name: str, builder: Builder, kwargs: dict[str, object]) -> None:
+    # Checked here rather than by catching TypeError, which would also swallow bugs in builders.
+    keys = model_keys(name)
+    if keys is None:
+        return
+    for key in kwargs:
+        if key not in keys:
+            close = difflib.get_close_matches(key, keys, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ModelSpecError(f"unknown key {key!r} for model {name!r}; {hint}its keys are: {', '.join(keys)}")
 
 
 def _parse_value(raw: str) -> int | float | str | bool:
@@ -122,16 +160,16 @@ def build_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.d
     _load_zoo()
     name, kwargs = parse_spec(spec)
     if name not in _REGISTRY:
+        close = difflib.get_close_matches(name, sorted(_REGISTRY), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
         raise ModelSpecError(
-            f"unknown model {name!r} in spec {spec!r}; known models: {', '.join(sorted(_REGISTRY))}, "
+            f"unknown model {name!r} in spec {spec!r}; {hint}known models: {', '.join(sorted(_REGISTRY))}, "
             f"or path/to/file.py:factory")
     builder, _ = _REGISTRY[name]
+    _check_keys(name, builder, kwargs)
     torch.manual_seed(seed)
-    try:
-        with torch.device(device):
-            model = builder(**kwargs)
-    except TypeError as exc:
-        raise ModelSpecError(f"bad keys in model spec {spec!r}: {exc}; see `partitioner models`") from None
+    with torch.device(device):
+        model = builder(**kwargs)
     model.module.to(dtype=dtype)
     model.name = spec
     return model

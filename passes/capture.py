@@ -14,7 +14,9 @@ behaviour is exactly eager's. The exported program is then made into a plain Gra
 from __future__ import annotations
 
 import linecache
+import logging
 import os
+import re
 import sys
 import traceback
 from contextlib import contextmanager
@@ -28,6 +30,7 @@ from passes.meta import CAPTURE, EXPORT_MODULE_STACK, CaptureInfo, InputSpec
 
 _WRAPPER_ATTR = "model"
 _TORCH_DIR = os.path.dirname(torch.__file__)
+_EXPORT_ATTEMPTS = 3  # the first export, then up to two with export's suggested dim ranges applied
 
 
 class _TrainingStep(nn.Module):
@@ -70,11 +73,19 @@ def capture_model(
     dynamic = _dynamic_shapes(inputs, symbolic)
 
     wrapper = _TrainingStep(module, loss)
-    with _module_path_tracker(wrapper) as current_path:
-        try:
-            exported = torch.export.export(wrapper, example, dynamic_shapes=dynamic, strict=False)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes one readable error
-            raise _capture_error(exc, current_path(), type(module).__name__) from exc
+    exported = None
+    for attempt in range(_EXPORT_ATTEMPTS):
+        with _module_path_tracker(wrapper) as current_path:
+            try:
+                with _quiet_shape_logs():
+                    exported = torch.export.export(wrapper, example, dynamic_shapes=dynamic, strict=False)
+                break
+            except Exception as exc:  # noqa: BLE001 - every failure becomes one readable error
+                refined = _refine_ranges(exc, dynamic) if attempt + 1 < _EXPORT_ATTEMPTS else None
+                if refined is None:
+                    raise _capture_error(exc, current_path(), type(module).__name__) from exc
+                dynamic = refined  # e.g. seq <= max positions: still symbolic, so export again
+    assert exported is not None
 
     gm = exported.module()
     _to_plain_graph_module(gm, inputs, run_device)
@@ -100,6 +111,8 @@ def capture_spec(spec, *, dims: dict[str, int] | None = None, symbolic: Iterable
 def module_path(node: fx.Node) -> str:
     """Dotted path of the innermost user module a node came from ("" for top level)."""
     stack = node.meta.get(EXPORT_MODULE_STACK) or {}
+    # torch.export marks nodes it made outside any module with this placeholder key.
+    stack = {k: v for k, v in stack.items() if k != "_empty_nn_module_stack_from_metadata_hook"}
     if not stack:
         return ""
     path = list(stack.values())[-1][0]
@@ -152,6 +165,30 @@ def _dynamic_shapes(inputs: Sequence[InputSpec], symbolic: tuple[str, ...]):
         per_input.append({i: dim_objs[d] for i, d in enumerate(spec.shape) if isinstance(d, str) and d in dim_objs}
                          or None)
     return {"inputs": tuple(per_input)}  # matches _TrainingStep.forward(*inputs)
+
+
+def _refine_ranges(exc: Exception, dynamic):
+    """Dynamic shapes with export's suggested *range* fixes applied, or None.
+
+    A model may bound a symbolic dim (HF BERT slices a position buffer, so ``seq <= 64``); export
+    then rejects ``Dim(min=2)`` although the dim stays symbolic. We accept fixes that only bound a
+    dim, never ones that fix it to a number or tie it to another dim (those change what the
+    caller asked for, so they are reported as errors).
+    """
+    msg = str(exc)
+    if dynamic is None or "Suggested fixes:" not in msg:
+        return None
+    fixes = [line.strip() for line in msg.split("Suggested fixes:", 1)[1].splitlines() if line.strip()]
+    fixes = [f for f in fixes if not f.startswith("The error above")]
+    if not fixes or not all(re.fullmatch(r"(\w+) = Dim\('\1'(, (min|max)=\d+)+\)", f) for f in fixes):
+        return None
+    for f in fixes:  # a range of one value is a specialization in disguise
+        bounds = dict(re.findall(r"(min|max)=(\d+)", f))
+        if bounds.get("min") is not None and bounds.get("min") == bounds.get("max"):
+            return None
+    from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
+
+    return refine_dynamic_shapes_from_suggested_fixes("Suggested fixes:\n" + "\n".join(fixes), dynamic)
 
 
 def _strip_wrapper_prefix(path: str) -> str:
@@ -214,6 +251,18 @@ def _to_plain_graph_module(gm: fx.GraphModule, inputs: Sequence[InputSpec], run_
 
 
 @contextmanager
+def _quiet_shape_logs() -> Iterator[None]:
+    """Silence torch's shape-env warnings (they print whole graphs); CaptureError says it shorter."""
+    logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextmanager
 def _module_path_tracker(root: nn.Module) -> Iterator[Callable[[], str]]:
     """Track the module whose forward is running, so a failure can name its path."""
     names = {id(m): _strip_wrapper_prefix(n) for n, m in root.named_modules()}
@@ -248,35 +297,49 @@ _FIXES = [
     ("GuardOnDataDependent", "the model branches on a tensor's value; compute the branch from shapes or "
                              "constants, or use torch.cond"),
     (".item()", "the model reads a tensor's value with .item(); keep it a tensor or make it a constant"),
-    ("Constraints violated", "a dim marked symbolic was fixed to its example value by the model; "
-                             "give it as a number instead of a name"),
-    ("specialized", "a dim marked symbolic was fixed to its example value by the model; "
-                    "give it as a number instead of a name"),
+    ("Constraints violated", "a dim marked symbolic was fixed to one value by the model; drop it from "
+                             "symbolic=(...) or write its size as a number in the InputSpec"),
+    ("specialized", "a dim marked symbolic was fixed to one value by the model; drop it from "
+                    "symbolic=(...) or write its size as a number in the InputSpec"),
     ("DynamicCache", "the model returns a key/value cache; build it with use_cache=False"),
 ]
 
 
 def _capture_error(exc: Exception, path: str, model_name: str) -> CaptureError:
     text = f"{type(exc).__name__}: {exc}"
-    first = text.strip().splitlines()[0][:300]
+    first = text.strip().splitlines()[0][:300].split(" For more information")[0].rstrip(".")
     where = _user_frame(exc)
     fix = next((f for key, f in _FIXES if key in text),
                "make this code traceable by torch.export (no Python control flow on tensor values, "
                "no unsupported ops), or wrap it in a leaf module")
     loc = f" at {where}" if where else ""
     module = f"module {path!r}" if path else f"model {model_name}"
-    return CaptureError(f"cannot capture {module}{loc}: {first}. Fix: {fix}.")
+    return CaptureError(f"cannot capture {module}{loc}: {first}{_constraint_details(text)}. Fix: {fix}.")
+
+
+def _constraint_details(text: str) -> str:
+    """Export's explanation of a dim constraint failure: its '- ...' lines and suggested fixes."""
+    if "Constraints violated" not in text:
+        return ""
+    head, _, fixes = text.partition("Suggested fixes:")
+    # Keep the first sentence of each reason; the rest is advice about torch's own APIs.
+    reasons = [line.strip()[2:].split(". ")[0] for line in head.splitlines() if line.strip().startswith("- ")]
+    suggested = [f.strip() for f in fixes.split("\n\n")[0].splitlines() if f.strip()]
+    out = "".join(f"; {r}" for r in reasons[:3])
+    if suggested:
+        out += f" (export suggests: {'; '.join(suggested[:3])})"
+    return out
 
 
 def _user_frame(exc: BaseException) -> str:
-    """The innermost traceback frame outside torch and this file: 'file:line: source'."""
+    """The innermost traceback frame outside torch and this file: 'file:line (`source`)'."""
     best = ""
     for frame in traceback.extract_tb(exc.__traceback__):
         fname = frame.filename
         if fname.startswith(_TORCH_DIR) or fname == __file__ or "importlib" in fname:
             continue
         line = (frame.line or linecache.getline(fname, frame.lineno)).strip()
-        best = f"{fname}:{frame.lineno}: {line}"
+        best = f"{fname}:{frame.lineno}" + (f" (`{line}`)" if line else "")
     if not best and exc.__cause__ is not None:
         return _user_frame(exc.__cause__)
     return best

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import sympy
 import torch
 from torch import fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
@@ -89,6 +90,12 @@ class FakeInterpreter(fx.Interpreter):
         self.attrs = attrs
         self.on_node = on_node
         self.current: fx.Node | None = None
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        # Composite ops (aten.pad, ...) read sizes as plain ints in C++ and would specialize the
+        # named dims; the Python dispatcher runs their SymInt decompositions, as torch.export does.
+        with enable_python_dispatcher():
+            return super().run(*args, **kwargs)
 
     def run_node(self, n: fx.Node) -> Any:
         self.current = n

@@ -11,6 +11,9 @@ key                   written by              value
 ``SHAPE``             ``annotate_shapes``     :class:`ShapeMeta`: shape/dtype of each tensor output
 ``FLOPS``             ``annotate_flops``      :class:`FlopMeta`: forward and backward FLOPs
 ``MEMORY``            ``annotate_memory``     :class:`MemoryMeta`: bytes allocated, kept for backward
+``CHECKPOINT``        ``checkpoint_policy``   :class:`CheckpointMeta`: region and recompute decision
+``PIPELINE_STAGE``    ``pipeline_split``      ``int``: the pipeline stage the node runs on (also
+                                              ``gm.meta`` of each stage module: its index)
 ====================  ======================  =======================================================
 
 Graph keys (``gm.meta[KEY]``):
@@ -19,6 +22,8 @@ Graph keys (``gm.meta[KEY]``):
 ``CAPTURE``           ``capture_model``       :class:`CaptureInfo`: inputs, named dims, origin
 ``FLOP_SUMMARY``      ``annotate_flops``      :class:`FlopSummary`: totals over the graph
 ``MEMORY_SUMMARY``    ``annotate_memory``     :class:`MemorySummary`: model state, activations, peak
+``CHECKPOINT_PLAN``   ``checkpoint_policy``   :class:`CheckpointPlan`: regions, recompute FLOPs, bytes
+                      (``apply_checkpoint``   fills each region's ``submodule``)
 ====================  ======================  =======================================================
 """
 from __future__ import annotations
@@ -202,3 +207,148 @@ class MemorySummary:
     optimizer: str
     mixed_precision: bool
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # Bytes of non-parameter buffers (e.g. batch-norm running stats): live through the step and
+    # part of the peak, but neither trained nor activations.
+    buffer_bytes: sympy.Expr = sympy.Integer(0)
+
+
+# --- pipeline_split ------------------------------------------------------------------------
+# Node key (and gm.meta key of each stage module): int stage index. The split's own result,
+# :class:`PipelineSplit`, is returned, not stored in meta.
+PIPELINE_STAGE = "pipeline_stage"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageAssignment:
+    """Where each node of a graph runs: ``stage_of[node.name]`` in ``0..n_stages-1``.
+
+    Covers every node but the output. Stages never decrease along data dependencies.
+    Graph inputs carry the earliest stage reading them, parameters their first user's stage.
+    """
+
+    n_stages: int
+    stage_of: dict[str, int] = field(hash=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageInput:
+    """One positional input of a stage program, in order.
+
+    * ``source`` is the stage it is received from (a boundary tensor), or ``None``: a graph
+      input (token ids, targets) fed by the runtime, or, when ``value`` is set, a size (int)
+      the runtime evaluates from the micro-batch's named dims.
+    * ``meta``: static shape (sympy, symbolic dims allowed) and dtype; ``None`` for a size.
+    """
+
+    name: str
+    source: int | None
+    meta: TensorMeta | None
+    value: sympy.Expr | None = None
+
+    @property
+    def kind(self) -> str:
+        """``"recv"``, ``"graph_input"`` or ``"size"``."""
+        if self.value is not None:
+            return "size"
+        return "graph_input" if self.source is None else "recv"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageOutput:
+    """One element of the tuple a stage program returns, in order.
+
+    ``dests``: stages it is sent to (empty for a graph output only); ``graph_output``: its
+    index among the original graph's outputs (the loss is 0), or ``None``.
+    """
+
+    name: str
+    meta: TensorMeta
+    dests: tuple[int, ...]
+    graph_output: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageIO:
+    """The send/recv contract of one stage: ordered inputs and outputs."""
+
+    stage: int
+    inputs: tuple[StageInput, ...]
+    outputs: tuple[StageOutput, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineSplit:
+    """Result of ``split_pipeline_stages``: one ``fx.GraphModule`` per stage and its contract.
+
+    * ``modules[s]``: stage ``s``'s program; parameters under their original names.
+    * ``io[s]``: its :class:`StageIO`.
+    * ``tied``: canonical parameter name -> stages holding a copy of it; the runtime sums
+      (all-reduces) those copies' gradients. ``aliases[name]``: every name of that parameter
+      (``("wte.weight", "lm_head.weight")``); each stage holds the copy under the alias(es) it reads.
+    * ``skip``: ``"relay"`` (tensors hop stage to stage) or ``"direct"`` (producer to consumer).
+    """
+
+    assignment: StageAssignment
+    modules: tuple = field(hash=False)  # tuple[torch.fx.GraphModule, ...]
+    io: tuple[StageIO, ...]
+    tied: dict[str, tuple[int, ...]] = field(hash=False)
+    aliases: dict[str, tuple[str, ...]] = field(hash=False)
+    skip: str
+
+    @property
+    def n_stages(self) -> int:
+        return self.assignment.n_stages
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation checkpointing (passes/checkpoint_policy.py decides, passes/apply_checkpoint.py rewrites)
+CHECKPOINT = "checkpoint"
+CHECKPOINT_PLAN = "checkpoint_plan"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointMeta:
+    """``node.meta[CHECKPOINT]``: the checkpoint region a node belongs to (``None``: none) and
+    whether that region is recomputed in backward, under ``policy``."""
+
+    region: int | None
+    recompute: bool
+    policy: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointRegion:
+    """One checkpointable region: a contiguous run of compute nodes with its inputs and outputs.
+
+    * ``recompute_flops``: forward FLOPs run again in backward if recomputed.
+    * ``bytes_saved``: saved-activation bytes the plan drops because this region is recomputed
+      (for a region not recomputed: what recomputing it alone, on top of the plan, would drop).
+    * ``submodule``: attribute name of its ``fx.GraphModule`` once ``apply_checkpoint`` ran.
+    """
+
+    index: int
+    name: str  # e.g. "blocks.2" or "blocks.2.attn (core)"
+    nodes: tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    recompute: bool
+    recompute_flops: sympy.Expr
+    bytes_saved: sympy.Expr
+    submodule: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointPlan:
+    """``gm.meta[CHECKPOINT_PLAN]``: what the checkpoint policy decided (bytes, FLOPs).
+
+    ``saved_bytes_before``/``saved_bytes_after``: bytes autograd keeps for backward after one
+    forward (activations and saved graph inputs, storages counted once, parameters excluded)
+    without checkpointing and with this plan. ``budget_bytes`` is the solver's budget.
+    """
+
+    policy: str
+    regions: tuple[CheckpointRegion, ...]
+    recompute_flops: sympy.Expr
+    saved_bytes_before: sympy.Expr
+    saved_bytes_after: sympy.Expr
+    budget_bytes: int | None = None

@@ -1,2 +1,5 @@
-"""The model zoo. Importing this package registers every builder with ``model_spec``."""
-from partitioner.zoo import gpt  # noqa: F401
+"""The model zoo. Importing this package registers every builder with ``model_spec``.
+
+``hf`` imports nothing from ``transformers`` until an ``hf-*`` model is built.
+"""
+from partitioner.zoo import bert, gpt, hf, llama, mlp, resnet  # noqa: F401

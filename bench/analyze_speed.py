@@ -1,0 +1,31 @@
+"""Time `partitioner analyze` on the GPT-3 175B shape (target: under 20 s here), per phase.
+
+Run: python bench/analyze_speed.py
+"""
+import time
+
+from partitioner.model_spec import build_model
+from passes.capture import capture_spec
+from passes.manager import PassContext, default_analysis_pipeline
+
+SPEC = "gpt:layers=96,hidden=12288,heads=96,vocab=51200,seq=2048"
+
+
+def main() -> None:
+    t0 = time.perf_counter()
+    spec = build_model(SPEC, device="meta")
+    t1 = time.perf_counter()
+    gm = capture_spec(spec, dims={"batch": 1})
+    t2 = time.perf_counter()
+    manager = default_analysis_pipeline()
+    manager.run(gm, PassContext())
+    t3 = time.perf_counter()
+    print(f"{SPEC}  batch=1  nodes={len(gm.graph.nodes)}")
+    print(f"build {t1 - t0:6.2f} s   capture {t2 - t1:6.2f} s   passes {t3 - t2:6.2f} s   total {t3 - t0:6.2f} s"
+          f"   (target < 20 s)")
+    for record in getattr(manager, "records", []):
+        print(f"  {record}")
+
+
+if __name__ == "__main__":
+    main()

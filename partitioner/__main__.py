@@ -1,0 +1,5 @@
+import sys
+
+from partitioner.cli import main
+
+sys.exit(main())

@@ -1,0 +1,110 @@
+"""The ``partitioner`` command line (also ``python -m partitioner``)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import sympy
+
+from partitioner.errors import PartitionerError
+
+
+def _human(expr, unit: str) -> str:
+    """A size for people: 1.23 GiB / 4.56 TFLOP for numbers, the expression when symbolic."""
+    expr = sympy.sympify(expr)
+    if not expr.is_number:
+        return str(expr)
+    value = float(expr)
+    if unit == "B":
+        steps, names = 1024.0, ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]
+    else:
+        steps, names = 1000.0, [unit, "K" + unit, "M" + unit, "G" + unit, "T" + unit, "P" + unit, "E" + unit]
+    i = 0
+    while abs(value) >= steps and i < len(names) - 1:
+        value /= steps
+        i += 1
+    return f"{value:.4g} {names[i]}"
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _cmd_analyze(args: argparse.Namespace) -> int:
+    from partitioner.analyze import analyze
+
+    start = time.perf_counter()
+    result = analyze(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, optimizer=args.optimizer,
+                     dump_dir=args.dump_dir)
+    elapsed = time.perf_counter() - start
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+        return 0
+    print(f"model {result.model}  dims {result.dims}  dtype {result.dtype}  optimizer {result.optimizer}  "
+          f"({elapsed:.1f} s)")
+    rows = [("quantity", "value"),
+            ("parameters", _human(result.param_count, "")),
+            ("parameter memory", _human(result.param_bytes, "B")),
+            ("gradient memory", _human(result.grad_bytes, "B")),
+            ("optimizer state", _human(result.optimizer_bytes, "B")),
+            ("forward FLOPs", _human(result.fwd_flops, "FLOP")),
+            ("backward FLOPs", _human(result.bwd_flops, "FLOP")),
+            ("saved activations", _human(result.activation_bytes, "B")),
+            (f"peak of one step ({result.peak_phase})", _human(result.peak_bytes, "B"))]
+    print(_table(rows))
+    if args.per_layer:
+        print()
+        rows = [("layer", "params", "fwd FLOPs", "activations")]
+        rows += [(layer.name, _human(layer.param_bytes, "B"), _human(layer.fwd_flops, "FLOP"),
+                  _human(layer.activation_bytes, "B")) for layer in result.layers]
+        print(_table(rows))
+    if args.dump_dir:
+        print(f"\nIR dumps in {args.dump_dir}  (python -m ir_dumps show {args.dump_dir})")
+    return 0
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from partitioner.model_spec import known_models
+
+    rows = [("name", "keys")] + [(name, help) for name, help in known_models().items()]
+    print(_table(rows))
+    print("\nor path/to/file.py:factory (a function returning partitioner.model_spec.ModelSpec)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="partitioner", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("analyze", help="shapes, FLOPs and memory of one training step")
+    p.add_argument("--model", required=True, help="NAME:key=value,... (see `partitioner models`)")
+    p.add_argument("--batch", help="batch size, or a name (e.g. B) to keep it symbolic")
+    p.add_argument("--seq", help="sequence length, or a name (e.g. S) to keep it symbolic")
+    p.add_argument("--dtype", default="fp32", help="fp32, or bf16/fp16 (mixed precision, fp32 master weights)")
+    p.add_argument("--optimizer", default="adamw", help="adamw, adam or sgd")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--per-layer", action="store_true", help="also print a per-layer breakdown")
+    p.add_argument("--dump-dir", help="write the IR after every pass here")
+    p.set_defaults(fn=_cmd_analyze)
+
+    p = sub.add_parser("models", help="list the model zoo")
+    p.set_defaults(fn=_cmd_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except PartitionerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Hugging Face ``transformers`` models built from small configs (no download, random weights):
+``hf-gpt2``, ``hf-llama``, ``hf-bert``. Spec keys go straight to the HF config (its own names,
+e.g. ``hf-gpt2:n_layer=2,n_embd=64``), except ``batch`` and ``seq``, which are the default dims.
+
+The loss is the model's own (``labels=``), with ``use_cache=False`` so the step returns no
+key/value cache. ``transformers`` is optional (the ``test`` extra) and imported only here.
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from partitioner.errors import ModelSpecError
+from partitioner.model_spec import ModelSpec, register
+from passes.meta import InputSpec
+
+_DIM_KEYS = ("batch", "seq")
+
+
+@dataclass(frozen=True)
+class _HFModel:
+    """How to build one HF model family: its classes, small defaults and training-step inputs."""
+
+    spec_name: str
+    config_class: str
+    model_class: str
+    defaults: dict[str, Any]
+    vocab_key: str
+    positions_key: str
+    token_types: bool  # BERT takes token_type_ids
+
+
+_MODELS = {
+    "hf-gpt2": _HFModel("hf-gpt2", "GPT2Config", "GPT2LMHeadModel",
+                        dict(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=64),
+                        vocab_key="vocab_size", positions_key="n_positions", token_types=False),
+    "hf-llama": _HFModel("hf-llama", "LlamaConfig", "LlamaForCausalLM",
+                         dict(num_hidden_layers=2, hidden_size=64, intermediate_size=176, num_attention_heads=4,
+                              num_key_value_heads=2, vocab_size=128, max_position_embeddings=64),
+                         vocab_key="vocab_size", positions_key="max_position_embeddings", token_types=False),
+    "hf-bert": _HFModel("hf-bert", "BertConfig", "BertForMaskedLM",
+                        dict(num_hidden_layers=2, hidden_size=64, intermediate_size=256, num_attention_heads=2,
+                             vocab_size=128, max_position_embeddings=64),
+                        vocab_key="vocab_size", positions_key="max_position_embeddings", token_types=True),
+}
+
+
+def _import_transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ModelSpecError("hf-* models need Hugging Face transformers; install it with "
+                             "`pip install 'transformers>=5,<6'` (or `pip install -e '.[test]'`)") from None
+    return transformers
+
+
+def _config_keys(config_cls: type) -> set[str]:
+    """Every key the config accepts: its constructor's named arguments and their aliases."""
+    params = inspect.signature(config_cls.__init__).parameters
+    keys = {n for n, p in params.items() if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return keys | set(getattr(config_cls, "attribute_map", {}))
+
+
+def _build(kind: _HFModel, kwargs: dict[str, Any]) -> ModelSpec:
+    transformers = _import_transformers()
+    config_cls = getattr(transformers, kind.config_class)
+    model_cls = getattr(transformers, kind.model_class)
+    dims = {k: kwargs.pop(k) for k in _DIM_KEYS if k in kwargs}
+    known = _config_keys(config_cls)
+    for key in kwargs:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ModelSpecError(f"{kind.spec_name}: unknown key {key!r} (not a {kind.config_class} field "
+                                 f"nor batch/seq){hint}")
+    values = {**kind.defaults, **kwargs}
+    # GPT-2's default special token ids (50256) lie outside a small vocab; keep them in range.
+    params = inspect.signature(config_cls.__init__).parameters
+    for tok in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        default = params[tok].default if tok in params else None
+        if tok not in values and isinstance(default, int) and default >= values[kind.vocab_key]:
+            values[tok] = values[kind.vocab_key] - 1
+    config = config_cls(**values)
+    vocab = getattr(config, kind.vocab_key)
+    config.use_cache = False
+    # SDPA exports with torch.export and keeps seq symbolic; eager would too, but is slower.
+    config._attn_implementation = "sdpa"
+    module = model_cls(config)
+    seq = dims.get("seq", min(32, getattr(config, kind.positions_key)))
+    if seq > getattr(config, kind.positions_key):
+        raise ModelSpecError(f"{kind.spec_name}: seq={seq} exceeds {kind.positions_key}="
+                             f"{getattr(config, kind.positions_key)}; raise {kind.positions_key}")
+    inputs = [InputSpec(name="input_ids", shape=("batch", "seq"), dtype=torch.long, high=vocab)]
+    if kind.token_types:
+        inputs.append(InputSpec(name="token_type_ids", shape=("batch", "seq"), dtype=torch.long,
+                                high=config.type_vocab_size))
+    inputs.append(InputSpec(name="labels", shape=("batch", "seq"), dtype=torch.long, high=vocab))
+    loss = _bert_loss if kind.token_types else _causal_lm_loss
+    return ModelSpec(name=kind.spec_name, module=module, inputs=tuple(inputs), loss=loss,
+                     dims={"batch": dims.get("batch", 2), "seq": seq})
+
+
+def _causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The model's own next-token loss (it shifts ``labels`` itself)."""
+    return model(input_ids=input_ids, labels=labels, use_cache=False).loss
+
+
+def _bert_loss(model: nn.Module, input_ids: torch.Tensor, token_type_ids: torch.Tensor,
+               labels: torch.Tensor) -> torch.Tensor:
+    """The model's own masked-LM loss over every position."""
+    return model(input_ids=input_ids, token_type_ids=token_type_ids, labels=labels).loss
+
+
+def _builder(kind: _HFModel) -> Callable[..., ModelSpec]:
+    def build(**kwargs: Any) -> ModelSpec:
+        return _build(kind, dict(kwargs))
+
+    build.__name__ = f"build_{kind.spec_name.replace('-', '_')}"
+    build.__doc__ = f"{kind.model_class} from a {kind.config_class} made of the spec's keys."
+    return build
+
+
+for _kind in _MODELS.values():
+    _defaults = ",".join(f"{k}={v}" for k, v in _kind.defaults.items())
+    register(_kind.spec_name, f"Hugging Face {_kind.model_class} (keys: {_kind.config_class} fields, batch, "
+                              f"seq; default {_defaults})")(_builder(_kind))

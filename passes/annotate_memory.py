@@ -1,0 +1,584 @@
+"""Analysis: bytes of one training step — model state, saved activations, and the peak.
+
+Three facts, all sympy expressions in the named dims (integers when the capture is concrete):
+
+1. **Model state** per parameter (``get_attr`` of a ``Parameter``; tied parameters once):
+   parameter, gradient and optimizer-state bytes from :data:`OPTIMIZERS`.
+2. **Saved activations**: what autograd really keeps. The graph runs forward on fake tensors
+   inside ``torch.autograd.graph.saved_tensors_hooks``; every packed tensor is attributed to the
+   node running at that moment (its *saver*). Storages are deduplicated (views count once) and
+   each is charged to its *owner*: the node whose output first had the storage, or the saver
+   itself for tensors made inside an op (dropout mask, layer-norm mean/rstd, attention
+   logsumexp, the log-softmax of a cross entropy). Parameters and buffers are not activations;
+   graph inputs that are saved (token ids, targets) are counted separately as input bytes.
+3. **Peak** of one steady-state step (optimizer state exists, gradients were set to ``None``):
+   a liveness simulation (:class:`passes.liveness.Timeline`) over
+
+   * forward, in node order: each node's new output storages and internal saved tensors are
+     allocated; a storage nobody saves is freed after its last use (over all its views);
+   * backward, in reverse node order, for nodes the loss's gradient reaches: each input that
+     requires grad gets a gradient buffer of its size, except where the op passes the output
+     gradient through unchanged (views, reshape/flatten/clone, same-shape add); a second
+     gradient for the same tensor is added in place (a transient buffer). The output's gradient
+     is freed after the node's backward, and so are the saved storages whose earliest saver
+     (the last to run backward) it is. Parameter gradients accumulate and stay;
+   * optimizer step: parameters + gradients + state, plus the update's temporaries (see
+     :class:`OptimizerModel`).
+
+   The peak is located at the dims' hint values; ``peak_bytes`` is the symbolic sum of the
+   buffers live at that point (exact at the hints; at other dims it is the size of that same
+   set, which is the peak as long as the same point stays the maximum).
+
+Not modelled: scratch tensors an op allocates and frees inside itself without saving them, and
+allocator rounding/fragmentation (sizes are exact storage bytes, as MemTracker counts on CPU).
+"""
+from __future__ import annotations
+
+import itertools
+from contextlib import contextmanager
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import sympy
+import torch
+from torch import fx
+from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_leaves
+
+from partitioner.errors import ConfigError
+from passes.fake_execution import FakeContext, FakeInterpreter, capture_info, fake_attrs, fake_context, fake_inputs
+from passes.liveness import Timeline
+from passes.meta import MEMORY, MEMORY_SUMMARY, MemoryMeta, MemorySummary, SavedTensor
+
+aten = torch.ops.aten
+_ZERO = sympy.Integer(0)
+
+# Precision-mixed training keeps 2-byte (bf16/fp16) parameters and gradients and fp32 master
+# weights and optimizer state.
+_HALF_BYTES = 2
+_FP32_BYTES = 4
+_STEP_BYTES = 4  # torch.optim keeps a 0-dim float32 ``step`` tensor per parameter for Adam(W)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerModel:
+    """Memory of one optimizer, as ``torch.optim`` implements it.
+
+    * ``state_tensors``: per-element state tensors per parameter (Adam: ``exp_avg`` and
+      ``exp_avg_sq``; SGD with momentum: ``momentum_buffer``; plain SGD: none). Each has the
+      parameter's dtype (fp32 with mixed precision).
+    * ``step_tensor``: a 0-dim fp32 ``step`` per parameter (Adam/AdamW), counted because
+      ``MemTracker`` counts it.
+    * ``sqrt_temporaries``: the update computes ``exp_avg_sq.sqrt() / c`` — two parameter-sized
+      temporaries live at once in the single-tensor (CPU) implementation, one buffer the size of
+      all parameters in the ``foreach`` (CUDA) implementation.
+    """
+
+    name: str
+    state_tensors: int
+    step_tensor: bool
+    sqrt_temporaries: bool
+
+
+OPTIMIZERS: dict[str, OptimizerModel] = {
+    # "sgd" is SGD without momentum (torch's default): no state, in-place update, no temporaries.
+    "sgd": OptimizerModel(name="sgd", state_tensors=0, step_tensor=False, sqrt_temporaries=False),
+    "sgd-momentum": OptimizerModel(name="sgd-momentum", state_tensors=1, step_tensor=False, sqrt_temporaries=False),
+    "adam": OptimizerModel(name="adam", state_tensors=2, step_tensor=True, sqrt_temporaries=True),
+    "adamw": OptimizerModel(name="adamw", state_tensors=2, step_tensor=True, sqrt_temporaries=True),
+}
+
+# Ops whose backward hands the output gradient to an input unchanged (no new buffer): reshapes
+# (a view of a contiguous gradient), copies and same-dtype casts (identity backward).
+_PASS_THROUGH = {
+    aten.reshape.default, aten.flatten.using_ints, aten.clone.default, aten.contiguous.default,
+    aten.alias.default, aten.view_as.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout,
+    aten.to.device, aten.type_as.default, aten.unflatten.int,
+}
+# add(a, b): both inputs receive the output gradient itself when their shape is the output's.
+_ADD = {aten.add.Tensor, aten.add_.Tensor}
+_SUB = {aten.sub.Tensor, aten.sub_.Tensor}
+_DROPOUT = {aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default}
+
+
+def annotate_memory(gm: fx.GraphModule, ctx: Any = None, *, optimizer: str = "adamw",
+                    mixed_precision: bool = False) -> fx.GraphModule:
+    """Write :class:`MemoryMeta` (bytes) under ``node.meta[MEMORY]`` for every node and the
+    step's :class:`MemorySummary` (bytes) under ``gm.meta[MEMORY_SUMMARY]``; returns ``gm``.
+
+    ``optimizer`` is one of :data:`OPTIMIZERS`; ``mixed_precision`` models bf16/fp16 parameters
+    and gradients (2 bytes each per element) with fp32 master weights (4) and fp32 optimizer
+    state (Adam: 8), i.e. 16 bytes per parameter element for Adam. Activation bytes always come
+    from the graph's own dtypes: capture a bf16 model to get bf16 activations.
+    """
+    if optimizer not in OPTIMIZERS:
+        raise ConfigError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    opt = OPTIMIZERS[optimizer]
+    info = capture_info(gm)
+    run = _run_forward(gm)
+    state = _model_state(run, opt, mixed_precision)
+    _write_node_meta(run, state)
+    foreach = info.device == "cuda"
+    peak = _simulate_step(run, state, opt, foreach=foreach)
+
+    activation = sympy.expand(sympy.Add(*[s.size for s in run.storages.values()
+                                          if s.kept and s.kind in ("activation", "internal")]))
+    inputs = sympy.expand(sympy.Add(*[s.size for s in run.storages.values() if s.kept and s.kind == "input"]))
+    notes = [
+        f"optimizer {optimizer}: {'foreach' if foreach else 'single-tensor'} implementation "
+        f"({info.device}); steady state (state exists, gradients set to None before the step)",
+        "peak located at the dims' hints " + ", ".join(f"{n}={v}" for n, v in info.dims)
+        + f" ({peak.hint_bytes} bytes); peak_bytes is the live set at that point",
+    ]
+    if mixed_precision and info.dtype == torch.float32:
+        notes.append("mixed precision: model state uses 2-byte params/grads, but activations are "
+                     "those of the fp32 graph; capture a bf16 model for 2-byte activations")
+    gm.meta[MEMORY_SUMMARY] = MemorySummary(
+        param_count=state.total("numel"),
+        param_bytes=state.total("param"),
+        grad_bytes=state.total("grad"),
+        optimizer_bytes=state.total("opt"),
+        buffer_bytes=sympy.expand(sympy.Add(*[s.size for s in run.storages.values() if s.kind == "buffer"])),
+        activation_bytes=activation,
+        input_bytes=inputs,
+        peak_bytes=peak.bytes,
+        peak_phase=peak.phase,
+        peak_node=peak.node,
+        optimizer=optimizer,
+        mixed_precision=mixed_precision,
+        notes=tuple(notes),
+    )
+    return gm
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward run on fake tensors: storages, who owns them, who saves them.
+
+@dataclass(eq=False)
+class _Storage:
+    """One storage seen in the forward run."""
+
+    ref: StorageWeakRef
+    size: sympy.Expr  # bytes
+    hint: int  # bytes at the dims' hints
+    kind: str  # "param", "buffer", "input", "activation" (a node output), "internal" (saved only)
+    owner: fx.Node
+    index: int  # position of the owner in node order
+    last_use: int = -1  # last node (position) that reads any tensor on this storage
+    graph_output: bool = False
+    savers: list[fx.Node] = field(default_factory=list)
+    release_at: fx.Node | None = None  # node whose backward frees it (earliest saver that runs)
+    # For internal tensors that require grad (e.g. the log-softmax inside a cross entropy): the
+    # bytes of the gradient the op's backward computes for it on the way to its inputs.
+    inner_grad: tuple[sympy.Expr, int] | None = None
+
+    @property
+    def kept(self) -> bool:
+        return bool(self.savers)
+
+
+@dataclass
+class _ForwardRun:
+    gm: fx.GraphModule
+    fake: FakeContext
+    order: list[fx.Node]
+    index: dict[fx.Node, int]
+    values: dict[fx.Node, Any]
+    storages: dict[StorageWeakRef, _Storage]
+    node_storages: dict[fx.Node, list[_Storage]]  # storages of each node's outputs (views included)
+    saved_by: dict[fx.Node, list[_Storage]]  # distinct storages each node saves
+    runs_backward: set[fx.Node]
+    param_with_grad: set[_Storage]
+
+    def size(self, value: Any) -> tuple[sympy.Expr, int]:
+        return self.fake.to_sympy(value), _hint(value)
+
+
+def _hint(value: Any) -> int:
+    return int(guarding_hint_or_throw(value)) if isinstance(value, torch.SymInt) else int(value)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _run_forward(gm: fx.GraphModule) -> _ForwardRun:
+    info = capture_info(gm)
+    fake = fake_context(info)
+    attrs = fake_attrs(fake, gm, info.device, requires_grad=True)
+    values: dict[fx.Node, Any] = {}  # strong refs: no storage is recycled during the run
+    packed: list[tuple[fx.Node, torch.Tensor]] = []
+    interp = FakeInterpreter(gm, attrs, on_node=values.__setitem__)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.append((interp.current, t))
+        return t
+
+    with _eager_dropout(info.device), fake.mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        interp.run(*fake_inputs(fake, info))
+
+    order = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(order)}
+    run = _ForwardRun(gm=gm, fake=fake, order=order, index=index, values=values, storages={},
+                      node_storages={}, saved_by={}, runs_backward=set(), param_with_grad=set())
+    for node in order:
+        mine: list[_Storage] = []
+        for t in _tensors(values.get(node)):
+            ref = StorageWeakRef(t.untyped_storage())
+            st = run.storages.get(ref)
+            if st is None:
+                kind = {"get_attr": "param" if isinstance(t, torch.nn.Parameter) else "buffer",
+                        "placeholder": "input"}.get(node.op, "activation")
+                size, hint = run.size(t.untyped_storage().nbytes())
+                st = run.storages[ref] = _Storage(ref=ref, size=size, hint=hint, kind=kind, owner=node,
+                                                  index=index[node])
+            if st not in mine:
+                mine.append(st)
+        run.node_storages[node] = mine
+        for st in mine:
+            st.last_use = max(st.last_use, index[node])
+        for src in node.all_input_nodes:
+            for st in run.node_storages.get(src, ()):
+                st.last_use = max(st.last_use, index[node])
+        if node.op == "output":
+            for src in node.all_input_nodes:
+                for st in run.node_storages.get(src, ()):
+                    st.graph_output = True
+
+    for saver, t in packed:
+        ref = StorageWeakRef(t.untyped_storage())
+        st = run.storages.get(ref)
+        if st is None or st.index > index[saver]:
+            # made inside the op and never any node's output (or only a later node's, in place)
+            if st is None:
+                size, hint = run.size(t.untyped_storage().nbytes())
+                st = run.storages[ref] = _Storage(ref=ref, size=size, hint=hint, kind="internal", owner=saver,
+                                                  index=index[saver], last_use=index[saver])
+        if st.kind in ("param", "buffer"):
+            continue  # saved weights are model state, not activations
+        if saver not in st.savers:
+            st.savers.append(saver)
+            run.saved_by.setdefault(saver, []).append(st)
+        if st.kind == "internal" and t.requires_grad and st.inner_grad is None:
+            st.inner_grad = run.size(t.numel() * t.element_size())
+
+    _reach_backward(run)
+    for st in run.storages.values():
+        running = [s for s in st.savers if s in run.runs_backward]
+        st.release_at = min(running, key=index.__getitem__) if running else None
+    return run
+
+
+@contextmanager
+def _eager_dropout(device: str) -> Iterator[None]:
+    """Make ``dropout`` save for backward what eager saves on ``device``, at any depth.
+
+    FakeInterpreter runs composite ops through the Python dispatcher (so they keep symbolic
+    sizes), where ``aten.dropout`` decomposes to ``native_dropout``: a 1-byte bool mask is saved,
+    as CUDA eager does. CPU eager computes ``input * noise`` and saves a noise tensor of the
+    input's dtype (also inside attention's math path), so on CPU we hide the Python
+    decomposition and the SymInt-safe C++ kernel runs, as in eager.
+    """
+    op = aten.dropout.default
+    hidden = {}
+    if device == "cpu":
+        for key in list(op.py_kernels):
+            if key != torch._C.DispatchKey.Meta:
+                hidden[key] = op.py_kernels.pop(key)
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        op.py_kernels.update(hidden)
+        op._dispatch_cache.clear()
+
+
+def _grad_inputs(run: _ForwardRun, node: fx.Node) -> list[tuple[int, fx.Node]]:
+    """(position, input node) of every tensor argument that requires grad, repeats included."""
+    out = []
+    for pos, arg in enumerate(tree_leaves((node.args, node.kwargs))):
+        if isinstance(arg, fx.Node):
+            v = run.values.get(arg)
+            if isinstance(v, torch.Tensor) and v.requires_grad:
+                out.append((pos, arg))
+    return out
+
+
+def _is_getitem(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def _reach_backward(run: _ForwardRun) -> None:
+    """Which nodes run a backward (the loss's gradient reaches them) and which params get a grad."""
+    has_grad = {n for n in _output_nodes(run) if _requires_grad(run.values.get(n))}
+    for node in reversed(run.order):
+        if node not in has_grad or node.op in ("placeholder", "get_attr"):
+            continue
+        run.runs_backward.add(node)
+        if _is_getitem(node):
+            has_grad.add(node.args[0])
+            continue
+        for _, src in _grad_inputs(run, node):
+            if src.op == "get_attr":
+                run.param_with_grad.update(st for st in run.node_storages[src] if st.kind == "param")
+            else:
+                has_grad.add(src)
+
+
+def _output_nodes(run: _ForwardRun) -> list[fx.Node]:
+    out = next(n for n in reversed(run.order) if n.op == "output")
+    return [a for a in tree_leaves(out.args) if isinstance(a, fx.Node)]
+
+
+def _requires_grad(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.requires_grad
+
+
+# ---------------------------------------------------------------------------------------------
+# Model state.
+
+@dataclass
+class _ModelState:
+    """Bytes of each parameter storage that is trained (gets a gradient)."""
+
+    first_node: dict[_Storage, fx.Node]  # the get_attr node that carries each parameter's bytes
+    numel: dict[_Storage, sympy.Expr]
+    numel_hint: dict[_Storage, int]
+    param: dict[_Storage, tuple[sympy.Expr, int]]
+    grad: dict[_Storage, tuple[sympy.Expr, int]]
+    opt: dict[_Storage, tuple[sympy.Expr, int]]
+    state_elem_bytes: int  # bytes per element of optimizer state tensors (for temporaries)
+
+    def total(self, what: str) -> sympy.Expr:
+        if what == "numel":
+            return sympy.expand(sympy.Add(*self.numel.values()))
+        table = {"param": self.param, "grad": self.grad, "opt": self.opt}[what]
+        return sympy.expand(sympy.Add(*[v[0] for v in table.values()]))
+
+
+def _model_state(run: _ForwardRun, opt: OptimizerModel, mixed_precision: bool) -> _ModelState:
+    state = _ModelState(first_node={}, numel={}, numel_hint={}, param={}, grad={}, opt={}, state_elem_bytes=_FP32_BYTES)
+    for node in run.order:
+        if node.op != "get_attr":
+            continue
+        for st in run.node_storages[node]:
+            if st.kind != "param" or st in state.first_node:
+                continue
+            t = run.values[node]
+            itemsize = t.element_size()
+            numel = st.size / itemsize
+            state.first_node[st] = node
+            state.numel[st] = numel
+            state.numel_hint[st] = st.hint // itemsize
+            p_bytes = _HALF_BYTES if mixed_precision else itemsize
+            state.param[st] = (numel * p_bytes, st.hint // itemsize * p_bytes)
+            if st not in run.param_with_grad:
+                continue
+            state_bytes = _FP32_BYTES if mixed_precision else itemsize
+            state.state_elem_bytes = state_bytes
+            per_elem = opt.state_tensors * state_bytes + (_FP32_BYTES if mixed_precision else 0)  # + master
+            fixed = _STEP_BYTES if opt.step_tensor else 0
+            state.grad[st] = state.param[st]
+            state.opt[st] = (numel * per_elem + fixed, st.hint // itemsize * per_elem + fixed)
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# Node meta.
+
+def _write_node_meta(run: _ForwardRun, state: _ModelState) -> None:
+    kept: dict[fx.Node, list[sympy.Expr]] = {}
+    for st in run.storages.values():
+        if st.kept and st.kind in ("activation", "internal", "input"):
+            kept.setdefault(st.owner, []).append(st.size)
+    for node in run.order:
+        new = [st.size for st in run.node_storages.get(node, ()) if st.kind == "activation" and st.owner is node]
+        saved = tuple(SavedTensor(owner=st.owner.name, nbytes=st.size) for st in run.saved_by.get(node, ()))
+        meta = MemoryMeta(output_bytes=_sum(new), saved=saved, kept_bytes=_sum(kept.get(node, [])))
+        params = [st for st, first in state.first_node.items() if first is node]
+        if params:
+            meta = MemoryMeta(output_bytes=meta.output_bytes, saved=saved, kept_bytes=meta.kept_bytes,
+                              param_bytes=_sum([state.param[st][0] for st in params]),
+                              grad_bytes=_sum([state.grad[st][0] for st in params if st in state.grad]),
+                              optimizer_bytes=_sum([state.opt[st][0] for st in params if st in state.opt]))
+        node.meta[MEMORY] = meta
+
+
+def _sum(exprs: list[sympy.Expr]) -> sympy.Expr:
+    return sympy.expand(sympy.Add(*exprs)) if exprs else _ZERO
+
+
+# ---------------------------------------------------------------------------------------------
+# Liveness over one step.
+
+class _Grads:
+    """Gradient buffers with reference counts (one buffer may be several tensors' gradient)."""
+
+    def __init__(self, timeline: Timeline):
+        self.tl = timeline
+        self.refs: dict[tuple[str, int], int] = {}
+        self.slot: dict[tuple[fx.Node, int], tuple[str, int]] = {}  # (node, output index) -> buffer
+        self._ids = itertools.count()
+
+    def new(self, size: tuple[sympy.Expr, int]) -> tuple[str, int]:
+        key = ("grad", next(self._ids))
+        self.tl.alloc(key, *size)
+        self.refs[key] = 1
+        return key
+
+    def ref(self, key: tuple[str, int]) -> tuple[str, int]:
+        self.refs[key] += 1
+        return key
+
+    def unref(self, key: tuple[str, int]) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            del self.refs[key]
+            self.tl.free(key)
+
+    def add(self, slot: tuple[fx.Node, int], key: tuple[str, int], size: tuple[sympy.Expr, int]) -> None:
+        """Accumulate gradient buffer ``key`` (a reference we own) into ``slot``."""
+        old = self.slot.get(slot)
+        if old is None:
+            self.slot[slot] = key
+        elif self.refs[old] == 1:
+            self.unref(key)  # added in place into the buffer the slot owns
+        else:
+            self.slot[slot] = self.new(size)  # shared buffer: out-of-place sum
+            self.unref(old)
+            self.unref(key)
+
+
+def _simulate_step(run: _ForwardRun, state: _ModelState, opt: OptimizerModel, *, foreach: bool):
+    tl = Timeline()
+    tl.at("forward", "(model state)")
+    for st in run.storages.values():
+        if st.kind == "param" and st in state.param:
+            tl.alloc(("param", st), *state.param[st])
+            if st in state.opt:
+                tl.alloc(("opt", st), *state.opt[st])
+        elif st.kind in ("buffer", "input"):
+            tl.alloc(st, st.size, st.hint)
+
+    # Forward: allocate each node's new storages; free unsaved ones after their last use.
+    dies_at: dict[int, list[_Storage]] = {}
+    for st in run.storages.values():
+        if st.kind in ("activation", "internal") and st.release_at is None and not st.graph_output:
+            dies_at.setdefault(max(st.last_use, st.index), []).append(st)
+    born: dict[fx.Node, list[_Storage]] = {}
+    for st in run.storages.values():
+        if st.kind in ("activation", "internal"):
+            born.setdefault(st.owner, []).append(st)
+    release: dict[fx.Node, list[_Storage]] = {}
+    for st in run.storages.values():
+        if st.release_at is not None:
+            release.setdefault(st.release_at, []).append(st)
+    for i, node in enumerate(run.order):
+        tl.at("forward", node.name)
+        for st in born.get(node, ()):
+            tl.alloc(st, st.size, st.hint)
+        for st in dies_at.get(i, ()):
+            tl.free(st)
+
+    # Backward: reverse node order over the nodes the loss's gradient reaches.
+    grads = _Grads(tl)
+    param_grad: dict[_Storage, tuple[str, int]] = {}
+    for out in _output_nodes(run):
+        if _requires_grad(run.values.get(out)):
+            tl.at("backward", out.name)
+            grads.add((out, 0), grads.new(_tensor_bytes(run, run.values[out])), _tensor_bytes(run, run.values[out]))
+    for node in reversed(run.order):
+        if node not in run.runs_backward:
+            continue
+        tl.at("backward", node.name)
+        mine = [k for k in list(grads.slot) if k[0] is node]
+        outs = [grads.slot.pop(k) for k in mine]
+        if _is_getitem(node):
+            parent, idx = node.args[0], node.args[1]
+            for key in outs:
+                grads.add((parent, idx), key, _tensor_bytes(run, run.values[node]))
+            continue
+        # Gradients of differentiable tensors made inside the op (composite ops run several
+        # autograd nodes): live while the op's input gradients are computed.
+        inner = [st for st in born.get(node, ()) if st.inner_grad is not None]
+        for st in inner:
+            tl.alloc(("inner", st), *st.inner_grad)
+        for pos, src in _grad_inputs(run, node):
+            value = run.values[src]
+            if outs and _passes_through(run, node, pos, src) and len(outs) == 1:
+                key = grads.ref(outs[0])
+            else:
+                key = grads.new(_tensor_bytes(run, value))
+            if src.op == "get_attr":
+                for st in run.node_storages[src]:
+                    if st.kind != "param" or st not in state.grad:
+                        continue
+                    if st in param_grad or grads.refs[key] != 1 or state.grad[st][1] != _hint(value.numel() * value.element_size()):
+                        if st not in param_grad:
+                            param_grad[st] = grads.new(state.grad[st])  # AccumulateGrad copies
+                        grads.unref(key)  # accumulated in place into .grad
+                    else:
+                        param_grad[st] = key  # AccumulateGrad steals the fresh buffer
+                    break
+                else:
+                    grads.unref(key)
+            else:
+                grads.add((src, 0), key, _tensor_bytes(run, value))
+        for key in outs:
+            grads.unref(key)
+        for st in inner:
+            tl.free(("inner", st))
+        for st in release.get(node, ()):
+            tl.free(st)
+
+    # Optimizer step: parameters, gradients and state are live; the update adds temporaries.
+    if opt.sqrt_temporaries and state.opt:
+        elem = state.state_elem_bytes
+        if foreach:
+            tl.at("optimizer", "(all parameters)")
+            total = sympy.expand(sympy.Add(*[state.numel[st] for st in state.opt]) * elem)
+            tl.alloc(("tmp", 0), total, sum(state.numel_hint[st] for st in state.opt) * elem)
+            tl.free(("tmp", 0))
+        else:
+            biggest = max(state.opt, key=state.numel_hint.__getitem__)
+            tl.at("optimizer", state.first_node[biggest].name)
+            size = (state.numel[biggest] * elem, state.numel_hint[biggest] * elem)
+            tl.alloc(("tmp", 0), *size)  # exp_avg_sq.sqrt()
+            tl.alloc(("tmp", 1), *size)  # ... / bias_correction2_sqrt
+            tl.free(("tmp", 0))
+            tl.free(("tmp", 1))
+    else:
+        tl.at("optimizer", "(step)")
+        tl.alloc(("tmp", 0), _ZERO, 0)
+        tl.free(("tmp", 0))
+    return tl.peak()
+
+
+def _tensor_bytes(run: _ForwardRun, t: torch.Tensor) -> tuple[sympy.Expr, int]:
+    return run.size(t.numel() * t.element_size())
+
+
+def _passes_through(run: _ForwardRun, node: fx.Node, pos: int, src: fx.Node) -> bool:
+    """Does ``node``'s backward give input ``src`` the output gradient itself (no new buffer)?"""
+    out = run.values.get(node)
+    if not isinstance(out, torch.Tensor):
+        return False
+    src_value = run.values[src]
+    same_shape = tuple(src_value.shape) == tuple(out.shape) and src_value.dtype == out.dtype
+    if run.node_storages.get(node) and run.node_storages.get(src) \
+            and run.node_storages[node][0] is run.node_storages[src][0]:
+        return True  # a view: its backward is a view of the gradient
+    target = node.target
+    if target in _PASS_THROUGH:
+        return src_value.dtype == out.dtype
+    if target in _ADD:
+        return same_shape and "alpha" not in node.kwargs
+    if target in _SUB:
+        return same_shape and pos == 0
+    if target in _DROPOUT:
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        return same_shape and (p == 0 or not train)
+    return False

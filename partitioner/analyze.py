@@ -141,30 +141,35 @@ def _resolve_dims(spec: ModelSpec, requested: dict[str, int | str | None]):
 
 
 def layer_of(node: fx.Node) -> str:
-    """The top-level layer a node belongs to: ``blocks.3`` for ModuleList items, else ``wte``."""
+    """The top-level layer a node belongs to: ``blocks.3`` for ModuleList items, else ``wte``;
+    ``(graph)`` for nodes outside every module (the loss, size arithmetic)."""
     path = module_path(node) or (node.target if node.op == "get_attr" else "")
-    if not path:
-        return "(top)"
-    parts = path.split(".")
+    parts = path.split(".") if path else []
+    if node.op == "get_attr":
+        parts = parts[:-1]  # drop the parameter's own name
+    if not parts:
+        return "(graph)"
     if len(parts) > 1 and parts[1].isdigit():
         return ".".join(parts[:2])
-    return parts[0] if node.op != "get_attr" or len(parts) > 1 else "(top)"
+    return parts[0]
 
 
 def per_layer(gm: fx.GraphModule) -> list[LayerStats]:
-    """Parameter bytes, forward FLOPs and kept activation bytes grouped by top-level layer."""
-    order: dict[str, list] = {}
-    for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output") or SHAPE not in node.meta:
-            continue
-        order.setdefault(layer_of(node), []).append(node)
+    """Parameter bytes, forward FLOPs and kept activation bytes grouped by top-level layer,
+    in the order the forward pass reaches each layer."""
+    groups: dict[str, list] = {}
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output") and SHAPE in n.meta]
+    for node in sorted(nodes, key=lambda n: n.op == "get_attr"):  # stable: compute order first
+        groups.setdefault(layer_of(node), []).append(node)
+    if "(graph)" in groups:  # loss and size arithmetic: list after the layers
+        groups["(graph)"] = groups.pop("(graph)")
     stats = []
-    for name, nodes in order.items():
-        mem = [n.meta[MEMORY] for n in nodes if MEMORY in n.meta]
+    for name, members in groups.items():
+        mem = [n.meta[MEMORY] for n in members if MEMORY in n.meta]
         stats.append(LayerStats(
             name=name,
             param_bytes=sympy.expand(sum((m.param_bytes for m in mem), sympy.Integer(0))),
-            fwd_flops=sympy.expand(sum((n.meta[FLOPS].fwd for n in nodes if FLOPS in n.meta), sympy.Integer(0))),
+            fwd_flops=sympy.expand(sum((n.meta[FLOPS].fwd for n in members if FLOPS in n.meta), sympy.Integer(0))),
             activation_bytes=sympy.expand(sum((m.kept_bytes for m in mem), sympy.Integer(0))),
         ))
     return stats

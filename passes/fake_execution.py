@@ -16,6 +16,7 @@ from torch._dispatch.python import enable_python_dispatcher
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+from torch.nn.utils.stateless import _reparametrize_module
 
 from partitioner.errors import AnalysisError
 from passes.meta import CAPTURE, CaptureInfo, dim_symbol
@@ -94,7 +95,9 @@ class FakeInterpreter(fx.Interpreter):
     def run(self, *args: Any, **kwargs: Any) -> Any:
         # Composite ops (aten.pad, ...) read sizes as plain ints in C++ and would specialize the
         # named dims; the Python dispatcher runs their SymInt decompositions, as torch.export does.
-        with enable_python_dispatcher():
+        # Parameters of submodules (checkpointed regions, stage modules) are swapped for their fakes
+        # too; get_attr of a plain tensor is answered from ``attrs`` directly.
+        with enable_python_dispatcher(), _reparametrize_module(self.module, self.attrs):
             return super().run(*args, **kwargs)
 
     def run_node(self, n: fx.Node) -> Any:

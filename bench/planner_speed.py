@@ -1,0 +1,53 @@
+"""Time the planner on GPT-3 175B (192 DGX A100 80GB nodes) and a 1T GPT (384 nodes).
+
+Targets: under 10 s and under 30 s of search (profiling, which captures a 2-block model on the
+meta device and replicates it, is timed separately). Prints the chosen plans.
+
+Run: python bench/planner_speed.py
+"""
+import time
+
+from partitioner.cluster import Cluster
+from partitioner.profile import profile_model
+from partitioner.search import candidates, plan
+
+CASES = (
+    ("GPT-3 175B", "gpt:layers=96,hidden=12288,heads=96,vocab=51200,seq=2048", 192, 1536, 10.0),
+    ("GPT 1T", "gpt:layers=128,hidden=25600,heads=160,vocab=51200,seq=2048", 384, 1536, 30.0),
+)
+
+
+def main() -> None:
+    for label, spec, nodes, batch, target in CASES:
+        cluster = Cluster.preset("dgx-a100-80gb", nodes=nodes)
+        t0 = time.perf_counter()
+        profile = profile_model(spec, dtype="bf16")
+        t1 = time.perf_counter()
+        chosen = plan(profile, cluster, global_batch=batch)
+        t2 = time.perf_counter()
+        n = len(candidates(profile, cluster, batch))
+        print(f"{label}: {spec} on dgx-a100-80gb x {nodes} ({cluster.world_size} GPUs), global batch {batch}, bf16")
+        print(f"  params {profile.param_count / 1e9:.1f} B; profile {t1 - t0:.2f} s; search {t2 - t1:.2f} s over "
+              f"{n} candidates (target < {target:.0f} s: {'ok' if t2 - t1 < target else 'MISSED'})")
+        print(f"  chosen: {chosen.summary()}")
+        terms = ", ".join(f"{k} {v:.3f}" for k, v in chosen.predicted.terms.items())
+        print(f"  terms (s): {terms}")
+        for s in chosen.stages[:1] + chosen.stages[-1:]:
+            mem = ", ".join(f"{k} {v / 2**30:.1f}" for k, v in s.memory.items())
+            print(f"  stage {s.index}: layers {s.layer_names}, {s.time_s * 1e3:.1f} ms/micro-batch, GiB: {mem}")
+        for a in chosen.alternatives:
+            k = a.knobs
+            print(f"  alt: dp={k['dp']} tp={k['tp']} pp={k['pp']} v={k['virtual_pp']} mbs={k['micro_batch_size']} "
+                  f"{k['schedule']} zero={k['zero_stage']} sp={k['sequence_parallel']} ckpt={k['checkpointing']} "
+                  f"offload={k['offload']}: {a.reason}")
+        if label.startswith("GPT-3"):
+            # Narayanan et al. 2021 ran 175B on 1536 A100s with tp=8, pp=12, full recompute at about
+            # 140 TFLOP/s per GPU counting the recompute forward (4/3 of the model FLOPs).
+            pinned = plan(profile, cluster, global_batch=batch,
+                          fix={"tp": 8, "pp": 12, "micro_batch_size": 1, "checkpointing": "full"})
+            print(f"  pinned tp=8 pp=12 full recompute: {pinned.summary()}; with recompute FLOPs "
+                  f"{pinned.predicted.tflops_per_device * 4 / 3:.1f} TFLOP/s/device (published: about 140)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""Per-layer cost profile of a model: the layer chain the planner partitions into stages.
+
+A :class:`ModelProfile` is ``embedding → blocks[0..L) → head``: the repeated transformer blocks
+plus everything before them (embeddings, input dropout) and after them (final norm, LM head, loss).
+Every number is **per sample** (one sequence of ``seq`` tokens, batch = 1): FLOPs and activation
+bytes of these models are linear in the batch, so a micro-batch of ``b`` costs ``b`` times these.
+
+:func:`profile_model` exploits the repetition: it captures the model with only ``sample_layers``
+blocks (2 by default) on the meta device, runs the analysis passes (``annotate_flops``,
+``annotate_memory``), measures ONE block and replicates it ``L`` times. GPT-3 175B profiles in
+seconds, no weights allocated.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+import sympy
+from torch import fx
+
+from partitioner.errors import AnalysisError, ConfigError
+from partitioner.model_spec import build_model, format_spec, model_keys, parse_spec
+from passes.capture import module_path
+from passes.meta import FLOPS, MEMORY, SHAPE
+
+LAYER_KEYS = ("layers", "num_hidden_layers", "n_layer", "num_layers")
+"""Spec keys that set the number of repeated blocks (zoo models, then Hugging Face names)."""
+
+_BLOCK_PATH = re.compile(r"^(.*?\.\d+)(?:\.|$)")  # "blocks.3.attn.qkv" -> "blocks.3"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerProfile:
+    """Costs of one layer of the chain for ONE sample at the profile's sequence length."""
+
+    name: str
+    """``"embedding"``, ``"blocks.3"`` or ``"head"``."""
+    param_count: int
+    """Parameters owned by this layer (shared/tied weights excluded; see ModelProfile)."""
+    param_bytes: int
+    """Bytes of those parameters in the training dtype."""
+    fwd_flops: int
+    """Forward FLOPs per sample (matmul-class work, 2 per multiply-add)."""
+    bwd_flops: int
+    """Backward FLOPs per sample."""
+    matmuls: int
+    """Number of matmul-class kernels in the forward (sizes the per-kernel efficiency)."""
+    attention_flops: int
+    """Forward FLOPs of attention-core kernels (QKᵀ, softmax·V): what selective
+    checkpointing recomputes."""
+    activation_bytes: int
+    """Bytes saved for backward per sample (no tensor parallelism)."""
+    replicated_activation_bytes: int
+    """Part of ``activation_bytes`` whose trailing dim is the hidden size ([b, s, h]: norm inputs,
+    residual adds, dropout masks): replicated over tensor-parallel ranks unless sequence
+    parallelism shards it; the rest (QKV, MLP 4h, heads) is sharded by tensor parallelism."""
+    attention_score_bytes: int
+    """Part of ``activation_bytes`` with trailing dims [s, s] (attention scores, softmax, dropout
+    mask of an unfused attention): dropped by selective checkpointing. 0 for fused SDPA/flash
+    attention, which keeps only its output and log-sum-exp."""
+    boundary_bytes: int
+    """Bytes per sample of the tensor this layer hands the next one (the hidden state)."""
+    tp_all_reduces: int
+    """Tensor-parallel all-reduces of the boundary tensor per forward (and as many in backward):
+    2 for a transformer block (attention and MLP outputs), 1 for embedding and head."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelProfile:
+    """The layer chain ``embedding, *blocks, head`` with model facts the planner needs."""
+
+    model: str
+    """The spec string profiled (with the real layer count)."""
+    seq: int
+    """Sequence length every per-sample number is measured at."""
+    dtype: str
+    """Training dtype (``bf16``/``fp16`` mean mixed precision with fp32 master weights)."""
+    hidden: int
+    """Hidden size (the boundary tensor's last dim)."""
+    heads: int
+    """Attention heads; tensor parallelism must divide them."""
+    embedding: LayerProfile
+    blocks: tuple[LayerProfile, ...]
+    head: LayerProfile
+    shared_param_count: int = 0
+    """Parameters used by both the embedding and the head (tied word embeddings): with several
+    pipeline stages the first and the last stage each hold a copy."""
+    shared_param_bytes: int = 0
+
+    @property
+    def layers(self) -> tuple[LayerProfile, ...]:
+        """The whole chain: embedding, blocks, head."""
+        return (self.embedding, *self.blocks, self.head)
+
+    @property
+    def param_count(self) -> int:
+        """All parameters, shared ones once."""
+        return sum(layer.param_count for layer in self.layers) + self.shared_param_count
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(layer.param_bytes for layer in self.layers) + self.shared_param_bytes
+
+    @property
+    def fwd_flops(self) -> int:
+        """Forward FLOPs per sample."""
+        return sum(layer.fwd_flops for layer in self.layers)
+
+    @property
+    def bwd_flops(self) -> int:
+        """Backward FLOPs per sample."""
+        return sum(layer.bwd_flops for layer in self.layers)
+
+    @property
+    def activation_bytes(self) -> int:
+        """Saved activation bytes per sample, all layers."""
+        return sum(layer.activation_bytes for layer in self.layers)
+
+
+def _int(expr) -> int:
+    value = sympy.sympify(expr)
+    if not value.is_Integer:
+        raise AnalysisError(f"profile expected a concrete number, got {value}; capture with concrete dims")
+    return int(value)
+
+
+def _layer_count_key(name: str, kwargs: dict) -> str | None:
+    keys = model_keys(name)
+    for key in LAYER_KEYS:
+        if key in kwargs or (keys is not None and key in keys):
+            return key
+    return None
+
+
+def _default_layers(name: str, key: str) -> int:
+    import inspect
+
+    from partitioner.model_spec import _REGISTRY  # the builder's default layer count
+
+    param = inspect.signature(_REGISTRY[name][0]).parameters.get(key)
+    if param is None or param.default is inspect.Parameter.empty:
+        raise ConfigError(f"model {name!r} needs an explicit {key}= in its spec to be profiled")
+    return int(param.default)
+
+
+def profile_model(spec: str, *, seq: int | None = None, dtype: str = "bf16",
+                  sample_layers: int | None = 2, optimizer: str = "adamw") -> ModelProfile:
+    """Profile ``spec`` (a zoo or ``hf-*`` spec string) at sequence length ``seq``, batch 1.
+
+    ``sample_layers``: capture only this many blocks and replicate the measured block to the
+    spec's layer count (``None``: capture the full model; used to check the replication).
+    All numbers are per sample; multiply by the micro-batch size (linear in batch).
+    """
+    from partitioner.analyze import analyze
+
+    name, kwargs = parse_spec(spec)
+    key = _layer_count_key(name, kwargs)
+    if key is None:
+        raise ConfigError(f"model {name!r} has no layer-count key ({', '.join(LAYER_KEYS)}); "
+                          f"profile_model needs a repeated-block model such as gpt or llama")
+    layers = int(kwargs[key]) if key in kwargs else _default_layers(name, key)
+    captured = layers if sample_layers is None else min(layers, max(1, sample_layers))
+    small = format_spec(name, {**kwargs, key: captured})
+    from partitioner.analyze import DTYPES
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    model = build_model(small, device="meta", dtype=DTYPES[dtype])
+    analysis = analyze(model, batch=1, seq=seq, dtype=dtype, optimizer=optimizer)
+    seq_len = int(analysis.dims["seq"])
+    shared = _shared_params(model.module)
+    embedding, blocks, head, hidden, heads = _chain(analysis.graph, seq_len, shared)
+    if len(blocks) != captured:
+        raise AnalysisError(f"profile of {small!r}: found {len(blocks)} repeated blocks, expected {captured}")
+    if sample_layers is not None and captured < layers:
+        # Every block of a stack has the same costs; take the last (its boundary is a plain block
+        # output) and check the others agree.
+        ref = blocks[-1]
+        for b in blocks[:-1]:
+            if replace(b, name=ref.name) != ref:
+                raise AnalysisError(f"profile of {small!r}: blocks differ ({b} vs {ref}); "
+                                    f"use sample_layers=None to capture the whole model")
+        blocks = [replace(ref, name=f"{ref.name.rsplit('.', 1)[0]}.{i}") for i in range(layers)]
+    shared_count = sum(n for n, _ in shared.values())
+    shared_bytes = sum(b for _, b in shared.values())
+    return ModelProfile(model=format_spec(name, {**kwargs, key: layers}), seq=seq_len, dtype=dtype,
+                        hidden=hidden, heads=heads, embedding=embedding, blocks=tuple(blocks), head=head,
+                        shared_param_count=shared_count, shared_param_bytes=shared_bytes)
+
+
+def _shared_params(module) -> "_SharedMap":
+    """Tied parameters (one parameter under several names): ``{first name: (numel, bytes)}``."""
+    names: dict[int, list[str]] = {}
+    params = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+        params[id(p)] = p
+    tied = {pid: ns for pid, ns in names.items() if len(ns) > 1}
+    first = {ns[0]: (params[pid].numel(), params[pid].numel() * params[pid].element_size())
+             for pid, ns in tied.items()}
+    return _SharedMap(first, {n for ns in tied.values() for n in ns})
+
+
+class _SharedMap(dict):
+    """``{first name: (numel, bytes)}`` of tied parameters, plus ``all_names`` (every alias)."""
+
+    def __init__(self, data: dict, all_names: set[str]):
+        super().__init__(data)
+        self.all_names = all_names
+
+
+def _block_of(node: fx.Node) -> str | None:
+    path = module_path(node) or (node.target if node.op == "get_attr" else "")
+    m = _BLOCK_PATH.match(path or "")
+    return m.group(1) if m else None
+
+
+def _chain(gm: fx.GraphModule, seq: int, shared: _SharedMap):
+    """Group the analysed nodes into embedding / blocks / head and sum their costs."""
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    block = {n: _block_of(n) for n in nodes}
+    order = [b for b in dict.fromkeys(block[n] for n in nodes if n.op != "get_attr") if b]
+    # The repeated stack is the block prefix ("blocks", "model.layers") with the most members.
+    prefixes: dict[str, list[str]] = {}
+    for b in order:
+        prefixes.setdefault(b.rsplit(".", 1)[0], []).append(b)
+    if not prefixes:
+        raise AnalysisError("profile found no repeated blocks (no module path like 'blocks.0')")
+    stack = max(prefixes.values(), key=len)
+    in_stack = set(stack)
+    compute = [n for n in nodes if n.op != "get_attr"]
+    index = {n: i for i, n in enumerate(compute)}
+    first = min(index[n] for n in compute if block[n] in in_stack)
+
+    def group(n: fx.Node) -> str:
+        if block[n] in in_stack:
+            return block[n]
+        anchor = n
+        if n.op == "get_attr":  # a parameter sits where it is first used
+            users = [u for u in n.users if u in index]
+            if not users:
+                return "embedding"
+            anchor = min(users, key=index.get)
+            if block[anchor] in in_stack:
+                return block[anchor]
+        return "embedding" if index[anchor] < first else "head"
+
+    groups: dict[str, list[fx.Node]] = {g: [] for g in ["embedding", *stack, "head"]}
+    for n in nodes:
+        groups[group(n)].append(n)
+    boundary = {}
+    for g in stack:
+        outs = [n for n in groups[g] if n.op != "get_attr" and SHAPE in n.meta and len(n.meta[SHAPE].tensors) == 1]
+        boundary[g] = outs[-1].meta[SHAPE].tensor
+    hidden = int(boundary[stack[0]].shape[-1])
+    heads = _heads(gm, in_stack, block)
+    layers = {g: _sum(g, ns, seq, hidden, boundary.get(g), shared) for g, ns in groups.items()}
+    bnd = layers[stack[0]].boundary_bytes
+    emb = replace(layers["embedding"], boundary_bytes=bnd, tp_all_reduces=1)
+    head = replace(layers["head"], boundary_bytes=bnd, tp_all_reduces=1)
+    return emb, [layers[g] for g in stack], head, hidden, heads
+
+
+def _heads(gm, in_stack, block) -> int:
+    for n in gm.graph.nodes:
+        f = n.meta.get(FLOPS)
+        if block.get(n) in in_stack and f is not None and f.kind == "attention" and SHAPE in n.meta:
+            return int(n.meta[SHAPE].tensors[0].shape[1])  # (batch, heads, seq, head_dim)
+    return 1
+
+
+def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap) -> LayerProfile:
+    params = pbytes = fwd = bwd = matmuls = attn = act = repl = score = 0
+    for n in nodes:
+        mem = n.meta.get(MEMORY)
+        if n.op == "get_attr":
+            if mem is None or n.target in shared.all_names:
+                continue  # tied weights are counted once, in ModelProfile.shared_param_*
+            pbytes += _int(mem.param_bytes)
+            if _int(mem.param_bytes):
+                params += _int(n.meta[SHAPE].tensor.numel)
+            continue
+        f = n.meta.get(FLOPS)
+        if f is not None:
+            fwd += _int(f.fwd)
+            bwd += _int(f.bwd)
+            if _int(f.fwd):
+                matmuls += 1
+            if f.kind == "attention":
+                attn += _int(f.fwd)
+        if mem is not None and _int(mem.kept_bytes):
+            kept = _int(mem.kept_bytes)
+            act += kept
+            shape = n.meta[SHAPE].tensors[0].shape if SHAPE in n.meta and n.meta[SHAPE].tensors else ()
+            dims = [int(d) for d in shape] if all(sympy.sympify(d).is_Integer for d in shape) else []
+            if len(dims) >= 2 and dims[-1] == seq and dims[-2] == seq:
+                score += kept
+            elif dims and dims[-1] == hidden:
+                repl += kept
+    bnd = _int(boundary.nbytes) if boundary is not None else 0
+    return LayerProfile(name=name, param_count=params, param_bytes=pbytes, fwd_flops=fwd, bwd_flops=bwd,
+                        matmuls=max(matmuls, 1), attention_flops=attn, activation_bytes=act,
+                        replicated_activation_bytes=repl, attention_score_bytes=score, boundary_bytes=bnd,
+                        tp_all_reduces=2)

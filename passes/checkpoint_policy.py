@@ -1,0 +1,318 @@
+"""Transform (tag half): decide which regions of a training graph recompute their forward in
+backward, and write the decision as meta. :mod:`passes.apply_checkpoint` carries it out.
+
+Regions
+    A *cut point* is a position in node order where at most one activation is live (produced
+    before, used after); parameters, graph inputs and sizes are available everywhere and do not
+    count. The compute nodes between two cut points form a single-entry, single-exit segment.
+    Segments whose nodes belong to the same transformer block (module path ``blocks.N``,
+    ``layers.N``, ``h.N`` or ``layer.N``) are merged into one region per block; a model without
+    blocks uses its segments as regions. A skip connection keeps two activations live, so no
+    cut point falls inside it.
+
+Policies
+    * ``none``: regions are found, nothing is recomputed.
+    * ``full``: every block is recomputed (only its input is kept).
+    * ``selective``: only the attention core of each attention module is recomputed (the nodes
+      of the attention module itself around ``scaled_dot_product_attention``/softmax, not its
+      projections), as Korthikanti et al. 2022.
+    * ``solver``: the blocks to recompute are chosen by :func:`passes.checkpoint_solver.solve_chain`
+      to fit ``budget_bytes`` of saved activations with the fewest recompute FLOPs.
+
+Bytes: the graph runs forward once on fake tensors under ``saved_tensors_hooks`` (the
+observation ``annotate_memory`` makes), so each storage autograd keeps is known with its savers. After
+checkpointing, a storage stays kept if a node outside the recomputed regions saves it, or if it
+is the input of a recomputed region (``torch.utils.checkpoint`` keeps its inputs). FLOPs come
+from ``node.meta[FLOPS]`` (``annotate_flops``). Writes ``node.meta[CHECKPOINT]`` on every node and
+``gm.meta[CHECKPOINT_PLAN]``.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import sympy
+import torch
+from torch import fx
+
+from partitioner.errors import ConfigError, PassError
+from passes.capture import module_path
+# annotate_memory's forward observation (storages, owners, savers); private there, shared here.
+from passes.annotate_memory import _run_forward as _observe_saved
+from passes.checkpoint_solver import ChainSegment, solve_chain
+from passes.meta import (CAPTURE, CHECKPOINT, CHECKPOINT_PLAN, EXPORT_VAL, FLOPS, SHAPE,
+                         CheckpointMeta, CheckpointPlan, CheckpointRegion)
+
+aten = torch.ops.aten
+POLICIES = ("none", "full", "selective", "solver")
+_ZERO = sympy.Integer(0)
+# The outermost "<container>.<index>" of a module path: "transformer.h.3.attn" -> "transformer.h.3".
+_BLOCK = re.compile(r"^((?:.*?\.)?(?:blocks|layers|h|layer)\.\d+)(?:\.|$)")
+_ATTENTION_ANCHORS = {aten.scaled_dot_product_attention.default, aten._softmax.default, aten.softmax.int}
+_COMPUTE_OPS = ("call_function", "call_method", "call_module")
+
+
+@dataclass(frozen=True)
+class Region:
+    """A contiguous run of compute nodes (in graph order) that can be recomputed as one unit."""
+
+    name: str
+    nodes: tuple[fx.Node, ...]
+
+    def io(self) -> tuple[tuple[fx.Node, ...], tuple[fx.Node, ...]]:
+        """(inputs, outputs): outside nodes it reads (parameters excluded), its nodes read outside."""
+        return region_io(self.nodes)
+
+
+def region_io(nodes: Sequence[fx.Node]) -> tuple[tuple[fx.Node, ...], tuple[fx.Node, ...]]:
+    """Inputs (non-parameter nodes outside ``nodes`` that they read, in first-use order) and
+    outputs (nodes of ``nodes`` with a user outside) of a region."""
+    inside = set(nodes)
+    inputs: dict[fx.Node, None] = {}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in inside and a.op != "get_attr":
+                inputs[a] = None
+    outputs = tuple(n for n in nodes if any(u not in inside for u in n.users))
+    return tuple(inputs), outputs
+
+
+# ---------------------------------------------------------------------------------------------
+# Region finding.
+
+def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op in _COMPUTE_OPS]
+
+
+def _is_activation(node: fx.Node) -> bool:
+    """A value produced by a compute node that holds tensors (sizes and scalars are free)."""
+    if node.op not in _COMPUTE_OPS:
+        return False
+    shape = node.meta.get(SHAPE)
+    if shape is not None:
+        return bool(shape.tensors)
+    val = node.meta.get(EXPORT_VAL)
+    if val is not None:
+        return isinstance(val, torch.Tensor) or (isinstance(val, (tuple, list))
+                                                 and any(isinstance(v, torch.Tensor) for v in val))
+    return True  # unknown (e.g. a symbolic_trace graph): assume a tensor
+
+
+def cut_points(gm: fx.GraphModule) -> list[fx.Node]:
+    """Compute nodes after which at most one activation is live (see the module docstring)."""
+    order = _compute_nodes(gm)
+    index = {n: i for i, n in enumerate(order)}
+    end = len(order)
+    last_use = {n: max((index.get(u, end) for u in n.users), default=index[n]) for n in order if _is_activation(n)}
+    dies: dict[int, list[fx.Node]] = {}
+    for n, i in last_use.items():
+        dies.setdefault(i, []).append(n)
+    live: set[fx.Node] = set()
+    cuts = []
+    for i, node in enumerate(order[:-1]):
+        if node in last_use and last_use[node] > i:
+            live.add(node)
+        live.difference_update(dies.get(i, ()))
+        if len(live) <= 1:
+            cuts.append(node)
+    return cuts
+
+
+def segments(gm: fx.GraphModule) -> list[list[fx.Node]]:
+    """The compute nodes split after every cut point: single-entry, single-exit segments."""
+    cuts = set(cut_points(gm))
+    out: list[list[fx.Node]] = [[]]
+    for node in _compute_nodes(gm):
+        out[-1].append(node)
+        if node in cuts:
+            out.append([])
+    return [s for s in out if s]
+
+
+def block_of(node: fx.Node) -> str | None:
+    """The transformer block a node belongs to ("blocks.2"), or None."""
+    m = _BLOCK.match(module_path(node))
+    return m.group(1) if m else None
+
+
+def block_regions(gm: fx.GraphModule) -> list[Region]:
+    """One region per transformer block (its segments merged); a graph without blocks gets one
+    region per segment ("segment.K"). Segments outside every block are in no region."""
+    segs = segments(gm)
+    labels = []
+    for seg in segs:
+        blocks = list(dict.fromkeys(b for b in map(block_of, seg) if b is not None))
+        labels.append("+".join(blocks) if blocks else None)
+    if not any(labels):
+        return [Region(f"segment.{k}", tuple(seg)) for k, seg in enumerate(segs)]
+    regions: list[Region] = []
+    prev = None
+    for seg, label in zip(segs, labels):
+        if label is not None and label == prev:
+            regions[-1] = Region(label, regions[-1].nodes + tuple(seg))
+        elif label is not None:
+            regions.append(Region(label, tuple(seg)))
+        prev = label
+    return regions
+
+
+def attention_regions(gm: fx.GraphModule) -> list[Region]:
+    """The attention core of each attention op: the contiguous run of nodes of the attention
+    module itself around it (its projections live in child modules and stay out)."""
+    order = _compute_nodes(gm)
+    regions: list[Region] = []
+    taken: set[fx.Node] = set()
+    for i, node in enumerate(order):
+        if node.target not in _ATTENTION_ANCHORS or node in taken:
+            continue
+        path = module_path(node)
+        lo = hi = i
+        if path:
+            while lo > 0 and module_path(order[lo - 1]) == path and order[lo - 1] not in taken:
+                lo -= 1
+            while hi + 1 < len(order) and module_path(order[hi + 1]) == path:
+                hi += 1
+        nodes = tuple(order[lo:hi + 1])
+        taken.update(nodes)
+        regions.append(Region(f"{path or node.name} (attention core)", nodes))
+    return regions
+
+
+# ---------------------------------------------------------------------------------------------
+# Saved-activation model: which storages autograd keeps, from one run on fake tensors.
+
+@dataclass
+class _Saved:
+    """Storages (numbered) saved for backward, who saves them, and the storages of each value."""
+
+    size: dict[int, sympy.Expr]  # bytes of each saved storage (activations and graph inputs)
+    savers: dict[int, set[fx.Node]]
+    storages: dict[fx.Node, tuple[int, ...]]  # storages a node's tensors live on (not parameters)
+    all_sizes: dict[int, sympy.Expr]  # bytes of every storage (a checkpoint input may be unsaved)
+
+    def kept(self, recompute: Iterable[Region]) -> set[int]:
+        """Storages kept after forward when ``recompute``'s regions are checkpointed: those a node
+        outside them saves, and their inputs (``torch.utils.checkpoint`` keeps its inputs)."""
+        regions = list(recompute)
+        dropped = {n for r in regions for n in r.nodes}
+        keys = {k for k, savers in self.savers.items() if savers - dropped}
+        for r in regions:
+            for node in r.io()[0]:
+                keys.update(self.storages.get(node, ()))
+        return keys
+
+    def bytes(self, keys: Iterable[int]) -> sympy.Expr:
+        keys = list(keys)
+        return sympy.expand(sympy.Add(*[self.all_sizes[k] for k in keys])) if keys else _ZERO
+
+
+def _saved_model(gm: fx.GraphModule) -> _Saved:
+    """Number the storages autograd keeps, from ``annotate_memory``'s forward run on fake tensors.
+
+    We reuse that observation (same storages, same eager-faithful dropout) rather than
+    ``MemoryMeta``, which names a saved storage only by owner and size and so cannot tell a
+    dropout's output from its noise tensor of the same size.
+    """
+    run = _observe_saved(gm)
+    ids = {st: i for i, st in enumerate(run.storages.values())}
+    kept = {st for st in run.storages.values() if st.kept and st.kind in ("activation", "internal", "input")}
+    return _Saved(size={ids[st]: st.size for st in kept},
+                  savers={ids[st]: set(st.savers) for st in kept},
+                  storages={n: tuple(ids[st] for st in sts if st.kind in ("activation", "input"))
+                            for n, sts in run.node_storages.items()},
+                  all_sizes={ids[st]: st.size for st in run.storages.values()})
+
+
+# ---------------------------------------------------------------------------------------------
+# The pass.
+
+def checkpoint_policy(gm: fx.GraphModule, ctx: Any = None, *, policy: str = "full",
+                      budget_bytes: int | None = None) -> fx.GraphModule:
+    """Decide which regions to recompute; write :class:`CheckpointMeta` on every node and the
+    :class:`CheckpointPlan` (FLOPs, bytes) under ``gm.meta[CHECKPOINT_PLAN]``; returns ``gm``.
+
+    ``policy`` is one of :data:`POLICIES`; ``budget_bytes`` (bytes of saved activations after one
+    forward, at the dims' hints) is required by ``solver`` and only used there. Needs
+    ``annotate_shapes`` and ``annotate_flops`` to have run.
+    """
+    if policy not in POLICIES:
+        raise ConfigError(f"unknown checkpoint policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if policy == "solver" and budget_bytes is None:
+        raise ConfigError("checkpoint policy 'solver' needs budget_bytes (bytes of saved activations)")
+    for key, provider in ((SHAPE, "annotate_shapes"), (FLOPS, "annotate_flops")):
+        missing = [n.name for n in _compute_nodes(gm) if key not in n.meta]
+        if missing:
+            raise PassError(f"checkpoint_policy: node {missing[0]!r} has no node.meta[{key!r}]; run {provider} "
+                            f"first (annotate_shapes -> annotate_flops -> checkpoint_policy)")
+
+    regions = attention_regions(gm) if policy == "selective" else block_regions(gm)
+    saved = _saved_model(gm)
+    hints = gm.meta[CAPTURE].symbols() if CAPTURE in gm.meta else {}
+    flops = [sympy.expand(sympy.Add(*[n.meta[FLOPS].fwd for n in r.nodes])) for r in regions]
+
+    if policy == "none":
+        recompute = [False] * len(regions)
+    elif policy in ("full", "selective"):
+        recompute = [True] * len(regions)
+    else:
+        recompute = _solve(regions, saved, flops, hints, budget_bytes)
+
+    chosen = [r for r, flag in zip(regions, recompute) if flag]
+    before = saved.bytes(saved.kept([]))
+    after_keys = saved.kept(chosen)
+    after = saved.bytes(after_keys)
+    entries = []
+    for k, (region, flag) in enumerate(zip(regions, recompute)):
+        others = [r for r in chosen if r is not region]
+        without = saved.bytes(saved.kept(others))
+        with_it = saved.bytes(saved.kept(others + [region]))
+        inputs, outputs = region.io()
+        entries.append(CheckpointRegion(
+            index=k, name=region.name, nodes=tuple(n.name for n in region.nodes),
+            inputs=tuple(n.name for n in inputs), outputs=tuple(n.name for n in outputs),
+            recompute=flag, recompute_flops=flops[k], bytes_saved=sympy.expand(without - with_it)))
+
+    region_of = {n: k for k, r in enumerate(regions) for n in r.nodes}
+    for node in gm.graph.nodes:
+        k = region_of.get(node)
+        node.meta[CHECKPOINT] = CheckpointMeta(region=k, recompute=k is not None and recompute[k], policy=policy)
+    gm.meta[CHECKPOINT_PLAN] = CheckpointPlan(
+        policy=policy, regions=tuple(entries),
+        recompute_flops=sympy.expand(sympy.Add(*[f for f, flag in zip(flops, recompute) if flag])),
+        saved_bytes_before=before, saved_bytes_after=after,
+        budget_bytes=budget_bytes if policy == "solver" else None)
+    return gm
+
+
+def _at_hints(expr: sympy.Expr, hints: dict) -> int:
+    return int(sympy.sympify(expr).subs(hints))
+
+
+def _solve(regions: list[Region], saved: _Saved, flops: list[sympy.Expr], hints: dict,
+           budget: int) -> list[bool]:
+    """The solver's choice. The chain model is additive; where regions interact (a storage two
+    regions save, an input one region keeps that another frees) the exact count can differ, so
+    the budget is tightened by any excess and the chain solved again."""
+    base_keys = saved.kept([])
+    base = _at_hints(saved.bytes(base_keys), hints)
+    chain = []
+    for r, f in zip(regions, flops):
+        nodes = set(r.nodes)
+        freed = [k for k, s in saved.savers.items() if s <= nodes]
+        boundary = {k for n in r.io()[0] for k in saved.storages.get(n, ()) if k not in base_keys}
+        chain.append(ChainSegment(flops=_at_hints(f, hints), saved_bytes=_at_hints(saved.bytes(freed), hints),
+                                  boundary_bytes=_at_hints(saved.bytes(boundary), hints)))
+    target = budget
+    for _ in range(len(regions) + 1):
+        sol = solve_chain(chain, target, base)
+        if not sol.feasible:
+            break
+        exact = _at_hints(saved.bytes(saved.kept([r for r, x in zip(regions, sol.recompute) if x])), hints)
+        if exact <= budget:
+            return list(sol.recompute)
+        target -= exact - budget
+    every = _at_hints(saved.bytes(saved.kept(regions)), hints)
+    raise PassError(f"checkpoint_policy: no choice of the {len(regions)} regions keeps at most {budget} bytes of "
+                    f"saved activations (nothing recomputed: {base} bytes; every region recomputed: {every} bytes); "
+                    f"raise budget_bytes, lower the micro-batch size, or split the model over more pipeline stages")

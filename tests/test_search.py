@@ -1,0 +1,131 @@
+"""Profile replication and the plan search: fixing, determinism, the memory ladder, tp placement."""
+import dataclasses
+import math
+
+import pytest
+
+from partitioner.analyze import analyze
+from partitioner.cluster import Cluster
+from partitioner.errors import ConfigError, InfeasiblePlanError
+from partitioner.plan import format_bytes
+from partitioner.profile import profile_model
+from partitioner.search import candidates, min_memory, plan
+
+SPEC = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq=32"
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return profile_model(SPEC, dtype="bf16")
+
+
+def _cluster(memory_bytes: float | None = None, nodes: int = 1, devices: int | None = None) -> Cluster:
+    c = Cluster.preset("dgx-a100-80gb", nodes=nodes)
+    if devices is not None:
+        c = dataclasses.replace(c, devices_per_node=devices)
+    if memory_bytes is not None:
+        c = dataclasses.replace(c, device=dataclasses.replace(c.device, memory_bytes=int(memory_bytes)))
+    return c
+
+
+def test_replicated_profile_matches_full_capture_and_analysis(profile):
+    direct = profile_model(SPEC, dtype="bf16", sample_layers=None)  # all 4 blocks captured
+    assert len(profile.blocks) == len(direct.blocks) == 4
+    for key in ("param_count", "param_bytes", "fwd_flops", "bwd_flops", "activation_bytes"):
+        assert getattr(profile, key) == getattr(direct, key), key
+    assert profile.blocks == direct.blocks
+    whole = analyze(SPEC, batch=1, seq=32, dtype="bf16")
+    assert profile.param_count == whole.param_count
+    assert profile.fwd_flops == whole.fwd_flops and profile.bwd_flops == whole.bwd_flops
+    assert profile.activation_bytes == whole.activation_bytes
+    assert (profile.hidden, profile.heads) == (64, 4)
+    assert profile.shared_param_count == 256 * 64  # tied wte / lm_head
+    # public GPT formula: 24·s·h²·(1 + s/6h) forward matmul FLOPs per block and sample
+    s, h = 32, 64
+    assert profile.blocks[0].fwd_flops == 24 * s * h * h * (1 + s / (6 * h))
+
+
+def test_fix_every_field_reproduces_prediction(profile):
+    cluster = _cluster(nodes=2)
+    chosen = plan(profile, cluster, global_batch=64)
+    again = plan(profile, cluster, global_batch=64, fix=chosen.knobs())
+    assert again.knobs() == chosen.knobs()
+    assert again.predicted == chosen.predicted
+    assert again.stages == chosen.stages
+    assert again.alternatives == ()  # a single candidate
+
+
+def test_fix_pins_knobs(profile):
+    fix = {"tp": 2, "pp": 2, "schedule": "interleaved", "virtual_pp": 2, "checkpointing": "full",
+           "zero_stage": 1, "micro_batch_size": 1}
+    p = plan(profile, _cluster(nodes=2), global_batch=64, fix=fix)
+    assert {k: getattr(p, k) for k in fix} == fix
+    assert p.predicted.terms["recompute"] > 0
+    with pytest.raises(ConfigError, match="unknown knob"):
+        plan(profile, _cluster(), global_batch=64, fix={"tensor_parallel": 2})
+
+
+def test_search_is_deterministic(profile):
+    a = plan(profile, _cluster(nodes=2), global_batch=64)
+    b = plan(profile, _cluster(nodes=2), global_batch=64)
+    assert a == b and a.to_json() == b.to_json()
+    # alternatives are real losers: slower, or over the memory limit
+    for alt in a.alternatives:
+        assert alt.step_time_s >= a.predicted.step_time_s or alt.reason.startswith("needs")
+
+
+def test_memory_ladder(profile):
+    batch = 64
+    roomy = plan(profile, _cluster(), global_batch=batch)
+    assert (roomy.checkpointing, roomy.offload) == ("none", "none")
+    times = [roomy.predicted.step_time_s]
+
+    # 1. just below what any plan without checkpointing or offload needs: checkpointing turns on
+    need, _ = min_memory(profile, _cluster(), global_batch=batch, fix={"checkpointing": "none", "offload": "none"})
+    p1 = plan(profile, _cluster(need * 0.999), global_batch=batch)
+    assert p1.checkpointing != "none" or p1.offload != "none"
+    assert p1.predicted.peak_memory_bytes <= need * 0.999
+    times.append(p1.predicted.step_time_s)
+
+    # 2. below what plain data parallelism needs even with checkpointing: ZeRO / pipeline / tp / offload
+    base = {"zero_stage": 0, "pp": 1, "tp": 1, "offload": "none"}
+    need2, _ = min_memory(profile, _cluster(), global_batch=batch, fix=base)
+    p2 = plan(profile, _cluster(need2 * 0.999), global_batch=batch)
+    assert p2.zero_stage > 0 or p2.pp > 1 or p2.tp > 1 or p2.offload != "none"
+    assert p2.predicted.peak_memory_bytes <= need2 * 0.999
+    # less memory never makes the chosen plan faster
+    by_cap = sorted([(float("inf"), times[0]), (need * 0.999, times[1]), (need2 * 0.999, p2.predicted.step_time_s)],
+                    reverse=True)
+    assert [t for _, t in by_cap] == sorted(t for _, t in by_cap)
+
+    # 3. below the smallest need of every candidate: an error that names that need
+    least, _ = min_memory(profile, _cluster(), global_batch=batch)
+    with pytest.raises(InfeasiblePlanError) as info:
+        plan(profile, _cluster(least * 0.99), global_batch=batch)
+    message = str(info.value)
+    assert f"smallest need is {format_bytes(least)} per device" in message
+    assert "checkpointing in {full, none}" in message and "zero_stage in {0, 1, 2}" in message
+    assert info.value.min_bytes == least
+    # ... and that need is enough
+    fits = plan(profile, _cluster(math.ceil(least) + 1), global_batch=batch)
+    assert fits.predicted.peak_memory_bytes <= least + 1
+
+
+def test_tp_stays_in_a_node_unless_fixed(profile):
+    cluster = _cluster(nodes=4, devices=2)
+    assert {c.tp for c in candidates(profile, cluster, 64)} == {1, 2}
+    for memory in (None, 2e6):
+        assert plan(profile, _cluster(memory, nodes=4, devices=2), global_batch=64).tp <= 2
+    forced = plan(profile, cluster, global_batch=64, fix={"tp": 4, "pp": 1, "micro_batch_size": 1})
+    inside = plan(profile, _cluster(nodes=1, devices=8), global_batch=64,
+                  fix={"tp": 4, "pp": 1, "dp": 2, "micro_batch_size": 1, "checkpointing": "none", "zero_stage": 0,
+                       "offload": "none", "sequence_parallel": False})
+    assert forced.tp == 4
+    # a TP group across nodes pays the inter-node link
+    assert forced.predicted.terms["tp_comm"] > inside.predicted.terms["tp_comm"]
+
+
+def test_interleaved_needs_divisible_layers(profile):
+    with pytest.raises(ConfigError, match="divisible"):
+        plan(profile, _cluster(nodes=2), global_batch=64,
+             fix={"pp": 4, "schedule": "interleaved", "virtual_pp": 3})

@@ -16,6 +16,9 @@ _LAZY = {
     "build_model": "partitioner.model_spec",
     "ModelSpec": "partitioner.model_spec",
     "analyze": "partitioner.analyze",
+    "plan": "partitioner.planning",
+    "Plan": "partitioner.plan_types",
+    "Cluster": "partitioner.cluster",
 }
 
 

@@ -68,6 +68,46 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from partitioner.planning import plan
+
+    start = time.perf_counter()
+    chosen = plan(args.model, args.cluster, nodes=args.nodes, global_batch=args.global_batch, seq=args.seq,
+                  dtype=args.dtype, fix=args.fix, optimizer=args.optimizer, dump_dir=args.dump_dir)
+    elapsed = time.perf_counter() - start
+    if args.json:
+        print(chosen.to_json())
+        return 0
+    pred = chosen.predicted
+    print(f"plan for {args.model} on {args.cluster} ({chosen.world_size} devices), global batch "
+          f"{args.global_batch}, {args.dtype}  (planned in {elapsed:.1f} s)")
+    rows = [("knob", "value")] + [(k, str(v)) for k, v in chosen.knobs().items()]
+    print(_table(rows))
+    print()
+    rows = [("prediction", "value"),
+            ("step time", f"{pred.step_time_s:.4g} s"),
+            ("TFLOP/s per device", f"{pred.tflops_per_device:.1f}"),
+            ("MFU", f"{pred.mfu * 100:.1f}%"),
+            ("peak memory per device", _human(pred.peak_memory_bytes, "B")),
+            ("bubble", f"{pred.bubble_fraction * 100:.1f}%")]
+    rows += [(f"  {name}", f"{value:.4g} s") for name, value in pred.terms.items()]
+    print(_table(rows))
+    print()
+    rows = [("stage", "layers", "time/micro-batch", "peak memory")]
+    rows += [(str(s.index), f"{s.layer_names[0]} .. {s.layer_names[-1]}" if len(s.layer_names) > 1 else
+              s.layer_names[0], f"{s.time_s * 1e3:.2f} ms", _human(sum(s.memory.values()), "B"))
+             for s in chosen.stages]
+    print(_table(rows))
+    if chosen.alternatives:
+        print("\nalternatives:")
+        for alt in chosen.alternatives:
+            knobs = " ".join(f"{k}={v}" for k, v in alt.knobs.items())
+            print(f"  {knobs}: {alt.reason}")
+    if args.dump_dir:
+        print(f"\nplan written to {args.dump_dir}/plan.json")
+    return 0
+
+
 def _cmd_models(args: argparse.Namespace) -> int:
     from partitioner.model_spec import known_models
 
@@ -91,6 +131,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-layer", action="store_true", help="also print a per-layer breakdown")
     p.add_argument("--dump-dir", help="write the IR after every pass here")
     p.set_defaults(fn=_cmd_analyze)
+
+    p = sub.add_parser("plan", help="choose dp x tp x pp, micro-batching, schedule, ZeRO, checkpointing")
+    p.add_argument("--model", required=True, help="NAME:key=value,... (a repeated-block model)")
+    p.add_argument("--cluster", required=True, help="preset (dgx-a100-80gb, dgx-h100, ...) or a YAML/JSON file")
+    p.add_argument("--nodes", type=int, help="number of nodes (default: the preset's)")
+    p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    p.add_argument("--seq", type=int, help="sequence length (default: the spec's)")
+    p.add_argument("--dtype", default="bf16", help="bf16/fp16 (mixed precision) or fp32")
+    p.add_argument("--optimizer", default="adamw", help="adamw, adam or sgd")
+    p.add_argument("--fix", help="pin knobs: tp=8,pp=4,schedule=interleaved,virtual_pp=2,...")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--dump-dir", help="write plan.json here")
+    p.set_defaults(fn=_cmd_plan)
 
     p = sub.add_parser("models", help="list the model zoo")
     p.set_defaults(fn=_cmd_models)

@@ -76,7 +76,7 @@ from partitioner.cost_model import (
     send_recv_time,
 )
 from partitioner.errors import ConfigError, InfeasiblePlanError
-from partitioner.plan import (
+from partitioner.plan_types import (
     CHECKPOINTING,
     KNOBS,
     OFFLOAD,
@@ -104,7 +104,7 @@ GiB = 2**30
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """Values of every knob of one plan (names as in :data:`partitioner.plan.KNOBS`)."""
+    """Values of every knob of one plan (names as in :data:`partitioner.plan_types.KNOBS`)."""
 
     dp: int
     tp: int
@@ -524,7 +524,7 @@ def plan(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: dic
     """The fastest plan for ``profile`` on ``cluster`` that fits every device's memory.
 
     ``global_batch``: samples per step (``dp · micro_batch_size · num_micro_batches``).
-    ``fix``: pin any of :data:`partitioner.plan.KNOBS` (e.g. ``{"tp": 8, "pp": 4}``); a pinned
+    ``fix``: pin any of :data:`partitioner.plan_types.KNOBS` (e.g. ``{"tp": 8, "pp": 4}``); a pinned
     ``tp`` may exceed the devices of one node. With every knob pinned this evaluates that plan.
     Deterministic: ties go to the simpler plan (:meth:`Candidate.key`).
     Raises :class:`InfeasiblePlanError` when no candidate fits.

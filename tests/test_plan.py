@@ -5,7 +5,7 @@ import pytest
 
 from partitioner.cluster import Cluster
 from partitioner.errors import ConfigError
-from partitioner.plan import Plan
+from partitioner.plan_types import Plan
 from partitioner.profile import profile_model
 from partitioner.search import plan
 

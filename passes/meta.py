@@ -14,6 +14,10 @@ key                   written by              value
 ``CHECKPOINT``        ``checkpoint_policy``   :class:`CheckpointMeta`: region and recompute decision
 ``PIPELINE_STAGE``    ``pipeline_split``      ``int``: the pipeline stage the node runs on (also
                                               ``gm.meta`` of each stage module: its index)
+``TENSOR_PARALLEL``   ``tensor_parallel_``    :class:`TPMeta`: tp role, sharded dim, reason
+                      ``patterns``
+``OFFLOAD``           ``offload_policy``      :class:`OffloadMeta`: are the activations this node
+                                              owns (kept for backward) moved to host, and why
 ====================  ======================  =======================================================
 
 Graph keys (``gm.meta[KEY]``):
@@ -24,6 +28,12 @@ Graph keys (``gm.meta[KEY]``):
 ``MEMORY_SUMMARY``    ``annotate_memory``     :class:`MemorySummary`: model state, activations, peak
 ``CHECKPOINT_PLAN``   ``checkpoint_policy``   :class:`CheckpointPlan`: regions, recompute FLOPs, bytes
                       (``apply_checkpoint``   fills each region's ``submodule``)
+``TENSOR_PARALLEL_    ``tensor_parallel_``    :class:`TensorParallelPlan`: tp degree, per-parameter
+PLAN``                ``patterns``            :class:`ParamSharding` (``apply_tensor_parallel``
+                                              sets ``rank`` on each rank program)
+``OFFLOAD_PLAN``      ``offload_policy``      :class:`OffloadPlan`: offloaded activation bytes,
+                      (``apply_offload``      link time, optimizer-on-host decision
+                      numbers the regions)
 ====================  ======================  =======================================================
 """
 from __future__ import annotations
@@ -192,7 +202,10 @@ class MemorySummary:
     """``gm.meta[MEMORY_SUMMARY]``: memory of one training step of the whole graph (bytes).
 
     ``peak_bytes`` comes from a liveness analysis over forward, backward and the optimizer step;
-    ``peak_phase`` and ``peak_node`` say where it happens (at the dims' hint values).
+    ``peak_phase`` and ``peak_node`` say where it happens (at the dims' hint values). With
+    symbolic dims ``peak_bytes`` may be a ``sympy.Max`` of the candidate points (see
+    ``passes.liveness``). ``activation_bytes`` sums ``kept_bytes`` over non-input nodes;
+    ``input_bytes`` is the bytes of graph inputs that autograd saves (e.g. token ids).
     """
 
     param_count: sympy.Expr
@@ -352,3 +365,100 @@ class CheckpointPlan:
     saved_bytes_before: sympy.Expr
     saved_bytes_after: sympy.Expr
     budget_bytes: int | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism (passes/tensor_parallel_patterns.py tags, passes/apply_tensor_parallel.py rewrites)
+TENSOR_PARALLEL = "tensor_parallel"
+TENSOR_PARALLEL_PLAN = "tensor_parallel_plan"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TPMeta:
+    """``node.meta[TENSOR_PARALLEL]``: how a node runs under Megatron-style tensor parallelism.
+
+    ``role``: ``"column"`` (linear, output features sharded), ``"row"`` (linear, input features
+    sharded, output all-reduced), ``"vocab_embedding"``, ``"vocab_head"`` (LM head, vocabulary
+    sharded), ``"vocab_loss"`` (cross-entropy over vocabulary-sharded logits), ``"sharded"`` (an
+    op inside a tensor-parallel region), or ``"replicated"``. ``shard_dim``: the output dim that is
+    split across tp ranks (``None``: replicated output). ``sections``: global sizes of the
+    contiguous sections of that dim (fused q/k/v: three), each split evenly across ranks.
+    ``reason``: why the node is (not) sharded, for dumps.
+    """
+
+    role: str
+    shard_dim: int | None = None
+    sections: tuple[int, ...] = ()
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamSharding:
+    """How one parameter is split across tp ranks: along ``dim`` (``None``: replicated), each of
+    ``sections`` (global sizes along ``dim``) split evenly; ``reason`` says why."""
+
+    dim: int | None
+    sections: tuple[int, ...] = ()
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorParallelPlan:
+    """``gm.meta[TENSOR_PARALLEL_PLAN]``: the tp degree tagged for and every parameter's
+    :class:`ParamSharding` (by qualified name); ``rank`` is set on a rewritten rank program."""
+
+    degree: int
+    params: dict[str, ParamSharding] = field(hash=False)
+    rank: int | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation / optimizer-state offload (passes/offload_policy.py tags, passes/apply_offload.py
+# rewrites, runtime/offload_ops.py and runtime/optimizer_offload.py run it)
+OFFLOAD = "offload"
+OFFLOAD_PLAN = "offload_plan"
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadMeta:
+    """``node.meta[OFFLOAD]`` on every node that owns storages kept for backward.
+
+    * ``offload``: those storages go to host memory after forward and come back for backward.
+    * ``bytes``: their bytes (whole storages, each once; sympy in the named dims).
+    * ``transfer_s``: seconds on the host link, both directions, at the dims' hints.
+    * ``hidden_behind_s``: compute seconds between the node's forward and the first backward that
+      reads them (forward of every later node + backward of every node after the last saver).
+    * ``savers``: names of the nodes that save them (the nodes ``apply_offload`` brackets).
+    """
+
+    offload: bool
+    bytes: sympy.Expr
+    transfer_s: float
+    hidden_behind_s: float
+    reason: str
+    savers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadPlan:
+    """``gm.meta[OFFLOAD_PLAN]``: what the offload policy decided.
+
+    * ``nodes``: owners whose saved activations are offloaded; ``activation_bytes`` their bytes
+      (moved to host and back once per step); ``link_s``: host-link seconds of those transfers.
+    * ``target_bytes``: the byte target the greedy choice stopped at (``None``: no target).
+    * ``optimizer_on_host``: optimizer state (fp32 master, Adam moments) lives on the host and
+      the step runs there; ``optimizer_bytes_moved``: bytes over the link per step for it
+      (gradients to host + parameters back), ``optimizer_state_bytes``: state kept on host.
+    * ``regions``: filled by ``apply_offload``: number of bracketed saver nodes.
+    """
+
+    policy: str
+    nodes: tuple[str, ...]
+    activation_bytes: sympy.Expr
+    link_s: float
+    target_bytes: int | None
+    optimizer_on_host: bool
+    optimizer_bytes_moved: sympy.Expr
+    optimizer_state_bytes: sympy.Expr
+    optimizer_reason: str
+    regions: int | None = None

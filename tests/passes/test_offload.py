@@ -1,0 +1,198 @@
+"""Activation offload (offload_policy tags, apply_offload rewrites, runtime.offload_ops runs) and
+optimizer-state offload (runtime.optimizer_offload)."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import sympy
+import torch
+
+from partitioner.cluster import Cluster, Link
+from partitioner.errors import ConfigError, PassError
+from partitioner.model_spec import build_model
+from passes.annotate_flops import annotate_flops
+from passes.annotate_memory import annotate_memory
+from passes.annotate_shapes import annotate_shapes
+from passes.apply_offload import apply_offload
+from passes.capture import capture_spec
+from passes.meta import MEMORY, MEMORY_SUMMARY, OFFLOAD, OFFLOAD_PLAN
+from passes.offload_policy import offload_policy
+from runtime import offload_ops
+from runtime.optimizer_offload import HostOffloadedAdamW
+
+SPEC = "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=16"
+
+
+@pytest.fixture(scope="module")
+def annotated():
+    gm = capture_spec(build_model(SPEC, device="cpu"))
+    for p in (annotate_shapes, annotate_flops, annotate_memory):
+        gm = p(gm)
+    return gm
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 128, (2, 16), generator=g), torch.randint(0, 128, (2, 16), generator=g)]
+
+
+def _step(gm, inputs):
+    torch.manual_seed(1234)  # same dropout masks in every run
+    for p in gm.parameters():
+        p.grad = None
+    loss = gm(*inputs)
+    loss.backward()
+    return loss.detach(), {k: p.grad.clone() for k, p in gm.named_parameters()}
+
+
+def _cluster(bandwidth: float, latency: float = 0.0, memory: int | None = None) -> Cluster:
+    base = Cluster.preset("local-cpu")
+    device = base.device if memory is None else dataclasses.replace(base.device, memory_bytes=memory)
+    return dataclasses.replace(base, device=device, host_to_device=Link(
+        kind="pcie", bandwidth_bytes_per_s=bandwidth, latency_s=latency))
+
+
+def _assert_exact(a, b):
+    (la, ga), (lb, gb) = a, b
+    assert torch.equal(la, lb)
+    assert ga.keys() == gb.keys() and len(ga) > 0
+    for k in ga:
+        assert torch.equal(ga[k], gb[k]), k
+
+
+def test_offload_all_is_exact_and_moves_the_predicted_bytes(annotated, inputs):
+    ref = copy.deepcopy(annotated)
+    gm = offload_policy(copy.deepcopy(annotated), policy="all")
+    plan = gm.meta[OFFLOAD_PLAN]
+    predicted = int(plan.activation_bytes)
+    assert predicted > 0 and len(plan.nodes) > 10
+    gm = apply_offload(gm)
+    assert gm.meta[OFFLOAD_PLAN].regions == offload_ops.check_offload_regions(gm) > 0
+    expected = _step(ref, inputs)
+
+    offload_ops.reset_offload_counters()
+    torch.manual_seed(1234)
+    loss = gm(*inputs)
+    counters = offload_ops.offload_counters()
+    # after forward, every offloaded device storage is gone: only the host copies hold the data
+    assert counters.offloaded_bytes == predicted
+    assert counters.sources and all(ref_.expired() for ref_ in counters.sources)
+    assert counters.reloaded_bytes == 0
+    loss.backward()
+    assert counters.reloaded_bytes == predicted
+    assert counters.reloaded_storages == counters.offloaded_storages == len(counters.sources)
+    assert counters.kept_tensors > 0  # weights saved inside the regions stayed on the device
+    _assert_exact(expected, (loss.detach(), {k: p.grad.clone() for k, p in gm.named_parameters()}))
+
+    # survives deepcopy + recompile + dead-code elimination, still exact and still offloading
+    again = copy.deepcopy(gm)
+    again.graph.eliminate_dead_code()
+    again.recompile()
+    assert offload_ops.check_offload_regions(again) == gm.meta[OFFLOAD_PLAN].regions
+    offload_ops.reset_offload_counters()
+    _assert_exact(expected, _step(again, inputs))
+    assert offload_ops.offload_counters().offloaded_bytes == predicted
+
+
+def test_ops_show_by_name_in_code_and_graph(annotated):
+    gm = offload_policy(copy.deepcopy(annotated), policy="all")
+    gm = apply_offload(gm)
+    assert "torch.ops.partitioner.offload_begin.default(" in gm.code
+    assert "torch.ops.partitioner.offload_end.default(" in gm.code
+    begins = [n for n in gm.graph.nodes if n.target is offload_ops.OFFLOAD_BEGIN]
+    assert len(begins) == gm.meta[OFFLOAD_PLAN].regions
+    # each begin brackets exactly one saver of an offloaded owner, named in that owner's meta
+    savers = {s for n in gm.graph.nodes if OFFLOAD in n.meta and n.meta[OFFLOAD].offload
+              for s in n.meta[OFFLOAD].savers}
+    assert {b.next.name for b in begins} == savers
+    with pytest.raises(PassError, match="already has offload ops"):
+        apply_offload(gm)
+
+
+def test_policy_bytes_match_annotate_memory_and_transfer_formula(annotated):
+    bw, lat = 1e9, 2e-6
+    gm = offload_policy(copy.deepcopy(annotated), cluster=_cluster(bw, lat), policy="none")
+    owners = [n for n in gm.graph.nodes if OFFLOAD in n.meta]
+    assert owners and not gm.meta[OFFLOAD_PLAN].nodes
+    for n in owners:
+        meta = n.meta[OFFLOAD]
+        assert not meta.offload and meta.reason == "policy 'none'"
+        assert sympy.simplify(meta.bytes - n.meta[MEMORY].kept_bytes) == 0, n.name
+        storages = round((meta.transfer_s / 2 - int(meta.bytes) / bw) / lat)  # latency once per storage
+        assert storages >= 1
+        assert meta.transfer_s == pytest.approx(2 * (int(meta.bytes) / bw + storages * lat))
+    # kept activation bytes of all owners = annotate_memory's activation bytes
+    total = sum(int(n.meta[OFFLOAD].bytes) for n in owners)
+    assert total == int(gm.meta[MEMORY_SUMMARY].activation_bytes)
+
+
+def test_policy_picks_nothing_on_a_slow_link_and_every_hideable_on_a_fast_one(annotated):
+    slow = offload_policy(copy.deepcopy(annotated), cluster=_cluster(1.0, 1e-3))
+    assert slow.meta[OFFLOAD_PLAN].nodes == () and int(slow.meta[OFFLOAD_PLAN].activation_bytes) == 0
+
+    fast = offload_policy(copy.deepcopy(annotated), cluster=_cluster(1e18))
+    metas = {n.name: n.meta[OFFLOAD] for n in fast.graph.nodes if OFFLOAD in n.meta}
+    hideable = {k for k, m in metas.items() if m.transfer_s <= m.hidden_behind_s}
+    assert set(fast.meta[OFFLOAD_PLAN].nodes) == hideable
+    # the loss's own saved tensors have no compute left to hide behind
+    assert 0 < len(hideable) < len(metas)
+    assert all(metas[k].hidden_behind_s == 0 for k in set(metas) - hideable)
+
+
+def test_policy_target_stops_largest_first(annotated):
+    full = offload_policy(copy.deepcopy(annotated), cluster=_cluster(1e18))
+    metas = {n.name: n.meta[OFFLOAD] for n in full.graph.nodes if OFFLOAD in n.meta}
+    target = int(full.meta[OFFLOAD_PLAN].activation_bytes) // 3
+    gm = offload_policy(copy.deepcopy(annotated), cluster=_cluster(1e18), target_bytes=target)
+    chosen = gm.meta[OFFLOAD_PLAN].nodes
+    sizes = sorted((int(metas[k].bytes) for k in chosen), reverse=True)
+    assert sum(sizes) >= target > sum(sizes[:-1])
+    rest = [int(m.bytes) for k, m in metas.items() if k not in chosen and m.transfer_s <= m.hidden_behind_s]
+    assert max(rest) <= min(sizes)  # largest first
+    with pytest.raises(ConfigError, match="target_bytes"):
+        offload_policy(copy.deepcopy(annotated), target_bytes=-1)
+    with pytest.raises(ConfigError, match="unknown offload policy"):
+        offload_policy(copy.deepcopy(annotated), policy="some")
+
+
+def test_optimizer_offload_decision(annotated):
+    summary = annotated.meta[MEMORY_SUMMARY]
+    fits = offload_policy(copy.deepcopy(annotated), policy="none").meta[OFFLOAD_PLAN]
+    assert not fits.optimizer_on_host and fits.optimizer_bytes_moved == 0
+    tight = offload_policy(copy.deepcopy(annotated), policy="none",
+                           cluster=_cluster(1e10, memory=int(summary.peak_bytes) - 1)).meta[OFFLOAD_PLAN]
+    assert tight.optimizer_on_host and "device memory" in tight.optimizer_reason
+    assert tight.optimizer_bytes_moved == summary.grad_bytes + summary.param_bytes
+    assert tight.optimizer_state_bytes == summary.optimizer_bytes + 4 * summary.param_count
+
+
+def test_apply_needs_the_policy_and_end_needs_begin(annotated):
+    with pytest.raises(PassError, match="offload_policy first"):
+        apply_offload(copy.deepcopy(annotated))
+    with pytest.raises(PassError, match="without a matching offload_begin"):
+        torch.ops.partitioner.offload_end(12345)
+
+
+def test_host_adamw_matches_device_adamw_over_three_steps():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    twin = copy.deepcopy(model)
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    device_opt = torch.optim.AdamW(model.parameters(), **kwargs)
+    host_opt = HostOffloadedAdamW(twin.parameters(), **kwargs)
+    assert all(m.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
+               for m, p in zip(host_opt.masters, twin.parameters()))
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    for step in range(3):
+        x = torch.randn(8, 16)
+        for m, opt in ((model, device_opt), (twin, host_opt)):
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            opt.step()
+        for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(a, b), (step, name)
+    assert host_opt.bytes_to_host == host_opt.bytes_to_device == 3 * param_bytes
+    assert host_opt.state_bytes == 3 * param_bytes + 4 * len(host_opt.masters)  # masters, 2 moments, steps

@@ -8,6 +8,8 @@
     ir-dumps diff A B                 nodes added/removed and meta changed; A and B are two
                                       .json dumps or two dump directories (passes paired by name)
     ir-dumps diff DIR_A DIR_B --pass P   only pass P of both directories
+    ir-dumps explain DIR --node N     why node N is where it is: stage, sharding, recompute,
+                                      offload, with the cost terms that decided each
 
 Exit status: 0 on success (also when a diff finds differences), 2 on a usage error such as a
 missing directory, pass or node.
@@ -31,6 +33,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "show":
             text = _show(args)
+        elif args.command == "explain":
+            from ir_dumps.explain import explain_node
+
+            text = explain_node(args.dir, args.node)
         else:
             text = _diff(args)
     except DumpError as exc:
@@ -52,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     diff.add_argument("a", help="a .json dump or a dump directory")
     diff.add_argument("b", help="a .json dump or a dump directory")
     diff.add_argument("--pass", dest="pass_name", help="with directories: compare only this pass")
+    explain = sub.add_parser("explain", help="why a node is on its stage, sharded, recomputed, offloaded")
+    explain.add_argument("dir", help="dump directory (holds manifest.json; plan.json there is read too)")
+    explain.add_argument("--node", required=True, help="node name, e.g. linear_3 or %linear_3")
     return parser
 
 

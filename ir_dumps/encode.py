@@ -48,7 +48,9 @@ def is_fact(value: Any) -> bool:
 
 def facts(meta: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     """The project facts of a meta dict, known keys first (in ``passes.meta`` order), then sorted."""
-    known = [k for k in KNOWN_KEY_ORDER if k in meta and is_fact(meta[k])]
+    # The pipeline stage is a plain int (not a dataclass) but is a decision worth dumping.
+    known = [k for k in KNOWN_KEY_ORDER if k in meta and (is_fact(meta[k]) or (
+        k == meta_keys.PIPELINE_STAGE and isinstance(meta[k], int) and not isinstance(meta[k], bool)))]
     rest = sorted(k for k in meta if k not in KNOWN_KEY_ORDER and isinstance(k, str) and is_fact(meta[k]))
     for key in known + rest:
         yield key, meta[key]

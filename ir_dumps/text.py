@@ -47,6 +47,8 @@ def node_line(node: fx.Node) -> str:
     for key, fact in facts(node.meta):
         if key == SHAPE and isinstance(fact, ShapeMeta):
             parts.append(f":: {shape_text(fact)}")
+        elif not dataclasses.is_dataclass(fact):  # a plain value such as the pipeline stage
+            annotations.append(f"| {_LABELS.get(key, key)}={scalar_text(fact)}")
         elif not _is_trivial(fact):
             body = fact_fields_text(fact)
             label = _LABELS.get(key, key)

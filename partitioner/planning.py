@@ -15,7 +15,7 @@ def plan(model: str, cluster: Cluster | str, *, global_batch: int, nodes: int | 
          optimizer: str = "adamw", dump_dir: str | Path | None = None) -> Plan:
     """The fastest plan for ``model`` (a spec string) on ``cluster`` (a Cluster, preset or file).
 
-    ``fix`` pins knobs (dict, or ``"tp=8,pp=4"``); ``dump_dir`` receives ``plan.json``.
+    ``fix`` pins knobs (dict, or ``"tp=8,pp=4"``); ``dump_dir`` receives ``plan.json`` and ``report.html``.
     """
     from partitioner.profile import profile_model
     from partitioner.search import plan as search
@@ -30,6 +30,9 @@ def plan(model: str, cluster: Cluster | str, *, global_batch: int, nodes: int | 
     if dump_dir is not None:
         Path(dump_dir).mkdir(parents=True, exist_ok=True)
         (Path(dump_dir) / "plan.json").write_text(chosen.to_json() + "\n")
+        from ir_dumps.report import write_report
+
+        write_report(Path(dump_dir) / "report.html", plan=chosen, cluster=cluster)
     return chosen
 
 

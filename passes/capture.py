@@ -245,6 +245,8 @@ def _to_plain_graph_module(gm: fx.GraphModule, inputs: Sequence[InputSpec], run_
     for node in graph.nodes:
         if node.kwargs.get("device") == meta_device:
             node.kwargs = {**node.kwargs, "device": torch.device(run_device)}
+        if any(a == meta_device for a in node.args if isinstance(a, torch.device)):  # aten.to.device(x, meta, ...)
+            node.args = tuple(torch.device(run_device) if a == meta_device else a for a in node.args)
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()

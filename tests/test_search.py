@@ -7,7 +7,7 @@ import pytest
 from partitioner.analyze import analyze
 from partitioner.cluster import Cluster
 from partitioner.errors import ConfigError, InfeasiblePlanError
-from partitioner.plan import format_bytes
+from partitioner.plan_types import format_bytes
 from partitioner.profile import profile_model
 from partitioner.search import candidates, min_memory, plan
 

@@ -104,7 +104,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             knobs = " ".join(f"{k}={v}" for k, v in alt.knobs.items())
             print(f"  {knobs}: {alt.reason}")
     if args.dump_dir:
-        print(f"\nplan written to {args.dump_dir}/plan.json")
+        print(f"\nplan written to {args.dump_dir}/plan.json and {args.dump_dir}/report.html")
     return 0
 
 
@@ -114,6 +114,47 @@ def _cmd_models(args: argparse.Namespace) -> int:
     rows = [("name", "keys")] + [(name, help) for name, help in known_models().items()]
     print(_table(rows))
     print("\nor path/to/file.py:factory (a function returning partitioner.model_spec.ModelSpec)")
+    return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from partitioner.calibrate import run_calibration
+
+    cal = run_calibration(args.world_size, args.out, args.quick)
+    print(f"calibrated {cal.world_size} gloo ranks, {cal.threads_per_rank} thread(s) each "
+          f"({cal.elapsed_s:.1f} s{', quick' if args.quick else ''})")
+    rows = [("matmul", "n", "time", "FLOP/s", "fitted efficiency")]
+    for s in cal.matmul:
+        fit = cal.efficiency[s.dtype]
+        rows.append((s.dtype, str(s.n), f"{s.seconds * 1e6:.1f} us", _human(s.flops_per_s, "FLOP/s"),
+                     f"{fit.curve.efficiency(s.flops, fit.peak_flops_per_s):.2f}"))
+    print(_table(rows))
+    print()
+    rows = [("dtype", "peak", "peak_efficiency", "half_saturation")]
+    rows += [(d, _human(f.peak_flops_per_s, "FLOP/s"), f"{f.curve.peak_efficiency:.3g}",
+              f"{f.curve.half_saturation_s * 1e6:.3g} us") for d, f in cal.efficiency.items()]
+    print(_table(rows))
+    print()
+    rows = [("communication", "ranks", "bytes", "time", "bytes/time", "alpha-beta model")]
+    for samples, fit in ((cal.gloo.all_reduce, cal.gloo.all_reduce_fit), (cal.gloo.send_recv, cal.gloo.send_recv_fit)):
+        rows += [(s.op, str(s.world_size), _human(s.nbytes, "B"), f"{s.seconds * 1e6:.1f} us",
+                  f"{_human(s.algorithm_bytes_per_s, 'B')}/s", f"{fit.predict_seconds(s.nbytes) * 1e6:.1f} us")
+                 for s in samples]
+        rows.append((f"{fit.op} fit", str(fit.world_size), "", f"alpha {fit.latency_s * 1e6:.3g} us",
+                     f"beta {_human(fit.bandwidth_bytes_per_s, 'B')}/s", ""))
+    print(_table(rows))
+    print()
+    m = cal.memcpy
+    rows = [("memory", "value"),
+            (f"copy of {_human(m.nbytes, 'B')}", f"{m.seconds * 1e3:.2f} ms"),
+            ("copy rate (host_to_device)", f"{_human(m.copy_bytes_per_s, 'B')}/s"),
+            ("read+write bandwidth (device)", f"{_human(m.memory_bandwidth_bytes_per_s, 'B')}/s"),
+            ("4 KiB copy (host_to_device latency)", f"{m.small_copy_s * 1e6:.2f} us"),
+            ("host memory", _human(cal.cluster.host_memory_bytes, "B")),
+            ("device memory (host / ranks)", _human(cal.cluster.device.memory_bytes, "B"))]
+    print(_table(rows))
+    print(f"\ncluster file written to {cal.path} (samples in {cal.path.name}.calibration.json); "
+          f"Cluster.local reads it" + ("" if args.out is None else " with PARTITIONER_CLUSTER_FILE set to it"))
     return 0
 
 
@@ -147,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("models", help="list the model zoo")
     p.set_defaults(fn=_cmd_models)
+
+    p = sub.add_parser("calibrate", help="measure this machine; write the cluster file Cluster.local reads")
+    p.add_argument("--world-size", type=int, default=4, help="local gloo ranks to calibrate for (default 4)")
+    p.add_argument("--out", help="cluster file to write (default ~/.cache/partitioner/local-cluster.yaml)")
+    p.add_argument("--quick", action="store_true", help="fewer, smaller measurements (seconds; pessimistic)")
+    p.set_defaults(fn=_cmd_calibrate)
     return parser
 
 

@@ -1,0 +1,122 @@
+"""Run a function on ``world_size`` local processes (for tests and local runs), never hanging.
+
+``spawn(fn, world_size, *args, timeout_s=...)`` starts one process per rank with the
+``spawn`` start method and the env:// variables torchrun would set (MASTER_ADDR=127.0.0.1, a
+free MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE), calls ``fn(*args)`` in each, and returns the
+per-rank results as a list. ``fn`` must be importable (a module-level function) and its result
+picklable. ``fn`` initialises torch.distributed itself (e.g. by building a
+:class:`runtime.mesh.Mesh`); the process group is destroyed when ``fn`` returns.
+
+If a rank raises, the job stops at once (the other ranks are killed: they would otherwise wait
+in a collective until their timeout) and :class:`LaunchError` names the rank and carries its
+traceback; likewise for a rank that dies without reporting, or ranks still running after
+``timeout_s`` seconds.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+from partitioner.errors import PartitionerError
+
+
+class LaunchError(PartitionerError, RuntimeError):
+    """A spawned rank raised, died, or did not finish in time; the message names the rank(s)."""
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    try:
+        import torch
+        torch.set_num_threads(1)  # as torchrun does (OMP_NUM_THREADS=1): ranks share the cores
+        # Plain pickle bytes: multiprocessing would share tensors by file descriptor, which the
+        # parent can no longer open once this process has exited.
+        results.put((rank, "ok", pickle.dumps(fn(*args))))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+    """``[fn(*args) on rank r for r in range(world_size)]``, each rank in its own process.
+
+    ``timeout_s`` (seconds) bounds the whole job; raises :class:`LaunchError` naming the failed
+    rank (with its traceback) as soon as one raises or dies, or the unfinished ranks on timeout.
+    """
+    if world_size < 1:
+        raise LaunchError(f"spawn: world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    done: dict[int, Any] = {}
+    ok = False
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(done) < world_size:
+            try:
+                rank, status, value = results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode is not None]
+                if dead:
+                    _drain(results, done)  # a rank may have reported just before exiting
+                    dead = [r for r in dead if r not in done]
+                if dead:
+                    codes = ", ".join(f"rank {r} (exit code {procs[r].exitcode})" for r in dead)
+                    raise LaunchError(f"spawn: {codes} died without reporting a result "
+                                      f"(killed, or crashed in native code)") from None
+                if time.monotonic() > deadline:
+                    late = [r for r in range(world_size) if r not in done]
+                    raise LaunchError(f"spawn: rank(s) {late} did not finish within {timeout_s:.0f} s "
+                                      f"(a hang: waiting in a collective or a receive?); killed them") from None
+                continue
+            if status == "error":
+                raise LaunchError(f"spawn: rank {rank} of {world_size} raised {value}")
+            done[rank] = pickle.loads(value)
+        ok = True
+    finally:
+        _stop(procs, graceful=ok)
+    return [done[r] for r in range(world_size)]
+
+
+def _drain(results, done: dict[int, Any]) -> None:
+    while True:
+        try:
+            rank, status, value = results.get(timeout=0.1)
+        except queue.Empty:
+            return
+        if status == "error":
+            raise LaunchError(f"spawn: rank {rank} raised {value}")
+        done[rank] = pickle.loads(value)
+
+
+def _stop(procs, *, graceful: bool) -> None:
+    """Join the ranks; kill (SIGKILL) the ones still running (after a failure at once: they only
+    wait on a dead peer)."""
+    if graceful:
+        for p in procs:
+            p.join(timeout=5.0)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5.0)

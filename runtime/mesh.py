@@ -1,0 +1,133 @@
+"""Process groups for a (pp, dp, tp) device mesh, on gloo (CPU) or NCCL (CUDA).
+
+Rank layout (global rank of mesh coordinates)::
+
+    rank = first + pp_index * (dp * tp) + dp_index * tp + tp_index
+
+tp varies fastest (tensor-parallel peers share a node, where bandwidth is highest), then dp, then
+pp. ``first`` lets a mesh use ranks ``first .. first + pp*dp*tp - 1`` of a larger world (tests run
+several meshes inside one spawned job). Example, dp=2, pp=2, tp=1::
+
+    pp_index 0: ranks 0 1   (the dp group of stage-rank 0)
+    pp_index 1: ranks 2 3
+    pp groups: (0, 2), (1, 3)
+
+``torch.distributed.new_group`` must be called by every process of the world, for every group,
+in the same order, so :class:`Mesh` is built on every rank of the world, including ranks outside
+the mesh (they get ``mesh.active == False`` and no groups of their own).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from partitioner.errors import ConfigError
+
+AXES = ("pp", "dp", "tp")
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def default_backend() -> str:
+    """``"nccl"`` when CUDA is available, else ``"gloo"``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(*, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Initialise the default process group from the environment (``env://``: MASTER_ADDR,
+    MASTER_PORT, RANK, WORLD_SIZE, as torchrun and :func:`runtime.launch.spawn` set them).
+
+    No-op if already initialised. ``timeout_s`` (seconds) bounds every collective of the default
+    group, so a dead peer turns into an error instead of a hang.
+    """
+    if dist.is_initialized():
+        return
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in os.environ]
+    if missing:
+        raise ConfigError(f"mesh: environment variable(s) {missing} not set; run under torchrun or "
+                          f"runtime.launch.spawn, or call torch.distributed.init_process_group first")
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+class Mesh:
+    """The (pp, dp, tp) process groups of this rank.
+
+    Attributes (for an active rank): ``pp_index``, ``dp_index``, ``tp_index``; ``pp_group``,
+    ``dp_group``, ``tp_group``, ``group`` (every rank of the mesh); ``pp_ranks``/``dp_ranks``/
+    ``tp_ranks``: global ranks of this rank's groups, in axis order; ``ends_group`` over
+    ``ends_ranks``, the first and last ranks of this rank's pipeline (for tied weights); ``device``.
+    """
+
+    def __init__(self, dp: int, pp: int, tp: int = 1, *, first: int = 0, backend: str | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        for name, value in (("dp", dp), ("pp", pp), ("tp", tp)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"mesh: {name} must be an int >= 1, got {value!r}")
+        init_distributed(backend=backend, timeout_s=timeout_s)
+        self.dp, self.pp, self.tp, self.first = dp, pp, tp, first
+        self.size = dp * pp * tp
+        world = dist.get_world_size()
+        if first < 0 or first + self.size > world:
+            raise ConfigError(f"mesh: dp*pp*tp = {self.size} ranks from rank {first} do not fit the world of "
+                              f"{world} ranks; launch {first + self.size} processes or shrink the mesh")
+        self.rank = dist.get_rank()
+        self.backend = dist.get_backend()
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.active = first <= self.rank < first + self.size
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
+                       else torch.device("cpu"))
+
+        local = self.rank - first
+        if self.active:
+            self.pp_index, rest = divmod(local, dp * tp)
+            self.dp_index, self.tp_index = divmod(rest, tp)
+        # Every rank creates every group, in the same order (a torch.distributed requirement).
+        self.group = self.new_group(range(first, first + self.size))
+        for axis in AXES:
+            for ranks in self.axis_ranks(axis):
+                group = self.new_group(ranks)
+                if self.active and self.rank in ranks:
+                    setattr(self, f"{axis}_group", group)
+                    setattr(self, f"{axis}_ranks", tuple(ranks))
+        # The first and last pipeline ranks of each pipeline hold the tied embedding / LM head.
+        # Groups are made here, by every rank: new_group(use_local_synchronization=True) names a
+        # group by its ranks, so a second mesh over the same ranks would collide with the first.
+        self.ends_ranks: tuple[int, ...] = ()
+        self.ends_group = None
+        for ranks in self.axis_ranks("pp"):
+            ends = [ranks[0], ranks[-1]]
+            group = self.new_group(ends) if pp > 2 else None
+            if self.active and self.rank in ranks:
+                self.ends_ranks = tuple(ends) if pp > 1 else ()
+                self.ends_group = group if pp > 2 else (self.pp_group if pp == 2 else None)
+
+    def global_rank(self, pp_index: int, dp_index: int, tp_index: int = 0) -> int:
+        """Global rank at mesh coordinates (see the module docstring for the layout)."""
+        return self.first + pp_index * self.dp * self.tp + dp_index * self.tp + tp_index
+
+    def axis_ranks(self, axis: str) -> list[list[int]]:
+        """Every group along ``axis`` as its list of global ranks (one list per other coordinates)."""
+        if axis not in AXES:
+            raise ConfigError(f"mesh: unknown axis {axis!r}; use one of {AXES}")
+        sizes = {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+        others = [a for a in AXES if a != axis]
+        groups = []
+        for i in range(sizes[others[0]]):
+            for j in range(sizes[others[1]]):
+                coords = {others[0]: i, others[1]: j}
+                groups.append([self.global_rank(**{f"{a}_index": coords.get(a, k) for a in AXES})
+                               for k in range(sizes[axis])])
+        return groups
+
+    def new_group(self, ranks) -> dist.ProcessGroup | None:
+        """A process group over ``ranks`` with this mesh's timeout; call it on every rank of the world."""
+        return dist.new_group(ranks=list(ranks), timeout=self.timeout)
+
+    def __repr__(self) -> str:
+        where = (f"pp={self.pp_index} dp={self.dp_index} tp={self.tp_index}" if self.active else "inactive")
+        return f"Mesh(dp={self.dp}, pp={self.pp}, tp={self.tp}, rank {self.rank}: {where})"

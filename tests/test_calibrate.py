@@ -1,0 +1,166 @@
+"""`partitioner calibrate`: measurements of this machine, the fits, and the cluster file they write.
+
+One quick calibration (2 gloo ranks) is shared by the module; the fits are also checked on
+synthetic samples with known answers.
+"""
+import json
+import math
+
+import pytest
+
+from partitioner.calibrate import (
+    Calibration, fit_alpha_beta, fit_efficiency, measure_gloo, rank_threads, run_calibration,
+)
+from partitioner.cli import main
+from partitioner.cluster import Cluster
+from partitioner.cost_model import EfficiencyCurve, Link, all_reduce_time, compute_time, send_recv_time
+from partitioner.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def cal(tmp_path_factory) -> Calibration:
+    out = tmp_path_factory.mktemp("calibrate") / "local-cluster.yaml"
+    return run_calibration(world_size=2, out=out, quick=True)
+
+
+# ---- the file ---------------------------------------------------------------------------------
+
+
+def test_file_loads_and_cluster_local_picks_it_up(cal, monkeypatch):
+    assert cal.path is not None and cal.path.is_file()
+    loaded = Cluster.from_file(cal.path)
+    assert loaded == cal.cluster
+    assert (loaded.nodes, loaded.devices_per_node, loaded.backend) == (1, 2, "gloo")
+    assert loaded.intra_node.kind == "loopback"
+    assert cal.path.read_text().startswith("# Written by `partitioner calibrate`")
+
+    monkeypatch.setenv("PARTITIONER_CLUSTER_FILE", str(cal.path))
+    local = Cluster.local(2)
+    assert local == cal.cluster
+    assert Cluster.local(4).device.peak_flops.fp32 == cal.efficiency["fp32"].peak_flops_per_s
+
+
+def test_calibration_json_holds_samples_and_fits(cal):
+    data = json.loads(cal.path.with_name(cal.path.name + ".calibration.json").read_text())
+    assert len(data["matmul"]) == len(cal.matmul)
+    assert [s["nbytes"] for s in data["all_reduce"]] == [s.nbytes for s in cal.gloo.all_reduce]
+    assert data["all_reduce_fit"]["latency_s"] == cal.gloo.all_reduce_fit.latency_s
+    assert Cluster.from_dict(data["cluster"]) == cal.cluster
+
+
+# ---- plausibility of the measurements -----------------------------------------------------------
+
+
+def test_measured_numbers_are_plausible(cal):
+    c = cal.cluster
+    assert 1e8 < c.device.peak_flops.fp32 < 1e13
+    assert 1e7 < c.device.peak_flops.bf16 < 1e13
+    assert all(s.seconds > 0 and s.flops == 2 * s.n**3 for s in cal.matmul)
+    assert c.intra_node.bandwidth_bytes_per_s > 1e6
+    assert 0 <= c.intra_node.latency_s < 0.05
+    assert cal.gloo.send_recv_fit.bandwidth_bytes_per_s > 1e6
+    assert 0 <= cal.gloo.send_recv_fit.latency_s < 0.05
+    assert 1e8 < c.device.memory_bandwidth_bytes_per_s < 1e13
+    assert c.device.memory_bandwidth_bytes_per_s == pytest.approx(2 * c.host_to_device.bandwidth_bytes_per_s)
+    assert 0 < c.host_to_device.latency_s < 1e-3
+    assert c.host_memory_bytes > 2**28
+    assert c.device.memory_bytes == c.host_memory_bytes // 2
+    assert cal.threads_per_rank == rank_threads(2) >= 1
+
+
+def test_alpha_beta_fit_reproduces_measured_times(cal):
+    link = cal.cluster.intra_node
+    for s in cal.gloo.all_reduce:
+        predicted = all_reduce_time(s.nbytes, 2, link)
+        assert 0.5 < predicted / s.seconds < 2, (s, predicted)
+    fit = cal.gloo.send_recv_fit
+    for s in cal.gloo.send_recv:
+        assert 1 / 3 < send_recv_time(s.nbytes, fit.link()) / s.seconds < 3, (s, fit)
+
+
+def test_efficiency_fit_is_monotone_and_matches_the_large_matmuls(cal):
+    for dtype, fit in cal.efficiency.items():
+        samples = sorted((s for s in cal.matmul if s.dtype == dtype), key=lambda s: s.n)
+        assert fit.peak_flops_per_s == max(s.flops_per_s for s in samples)
+        eff = [fit.curve.efficiency(s.flops, fit.peak_flops_per_s) for s in samples]
+        assert all(a < b for a, b in zip(eff, eff[1:])), (dtype, eff)
+        largest = samples[-1]
+        assert 0.5 < fit.predict_seconds(largest.flops) / largest.seconds < 2, (dtype, fit, largest)
+
+
+# ---- the fits on synthetic data -----------------------------------------------------------------
+
+
+def test_fit_efficiency_recovers_a_known_curve():
+    from partitioner.cluster import Device, PeakFlops
+    peak, curve = 1e11, EfficiencyCurve(peak_efficiency=0.6, half_saturation_s=2e-5)
+    device = Device(name="x", memory_bytes=1, memory_bandwidth_bytes_per_s=1,
+                    peak_flops=PeakFlops(fp32=peak, bf16=peak))
+    samples = [(2.0 * n**3, compute_time(2.0 * n**3, device, "fp32", curve)) for n in (16, 64, 256, 1024)]
+    fit = fit_efficiency(samples, peak_flops_per_s=peak)
+    assert fit.curve.peak_efficiency == pytest.approx(0.6, rel=1e-6)
+    assert fit.curve.half_saturation_s == pytest.approx(2e-5, rel=1e-6)
+    # Relative to the best measured rate (below the asymptote 0.6·peak) efficiency is capped
+    # at 1: no longer exact, but close at every measured size.
+    best = fit_efficiency(samples)
+    assert best.peak_flops_per_s == pytest.approx(max(f / t for f, t in samples))
+    assert best.curve.peak_efficiency == 1.0
+    for f, t in samples:
+        assert best.predict_seconds(f) == pytest.approx(t, rel=0.02)
+
+
+def test_fit_efficiency_caps_efficiency_at_one():
+    # Large kernels faster than the given peak (noise): efficiency 1, offset refitted.
+    fit = fit_efficiency([(1e6, 1e-5), (1e9, 1e-3)], peak_flops_per_s=5e11)
+    assert fit.curve.peak_efficiency == 1.0
+    assert fit.curve.half_saturation_s >= 0
+
+
+@pytest.mark.parametrize("op,n", [("all_reduce", 2), ("all_reduce", 4), ("send_recv", 2)])
+def test_fit_alpha_beta_recovers_a_known_link(op, n):
+    link = Link(kind="loopback", bandwidth_bytes_per_s=2e9, latency_s=30e-6)
+    sizes = (4096, 65536, 2**20, 2**24)
+    times = [all_reduce_time(b, n, link) if op == "all_reduce" else send_recv_time(b, link) for b in sizes]
+    fit = fit_alpha_beta(list(zip(sizes, times)), op, n)
+    assert fit.latency_s == pytest.approx(30e-6, rel=1e-6)
+    assert fit.bandwidth_bytes_per_s == pytest.approx(2e9, rel=1e-6)
+    assert fit.predict_seconds(sizes[-1]) == pytest.approx(times[-1], rel=1e-9)
+
+
+def test_fit_alpha_beta_never_gives_negative_latency():
+    # Times that would extrapolate below zero at size 0: the fit goes through the origin.
+    fit = fit_alpha_beta([(1e6, 1e-3), (2e6, 2.5e-3)], "send_recv")
+    assert fit.latency_s == 0 and math.isfinite(fit.bandwidth_bytes_per_s) and fit.bandwidth_bytes_per_s > 0
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ConfigError, match="positive times"):
+        fit_alpha_beta([(4096, 0.0)], "send_recv")
+    with pytest.raises(ConfigError, match="unknown communication op"):
+        fit_alpha_beta([(4096, 1e-4)], "broadcast")
+    with pytest.raises(ConfigError, match="at least 2 ranks"):
+        fit_alpha_beta([(4096, 1e-4)], "all_reduce", 1)
+    with pytest.raises(ConfigError, match="world_size >= 2"):
+        measure_gloo(1)
+    with pytest.raises(ConfigError, match="world_size must be >= 1"):
+        rank_threads(0)
+    assert rank_threads(10_000) == 1
+
+
+# ---- command line -------------------------------------------------------------------------------
+
+
+def test_cli_prints_the_tables(cal, monkeypatch, capsys):
+    calls = []
+
+    def fake(world_size, out, quick):  # the measurement itself is covered above; don't repeat it
+        calls.append((world_size, out, quick))
+        return cal
+
+    monkeypatch.setattr("partitioner.calibrate.run_calibration", fake)
+    assert main(["calibrate", "--world-size", "2", "--quick", "--out", str(cal.path)]) == 0
+    assert calls == [(2, str(cal.path), True)]
+    text = capsys.readouterr().out
+    for needle in ("fp32", "bf16", "all_reduce fit", "send_recv fit", "alpha", "beta",
+                   "read+write bandwidth", str(cal.path)):
+        assert needle in text, needle

@@ -25,9 +25,11 @@ Three facts, all sympy expressions in the named dims (integers when the capture 
    * optimizer step: parameters + gradients + state, plus the update's temporaries (see
      :class:`OptimizerModel`).
 
-   The peak is located at the dims' hint values; ``peak_bytes`` is the symbolic sum of the
-   buffers live at that point (exact at the hints; at other dims it is the size of that same
-   set, which is the peak as long as the same point stays the maximum).
+   ``peak_phase``/``peak_node`` say where the peak is at the dims' hint values; ``peak_bytes``
+   is the ``sympy.Max`` of the live totals at the step's local maxima that are the largest
+   somewhere on a grid of dims values around the hints (see :mod:`passes.liveness`), so it is
+   the simulated peak at the hints and across that grid, not only at the hints (a single
+   expression for a concrete capture).
 
 Not modelled: scratch tensors an op allocates and frees inside itself without saving them, and
 allocator rounding/fragmentation (sizes are exact storage bytes, as MemTracker counts on CPU).
@@ -35,8 +37,8 @@ allocator rounding/fragmentation (sizes are exact storage bytes, as MemTracker c
 from __future__ import annotations
 
 import itertools
-from contextlib import contextmanager
 import operator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -96,6 +98,8 @@ _PASS_THROUGH = {
     aten.reshape.default, aten.flatten.using_ints, aten.clone.default, aten.contiguous.default,
     aten.alias.default, aten.view_as.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout,
     aten.to.device, aten.type_as.default, aten.unflatten.int,
+    # sum's backward expands the output gradient: a view, no new buffer
+    aten.sum.default, aten.sum.dim_IntList,
 }
 # add(a, b): both inputs receive the output gradient itself when their shape is the output's.
 _ADD = {aten.add.Tensor, aten.add_.Tensor}
@@ -121,7 +125,7 @@ def annotate_memory(gm: fx.GraphModule, ctx: Any = None, *, optimizer: str = "ad
     state = _model_state(run, opt, mixed_precision)
     _write_node_meta(run, state)
     foreach = info.device == "cuda"
-    peak = _simulate_step(run, state, opt, foreach=foreach)
+    peak = _simulate_step(run, state, opt, foreach=foreach, hints=info.symbols())
 
     activation = sympy.expand(sympy.Add(*[s.size for s in run.storages.values()
                                           if s.kept and s.kind in ("activation", "internal")]))
@@ -129,8 +133,9 @@ def annotate_memory(gm: fx.GraphModule, ctx: Any = None, *, optimizer: str = "ad
     notes = [
         f"optimizer {optimizer}: {'foreach' if foreach else 'single-tensor'} implementation "
         f"({info.device}); steady state (state exists, gradients set to None before the step)",
-        "peak located at the dims' hints " + ", ".join(f"{n}={v}" for n, v in info.dims)
-        + f" ({peak.hint_bytes} bytes); peak_bytes is the live set at that point",
+        "peak_phase/peak_node located at the dims' hints " + ", ".join(f"{n}={v}" for n, v in info.dims)
+        + f" ({peak.hint_bytes} bytes); peak_bytes is the Max over the step's points that are the "
+        "largest somewhere on a grid of dims values (hint * 2**k, k = -3, -2.5, ..., 6); see passes.liveness",
     ]
     if mixed_precision and info.dtype == torch.float32:
         notes.append("mixed precision: model state uses 2-byte params/grads, but activations are "
@@ -164,8 +169,8 @@ class _Storage:
     size: sympy.Expr  # bytes
     hint: int  # bytes at the dims' hints
     kind: str  # "param", "buffer", "input", "activation" (a node output), "internal" (saved only)
-    owner: fx.Node
-    index: int  # position of the owner in node order
+    owner: fx.Node | None  # None for parameters and buffers the graph never reads
+    index: int  # position of the owner in node order (-1 without owner)
     last_use: int = -1  # last node (position) that reads any tensor on this storage
     graph_output: bool = False
     savers: list[fx.Node] = field(default_factory=list)
@@ -191,6 +196,8 @@ class _ForwardRun:
     saved_by: dict[fx.Node, list[_Storage]]  # distinct storages each node saves
     runs_backward: set[fx.Node]
     param_with_grad: set[_Storage]
+    param_order: list[_Storage]  # parameters in ``gm.parameters()`` order (the optimizer's)
+    itemsize: dict[_Storage, int]  # bytes per element of each parameter
 
     def size(self, value: Any) -> tuple[sympy.Expr, int]:
         return self.fake.to_sympy(value), _hint(value)
@@ -222,7 +229,8 @@ def _run_forward(gm: fx.GraphModule) -> _ForwardRun:
     order = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(order)}
     run = _ForwardRun(gm=gm, fake=fake, order=order, index=index, values=values, storages={},
-                      node_storages={}, saved_by={}, runs_backward=set(), param_with_grad=set())
+                      node_storages={}, saved_by={}, runs_backward=set(), param_with_grad=set(),
+                      param_order=[], itemsize={})
     for node in order:
         mine: list[_Storage] = []
         for t in _tensors(values.get(node)):
@@ -247,15 +255,24 @@ def _run_forward(gm: fx.GraphModule) -> _ForwardRun:
                 for st in run.node_storages.get(src, ()):
                     st.graph_output = True
 
+    # Parameters and buffers the graph never reads are still memory (MemTracker counts them).
+    for name, t in list(gm.named_parameters()) + list(gm.named_buffers()):
+        fake_t = attrs[name]
+        ref = StorageWeakRef(fake_t.untyped_storage())
+        if ref not in run.storages:
+            size, hint = run.size(fake_t.untyped_storage().nbytes())
+            run.storages[ref] = _Storage(ref=ref, size=size, hint=hint, owner=None, index=-1,
+                                         kind="param" if isinstance(t, torch.nn.Parameter) else "buffer")
+        if isinstance(t, torch.nn.Parameter) and run.storages[ref].kind == "param":
+            run.param_order.append(run.storages[ref])
+            run.itemsize[run.storages[ref]] = fake_t.element_size()
     for saver, t in packed:
         ref = StorageWeakRef(t.untyped_storage())
         st = run.storages.get(ref)
-        if st is None or st.index > index[saver]:
-            # made inside the op and never any node's output (or only a later node's, in place)
-            if st is None:
-                size, hint = run.size(t.untyped_storage().nbytes())
-                st = run.storages[ref] = _Storage(ref=ref, size=size, hint=hint, kind="internal", owner=saver,
-                                                  index=index[saver], last_use=index[saver])
+        if st is None:  # made inside the op and never any node's output (dropout noise, lse, ...)
+            size, hint = run.size(t.untyped_storage().nbytes())
+            st = run.storages[ref] = _Storage(ref=ref, size=size, hint=hint, kind="internal", owner=saver,
+                                              index=index[saver], last_use=index[saver])
         if st.kind in ("param", "buffer"):
             continue  # saved weights are model state, not activations
         if saver not in st.savers:
@@ -361,27 +378,25 @@ class _ModelState:
 def _model_state(run: _ForwardRun, opt: OptimizerModel, mixed_precision: bool) -> _ModelState:
     state = _ModelState(first_node={}, numel={}, numel_hint={}, param={}, grad={}, opt={}, state_elem_bytes=_FP32_BYTES)
     for node in run.order:
-        if node.op != "get_attr":
-            continue
-        for st in run.node_storages[node]:
-            if st.kind != "param" or st in state.first_node:
-                continue
-            t = run.values[node]
-            itemsize = t.element_size()
-            numel = st.size / itemsize
-            state.first_node[st] = node
-            state.numel[st] = numel
-            state.numel_hint[st] = st.hint // itemsize
-            p_bytes = _HALF_BYTES if mixed_precision else itemsize
-            state.param[st] = (numel * p_bytes, st.hint // itemsize * p_bytes)
-            if st not in run.param_with_grad:
-                continue
-            state_bytes = _FP32_BYTES if mixed_precision else itemsize
-            state.state_elem_bytes = state_bytes
-            per_elem = opt.state_tensors * state_bytes + (_FP32_BYTES if mixed_precision else 0)  # + master
-            fixed = _STEP_BYTES if opt.step_tensor else 0
-            state.grad[st] = state.param[st]
-            state.opt[st] = (numel * per_elem + fixed, st.hint // itemsize * per_elem + fixed)
+        if node.op == "get_attr":
+            for st in run.node_storages[node]:
+                if st.kind == "param":
+                    state.first_node.setdefault(st, node)
+    for st in run.param_order:
+        itemsize = run.itemsize[st]
+        numel = st.size / itemsize
+        state.numel[st] = numel
+        state.numel_hint[st] = st.hint // itemsize
+        p_bytes = _HALF_BYTES if mixed_precision else itemsize
+        state.param[st] = (numel * p_bytes, st.hint // itemsize * p_bytes)
+        if st not in run.param_with_grad:
+            continue  # no gradient, so no optimizer state either
+        state_bytes = _FP32_BYTES if mixed_precision else itemsize
+        state.state_elem_bytes = state_bytes
+        per_elem = opt.state_tensors * state_bytes + (_FP32_BYTES if mixed_precision else 0)  # + master
+        fixed = _STEP_BYTES if opt.step_tensor else 0
+        state.grad[st] = state.param[st]
+        state.opt[st] = (numel * per_elem + fixed, st.hint // itemsize * per_elem + fixed)
     return state
 
 
@@ -451,7 +466,22 @@ class _Grads:
             self.unref(key)
 
 
-def _simulate_step(run: _ForwardRun, state: _ModelState, opt: OptimizerModel, *, foreach: bool):
+def _accumulate_param(grads: _Grads, param_grad: dict[_Storage, tuple[str, int]], st: _Storage,
+                      key: tuple[str, int], grad_size: tuple[sympy.Expr, int], key_hint: int) -> None:
+    """AccumulateGrad: the first gradient of a parameter becomes its ``.grad`` (the buffer is
+    stolen when nobody else holds it and it has the ``.grad`` size, else copied); later ones
+    (tied parameters) are added in place and released."""
+    if st in param_grad:
+        grads.unref(key)
+    elif grads.refs[key] == 1 and key_hint == grad_size[1]:
+        param_grad[st] = key
+    else:
+        param_grad[st] = grads.new(grad_size)
+        grads.unref(key)
+
+
+def _simulate_step(run: _ForwardRun, state: _ModelState, opt: OptimizerModel, *, foreach: bool,
+                   hints: dict[sympy.Symbol, int]):
     tl = Timeline()
     tl.at("forward", "(model state)")
     for st in run.storages.values():
@@ -473,8 +503,8 @@ def _simulate_step(run: _ForwardRun, state: _ModelState, opt: OptimizerModel, *,
             born.setdefault(st.owner, []).append(st)
     release: dict[fx.Node, list[_Storage]] = {}
     for st in run.storages.values():
-        if st.release_at is not None:
-            release.setdefault(st.release_at, []).append(st)
+        if st.release_at is not None and st.kind in ("activation", "internal"):
+            release.setdefault(st.release_at, []).append(st)  # graph inputs stay with the caller
     for i, node in enumerate(run.order):
         tl.at("forward", node.name)
         for st in born.get(node, ()):
@@ -511,19 +541,12 @@ def _simulate_step(run: _ForwardRun, state: _ModelState, opt: OptimizerModel, *,
                 key = grads.ref(outs[0])
             else:
                 key = grads.new(_tensor_bytes(run, value))
-            if src.op == "get_attr":
-                for st in run.node_storages[src]:
-                    if st.kind != "param" or st not in state.grad:
-                        continue
-                    if st in param_grad or grads.refs[key] != 1 or state.grad[st][1] != _hint(value.numel() * value.element_size()):
-                        if st not in param_grad:
-                            param_grad[st] = grads.new(state.grad[st])  # AccumulateGrad copies
-                        grads.unref(key)  # accumulated in place into .grad
-                    else:
-                        param_grad[st] = key  # AccumulateGrad steals the fresh buffer
-                    break
-                else:
-                    grads.unref(key)
+            params = [st for st in run.node_storages.get(src, ()) if st in state.grad] if src.op == "get_attr" else []
+            if params:
+                _accumulate_param(grads, param_grad, params[0], key, state.grad[params[0]],
+                                  _tensor_bytes(run, value)[1])
+            elif src.op == "get_attr":
+                grads.unref(key)  # a frozen parameter or buffer: the gradient is dropped
             else:
                 grads.add((src, 0), key, _tensor_bytes(run, value))
         for key in outs:
@@ -542,18 +565,32 @@ def _simulate_step(run: _ForwardRun, state: _ModelState, opt: OptimizerModel, *,
             tl.alloc(("tmp", 0), total, sum(state.numel_hint[st] for st in state.opt) * elem)
             tl.free(("tmp", 0))
         else:
-            biggest = max(state.opt, key=state.numel_hint.__getitem__)
-            tl.at("optimizer", state.first_node[biggest].name)
-            size = (state.numel[biggest] * elem, state.numel_hint[biggest] * elem)
+            # One parameter at a time, in the optimizer's order: ``denom = sqrt(v) / c`` holds
+            # two temporaries of this parameter's size while the previous parameter's ``denom``
+            # (a local not yet rebound) is still alive.
+            best, best_hint, prev = None, -1, None
+            for st in run.param_order:
+                if st not in state.opt:
+                    continue  # no gradient: the optimizer skips it
+                hint = 2 * state.numel_hint[st] + (state.numel_hint[prev] if prev is not None else 0)
+                if hint > best_hint:
+                    best, best_hint = (st, prev), hint
+                prev = st
+            st, prev = best
+            tl.at("optimizer", state.first_node[st].name if st in state.first_node else "")
+            size = (state.numel[st] * elem, state.numel_hint[st] * elem)
+            if prev is not None:
+                tl.alloc(("tmp", 2), state.numel[prev] * elem, state.numel_hint[prev] * elem)
             tl.alloc(("tmp", 0), *size)  # exp_avg_sq.sqrt()
             tl.alloc(("tmp", 1), *size)  # ... / bias_correction2_sqrt
-            tl.free(("tmp", 0))
-            tl.free(("tmp", 1))
+            for key in (("tmp", 0), ("tmp", 1), ("tmp", 2)):
+                if tl.is_live(key):
+                    tl.free(key)
     else:
         tl.at("optimizer", "(step)")
         tl.alloc(("tmp", 0), _ZERO, 0)
         tl.free(("tmp", 0))
-    return tl.peak()
+    return tl.peak(hints)
 
 
 def _tensor_bytes(run: _ForwardRun, t: torch.Tensor) -> tuple[sympy.Expr, int]:

@@ -21,6 +21,11 @@ number, we follow FlopCounterMode and say so at the formula:
 * products with a vector right operand (``dot``, ``mv``, and N-D @ vector, which torch folds into
   ``mv``) and einsums without a summed index (Hadamard, outer products) count 0: FlopCounterMode
   has no formula for ``mv``/``dot``/``mul``.
+
+Checkpointed regions (``apply_checkpoint``'s ``checkpoint(%submodule, *inputs)`` calls, kind
+``"checkpoint"``): forward = the region's forward FLOPs, backward = the region's backward plus one
+recomputed forward. The region's nodes are counted inside the submodule (their ``node.meta[FLOPS]``
+is written there), from the ``SHAPE`` facts they carried when ``apply_checkpoint`` moved them.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 import sympy
 import torch
+import torch.utils.checkpoint
 from torch import fx
 
 from partitioner.errors import AnalysisError
@@ -47,11 +53,22 @@ def annotate_flops(gm: fx.GraphModule, ctx: Any = None) -> fx.GraphModule:
     and bias gradients are 0. Requires ``node.meta[SHAPE]`` on every node; raises
     :class:`AnalysisError` naming the node otherwise. Returns ``gm``.
     """
+    gm.meta[FLOP_SUMMARY] = _annotate(gm)
+    return gm
+
+
+def _annotate(gm: fx.GraphModule, *, region: bool = False) -> FlopSummary:
+    """Write ``node.meta[FLOPS]`` on every node of ``gm``; returns their sum. A checkpointed
+    ``region``'s output node (made by ``apply_checkpoint``, never analysed) needs no shape."""
     fwd_terms, bwd_terms = [], []
     for node in gm.graph.nodes:
-        _shape(node, node)  # every node must have been through annotate_shapes
+        if not (region and node.op == "output"):
+            _shape(node, node)  # every node must have been through annotate_shapes
         meta = _NONE
-        if node.op == "call_function":
+        sub = checkpoint_submodule(gm, node)
+        if sub is not None:
+            meta = _checkpoint(sub, node)
+        elif node.op == "call_function":
             formula = FORMULAS.get(getattr(node.target, "overloadpacket", node.target))
             if formula is not None:
                 meta = _apply(formula, node)
@@ -59,9 +76,32 @@ def annotate_flops(gm: fx.GraphModule, ctx: Any = None) -> fx.GraphModule:
         if meta is not _NONE:
             fwd_terms.append(meta.fwd)
             bwd_terms.append(meta.bwd)
-    gm.meta[FLOP_SUMMARY] = FlopSummary(fwd=sympy.expand(sympy.Add(*fwd_terms)),
-                                        bwd=sympy.expand(sympy.Add(*bwd_terms)))
-    return gm
+    return FlopSummary(fwd=sympy.expand(sympy.Add(*fwd_terms)), bwd=sympy.expand(sympy.Add(*bwd_terms)))
+
+
+def checkpoint_submodule(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule | None:
+    """The region ``node`` runs through ``torch.utils.checkpoint.checkpoint`` (the GraphModule
+    of its first argument, a ``get_attr``), or None when ``node`` is not such a call."""
+    if node.op != "call_function" or node.target is not torch.utils.checkpoint.checkpoint:
+        return None
+    attr = node.args[0] if node.args else None
+    if not isinstance(attr, fx.Node) or attr.op != "get_attr":
+        return None
+    sub = gm
+    for part in attr.target.split("."):
+        sub = getattr(sub, part, None)
+    return sub if isinstance(sub, fx.GraphModule) else None
+
+
+def _checkpoint(sub: fx.GraphModule, node: fx.Node) -> FlopMeta:
+    """A checkpointed region: its forward once, and in backward its backward plus a recompute."""
+    missing = [n.name for n in sub.graph.nodes if n.op != "output" and SHAPE not in n.meta]
+    if missing:
+        raise AnalysisError(f"annotate_flops: node {missing[0]!r} inside the checkpointed region of {node.name!r} "
+                            f"has no node.meta[{SHAPE!r}]; run annotate_shapes before apply_checkpoint (it "
+                            f"moves the nodes with their meta)")
+    summary = _annotate(sub, region=True)
+    return FlopMeta(fwd=summary.fwd, bwd=sympy.expand(summary.bwd + summary.fwd), kind="checkpoint")
 
 
 # ---------------------------------------------------------------------------------------------

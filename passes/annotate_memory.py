@@ -31,6 +31,16 @@ Three facts, all sympy expressions in the named dims (integers when the capture 
    the simulated peak at the hints and across that grid, not only at the hints (a single
    expression for a concrete capture).
 
+Checkpointed regions (``checkpoint(%submodule, *inputs)`` calls from ``apply_checkpoint``): the fake
+run interprets the submodule node by node without checkpointing, so its nodes join the node order
+just before the call and every save is seen. A storage made inside a region and saved only by
+nodes of that region is not kept after forward (freed after its last use there); the region's
+inputs are kept until the end of the region's backward (``torch.utils.checkpoint`` holds them).
+At the call's backward the region's forward is replayed: its storages are allocated again
+(unsaved ones freed after their last use in the region, saved ones at their saver's backward),
+then the region's nodes run backward as in an unchecked graph. ``activation_bytes`` is then what
+stays saved between forward and backward with the regions checkpointed.
+
 Not modelled: scratch tensors an op allocates and frees inside itself without saving them, and
 allocator rounding/fragmentation (sizes are exact storage bytes, as MemTracker counts on CPU).
 """
@@ -50,6 +60,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from partitioner.errors import ConfigError
+from passes.annotate_flops import checkpoint_submodule
 from passes.fake_execution import FakeContext, FakeInterpreter, capture_info, fake_attrs, fake_context, fake_inputs
 from passes.liveness import Timeline
 from passes.meta import MEMORY, MEMORY_SUMMARY, MemoryMeta, MemorySummary, SavedTensor
@@ -175,6 +186,10 @@ class _Storage:
     graph_output: bool = False
     savers: list[fx.Node] = field(default_factory=list)
     release_at: fx.Node | None = None  # node whose backward frees it (earliest saver that runs)
+    # Made inside a checkpointed region and saved by nodes of that region: those saves happen
+    # again when the region is recomputed in backward, on a recomputed copy (key ("re", storage)).
+    re_savers: list[fx.Node] = field(default_factory=list)
+    re_release_at: fx.Node | None = None
     # For internal tensors that require grad (e.g. the log-softmax inside a cross entropy): the
     # bytes of the gradient the op's backward computes for it on the way to its inputs.
     inner_grad: tuple[sympy.Expr, int] | None = None
@@ -182,6 +197,48 @@ class _Storage:
     @property
     def kept(self) -> bool:
         return bool(self.savers)
+
+
+class _RegionInterpreter(FakeInterpreter):
+    """Runs a checkpointed region's submodule node by node, reporting its nodes to ``outer``."""
+
+    def __init__(self, sub: fx.GraphModule, attrs: dict[str, torch.Tensor], outer: "_InliningInterpreter"):
+        super().__init__(sub, attrs, on_node=outer.on_node)
+        self.outer = outer
+
+    def run(self, *args: Any) -> Any:
+        # already inside the outer run's python dispatcher and reparametrization
+        return fx.Interpreter.run(self, *args)
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.outer.current = n
+        self.outer.inner.setdefault(self.outer.calling, []).append(n)
+        return super().run_node(n)
+
+
+class _InliningInterpreter(FakeInterpreter):
+    """A FakeInterpreter that runs each ``checkpoint(%submodule, *inputs)`` as the plain
+    submodule, interpreted node by node, so the forward run sees the region's own nodes.
+    ``inner[call]`` lists the region's nodes (placeholders and output included) in run order."""
+
+    def __init__(self, gm: fx.GraphModule, attrs: dict[str, torch.Tensor], on_node):
+        super().__init__(gm, attrs, on_node=on_node)
+        self.inner: dict[fx.Node, list[fx.Node]] = {}
+        self.calling: fx.Node | None = None
+
+    def run_node(self, n: fx.Node) -> Any:
+        sub = checkpoint_submodule(self.module, n)
+        if sub is None:
+            return super().run_node(n)
+        self.current = self.calling = n
+        args, _ = self.fetch_args_kwargs_from_env(n)
+        prefix = n.args[0].target + "."
+        attrs = {**self.attrs, **{k[len(prefix):]: v for k, v in self.attrs.items() if k.startswith(prefix)}}
+        result = _RegionInterpreter(sub, attrs, self).run(*args[1:])
+        self.current = n
+        if self.on_node is not None:
+            self.on_node(n, result)
+        return result
 
 
 @dataclass
@@ -198,6 +255,13 @@ class _ForwardRun:
     param_with_grad: set[_Storage]
     param_order: list[_Storage]  # parameters in ``gm.parameters()`` order (the optimizer's)
     itemsize: dict[_Storage, int]  # bytes per element of each parameter
+    # Checkpointed regions: call node -> the region's nodes (in ``order``, just before the call),
+    # each region node -> its call, a region's placeholders -> the parent's argument nodes, and
+    # call node -> the region's output nodes (one per output).
+    regions: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
+    region_of: dict[fx.Node, fx.Node] = field(default_factory=dict)
+    alias: dict[fx.Node, fx.Node] = field(default_factory=dict)
+    region_outputs: dict[fx.Node, tuple[fx.Node, ...]] = field(default_factory=dict)
 
     def size(self, value: Any) -> tuple[sympy.Expr, int]:
         return self.fake.to_sympy(value), _hint(value)
@@ -217,7 +281,7 @@ def _run_forward(gm: fx.GraphModule) -> _ForwardRun:
     attrs = fake_attrs(fake, gm, info.device, requires_grad=True)
     values: dict[fx.Node, Any] = {}  # strong refs: no storage is recycled during the run
     packed: list[tuple[fx.Node, torch.Tensor]] = []
-    interp = FakeInterpreter(gm, attrs, on_node=values.__setitem__)
+    interp = _InliningInterpreter(gm, attrs, on_node=values.__setitem__)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         packed.append((interp.current, t))
@@ -226,11 +290,26 @@ def _run_forward(gm: fx.GraphModule) -> _ForwardRun:
     with _eager_dropout(info.device), fake.mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         interp.run(*fake_inputs(fake, info))
 
-    order = list(gm.graph.nodes)
+    order: list[fx.Node] = []
+    regions: dict[fx.Node, list[fx.Node]] = {}
+    alias: dict[fx.Node, fx.Node] = {}
+    region_outputs: dict[fx.Node, tuple[fx.Node, ...]] = {}
+    for node in gm.graph.nodes:
+        inner = interp.inner.get(node)
+        if inner is not None:  # a checkpoint call: its region's nodes run just before it
+            placeholders = [n for n in inner if n.op == "placeholder"]
+            alias.update(zip(placeholders, [a for a in node.args[1:] if isinstance(a, fx.Node)]))
+            out = next(n for n in inner if n.op == "output")
+            outs = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+            region_outputs[node] = tuple(alias.get(o, o) for o in outs)
+            regions[node] = [n for n in inner if n.op not in ("placeholder", "output")]
+            order.extend(regions[node])
+        order.append(node)
     index = {n: i for i, n in enumerate(order)}
     run = _ForwardRun(gm=gm, fake=fake, order=order, index=index, values=values, storages={},
                       node_storages={}, saved_by={}, runs_backward=set(), param_with_grad=set(),
-                      param_order=[], itemsize={})
+                      param_order=[], itemsize={}, regions=regions, alias=alias, region_outputs=region_outputs,
+                      region_of={n: call for call, nodes in regions.items() for n in nodes})
     for node in order:
         mine: list[_Storage] = []
         for t in _tensors(values.get(node)):
@@ -248,7 +327,7 @@ def _run_forward(gm: fx.GraphModule) -> _ForwardRun:
         for st in mine:
             st.last_use = max(st.last_use, index[node])
         for src in node.all_input_nodes:
-            for st in run.node_storages.get(src, ()):
+            for st in run.node_storages.get(alias.get(src, src), ()):
                 st.last_use = max(st.last_use, index[node])
         if node.op == "output":
             for src in node.all_input_nodes:
@@ -275,16 +354,30 @@ def _run_forward(gm: fx.GraphModule) -> _ForwardRun:
                                               index=index[saver], last_use=index[saver])
         if st.kind in ("param", "buffer"):
             continue  # saved weights are model state, not activations
-        if saver not in st.savers:
-            st.savers.append(saver)
-            run.saved_by.setdefault(saver, []).append(st)
+        region = run.region_of.get(saver)
+        savers = st.re_savers if region is not None and run.region_of.get(st.owner) is region else st.savers
+        if saver not in savers:
+            savers.append(saver)
+            if st not in run.saved_by.get(saver, ()):
+                run.saved_by.setdefault(saver, []).append(st)
         if st.kind == "internal" and t.requires_grad and st.inner_grad is None:
             st.inner_grad = run.size(t.numel() * t.element_size())
+
+    # torch.utils.checkpoint holds a region's inputs until the region's backward is over, i.e.
+    # until its first node's backward: that node stands for the holder.
+    for call, nodes in regions.items():
+        first = next((n for n in nodes if n.op in ("call_function", "call_method", "call_module")), None)
+        for arg in call.args[1:]:
+            for st in run.node_storages.get(arg, ()) if first is not None and isinstance(arg, fx.Node) else ():
+                if st.kind in ("activation", "input", "internal") and first not in st.savers:
+                    st.savers.append(first)
 
     _reach_backward(run)
     for st in run.storages.values():
         running = [s for s in st.savers if s in run.runs_backward]
         st.release_at = min(running, key=index.__getitem__) if running else None
+        running = [s for s in st.re_savers if s in run.runs_backward]
+        st.re_release_at = min(running, key=index.__getitem__) if running else None
     return run
 
 
@@ -319,7 +412,7 @@ def _grad_inputs(run: _ForwardRun, node: fx.Node) -> list[tuple[int, fx.Node]]:
         if isinstance(arg, fx.Node):
             v = run.values.get(arg)
             if isinstance(v, torch.Tensor) and v.requires_grad:
-                out.append((pos, arg))
+                out.append((pos, run.alias.get(arg, arg)))  # a region's input is the parent's node
     return out
 
 
@@ -336,6 +429,9 @@ def _reach_backward(run: _ForwardRun) -> None:
         run.runs_backward.add(node)
         if _is_getitem(node):
             has_grad.add(node.args[0])
+            continue
+        if node in run.regions:  # the gradient enters the region at its outputs
+            has_grad.update(run.region_outputs[node])
             continue
         for _, src in _grad_inputs(run, node):
             if src.op == "get_attr":
@@ -501,10 +597,13 @@ def _simulate_step(run: _ForwardRun, state: _ModelState, opt: OptimizerModel, *,
     for st in run.storages.values():
         if st.kind in ("activation", "internal"):
             born.setdefault(st.owner, []).append(st)
-    release: dict[fx.Node, list[_Storage]] = {}
+    release: dict[fx.Node, list[Any]] = {}  # node -> timeline keys freed after its backward
     for st in run.storages.values():
         if st.release_at is not None and st.kind in ("activation", "internal"):
             release.setdefault(st.release_at, []).append(st)  # graph inputs stay with the caller
+        if st.re_release_at is not None:
+            release.setdefault(st.re_release_at, []).append(("re", st))
+    recompute_dies = _recompute_deaths(run, born)
     for i, node in enumerate(run.order):
         tl.at("forward", node.name)
         for st in born.get(node, ()):
@@ -525,6 +624,18 @@ def _simulate_step(run: _ForwardRun, state: _ModelState, opt: OptimizerModel, *,
         tl.at("backward", node.name)
         mine = [k for k in list(grads.slot) if k[0] is node]
         outs = [grads.slot.pop(k) for k in mine]
+        if node in run.regions:
+            # The region's outputs take the gradients, then its forward is replayed.
+            for (_, idx), key in zip(mine, outs):
+                out = run.region_outputs[node][idx]
+                grads.add((out, 0), key, _tensor_bytes(run, run.values[out]))
+            for inner in run.regions[node]:
+                tl.at("backward", f"{inner.name} (recompute)")
+                for st in born.get(inner, ()):
+                    tl.alloc(("re", st), st.size, st.hint)
+                for st in recompute_dies.get(inner, ()):
+                    tl.free(("re", st))
+            continue
         if _is_getitem(node):
             parent, idx = node.args[0], node.args[1]
             for key in outs:
@@ -553,8 +664,8 @@ def _simulate_step(run: _ForwardRun, state: _ModelState, opt: OptimizerModel, *,
             grads.unref(key)
         for st in inner:
             tl.free(("inner", st))
-        for st in release.get(node, ()):
-            tl.free(st)
+        for key in release.get(node, ()):
+            tl.free(key)
 
     # Optimizer step: parameters, gradients and state are live; the update adds temporaries.
     if opt.sqrt_temporaries and state.opt:
@@ -591,6 +702,25 @@ def _simulate_step(run: _ForwardRun, state: _ModelState, opt: OptimizerModel, *,
         tl.alloc(("tmp", 0), _ZERO, 0)
         tl.free(("tmp", 0))
     return tl.peak(hints)
+
+
+def _recompute_deaths(run: _ForwardRun, born: dict[fx.Node, list[_Storage]]) -> dict[fx.Node, list[_Storage]]:
+    """Region node -> recomputed storages freed right after it runs in the replayed forward: the
+    region's storages no region node saves, after their last use inside the region."""
+    dies: dict[fx.Node, list[_Storage]] = {}
+    for nodes in run.regions.values():
+        last: dict[_Storage, fx.Node] = {}
+        for node in nodes:
+            for st in born.get(node, ()):
+                last[st] = node
+            for src in node.all_input_nodes:
+                for st in run.node_storages.get(run.alias.get(src, src), ()):
+                    if st in last:
+                        last[st] = node
+        for st, node in last.items():
+            if st.re_release_at is None:
+                dies.setdefault(node, []).append(st)
+    return dies
 
 
 def _tensor_bytes(run: _ForwardRun, t: torch.Tensor) -> tuple[sympy.Expr, int]:

@@ -11,7 +11,15 @@ before it runs and ``provides`` after. :class:`PassManager` runs a list of them 
 * wraps any exception raised inside a pass in :class:`PassError` with the pass name, the node
   being processed when known, and the passes that already ran;
 * times each pass (wall seconds) and, with a dump directory, writes ``NN_<pass>.{txt,json,dot}``
-  after each pass plus ``manifest.json`` (see :mod:`ir_dumps.writer`).
+  after each pass plus ``manifest.json`` (see :mod:`ir_dumps.writer`); ``run(..., first_index=k)``
+  continues an earlier run's dumps in the same directory from number ``k``.
+
+Two pipelines are built here: :func:`default_analysis_pipeline` (shapes -> FLOPs -> memory) and
+:func:`transform_pipeline` (the tag passes of a plan, then the rewrites that keep one graph,
+then the analysis again on the rewritten graph). :func:`run_transforms` runs both with one
+numbering and dumps the per-stage, tp-rank-0 programs that the rank-program builder makes from
+the tagged graph (the TP rewrite and the pipeline split give one graph per rank and stage, so
+they are dumps of :func:`runtime.rank_program.build_rank_program`, not passes).
 """
 from __future__ import annotations
 
@@ -25,12 +33,14 @@ from typing import Callable, Iterator, Sequence
 from torch import fx
 
 from partitioner.errors import PassError
-from passes.meta import CAPTURE, FLOP_SUMMARY, FLOPS, MEMORY, MEMORY_SUMMARY, SHAPE
+from passes.meta import (CAPTURE, CHECKPOINT, CHECKPOINT_PLAN, FLOP_SUMMARY, FLOPS, MEMORY, MEMORY_SUMMARY,
+                         OFFLOAD_PLAN, PIPELINE_STAGE, SHAPE, TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN)
 
 PassFn = Callable[[fx.GraphModule, "PassContext"], fx.GraphModule]
 
 # Keys that live in gm.meta; every other key is a node key.
-GRAPH_KEYS = frozenset({CAPTURE, FLOP_SUMMARY, MEMORY_SUMMARY})
+GRAPH_KEYS = frozenset({CAPTURE, FLOP_SUMMARY, MEMORY_SUMMARY, CHECKPOINT_PLAN, OFFLOAD_PLAN,
+                        TENSOR_PARALLEL_PLAN})
 
 
 def _not_output(node: fx.Node) -> bool:
@@ -58,6 +68,12 @@ KNOWN_PROVIDERS: dict[str, str] = {
     FLOP_SUMMARY: "annotate_flops",
     MEMORY: "annotate_memory",
     MEMORY_SUMMARY: "annotate_memory",
+    CHECKPOINT: "checkpoint_policy",
+    CHECKPOINT_PLAN: "checkpoint_policy",
+    OFFLOAD_PLAN: "offload_policy",
+    TENSOR_PARALLEL: "tag_tensor_parallel",
+    TENSOR_PARALLEL_PLAN: "tag_tensor_parallel",
+    PIPELINE_STAGE: "tag_pipeline_stages",
 }
 
 
@@ -126,17 +142,25 @@ class PassManager:
     def __getitem__(self, index: int) -> Pass:
         return self.passes[index]
 
-    def run(self, gm: fx.GraphModule, ctx: PassContext | None = None) -> fx.GraphModule:
-        """Run every pass on ``gm``; returns the final GraphModule. Raises :class:`PassError`."""
+    def run(self, gm: fx.GraphModule, ctx: PassContext | None = None, *, first_index: int = 0) -> fx.GraphModule:
+        """Run every pass on ``gm``; returns the final GraphModule. Raises :class:`PassError`.
+
+        ``first_index=0`` starts fresh dumps (``00_input`` first); ``first_index=k > 0`` continues
+        the dumps already in the directory: the first pass is dumped as number ``k``, earlier
+        files and manifest entries (numbers below ``k``) are kept, later ones replaced.
+        """
         from ir_dumps.writer import clear_dumps, write_graph_dumps, write_manifest
 
         ctx = ctx or PassContext()
         dump_dir = self.dump_dir or ctx.dump_dir
         entries = []
         records: list[PassRecord] = []
-        if dump_dir is not None:
+        if dump_dir is not None and first_index > 0:
+            entries = _earlier_entries(Path(dump_dir), first_index)
+        elif dump_dir is not None:
             clear_dumps(dump_dir)
             entries.append(write_graph_dumps(gm, dump_dir, index=0, pass_name="input"))
+        offset = first_index - 1 if first_index > 0 else 0
         try:
             for i, p in enumerate(self.passes):
                 done = [r.name for r in records]
@@ -156,7 +180,7 @@ class PassManager:
                     self._check_after(gm, p, done)
                 records.append(PassRecord(name=p.name, seconds=seconds, nodes=len(gm.graph.nodes)))
                 if dump_dir is not None:
-                    entries.append(write_graph_dumps(gm, dump_dir, index=i + 1, pass_name=p.name,
+                    entries.append(write_graph_dumps(gm, dump_dir, index=offset + i + 1, pass_name=p.name,
                                                      seconds=seconds))
         finally:
             self.records = tuple(records)
@@ -199,6 +223,27 @@ class PassManager:
             if missing is not None:
                 raise PassError(f"pass {p.name!r} declares it provides meta {key!r}, but {missing}; "
                                 f"write it in the pass or drop it from provides. {_ran(done)}")
+
+
+def _earlier_entries(dump_dir: Path, first_index: int) -> list:
+    """Manifest entries numbered below ``first_index``; dump files from ``first_index`` on are
+    removed (a shorter continuation must not leave stale files)."""
+    import json
+    import re
+
+    from ir_dumps.writer import MANIFEST, DumpEntry
+
+    kept = []
+    manifest = dump_dir / MANIFEST
+    if manifest.is_file():
+        data = json.loads(manifest.read_text(encoding="utf-8"))
+        kept = [DumpEntry.from_json(e) for e in data.get("passes", []) if int(e["index"]) < first_index]
+    if dump_dir.is_dir():
+        for path in dump_dir.iterdir():
+            m = re.match(r"^(\d{2,})_[A-Za-z0-9_.-]+\.(txt|json|dot)$", path.name)
+            if m and int(m.group(1)) >= first_index:
+                path.unlink()
+    return kept
 
 
 def _missing(gm: fx.GraphModule, key: str) -> str | None:
@@ -303,3 +348,189 @@ def run_analysis(gm: fx.GraphModule, ctx: PassContext | None = None, *,
     """Run :func:`default_analysis_pipeline` on ``gm`` with checks on; returns ``gm``."""
     return default_analysis_pipeline(dump_dir=dump_dir).run(gm, ctx)
 
+
+
+# ------------------------------------------------------------------------------ transforms
+CHECKPOINTING = ("none", "full", "selective", "solver")
+OFFLOADING = ("none", "auto", "all")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransformOptions:
+    """What the plan asks the transform passes to do (see :func:`transform_pipeline`)."""
+
+    checkpointing: str = "none"
+    """Checkpoint policy (:data:`passes.checkpoint_policy.POLICIES`); "none" runs no checkpoint pass."""
+    budget_bytes: int | None = None
+    """Bytes of saved activations the "solver" policy must fit (required by it, ignored otherwise)."""
+    offload: str = "none"
+    """Activation offload policy of :func:`passes.offload_policy.offload_policy` ("none": no pass)."""
+    tp: int = 1
+    """Tensor-parallel degree; > 1 adds ``tag_tensor_parallel``."""
+    pp: int = 1
+    """Pipeline stages; > 1 adds ``tag_pipeline_stages`` (layer-balanced boundaries)."""
+
+    def __post_init__(self) -> None:
+        from partitioner.errors import ConfigError
+
+        if self.checkpointing not in CHECKPOINTING:
+            raise ConfigError(f"checkpointing={self.checkpointing!r}; use one of {', '.join(CHECKPOINTING)}")
+        if self.checkpointing == "solver" and self.budget_bytes is None:
+            raise ConfigError("checkpointing='solver' needs budget_bytes (bytes of saved activations)")
+        if self.offload not in OFFLOADING:
+            raise ConfigError(f"offload={self.offload!r}; use one of {', '.join(OFFLOADING)}")
+        if self.checkpointing != "none" and self.offload != "none":
+            raise ConfigError("checkpointing and activation offload together are not supported (offload "
+                              "brackets would land inside recomputed regions); pick one")
+        for name in ("tp", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def transform_pipeline(*, checkpointing: str = "none", budget_bytes: int | None = None, offload: str = "none",
+                       tp: int = 1, pp: int = 1, reanalyze: bool = True, dump_dir: Path | str | None = None,
+                       check: bool = True) -> PassManager:
+    """A manager over the transform passes a plan asks for, in this order:
+
+    1. tags (decide, write meta, leave the graph as is): ``tag_tensor_parallel`` (``tp > 1``),
+       ``checkpoint_policy``, ``offload_policy``, ``tag_pipeline_stages`` (``pp > 1``);
+    2. rewrites that keep one graph: ``apply_checkpoint``, ``apply_offload``;
+    3. ``reanalyze`` (with ``reanalyze`` and a rewrite): shapes, FLOPs and memory of the rewritten
+       graph (a checkpoint call counts its region's recompute, see ``annotate_flops`` and
+       ``annotate_memory``).
+
+    The input must carry the analysis facts (run :func:`default_analysis_pipeline` first; the
+    requires checks say so otherwise). The TP rewrite and the pipeline split make one graph per
+    rank and stage: they are done from the tagged graph by the rank-program builder (see
+    :func:`run_transforms`), not here. Raises ``ConfigError`` for an invalid combination.
+    """
+    opts = TransformOptions(checkpointing=checkpointing, budget_bytes=budget_bytes, offload=offload, tp=tp, pp=pp)
+    passes: list[Pass] = []
+    if opts.tp > 1:
+        passes.append(Pass(name="tag_tensor_parallel", fn=_tag_tensor_parallel(opts.tp), requires=(CAPTURE, SHAPE),
+                           provides=(TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN)))
+    if opts.checkpointing != "none":
+        passes.append(Pass(name="checkpoint_policy", fn=_checkpoint_policy(opts.checkpointing, opts.budget_bytes),
+                           requires=(CAPTURE, SHAPE, FLOPS), provides=(CHECKPOINT, CHECKPOINT_PLAN)))
+    if opts.offload != "none":
+        passes.append(Pass(name="offload_policy", fn=_offload_policy(opts.offload),
+                           requires=(CAPTURE, SHAPE, FLOPS), provides=(OFFLOAD_PLAN,)))
+    if opts.pp > 1:
+        passes.append(Pass(name="tag_pipeline_stages", fn=_tag_pipeline_stages(opts.pp), requires=(CAPTURE, SHAPE),
+                           provides=(PIPELINE_STAGE,)))
+    rewrites = []
+    if opts.checkpointing != "none":
+        from passes.apply_checkpoint import apply_checkpoint
+        rewrites.append(Pass(name="apply_checkpoint", fn=apply_checkpoint, requires=(CHECKPOINT_PLAN,),
+                             provides=(CHECKPOINT_PLAN,)))
+    if opts.offload != "none":
+        from passes.apply_offload import apply_offload
+        rewrites.append(Pass(name="apply_offload", fn=apply_offload, requires=(OFFLOAD_PLAN,), provides=(OFFLOAD_PLAN,)))
+    passes.extend(rewrites)
+    if rewrites and reanalyze:
+        passes.append(Pass(name="reanalyze", fn=_reanalyze, requires=(CAPTURE,),
+                           provides=(SHAPE, FLOPS, FLOP_SUMMARY, MEMORY, MEMORY_SUMMARY)))
+    return PassManager(passes, dump_dir=dump_dir, check=check)
+
+
+def _tag_tensor_parallel(degree: int) -> PassFn:
+    def tag_tensor_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+        from passes.tensor_parallel_patterns import tag_tensor_parallel as tag
+        return tag(gm, degree=degree)
+    return tag_tensor_parallel
+
+
+def _checkpoint_policy(policy: str, budget_bytes: int | None) -> PassFn:
+    def checkpoint_policy(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+        from passes.checkpoint_policy import checkpoint_policy as decide
+        return decide(gm, policy=policy, budget_bytes=budget_bytes)
+    return checkpoint_policy
+
+
+def _offload_policy(policy: str) -> PassFn:
+    def offload_policy(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+        from passes.offload_policy import offload_policy as decide
+        # the optimizer-on-host choice needs a memory summary; without one keep the state on device
+        on_host = None if MEMORY_SUMMARY in gm.meta else False
+        return decide(gm, policy=policy, optimizer_on_host=on_host)
+    return offload_policy
+
+
+def _tag_pipeline_stages(pp: int) -> PassFn:
+    def tag_pipeline_stages(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+        from passes.pipeline_split import assign_stages_by_layers, balanced_boundaries, find_layers
+        from passes.pipeline_split import tag_pipeline_stages as tag
+        boundaries = balanced_boundaries(len(find_layers(gm)), pp)
+        return tag(gm, assign_stages_by_layers(gm, boundaries))
+    return tag_pipeline_stages
+
+
+def _reanalyze(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """The analysis passes again, on a rewritten graph (its new nodes have no facts yet)."""
+    for p in default_analysis_pipeline(check=False):
+        gm = p.fn(gm, ctx)
+    return gm
+
+
+def run_transforms(gm: fx.GraphModule, ctx: PassContext | None = None, *, dump_dir: Path | str | None = None,
+                   stage_programs: bool = True, **options) -> fx.GraphModule:
+    """Analysis, then :func:`transform_pipeline` (``options`` are its keywords), numbered as one
+    run of dumps in ``dump_dir``; returns the transformed graph (``gm`` is edited in place).
+
+    With ``stage_programs`` and ``tp > 1`` or ``pp > 1``, also dumps the program of every
+    pipeline stage on tp rank 0 (dp 1) as ``NN_stage<s>_tp0.{txt,json,dot}``, numbered after the
+    last pass, built by :func:`runtime.rank_program.build_rank_program` from the analysed graph
+    (the TP rewrite and the split per stage, then that stage's checkpoint / offload rewrite).
+    """
+    import copy
+
+    ctx = ctx or PassContext()
+    dump_dir = dump_dir if dump_dir is not None else ctx.dump_dir
+    analysis = default_analysis_pipeline(dump_dir=dump_dir)
+    gm = analysis.run(gm, ctx)
+    tp, pp = options.get("tp", 1), options.get("pp", 1)
+    analysed = copy.deepcopy(gm) if dump_dir is not None and stage_programs and (tp > 1 or pp > 1) else None
+    transforms = transform_pipeline(dump_dir=dump_dir, **options)
+    gm = transforms.run(gm, ctx, first_index=len(analysis) + 1)
+    if analysed is not None:
+        dump_stage_programs(analysed, dump_dir, first_index=len(analysis) + len(transforms) + 1,
+                            checkpointing=options.get("checkpointing", "none"),
+                            offload=options.get("offload", "none"), tp=tp, pp=pp)
+    return gm
+
+
+def dump_stage_programs(gm: fx.GraphModule, dump_dir: Path | str, *, first_index: int, checkpointing: str = "none",
+                        offload: str = "none", tp: int = 1, pp: int = 1, tp_rank: int = 0) -> list[Path]:
+    """Dump the program of each pipeline stage on tp rank ``tp_rank`` (dp 1) as
+    ``NN_stage<s>_tp<r>.{txt,json,dot}`` from ``first_index`` on, and add them to the manifest;
+    returns the text files. ``gm`` is the analysed, untransformed graph (not changed)."""
+    from ir_dumps.writer import write_graph_dumps, write_manifest
+    from partitioner.errors import ConfigError
+    from runtime.rank_program import build_rank_program, global_rank
+
+    offload_mode = {"none": "none", "all": "activations", "auto": "auto"}[offload]
+    if checkpointing == "solver":
+        raise ConfigError("stage programs: the rank-program builder takes checkpointing none/full/selective, "
+                          "not 'solver'; dump them with one of those or pass stage_programs=False")
+    dump_dir = Path(dump_dir)
+    entries = _earlier_entries(dump_dir, first_index)
+    files = []
+    for stage in range(pp):
+        start = time.perf_counter()
+        program = build_rank_program(gm, dp=1, tp=tp, pp=pp, rank=global_rank(stage, 0, tp_rank, dp=1, tp=tp),
+                                     checkpointing=checkpointing, offload=offload_mode)
+        name = f"stage{stage}_tp{tp_rank}"
+        module = program.modules[stage]
+        # the text dump prints graph facts as dataclasses; the stage number is in the file name
+        stage_tag = module.meta.pop(PIPELINE_STAGE, None)
+        try:
+            entries.append(write_graph_dumps(module, dump_dir, index=first_index + stage, pass_name=name,
+                                             seconds=time.perf_counter() - start))
+        finally:
+            if stage_tag is not None:
+                module.meta[PIPELINE_STAGE] = stage_tag
+        files.append(dump_dir / entries[-1].file("txt"))
+    info = gm.meta.get(CAPTURE)
+    write_manifest(dump_dir, entries, model=getattr(info, "model", ""))
+    return files

@@ -1,20 +1,27 @@
-"""``ParallelModel``: data-parallel x pipeline-parallel training of a :class:`ModelSpec`.
+"""``ParallelModel``: data x tensor x pipeline-parallel training of a :class:`ModelSpec`.
 
 Built on every rank of the mesh from the same arguments (every rank captures and splits the
 model the same way, so no plan has to be sent around)::
 
-    capture_spec (symbolic batch/seq) -> annotate_shapes -> split into pp*v stages (balanced by
-    layers) -> this rank's stages (stage s on pipeline index s % pp) -> schedule[pp_index]
+    capture_spec (symbolic batch/seq) -> annotate_shapes -> build_rank_program (tag tp, split into
+    pp*v stages balanced by layers, this rank's stages tp-sharded, checkpointed or offloaded;
+    runtime/rank_program.py) -> schedule[pp_index]
 
 ``train_step(batch)`` takes the *global* batch (every rank gets the same tensors), keeps this
 dp rank's contiguous slice, cuts it into ``num_micro_batches`` micro-batches, runs the schedule
 (:class:`runtime.stage_executor.StageExecutor`), syncs gradients (tied copies, then the dp
 average; :mod:`runtime.grad_sync`), steps AdamW (or ZeRO-1 AdamW) and returns the loss of the
 whole global batch, the same float on every rank.
+
+Tensor parallelism: the stage programs call the tp collectives of :mod:`runtime.tp_collectives`
+on this rank's tp group, registered under a name derived from the mesh. Parameters a tp rank
+holds a shard of keep their original names (:meth:`ParallelModel.full_parameters` gathers them);
+replicated parameters get identical gradients on every tp rank (Megatron's f/g operators), so
+the dp average runs over the dp group (same tp index) and tied weights sum over the pipeline's
+ends of the same tp index, with no extra tp reduction.
 """
 from __future__ import annotations
 
-import copy
 from typing import Sequence
 
 import torch
@@ -23,16 +30,16 @@ from torch import fx
 from partitioner.errors import ConfigError
 from partitioner.model_spec import ModelSpec
 from passes.annotate_shapes import annotate_shapes
+from passes.apply_tensor_parallel import shard_tensor, unshard_tensor
 from passes.capture import capture_spec
-from passes.pipeline_split import (
-    assign_stages_by_layers, balanced_boundaries, find_layers, split_pipeline_stages,
-)
 from runtime import schedule as schedules
 from runtime.grad_sync import (
     DEFAULT_BUCKET_BYTES, TiedCopies, TiedSync, ZeroAdamW, all_reduce_buckets, fill_missing_grads, unique_params,
 )
 from runtime.mesh import Mesh
+from runtime.rank_program import RankProgram, build_rank_program
 from runtime.stage_executor import LocalStage, StageExecutor
+from runtime.tp_collectives import DistGroup, register_group
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -66,33 +73,43 @@ class ParallelModel:
     ``graph``: an already captured :func:`capture_for_pipeline` graph to start from (deep-copied,
     so the caller's weights are untouched); by default the spec is captured here. ``zero``: shard
     the AdamW state over dp (ZeRO-1). ``adamw``: keyword arguments of ``torch.optim.AdamW``.
+    ``tp``: tensor-parallel degree (Megatron sharding found by ``tag_tensor_parallel``; dropout
+    inside tp regions is not given per-rank RNG streams, so exact only with dropout 0).
+    ``checkpointing``: ``"none"``, ``"full"`` or ``"selective"`` activation recomputation per
+    stage; ``offload``: ``"none"``, ``"activations"`` (every saved activation to host) or ``"auto"``.
     """
 
     def __init__(self, spec: ModelSpec, *, dp: int = 1, pp: int = 1, schedule: str = "1f1b",
                  num_micro_batches: int = 1, virtual_pp: int = 1, global_batch: int, mesh: Mesh | None = None,
                  graph: fx.GraphModule | None = None, zero: bool = False, adamw: dict | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 60.0):
-        self.mesh = mesh or Mesh(dp, pp, timeout_s=timeout_s)
-        if (self.mesh.dp, self.mesh.pp) != (dp, pp):
-            raise ConfigError(f"parallel_model: mesh has dp={self.mesh.dp}, pp={self.mesh.pp} but dp={dp}, pp={pp} "
-                              f"were asked for; pass matching values")
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 60.0, tp: int = 1,
+                 checkpointing: str = "none", offload: str = "none"):
+        self.mesh = mesh or Mesh(dp, pp, tp, timeout_s=timeout_s)
+        if (self.mesh.dp, self.mesh.pp, self.mesh.tp) != (dp, pp, tp):
+            raise ConfigError(f"parallel_model: mesh has dp={self.mesh.dp}, pp={self.mesh.pp}, tp={self.mesh.tp} but "
+                              f"dp={dp}, pp={pp}, tp={tp} were asked for; pass matching values")
         if not self.mesh.active:
             raise ConfigError(f"parallel_model: rank {self.mesh.rank} is outside {self.mesh}; build it on mesh ranks only")
         m, v = num_micro_batches, virtual_pp
         if global_batch % (dp * m):
             raise ConfigError(f"parallel_model: global_batch={global_batch} must be divisible by dp * "
                               f"num_micro_batches = {dp} * {m}; e.g. global_batch={dp * m * max(1, global_batch // (dp * m))}")
-        self.spec, self.dp, self.pp, self.m, self.v = spec, dp, pp, m, v
+        self.spec, self.dp, self.pp, self.tp, self.m, self.v = spec, dp, pp, tp, m, v
         self.global_batch, self.bucket_bytes = global_batch, bucket_bytes
         self.actions = self._schedule(schedule)
 
-        gm = copy.deepcopy(graph) if graph is not None else capture_for_pipeline(spec, device=self.mesh.device.type)
-        n_stages = pp * v
-        n_layers = len(find_layers(gm))
-        boundaries = balanced_boundaries(n_layers, n_stages) if n_stages > 1 else ()
-        self.split = split_pipeline_stages(gm, assign_stages_by_layers(gm, boundaries))
-        mine = [s for s in range(n_stages) if s % pp == self.mesh.pp_index]
-        self.stages = {s: LocalStage(s, self.split.modules[s].to(self.mesh.device), self.split.io[s]) for s in mine}
+        gm = graph if graph is not None else capture_for_pipeline(spec, device=self.mesh.device.type)
+        # A name per mesh group and per model: several meshes (tests) may live in one process.
+        self.tp_group_name = f"tp{list(self.mesh.tp_ranks)}@{id(self):x}"
+        # build_rank_program deep-copies the graph, so the caller's weights are untouched.
+        self.program: RankProgram = build_rank_program(
+            gm, dp=dp, tp=tp, pp=pp, virtual_pp=v, rank=self.mesh.rank, first=self.mesh.first,
+            checkpointing=checkpointing, offload=offload, tp_group=self.tp_group_name)
+        if tp > 1:
+            register_group(self.tp_group_name, DistGroup(self.mesh.tp_group))
+        self.split = self.program.split
+        self.stages = {s: LocalStage(s, module.to(self.mesh.device), self.split.io[s])
+                       for s, module in self.program.modules.items()}
         self.executor = StageExecutor(self.stages, self.split.io, pp_ranks=self.mesh.pp_ranks,
                                       pp_group=self.mesh.pp_group, num_micro_batches=m, device=self.mesh.device)
         self.tied_sync = TiedSync(self._tied_copies(), self.mesh.device)
@@ -127,6 +144,7 @@ class ParallelModel:
                         copies[id(p)] = p
             ref = self.split.modules[stages[0]].get_parameter(
                 next(a for a in self.split.aliases[name] if _has_param(self.split.modules[stages[0]], a)))
+            ref = next(iter(copies.values()), None) if copies else self._local_like(name, ref)
             if len(holders) == 1:
                 group = None  # every copy on this rank
             elif holders == [0, self.pp - 1]:
@@ -136,6 +154,13 @@ class ParallelModel:
             if copies or (group is self.mesh.pp_group and len(holders) > 1):
                 out.append(TiedCopies(name, list(copies.values()), group, tuple(ref.shape), ref.dtype))
         return out
+
+    def _local_like(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped as this tp rank's shard of parameter ``name`` (``full`` when replicated)."""
+        plan = self.program.tp_plan
+        if plan is None or plan.params[name].dim is None:
+            return full
+        return shard_tensor(full, plan.params[name], self.mesh.tp_index, self.tp)
 
     def _grad_sync(self) -> None:
         fill_missing_grads(self.params)
@@ -177,7 +202,8 @@ class ParallelModel:
         losses = self.executor.run(self.actions, micro, dims, grad_sync=self._grad_sync, step=self._step)
         total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         if losses:  # the last stage: mean over micro-batches, then over dp via the sum below
-            total += torch.stack(losses).double().mean() / self.dp
+            # every tp rank of the last stage computed the same loss: counted once via / tp
+            total += torch.stack(losses).double().mean() / (self.dp * self.tp)
         torch.distributed.all_reduce(total, group=self.mesh.group)
         return float(total)
 
@@ -185,8 +211,33 @@ class ParallelModel:
         """This rank's parameters by name (a tied weight under each alias its stages read)."""
         out = {}
         for stage in self.stages.values():
+            # a checkpointed region (a GraphModule child) re-lists the parameters it reads
+            regions = {n for n, child in stage.module.named_children() if isinstance(child, fx.GraphModule)}
             for name, p in stage.module.named_parameters(remove_duplicate=False):
-                out[name] = p
+                if name.split(".", 1)[0] not in regions:
+                    out[name] = p
+        return out
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters by name, tp-sharded ones all-gathered over the tp group into
+        the full tensors (copies). Collective: every rank of the tp group must call it."""
+        return self._gather_full({n: p.detach() for n, p in self.named_parameters().items()})
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """As :meth:`full_parameters`, for the gradients of the last step (after their sync)."""
+        return self._gather_full({n: p.grad for n, p in self.named_parameters().items()})
+
+    def _gather_full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        plan = self.program.tp_plan
+        out = {}
+        for name, t in sorted(tensors.items()):  # the same order on every tp rank
+            sharding = plan.params[name] if plan is not None else None
+            if sharding is None or sharding.dim is None:
+                out[name] = t.clone()
+                continue
+            shards = [torch.empty_like(t) for _ in range(self.tp)]
+            torch.distributed.all_gather(shards, t.contiguous(), group=self.mesh.tp_group)
+            out[name] = unshard_tensor(shards, sharding)
         return out
 
 

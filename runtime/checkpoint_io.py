@@ -1,0 +1,647 @@
+"""Checkpoints that move between plans: save under one (dp, tp, pp), load under another.
+
+Built on ``torch.distributed.checkpoint`` (DCP). The checkpoint is one DCP directory whose
+entries are keyed by the ORIGINAL model's names, whatever plan wrote it::
+
+    <param name>                          e.g. "blocks.0.attn.qkv.weight"   full shape
+    optim.state.<param name>.exp_avg      AdamW first moment                full shape
+    optim.state.<param name>.exp_avg_sq   AdamW second moment               full shape
+    optim.state.<param name>.step         AdamW step count                  0-d float32
+    optim.state.<param name>.max_exp_avg_sq   (amsgrad only)
+    train.step                            the caller's step                 0-d int64
+
+**Tied weights** (``wte.weight`` / ``lm_head.weight``) are saved once, under the name
+``module.named_parameters()`` lists them by (it lists a shared parameter once, under its first
+name: ``wte.weight`` for the zoo GPT). Loaders accept any alias present in the checkpoint.
+
+**Who writes what.** Each rank describes its local tensors as *pieces*: rectangular boxes of the
+full tensor (offsets into it) backed by views of local storage, and writes only the pieces it
+owns, so the chunks of every entry tile the full tensor exactly once (DCP checks this when it
+builds the global plan, and fails the save otherwise):
+
+* pipeline ranks hold disjoint layers; a tied weight is written by the lowest stage holding it;
+* data-parallel replicas are copies: dp index 0 writes parameters (and plain AdamW state);
+  under ZeRO-1 each dp rank writes the slices of optimizer state its flat shard holds, each a
+  contiguous run of a parameter's row-major elements cut into at most ``2 * ndim - 1`` boxes;
+* tensor-parallel shards (:class:`ParamLayout`): a parameter split along ``dim`` into equal
+  pieces of each *section* (fused q/k/v: three sections) is, on tp rank ``r``, the concatenation
+  of section pieces; each section piece is its own box at its global offset. Replicated
+  parameters are written by tp index 0.
+
+Loading is the mirror image: every rank asks DCP for the boxes its local tensors cover (all
+local copies of a tied weight, every dp replica), and DCP's resharding reads the overlapping
+parts of whatever chunks were saved, so a checkpoint written under (dp, tp, pp) = (1, 1, 2)
+loads under (2, 1, 2), (1, 1, 4), or into the plain single-device module
+(:func:`load_into_module`, ``no_dist=True``).
+
+The mechanism is a pair of small DCP planners over explicit chunks (``ChunkStorageMetadata``
+offsets) rather than DTensor: a tp shard of a fused q/k/v weight is not one ``Shard(dim)`` slice
+of the full tensor, and explicit boxes need no DeviceMesh, so they run unchanged on gloo CPU.
+
+Not saved: optimizer hyperparameters (lr, betas, eps, weight decay: the caller constructs the
+optimizer) and RNG state (exactness across plans assumes dropout 0).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from partitioner.errors import ConfigError
+from passes.meta import TENSOR_PARALLEL_PLAN, ParamSharding, TensorParallelPlan
+
+TRAIN_STEP_KEY = "train.step"
+OPTIM_PREFIX = "optim.state."
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+# ----------------------------------------------------------------------------------------------
+# Layouts and pieces: which boxes of the full tensor a local tensor holds
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class ParamLayout:
+    """Where one rank's local tensor of a parameter lies in the full tensor.
+
+    ``shape``: the full (unsharded) shape. ``dim``: the tensor dim it is sharded along (``None``:
+    the local tensor is the whole parameter). ``segments``: along ``dim``, ``(local_start,
+    global_start, length)`` runs, in local order; together they cover the local tensor's ``dim``.
+    """
+
+    shape: tuple[int, ...]
+    dim: int | None = None
+    segments: tuple[tuple[int, int, int], ...] = ()
+
+    @classmethod
+    def from_sharding(cls, shape: Sequence[int], sharding: ParamSharding | None, rank: int,
+                      degree: int) -> "ParamLayout":
+        """The layout of tp rank ``rank`` of ``degree`` under ``sharding`` (the convention of
+        ``passes.apply_tensor_parallel.shard_tensor``: each section split evenly, the rank's
+        pieces concatenated in section order)."""
+        shape = tuple(int(s) for s in shape)
+        if sharding is None or sharding.dim is None or degree == 1:
+            return cls(shape=shape)
+        dim = sharding.dim
+        sections = sharding.sections or (shape[dim],)
+        if sum(sections) != shape[dim] or any(s % degree for s in sections):
+            raise ConfigError(f"checkpoint_io: sections {sections} of a dim of size {shape[dim]} cannot be "
+                              f"split evenly over tp={degree}; fix the tensor-parallel plan")
+        segments, local, start = [], 0, 0
+        for size in sections:
+            chunk = size // degree
+            segments.append((local, start + rank * chunk, chunk))
+            local += chunk
+            start += size
+        return cls(shape=shape, dim=dim, segments=tuple(segments))
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        if self.dim is None:
+            return self.shape
+        shape = list(self.shape)
+        shape[self.dim] = sum(length for _, _, length in self.segments)
+        return tuple(shape)
+
+    def boxes(self, offsets: Sequence[int], sizes: Sequence[int]) -> list[tuple[tuple[int, ...], tuple[int, ...],
+                                                                              tuple[int, ...]]]:
+        """The local box ``offsets``/``sizes`` as ``(local_offsets, sizes, global_offsets)`` boxes,
+        cut where it crosses from one segment to the next."""
+        offsets, sizes = tuple(offsets), tuple(sizes)
+        if self.dim is None:
+            return [(offsets, sizes, offsets)]
+        d, out = self.dim, []
+        lo, hi = offsets[d], offsets[d] + sizes[d]
+        for local_start, global_start, length in self.segments:
+            a, b = max(lo, local_start), min(hi, local_start + length)
+            if a >= b:
+                continue
+            loc = offsets[:d] + (a,) + offsets[d + 1:]
+            glob = offsets[:d] + (global_start + a - local_start,) + offsets[d + 1:]
+            out.append((loc, sizes[:d] + (b - a,) + sizes[d + 1:], glob))
+        return out
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A box of a full tensor held locally: ``offsets`` into the full tensor, ``tensor`` a view
+    of local storage (writes through it land in the local tensor)."""
+
+    offsets: tuple[int, ...]
+    tensor: torch.Tensor
+
+
+@dataclass
+class Entry:
+    """One checkpoint entry seen from this rank: the full ``shape`` and the local pieces of it."""
+
+    shape: tuple[int, ...]
+    pieces: list[Piece] = field(default_factory=list)
+
+
+def pieces_of(local: torch.Tensor, layout: ParamLayout, offsets: Sequence[int] | None = None,
+              sizes: Sequence[int] | None = None) -> list[Piece]:
+    """Pieces of the full tensor covered by ``local`` (or by its box ``offsets``/``sizes``)."""
+    if tuple(local.shape) != layout.local_shape:
+        raise ConfigError(f"checkpoint_io: local tensor of shape {tuple(local.shape)} does not match its layout "
+                          f"(local shape {layout.local_shape} of {layout.shape}); the layout is stale")
+    offsets = tuple(offsets) if offsets is not None else (0,) * local.dim()
+    sizes = tuple(sizes) if sizes is not None else tuple(local.shape)
+    out = []
+    for loc, size, glob in layout.boxes(offsets, sizes):
+        view = local
+        for d, (o, s) in enumerate(zip(loc, size)):
+            view = view.narrow(d, o, s)
+        out.append(Piece(glob, view))
+    return out
+
+
+def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """The row-major elements ``[start, stop)`` of a tensor of ``shape`` as rectangular boxes
+    ``(offsets, sizes, flat_start)``: a partial run of the last dim, whole rows, ... (at most
+    ``2 * ndim - 1`` boxes), each a contiguous run of the flat elements."""
+    shape = tuple(shape)
+    if start >= stop:
+        return []
+    if not shape:
+        return [((), (), 0)]
+    inner = 1
+    for s in shape[1:]:
+        inner *= s
+    out = []
+    first, last = start // inner, (stop - 1) // inner
+    if first == last or start % inner:
+        # A partial first "row" (a box of the lower dims) at index ``first``.
+        end = min(stop, (first + 1) * inner)
+        for offs, sizes, flat in flat_range_boxes(shape[1:], start - first * inner, end - first * inner):
+            out.append(((first,) + offs, (1,) + sizes, first * inner + flat))
+        start = end
+    if start < stop:
+        full_rows = (stop - start) // inner
+        if full_rows:
+            row = start // inner
+            out.append(((row,) + (0,) * (len(shape) - 1), (full_rows,) + shape[1:], start))
+            start += full_rows * inner
+    if start < stop:
+        row = start // inner
+        for offs, sizes, flat in flat_range_boxes(shape[1:], 0, stop - start):
+            out.append(((row,) + offs, (1,) + sizes, row * inner + flat))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# DCP planners over explicit pieces
+# ----------------------------------------------------------------------------------------------
+class _PieceSavePlanner(DefaultSavePlanner):
+    """Writes every piece of every :class:`Entry` as one chunk at its offsets."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
+        self.state_dict, self.is_coordinator = state_dict, is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for fqn, entry in self.state_dict.items():
+            for piece in entry.pieces:
+                t = piece.tensor
+                items.append(WriteItem(
+                    index=MetadataIndex(fqn, torch.Size(piece.offsets)), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=torch.Size(piece.offsets), sizes=torch.Size(t.shape)),
+                        properties=TensorProperties.create_from_tensor(t), size=torch.Size(entry.shape))))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex):
+        # The global plan rewrites index hints, so find the piece by its offsets (unique per rank:
+        # a rank writes each box once).
+        for piece in self.state_dict[index.fqn].pieces:
+            if torch.Size(piece.offsets) == index.offset:
+                # A contiguous copy: torch.save of a view would write its whole storage.
+                return piece.tensor.detach().contiguous().clone()
+        raise ValueError(f"checkpoint_io: no local piece of {index.fqn} at {tuple(index.offset)}")
+
+
+class _PieceLoadPlanner(DefaultLoadPlanner):
+    """Reads into every piece of every :class:`Entry` (pieces may repeat a box: tied copies)."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        self.state_dict, self.metadata, self.is_coordinator = state_dict, metadata, is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        saved = self.metadata.state_dict_metadata
+        items = []
+        for fqn, entry in self.state_dict.items():
+            md = saved[fqn]
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=torch.Size(p.tensor.shape))
+                      for p in entry.pieces]
+            items += create_read_items_for_chunk_list(fqn, md, chunks)
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        # dest_index.index is the piece's position in the chunk list given above.
+        return self.state_dict[index.fqn].pieces[index.index].tensor
+
+    def resolve_tensor(self, read_item):
+        return self.transform_tensor(read_item, self.lookup_tensor(read_item.dest_index))
+
+
+def save_entries(entries: Mapping[str, Entry], directory: str | os.PathLike, *, process_group=None,
+                 no_dist: bool = False) -> None:
+    """Write ``entries`` (key -> :class:`Entry`) as a DCP checkpoint: each piece one chunk. Collective
+    over ``process_group`` unless ``no_dist``; the pieces of all ranks must tile every entry once."""
+    with _quiet(no_dist):
+        dcp.save(dict(entries), checkpoint_id=os.fspath(directory), planner=_PieceSavePlanner(),
+                 process_group=process_group, no_dist=no_dist)
+
+
+@torch.no_grad()
+def load_entries(entries: Mapping[str, Entry], directory: str | os.PathLike, *, process_group=None,
+                 no_dist: bool = False) -> None:
+    """Fill every piece of ``entries`` from a DCP checkpoint, whatever chunks it was saved in.
+    Raises :class:`ConfigError` (before any collective) if a key is missing or has another shape."""
+    _check_against(entries, _read_metadata(directory))
+    with _quiet(no_dist):
+        dcp.load(dict(entries), checkpoint_id=os.fspath(directory), planner=_PieceLoadPlanner(),
+                 process_group=process_group, no_dist=no_dist)
+
+
+@contextlib.contextmanager
+def _quiet(no_dist: bool):
+    """DCP with readable errors: its CheckpointException is a BaseException (``except Exception``
+    misses it) whose message names only the ranks; re-raise the first rank's error as ours."""
+    # DCP warns that it "assumes a single process" whenever no process group exists: that is
+    # exactly what no_dist asks for.
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            yield
+        except CheckpointException as exc:
+            rank, failure = next(iter(sorted(exc.failures.items())), (None, exc))
+            cause = failure[0] if isinstance(failure, tuple) else failure  # (exception, stack)
+            raise ConfigError(f"checkpoint_io: torch.distributed.checkpoint failed on rank(s) "
+                              f"{sorted(exc.failures)}; rank {rank}: {type(cause).__name__}: {cause}") from cause
+
+
+def _read_metadata(directory: str | os.PathLike) -> Metadata:
+    if not os.path.isdir(directory):
+        raise ConfigError(f"checkpoint_io: no checkpoint directory {os.fspath(directory)!r}")
+    return dcp.FileSystemReader(os.fspath(directory)).read_metadata()
+
+
+def _check_against(entries: Mapping[str, Entry], metadata: Metadata) -> None:
+    # Checked here, not in the planner: DCP wraps planner errors into a CheckpointException.
+    saved = metadata.state_dict_metadata
+    missing = [k for k in entries if k not in saved]
+    if missing:
+        raise ConfigError(f"checkpoint_io: the checkpoint has no {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
+                          f"it was written for another model (or before the optimizer's first step)")
+    for fqn, entry in entries.items():
+        md = saved[fqn]
+        if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != tuple(entry.shape):
+            raise ConfigError(f"checkpoint_io: {fqn} has shape {tuple(getattr(md, 'size', ()))} in the "
+                              f"checkpoint but {tuple(entry.shape)} here; it was written for another model")
+
+
+def checkpoint_keys(directory: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Every entry of a checkpoint and its full shape (no process group needed)."""
+    md = _read_metadata(directory)
+    return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def _add(entries: dict[str, Entry], key: str, shape: Sequence[int], pieces: Iterable[Piece]) -> None:
+    entry = entries.setdefault(key, Entry(tuple(shape)))
+    entry.pieces.extend(pieces)
+
+
+def _whole(t: torch.Tensor) -> list[Piece]:
+    return [Piece((0,) * t.dim(), t)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimizer state (torch.optim.AdamW layout)
+# ----------------------------------------------------------------------------------------------
+def _moment_keys(group: Mapping) -> tuple[str, ...]:
+    return MOMENT_KEYS if group.get("amsgrad", False) else MOMENT_KEYS[:2]
+
+
+def _ensure_adamw_state(optimizer: torch.optim.Optimizer) -> None:
+    """Allocate AdamW state (zeros, step 0) where the optimizer has not stepped yet, so that a
+    load has tensors to read into; AdamW keeps existing state on its next step."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
+                for key in _moment_keys(group):
+                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+# ----------------------------------------------------------------------------------------------
+# ParallelModel
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class _LocalParam:
+    """One parameter of the original model as this rank holds it."""
+
+    name: str                      # canonical original name
+    copies: list[nn.Parameter]     # every local copy (tied: one per local stage reading it)
+    layout: ParamLayout
+    writer: bool                   # this rank writes the parameter (and its unsharded state)
+    tp_writer: bool                # ... ignoring the dp replica condition (ZeRO state)
+
+
+def _tp_plan(pm) -> TensorParallelPlan | None:
+    """The tensor-parallel plan of this rank's stages: ``pm.program.tp_plan`` (or ``pm.tp_plan``),
+    else ``TENSOR_PARALLEL_PLAN`` in a stage module's meta (set by ``apply_tensor_parallel``)."""
+    plan = getattr(getattr(pm, "program", None), "tp_plan", None) or getattr(pm, "tp_plan", None)
+    if plan is None:
+        for stage in pm.stages.values():
+            plan = getattr(stage.module, "meta", {}).get(TENSOR_PARALLEL_PLAN)
+            if plan is not None:
+                break
+    tp = getattr(pm.mesh, "tp", 1)
+    if tp > 1 and (plan is None or plan.degree != tp):
+        raise ConfigError(f"checkpoint_io: mesh has tp={tp} but no TensorParallelPlan of degree {tp} was found on "
+                          f"the model (pm.tp_plan or a stage module's meta[{TENSOR_PARALLEL_PLAN!r}]); expose the "
+                          f"plan the stages were sharded with")
+    return plan if tp > 1 else None
+
+
+def original_aliases(module: nn.Module) -> dict[str, str]:
+    """Every parameter name of ``module`` -> its canonical name: the one ``named_parameters()``
+    lists a shared (tied) parameter under (its first name)."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(p), name)
+    return out
+
+
+def _canonical_names(pm) -> dict[str, str]:
+    """Alias -> canonical name, from the original module's ties and the split's tied records
+    (a captured graph may read a tied weight under any one of its names)."""
+    out = original_aliases(pm.spec.module)
+    for key, aliases in pm.split.aliases.items():
+        canon = out.get(key, key)
+        out.update({a: canon for a in aliases})
+    return out
+
+
+def _local_params(pm) -> list[_LocalParam]:
+    """This rank's parameters by canonical name, with their tp layout and whether it writes them."""
+    canon_of = _canonical_names(pm)
+    plan = _tp_plan(pm)
+    tp = getattr(pm.mesh, "tp", 1)
+    tp_index = getattr(pm.mesh, "tp_index", 0)
+    found: dict[str, _LocalParam] = {}
+    for s in sorted(pm.stages):
+        by_id: dict[int, list[str]] = {}
+        params: dict[int, nn.Parameter] = {}
+        for name, p in pm.stages[s].module.named_parameters(remove_duplicate=False):
+            by_id.setdefault(id(p), []).append(name)
+            params[id(p)] = p
+        for pid, names in by_id.items():
+            canon = next((canon_of[n] for n in names if n in canon_of), names[0])
+            p = params[pid]
+            if canon in found:
+                if all(c is not p for c in found[canon].copies):
+                    found[canon].copies.append(p)
+                continue
+            sharding = plan.params.get(canon) if plan is not None else None
+            if plan is not None and sharding is None:
+                sharding = next((plan.params[n] for n in names if n in plan.params), None)
+            layout_shape = _full_shape(p, sharding, tp)
+            layout = ParamLayout.from_sharding(layout_shape, sharding, tp_index, tp)
+            # A tied weight is written by the lowest stage holding a copy (one writer per box).
+            tied = next((stages for k, stages in pm.split.tied.items() if canon_of.get(k, k) == canon), ())
+            lowest = min(tied, default=s)
+            tp_writer = s == lowest and (layout.dim is not None or tp_index == 0)
+            found[canon] = _LocalParam(canon, [p], layout, tp_writer and pm.mesh.dp_index == 0, tp_writer)
+    return list(found.values())
+
+
+def _full_shape(p: torch.Tensor, sharding: ParamSharding | None, tp: int) -> tuple[int, ...]:
+    shape = list(p.shape)
+    if sharding is not None and sharding.dim is not None and tp > 1:
+        shape[sharding.dim] *= tp
+    return tuple(shape)
+
+
+def _model_entries(local: Sequence[_LocalParam], *, write: bool) -> dict[str, Entry]:
+    entries: dict[str, Entry] = {}
+    for lp in local:
+        if write and not lp.writer:
+            continue
+        for copy in (lp.copies[:1] if write else lp.copies):
+            _add(entries, lp.name, lp.layout.shape, pieces_of(copy.detach(), lp.layout))
+    return entries
+
+
+def _plain_optim_entries(optimizer: torch.optim.Optimizer, local: Sequence[_LocalParam], *,
+                         write: bool) -> dict[str, Entry]:
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    entries: dict[str, Entry] = {}
+    for lp in local:
+        if write and not lp.writer:
+            continue
+        for copy in (lp.copies[:1] if write else lp.copies):
+            state = optimizer.state[copy]
+            prefix = f"{OPTIM_PREFIX}{lp.name}."
+            _add(entries, prefix + "step", (), _whole(state["step"]))
+            for key in _moment_keys(group_of[id(copy)]):
+                _add(entries, prefix + key, lp.layout.shape, pieces_of(state[key], lp.layout))
+    return entries
+
+
+def _zero_optim_entries(zero, local: Sequence[_LocalParam], *, write: bool) -> dict[str, Entry]:
+    """ZeRO-1: the slices of each parameter's AdamW state that this rank's flat shard holds."""
+    by_id = {id(c): (lp, i) for lp in local for i, c in enumerate(lp.copies)}
+    state = zero.optimizer.state[zero.shard]
+    group = zero.optimizer.param_groups[0]
+    lo, hi = zero.rank * zero.shard_numel, (zero.rank + 1) * zero.shard_numel
+    entries: dict[str, Entry] = {}
+    offset = 0
+    for p in zero.params:
+        lp, copy_index = by_id[id(p)]
+        start, stop = offset, offset + p.numel()
+        offset = stop
+        if write and not (lp.tp_writer and copy_index == 0):
+            continue
+        prefix = f"{OPTIM_PREFIX}{lp.name}."
+        # Every dp rank steps the same count: the dp-0 replica writes it, every rank reads it.
+        if not write or lp.writer:
+            _add(entries, prefix + "step", (), _whole(state["step"]))
+        a, b = max(start, lo) - start, min(stop, hi) - start  # the param's elements in this shard
+        for key in _moment_keys(group):
+            flat = state[key]
+            for offs, sizes, flat_start in flat_range_boxes(p.shape, a, b):
+                n = 1
+                for s in sizes:
+                    n *= s
+                view = flat[start + flat_start - lo:start + flat_start - lo + n].view(sizes)
+                for loc, size, glob in lp.layout.boxes(offs, sizes):
+                    rel = view
+                    for d, (o, s) in enumerate(zip(loc, size)):
+                        rel = rel.narrow(d, o - offs[d], s)
+                    _add(entries, prefix + key, lp.layout.shape, [Piece(glob, rel)])
+    return entries
+
+
+def _is_zero(optimizer) -> bool:
+    return hasattr(optimizer, "shard") and hasattr(optimizer, "shard_numel")
+
+
+def _ensure_zero_state(zero) -> None:
+    state = zero.optimizer.state[zero.shard]
+    if not state:
+        state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
+        for key in _moment_keys(zero.optimizer.param_groups[0]):
+            state[key] = torch.zeros_like(zero.shard)
+
+
+def _optim_entries(pm, local, *, write: bool) -> dict[str, Entry]:
+    if _is_zero(pm.optimizer):
+        if not write:
+            _ensure_zero_state(pm.optimizer)
+        elif not pm.optimizer.optimizer.state:
+            return {}
+        return _zero_optim_entries(pm.optimizer, local, write=write)
+    if not write:
+        _ensure_adamw_state(pm.optimizer)
+    elif not pm.optimizer.state:
+        return {}
+    return _plain_optim_entries(pm.optimizer, local, write=write)
+
+
+def save_checkpoint(pm, directory: str | os.PathLike, *, step: int) -> None:
+    """Save ``pm``'s parameters and AdamW state (plain or ZeRO-1) and ``step`` to ``directory``
+    under the original parameter names; every rank of ``pm.mesh`` calls it (collective over the
+    mesh's group). Before the first optimizer step no optimizer state is saved."""
+    local = _local_params(pm)
+    entries = _model_entries(local, write=True)
+    optim = _optim_entries(pm, local, write=True)
+    entries.update(optim)
+    if pm.mesh.rank == pm.mesh.first:
+        entries[TRAIN_STEP_KEY] = Entry((), _whole(torch.tensor(int(step), dtype=torch.int64)))
+    save_entries(entries, directory, process_group=pm.mesh.group)
+
+
+def load_checkpoint(pm, directory: str | os.PathLike, *, optimizer: bool = True) -> int:
+    """Load a checkpoint written by :func:`save_checkpoint` under any plan into ``pm`` (its
+    parameters and, with ``optimizer``, its AdamW state); returns the saved step. Every rank of
+    ``pm.mesh`` calls it."""
+    local = _local_params(pm)
+    entries = _model_entries(local, write=False)
+    if optimizer:
+        entries.update(_optim_entries(pm, local, write=False))
+    step = torch.zeros((), dtype=torch.int64)
+    entries[TRAIN_STEP_KEY] = Entry((), _whole(step))
+    load_entries(entries, directory, process_group=pm.mesh.group)
+    if _is_zero(pm.optimizer):
+        _refresh_zero_master(pm.optimizer)
+    return int(step)
+
+
+@torch.no_grad()
+def _refresh_zero_master(zero) -> None:
+    """ZeroAdamW steps its own flat copy of the parameters (``shard``): refill it from the loaded
+    parameters, or its next all-gather would bring the old weights back."""
+    lo = zero.rank * zero.shard_numel
+    zero.shard.copy_(zero._flatten([p.detach() for p in zero.params])[lo:lo + zero.shard_numel])
+
+
+# ----------------------------------------------------------------------------------------------
+# The plain single-device module
+# ----------------------------------------------------------------------------------------------
+def _module_names(module: nn.Module, saved: Mapping[str, tuple[int, ...]], *,
+                  prefix: str = "") -> dict[int, tuple[str, nn.Parameter]]:
+    """id(param) -> (its name in the checkpoint, param): the first alias the checkpoint has."""
+    aliases: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    out = {}
+    for pid, names in aliases.items():
+        key = next((n for n in names if prefix + n in saved), None)
+        if key is None:
+            raise ConfigError(f"checkpoint_io: the checkpoint has no {prefix}{names[0]} (aliases {names}); "
+                              f"it was written for another model")
+        out[pid] = (key, params[pid])
+    return out
+
+
+def load_into_module(module: nn.Module, directory: str | os.PathLike) -> int:
+    """Load a checkpoint's parameters into the plain single-device ``module`` (the user's model,
+    no process group needed); returns the saved step (0 if the checkpoint has none)."""
+    saved = checkpoint_keys(directory)
+    entries = {}
+    for key, p in _module_names(module, saved).values():
+        _add(entries, key, p.shape, _whole(p.detach()))
+    step = torch.zeros((), dtype=torch.int64)
+    if TRAIN_STEP_KEY in saved:
+        entries[TRAIN_STEP_KEY] = Entry((), _whole(step))
+    load_entries(entries, directory, no_dist=True)
+    return int(step)
+
+
+def load_optimizer_state_into(optimizer: torch.optim.Optimizer, module: nn.Module,
+                              directory: str | os.PathLike) -> None:
+    """Load a checkpoint's AdamW state into a plain ``torch.optim.AdamW`` over ``module``'s
+    parameters (no process group needed)."""
+    saved = checkpoint_keys(directory)
+    names = _module_names(module, {k[len(OPTIM_PREFIX):].rsplit(".", 1)[0]: v for k, v in saved.items()
+                                   if k.startswith(OPTIM_PREFIX)})
+    _ensure_adamw_state(optimizer)
+    entries: dict[str, Entry] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ConfigError("checkpoint_io: the optimizer holds a parameter that is not in the module; "
+                                  "pass the module the optimizer was built over")
+            name = names[id(p)][0]
+            state = optimizer.state[p]
+            _add(entries, f"{OPTIM_PREFIX}{name}.step", (), _whole(state["step"]))
+            for key in _moment_keys(group):
+                _add(entries, f"{OPTIM_PREFIX}{name}.{key}", p.shape, _whole(state[key]))
+    load_entries(entries, directory, no_dist=True)
+
+
+def save_module(module: nn.Module, directory: str | os.PathLike, *, step: int,
+                optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Save a plain single-device ``module`` (and its AdamW state) in the same format, so a
+    single-device run can be resumed under a parallel plan."""
+    entries: dict[str, Entry] = {}
+    names = {id(p): n for n, p in module.named_parameters()}
+    for name, p in module.named_parameters():
+        _add(entries, name, p.shape, _whole(p.detach()))
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state.get(p)
+                if not state:
+                    continue
+                name = names[id(p)]
+                _add(entries, f"{OPTIM_PREFIX}{name}.step", (), _whole(state["step"]))
+                for key in _moment_keys(group):
+                    _add(entries, f"{OPTIM_PREFIX}{name}.{key}", p.shape, _whole(state[key]))
+    entries[TRAIN_STEP_KEY] = Entry((), _whole(torch.tensor(int(step), dtype=torch.int64)))
+    save_entries(entries, directory, no_dist=True)

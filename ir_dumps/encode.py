@@ -46,11 +46,19 @@ def is_fact(value: Any) -> bool:
     return type(value).__module__.split(".")[0] in _PROJECT_PACKAGES
 
 
+def is_plain(value: Any) -> bool:
+    """True for a plain scalar a dump prints as ``key=value`` (int, float, str, bool, sympy)."""
+    return isinstance(value, (bool, int, float, str, sympy.Basic))
+
+
 def facts(meta: dict[str, Any]) -> Iterator[tuple[str, Any]]:
-    """The project facts of a meta dict, known keys first (in ``passes.meta`` order), then sorted."""
-    # The pipeline stage is a plain int (not a dataclass) but is a decision worth dumping.
-    known = [k for k in KNOWN_KEY_ORDER if k in meta and (is_fact(meta[k]) or (
-        k == meta_keys.PIPELINE_STAGE and isinstance(meta[k], int) and not isinstance(meta[k], bool)))]
+    """The project facts of a meta dict, known keys first (in ``passes.meta`` order), then sorted.
+
+    A fact is a project dataclass, or a plain scalar (:func:`is_plain`) under a key of
+    ``passes.meta``; callers that format fields must check ``dataclasses.is_dataclass`` first."""
+    # A known key may hold a plain value (the pipeline stage is an int on nodes and on stage
+    # modules): still a decision worth dumping, printed as ``key=value``.
+    known = [k for k in KNOWN_KEY_ORDER if k in meta and (is_fact(meta[k]) or is_plain(meta[k]))]
     rest = sorted(k for k in meta if k not in KNOWN_KEY_ORDER and isinstance(k, str) and is_fact(meta[k]))
     for key in known + rest:
         yield key, meta[key]

@@ -33,7 +33,10 @@ def graph_text(gm: fx.GraphModule, *, title: str) -> str:
     nodes = list(gm.graph.nodes)
     lines = [f"# {title}"]
     for key, fact in facts(gm.meta):
-        lines.append(f"# {key}: {fact_fields_text(fact, all_fields=True)}")
+        if dataclasses.is_dataclass(fact):
+            lines.append(f"# {key}: {fact_fields_text(fact, all_fields=True)}")
+        else:  # a plain value, such as a stage module's pipeline stage
+            lines.append(f"# {key}={scalar_text(fact)}")
     lines.append(f"# nodes: {len(nodes)}")
     lines.append("")
     lines.extend(node_line(n) for n in nodes)

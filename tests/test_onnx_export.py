@@ -1,5 +1,7 @@
 """ONNX per pipeline stage: valid under onnx.checker, parameters under their original names,
-send/recv as custom-domain nodes, annotations in metadata, and onnxruntime matching torch."""
+send/recv as custom-domain nodes, annotations in metadata, and onnxruntime matching torch; per
+(stage, tp rank) rank programs with the tp collectives as custom-domain nodes and each rank's
+parameter shards; the text/JSON dumps of a stage module whose graph meta holds a plain int."""
 from __future__ import annotations
 
 import json
@@ -10,13 +12,17 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from ir_dumps.onnx_export import DOMAIN, export_split, export_stage, stage_example_inputs
+from ir_dumps.json_dump import graph_json
+from ir_dumps.onnx_export import DOMAIN, export_rank_programs, export_split, export_stage, stage_example_inputs
+from ir_dumps.text import graph_text
 from partitioner.model_spec import build_model
 from passes.annotate_flops import annotate_flops
 from passes.annotate_shapes import annotate_shapes
 from passes.capture import capture_spec
 from passes.checkpoint_policy import checkpoint_policy
+from passes.meta import PIPELINE_STAGE
 from passes.pipeline_split import assign_stages, assign_stages_by_layers, balanced_boundaries, split_pipeline_stages
+from runtime.rank_program import build_rank_program, global_rank
 
 GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 
@@ -112,3 +118,125 @@ def test_example_inputs_follow_stage_io(two_stages, gpt):
     args = stage_example_inputs(split, 1, spec.dims)
     assert [tuple(a.shape) for a in args] == [(2, 8, 32), (2, 8)]
     assert [a.dtype for a in args] == [torch.float32, torch.int64]
+
+
+# ---------------------------------------------------------------------------------- rank programs
+TP, PP = 2, 2
+TP_OPS = {"CopyToTP", "ReduceFromTP", "AllReduce", "VocabParallelCrossEntropy"}
+
+
+@pytest.fixture(scope="module")
+def rank_export(gpt, tmp_path_factory):
+    """(paths, {(stage, tp rank): loaded model}) of export_rank_programs at tp=2, pp=2."""
+    _, gm = gpt
+    paths = export_rank_programs(gm, tp=TP, pp=PP, out_dir=tmp_path_factory.mktemp("ranks"))
+    keys = [(s, r) for s in range(PP) for r in range(TP)]
+    return paths, {k: onnx.load(str(p)) for k, p in zip(keys, paths)}
+
+
+@pytest.fixture(scope="module")
+def rank_files(rank_export):
+    return rank_export[1]
+
+
+def _props(model):
+    return {p.key: p.value for p in model.metadata_props}
+
+
+def _attrs(node):
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def test_rank_program_files_are_valid_with_tp_collectives(gpt, rank_export):
+    _, gm = gpt
+    paths, rank_files = rank_export
+    assert [p.name for p in paths] == ["stage0_tp0.onnx", "stage0_tp1.onnx",
+                                                     "stage1_tp0.onnx", "stage1_tp1.onnx"]
+    for (stage, tp_rank), model in rank_files.items():
+        onnx.checker.check_model(model)
+        rank = global_rank(stage, 0, tp_rank, dp=1, tp=TP)
+        props = _props(model)
+        assert (props["partitioner.stage"], props["partitioner.tp_rank"]) == (str(stage), str(tp_rank))
+        assert (props["partitioner.tp_degree"], props["partitioner.rank"]) == (str(TP), str(rank))
+        # Every tp collective of the rank program's fx graph is a partitioner-domain node, in order,
+        # under the fx node's name, with the global ranks of its tp group.
+        program = build_rank_program(gm, dp=1, tp=TP, pp=PP, rank=rank)
+        comms = program.comms_of("tp")
+        nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type in TP_OPS]
+        assert comms and [n.name for n in nodes] == [c.node for c in comms]
+        assert all(_attrs(n)["ranks"] == list(c.ranks) and _attrs(n)["tp_rank"] == tp_rank
+                   for n, c in zip(nodes, comms))
+        op_types = {n.op_type for n in nodes}
+        assert {"CopyToTP", "ReduceFromTP"} <= op_types
+        assert ("VocabParallelCrossEntropy" in op_types) == (stage == PP - 1)  # the loss is on the last stage
+
+
+def test_rank_program_send_recv_name_peer_ranks(rank_files):
+    for tp_rank in range(TP):
+        send = next(n for n in rank_files[(0, tp_rank)].graph.node if n.op_type == "Send")
+        recv = next(n for n in rank_files[(1, tp_rank)].graph.node if n.op_type == "Recv")
+        assert _attrs(send)["peer_ranks"] == [global_rank(1, 0, tp_rank, dp=1, tp=TP)]
+        assert _attrs(recv)["peer_rank"] == global_rank(0, 0, tp_rank, dp=1, tp=TP)
+
+
+def test_tp_rank1_initializers_are_shards_of_the_full_ones(rank_files, two_stages):
+    _, full_paths = two_stages  # the unsharded split of the same model, exported by export_split
+    for stage in range(PP):
+        full = {i.name: onnx.numpy_helper.to_array(i) for i in onnx.load(str(full_paths[stage])).graph.initializer}
+        model = rank_files[(stage, 1)]
+        local = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+        params = json.loads(_props(model)["partitioner.tp_params"])
+        sharded_dims, compared = set(), 0
+        for name, array in local.items():
+            if name not in full or name not in params:
+                continue  # an exporter-deduplicated copy
+            dim = params[name]["dim"]
+            assert list(full[name].shape) == params[name]["full_shape"]
+            if dim is None:
+                assert array.shape == full[name].shape
+                continue
+            sharded_dims.add(dim)
+            expected = list(full[name].shape)
+            expected[dim] //= TP
+            assert list(array.shape) == expected, name
+            if not params[name]["sections"] or len(params[name]["sections"]) == 1:
+                # one section: tp rank 1 holds the second half of the full tensor
+                np.testing.assert_array_equal(array, np.split(full[name], TP, axis=dim)[1])
+                compared += 1
+            assert "tp sharded along dim" in next(i for i in model.graph.initializer if i.name == name).doc_string
+        assert sharded_dims == {0, 1}  # column-parallel rows and row-parallel columns
+        assert compared >= 2  # values checked for at least the MLP's fc and proj weights
+    fc = onnx.numpy_helper.to_array(next(i for i in rank_files[(0, 1)].graph.initializer
+                                         if i.name == "blocks.0.mlp.fc.weight"))
+    assert fc.shape == (64, 32)  # 4*hidden = 128 rows, half of them on each tp rank
+
+
+def test_vocab_parallel_loss_knows_its_vocab_slice(rank_files):
+    for tp_rank in range(TP):
+        node = next(n for n in rank_files[(1, tp_rank)].graph.node if n.op_type == "VocabParallelCrossEntropy")
+        assert _attrs(node)["vocab_start"] == tp_rank * 64 // TP
+        assert len(node.input) == 2 and len(node.output) == 2
+
+
+def test_text_and_json_dumps_of_a_stage_module_with_int_graph_meta(gpt):
+    _, gm = gpt
+    program = build_rank_program(gm, dp=1, tp=TP, pp=PP, rank=global_rank(1, 0, 1, dp=1, tp=TP))
+    module = program.modules[1]
+    assert module.meta[PIPELINE_STAGE] == 1  # a plain int, not a dataclass
+    text = graph_text(module, title="stage1_tp1")
+    assert "# pipeline_stage=1\n" in text
+    assert "partitioner.vocab_parallel_cross_entropy" in text
+    assert graph_json(module, pass_name="stage1_tp1", index=0)["graph"]["pipeline_stage"] == 1
+
+
+def test_checkpointed_rank_program_names_collectives_inside_regions(gpt, tmp_path):
+    _, gm = gpt
+    paths = export_rank_programs(gm, tp=TP, pp=1, out_dir=tmp_path, checkpointing="full")
+    assert [p.name for p in paths] == ["stage0_tp0.onnx", "stage0_tp1.onnx"]
+    model = onnx.load(str(paths[1]))
+    onnx.checker.check_model(model)
+    program = build_rank_program(gm, dp=1, tp=TP, pp=1, rank=1, checkpointing="full")
+    nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type in TP_OPS]
+    # the checkpoint is inlined by the trace; its region's collectives keep their fx names
+    assert sorted(n.name.rsplit("/", 1)[-1] for n in nodes) == sorted(c.node for c in program.comms_of("tp"))
+    assert any(n.name.startswith("checkpoint_") and "/" in n.name for n in nodes)

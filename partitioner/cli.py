@@ -108,6 +108,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_refit(args: argparse.Namespace) -> int:
+    from partitioner.cluster import DEFAULT_LOCAL_FILE, Cluster
+    from partitioner.refit import refit_from_runs
+
+    out = args.out or DEFAULT_LOCAL_FILE.expanduser()
+    result = refit_from_runs(args.from_run, Cluster.local(args.world_size), out)
+    print(f"refit from {result.runs} run(s): peak FLOP/s x{result.flops_scale:.3g}, memory bandwidth "
+          f"x{result.bandwidth_scale:.3g}; median measured/predicted compute {result.compute_ratio_before:.3g} "
+          f"-> {result.compute_ratio_after:.3g}")
+    print(f"cluster file written to {out}")
+    return 0
+
+
 def _cmd_models(args: argparse.Namespace) -> int:
     from partitioner.model_spec import known_models
 
@@ -120,6 +133,8 @@ def _cmd_models(args: argparse.Namespace) -> int:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from partitioner.calibrate import run_calibration
 
+    if args.from_run:
+        return _cmd_refit(args)
     cal = run_calibration(args.world_size, args.out, args.quick)
     print(f"calibrated {cal.world_size} gloo ranks, {cal.threads_per_rank} thread(s) each "
           f"({cal.elapsed_s:.1f} s{', quick' if args.quick else ''})")
@@ -158,6 +173,20 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from partitioner.demo import run_demo
+
+    run_demo(model=args.model, steps=args.steps, fix=args.fix, dump_dir=args.dump_dir, global_batch=args.global_batch)
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from partitioner.demo import run_train
+
+    return run_train(model=args.model, global_batch=args.global_batch, steps=args.steps, fix=args.fix,
+                     dump_dir=args.dump_dir, cluster=args.cluster, timeout_s=args.timeout, lr=args.lr)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="partitioner", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -193,7 +222,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=4, help="local gloo ranks to calibrate for (default 4)")
     p.add_argument("--out", help="cluster file to write (default ~/.cache/partitioner/local-cluster.yaml)")
     p.add_argument("--quick", action="store_true", help="fewer, smaller measurements (seconds; pessimistic)")
+    p.add_argument("--from-run", nargs="+", metavar="DIR",
+                   help="refit the efficiency terms of the current local cluster file from run directories "
+                        "(plan.json + measurements.json) instead of measuring; writes --out")
     p.set_defaults(fn=_cmd_calibrate)
+
+    from partitioner.demo import DEMO_FIX, DEMO_GLOBAL_BATCH, DEMO_MODEL
+
+    p = sub.add_parser("demo", help="plan and train a GPT on 4 local gloo ranks, checked against one process")
+    p.add_argument("--model", default=DEMO_MODEL, help=f"model spec (default {DEMO_MODEL})")
+    p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    p.add_argument("--fix", default=DEMO_FIX, help=f"pinned knobs (default {DEMO_FIX})")
+    p.add_argument("--global-batch", type=int, default=DEMO_GLOBAL_BATCH, help="samples per step")
+    p.add_argument("--dump-dir", default="demo_out", help="plan.json, report.html, measurements.json, ir/")
+    p.set_defaults(fn=_cmd_demo)
+
+    p = sub.add_parser("train", help="train a model spec on every rank of a torchrun (env://) job")
+    p.add_argument("--model", required=True, help="NAME:key=value,... (see `partitioner models`)")
+    p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    p.add_argument("--fix", help="pin knobs: dp=2,pp=2,...")
+    p.add_argument("--cluster", help="preset or cluster file (default: this machine, one device per rank)")
+    p.add_argument("--dump-dir", help="write plan.json, report.html, measurements.json, ir/ here (rank 0)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective/receive may wait (default 60)")
+    p.add_argument("--lr", type=float, help="AdamW learning rate (default torch's)")
+    p.set_defaults(fn=_cmd_train)
     return parser
 
 

@@ -1,0 +1,237 @@
+"""``partitioner demo`` and ``partitioner train``: plan and train a model on real text.
+
+``partitioner demo`` (no arguments needed) plans the zoo GPT for 4 local gloo ranks
+(``Cluster.local(4)``, pipeline stages pinned with ``--fix``), spawns the 4 ranks
+(:func:`runtime.launch.spawn`), trains on the byte-level stdlib corpus (:mod:`partitioner.corpus`),
+prints the loss per step with a progress bar, checks the first steps against single-process
+training of the same model, and leaves in ``--dump-dir``: ``plan.json``, ``report.html``,
+``measurements.json`` and ``ir/`` (the graph after each analysis pass).
+
+``partitioner train`` is the same loop for any model spec, run by every rank of a job that
+torchrun (or any env:// launcher) started. A rank that fails (an exception, or a peer that
+died: gloo raises on the survivors, every group has a timeout) prints
+``rank R: peer rank K failed during <action>; exiting`` and exits with :data:`EXIT_PEER_FAILED`.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from partitioner.errors import PartitionerError
+
+if TYPE_CHECKING:  # torch is imported where used: `partitioner --help` stays fast
+    import torch
+
+DEMO_MODEL = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq=64,dropout=0.0"
+DEMO_FIX = "dp=2,pp=2"  # pipeline stages pinned; the planner picks the schedule and the rest
+DEMO_WORLD = 4
+DEMO_GLOBAL_BATCH = 8
+CHECK_STEPS = 3
+CHECK_RTOL = 1e-4
+EXIT_PEER_FAILED = 3
+"""Exit status of ``partitioner train`` on a rank that stops because a peer failed."""
+EXIT_RANK_FAILED = 1
+"""Exit status of the rank whose own step raised."""
+
+
+class RankFailure(PartitionerError, RuntimeError):
+    """This rank's training stopped because it (``own``) or a peer failed; the message names who
+    and where."""
+
+    def __init__(self, message: str, *, own: bool):
+        super().__init__(message)
+        self.own = own
+
+
+class ParityError(PartitionerError, RuntimeError):
+    """Distributed training did not match single-process training of the same model."""
+
+
+def batch_for(spec, step: int, global_batch: int) -> tuple[torch.Tensor, ...]:
+    """The global batch of ``step``: corpus bytes for language models with (idx, targets) inputs
+    and a vocabulary of at least 256, seeded random inputs (``spec.example_inputs``) otherwise."""
+    from partitioner import corpus
+
+    names = tuple(i.name for i in spec.inputs)
+    if names == ("idx", "targets") and all((i.high or 0) >= corpus.VOCAB for i in spec.inputs):
+        return corpus.batch(step, global_batch, int(spec.dims["seq"]))
+    return spec.example_inputs({"batch": global_batch}, seed=1000 + step)
+
+
+def progress(step: int, steps: int, loss: float, seconds: float, width: int = 24) -> str:
+    """``step  3/30 [###.........]  loss 5.5412  0.31 s/step``."""
+    done = int(width * step / max(steps, 1))
+    return f"step {step:>3}/{steps} [{'#' * done}{'.' * (width - done)}]  loss {loss:.4f}  {seconds:.2f} s/step"
+
+
+def train_loop(trainer, steps: int, batch: Callable[[int], Sequence[torch.Tensor]], *,
+               echo: bool) -> list[float]:
+    """``steps`` train steps; on rank 0 (``echo``) prints a progress line per step. Any failure is
+    re-raised as :class:`RankFailure` naming the failed peer and this rank's last action."""
+    from runtime.faults import describe_failure, is_communication_error
+
+    losses = []
+    try:
+        for step in range(steps):
+            start = time.perf_counter()
+            losses.append(trainer.train_step(batch(step)))
+            if echo:
+                print(progress(step + 1, steps, losses[-1], time.perf_counter() - start), flush=True)
+    except Exception as exc:  # noqa: BLE001 - a peer's death shows up as any of gloo's errors
+        mesh = trainer.model.mesh
+        raise RankFailure(describe_failure(exc, rank=trainer.rank, last_action=trainer.last_action,
+                                           identities=trainer.identities, pp_ranks=mesh.pp_ranks,
+                                           group_ranks=range(mesh.first, mesh.first + mesh.size)),
+                          own=not is_communication_error(exc)) from exc
+    return losses
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankResult:
+    """What one demo rank returns to the launcher."""
+
+    losses: list[float]
+    plan_json: str
+    build_s: float
+    train_s: float
+    measured: dict[int, dict[str, float]]
+    breakdown: dict[int, dict[str, float]]
+    """Per rank: median seconds per step of each measured term (:func:`breakdown`)."""
+    eval_loss: float
+    """Loss of the next, unseen corpus batch after training (``eval_step``)."""
+
+
+def _demo_rank(model: str, steps: int, fix: str, dump_dir: str, global_batch: int, timeout_s: float,
+               track_memory: bool) -> RankResult:
+    import torch.distributed as dist
+
+    from partitioner.auto import auto_parallelize
+    from partitioner.cluster import Cluster
+
+    start = time.perf_counter()
+    trainer = auto_parallelize(model, Cluster.local(DEMO_WORLD), global_batch_size=global_batch, fix=fix,
+                               dump_dir=dump_dir, timeout_s=timeout_s, track_memory=track_memory)
+    built = time.perf_counter()
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        print(f"plan: {trainer.plan.summary()}", flush=True)
+    losses = train_loop(trainer, steps, lambda k: batch_for(trainer.spec, k, global_batch), echo=rank0)
+    trained = time.perf_counter()
+    eval_loss = trainer.eval_step(batch_for(trainer.spec, steps, global_batch))
+    run = trainer.finish()
+    return RankResult(losses=losses, plan_json=trainer.plan.to_json(), build_s=built - start,
+                      train_s=trained - built, measured=run.summary_by_rank(), breakdown=breakdown(run.steps),
+                      eval_loss=eval_loss)
+
+
+TERMS = ("wall_s", "compute_s", "recv_wait_s", "send_wait_s", "p2p_post_s", "collective_s", "optimizer_s", "other_s")
+
+
+def breakdown(steps, skip_first: int = 2) -> dict[int, dict[str, float]]:
+    """Per rank, the median over steps (after ``skip_first`` warm-up, memory-tracked steps) of each term of
+    :class:`runtime.measure.StepMeasurement`, in seconds."""
+    out = {}
+    for rank, per_rank in enumerate(steps):
+        kept = per_rank[skip_first:] or per_rank
+        out[rank] = {t: sorted(getattr(m, t) for m in kept)[len(kept) // 2] for t in TERMS}
+    return out
+
+
+def reference_losses(model: str, steps: int, global_batch: int) -> list[float]:
+    """Single-process AdamW training of ``model`` (same seed, same batches): per-step losses."""
+    import torch
+
+    from partitioner.model_spec import build_model
+
+    spec = build_model(model, device="cpu", seed=0)  # auto_parallelize builds with seed 0 too
+    opt = torch.optim.AdamW(spec.module.parameters())
+    out = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = spec.loss(spec.module, *batch_for(spec, step, global_batch))
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
+def max_rel_diff(a: Sequence[float], b: Sequence[float]) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str = DEMO_FIX, dump_dir: str = "demo_out",
+             global_batch: int = DEMO_GLOBAL_BATCH, timeout_s: float = 60.0, track_memory: bool | int = 2,
+             out=None) -> dict:
+    """The whole demo; returns a summary dict. Raises :class:`ParityError` when the first
+    :data:`CHECK_STEPS` losses differ from single-process training by more than :data:`CHECK_RTOL`."""
+    from runtime.launch import spawn
+
+    def say(text: str) -> None:
+        print(text, file=out or sys.stdout, flush=True)
+
+    start = time.perf_counter()
+    dump = str(Path(dump_dir).resolve())
+    say(f"demo: {model} on {DEMO_WORLD} local gloo ranks, fix {fix}, global batch {global_batch}, {steps} steps")
+    results = spawn(_demo_rank, DEMO_WORLD, model, steps, fix, dump, global_batch, timeout_s, track_memory,
+                    timeout_s=max(600.0, 20.0 * steps))
+    distributed_s = time.perf_counter() - start
+    losses = results[0].losses
+    for rank, r in enumerate(results):
+        if r.losses != losses:
+            raise ParityError(f"rank {rank} returned losses {r.losses[:3]}..., rank 0 {losses[:3]}...; every rank "
+                              f"must return the same loss")
+    n = min(CHECK_STEPS, steps)
+    ref = reference_losses(model, n, global_batch)
+    diff = max_rel_diff(losses[:n], ref) if n else 0.0
+    if diff > CHECK_RTOL:
+        raise ParityError(f"first {n} losses {losses[:n]} differ from single-process training {ref} by max rel "
+                          f"diff {diff:.2e} > {CHECK_RTOL:g}")
+    say(f"matches single-process training: max rel diff {diff:.2e} over the first {n} steps")
+    measured = results[0].measured
+    med = sorted(v["step_time_s"] for v in measured.values())
+    peaks = [v["peak_memory_bytes"] for v in measured.values()]
+    from partitioner.plan_types import Plan
+
+    plan = Plan.from_json(results[0].plan_json)
+    say(f"step time (median over ranks): {med[len(med) // 2]:.3f} s measured, {plan.predicted.step_time_s:.3f} s "
+        f"predicted; peak memory {max(peaks) / 2**20:.2f} MiB measured, "
+        f"{plan.predicted.peak_memory_bytes / 2**20:.2f} MiB predicted")
+    say(f"eval loss on the next unseen batch: {results[0].eval_loss:.4f}")
+    say("per rank, median ms per step:  " + "  ".join(t[:-2] for t in TERMS))
+    for rank, terms in results[0].breakdown.items():
+        say(f"  rank {rank}:  " + "  ".join(f"{terms[t] * 1e3:{len(t) - 2}.1f}" for t in TERMS))
+    total = time.perf_counter() - start
+    say(f"wrote {dump}/plan.json, report.html, measurements.json, ir/  (total {total:.1f} s: build "
+        f"{max(r.build_s for r in results):.1f} s, train {max(r.train_s for r in results):.1f} s)")
+    return {"losses": losses, "reference": ref, "max_rel_diff": diff, "seconds": total,
+            "distributed_seconds": distributed_s, "plan": plan, "dump_dir": dump}
+
+
+def run_train(*, model: str, global_batch: int, steps: int, fix: str | None, dump_dir: str | None,
+              cluster: str | None, timeout_s: float, lr: float | None) -> int:
+    """``partitioner train`` on this rank (env:// rendezvous); returns the exit code."""
+    import torch.distributed as dist
+
+    from partitioner.auto import auto_parallelize
+
+    trainer = auto_parallelize(model, cluster, global_batch_size=global_batch, fix=fix, dump_dir=dump_dir,
+                               timeout_s=timeout_s, optimizer={"lr": lr} if lr is not None else None)
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        print(f"plan: {trainer.plan.summary()}", flush=True)
+    try:
+        train_loop(trainer, steps, lambda k: batch_for(trainer.spec, k, global_batch), echo=rank0)
+    except RankFailure as exc:
+        print(str(exc), file=sys.stderr, flush=True)
+        # Skip the process-group teardown: it may wait on the dead peer.
+        sys.stdout.flush()
+        os._exit(EXIT_RANK_FAILED if exc.own else EXIT_PEER_FAILED)
+    trainer.finish()
+    if rank0 and dump_dir:
+        print(f"wrote {dump_dir}/plan.json, report.html, measurements.json, ir/", flush=True)
+    dist.destroy_process_group()
+    return 0

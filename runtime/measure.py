@@ -1,0 +1,252 @@
+"""Per-step, per-rank measurements of a :class:`runtime.parallel_model.ParallelModel` run.
+
+:class:`StepTimer` instruments one rank's :class:`runtime.stage_executor.StageExecutor` without
+editing it: it replaces the executor's bound action handlers (``_forward``, ``_backward``,
+``_recv_f``, ...) and its receive/send waits on the *instance* (``run`` looks them up on ``self``
+each step), and wraps the ``grad_sync``/``step`` callbacks at the ``train_step`` level. What one
+step's :class:`StepMeasurement` splits the wall time into (seconds):
+
+* ``compute_s``: inside forward/backward actions, minus the time those actions spend waiting on
+  their receives; ``compute_by_stage_s`` splits it by global stage index;
+* ``recv_wait_s``: waiting for point-to-point receives (pipeline bubble + transfer: a receive
+  waited on is idle time unless the peer is late only by the transfer itself);
+* ``send_wait_s`` + ``p2p_post_s``: waiting for sends to finish, and posting isend/irecv;
+* ``collective_s``: the ``ALL_REDUCE`` action (tied-weight and data-parallel gradient sync);
+* ``optimizer_s``: the ``STEP`` action;
+* ``other_s``: the rest of the step (micro-batch slicing, ``zero_grad``, the loss all-reduce at
+  the end of ``train_step``, which waits for the last stage, Python overhead).
+
+Peak memory per step (bytes): ``torch.cuda.max_memory_allocated`` on CUDA; on CPU the peak of
+live tensor storage bytes seen by :class:`LiveBytes` (a dispatch mode that counts each
+storage's ``nbytes`` once when an op first returns it and subtracts it when the storage is freed;
+parameters, gradients and optimizer state made before tracking started are added as a
+baseline). Both exclude the allocator's caching and the framework's own memory, like the
+planner's predictions.
+"""
+from __future__ import annotations
+
+import json
+import time
+import weakref
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from runtime.schedule_actions import Action
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepMeasurement:
+    """One training step on one rank (seconds, bytes); see the module docstring for the terms."""
+
+    step: int
+    rank: int
+    loss: float
+    wall_s: float
+    compute_s: float
+    compute_by_stage_s: dict[int, float]
+    recv_wait_s: float
+    send_wait_s: float
+    p2p_post_s: float
+    collective_s: float
+    optimizer_s: float
+    other_s: float
+    peak_memory_bytes: int | None
+    """``None`` when memory was not tracked this step."""
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of live tensor storages on CPU (see the module docstring).
+
+    Storages keep their Python identity in torch >= 2.0, so a weakref callback on
+    ``untyped_storage()`` fires when the storage itself is freed.
+    """
+
+    def __init__(self, existing: Iterable[torch.Tensor] = ()):
+        super().__init__()
+        self.live = 0
+        self._seen: dict[int, weakref.ref] = {}
+        for t in existing:  # parameters, gradients, optimizer state: live before the step starts
+            self._track(t)
+        self.peak = self.live
+
+    def _track(self, t: torch.Tensor) -> None:
+        if t.device.type != "cpu" or t.is_meta:
+            return
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        key = id(storage)
+        if key in self._seen and self._seen[key]() is storage:
+            return  # a view, or an in-place op's result: bytes already counted
+        nbytes = storage.nbytes()
+        self._seen[key] = weakref.ref(storage, lambda _r, k=key, n=nbytes: self._free(k, n))
+        self.live += nbytes
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._seen.pop(key, None)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of the distinct storages of ``tensors`` (parameters, grads, optimizer state)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and not t.is_meta:
+            s = t.untyped_storage()
+            if s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                total += s.nbytes()
+    return total
+
+
+class StepTimer:
+    """Instruments a ParallelModel-like object (``executor``, ``params``, ``optimizer``,
+    ``mesh``, ``train_step``) and records one :class:`StepMeasurement` per ``measure`` call.
+
+    ``track_memory``: on CPU, the number of first steps whose live bytes are tracked (a dispatch
+    mode, which slows every op, so later steps run untracked and time cleanly; the peak is
+    reached by the second step, once gradients and optimizer state exist); ``True`` = every
+    step, ``False``/0 = none. CUDA peaks cost nothing and are read every step. ``last_action`` is the action running or last run, for
+    fault messages.
+    """
+
+    def __init__(self, model: Any, *, track_memory: bool | int = 2):
+        self.model = model
+        self.track_memory = track_memory
+        self.steps: list[StepMeasurement] = []
+        self.last_action: Action | str | None = None
+        self._t: dict[str, float] = {}
+        self._stage: dict[int, float] = {}
+        ex = model.executor
+        for name, kind in (("_forward", "compute"), ("_backward", "compute"), ("_recv_f", "post"),
+                           ("_recv_b", "post"), ("_send_f", "post"), ("_send_b", "post")):
+            setattr(ex, name, self._wrap_action(getattr(ex, name), kind))
+        ex._take_recvs = self._wrap(ex._take_recvs, "recv_wait")
+        ex._wait_sends = self._wrap(ex._wait_sends, "send_wait")
+        self._orig_grad_sync = model._grad_sync
+        self._orig_step = model._step
+        model._grad_sync = self._wrap(model._grad_sync, "collective", label="ALL_REDUCE")
+        model._step = self._wrap(model._step, "optimizer", label="STEP")
+
+    def _add(self, key: str, dt: float) -> None:
+        self._t[key] = self._t.get(key, 0.0) + dt
+
+    def _wrap(self, fn: Callable, key: str, label: str | None = None) -> Callable:
+        def run(*args, **kwargs):
+            if label is not None:
+                self.last_action = label
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._add(key, time.perf_counter() - start)
+        return run
+
+    def _wrap_action(self, fn: Callable, key: str) -> Callable:
+        def run(action: Action):
+            self.last_action = action
+            waited = self._t.get("recv_wait", 0.0)
+            start = time.perf_counter()
+            try:
+                return fn(action)
+            finally:
+                dt = time.perf_counter() - start
+                if key == "compute":
+                    dt -= self._t.get("recv_wait", 0.0) - waited  # waits inside F/B are not compute
+                    self._stage[action.stage] = self._stage.get(action.stage, 0.0) + dt
+                self._add(key, dt)
+        return run
+
+    def measure(self, step: int, fn: Callable[[], float]) -> StepMeasurement:
+        """Run ``fn`` (one ``train_step``) and record its measurement."""
+        self._t, self._stage = {}, {}
+        cuda = self.model.mesh.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        mode = None
+        limit = None if self.track_memory is True else int(self.track_memory)
+        if not cuda and (limit is None or len(self.steps) < limit):
+            mode = LiveBytes(self._persistent())
+        start = time.perf_counter()
+        if mode is not None:
+            with mode:
+                loss = fn()
+        else:
+            loss = fn()
+        wall = time.perf_counter() - start
+        peak = (int(torch.cuda.max_memory_allocated()) if cuda else (mode.peak if mode is not None else None))
+        t = self._t
+        compute = t.get("compute", 0.0)
+        parts = compute + sum(t.get(k, 0.0) for k in ("recv_wait", "send_wait", "post", "collective", "optimizer"))
+        m = StepMeasurement(
+            step=step, rank=self.model.mesh.rank, loss=float(loss), wall_s=wall, compute_s=compute,
+            compute_by_stage_s=dict(sorted(self._stage.items())), recv_wait_s=t.get("recv_wait", 0.0),
+            send_wait_s=t.get("send_wait", 0.0), p2p_post_s=t.get("post", 0.0),
+            collective_s=t.get("collective", 0.0), optimizer_s=t.get("optimizer", 0.0),
+            other_s=max(0.0, wall - parts), peak_memory_bytes=peak)
+        self.steps.append(m)
+        return m
+
+    def _persistent(self) -> Iterator[torch.Tensor]:
+        for p in self.model.params:
+            yield p
+            if p.grad is not None:
+                yield p.grad
+        state = getattr(self.model.optimizer, "state", {})
+        for st in (state.values() if isinstance(state, dict) else ()):
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    yield v
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunMeasurements:
+    """Every rank's steps plus the plan's predictions: the content of ``measurements.json``."""
+
+    plan_summary: str
+    predicted_step_time_s: float
+    predicted_peak_memory_bytes: float
+    predicted_terms: dict[str, float]
+    world_size: int
+    steps: list[list[StepMeasurement]]
+    """``steps[rank][k]``."""
+    notes: list[str] = field(default_factory=list)
+
+    def summary_by_rank(self, skip_first: int = 2) -> dict[int, dict[str, float]]:
+        """Per rank: median step wall time (after ``skip_first`` warm-up steps: the first steps
+        are memory-tracked, see :class:`StepTimer`) and the largest peak memory of any step,
+        as :func:`ir_dumps.report.write_report` takes them (``measured=``)."""
+        out = {}
+        for rank, steps in enumerate(self.steps):
+            kept = steps[skip_first:] or steps
+            walls = sorted(s.wall_s for s in kept)
+            peaks = [s.peak_memory_bytes for s in steps if s.peak_memory_bytes is not None]
+            out[rank] = {"step_time_s": walls[len(walls) // 2],
+                         "peak_memory_bytes": float(max(peaks)) if peaks else 0.0}
+        return out
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["measured"] = {str(k): v for k, v in self.summary_by_rank().items()}
+        return d
+
+    def write(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+

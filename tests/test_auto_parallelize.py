@@ -1,0 +1,153 @@
+"""auto_parallelize end to end: a bare nn.Module with named-dim inputs and a loss function,
+planned for 4 gloo ranks (dp=2 x pp=2 pinned) and trained in one spawn, gives the losses of
+single-process training; eval_step gives the single-process loss after those steps; the
+per-step measurements add up. Plus the start-up refusals, which need no processes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+from partitioner.auto import check_world_size, choose_plan, runtime_kwargs
+from partitioner.cluster import Cluster
+from partitioner.errors import ConfigError, InfeasiblePlanError
+from partitioner.model_spec import build_model
+from runtime.launch import spawn
+
+GPT = "gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
+GLOBAL_BATCH, STEPS, WORLD = 8, 3, 4
+FIX = "dp=2,pp=2,schedule=1f1b,num_micro_batches=2,offload=none,checkpointing=none"
+ADAMW = {"lr": 1e-3, "eps": 1e-6}  # eps: see test_runtime_parity (noise-level key-bias gradients)
+
+
+def _batches(spec):
+    return [spec.example_inputs({"batch": GLOBAL_BATCH}, seed=100 + k) for k in range(STEPS + 1)]
+
+
+def _rank():
+    """One rank: a bare module (not a spec string) through auto_parallelize."""
+    from partitioner.auto import auto_parallelize
+
+    import os
+
+    spec = build_model(GPT)
+    if os.environ["RANK"] != "0":  # rank 0's weights are broadcast: perturb the others to prove it
+        with torch.no_grad():
+            for p in spec.module.parameters():
+                p.add_(1.0)
+    start = time.perf_counter()
+    trainer = auto_parallelize(spec.module, Cluster.local(WORLD), inputs=spec.inputs, loss_fn=spec.loss,
+                               dims={"seq": 8}, optimizer=ADAMW, global_batch_size=GLOBAL_BATCH, fix=FIX,
+                               timeout_s=30)
+    built = time.perf_counter() - start
+    batches = _batches(spec)
+    losses = [trainer.train_step(b) for b in batches[:STEPS]]
+    evaluated = trainer.eval_step(batches[STEPS])
+    run = trainer.finish()
+    return {"losses": losses, "eval": evaluated, "plan": trainer.plan, "steps": run.steps, "build_s": built,
+            "stages": sorted(trainer.model.stages)}
+
+
+@pytest.fixture(scope="module")
+def distributed():
+    start = time.perf_counter()
+    out = spawn(_rank, WORLD, timeout_s=300)
+    build = max(r["build_s"] for r in out)
+    print(f"\nspawn of {WORLD} ranks: {time.perf_counter() - start:.1f} s, build {build:.1f} s")
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    spec = build_model(GPT)
+    opt = torch.optim.AdamW(spec.module.parameters(), **ADAMW)
+    batches = _batches(spec)
+    losses = []
+    for b in batches[:STEPS]:
+        opt.zero_grad()
+        loss = spec.loss(spec.module, *b)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    with torch.no_grad():
+        evaluated = spec.loss(spec.module, *batches[STEPS]).item()
+    return losses, evaluated
+
+
+def test_losses_equal_single_process_training(distributed, reference):
+    ref_losses, ref_eval = reference
+    assert len(set(ref_losses)) == STEPS  # training moves: equal losses would prove nothing
+    for rank, r in enumerate(distributed):
+        assert r["losses"] == pytest.approx(ref_losses, rel=1e-5), f"rank {rank}"
+        assert r["losses"] == distributed[0]["losses"], "every rank returns the same loss"
+        assert r["eval"] == pytest.approx(ref_eval, rel=1e-5), f"rank {rank} eval_step"
+
+
+def test_plan_is_the_pinned_pipeline(distributed):
+    plan = distributed[0]["plan"]
+    assert (plan.dp, plan.tp, plan.pp, plan.num_micro_batches, plan.schedule) == (2, 1, 2, 2, "1f1b")
+    assert [r["stages"] for r in distributed] == [[0], [0], [1], [1]]  # pp index = rank // dp
+
+
+def test_measurements_add_up(distributed):
+    steps = distributed[0]["steps"]
+    assert [len(s) for s in steps] == [STEPS] * WORLD
+    for rank, per_rank in enumerate(steps):
+        for m in per_rank:
+            assert m.rank == rank
+            parts = m.compute_s + m.recv_wait_s + m.send_wait_s + m.p2p_post_s + m.collective_s + m.optimizer_s
+            assert 0 < m.compute_s and parts <= m.wall_s * 1.001
+            assert m.other_s == pytest.approx(m.wall_s - parts, abs=1e-6)
+            assert list(m.compute_by_stage_s) == [rank // 2]
+            # Memory is tracked on the first two steps only (the dispatch mode slows ops).
+            assert (m.peak_memory_bytes is not None) == (m.step < 2)
+    params = sum(p.numel() * 4 for p in build_model(GPT).module.parameters())
+    # Step 1 starts with AdamW state: each rank holds about half the model (one pipeline stage)
+    # as parameters, gradients and two moments (~2x the model), plus activations; certainly less
+    # than 4 whole models.
+    for per_rank in steps:
+        assert params < per_rank[1].peak_memory_bytes < 4 * params
+
+
+# -- refusals at start (no processes) -----------------------------------------------------------
+
+def test_world_size_not_matching_plan_is_refused_with_numbers():
+    with pytest.raises(ConfigError, match=r"plan needs 4 ranks \(dp=2 tp=1 pp=2\) but the job has 2"):
+        choose_plan(GPT, Cluster.local(4), world_size=2, global_batch_size=GLOBAL_BATCH, fix=FIX)
+
+
+def test_plan_that_fits_no_device_is_infeasible_at_start():
+    tiny = Cluster.local(4)
+    tiny = dataclasses.replace(tiny, device=dataclasses.replace(tiny.device, memory_bytes=64 * 1024))
+    with pytest.raises(InfeasiblePlanError, match="no plan fits"):
+        choose_plan(GPT, tiny, world_size=4, global_batch_size=GLOBAL_BATCH)
+
+
+def test_knobs_the_runtime_lacks_are_refused():
+    plan = choose_plan(GPT, Cluster.local(4), world_size=4, global_batch_size=GLOBAL_BATCH, fix=FIX)
+    assert runtime_kwargs(plan) == dict(dp=2, pp=2, schedule="1f1b", num_micro_batches=2, virtual_pp=1,
+                                        global_batch=GLOBAL_BATCH, zero=False)
+    with pytest.raises(ConfigError, match="sequence_parallel=false"):
+        runtime_kwargs(dataclasses.replace(plan, sequence_parallel=True))
+    with pytest.raises(ConfigError, match="offload=none"):  # optimizer offload: planned, not run (yet)
+        runtime_kwargs(dataclasses.replace(plan, offload="optimizer"))
+    check_world_size(plan, 4)
+
+
+def test_live_bytes_counts_storages_once_and_frees_them():
+    from runtime.measure import LiveBytes
+
+    existing = torch.zeros(1000)  # 4000 bytes live before tracking starts
+    mode = LiveBytes([existing])
+    with mode:
+        a = torch.ones(2000)  # +8000
+        view = a[:10]  # shares a's storage: +0
+        existing.add_(1)  # in place on a known storage: +0
+        b = a * 2  # +8000
+        del a  # the view keeps the storage alive
+        assert mode.live == 20000
+        del view, b
+    assert (mode.live, mode.peak) == (4000, 20000)

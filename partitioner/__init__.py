@@ -15,7 +15,7 @@ from partitioner.errors import (  # noqa: F401
 _LAZY = {
     "build_model": "partitioner.model_spec",
     "ModelSpec": "partitioner.model_spec",
-    "analyze": "partitioner.analyze",
+    "analyze": "partitioner.analysis",
     "plan": "partitioner.planning",
     "Plan": "partitioner.plan_types",
     "Cluster": "partitioner.cluster",

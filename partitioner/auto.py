@@ -89,7 +89,7 @@ def meta_copy(spec: ModelSpec) -> ModelSpec:
 def profile_spec(spec: ModelSpec, *, dtype: str = "fp32", optimizer: str = "adamw"):
     """A :class:`partitioner.profile.ModelProfile` of any repeated-block ModelSpec (the whole model
     is captured once on the meta device, batch 1)."""
-    from partitioner.analyze import analyze
+    from partitioner.analysis import analyze
     from partitioner.profile import ModelProfile, _chain, _shared_params
 
     meta = meta_copy(spec)
@@ -264,6 +264,20 @@ class AutoParallel:
         dist.all_reduce(total, group=pm.mesh.group)
         return float(total)
 
+    def save(self, directory: str | Path) -> None:
+        """Checkpoint parameters and optimizer state under the original parameter names
+        (:mod:`runtime.checkpoint_io`); loadable under any other plan or into the plain model."""
+        from runtime.checkpoint_io import save_checkpoint
+
+        save_checkpoint(self.model, directory, step=self._step)
+
+    def load(self, directory: str | Path) -> int:
+        """Load a checkpoint written under any plan; training continues from its step."""
+        from runtime.checkpoint_io import load_checkpoint
+
+        self._step = load_checkpoint(self.model, directory)
+        return self._step
+
     def gather_measurements(self):
         """Every rank's step measurements with the plan's predictions (a collective over the
         mesh); a :class:`runtime.measure.RunMeasurements` on every rank."""
@@ -369,7 +383,7 @@ def write_dumps(spec: ModelSpec, plan: Plan, cluster: Cluster, out_dir: Path):
     """``plan.json``, ``report.html`` and ``ir/`` (the graph after each analysis pass, at the plan's
     micro-batch size) in ``out_dir``; returns the analysed graph."""
     from ir_dumps.report import write_report
-    from partitioner.analyze import analyze
+    from partitioner.analysis import analyze
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "plan.json").write_text(plan.to_json() + "\n")

@@ -36,7 +36,7 @@ def _table(rows: list[tuple[str, ...]]) -> str:
 
 
 def _cmd_analyze(args: argparse.Namespace) -> int:
-    from partitioner.analyze import analyze
+    from partitioner.analysis import analyze
 
     start = time.perf_counter()
     result = analyze(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, optimizer=args.optimizer,

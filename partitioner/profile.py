@@ -151,7 +151,7 @@ def profile_model(spec: str, *, seq: int | None = None, dtype: str = "bf16",
     spec's layer count (``None``: capture the full model; used to check the replication).
     All numbers are per sample; multiply by the micro-batch size (linear in batch).
     """
-    from partitioner.analyze import analyze
+    from partitioner.analysis import analyze
 
     name, kwargs = parse_spec(spec)
     key = _layer_count_key(name, kwargs)
@@ -161,7 +161,7 @@ def profile_model(spec: str, *, seq: int | None = None, dtype: str = "bf16",
     layers = int(kwargs[key]) if key in kwargs else _default_layers(name, key)
     captured = layers if sample_layers is None else min(layers, max(1, sample_layers))
     small = format_spec(name, {**kwargs, key: captured})
-    from partitioner.analyze import DTYPES
+    from partitioner.analysis import DTYPES
 
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")

@@ -10,6 +10,8 @@ the originals, under the same names. Graph patterns inserted (ops of ``runtime.t
                  -> zero the masked rows -> partitioner.reduce_from_tp
     loss:    logits_shard, targets -> partitioner.vocab_parallel_cross_entropy -> mean over kept targets
     views:   sizes at the sharded dim (heads, kv heads, hidden, vocab) divided by the tp degree
+    sequence_parallel=True: reduce_from_tp -> reduce_scatter_seq, copy_to_tp -> all_gather_seq and
+             the norms/residuals between them on sequence chunks (passes/sequence_parallel.py)
 
 Fused q/k/v weights are sliced per section (each of q, k, v by heads). Dropout inside a tp region
 would need a per-rank RNG stream (Megatron's model-parallel RNG tracker); it is not handled here, so
@@ -29,6 +31,7 @@ import runtime.tp_collectives  # noqa: F401  (registers torch.ops.partitioner.*)
 from partitioner.errors import PassError
 from passes.meta import (CAPTURE, FLOPS, MEMORY, SHAPE, TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN, ParamSharding,
                          TensorParallelPlan)
+from passes.sequence_parallel import apply_sequence_parallel, sequence_size
 from passes.tensor_parallel_patterns import _SPLITS, _VIEWS
 
 aten = torch.ops.aten
@@ -63,10 +66,16 @@ def unshard_tensor(shards: Sequence[torch.Tensor], sharding: ParamSharding) -> t
     return torch.cat(out, dim=sharding.dim)
 
 
-def apply_tensor_parallel(gm: fx.GraphModule, ctx: Any = None, *, rank: int, group: str) -> fx.GraphModule:
+def apply_tensor_parallel(gm: fx.GraphModule, ctx: Any = None, *, rank: int, group: str,
+                          sequence_parallel: bool = False, seq_dim: str = "seq") -> fx.GraphModule:
     """The program of tp rank ``rank``, its collectives on the group registered as ``group``.
 
     ``gm`` must have been tagged by ``tag_tensor_parallel`` (which fixes the degree).
+    ``sequence_parallel``: also run the regions between row- and column-parallel linears on this
+    rank's chunk of the named dim ``seq_dim`` (see :mod:`passes.sequence_parallel`; ConfigError
+    when its size is not divisible by the degree); the returned plan then lists, in
+    ``sequence_parallel_grads``, the replicated parameters whose gradients the runtime must sum
+    over the tp group.
     """
     plan: TensorParallelPlan | None = gm.meta.get(TENSOR_PARALLEL_PLAN)
     if plan is None:
@@ -75,7 +84,9 @@ def apply_tensor_parallel(gm: fx.GraphModule, ctx: Any = None, *, rank: int, gro
     if not 0 <= rank < plan.degree:
         raise PassError(f"apply_tensor_parallel: rank={rank} outside 0..{plan.degree - 1} (tp degree {plan.degree})")
     tp = plan.degree
+    seq = sequence_size(gm, tp, seq_dim) if sequence_parallel and tp > 1 else None
     graph = copy.deepcopy(gm.graph)
+    shapes = {n.name: n.meta.get(SHAPE) for n in graph.nodes}  # global shapes, for sequence parallelism
     attrs: dict[str, Any] = {}
     for node in graph.nodes:
         for key in _STALE:
@@ -85,6 +96,11 @@ def apply_tensor_parallel(gm: fx.GraphModule, ctx: Any = None, *, rank: int, gro
     rw = _Rewriter(graph, tp, rank, group, gm)
     for node in list(graph.nodes):
         rw.visit(node)
+    sp_grads: tuple[str, ...] = ()
+    if seq is not None:
+        sp_grads = apply_sequence_parallel(graph, shapes, {n: p for n, p in attrs.items()
+                                                           if isinstance(p, nn.Parameter)},
+                                           tp=tp, group=group, seq=seq)
     graph.eliminate_dead_code()
     graph.lint()
     # A plain program, not export's: pickling then retraces with fx's default tracer (export's
@@ -92,7 +108,9 @@ def apply_tensor_parallel(gm: fx.GraphModule, ctx: Any = None, *, rank: int, gro
     graph._tracer_cls, graph._tracer_extras = None, {}
     out = fx.GraphModule(attrs, graph, class_name=type(gm).__name__)
     out.meta.update({k: v for k, v in gm.meta.items() if k == CAPTURE})
-    out.meta[TENSOR_PARALLEL_PLAN] = TensorParallelPlan(degree=tp, params=plan.params, rank=rank)
+    out.meta[TENSOR_PARALLEL_PLAN] = TensorParallelPlan(degree=tp, params=plan.params, rank=rank,
+                                                        sequence_parallel=seq is not None,
+                                                        sequence_parallel_grads=sp_grads)
     return out
 
 

@@ -36,8 +36,47 @@ class FakeContext:
             return sympy.expand(value.node.expr.xreplace(self.rename))
         return sympy.Integer(int(value))
 
+    def dim_size(self, dim: int | str) -> Any:
+        """A shape entry as a size: an int, a named dim, or an expression of named dims such as
+        ``"batch*seq"`` (a stage input that flattens batch and sequence)."""
+        if not isinstance(dim, str):
+            return dim
+        if dim in self.dim_values:
+            return self.dim_values[dim]
+        expr = sympy.sympify(dim, locals={name: dim_symbol(name) for name in self.dim_values})
+        unknown = {str(s) for s in expr.free_symbols} - self.dim_values.keys()
+        if unknown:
+            raise AnalysisError(f"input size {dim!r} uses unknown dim(s) {sorted(unknown)}; "
+                                f"known dims: {sorted(self.dim_values)}")
+        return _evaluate(expr, self.dim_values)
+
     def shape(self, t: torch.Tensor) -> tuple[sympy.Expr, ...]:
         return tuple(self.to_sympy(d) for d in t.shape)
+
+
+def _evaluate(expr: sympy.Expr, values: dict[str, Any]) -> Any:
+    """``expr`` (integer arithmetic in named dims) with each dim replaced by its int or SymInt."""
+    if expr.is_Integer:
+        return int(expr)
+    if expr.is_Symbol:
+        return values[str(expr)]
+    args = [_evaluate(a, values) for a in expr.args]
+    if expr.is_Mul:
+        out = args[0]
+        for a in args[1:]:
+            out = out * a
+        return out
+    if expr.is_Add:
+        out = args[0]
+        for a in args[1:]:
+            out = out + a
+        return out
+    if isinstance(expr, sympy.floor) and expr.args[0].is_Mul:  # floor(seq/2) -> seq // 2
+        num, den = sympy.fraction(expr.args[0])
+        return _evaluate(num, values) // _evaluate(den, values)
+    if expr.is_Pow and expr.exp.is_Integer and expr.exp > 0:
+        return args[0] ** int(expr.exp)
+    raise AnalysisError(f"cannot evaluate input size {expr} (only +, *, integer powers and floor division)")
 
 
 def fake_context(info: CaptureInfo) -> FakeContext:
@@ -59,8 +98,7 @@ def fake_context(info: CaptureInfo) -> FakeContext:
 def fake_inputs(ctx: FakeContext, info: CaptureInfo) -> list[torch.Tensor]:
     """One fake tensor per graph input, on the graph's device."""
     with ctx.mode:
-        return [torch.empty([ctx.dim_values[d] if isinstance(d, str) else d for d in spec.shape],
-                            dtype=spec.dtype, device=info.device)
+        return [torch.empty([ctx.dim_size(d) for d in spec.shape], dtype=spec.dtype, device=info.device)
                 for spec in info.inputs]
 
 

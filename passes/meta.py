@@ -380,7 +380,8 @@ class TPMeta:
     ``role``: ``"column"`` (linear, output features sharded), ``"row"`` (linear, input features
     sharded, output all-reduced), ``"vocab_embedding"``, ``"vocab_head"`` (LM head, vocabulary
     sharded), ``"vocab_loss"`` (cross-entropy over vocabulary-sharded logits), ``"sharded"`` (an
-    op inside a tensor-parallel region), or ``"replicated"``. ``shard_dim``: the output dim that is
+    op inside a tensor-parallel region), ``"sequence"`` (sequence parallelism: runs on this rank's
+    chunk of the sequence, ``shard_dim`` being that sequence dim), or ``"replicated"``. ``shard_dim``: the output dim that is
     split across tp ranks (``None``: replicated output). ``sections``: global sizes of the
     contiguous sections of that dim (fused q/k/v: three), each split evenly across ranks.
     ``reason``: why the node is (not) sharded, for dumps.
@@ -405,11 +406,16 @@ class ParamSharding:
 @dataclass(frozen=True, kw_only=True)
 class TensorParallelPlan:
     """``gm.meta[TENSOR_PARALLEL_PLAN]``: the tp degree tagged for and every parameter's
-    :class:`ParamSharding` (by qualified name); ``rank`` is set on a rewritten rank program."""
+    :class:`ParamSharding` (by qualified name); ``rank`` is set on a rewritten rank program.
+    ``sequence_parallel``: the rank program runs norms/residuals on sequence chunks;
+    ``sequence_parallel_grads``: replicated parameters read there, whose gradients are partial per
+    rank and must be summed over the tp group before the dp sync."""
 
     degree: int
     params: dict[str, ParamSharding] = field(hash=False)
     rank: int | None = None
+    sequence_parallel: bool = False
+    sequence_parallel_grads: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -518,6 +518,9 @@ def _ensure_zero_state(zero) -> None:
 
 
 def _optim_entries(pm, local, *, write: bool) -> dict[str, Entry]:
+    if not hasattr(pm.optimizer, "state") and not _is_zero(pm.optimizer):
+        raise ConfigError(f"checkpoints of optimizer {type(pm.optimizer).__name__} (ZeRO-2) are not supported "
+                          f"yet; save under zero=0 or zero=1, or pass optimizer=False to load parameters only")
     if _is_zero(pm.optimizer):
         if not write:
             _ensure_zero_state(pm.optimizer)

@@ -34,12 +34,14 @@ from passes.apply_tensor_parallel import shard_tensor, unshard_tensor
 from passes.capture import capture_spec
 from runtime import schedule as schedules
 from runtime.grad_sync import (
-    DEFAULT_BUCKET_BYTES, TiedCopies, TiedSync, ZeroAdamW, all_reduce_buckets, fill_missing_grads, unique_params,
+    DEFAULT_BUCKET_BYTES, BucketedGradSync, TiedCopies, TiedSync, Zero2AdamW, ZeroAdamW, expected_accumulations,
+    fill_missing_grads, unique_params, zero_stage,
 )
 from runtime.mesh import Mesh
 from runtime.rank_program import RankProgram, build_rank_program
-from runtime.stage_executor import LocalStage, StageExecutor
-from runtime.tp_collectives import DistGroup, register_group
+from runtime.mixed_precision import forward_context, parse_mixed_precision
+from runtime.stage_executor import LocalStage, StageExecutor, backward_counts
+from runtime.tp_collectives import DistGroup, all_reduce_grads, register_group
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -72,18 +74,24 @@ class ParallelModel:
 
     ``graph``: an already captured :func:`capture_for_pipeline` graph to start from (deep-copied,
     so the caller's weights are untouched); by default the spec is captured here. ``zero``: shard
-    the AdamW state over dp (ZeRO-1). ``adamw``: keyword arguments of ``torch.optim.AdamW``.
+    the AdamW state over dp (``True`` or 1: ZeRO-1; 2: ZeRO-2, gradients reduce-scattered too).
+    ``overlap_grad_sync``: start each gradient bucket's dp collective from backward hooks as soon
+    as it is complete (same numbers as after backward). ``mixed_precision``: ``None`` (fp32) or
+    ``"bf16"`` (autocast forwards, fp32 master weights; :mod:`runtime.mixed_precision`).
+    ``adamw``: keyword arguments of ``torch.optim.AdamW``.
     ``tp``: tensor-parallel degree (Megatron sharding found by ``tag_tensor_parallel``; dropout
     inside tp regions is not given per-rank RNG streams, so exact only with dropout 0).
     ``checkpointing``: ``"none"``, ``"full"`` or ``"selective"`` activation recomputation per
     stage; ``offload``: ``"none"``, ``"activations"`` (every saved activation to host) or ``"auto"``.
+    ``sequence_parallel``: Megatron sequence parallelism inside the tp rank programs (tp > 1).
     """
 
     def __init__(self, spec: ModelSpec, *, dp: int = 1, pp: int = 1, schedule: str = "1f1b",
                  num_micro_batches: int = 1, virtual_pp: int = 1, global_batch: int, mesh: Mesh | None = None,
-                 graph: fx.GraphModule | None = None, zero: bool = False, adamw: dict | None = None,
+                 graph: fx.GraphModule | None = None, zero: bool | int = False, adamw: dict | None = None,
+                 mixed_precision: str | None = None, overlap_grad_sync: bool = True,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 60.0, tp: int = 1,
-                 checkpointing: str = "none", offload: str = "none"):
+                 checkpointing: str = "none", offload: str = "none", sequence_parallel: bool = False):
         self.mesh = mesh or Mesh(dp, pp, tp, timeout_s=timeout_s)
         if (self.mesh.dp, self.mesh.pp, self.mesh.tp) != (dp, pp, tp):
             raise ConfigError(f"parallel_model: mesh has dp={self.mesh.dp}, pp={self.mesh.pp}, tp={self.mesh.tp} but "
@@ -104,18 +112,27 @@ class ParallelModel:
         # build_rank_program deep-copies the graph, so the caller's weights are untouched.
         self.program: RankProgram = build_rank_program(
             gm, dp=dp, tp=tp, pp=pp, virtual_pp=v, rank=self.mesh.rank, first=self.mesh.first,
-            checkpointing=checkpointing, offload=offload, tp_group=self.tp_group_name)
+            checkpointing=checkpointing, offload=offload, tp_group=self.tp_group_name,
+            sequence_parallel=sequence_parallel)
         if tp > 1:
             register_group(self.tp_group_name, DistGroup(self.mesh.tp_group))
         self.split = self.program.split
         self.stages = {s: LocalStage(s, module.to(self.mesh.device), self.split.io[s])
                        for s, module in self.program.modules.items()}
         self.executor = StageExecutor(self.stages, self.split.io, pp_ranks=self.mesh.pp_ranks,
-                                      pp_group=self.mesh.pp_group, num_micro_batches=m, device=self.mesh.device)
+                                      pp_group=self.mesh.pp_group, num_micro_batches=m, device=self.mesh.device,
+                                      forward_context=forward_context(parse_mixed_precision(
+                                          mixed_precision, self.mesh.device.type)))
         self.tied_sync = TiedSync(self._tied_copies(), self.mesh.device)
         self.params = unique_params([st.module for st in self.stages.values()])
+        # sequence parallelism: replicated params read on sequence chunks; grads summed over tp first
+        self.sp_params = [self.named_parameters()[n] for n in self.program.sp_grad_params]
         kwargs = dict(adamw or {})
-        if zero:
+        self.zero = zero_stage(zero)
+        self.grad_buckets = self._grad_buckets(overlap_grad_sync)
+        if self.zero == 2:
+            self.optimizer = Zero2AdamW(self.grad_buckets, **kwargs)
+        elif self.zero == 1:
             self.optimizer = ZeroAdamW(self.params, self.mesh.dp_group, self.mesh.dp_index, dp, **kwargs)
         else:
             self.optimizer = torch.optim.AdamW(self.params, **kwargs)
@@ -162,10 +179,36 @@ class ParallelModel:
             return full
         return shard_tensor(full, plan.params[name], self.mesh.tp_index, self.tp)
 
+    def _grad_buckets(self, overlap: bool) -> BucketedGradSync | None:
+        """The dp gradient buckets (None when there is nothing to average or shard)."""
+        if self.dp == 1 and self.zero != 2:
+            return None
+        accumulations = expected_accumulations({s: unique_params([st.module]) for s, st in self.stages.items()},
+                                               backward_counts(self.actions))
+        return BucketedGradSync(self.params, self.mesh.dp_group, self.dp, rank=self.mesh.dp_index,
+                                bucket_bytes=self.bucket_bytes, late=[p for t in self.tied_sync.tied for p in t.copies] + self.sp_params,
+                                overlap=overlap, shard=self.zero == 2, accumulations=accumulations)
+
+    def _sp_grad_sync(self) -> None:
+        if self.sp_params:
+            fill_missing_grads(self.sp_params)
+            all_reduce_grads(self.sp_params, self.tp_group_name)
+
     def _grad_sync(self) -> None:
-        fill_missing_grads(self.params)
-        self.tied_sync()
-        all_reduce_buckets(self.params, self.mesh.dp_group, self.dp, bucket_bytes=self.bucket_bytes)
+        if self.grad_buckets is None:
+            self._sp_grad_sync()
+            fill_missing_grads(self.params)
+            self.tied_sync()
+            return
+
+        def tied() -> None:  # tied copies' buckets start after their sum is complete
+            fill_missing_grads([p for t in self.tied_sync.tied for p in t.copies])
+            self.tied_sync()
+            self._sp_grad_sync()
+
+        chunk = self.grad_buckets.finish(before_late=tied)
+        if chunk is not None:
+            self.optimizer.set_grad(chunk)  # ZeRO-2: this rank's averaged chunk
 
     def _step(self) -> None:
         # Gradients are zeroed at the start of the next step, not here, so that after a step
@@ -199,6 +242,8 @@ class ParallelModel:
         """One optimizer step on the global ``batch``; returns its mean loss (same on every rank)."""
         micro, dims = self.micro_batches(batch)
         self.optimizer.zero_grad()
+        if self.grad_buckets is not None:
+            self.grad_buckets.reset()
         losses = self.executor.run(self.actions, micro, dims, grad_sync=self._grad_sync, step=self._step)
         total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         if losses:  # the last stage: mean over micro-batches, then over dp via the sum below

@@ -46,7 +46,8 @@ from passes.pipeline_split import assign_stages_by_layers, balanced_boundaries, 
 
 CHECKPOINTING = ("none", "full", "selective")
 OFFLOAD = ("none", "activations", "auto")
-_TP_OPS = ("copy_to_tp", "reduce_from_tp", "vocab_parallel_cross_entropy")
+_TP_OPS = ("copy_to_tp", "reduce_from_tp", "vocab_parallel_cross_entropy", "reduce_scatter_seq", "all_gather_seq",
+           "scatter_to_seq", "gather_from_seq")
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class RankProgram:
     comms: tuple[Comm, ...] = field(repr=False)
     checkpointing: str = "none"
     offload: str = "none"
+    sp_grad_params: tuple[str, ...] = ()  # sequence parallelism: replicated params whose grads sum over tp
 
     def comms_of(self, kind: str) -> list[Comm]:
         return [c for c in self.comms if c.kind == kind]
@@ -111,7 +113,7 @@ def global_rank(pp_index: int, dp_index: int, tp_index: int, *, dp: int, tp: int
 
 def build_rank_program(gm: fx.GraphModule, *, dp: int, tp: int, pp: int, virtual_pp: int = 1, rank: int,
                        first: int = 0, checkpointing: str = "none", offload: str = "none",
-                       tp_group: str = "tp") -> RankProgram:
+                       tp_group: str = "tp", sequence_parallel: bool = False) -> RankProgram:
     """Rank ``rank``'s program of a dp x tp x pp plan over the captured training step ``gm``.
 
     ``gm`` (from ``capture_for_pipeline``: shapes annotated) is deep-copied, never changed.
@@ -163,13 +165,15 @@ def build_rank_program(gm: fx.GraphModule, *, dp: int, tp: int, pp: int, virtual
     tp_plan = gm.meta.get(TENSOR_PARALLEL_PLAN)
 
     modules: dict[int, fx.GraphModule] = {}
+    sp_grads: set[str] = set()
     for s in mine:
         stage = split.modules[s]
         stage.meta[CAPTURE] = _stage_capture(gm, split.io[s])
         if tp > 1:
             from passes.apply_tensor_parallel import apply_tensor_parallel
             stage.meta[TENSOR_PARALLEL_PLAN] = tp_plan
-            stage = apply_tensor_parallel(stage, rank=tp_index, group=tp_group)
+            stage = apply_tensor_parallel(stage, rank=tp_index, group=tp_group, sequence_parallel=sequence_parallel)
+            sp_grads.update(stage.meta[TENSOR_PARALLEL_PLAN].sequence_parallel_grads)
             stage.meta[CAPTURE] = _stage_capture(gm, split.io[s])
         if offload != "none":
             from passes.apply_offload import apply_offload
@@ -187,7 +191,7 @@ def build_rank_program(gm: fx.GraphModule, *, dp: int, tp: int, pp: int, virtual
     return RankProgram(rank=rank, dp=dp, tp=tp, pp=pp, virtual_pp=virtual_pp, pp_index=pp_index,
                        dp_index=dp_index, tp_index=tp_index, stages=mine, modules=modules, io=split.io,
                        split=split, tp_plan=tp_plan, tp_group=tp_group, comms=tuple(comms),
-                       checkpointing=checkpointing, offload=offload)
+                       checkpointing=checkpointing, offload=offload, sp_grad_params=tuple(sorted(sp_grads)))
 
 
 # --------------------------------------------------------------------------------------------

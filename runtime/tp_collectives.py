@@ -17,6 +17,23 @@ op                    forward              backward
 ``reduce_from_tp``    all-reduce (sum)     identity
 ====================  ===================  ===================
 
+Sequence parallelism (Korthikanti et al. 2022) adds four ops over a sequence dim ``dim`` of a
+tensor split in ``tp`` equal contiguous chunks (rank ``r`` holds chunk ``r``):
+
+========================  ============================  ============================
+op                        forward                       backward
+========================  ============================  ============================
+``reduce_scatter_seq``    reduce-scatter (sum) on dim   all-gather on dim
+``all_gather_seq``        all-gather on dim             reduce-scatter (sum) on dim
+``scatter_to_seq``        keep this rank's chunk        all-gather on dim
+``gather_from_seq``       all-gather on dim             keep this rank's chunk
+========================  ============================  ============================
+
+(``reduce_scatter_seq`` replaces ``reduce_from_tp`` after a row-parallel linear, ``all_gather_seq``
+replaces ``copy_to_tp`` before a column-parallel one; the other two enter / leave a
+sequence-parallel region from / to a replicated one.) Their fake kernels give the local sizes
+(``seq // tp``) so shape passes run on the rewritten graphs.
+
 plus ``vocab_parallel_cross_entropy``: per-token cross-entropy over vocabulary-sharded logits
 with three all-reduces (max, sum of exp, target logit) and a local backward (softmax - one-hot).
 """
@@ -62,6 +79,19 @@ class SimulatedGroup:
         c.barrier.wait()  # every rank has read before any slot is overwritten
         return out
 
+    def all_gather(self, t: Tensor, dim: int) -> Tensor:
+        c = self.comm
+        c.slots[self.rank] = t
+        c.barrier.wait()
+        out = torch.cat([s.clone() for s in c.slots], dim=dim)
+        c.barrier.wait()
+        return out
+
+    def reduce_scatter(self, t: Tensor, dim: int) -> Tensor:
+        # Sum in rank order (as all_reduce does), then keep this rank's chunk: bit-identical to
+        # the corresponding chunk of an all-reduce.
+        return self.all_reduce(t, "sum").chunk(self.size, dim=dim)[self.rank].clone(memory_format=torch.contiguous_format)
+
 
 @dataclass(frozen=True)
 class DistGroup:
@@ -83,6 +113,19 @@ class DistGroup:
         import torch.distributed as dist
         out = t.clone()
         dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group)
+        return out
+
+    def all_gather(self, t: Tensor, dim: int) -> Tensor:
+        import torch.distributed as dist
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def reduce_scatter(self, t: Tensor, dim: int) -> Tensor:
+        import torch.distributed as dist
+        parts = [c.contiguous() for c in t.chunk(self.size, dim=dim)]
+        out = torch.empty_like(parts[0])
+        dist.reduce_scatter(out, parts, group=self.group)
         return out
 
 
@@ -220,6 +263,98 @@ def _ce_backward(ctx, grad_loss, grad_softmax):
 
 
 vocab_parallel_cross_entropy.register_autograd(_ce_backward, setup_context=_ce_setup)
+
+
+# --- sequence parallelism -------------------------------------------------------------------------
+def _seq_group(x: Tensor, dim: int, tp: int, group: str, *, local: bool):
+    """The group, after checking it has ``tp`` ranks and that ``x`` splits evenly along ``dim``."""
+    g = get_group(group)
+    if g.size != tp:
+        raise ConfigError(f"sequence-parallel op built for tp={tp} runs on group {group!r} of {g.size} ranks")
+    if not local and x.shape[dim] % tp:
+        raise ConfigError(f"sequence parallelism: sequence length {x.shape[dim]} (dim {dim} of shape "
+                          f"{tuple(x.shape)}) is not divisible by tp={tp}; pad the sequence to a multiple of "
+                          f"{tp} or turn sequence_parallel off")
+    return g
+
+
+def _chunk(x: Tensor, dim: int, tp: int, rank: int) -> Tensor:
+    return x.chunk(tp, dim=dim)[rank].clone(memory_format=torch.contiguous_format)  # never an alias of x
+
+
+@torch.library.custom_op("partitioner::reduce_scatter_seq", mutates_args=())
+def reduce_scatter_seq(x: Tensor, dim: int, tp: int, group: str) -> Tensor:
+    """Leave a tp region into a sequence-parallel one: sum partial results over the tp group and
+    keep this rank's chunk of ``dim``; backward all-gathers the gradient."""
+    return _seq_group(x, dim, tp, group, local=False).reduce_scatter(x.contiguous(), dim)
+
+
+@torch.library.custom_op("partitioner::all_gather_seq", mutates_args=())
+def all_gather_seq(x: Tensor, dim: int, tp: int, group: str) -> Tensor:
+    """Enter a tp region from a sequence-parallel one: all-gather the chunks of ``dim``; backward
+    reduce-scatters the (partial, per-rank) gradient."""
+    return _seq_group(x, dim, tp, group, local=True).all_gather(x.contiguous(), dim)
+
+
+@torch.library.custom_op("partitioner::scatter_to_seq", mutates_args=())
+def scatter_to_seq(x: Tensor, dim: int, tp: int, group: str) -> Tensor:
+    """A replicated tensor into a sequence-parallel region: this rank's chunk of ``dim`` (no
+    communication); backward all-gathers the gradient, so the replicated side sees it whole."""
+    g = _seq_group(x, dim, tp, group, local=False)
+    return _chunk(x, dim, tp, g.rank)
+
+
+@torch.library.custom_op("partitioner::gather_from_seq", mutates_args=())
+def gather_from_seq(x: Tensor, dim: int, tp: int, group: str) -> Tensor:
+    """Leave a sequence-parallel region into a replicated one: all-gather ``dim``; backward keeps
+    this rank's chunk of the (replicated, identical) gradient."""
+    return _seq_group(x, dim, tp, group, local=True).all_gather(x.contiguous(), dim)
+
+
+def _seq_fake(scale_up: bool):
+    def fake(x, dim, tp, group):
+        shape = list(x.shape)
+        shape[dim] = shape[dim] * tp if scale_up else shape[dim] // tp
+        return x.new_empty(shape)
+    return fake
+
+
+def _seq_setup(ctx, inputs, output):
+    ctx.dim, ctx.tp, ctx.group = inputs[1], inputs[2], inputs[3]
+
+
+def _bwd_all_gather(ctx, grad):
+    return all_gather_seq(grad, ctx.dim, ctx.tp, ctx.group), None, None, None
+
+
+def _bwd_reduce_scatter(ctx, grad):
+    return reduce_scatter_seq(grad, ctx.dim, ctx.tp, ctx.group), None, None, None
+
+
+def _bwd_chunk(ctx, grad):
+    return _chunk(grad, ctx.dim, ctx.tp, get_group(ctx.group).rank), None, None, None
+
+
+for _op, _up, _bwd in ((reduce_scatter_seq, False, _bwd_all_gather), (all_gather_seq, True, _bwd_reduce_scatter),
+                       (scatter_to_seq, False, _bwd_all_gather), (gather_from_seq, True, _bwd_chunk)):
+    _op.register_fake(_seq_fake(_up))
+    _op.register_autograd(_bwd, setup_context=_seq_setup)
+
+
+def all_reduce_grads(params, group: str) -> int:
+    """Sum ``p.grad`` of ``params`` over the tp group ``group`` in one flat buffer (replicated
+    parameters read in sequence-parallel regions, whose gradients are per-sequence-chunk
+    partials); returns the bytes reduced. Every tp rank must pass the same shapes in the same order."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    flat = get_group(group).all_reduce(flat, "sum")
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+    return flat.numel() * flat.element_size()
 
 
 def run_simulated(fns, *, timeout_s: float = 120.0) -> list:

@@ -6,7 +6,7 @@ import time
 import pytest
 import sympy
 
-from partitioner.analyze import analyze
+from partitioner.analysis import analyze
 from partitioner.cli import main
 
 SMALL_GPT = "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=32"

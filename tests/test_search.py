@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from partitioner.analyze import analyze
+from partitioner.analysis import analyze
 from partitioner.cluster import Cluster
 from partitioner.errors import ConfigError, InfeasiblePlanError
 from partitioner.plan_types import format_bytes

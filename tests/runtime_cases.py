@@ -1,0 +1,127 @@
+"""Training plans for the multi-rank runtime tests: a typed plan record, the per-rank trainer that
+runs many plans inside one spawned job, and the single-process reference they are compared with.
+(The hypothesis strategy of plans is in tests/test_runtime_property.py: the spawned ranks import
+this module and need no hypothesis.)
+
+A plan is feasible when ``ParallelModel`` accepts it: dp*tp*pp in {1, 2, 4, 8} (the spawned
+world has 8 ranks), tp divides the attention heads, pp*virtual_pp <= layers, the interleaved
+schedule has virtual_pp=2 with layers % (pp*2) == 0 and num_micro_batches % pp == 0, the global
+batch is a multiple of dp*num_micro_batches, and checkpointing and activation offload are not
+both on (rank_program rejects that pair today).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from partitioner.model_spec import build_model
+
+# Dropout 0 everywhere: tp regions have no per-rank RNG streams, and parity must be exact.
+MODELS = {
+    "gpt": "gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0",
+    "hf-gpt2": ("hf-gpt2:n_layer=4,n_embd=32,n_head=2,vocab_size=64,n_positions=16,resid_pdrop=0.0,"
+                "embd_pdrop=0.0,attn_pdrop=0.0,seq=8"),
+}
+LAYERS, HEADS = 4, 2  # of both models above
+WORLD, STEPS = 8, 3
+# eps=1e-6, not AdamW's 1e-8: the attention key bias has a gradient that is zero in exact arithmetic
+# and ~1e-10 of rounding noise in practice, which eps=1e-8 turns into order-dependent updates.
+ADAMW = {"lr": 1e-3, "eps": 1e-6}
+TIMEOUT_S = 60.0  # seconds, of every mesh group: a rank that fails turns its peers' waits into errors
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One dp x tp x pp training configuration of ``ParallelModel`` on model ``model`` (a MODELS key)."""
+    model: str
+    dp: int
+    tp: int
+    pp: int
+    schedule: str
+    virtual_pp: int
+    num_micro_batches: int
+    global_batch: int  # samples per optimizer step, split over dp, then into micro-batches
+    zero: bool
+    checkpointing: str
+    offload: str
+
+    @property
+    def size(self) -> int:
+        """Ranks the plan uses (the first ``size`` of the world)."""
+        return self.dp * self.tp * self.pp
+
+    @property
+    def id(self) -> str:
+        return (f"{self.model}-dp{self.dp}-tp{self.tp}-pp{self.pp}-{self.schedule}-v{self.virtual_pp}"
+                f"-m{self.num_micro_batches}-b{self.global_batch}" + ("-zero1" if self.zero else "")
+                + (f"-ckpt_{self.checkpointing}" if self.checkpointing != "none" else "")
+                + (f"-offload_{self.offload}" if self.offload != "none" else ""))
+
+    def kwargs(self) -> dict:
+        """The keyword arguments of ``ParallelModel`` (without spec, mesh and graph)."""
+        return dict(dp=self.dp, tp=self.tp, pp=self.pp, schedule=self.schedule, virtual_pp=self.virtual_pp,
+                    num_micro_batches=self.num_micro_batches, global_batch=self.global_batch, zero=self.zero,
+                    checkpointing=self.checkpointing, offload=self.offload, adamw=ADAMW)
+
+
+def batches(spec, global_batch: int) -> list[tuple[torch.Tensor, ...]]:
+    """The ``STEPS`` global batches every plan and the reference train on."""
+    return [spec.example_inputs({"batch": global_batch}, seed=100 + k) for k in range(STEPS)]
+
+
+def reference(model: str, global_batch: int):
+    """Single-process AdamW training: (per-step losses, trained module)."""
+    spec = build_model(MODELS[model])
+    module = spec.module
+    optimizer = torch.optim.AdamW(module.parameters(), **ADAMW)
+    losses = []
+    for batch in batches(spec, global_batch):
+        optimizer.zero_grad()
+        loss = spec.loss(module, *batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, module
+
+
+def train_plans(plans: list[Plan]) -> dict:
+    """On each rank of a spawned world: every plan's per-step losses and this rank's full
+    (tp-gathered) parameters and last-step gradients, or the error it raised.
+
+    Every rank builds the mesh of every (dp, tp, pp) shape first, in the same order (group creation
+    is collective over the world); then each plan runs on the first ``plan.size`` ranks while the
+    others wait at the next world barrier. A plan that raises is recorded and the job goes on, so
+    one runtime bug does not hide the verdict on the other plans.
+    """
+    from runtime.mesh import Mesh, init_distributed
+    from runtime.parallel_model import ParallelModel, capture_for_pipeline
+
+    started, start = time.time(), time.perf_counter()
+    init_distributed(timeout_s=600)  # the world group only paces the plans; it may wait long
+    rank = torch.distributed.get_rank()
+    used = {p.model for p in plans if rank < p.size}  # export is the slow part: only what we train
+    specs = {k: build_model(MODELS[k]) for k in sorted(used)}
+    graphs = {k: capture_for_pipeline(specs[k]) for k in sorted(used)}
+    captured = time.perf_counter()
+    shapes = sorted({(p.dp, p.tp, p.pp) for p in plans})
+    meshes = {sh: Mesh(sh[0], sh[2], sh[1], timeout_s=TIMEOUT_S) for sh in shapes}
+    meshed = time.perf_counter()
+    out = {"setup": {"started": started, "capture_s": captured - start, "meshes_s": meshed - captured}}
+    for plan in plans:
+        mesh = meshes[(plan.dp, plan.tp, plan.pp)]
+        torch.distributed.barrier()
+        if not mesh.active:
+            continue
+        t0 = time.perf_counter()
+        try:
+            pm = ParallelModel(specs[plan.model], mesh=mesh, graph=graphs[plan.model], **plan.kwargs())
+            losses = [pm.train_step(b) for b in batches(specs[plan.model], plan.global_batch)]
+            out[plan.id] = {"losses": losses, "params": pm.full_parameters(), "grads": pm.full_gradients(),
+                            "seconds": time.perf_counter() - t0}
+        except Exception as exc:  # noqa: BLE001 - reported per plan by the test
+            import traceback
+            out[plan.id] = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-12)}",
+                            "seconds": time.perf_counter() - t0}
+    out["setup"]["plans_s"] = time.perf_counter() - meshed
+    return out

@@ -115,8 +115,8 @@ def _cmd_refit(args: argparse.Namespace) -> int:
     out = args.out or DEFAULT_LOCAL_FILE.expanduser()
     result = refit_from_runs(args.from_run, Cluster.local(args.world_size), out)
     print(f"refit from {result.runs} run(s): peak FLOP/s x{result.flops_scale:.3g}, memory bandwidth "
-          f"x{result.bandwidth_scale:.3g}; median measured/predicted compute {result.compute_ratio_before:.3g} "
-          f"-> {result.compute_ratio_after:.3g}")
+          f"x{result.bandwidth_scale:.3g}, link latency x{result.latency_scale:.3g}; median measured/predicted "
+          f"compute {result.compute_ratio_before:.3g} -> {result.compute_ratio_after:.3g}")
     print(f"cluster file written to {out}")
     return 0
 

@@ -1,0 +1,428 @@
+"""Per-rank predictions of a training plan: peak memory (bytes) and step time (seconds).
+
+MEMORY is derived from the exact liveness analysis of the rank's own stage modules, not from the
+planner's per-layer estimate. For each stage module (tp-sharded, checkpointed or offloaded as the
+runtime builds it; :func:`runtime.rank_program.build_rank_program`) :func:`stage_events` records
+the alloc/free timeline of :func:`passes.annotate_memory.annotate_memory` at ONE micro-batch's dims
+(the analysis is run unchanged; its :class:`passes.liveness.Timeline` is swapped for a recording
+one while it runs). :func:`predict_rank` then replays those timelines along the rank's schedule
+(:func:`runtime.parallel_model.build_schedule`), keyed per micro-batch, with what the runtime adds
+around them (:mod:`runtime.stage_executor`, :mod:`runtime.grad_sync`)::
+
+    step start     params + optimizer state (AdamW: 2 x params + a 4-byte step each; ZeRO-1: the
+                   dp shard, its 2 states and its gradient) + last step's gradients + the global batch
+    RECV_F         a receive buffer per boundary tensor (kept until SEND_B: the leaf of backward)
+    FORWARD        the stage's forward events (activations saved for backward stay live)
+    SEND_F         the output is held by the pending isend until the ALL_REDUCE action waits
+    BACKWARD       the stage's backward events; a parameter's first gradient of the step stays
+                   (``.grad``), later micro-batches' are added in place (allocated, then freed);
+                   the gradient of each received input is made and held for its SEND_B
+    last backward  data parallel: the gradient bucket (a flat copy of every gradient) is
+                   launched from the hook of the stage's last gradient
+    ALL_REDUCE     pending sends released; tied-weight sums; bucket views replace the gradients
+    STEP           AdamW's per-parameter temporaries (annotate_memory's optimizer phase), or
+                   ZeRO-1: flat padded gradient, its shard, the all-gathered shards and their cat
+
+The rank's peak is the largest live total of that replay. Everything is in bytes of tensor
+storages, which is what :class:`runtime.measure.LiveBytes` counts on CPU.
+
+TIME is the planner's :func:`partitioner.search.plan` with every knob pinned, evaluated on a
+cluster (``Cluster.local(world_size)`` reads the calibrated file); the step time is the same on
+every rank (ranks wait for each other at the end of a step).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Hashable, Iterator, Mapping
+
+import torch
+from torch import fx
+
+from partitioner.errors import ConfigError
+
+_STEP_BYTES = 4  # AdamW's 0-dim float32 ``step`` per parameter tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One alloc (``+``) or free (``-``) of ``key`` (``bytes`` at the micro-batch's dims)."""
+
+    phase: str
+    op: str
+    key: Hashable
+    bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageEvents:
+    """The liveness timeline of one stage module for one micro-batch (bytes).
+
+    ``forward``/``backward``: activation and gradient events (model state and graph inputs are
+    left out: the rank replay places them). ``param_grads``: keys of gradient buffers that become
+    a parameter's ``.grad``. ``optimizer_bytes``: the optimizer's largest temporaries.
+    ``param_bytes``: parameter storages of the module (bytes), for checks.
+    """
+
+    forward: tuple[Event, ...]
+    backward: tuple[Event, ...]
+    param_grads: frozenset
+    optimizer_bytes: int
+    param_bytes: int
+    activation_bytes: int
+    """Saved activations kept between forward and backward (annotate_memory's ``activation_bytes``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankPrediction:
+    """Predicted peak bytes and step seconds of one rank; ``peak_action`` says where the peak is."""
+
+    rank: int
+    peak_bytes: int
+    step_time_s: float
+    peak_action: str
+    param_bytes: int
+    """Parameter storages held by this rank (bytes)."""
+    state_bytes: int = 0
+    """Parameters and optimizer state held through the step (bytes; ZeRO-1: the dp shard's)."""
+    parts: Mapping[str, int] = field(default_factory=dict)
+    """Live bytes by category at the peak (``state``, ``grads``, ``activations``, ``buffers``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryPrediction:
+    """Result of :func:`predict_memory` (bytes)."""
+
+    peak_bytes: int
+    where: str
+    """The action (``0B1``: backward of stage 0, micro-batch 1; ``STEP``...) at the peak."""
+    parts: Mapping[str, int]
+    param_bytes: int
+    state_bytes: int
+
+
+# ---------------------------------------------------------------------------------------------
+# One stage: recorded liveness of annotate_memory at one micro-batch's dims
+
+
+@contextlib.contextmanager
+def _recording() -> Iterator[dict]:
+    """Swap annotate_memory's Timeline and AccumulateGrad model for recording ones."""
+    import passes.annotate_memory as am
+
+    rec: dict = {"events": [], "param_grads": set()}
+    base = am.Timeline
+
+    class Recorder(base):  # type: ignore[misc, valid-type]
+        def at(self, phase, node):
+            self._rec_phase = phase
+            super().at(phase, node)
+
+        def alloc(self, key, size, hint):
+            rec["events"].append(Event(getattr(self, "_rec_phase", "forward"), "+", key, int(hint)))
+            super().alloc(key, size, hint)
+
+        def free(self, key):
+            rec["events"].append(Event(getattr(self, "_rec_phase", "forward"), "-", key, 0))
+            super().free(key)
+
+    orig_acc = am._accumulate_param
+
+    def accumulate(grads, param_grad, st, key, grad_size, key_hint):
+        orig_acc(grads, param_grad, st, key, grad_size, key_hint)
+        rec["param_grads"].add(param_grad[st])
+
+    am.Timeline, am._accumulate_param = Recorder, accumulate
+    try:
+        yield rec
+    finally:
+        am.Timeline, am._accumulate_param = base, orig_acc
+
+
+def stage_events(module: fx.GraphModule, dims: Mapping[str, int], *, optimizer: str = "adamw") -> StageEvents:
+    """Record the liveness timeline of ``module`` (a stage program with ``meta[CAPTURE]`` listing
+    its own inputs, as :func:`runtime.rank_program.build_rank_program` sets it) for one
+    micro-batch of named ``dims`` (e.g. ``{"batch": 2, "seq": 8}``). ``module`` is not changed."""
+    from passes.annotate_memory import annotate_memory
+    from passes.meta import CAPTURE, MEMORY_SUMMARY
+
+    gm = copy.deepcopy(module)
+    info = gm.meta.get(CAPTURE)
+    if info is None:
+        raise ConfigError("fidelity: the stage module has no meta['capture']; build it with "
+                          "runtime.rank_program.build_rank_program, which gives each stage its own inputs")
+    missing = [n for n, _ in info.dims if n in info.symbolic and n not in dims]
+    if missing:
+        raise ConfigError(f"fidelity: dims {missing} of the stage are not given; pass dims={{...}} with them")
+    gm.meta[CAPTURE] = dataclasses.replace(info, dims=tuple((n, int(dims.get(n, v))) for n, v in info.dims))
+    with _recording() as rec:
+        annotate_memory(gm, optimizer=optimizer)
+    summary = gm.meta[MEMORY_SUMMARY]
+    events = rec["events"]
+    fwd, bwd, opt_live, opt_peak = [], [], 0, 0
+    model_state = set()
+    sizes: dict = {}
+    for e in events:
+        if e.op == "+":
+            sizes[e.key] = e.bytes
+        if e.phase == "forward" and _is_model_state(e.key):
+            model_state.add(e.key)
+            continue
+        if e.key in model_state:
+            continue
+        if e.phase == "forward":
+            fwd.append(e)
+        elif e.phase == "backward":
+            bwd.append(e)
+        else:  # optimizer temporaries: only their largest live total matters
+            opt_live += sizes[e.key] if e.op == "+" else -sizes[e.key]
+            opt_peak = max(opt_peak, opt_live)
+    fwd = [dataclasses.replace(e, bytes=sizes[e.key]) for e in fwd]
+    bwd = [dataclasses.replace(e, bytes=sizes[e.key]) for e in bwd]
+    hints = {k: v for k, v in gm.meta[CAPTURE].symbols().items()}
+    return StageEvents(forward=tuple(fwd), backward=tuple(bwd), param_grads=frozenset(rec["param_grads"]),
+                       optimizer_bytes=opt_peak, param_bytes=_int(summary.param_bytes, hints),
+                       activation_bytes=_int(summary.activation_bytes, hints))
+
+
+def _is_model_state(key) -> bool:
+    # annotate_memory's model-state keys: ("param", st), ("opt", st), and buffer/input storages
+    # (allocated before the first forward node). Activation storages are bare _Storage objects too,
+    # so they are told apart by kind.
+    if isinstance(key, tuple):
+        return key[0] in ("param", "opt")
+    return getattr(key, "kind", None) in ("buffer", "input", "param")
+
+
+def _int(expr, hints) -> int:
+    import sympy
+
+    value = sympy.sympify(expr).xreplace(hints)
+    return int(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank: replay of its schedule
+
+
+class _Live:
+    """Live bytes by key and category, and the largest total seen."""
+
+    def __init__(self) -> None:
+        self.size: dict[Hashable, tuple[int, str]] = {}
+        self.total = 0
+        self.peak = 0
+        self.where = ""
+        self.parts: dict[str, int] = {}
+        self._by: dict[str, int] = {}
+
+    def alloc(self, key: Hashable, nbytes: int, kind: str, where: str) -> None:
+        if key in self.size:
+            raise ValueError(f"fidelity replay: {key!r} allocated twice")
+        self.size[key] = (nbytes, kind)
+        self.total += nbytes
+        self._by[kind] = self._by.get(kind, 0) + nbytes
+        if self.total > self.peak:
+            self.peak, self.where, self.parts = self.total, where, dict(self._by)
+
+    def free(self, key: Hashable) -> None:
+        nbytes, kind = self.size.pop(key)
+        self.total -= nbytes
+        self._by[kind] -= nbytes
+
+    def free_if(self, key: Hashable) -> None:
+        if key in self.size:
+            self.free(key)
+
+    def bump(self, nbytes: int, kind: str, where: str) -> None:
+        """A transient of ``nbytes`` on top of what is live."""
+        self.alloc(("bump", where), nbytes, kind, where)
+        self.free(("bump", where))
+
+
+def _tensor_bytes(meta, dims_sym) -> int:
+    n = 1
+    for d in meta.shape:
+        n *= int(d.subs(dims_sym)) if hasattr(d, "subs") else int(d)
+    return n * torch.empty((), dtype=meta.dtype).element_size()
+
+
+def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapping[str, int],
+                   global_batch_bytes: int = 0, zero: int = 0, optimizer: str = "adamw",
+                   events: Mapping[int, StageEvents] | None = None) -> MemoryPrediction:
+    """Peak live bytes of one rank running ``program`` (a :class:`runtime.rank_program.RankProgram`)
+    for one step (see the module docstring).
+
+    ``dims``: named dims of ONE micro-batch; ``global_batch_bytes``: storage bytes of the global
+    batch tensors every rank slices its micro-batches from; ``zero``: 0 or 1 (ZeRO-1 AdamW).
+    ``events``: precomputed :func:`stage_events` per stage (computed here otherwise).
+    """
+    from passes.meta import dim_symbol
+    from runtime.parallel_model import build_schedule
+    from runtime.schedule_actions import Kind
+
+    if zero not in (0, 1):
+        raise ConfigError(f"fidelity: zero={zero}; only ZeRO-1 (or none) is modelled")
+    m, pp, v, dp = num_micro_batches, program.pp, program.virtual_pp, program.dp
+    actions = build_schedule(schedule, pp, m, v)[program.pp_index]
+    ev = dict(events) if events is not None else {s: stage_events(program.modules[s], dims, optimizer=optimizer)
+                                                  for s in program.stages}
+    sym = {dim_symbol(k): val for k, val in dims.items()}
+    io = program.io
+    n_stages = len(io)
+    boundary = {s: [inp for inp in io[s + 1].inputs if inp.kind == "recv"] for s in range(n_stages - 1)}
+
+    # Parameters this rank holds: distinct storages over its stage modules (a tied weight twice
+    # when its copies live on two stages of this rank, as unique_params keeps them).
+    params, seen = [], set()
+    for s in program.stages:
+        for p in program.modules[s].parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    n_tensors = len(params)
+    live = _Live()
+    live.alloc("params", param_bytes, "state", "(start)")
+    if zero:
+        numel = sum(p.numel() for p in params)
+        shard = -(-numel // dp) * params[0].element_size() if params else 0
+        live.alloc("zero_state", 3 * shard + _STEP_BYTES, "state", "(start)")  # shard, exp_avg, exp_avg_sq
+    else:
+        live.alloc("opt_state", 2 * param_bytes + _STEP_BYTES * n_tensors, "state", "(start)")
+    state_bytes = live.total
+    live.alloc("batch", global_batch_bytes, "buffers", "(start)")
+    live.alloc("grads_prev", param_bytes, "grads", "(start)")  # last step's, until zero_grad
+    live.free("grads_prev")
+
+    last_backward = {}
+    for k, a in enumerate(actions):
+        if a.kind == Kind.BACKWARD:
+            last_backward[a.stage] = k
+    grads_made: set[int] = set()
+    sent: list[Hashable] = []
+    bucket_launched = False
+    for k, a in enumerate(actions):
+        where = f"{a}"
+        s, i = a.stage, a.microbatch
+        if a.kind == Kind.RECV_F:
+            for inp in boundary[s - 1]:
+                live.alloc(("recv", s, i, inp.name), _tensor_bytes(inp.meta, sym), "activations", where)
+        elif a.kind == Kind.FORWARD:
+            for e in ev[s].forward:
+                _apply(live, e, (s, i), "activations", where)
+        elif a.kind == Kind.SEND_F:
+            sent.append(("out", s, i))
+        elif a.kind == Kind.BACKWARD:
+            first = s not in grads_made
+            grads_made.add(s)
+            for e in ev[s].backward:
+                key = (s, i, e.key)
+                if e.key in ev[s].param_grads:
+                    if first:
+                        _apply(live, e, ("pgrad", s), "grads", where)
+                    elif e.op == "+":
+                        live.bump(e.bytes, "grads", where)  # accumulated in place, then released
+                    continue
+                _apply(live, e, (s, i), "activations", where)
+            if s > 0:  # the gradient of each received input, held until its send completes
+                for inp in boundary[s - 1]:
+                    if inp.meta.requires_grad:
+                        live.alloc(("igrad", s, i, inp.name), _tensor_bytes(inp.meta, sym), "activations", where)
+                        sent.append(("igrad", s, i, inp.name))
+            # what is still live of this micro-batch: outputs held by a pending send stay
+            for key in [key for key in live.size if _of(key, s, i)]:
+                if not (("out", s, i) in sent and _is_output_key(key, ev[s])):
+                    live.free(key)
+            if dp > 1 and not bucket_launched and all(last_backward[t] <= k for t in last_backward):
+                live.alloc("bucket", param_bytes, "grads", where)  # flat copy of every gradient
+                bucket_launched = True
+        elif a.kind == Kind.SEND_B:
+            for inp in boundary[s - 1]:
+                live.free_if(("recv", s, i, inp.name))
+        elif a.kind == Kind.ALL_REDUCE:
+            for key in list(live.size):
+                if (isinstance(key, tuple) and key and key[0] == "igrad") or _sent_output(key, sent, ev):
+                    live.free(key)
+            sent.clear()
+            if bucket_launched:  # the gradients become views of the bucket
+                for key in [key for key in live.size if isinstance(key, tuple) and key[0] == "pgrad"]:
+                    live.free(key)
+        elif a.kind == Kind.OPTIMIZER_STEP:
+            if zero:
+                full = -(-sum(p.numel() for p in params) // dp) * dp * (params[0].element_size() if params else 4)
+                shard = full // dp
+                # flat padded gradient (cat, then pad) -> its shard; then shards + their cat
+                live.bump(2 * full, "grads", where)
+                live.alloc("zero_shard_grad", shard, "grads", where)
+                live.bump(2 * shard, "state", where)  # AdamW temporaries of the shard
+                live.bump(2 * full if dp > 1 else 0, "state", where)
+                live.free("zero_shard_grad")
+            else:
+                live.bump(max((e.optimizer_bytes for e in ev.values()), default=0), "state", where)
+    return MemoryPrediction(peak_bytes=live.peak, where=live.where, parts=live.parts, param_bytes=param_bytes,
+                            state_bytes=state_bytes)
+
+
+def _apply(live: _Live, e: Event, tag: tuple, kind: str, where: str) -> None:
+    key = (*tag, e.key)
+    if e.op == "+":
+        live.alloc(key, e.bytes, kind, where)
+    else:
+        live.free_if(key)
+
+
+def _of(key, s: int, i: int) -> bool:
+    return isinstance(key, tuple) and len(key) == 3 and key[0] == s and key[1] == i
+
+
+def _is_output_key(key, events: StageEvents) -> bool:
+    return getattr(key[2], "graph_output", False)
+
+
+def _sent_output(key, sent, ev) -> bool:
+    if not (isinstance(key, tuple) and len(key) == 3 and isinstance(key[0], int)):
+        return False
+    return ("out", key[0], key[1]) in sent and _is_output_key(key, ev[key[0]])
+
+
+# ---------------------------------------------------------------------------------------------
+# Time: the planner's evaluation of the pinned plan
+
+
+def predict_step_time(profile, cluster, knobs: Mapping[str, object], *, global_batch: int,
+                      optimizer: str = "adamw"):
+    """The planner's :class:`partitioner.plan_types.Plan` for ``knobs`` (every knob of
+    :data:`partitioner.plan_types.KNOBS`) on ``cluster``: ``step_time_s`` (seconds) and terms."""
+    from partitioner.plan_types import KNOBS
+    from partitioner.search import plan
+
+    missing = [k for k in KNOBS if k not in knobs]
+    if missing:
+        raise ConfigError(f"fidelity: pin every knob to evaluate one plan; missing {missing}")
+    big = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=1 << 50))
+    return plan(profile, big, global_batch=global_batch, fix=dict(knobs), optimizer=optimizer)
+
+
+def predict_rank(gm: fx.GraphModule, knobs: Mapping[str, object], rank: int, dims: Mapping[str, int], *,
+                 global_batch_bytes: int = 0, step_time_s: float = float("nan"),
+                 optimizer: str = "adamw") -> RankPrediction:
+    """Predicted peak bytes of rank ``rank`` for the plan ``knobs`` (``dp``, ``tp``, ``pp``,
+    ``virtual_pp``, ``schedule``, ``num_micro_batches``, ``zero_stage``, ``checkpointing``,
+    ``offload``) over ``gm`` (from :func:`runtime.parallel_model.capture_for_pipeline`), with ONE
+    micro-batch of named ``dims``. ``step_time_s``: the planner's step time
+    (:func:`predict_step_time`), the same on every rank."""
+    from runtime.rank_program import build_rank_program
+
+    program = build_rank_program(gm, dp=int(knobs["dp"]), tp=int(knobs.get("tp", 1)), pp=int(knobs["pp"]),
+                                 virtual_pp=int(knobs.get("virtual_pp", 1)), rank=rank,
+                                 checkpointing=str(knobs.get("checkpointing", "none")),
+                                 offload=str(knobs.get("offload", "none")))
+    mem = predict_memory(
+        program, schedule=str(knobs["schedule"]), num_micro_batches=int(knobs["num_micro_batches"]), dims=dims,
+        global_batch_bytes=global_batch_bytes, zero=int(knobs.get("zero_stage", 0)), optimizer=optimizer)
+    return RankPrediction(rank=rank, peak_bytes=int(mem.peak_bytes), step_time_s=step_time_s,
+                          peak_action=mem.where, param_bytes=mem.param_bytes, state_bytes=mem.state_bytes,
+                          parts=mem.parts)

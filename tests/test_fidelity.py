@@ -1,0 +1,130 @@
+"""Per-rank predictions (partitioner.fidelity) and the cost-model refit (partitioner.refit),
+single process only: rank programs are built for one rank at a time, nothing is spawned."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import sympy
+
+from partitioner.cluster import Cluster
+from partitioner.fidelity import predict_rank, predict_step_time
+from partitioner.model_spec import build_model
+from partitioner.profile import profile_model
+from partitioner.refit import load_run, refit, refit_from_runs
+from passes.annotate_memory import annotate_memory
+from passes.meta import CAPTURE, MEMORY_SUMMARY, dim_symbol
+from runtime.parallel_model import capture_for_pipeline
+from runtime.rank_program import build_rank_program
+
+GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
+DIMS = {"batch": 4, "seq": 8}
+BASE = dict(dp=1, tp=1, pp=1, virtual_pp=1, micro_batch_size=4, num_micro_batches=1, schedule="1f1b",
+            zero_stage=0, sequence_parallel=False, checkpointing="none", offload="none")
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return capture_for_pipeline(build_model(GPT))
+
+
+def test_pipeline_ranks_hold_every_parameter_once_plus_tied_copies(graph):
+    knobs = {**BASE, "pp": 2, "num_micro_batches": 2}
+    preds = [predict_rank(graph, knobs, r, DIMS) for r in range(2)]
+    split = build_rank_program(graph, dp=1, tp=1, pp=2, rank=0).split
+    model = sum(t.numel() * t.element_size() for t in graph.parameters())  # tied weights once
+    # a weight tied across stages (embedding / LM head) has a copy on each stage holding it
+    tied_extra = sum((len(stages) - 1) * _param_bytes(graph, split.aliases[name][0])
+                     for name, stages in split.tied.items())
+    assert sum(p.param_bytes for p in preds) == model + tied_extra
+    assert all(p.peak_bytes > 3 * p.param_bytes for p in preds)  # params + AdamW state + activations
+
+
+def test_one_stage_one_micro_batch_equals_whole_graph_analysis(graph):
+    # With one stage and one micro-batch the replay is the whole step's liveness (plus the batch).
+    # the whole graph's analysis counts its inputs (token ids, targets): the batch the rank slices
+    batch_bytes = sum(t.untyped_storage().nbytes() for t in build_model(GPT).example_inputs(DIMS))
+    pred = predict_rank(graph, BASE, 0, DIMS, global_batch_bytes=batch_bytes)
+    gm = copy.deepcopy(graph)
+    info = gm.meta[CAPTURE]
+    gm.meta[CAPTURE] = dataclasses.replace(info, dims=tuple((n, DIMS.get(n, v)) for n, v in info.dims))
+    annotate_memory(gm)
+    whole = int(sympy.sympify(gm.meta[MEMORY_SUMMARY].peak_bytes).xreplace(
+        {dim_symbol(k): v for k, v in DIMS.items()}))
+    assert pred.peak_bytes == whole
+
+
+def test_gpipe_keeps_more_micro_batches_in_flight_than_1f1b(graph):
+    knobs = {**BASE, "pp": 2, "num_micro_batches": 4, "micro_batch_size": 1}
+    dims = {"batch": 1, "seq": 8}
+    gpipe = predict_rank(graph, {**knobs, "schedule": "gpipe"}, 0, dims)
+    one_f = predict_rank(graph, knobs, 0, dims)
+    assert gpipe.peak_bytes > one_f.peak_bytes
+    assert gpipe.parts["activations"] > one_f.parts["activations"]
+
+
+def test_zero1_shards_optimizer_state(graph):
+    full = predict_rank(graph, {**BASE, "dp": 2}, 0, DIMS)
+    zero = predict_rank(graph, {**BASE, "dp": 2, "zero_stage": 1}, 0, DIMS)
+    # params + AdamW state (2 x params + steps) vs params + 3 shards (param, exp_avg, exp_avg_sq) of 1/dp
+    shard = -(-full.param_bytes // 4 // 2) * 4
+    assert full.state_bytes - full.param_bytes > 2 * full.param_bytes
+    assert zero.state_bytes - zero.param_bytes == 3 * shard + 4
+
+
+def _cluster() -> Cluster:
+    return dataclasses.replace(Cluster.preset("local-cpu"), devices_per_node=1)
+
+
+def _write_run(tmp_path, plan, compute_factor: float, optimizer_factor: float, steps: int = 3):
+    m = plan.num_micro_batches
+    stage_t = plan.stages[0].time_s
+    opt_t = plan.predicted.terms["optimizer"]
+    rank_steps = [{"step": k, "rank": 0, "loss": 1.0, "wall_s": 1.0, "compute_s": compute_factor * stage_t * m,
+                   "compute_by_stage_s": {"0": compute_factor * stage_t * m}, "recv_wait_s": 0.0,
+                   "send_wait_s": 0.0, "p2p_post_s": 0.0, "collective_s": 0.0,
+                   "optimizer_s": optimizer_factor * opt_t, "other_s": 0.0, "peak_memory_bytes": 1}
+                  for k in range(steps)]
+    rank_steps[0] = {**rank_steps[0], "compute_s": 100.0}  # the warm-up step is left out
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    (tmp_path / "measurements.json").write_text(json.dumps({"steps": [rank_steps]}))
+    return tmp_path
+
+
+def test_refit_moves_efficiency_towards_measurements(tmp_path):
+    cluster = _cluster()
+    profile = profile_model(GPT, dtype="fp32")
+    plan = predict_step_time(profile, cluster, {**BASE, "micro_batch_size": 4, "num_micro_batches": 2},
+                             global_batch=8)
+    run = _write_run(tmp_path, plan, compute_factor=3.0, optimizer_factor=0.5)
+    result = refit([load_run(run)], cluster)
+    assert result.compute_ratio_before == pytest.approx(3.0, rel=1e-6)
+    assert result.compute_ratio_after == pytest.approx(1.0, abs=0.02)
+    assert result.flops_scale < 1 / 3 + 1e-9  # slower than predicted: lower effective FLOP/s
+    assert result.bandwidth_scale == pytest.approx(2.0, rel=0.01)  # faster optimizer: more bandwidth
+    assert result.cluster.device.peak_flops.fp32 == pytest.approx(cluster.device.peak_flops.fp32 * result.flops_scale)
+    out = tmp_path / "refit.yaml"
+    again = refit_from_runs([tmp_path], cluster, out)
+    assert Cluster.from_file(out).device.peak_flops.fp32 == pytest.approx(again.cluster.device.peak_flops.fp32)
+
+
+def test_refit_names_missing_files(tmp_path):
+    from partitioner.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="plan.json"):
+        load_run(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+def _attr(gm, target):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _param_bytes(gm, name) -> int:
+    t = _attr(gm, name)
+    return t.numel() * t.element_size()

@@ -12,12 +12,12 @@ and left out of the times (its peak is lower: no gradients or optimizer state ex
   ``Cluster.local(4)`` (a quick calibration is made first when this machine has no calibration
   file), measured as the median wall seconds of a step after the warm-up, per rank;
 * refit: every case writes ``<out>/<model>/<plan>/{plan.json,measurements.json}``; per model,
-  :func:`partitioner.refit.refit_from_runs` is fitted on every case but the HELD-OUT plan, and the
-  held-out plan's step time is predicted with the cluster before and after the refit.
+  :func:`partitioner.refit.refit` (FLOP/s, per-kernel overhead, bandwidth, pipeline message
+  seconds, link latency) is fitted on every case but the HELD-OUT plan, and the held-out plan's
+  step time is predicted with the cluster before and after the refit.
 
-ZeRO-1 note: :class:`runtime.measure.StepTimer` counts the optimizer state it finds in
-``optimizer.state``; :class:`runtime.grad_sync.ZeroAdamW` keeps its shard and state elsewhere, so
-the timer here is a subclass that adds them (otherwise the measured peak misses 3 shards).
+ZeRO-1: :class:`runtime.measure.StepTimer` counts :class:`runtime.grad_sync.ZeroAdamW`'s shard,
+its gradient and its AdamW state in the persistent baseline.
 """
 from __future__ import annotations
 
@@ -78,35 +78,13 @@ CASES = (
 )
 
 
-def _timer_class():
-    from runtime.measure import StepTimer
-
-    class Timer(StepTimer):
-        """StepTimer that also counts ZeroAdamW's shard, its gradient and its AdamW state."""
-
-        def _persistent(self):
-            yield from super()._persistent()
-            opt = self.model.optimizer
-            inner = getattr(opt, "optimizer", None)
-            shard = getattr(opt, "shard", None)
-            if shard is not None:
-                yield shard
-                if shard.grad is not None:
-                    yield shard.grad
-            for st in (inner.state.values() if inner is not None else ()):
-                for v in st.values():
-                    if hasattr(v, "untyped_storage"):
-                        yield v
-
-    return Timer
-
-
 def _rank_main(models: dict, cases: tuple, steps: int) -> list[dict]:
     """On every rank: each case's prediction (before training) and its measured steps."""
     import torch
 
     from partitioner.fidelity import predict_memory
     from partitioner.model_spec import build_model
+    from runtime.measure import StepTimer
     from runtime.mesh import Mesh, init_distributed
     from runtime.parallel_model import ParallelModel, capture_for_pipeline
 
@@ -116,7 +94,6 @@ def _rank_main(models: dict, cases: tuple, steps: int) -> list[dict]:
         key = (c.dp, c.pp, c.tp)
         if key not in meshes:
             meshes[key] = Mesh(c.dp, c.pp, c.tp, timeout_s=180)
-    Timer = _timer_class()
     out = []
     for model, spec_str in models.items():
         spec = build_model(spec_str)
@@ -143,7 +120,7 @@ def _rank_main(models: dict, cases: tuple, steps: int) -> list[dict]:
                 except Exception as e:  # noqa: BLE001
                     row["predict_error"] = f"{type(e).__name__}: {e}"[:300]
                 row.update(predict_s=time.perf_counter() - t0, build_s=t0 - start)
-                timer = Timer(pm)
+                timer = StepTimer(pm)
                 for k, b in enumerate(batches):
                     timer.measure(k + 1, lambda b=b: pm.train_step(b))
                 row["steps"] = [dataclasses.asdict(s) for s in timer.steps]
@@ -271,7 +248,9 @@ def main(argv=None) -> int:
         result = refit([load_run(d) for d in fit], cluster)
         result.cluster.to_file(out / model / "refit-cluster.yaml")
         print(f"\n{model}: refit on {len(fit)} runs (all plans but {HELD_OUT}): peak FLOP/s x{result.flops_scale:.3g}, "
-              f"memory bandwidth x{result.bandwidth_scale:.3g}, link latency x{result.latency_scale:.3g}; median "
+              f"memory bandwidth x{result.bandwidth_scale:.3g}, link latency x{result.latency_scale:.3g}, "
+              f"kernel overhead {result.kernel_overhead_s * 1e6:.0f} us, pipeline message "
+              f"{(result.p2p_latency_s or 0) * 1e3:.2f} ms; median "
               f"measured/predicted compute {result.compute_ratio_before:.2f} -> {result.compute_ratio_after:.2f}")
         profile = profile_model(models[model], dtype="fp32")
         for (m, case), d in run_dirs.items():

@@ -205,6 +205,10 @@ class Device:
     """Device memory (HBM/DRAM) bandwidth in bytes/s, for memory-bound ops."""
     peak_flops: PeakFlops
     """Dense peak FLOP/s per dtype."""
+    kernel_overhead_s: float = 0.0
+    """Seconds of framework overhead per matmul-class kernel (dispatch, Python, and the small ops
+    around it), added by ``cost_model.compute_time``; 0 for the presets, fitted by
+    ``partitioner.refit`` where it dominates (small models on CPU)."""
 
     def __post_init__(self) -> None:
         _normalize(self, "memory_bytes", "bytes", "give the device memory, e.g. '80GiB'")
@@ -214,6 +218,8 @@ class Device:
             object.__setattr__(self, "peak_flops", PeakFlops.from_dict(self.peak_flops, "Device.peak_flops"))
         if not isinstance(self.peak_flops, PeakFlops):
             raise ClusterSpecError(f"Device.peak_flops must be a mapping of dtype to FLOP/s, got {self.peak_flops!r}")
+        if not self.kernel_overhead_s >= 0:
+            raise ClusterSpecError(f"Device.kernel_overhead_s must be >= 0 seconds, got {self.kernel_overhead_s!r}")
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "device") -> Device:
@@ -222,7 +228,8 @@ class Device:
     def to_dict(self) -> dict:
         return {"name": self.name, "memory_bytes": self.memory_bytes,
                 "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
-                "peak_flops": self.peak_flops.to_dict()}
+                "peak_flops": self.peak_flops.to_dict(),
+                **({"kernel_overhead_s": self.kernel_overhead_s} if self.kernel_overhead_s else {})}
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -287,12 +294,18 @@ class Cluster:
     """Link between host memory and one device (PCIe), for offload."""
     backend: str
     """torch.distributed backend: ``nccl`` (GPUs) or ``gloo`` (CPU)."""
+    p2p_latency_s: float | None = None
+    """Seconds per pipeline point-to-point message in place of the link's α (the runtime's
+    isend/irecv post and wait, which small messages see more of than the calibration's large
+    ones); ``None`` (the presets): the link's. Fitted by ``partitioner.refit``."""
 
     def __post_init__(self) -> None:
         _count(self, "nodes", "a cluster has at least 1 node")
         _count(self, "devices_per_node", "a node has at least 1 device")
         _normalize(self, "host_memory_bytes", "bytes", "give the CPU memory of one node, e.g. '2TiB'")
         _choice(self, "backend", BACKENDS)
+        if self.p2p_latency_s is not None and not self.p2p_latency_s >= 0:
+            raise ClusterSpecError(f"Cluster.p2p_latency_s must be >= 0 seconds or None, got {self.p2p_latency_s!r}")
         if isinstance(self.device, dict):
             object.__setattr__(self, "device", Device.from_dict(self.device, "Cluster.device"))
         for name in _LINK_FIELDS:
@@ -339,7 +352,8 @@ class Cluster:
                 "backend": self.backend, "device": self.device.to_dict(),
                 "intra_node": self.intra_node.to_dict(), "inter_node": self.inter_node.to_dict(),
                 "host_memory_bytes": self.host_memory_bytes,
-                "host_to_device": self.host_to_device.to_dict()}
+                "host_to_device": self.host_to_device.to_dict(),
+                **({"p2p_latency_s": self.p2p_latency_s} if self.p2p_latency_s is not None else {})}
 
     @classmethod
     def from_file(cls, path: str | Path) -> Cluster:

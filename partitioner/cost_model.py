@@ -164,14 +164,15 @@ def compute_time(flops: float, device: Device, dtype: str = "bf16",
                  curve: EfficiencyCurve = DEFAULT_EFFICIENCY) -> float:
     """Seconds for ONE kernel of ``flops`` FLOPs in ``dtype`` on ``device``; sum over kernels.
 
-    ``flops / (peak · curve.efficiency(flops))``; 0 for no FLOPs.
+    ``flops / (peak · curve.efficiency(flops)) + device.kernel_overhead_s`` (the framework's
+    per-kernel cost, 0 unless calibrated); 0 for no FLOPs.
     """
     if flops < 0:
         raise ConfigError(f"flops must be >= 0, got {flops}")
     if flops == 0:
         return 0.0
     peak = device.peak_flops.for_dtype(dtype)
-    return flops / (peak * curve.efficiency(flops, peak))
+    return flops / (peak * curve.efficiency(flops, peak)) + device.kernel_overhead_s
 
 
 def memory_bound_time(bytes_moved: float, bandwidth: Device | float) -> float:

@@ -23,6 +23,11 @@ around them (:mod:`runtime.stage_executor`, :mod:`runtime.grad_sync`)::
     STEP           AdamW's per-parameter temporaries (annotate_memory's optimizer phase), or
                    ZeRO-1: flat padded gradient, its shard, the all-gathered shards and their cat
 
+Activation offload: annotate_memory does not see the saves inside an offload region, so an
+offloaded storage leaves the device after its last forward use; :func:`stage_events` adds the
+copies :mod:`runtime.offload_ops` makes (the reloaded copy in backward, and on CPU the "host"
+clone from the save to the last backward, in the same memory; see :func:`_with_offload_copies`).
+
 The rank's peak is the largest live total of that replay. Everything is in bytes of tensor
 storages, which is what :class:`runtime.measure.LiveBytes` counts on CPU.
 
@@ -109,15 +114,19 @@ class MemoryPrediction:
 
 @contextlib.contextmanager
 def _recording() -> Iterator[dict]:
-    """Swap annotate_memory's Timeline and AccumulateGrad model for recording ones."""
+    """Swap annotate_memory's Timeline and AccumulateGrad model for recording ones, and watch the
+    offload hooks (:mod:`runtime.offload_ops`) that the fake forward runs."""
     import passes.annotate_memory as am
+    import runtime.offload_ops as oo
+    from torch.multiprocessing.reductions import StorageWeakRef
 
-    rec: dict = {"events": [], "param_grads": set()}
+    rec: dict = {"events": [], "param_grads": set(), "offloaded": []}
     base = am.Timeline
 
     class Recorder(base):  # type: ignore[misc, valid-type]
         def at(self, phase, node):
             self._rec_phase = phase
+            rec["events"].append(Event(phase, "@", node, 0))  # a marker: where each node's events start
             super().at(phase, node)
 
         def alloc(self, key, size, hint):
@@ -134,11 +143,20 @@ def _recording() -> Iterator[dict]:
         orig_acc(grads, param_grad, st, key, grad_size, key_hint)
         rec["param_grads"].add(param_grad[st])
 
-    am.Timeline, am._accumulate_param = Recorder, accumulate
+    orig_pack = oo._Region.pack
+
+    def pack(region, t):
+        packed = orig_pack(region, t)
+        if isinstance(packed, oo._Packed):  # moved to host: (region, storage, bytes at the dims)
+            rec["offloaded"].append((region.region, StorageWeakRef(t.untyped_storage()),
+                                     am._hint(t.untyped_storage().nbytes())))
+        return packed
+
+    am.Timeline, am._accumulate_param, oo._Region.pack = Recorder, accumulate, pack
     try:
         yield rec
     finally:
-        am.Timeline, am._accumulate_param = base, orig_acc
+        am.Timeline, am._accumulate_param, oo._Region.pack = base, orig_acc, orig_pack
 
 
 def stage_events(module: fx.GraphModule, dims: Mapping[str, int], *, optimizer: str = "adamw") -> StageEvents:
@@ -160,11 +178,13 @@ def stage_events(module: fx.GraphModule, dims: Mapping[str, int], *, optimizer: 
     with _recording() as rec:
         annotate_memory(gm, optimizer=optimizer)
     summary = gm.meta[MEMORY_SUMMARY]
-    events = rec["events"]
+    events = _with_offload_copies(gm, rec["events"], rec["offloaded"], device=info.device)
     fwd, bwd, opt_live, opt_peak = [], [], 0, 0
     model_state = set()
     sizes: dict = {}
     for e in events:
+        if e.op == "@":
+            continue
         if e.op == "+":
             sizes[e.key] = e.bytes
         if e.phase == "forward" and _is_model_state(e.key):
@@ -185,6 +205,82 @@ def stage_events(module: fx.GraphModule, dims: Mapping[str, int], *, optimizer: 
     return StageEvents(forward=tuple(fwd), backward=tuple(bwd), param_grads=frozenset(rec["param_grads"]),
                        optimizer_bytes=opt_peak, param_bytes=_int(summary.param_bytes, hints),
                        activation_bytes=_int(summary.activation_bytes, hints))
+
+
+def _with_offload_copies(gm: fx.GraphModule, events: list, offloaded: list, *, device: str) -> list:
+    """``events`` with the copies :mod:`runtime.offload_ops` makes of offloaded storages.
+
+    annotate_memory sees none of the saves made inside an offload region (the region's hooks sit
+    on top of its own), so an offloaded storage dies on the device after its last forward use,
+    which is what offload does. What it does not see, per offloaded storage (views share one):
+
+    * the reloaded device copy, made by the first unpack (the backward of its LAST saver in
+      forward order) and dropped after the backward of its FIRST saver (the last unpack; the
+      unpacked views keep it alive until that backward is over);
+    * on CPU, the "host" copy too (a clone in the same memory): made by the pack in its first
+      saver's forward (after the saver's outputs, before the saver's inputs die) and kept by
+      autograd's saved variables until that same last backward.
+
+    The saver of region ``r`` is the node right after ``offload_begin(..., r)``.
+    """
+    if not offloaded:
+        return [e for e in events]
+    from runtime.offload_ops import OFFLOAD_BEGIN
+
+    nodes = list(gm.graph.nodes)
+    saver = {n.args[3]: nodes[i + 1].name for i, n in enumerate(nodes) if n.target is OFFLOAD_BEGIN}
+    savers: dict = {}  # storage -> (bytes, [saver names in forward order])
+    for region, ref, nbytes in offloaded:
+        _, names = savers.setdefault(ref, (nbytes, []))
+        if saver[region] not in names:
+            names.append(saver[region])
+    fwd_order = {e.key: k for k, e in enumerate(events) if e.op == "@" and e.phase == "forward"}
+    bwd_seen = {e.key for e in events if e.op == "@" and e.phase == "backward"}
+    before: dict[tuple[str, str], list[Event]] = {}  # (phase, node) -> events after its allocations
+    after: dict[tuple[str, str], list[Event]] = {}  # (phase, node) -> events at the end of its block
+    start: dict[tuple[str, str], list[Event]] = {}  # (phase, node) -> events right after its marker
+    for n, (ref, (nbytes, names)) in enumerate(savers.items()):
+        names = sorted(names, key=lambda x: fwd_order.get(x, 0))
+        first, last = names[0], names[-1]
+        running = [x for x in names if x in bwd_seen]
+        if device != "cuda":
+            before.setdefault(("forward", first), []).append(Event("forward", "+", ("offload_host", n), nbytes))
+        if running:
+            start.setdefault(("backward", running[-1]), []).append(
+                Event("backward", "+", ("offload_reload", n), nbytes))
+            end = [Event("backward", "-", ("offload_reload", n), 0)]
+            if device != "cuda":
+                end.append(Event("backward", "-", ("offload_host", n), 0))
+            after.setdefault(("backward", running[0]), []).extend(end)
+        elif device != "cuda":  # never unpacked: autograd drops it with the graph, after backward
+            after.setdefault(("backward", "(end)"), []).append(Event("backward", "-", ("offload_host", n), 0))
+    out: list[Event] = []
+    block: tuple[str, str] | None = None
+    pending: list[Event] = []  # this block's "before" events, not yet placed
+
+    # each list is placed once: a node can be marked twice (the loss output starts backward)
+    def close() -> None:
+        out.extend(pending)
+        pending.clear()
+        if block is not None:
+            out.extend(after.pop(block, ()))
+
+    for e in events:
+        if e.op == "@":
+            close()
+            block = (e.phase, e.key)
+            out.append(e)
+            out.extend(start.pop(block, ()))
+            pending.extend(before.pop(block, ()))
+            continue
+        if e.op == "-" and pending:  # the node's allocations are done: the pack has run
+            out.extend(pending)
+            pending.clear()
+        out.append(e)
+    close()
+    for rest in after.values():  # never reached by a marker: released after the backward
+        out.extend(rest)
+    return out
 
 
 def _is_model_state(key) -> bool:

@@ -2,26 +2,27 @@
 
 A run directory holds ``plan.json`` (the :class:`partitioner.plan_types.Plan` that ran, with its
 per-stage predicted seconds) and ``measurements.json`` (:class:`runtime.measure.RunMeasurements`:
-per-rank, per-step compute / optimizer seconds). Two multiplicative terms of the cluster are
-refitted, each as the median over ranks (and runs) of measured over predicted, after the warm-up
-step:
+per-rank, per-step compute / p2p / optimizer seconds). After the warm-up step, in order:
 
-* **effective peak FLOP/s** of the device (every dtype scaled alike): the planner's compute time
-  of a stage is ``Σ flops/(P·e) + h/e`` per kernel (:func:`partitioner.cost_model.compute_time`),
-  so at these sizes it is close to ``1/P``. The ratio (from runs without tensor parallelism when
-  there are any: the runtime's compute seconds include tp collectives) compares a rank's measured forward+backward
-  seconds per micro-batch (``compute_s / num_micro_batches``) with the plan's ``StagePlan.time_s``
-  of its pipeline rank; ``P`` is divided by it and the plans re-evaluated so that the per-kernel
-  constant is accounted for (secant steps on ``1/P``).
-* **memory bandwidth** (the optimizer step is memory bound in the planner): measured
-  ``optimizer_s`` against the plan's ``optimizer`` term.
+* **peak FLOP/s and per-kernel overhead** (``Device.kernel_overhead_s``): a stage's predicted
+  seconds per micro-batch are ``A·x + C + K·o`` (``A``: the FLOP-rate part, ``x`` = 1 / FLOP/s
+  scale; ``C``: the efficiency curve's per-kernel constant; ``K``: matmul-class kernels, forward
+  and backward; ``o``: the overhead), all read off the planner itself. ``(x, o) >= 0`` minimise
+  the squared relative error against each rank's measured forward+backward seconds per
+  micro-batch (runs without tensor parallelism when there are any: the runtime's compute
+  seconds include tp collectives). At small sizes ``o`` (framework dispatch) dominates, which
+  one FLOP/s number cannot carry across micro-batch sizes and stage depths.
+* **memory bandwidth** (the optimizer step is memory bound in the planner): median measured
+  ``optimizer_s`` over the plan's ``optimizer`` term.
+* **pipeline message seconds** (``Cluster.p2p_latency_s``, in place of the link α for pipeline
+  sends): each pipelined rank's measured send/receive seconds (post + wait) against the
+  planner's ``pp_comm + bubble``; the median of the per-rank solutions.
+* **link latency** (intra- and inter-node α, i.e. the tp and dp collectives), last: the
+  multiplier (powers of √2) whose predicted STEP times have the smallest mean
+  |log(predicted/measured)| over the runs, with the terms above fixed.
 
-* **link latency** (intra- and inter-node α), last: the multiplier (powers of √2) whose predicted
-  STEP times have the smallest median |log(predicted/measured)| over the runs, with the two
-  terms above fixed. At small sizes the step is dominated by per-message and per-op costs that the
-  FLOP-based compute term cannot carry.
-
-Only median ratios are used, so one slow rank (a noisy neighbour) does not move the fit.
+Medians where one rank is one sample, so one slow rank (a noisy neighbour) does not move the fit.
+The presets keep both overheads at 0 / None, so the planner's results on them do not change.
 """
 from __future__ import annotations
 
@@ -37,7 +38,6 @@ from partitioner.cluster import Cluster, PeakFlops
 from partitioner.errors import ConfigError
 from partitioner.plan_types import Plan
 
-ROUNDS = 3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +51,8 @@ class RunData:
     """Per rank: optimizer step seconds (median over steps)."""
     step_s: tuple[float, ...]
     """Per rank: wall seconds of a step (median over steps)."""
+    p2p_s: tuple[float, ...] = ()
+    """Per rank: seconds posting, and waiting on, pipeline sends and receives (median over steps)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +71,10 @@ class Refit:
     step_log_error: float
     """Median |log(predicted / measured step seconds)| over the runs after the refit."""
     runs: int
+    kernel_overhead_s: float = 0.0
+    """Fitted framework seconds per matmul-class kernel (``Device.kernel_overhead_s``)."""
+    p2p_latency_s: float | None = None
+    """Fitted seconds per pipeline message (``Cluster.p2p_latency_s``)."""
 
 
 def load_run(path: str | Path, skip_first: int = 1) -> RunData:
@@ -84,15 +90,18 @@ def load_run(path: str | Path, skip_first: int = 1) -> RunData:
     steps = data.get("steps")
     if not steps or not all(steps):
         raise ConfigError(f"refit: {meas_file} has no steps; run at least two steps")
-    comp, opt, wall = [], [], []
+    comp, opt, wall, p2p = [], [], [], []
     for rank_steps in steps:
         kept = rank_steps[skip_first:] or rank_steps
         comp.append(statistics.median(s["compute_s"] for s in kept) / plan.num_micro_batches)
         opt.append(statistics.median(s["optimizer_s"] for s in kept))
         wall.append(statistics.median(s["wall_s"] for s in kept))
+        p2p.append(statistics.median(s.get("recv_wait_s", 0.0) + s.get("send_wait_s", 0.0) + s.get("p2p_post_s", 0.0)
+                                     for s in kept))
     if len(steps) != plan.world_size:
         raise ConfigError(f"refit: {meas_file} has {len(steps)} ranks but plan.json needs {plan.world_size}")
-    return RunData(plan=plan, compute_per_mb_s=tuple(comp), optimizer_s=tuple(opt), step_s=tuple(wall))
+    return RunData(plan=plan, compute_per_mb_s=tuple(comp), optimizer_s=tuple(opt), step_s=tuple(wall),
+                   p2p_s=tuple(p2p))
 
 
 def _pp_index(plan: Plan, rank: int) -> int:
@@ -113,10 +122,11 @@ def _dtype(plan: Plan) -> str:
 
 
 def _compute_ratio(runs: Sequence[RunData], plans: Sequence[Plan]) -> float:
-    # The runtime's compute seconds include the tp collectives called inside forward/backward
-    # (their waits are not separable there); runs without tp give the kernels alone, so they are
-    # used when there are any, and the link-latency fit then accounts for the collectives.
-    pure = [(r, p) for r, p in zip(runs, plans) if p.tp == 1]
+    # The runtime's compute seconds include the tp collectives (and offload copies) called inside
+    # forward/backward; runs without them (_plain) give the kernels alone, so they are used when
+    # there are any, and the link-latency fit then accounts for the collectives.
+    plain = {id(r) for r in _plain(runs)}
+    pure = [(r, p) for r, p in zip(runs, plans) if id(r) in plain]
     ratios = []
     for run, plan in (pure or list(zip(runs, plans))):
         for rank, measured in enumerate(run.compute_per_mb_s):
@@ -137,40 +147,112 @@ def _scaled(cluster: Cluster, flops: float, bandwidth: float) -> Cluster:
     return dataclasses.replace(cluster, device=device, name=f"{cluster.name}+refit")
 
 
+_KEEP = object()
+
+
+def _plain(runs: Sequence[RunData]) -> list[RunData]:
+    """Runs whose compute seconds are kernels alone: no tensor parallelism (its collectives run
+    inside forward/backward) and no activation offload (its copies and saved-tensor hooks run
+    inside them too, and belong to the planner's ``offload`` term)."""
+    return [r for r in runs if r.plan.tp == 1 and r.plan.offload != "activations"]
+
+
+def _with_overheads(cluster: Cluster, kernel_s: float | None = None, p2p_s=_KEEP) -> Cluster:
+    """``cluster`` with the per-kernel overhead and the pipeline per-message seconds replaced."""
+    device = cluster.device if kernel_s is None else dataclasses.replace(cluster.device, kernel_overhead_s=kernel_s)
+    return dataclasses.replace(cluster, device=device,
+                               p2p_latency_s=cluster.p2p_latency_s if p2p_s is _KEEP else p2p_s)
+
+
+def _nnls2(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """Least squares ``a·x + b·y ≈ t`` over ``rows`` of (a, b, t) with x, y >= 0: the
+    unconstrained solution, else the better of the two one-unknown fits; ``x`` alone when the
+    rows are (nearly) collinear."""
+    saa = sum(a * a for a, _, _ in rows)
+    sbb = sum(b * b for _, b, _ in rows)
+    sab = sum(a * b for a, b, _ in rows)
+    sat = sum(a * t for a, _, t in rows)
+    sbt = sum(b * t for _, b, t in rows)
+    det = saa * sbb - sab * sab
+    only_x = (max(sat / saa, 0.0) if saa else 0.0, 0.0)
+    if det <= 1e-6 * saa * sbb:
+        # the rows cannot tell the two apart (one micro-batch size, one stage depth): x alone,
+        # i.e. no overhead is claimed without evidence for it
+        return only_x
+    x, y = (sat * sbb - sbt * sab) / det, (sbt * saa - sat * sab) / det
+    if x >= 0 and y >= 0:
+        return x, y
+
+    def sse(x: float, y: float) -> float:
+        return sum((a * x + b * y - t) ** 2 for a, b, t in rows)
+
+    only_y = (0.0, max(sbt / sbb, 0.0) if sbb else 0.0)
+    return min(only_x, only_y, key=lambda xy: sse(*xy))
+
+
+def _fit_compute(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> tuple[float, float]:
+    """(1 / FLOP/s scale, kernel overhead seconds) fitted to measured compute per micro-batch.
+
+    A stage's predicted seconds per micro-batch are ``A/x_scale + C + K·o``: ``A`` the FLOP-rate
+    part (scales with 1/peak), ``C`` the curve's per-kernel constant, ``K`` its matmul-class
+    kernels (forward and backward) and ``o`` the per-kernel overhead. ``A``, ``C`` and ``K`` are
+    read off the planner by evaluating each plan at peak x1, x2 and with a unit overhead, so
+    the model is exactly the planner's; (x, o) minimise the squared RELATIVE error over ranks
+    (runs without tensor parallelism when there are any, see :func:`_compute_ratio`)."""
+    base = _with_overheads(cluster, 0.0)
+    pure = _plain(runs) or list(runs)
+    p1 = [_reevaluate(r.plan, base, profiles) for r in pure]
+    p2 = [_reevaluate(r.plan, _scaled(base, 2.0, 1.0), profiles) for r in pure]
+    pk = [_reevaluate(r.plan, _with_overheads(base, 1e-3), profiles) for r in pure]
+    rows = []
+    for run, a, b, k in zip(pure, p1, p2, pk):
+        for rank, measured in enumerate(run.compute_per_mb_s):
+            i = _pp_index(run.plan, rank)
+            t1, t2, tk = a.stages[i].time_s, b.stages[i].time_s, k.stages[i].time_s
+            flop_part, const, kernels = 2 * (t1 - t2), 2 * t2 - t1, (tk - t1) / 1e-3
+            if measured > 0:
+                rows.append((flop_part / measured, kernels / measured, 1 - const / measured))
+    if not rows:
+        raise ConfigError("refit: no rank has a measured compute time")
+    x, o = _nnls2(rows)
+    # one trimming pass: ranks whose relative error is far above the typical one (a run a
+    # neighbour slowed down, a mechanism with its own overhead) do not pull the fit
+    res = [abs(a * x + b * o - t) for a, b, t in rows]
+    cut = max(3 * statistics.median(res), 0.05)
+    kept = [row for row, r in zip(rows, res) if r <= cut]
+    if len(kept) >= 2 and len(kept) < len(rows):
+        x, o = _nnls2(kept)
+    return max(x, 1e-3), o  # x -> 0 would mean infinite FLOP/s: keep the FLOP term alive
+
+
 def refit(runs: Sequence[RunData], cluster: Cluster) -> Refit:
-    """Scale ``cluster``'s peak FLOP/s and memory bandwidth so the plans of ``runs`` predict the
-    measured compute seconds per micro-batch and optimizer seconds (median ratio 1)."""
+    """Refit ``cluster`` to ``runs``: peak FLOP/s and the per-kernel overhead (least squares on
+    the measured compute seconds per micro-batch), memory bandwidth (optimizer seconds), then the
+    link-latency multiplier and the per-message pipeline overhead (step seconds)."""
     if not runs:
         raise ConfigError("refit: give at least one run directory")
     profiles: dict = {}
     plans = [_reevaluate(r.plan, cluster, profiles) for r in runs]
     before = _compute_ratio(runs, plans)
-    # Predicted compute is a + b·x in x = 1/flops_scale (the per-kernel constant ``a`` does not
-    # scale with P), so predicted/measured = 1/ratio is affine in x (exactly for one rank, nearly
-    # for a median): secant steps on 1/ratio towards 1, started from x = ratio (exact when a = 0).
-    xs, rs = [1.0], [before]
-    x, ratio = before, before
-    for _ in range(ROUNDS + 1):
-        plans = [_reevaluate(r.plan, _scaled(cluster, 1 / x, 1.0), profiles) for r in runs]
-        ratio = _compute_ratio(runs, plans)
-        xs.append(x)
-        rs.append(ratio)
-        if abs(ratio - 1) < 0.005 or rs[-1] == rs[-2]:
-            break
-        y1, y0 = 1 / rs[-1], 1 / rs[-2]
-        x = max(x + (1 - y1) * (xs[-1] - xs[-2]) / (y1 - y0), 1e-6)
-    flops = 1 / xs[-1]
+    x, kernel_s = _fit_compute(runs, cluster, profiles)
+    flops = 1 / x
+    fitted = _with_overheads(_scaled(cluster, flops, 1.0), kernel_s)
+    plans = [_reevaluate(r.plan, fitted, profiles) for r in runs]
+    ratio = _compute_ratio(runs, plans)
     opt_ratios = []
     for run, plan in zip(runs, plans):
         predicted = plan.predicted.terms.get("optimizer", 0.0)
         if predicted > 0:
             opt_ratios += [m / predicted for m in run.optimizer_s if m > 0]
     bandwidth = 1 / statistics.median(opt_ratios) if opt_ratios else 1.0
-    fitted = _scaled(cluster, flops, bandwidth)
+    fitted = _with_overheads(_scaled(cluster, flops, bandwidth), kernel_s)
+    p2p_s = _fit_p2p(runs, fitted, profiles)
+    fitted = _with_overheads(fitted, p2p_s=p2p_s)
     latency, step_err = _fit_latency(runs, fitted, profiles)
-    return Refit(cluster=_with_latency(fitted, latency), flops_scale=flops, bandwidth_scale=bandwidth,
-                 latency_scale=latency, compute_ratio_before=before, compute_ratio_after=ratio,
-                 step_log_error=step_err, runs=len(runs))
+    return Refit(cluster=_with_latency(fitted, latency), flops_scale=flops,
+                 bandwidth_scale=bandwidth, latency_scale=latency, compute_ratio_before=before,
+                 compute_ratio_after=ratio, step_log_error=step_err, runs=len(runs),
+                 kernel_overhead_s=kernel_s, p2p_latency_s=p2p_s)
 
 
 def _with_latency(cluster: Cluster, scale: float) -> Cluster:
@@ -179,25 +261,50 @@ def _with_latency(cluster: Cluster, scale: float) -> Cluster:
     return dataclasses.replace(cluster, **links)
 
 
-def _step_log_error(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> float:
+def _step_log_errors(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> list[float]:
     errs = []
     for run in runs:
         predicted = _reevaluate(run.plan, cluster, profiles).predicted.step_time_s
         errs.append(abs(math.log(predicted / statistics.median(run.step_s))))
-    return statistics.median(errs)
+    return errs
+
+
+def _fit_p2p(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> float | None:
+    """Seconds per pipeline message (``Cluster.p2p_latency_s``, >= 0): each pipelined rank's
+    measured send/receive seconds (posting and waiting: ``RunData.p2p_s``) against the planner's
+    ``pp_comm + bubble``, which is affine in it (``P0 + α·M``, read off the planner), solved per
+    rank; the median of those solutions (robust to a rank a neighbour slowed down). ``None``
+    (keep the link's α) without pipelined runs."""
+    rows = []
+    # tp runs' bubbles carry their tp collectives, whose latency is fitted after this, and
+    # offload runs' waits their partner's copies: left out when there are other pipelined runs
+    piped = [r for r in runs if r.plan.pp > 1]
+    for run in _plain(piped) or piped:
+        e0 = _reevaluate(run.plan, _with_overheads(cluster, p2p_s=0.0), profiles).predicted.terms
+        e1 = _reevaluate(run.plan, _with_overheads(cluster, p2p_s=1e-3), profiles).predicted.terms
+        p0 = e0.get("pp_comm", 0.0) + e0.get("bubble", 0.0)
+        slope = (e1.get("pp_comm", 0.0) + e1.get("bubble", 0.0) - p0) / 1e-3
+        for measured in run.p2p_s:
+            if measured > 0 and slope > 0:
+                rows.append((measured - p0) / slope)  # this rank's exact solution
+    if not rows:
+        return cluster.p2p_latency_s
+    return max(statistics.median(rows), 0.0)
 
 
 def _fit_latency(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> tuple[float, float]:
-    """The link-latency multiplier (a grid of powers of 2, 1/16 .. 64) whose step-time predictions
-    have the smallest median |log(predicted / measured)| over ``runs``. Compute is fitted first
-    (from compute seconds alone); what remains of the step is mostly per-message cost: pipeline
-    send/recv, tp and dp collectives (gloo's per-call overhead, which the calibration's large
-    messages see little of)."""
-    best = (float("inf"), 1.0)
+    """The link-latency multiplier (a grid of powers of √2, 1/16 .. 64) whose step-time
+    predictions have the smallest MEAN |log(predicted / measured)| over ``runs`` (a median would
+    let the few runs the collectives dominate, tp ones, go unfitted), and the median of those
+    errors. Compute, kernel overhead and pipeline messages are fitted first (from their own
+    measured seconds); what remains is mostly the tp and dp collectives (gloo's per-call cost,
+    which the calibration's large messages see little of)."""
+    best = (float("inf"), 1.0, float("inf"))
     for k in range(-8, 13):
         scale = 2.0 ** (k / 2)
-        best = min(best, (_step_log_error(runs, _with_latency(cluster, scale), profiles), scale))
-    return best[1], best[0]
+        errs = _step_log_errors(runs, _with_latency(cluster, scale), profiles)
+        best = min(best, (statistics.fmean(errs), scale, statistics.median(errs)))
+    return best[1], best[2]
 
 
 def refit_from_runs(dirs: Sequence[str | Path], cluster: Cluster, out: str | Path) -> Refit:

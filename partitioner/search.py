@@ -58,6 +58,7 @@ exceeds the best plans found (branch and bound), so the result equals exhaustive
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -490,7 +491,12 @@ def evaluate(ctx: _Context, c: Candidate, *, limit: float | None | str = "device
     p, v, m = c.pp, c.virtual_pp, c.num_micro_batches
     slow = max(range(p), key=lambda i: (per_stage[i][0], -i))
     t_max, comp, tpc, rc = per_stage[slow][:4]
-    t_p2p = send_recv_time(ctx.profile.blocks[0].boundary_bytes * c.micro_batch_size / c.tp, ctx.pp_link(c)) if p > 1 else 0.0
+    t_p2p = 0.0
+    if p > 1:
+        pp_link = ctx.pp_link(c)
+        if ctx.cluster.p2p_latency_s is not None:  # calibrated per-message seconds of pipeline sends
+            pp_link = dataclasses.replace(pp_link, latency_s=ctx.cluster.p2p_latency_s)
+        t_p2p = send_recv_time(ctx.profile.blocks[0].boundary_bytes * c.micro_batch_size / c.tp, pp_link)
     tail = max(range(p), key=lambda i: (sum(per_stage[i][4:]), -i))
     terms = StepTimeTerms(
         compute=m * comp, tp_comm=m * tpc, recompute=m * rc,

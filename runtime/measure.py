@@ -206,11 +206,20 @@ class StepTimer:
             yield p
             if p.grad is not None:
                 yield p.grad
-        state = getattr(self.model.optimizer, "state", {})
-        for st in (state.values() if isinstance(state, dict) else ()):
-            for v in st.values():
-                if isinstance(v, torch.Tensor):
-                    yield v
+        opt = self.model.optimizer
+        # ZeRO-1 (runtime.grad_sync.ZeroAdamW) has no ``.state``: it holds a flat parameter shard
+        # (with its gradient) and an inner AdamW over that shard, whose state is the shard's.
+        shard = getattr(opt, "shard", None)
+        if isinstance(shard, torch.Tensor):
+            yield shard
+            if shard.grad is not None:
+                yield shard.grad
+        for o in (opt, getattr(opt, "optimizer", None)):
+            state = getattr(o, "state", {})
+            for st in (state.values() if isinstance(state, dict) else ()):
+                for v in st.values():
+                    if isinstance(v, torch.Tensor):
+                        yield v
 
 
 @dataclass(frozen=True, kw_only=True)

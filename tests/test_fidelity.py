@@ -128,3 +128,89 @@ def _attr(gm, target):
 def _param_bytes(gm, name) -> int:
     t = _attr(gm, name)
     return t.numel() * t.element_size()
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation offload on CPU: the host copy and the reloaded copy are in the measured memory
+
+
+def test_offload_events_add_a_host_copy_and_a_reload_per_offloaded_storage(graph):
+    from partitioner.fidelity import stage_events
+
+    plain = build_rank_program(graph, dp=1, tp=1, pp=1, rank=0)
+    offl = build_rank_program(graph, dp=1, tp=1, pp=1, rank=0, offload="activations")
+    ev = stage_events(offl.modules[0], DIMS)
+    base = stage_events(plain.modules[0], DIMS)
+    host = {e.key: e.bytes for e in ev.forward if e.op == "+" and _copy(e.key) == "offload_host"}
+    reload = {e.key: e.bytes for e in ev.backward if e.op == "+" and _copy(e.key) == "offload_reload"}
+    assert host and len(host) == len(reload)  # CPU: one host copy and one reload per storage
+    assert sorted(host.values()) == sorted(reload.values())
+    freed = [e.key for e in ev.backward if e.op == "-" and _copy(e.key)]
+    assert sorted(freed) == sorted([*host, *reload])  # every copy is released by its last backward
+    # the copies hold what the un-offloaded graph keeps for backward (bytes saved at least once)
+    assert sum(host.values()) <= base.activation_bytes + sum(reload.values())
+    pred_off = predict_rank(graph, {**BASE, "offload": "activations"}, 0, DIMS)
+    pred = predict_rank(graph, BASE, 0, DIMS)
+    assert pred_off.peak_bytes > pred.peak_bytes  # on CPU offload costs memory: copies in the same RAM
+
+
+def _copy(key) -> str | None:
+    return key[0] if isinstance(key, tuple) and key and key[0] in ("offload_host", "offload_reload") else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Refit of the per-kernel and per-message overheads
+
+
+def _synthetic_run(path, plan, truth_plan, p2p_s=None):
+    """A run directory whose measurements are exactly ``truth_plan``'s predictions (2 ranks)."""
+    path.mkdir(parents=True, exist_ok=True)
+    m = plan.num_micro_batches
+    ranks = []
+    for rank in range(plan.world_size):
+        stage = truth_plan.stages[rank // (plan.dp * plan.tp)]
+        wait = truth_plan.predicted.terms.get("pp_comm", 0.0) + truth_plan.predicted.terms.get("bubble", 0.0)
+        ranks.append([{"step": k, "rank": rank, "loss": 1.0, "wall_s": truth_plan.predicted.step_time_s,
+                       "compute_s": stage.time_s * m, "compute_by_stage_s": {}, "recv_wait_s": wait,
+                       "send_wait_s": 0.0, "p2p_post_s": 0.0, "collective_s": 0.0,
+                       "optimizer_s": truth_plan.predicted.terms["optimizer"], "other_s": 0.0,
+                       "peak_memory_bytes": 1} for k in range(3)])
+    (path / "plan.json").write_text(plan.to_json())
+    (path / "measurements.json").write_text(json.dumps({"steps": ranks}))
+    return path
+
+
+def test_refit_recovers_kernel_overhead_and_pipeline_message_seconds(tmp_path):
+    from partitioner.refit import _scaled
+
+    cluster = dataclasses.replace(Cluster.preset("local-cpu"), devices_per_node=2)
+    truth = _scaled(cluster, 0.5, 1.0)
+    truth = dataclasses.replace(truth, p2p_latency_s=2e-3,
+                                device=dataclasses.replace(truth.device, kernel_overhead_s=4e-5))
+    profile = profile_model(GPT, dtype="fp32")
+    runs = []
+    # micro-batch sizes 1 and 4 and two stage depths: kernels and FLOPs scale differently
+    for k, knobs in enumerate([{**BASE, "pp": 2, "micro_batch_size": 1, "num_micro_batches": 4},
+                               {**BASE, "pp": 2, "micro_batch_size": 4, "num_micro_batches": 2},
+                               {**BASE, "dp": 2, "micro_batch_size": 4, "num_micro_batches": 1}]):
+        gb = knobs["dp"] * knobs["micro_batch_size"] * knobs["num_micro_batches"]
+        plan = predict_step_time(profile, cluster, knobs, global_batch=gb)
+        true = predict_step_time(profile, truth, knobs, global_batch=gb)
+        runs.append(load_run(_synthetic_run(tmp_path / str(k), plan, true)))
+    result = refit(runs, cluster)
+    assert result.kernel_overhead_s == pytest.approx(4e-5, rel=0.05)
+    assert result.flops_scale == pytest.approx(0.5, rel=0.05)
+    assert result.p2p_latency_s == pytest.approx(2e-3, rel=0.05)
+    assert result.compute_ratio_after == pytest.approx(1.0, abs=0.02)
+    # the fitted fields survive the cluster file
+    out = tmp_path / "refit.yaml"
+    result.cluster.to_file(out)
+    back = Cluster.from_file(out)
+    assert back.device.kernel_overhead_s == pytest.approx(result.kernel_overhead_s)
+    assert back.p2p_latency_s == pytest.approx(result.p2p_latency_s)
+
+
+def test_overheads_default_to_zero_and_leave_presets_unchanged():
+    c = Cluster.preset("local-cpu")
+    assert c.device.kernel_overhead_s == 0.0 and c.p2p_latency_s is None
+    assert "kernel_overhead_s" not in c.to_dict()["device"] and "p2p_latency_s" not in c.to_dict()

@@ -86,22 +86,6 @@ def meta_copy(spec: ModelSpec) -> ModelSpec:
     return ModelSpec(name=spec.name, module=module, inputs=spec.inputs, loss=spec.loss, dims=dict(spec.dims))
 
 
-def profile_spec(spec: ModelSpec, *, dtype: str = "fp32", optimizer: str = "adamw"):
-    """A :class:`partitioner.profile.ModelProfile` of any repeated-block ModelSpec (the whole model
-    is captured once on the meta device, batch 1)."""
-    from partitioner.analysis import analyze
-    from partitioner.profile import ModelProfile, _chain, _shared_params
-
-    meta = meta_copy(spec)
-    analysis = analyze(meta, batch=1, dtype=dtype, optimizer=optimizer)
-    seq = int(analysis.dims.get("seq", 0) or 0)
-    embedding, blocks, head, hidden, heads = _chain(analysis.graph, seq, _shared_params(meta.module))
-    shared = _shared_params(meta.module)
-    return ModelProfile(model=spec.name, seq=seq, dtype=dtype, hidden=hidden, heads=heads, embedding=embedding,
-                        blocks=tuple(blocks), head=head, shared_param_count=sum(n for n, _ in shared.values()),
-                        shared_param_bytes=sum(b for _, b in shared.values()))
-
-
 def choose_plan(model: str | ModelSpec, cluster: Cluster, *, world_size: int, global_batch_size: int,
                 fix: dict | str | None = None, dtype: str = "fp32", optimizer: str = "adamw") -> Plan:
     """The planner's best plan for ``model`` on ``cluster``, checked against the job's ``world_size``.
@@ -124,7 +108,9 @@ def choose_plan(model: str | ModelSpec, cluster: Cluster, *, world_size: int, gl
     if isinstance(model, str):
         profile = profile_model(model, dtype=dtype, optimizer=optimizer)
     else:
-        profile = profile_spec(model, dtype=dtype, optimizer=optimizer)
+        from partitioner.profile import profile_spec
+
+        profile = profile_spec(meta_copy(model), dtype=dtype, optimizer=optimizer)
     chosen = search(profile, cluster, global_batch=global_batch_size, fix=pinned, optimizer=optimizer)
     # The best plan the runtime can run: a knob it lacks (e.g. optimizer offload), unless the user
     # pinned it, is pinned to its default and the search repeated.

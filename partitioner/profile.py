@@ -19,7 +19,7 @@ import sympy
 from torch import fx
 
 from partitioner.errors import AnalysisError, ConfigError
-from partitioner.model_spec import build_model, format_spec, model_keys, parse_spec
+from partitioner.model_spec import ModelSpec, build_model, format_spec, model_keys, parse_spec
 from passes.capture import module_path
 from passes.meta import FLOPS, MEMORY, SHAPE
 
@@ -302,3 +302,18 @@ def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap) -> LayerProfile
                         matmuls=max(matmuls, 1), attention_flops=attn, activation_bytes=act,
                         replicated_activation_bytes=repl, attention_score_bytes=score, boundary_bytes=bnd,
                         tp_all_reduces=2)
+
+
+def profile_spec(spec: ModelSpec, *, dtype: str = "fp32", optimizer: str = "adamw") -> ModelProfile:
+    """A :class:`ModelProfile` of any repeated-block ModelSpec, captured whole at batch 1 (pass a
+    copy on the meta device to allocate no weights); :func:`profile_model` is the faster path for
+    zoo spec strings, which captures two blocks and replicates them."""
+    from partitioner.analysis import analyze
+
+    analysis = analyze(spec, batch=1, dtype=dtype, optimizer=optimizer)
+    seq = int(analysis.dims.get("seq", 0) or 0)
+    shared = _shared_params(spec.module)
+    embedding, blocks, head, hidden, heads = _chain(analysis.graph, seq, shared)
+    return ModelProfile(model=spec.name, seq=seq, dtype=dtype, hidden=hidden, heads=heads, embedding=embedding,
+                        blocks=tuple(blocks), head=head, shared_param_count=sum(n for n, _ in shared.values()),
+                        shared_param_bytes=sum(b for _, b in shared.values()))

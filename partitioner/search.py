@@ -174,6 +174,8 @@ class _Context:
         self.host_rate = HOST_MEMORY_BYTES_PER_S / cluster.devices_per_node  # per device, bytes/s
         self.L = len(profile.blocks)
         self.itemsize = 4 if self.precision == "fp32" else 2
+        # device memory IS host memory (CPU ranks): copies and collectives are not overlapped
+        self.on_host = cluster.host_to_device.kind == "loopback"
         self._links: dict = {}
         self._costs: dict = {}
 
@@ -461,12 +463,15 @@ def evaluate(ctx: _Context, c: Candidate, *, limit: float | None | str = "device
         grads = params * ctx.itemsize
         link = ctx.link(c.dp, c.tp)
         rs, ag = reduce_scatter_time(grads, c.dp, link), all_gather_time(grads, c.dp, link)
+        # on a host device (gloo on CPU) the bucket's collective shares the rank's one thread
+        # with backward: nothing hides it
+        hide = 0.0 if ctx.on_host else b
         if c.zero_stage == 0:    # one all-reduce after the last micro-batch, hidden behind its backward
-            dp_exposed = max(0.0, all_reduce_time(grads, c.dp, link) - b)
+            dp_exposed = max(0.0, all_reduce_time(grads, c.dp, link) - hide)
         elif c.zero_stage == 1:  # reduce-scatter hidden likewise; all-gather of new weights after the step
-            dp_exposed = max(0.0, rs - b) + ag
+            dp_exposed = max(0.0, rs - hide) + ag
         else:                    # sharded grads: a reduce-scatter per micro-batch, each behind its backward
-            dp_exposed = c.num_micro_batches * max(0.0, rs - b) + ag
+            dp_exposed = c.num_micro_batches * max(0.0, rs - hide) + ag
         updated = params / (c.dp if c.zero_stage >= 1 else 1)  # parameters this rank updates
         opt_bytes = updated * ms1.optimizer * (c.dp if c.zero_stage >= 1 else 1)
         if c.offload == "optimizer":
@@ -474,11 +479,18 @@ def evaluate(ctx: _Context, c: Candidate, *, limit: float | None | str = "device
             t_opt = (updated * 2 * ctx.itemsize) / h2d + 2 * opt_bytes / ctx.host_rate
         else:
             t_opt = memory_bound_time(2 * opt_bytes + updated * 2 * ctx.itemsize, dev)
+        if c.zero_stage >= 1:  # flatten the stage's grads into the bucket, copy the gathered params back
+            t_opt += memory_bound_time(4 * grads, dev)
         t_off = 0.0
         host = opt_bytes if c.offload == "optimizer" else 0.0
         if c.offload == "activations":
             copy = 2 * act / min(ctx.cluster.host_to_device.bandwidth_bytes_per_s, ctx.host_rate)
-            t_off = c.num_micro_batches * max(0.0, copy - t_mb)
+            if ctx.on_host:  # copies and saved-tensor hooks run inside forward/backward: stage time
+                per_mb = copy + 2 * _saved_tensors(ctx, c, ranges) * dev.kernel_overhead_s
+                t_mb += per_mb
+                t_off = c.num_micro_batches * per_mb
+            else:
+                t_off = c.num_micro_batches * max(0.0, copy - t_mb)
             host = act * in_flight_microbatches(c.schedule, s, c.pp, c.num_micro_batches, c.virtual_pp)
         if host > ctx.host_cap:
             feasible = False
@@ -500,12 +512,25 @@ def evaluate(ctx: _Context, c: Candidate, *, limit: float | None | str = "device
     tail = max(range(p), key=lambda i: (sum(per_stage[i][4:]), -i))
     terms = StepTimeTerms(
         compute=m * comp, tp_comm=m * tpc, recompute=m * rc,
-        pp_comm=2 * t_p2p * (m * v + p - 1) if p > 1 else 0.0,
+        pp_comm=2 * t_p2p * m * v if p > 1 else 0.0,
         bubble=(p - 1) / v * t_max,
         dp_comm=per_stage[tail][4], optimizer=per_stage[tail][5], offload=per_stage[tail][6])
     peak = max(s.peak_memory_bytes for s in stages)
     feasible = feasible and peak <= ctx.cap
     return _Evaluated(cand=c, feasible=feasible, step_time=terms.total, peak=peak, stages=tuple(stages), terms=terms)
+
+
+def _saved_tensors(ctx: _Context, c: Candidate, ranges) -> float:
+    """Saved tensors one micro-batch offloads on a stage, counted in boundary-tensor units
+    (``activation_bytes / boundary_bytes`` per layer): each costs a copy out and one back, and on
+    a host device each copy is a framework call (``Device.kernel_overhead_s``)."""
+    n = 0.0
+    for start, stop in ranges:
+        for i in range(start, stop):
+            layer = ctx.profile.layers[i]
+            if layer.boundary_bytes:
+                n += layer.activation_bytes / layer.boundary_bytes
+    return n
 
 
 def _name(ctx: _Context, i: int) -> str:

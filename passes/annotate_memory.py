@@ -132,7 +132,7 @@ def annotate_memory(gm: fx.GraphModule, ctx: Any = None, *, optimizer: str = "ad
         raise ConfigError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     opt = OPTIMIZERS[optimizer]
     info = capture_info(gm)
-    run = _run_forward(gm)
+    run = observe_saved_tensors(gm)
     state = _model_state(run, opt, mixed_precision)
     _write_node_meta(run, state)
     foreach = info.device == "cuda"
@@ -275,7 +275,10 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def _run_forward(gm: fx.GraphModule) -> _ForwardRun:
+def observe_saved_tensors(gm: fx.GraphModule) -> _ForwardRun:
+    """Run ``gm``'s forward on fake tensors under ``saved_tensors_hooks`` and record, per node,
+    the storages autograd saves and who owns them. Shared by the memory, checkpoint and offload
+    passes, which need storage identities that :class:`MemoryMeta` only summarizes."""
     info = capture_info(gm)
     fake = fake_context(info)
     attrs = fake_attrs(fake, gm, info.device, requires_grad=True)

@@ -26,7 +26,7 @@ import torch
 from torch import fx
 
 from partitioner.errors import PassError
-from passes.annotate_memory import _run_forward as _observe_saved
+from passes.annotate_memory import observe_saved_tensors as _observe_saved
 from passes.meta import OFFLOAD, OFFLOAD_PLAN
 from runtime.offload_ops import OFFLOAD_BEGIN, OFFLOAD_END, check_offload_regions
 

@@ -39,7 +39,7 @@ from torch import fx
 from partitioner.errors import ConfigError, PassError
 from passes.capture import module_path
 # annotate_memory's forward observation (storages, owners, savers); private there, shared here.
-from passes.annotate_memory import _run_forward as _observe_saved
+from passes.annotate_memory import observe_saved_tensors as _observe_saved
 from passes.checkpoint_solver import ChainSegment, solve_chain
 from passes.meta import (CAPTURE, CHECKPOINT, CHECKPOINT_PLAN, EXPORT_VAL, FLOPS, SHAPE,
                          CheckpointMeta, CheckpointPlan, CheckpointRegion)

@@ -40,7 +40,7 @@ from partitioner.cluster import Cluster
 from partitioner.cost_model import compute_time
 from partitioner.errors import ConfigError, PassError
 # annotate_memory's forward observation (storages, owners, savers); private there, shared here.
-from passes.annotate_memory import _run_forward as _observe_saved
+from passes.annotate_memory import observe_saved_tensors as _observe_saved
 from passes.meta import (CAPTURE, FLOPS, MEMORY_SUMMARY, OFFLOAD, OFFLOAD_PLAN, OffloadMeta, OffloadPlan)
 
 POLICIES = ("auto", "all", "none")

@@ -13,7 +13,7 @@ from torch import nn
 
 from partitioner.errors import ModelSpecError
 from partitioner.model_spec import ModelSpec, register
-from partitioner.zoo.gpt import _init_weights
+from partitioner.zoo.gpt import init_weights
 from passes.meta import InputSpec
 
 TOKEN_TYPES = 2  # segment A / segment B, as in BERT pre-training
@@ -77,7 +77,7 @@ class Bert(nn.Module):
         self.blocks = nn.ModuleList(Block(hidden, heads, dropout) for _ in range(layers))
         self.head = MLMHead(hidden, vocab)
         self.head.decoder.weight = self.word_emb.weight  # tied, as in BERT
-        self.apply(_init_weights)
+        self.apply(init_weights)
 
     def forward(self, idx: torch.Tensor, token_types: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)

@@ -64,7 +64,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(hidden)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
-        self.apply(_init_weights)
+        self.apply(init_weights)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
@@ -74,7 +74,7 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def _init_weights(module: nn.Module) -> None:
+def init_weights(module: nn.Module) -> None:
     # GPT-2 initialisation: N(0, 0.02) weights, zero biases (on meta this allocates nothing).
     if isinstance(module, (nn.Linear, nn.Embedding)):
         nn.init.normal_(module.weight, mean=0.0, std=0.02)

@@ -14,7 +14,7 @@ from torch import nn
 
 from partitioner.errors import ModelSpecError
 from partitioner.model_spec import ModelSpec, register
-from partitioner.zoo.gpt import _init_weights, lm_loss
+from partitioner.zoo.gpt import init_weights, lm_loss
 from passes.meta import InputSpec
 
 
@@ -106,7 +106,7 @@ class Llama(nn.Module):
         self.blocks = nn.ModuleList(Block(hidden, heads, kv_heads, intermediate, theta) for _ in range(layers))
         self.norm = RMSNorm(hidden)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)  # untied, as in Llama 2/3
-        self.apply(_init_weights)
+        self.apply(init_weights)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx)

@@ -9,7 +9,7 @@ from torch import nn
 
 from partitioner.errors import ModelSpecError
 from partitioner.model_spec import ModelSpec, register
-from partitioner.zoo.gpt import _init_weights
+from partitioner.zoo.gpt import init_weights
 from passes.meta import InputSpec
 
 
@@ -19,7 +19,7 @@ class MLP(nn.Module):
         widths = [in_features] + [hidden] * layers
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
         self.out = nn.Linear(widths[-1], out_features)
-        self.apply(_init_weights)
+        self.apply(init_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:

@@ -16,7 +16,8 @@ per-rank, per-step compute / p2p / optimizer seconds). After the warm-up step, i
   ``optimizer_s`` over the plan's ``optimizer`` term.
 * **pipeline message seconds** (``Cluster.p2p_latency_s``, in place of the link α for pipeline
   sends): each pipelined rank's measured send/receive seconds (post + wait) against the
-  planner's ``pp_comm + bubble``; the median of the per-rank solutions.
+  planner's ``pp_comm + bubble``; per run the median of the per-rank solutions, then the
+  smallest over runs (the other runs' waits carry a partner's unmodelled slowness).
 * **link latency** (intra- and inter-node α, i.e. the tp and dp collectives), last: the
   multiplier (powers of √2) whose predicted STEP times have the smallest mean
   |log(predicted/measured)| over the runs, with the terms above fixed.

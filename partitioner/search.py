@@ -17,13 +17,21 @@ Per micro-batch of ``b`` samples, per layer (numbers per sample come from the Mo
 
 A stage's time per micro-batch is the sum over its layers. The step is
 ``(m + (p−1)/v) · T_max`` (``cost_model.pipeline_step_time``) with ``T_max`` the slowest stage,
-plus pipeline send/recv of the boundary tensor (scattered over TP ranks, as Megatron does) per
-micro-batch and chunk, plus the exposed data-parallel gradient reduction: gradients accumulate
+plus pipeline send/recv of the boundary tensor (scattered over TP ranks, as Megatron does):
+``2·t_p2p·m·v``, each rank's own messages (charging the ``p−1`` fill/drain messages as well
+over-predicted deep pipelines on measured runs; the fill is in the bubble), plus the exposed data-parallel gradient reduction: gradients accumulate
 over micro-batches and the reduction (all-reduce for ZeRO 0, reduce-scatter for ZeRO 1) of the
 last micro-batch overlaps that micro-batch's backward on the stage (bucketed), the rest is
 exposed; ZeRO 1 and 2 then all-gather the updated weights (exposed); ZeRO 2 keeps only a grad
 shard so it reduce-scatters after EVERY micro-batch (each hidden behind its backward); plus the optimizer step (memory bound, or on the host with
-``offload="optimizer"``).
+``offload="optimizer"``); ZeRO ≥ 1 adds flattening the grads into the bucket and copying the
+gathered parameters back (``4·grad bytes`` memory bound).
+
+Host devices (``host_to_device.kind == "loopback"``: CPU ranks on gloo): nothing overlaps on a
+rank's one thread, so the dp reduction is fully exposed (no backward hides it), and activation
+offload's copies (``2·bytes`` at the host link) plus two framework calls per saved tensor
+(``activation_bytes / boundary_bytes`` per layer, at ``Device.kernel_overhead_s``) are added to
+the stage's time per micro-batch (so they also lengthen the bubble).
 
 Per-device memory of a stage: model state of its layers (``cost_model.model_state_bytes``,
 ZeRO-sharded over dp, parameters divided by tp; norms are counted as sharded too, a small

@@ -1,6 +1,5 @@
 """annotate_flops: hand-computed counts on tiny modules, the GPT formula (concrete and symbolic),
 and agreement with torch.utils.flop_counter.FlopCounterMode on every zoo model."""
-import time
 
 import pytest
 import sympy
@@ -153,17 +152,13 @@ def test_gpt_concrete_and_symbolic_totals():
     assert symbolic.bwd.subs({B: b, S: s}) == concrete.bwd
 
 
-def test_gpt3_shape_annotates_fast():
-    """GPT-3 widths (hidden 12288, 96 heads, vocab 50257, seq 2048) must annotate in well under
-    5 s at 96 layers. Capturing 96 layers takes 15-30 s here, so we capture 8 and hold the pass
-    to 8/96 of that budget (the pass is linear in the node count; 96 layers measured 0.02 s)."""
+def test_gpt3_widths_annotate_exactly():
+    """GPT-3 widths (hidden 12288, 96 heads, vocab 50257, seq 2048) at 8 layers, symbolic: the
+    totals are the formula. (Speed: bench/analyze_speed.py times all passes on 96 layers.)"""
     big = dict(layers=8, hidden=12288, heads=96, vocab=50257, seq=2048)
     spec = build_model("gpt:" + ",".join(f"{k}={v}" for k, v in big.items()), device="meta")
     gm = annotate_shapes(capture_spec(spec, symbolic=("batch", "seq")))
-    start = time.perf_counter()
     annotate_flops(gm)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 5.0 * big["layers"] / 96, f"annotate_flops took {elapsed:.2f} s on {len(gm.graph.nodes)} nodes"
     fwd = _gpt_fwd(B, S, h=big["hidden"], L=big["layers"], V=big["vocab"])
     assert sympy.expand(gm.meta[FLOP_SUMMARY].fwd - fwd) == 0
     assert sympy.expand(gm.meta[FLOP_SUMMARY].bwd - 2 * fwd) == 0

@@ -2,7 +2,6 @@
 (same loss, same gradients, bit for bit, on inputs of other sizes than the capture's hints);
 models that cannot be captured fail with a CaptureError naming module, source line and fix."""
 import inspect
-import time
 
 import pytest
 import torch
@@ -41,9 +40,7 @@ def captured(request):
     if text.startswith("hf-"):
         pytest.importorskip("transformers")
     spec = build_model(text)
-    start = time.perf_counter()
     gm = capture_spec(spec, symbolic=symbolic)
-    gm.meta["test_capture_seconds"] = time.perf_counter() - start
     return spec, gm, symbolic
 
 
@@ -99,12 +96,6 @@ def test_dims_stay_symbolic(captured):
 
 def _free_symbols(expr):
     return getattr(expr, "free_symbols", set())
-
-
-def test_capture_is_quick(captured):
-    # Small models; the budget is generous for a shared 2-core machine (measured 0.1-2 s each).
-    _, gm, _ = captured
-    assert gm.meta["test_capture_seconds"] < 20
 
 
 def test_batchnorm_running_stats_update_in_graph():

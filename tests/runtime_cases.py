@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from partitioner.model_spec import build_model
+from tests.one_device import train_one_device
 
 # Dropout 0 everywhere: tp regions have no per-rank RNG streams, and parity must be exact.
 MODELS = {
@@ -73,16 +74,7 @@ def batches(spec, global_batch: int) -> list[tuple[torch.Tensor, ...]]:
 def reference(model: str, global_batch: int):
     """Single-process AdamW training: (per-step losses, trained module)."""
     spec = build_model(MODELS[model])
-    module = spec.module
-    optimizer = torch.optim.AdamW(module.parameters(), **ADAMW)
-    losses = []
-    for batch in batches(spec, global_batch):
-        optimizer.zero_grad()
-        loss = spec.loss(module, *batch)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, module
+    return train_one_device(spec, batches(spec, global_batch), adamw=ADAMW)
 
 
 def train_plans(plans: list[Plan]) -> dict:

@@ -18,6 +18,7 @@ import torch
 
 from partitioner.model_spec import build_model
 from runtime.launch import spawn
+from tests.one_device import train_one_device
 
 GPT = "gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 GLOBAL_BATCH, STEPS, WORLD = 16, 3, 4
@@ -100,17 +101,7 @@ def distributed():
 
 def _reference(autocast: bool):
     spec = build_model(GPT)
-    model = spec.module
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-    losses = []
-    for batch in _batches(spec):
-        optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = spec.loss(model, *batch)
-        loss.float().backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, model
+    return train_one_device(spec, _batches(spec), adamw=ADAMW, autocast_bf16=autocast)
 
 
 @pytest.fixture(scope="module")

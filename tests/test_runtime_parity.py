@@ -14,6 +14,7 @@ import torch
 
 from partitioner.model_spec import build_model
 from runtime.launch import LaunchError, spawn
+from tests.one_device import train_one_device
 
 GPT = "gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 GLOBAL_BATCH, STEPS, WORLD = 16, 3, 4
@@ -97,16 +98,7 @@ def distributed():
 def reference():
     """Single-process AdamW training: per-step losses and the final module."""
     spec = build_model(GPT)
-    model = spec.module
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-    losses = []
-    for batch in _batches(spec):
-        optimizer.zero_grad()
-        loss = spec.loss(model, *batch)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, model
+    return train_one_device(spec, _batches(spec), adamw=ADAMW)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)

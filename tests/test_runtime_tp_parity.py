@@ -15,6 +15,7 @@ import torch
 
 from partitioner.model_spec import build_model
 from runtime.launch import spawn
+from tests.one_device import train_one_device
 
 MODELS = {
     "gpt": "gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0",
@@ -111,16 +112,7 @@ def reference():
     out = {}
     for key in {c[0] for c in CASES}:
         spec = build_model(MODELS[key])
-        model = spec.module
-        optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-        losses = []
-        for batch in _batches(spec):
-            optimizer.zero_grad()
-            loss = spec.loss(model, *batch)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-        out[key] = (losses, model)
+        out[key] = train_one_device(spec, _batches(spec), adamw=ADAMW)
     return out
 
 

@@ -164,18 +164,11 @@ def _train(cases):
 
 def test_parallel_model_with_sequence_parallel_matches_one_device():
     from runtime.launch import spawn
+    from tests.one_device import train_one_device
 
     results = spawn(_train, 4, CASES, timeout_s=300)
     spec = build_model(GPT)
-    model = spec.module
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-    ref_losses = []
-    for batch in _batches(spec):
-        optimizer.zero_grad()
-        loss = spec.loss(model, *batch)
-        loss.backward()
-        optimizer.step()
-        ref_losses.append(loss.item())
+    ref_losses, model = train_one_device(spec, _batches(spec), adamw=ADAMW)
     for case in CASES:
         dp, tp, pp, _ = case
         ranks = [r[case] for r in results[:dp * tp * pp]]

@@ -29,7 +29,8 @@ TIMEOUT_S = 30.0
 SAVES = [("pp2", 1, 2, 1, False, 2), ("dp2pp2-zero1", 2, 2, 1, True, 2), ("tp2pp2", 1, 2, 2, False, 2)]
 # (saved checkpoint, dp, pp, tp, zero, micro-batches): loads continue to step STEPS.
 LOADS = [("pp2", 2, 2, 1, False, 2), ("tp2pp2", 1, 4, 1, False, 4), ("dp2pp2-zero1", 1, 2, 2, False, 2),
-         ("pp2", 2, 1, 2, True, 2)]
+         ("pp2", 2, 1, 2, True, 2),
+         ("tp2pp2", 2, 2, 1, False, 2)]  # the case: (dp,tp,pp) (1,2,2) -> (2,1,2)
 
 
 def _batches(spec):

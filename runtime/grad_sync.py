@@ -5,10 +5,8 @@
   all-reduce over the pipeline's first and last ranks when they are the holders, as for a GPT,
   else over the whole pipeline group with zeros from non-holders) and written back to every
   copy, so identical copies with identical optimizer states stay identical.
-* :func:`all_reduce_buckets`: data-parallel gradient average in flat buckets of about
-  ``bucket_bytes`` (fewer, larger messages), after the whole backward (kept for callers without
-  hooks).
-* :class:`BucketedGradSync`: the same average, overlapped with backward. A
+* :class:`BucketedGradSync`: data-parallel gradient average in flat buckets of about
+  ``bucket_bytes`` (fewer, larger messages), overlapped with backward. A
   ``register_post_accumulate_grad_hook`` per parameter counts its gradient accumulations; when
   every parameter of a bucket has received the last one of the step (its stages' backward count:
   with gradient accumulation over micro-batches only the last backward triggers), the bucket's
@@ -58,35 +56,6 @@ def fill_missing_grads(params: Sequence[nn.Parameter]) -> None:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-
-
-def all_reduce_buckets(params: Sequence[nn.Parameter], group: dist.ProcessGroup | None, size: int, *,
-                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
-    """Average ``p.grad`` over the ``size`` ranks of ``group`` in flat buckets; returns the bucket count.
-
-    Every rank of the group must pass the same parameter shapes in the same order.
-    """
-    if size == 1:
-        return 0
-    buckets: list[list[nn.Parameter]] = [[]]
-    filled = 0
-    for p in params:
-        nbytes = p.grad.numel() * p.grad.element_size()
-        if buckets[-1] and (filled + nbytes > bucket_bytes or p.grad.dtype != buckets[-1][0].grad.dtype):
-            buckets.append([])
-            filled = 0
-        buckets[-1].append(p)
-        filled += nbytes
-    for bucket in buckets:
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-        dist.all_reduce(flat, group=group)
-        flat /= size
-        offset = 0
-        for p in bucket:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-            offset += n
-    return len(buckets)
 
 
 @dataclass

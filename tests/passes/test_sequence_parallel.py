@@ -16,6 +16,7 @@ from passes.apply_tensor_parallel import apply_tensor_parallel, unshard_tensor
 from passes.capture import capture_spec
 from passes.meta import SHAPE, TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN, dim_symbol
 from passes.tensor_parallel_patterns import tag_tensor_parallel
+from tests.passes.tp_graphs import tagged_tp2
 
 RTOL = 1e-5
 SPECS = {
@@ -26,13 +27,7 @@ SPECS = {
 
 @pytest.fixture(scope="module")
 def captured():
-    out = {}
-    for key, spec_str in SPECS.items():
-        torch.manual_seed(0)
-        spec = build_model(spec_str, device="cpu")
-        gm = capture_spec(spec, symbolic=("batch", "seq"))
-        out[key] = (tag_tensor_parallel(gm, degree=2), spec.example_inputs(seed=1))
-    return out
+    return tagged_tp2(SPECS)
 
 
 def _run_ranks(gm, inputs, prefix):

@@ -19,6 +19,7 @@ from passes.apply_tensor_parallel import apply_tensor_parallel, shard_tensor, un
 from passes.capture import capture_model, capture_spec, module_path
 from passes.meta import SHAPE, TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN, InputSpec, ParamSharding
 from passes.tensor_parallel_patterns import sharded_param_bytes, tag_tensor_parallel
+from tests.passes.tp_graphs import tagged_tp2
 
 RTOL = 1e-5
 EXACT_SPECS = {
@@ -119,14 +120,7 @@ def test_shard_and_unshard_per_section_round_trip():
 # --- exactness ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def captured():
-    """spec key -> (tagged tp=2 graph on cpu with real weights, example inputs)."""
-    out = {}
-    for key, spec_str in EXACT_SPECS.items():
-        torch.manual_seed(0)
-        spec = build_model(spec_str, device="cpu")
-        gm = capture_spec(spec, symbolic=("batch", "seq"))
-        out[key] = (tag_tensor_parallel(gm, degree=2), spec.example_inputs(seed=1))
-    return out
+    return tagged_tp2(EXACT_SPECS)
 
 
 def _reference(gm, inputs):

@@ -12,7 +12,7 @@ and left out of the times (its peak is lower: no gradients or optimizer state ex
   ``Cluster.local(4)`` (a quick calibration is made first when this machine has no calibration
   file), measured as the median wall seconds of a step after the warm-up, per rank;
 * refit: every case writes ``<out>/<model>/<plan>/{plan.json,measurements.json}``; per model,
-  :func:`partitioner.refit.refit` (FLOP/s, per-kernel overhead, bandwidth, pipeline message
+  :func:`partitioner.refit.refit` (FLOP/s, per-op overhead, bandwidth, offload calls, pipeline message
   seconds, link latency) is fitted on every case but the HELD-OUT plan, and the held-out plan's
   step time is predicted with the cluster before and after the refit.
 
@@ -156,6 +156,32 @@ def _cluster(out: Path):
     return Cluster.local(WORLD)
 
 
+def _cross_validate(models: dict, run_dirs: dict, plans: dict, cluster) -> None:
+    """Leave-one-plan-out: per model and plan, refit on the model's OTHER plans and predict this
+    one; every error is out of sample."""
+    from partitioner.fidelity import predict_step_time
+    from partitioner.profile import profile_model
+    from partitioner.refit import load_run, refit
+
+    print("\nleave-one-plan-out (refit on the model's other plans): step time |err| median over ranks")
+    errs = []
+    for model in models:
+        profile = profile_model(models[model], dtype="fp32")
+        cases = [c for (m, c) in run_dirs if m == model]
+        runs = {c: load_run(run_dirs[(model, c)]) for c in cases}
+        line = []
+        for case in cases:
+            result = refit([runs[c] for c in cases if c != case], cluster)
+            pred = predict_step_time(profile, result.cluster, dict(plans[(model, case)].knobs()),
+                                     global_batch=GLOBAL_BATCH).predicted.step_time_s
+            per_rank = [abs(_pct(pred, w)) for w in runs[case].step_s]
+            errs += per_rank
+            line.append(f"{case} {_median(per_rank):.1f}%")
+        print(f"  {model}: " + ", ".join(line))
+    print(f"  all: median {_median(errs):.1f}% over {len(errs)} rank-plans, "
+          f"{sum(e <= 20 for e in errs)} within 20%")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10)
@@ -163,6 +189,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--cases", default=",".join(c.name for c in CASES))
     ap.add_argument("--reuse", action="store_true", help="re-tabulate <out>/results.json instead of running")
+    ap.add_argument("--cross-validate", action="store_true",
+                    help="also leave each plan out in turn: refit on the others, predict it")
     args = ap.parse_args(argv)
     models = {m: MODELS[m] for m in args.models.split(",")}
     cases = tuple(c for c in CASES if c.name in args.cases.split(","))
@@ -196,12 +224,12 @@ def main(argv=None) -> int:
     for per_rank in results:
         for row in per_rank:
             rows.setdefault((row["model"], row["case"]), {})[row["rank"]] = row
-    table, mem_err, time_err, run_dirs = [], [], [], {}
+    failed, run_dirs = {}, {}
     for (model, case), ranks in rows.items():
         plan = plans[(model, case)]
         errors = [r.get("error") or r["predict_error"] for r in ranks.values() if "error" in r or "predict_error" in r]
         if errors:
-            table.append((model, case, "-", errors[0]))
+            failed[(model, case)] = errors[0]
             continue
         steps = [[StepMeasurement(**{**s, "compute_by_stage_s": {int(k): v for k, v in s["compute_by_stage_s"].items()}})
                   for s in ranks[r]["steps"]] for r in sorted(ranks)]
@@ -213,67 +241,74 @@ def main(argv=None) -> int:
         run.write(d / "measurements.json")
         (d / "plan.json").write_text(plan.to_json() + "\n")
         run_dirs[(model, case)] = d
-        for r in sorted(ranks):
-            row = ranks[r]
-            peaks = [s.peak_memory_bytes for s in steps[r][1:] if s.peak_memory_bytes is not None]
-            if not peaks:
-                table.append((model, case, r, f"no memory measured ({len(steps[r])} steps)"))
-                continue
-            peak = max(peaks)
-            wall = statistics.median(s.wall_s for s in (steps[r][1:] or steps[r]))
-            me, te = _pct(row["pred_peak"], peak), _pct(plan.predicted.step_time_s, wall)
-            mem_err.append(abs(me))
-            time_err.append(abs(te))
-            table.append((model, case, r, row["pred_peak"], peak, me, plan.predicted.step_time_s, wall, te,
-                          row["pred_where"]))
-
-    print("\n| model | plan | rank | predicted peak B | measured peak B | err % | predicted step s | measured step s | err % | peak at |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
-    for t in table:
-        if len(t) == 4:
-            print(f"| {t[0]} | {t[1]} | {t[2]} | FAILED: {t[3]} |")
-            continue
-        print(f"| {t[0]} | {t[1]} | {t[2]} | {t[3]} | {t[4]} | {t[5]:+.2f} | {t[6]:.4f} | {t[7]:.4f} | {t[8]:+.1f} | {t[9]} |")
-    print(f"\nmemory |err|: median {_median(mem_err):.2f}%, max {max(mem_err, default=float('nan')):.2f}%, "
-          f"{sum(e <= 5 for e in mem_err)}/{len(mem_err)} rank-plans within 5%, {sum(e <= 3 for e in mem_err)} within 3%")
-    print(f"step time |err| (cluster before refit): median {_median(time_err):.1f}%")
 
     # Refit per model (calibrate --from-run on that model's runs) on every plan but the held-out
-    # one; compare the held-out plan's step time before and after.
-    after_all, held_before, held_after = [], [], []
+    # one; every plan's step time is then predicted again with the refitted cluster.
+    refitted, fits = {}, {}
     for model in models:
         fit = [d for (m, c), d in run_dirs.items() if m == model and c != HELD_OUT]
         if not fit:
             continue
-        result = refit([load_run(d) for d in fit], cluster)
+        result = fits[model] = refit([load_run(d) for d in fit], cluster)
         result.cluster.to_file(out / model / "refit-cluster.yaml")
-        print(f"\n{model}: refit on {len(fit)} runs (all plans but {HELD_OUT}): peak FLOP/s x{result.flops_scale:.3g}, "
-              f"memory bandwidth x{result.bandwidth_scale:.3g}, link latency x{result.latency_scale:.3g}, "
-              f"kernel overhead {result.kernel_overhead_s * 1e6:.0f} us, pipeline message "
-              f"{(result.p2p_latency_s or 0) * 1e3:.2f} ms; median "
-              f"measured/predicted compute {result.compute_ratio_before:.2f} -> {result.compute_ratio_after:.2f}")
         profile = profile_model(models[model], dtype="fp32")
+        for (m, case) in run_dirs:
+            if m == model:
+                refitted[(m, case)] = predict_step_time(profile, result.cluster, dict(plans[(m, case)].knobs()),
+                                                        global_batch=GLOBAL_BATCH).predicted.step_time_s
+
+    print("\n| model | plan | rank | predicted peak B | measured peak B | err % | measured step s "
+          "| predicted (calibration) | err % | predicted (refit) | err % | peak at |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    mem_err, time_err, after_all, held_before, held_after = [], [], [], [], []
+    for (model, case), ranks in rows.items():
+        if (model, case) in failed:
+            print(f"| {model} | {case} | - | FAILED: {failed[(model, case)]} |")
+            continue
+        plan, steps = plans[(model, case)], load_run(run_dirs[(model, case)])
+        name = f"{case} (held out)" if case == HELD_OUT else case
+        for r in sorted(ranks):
+            row = ranks[r]
+            peaks = [s["peak_memory_bytes"] for s in row["steps"][1:] if s["peak_memory_bytes"] is not None]
+            if not peaks:
+                print(f"| {model} | {name} | {r} | no memory measured ({len(row['steps'])} steps) |")
+                continue
+            peak, wall = max(peaks), steps.step_s[r]
+            me, te = _pct(row["pred_peak"], peak), _pct(plan.predicted.step_time_s, wall)
+            after = refitted.get((model, case), float("nan"))
+            ae = _pct(after, wall)
+            mem_err.append(abs(me))
+            time_err.append(abs(te))
+            after_all.append(abs(ae))
+            if case == HELD_OUT:
+                held_before.append(abs(te))
+                held_after.append(abs(ae))
+            print(f"| {model} | {name} | {r} | {row['pred_peak']} | {peak} | {me:+.2f} | {wall:.4f} "
+                  f"| {plan.predicted.step_time_s:.4f} | {te:+.1f} | {after:.4f} | {ae:+.1f} | {row['pred_where']} |")
+    print(f"\nmemory |err|: median {_median(mem_err):.2f}%, max {max(mem_err, default=float('nan')):.2f}%, "
+          f"{sum(e <= 5 for e in mem_err)}/{len(mem_err)} rank-plans within 5%, {sum(e <= 3 for e in mem_err)} within 3%")
+    print(f"step time |err| with the calibration only: median {_median(time_err):.1f}%")
+    for model, result in fits.items():
+        print(f"\n{model}: refit on the plans but {HELD_OUT}: peak FLOP/s x{result.flops_scale:.3g}, "
+              f"memory bandwidth x{result.bandwidth_scale:.3g}, link latency x{result.latency_scale:.3g}, "
+              f"per-op overhead {result.kernel_overhead_s * 1e6:.0f} us, pipeline message "
+              f"{(result.p2p_latency_s or 0) * 1e3:.2f} ms, step overhead {result.step_overhead_s * 1e3:.2f} ms, "
+              f"offload call {result.offload_call_s * 1e6:.0f} us; median measured/predicted compute "
+              f"{result.compute_ratio_before:.2f} -> {result.compute_ratio_after:.2f}")
         for (m, case), d in run_dirs.items():
             if m != model:
                 continue
-            new = predict_step_time(profile, result.cluster, dict(plans[(m, case)].knobs()), global_batch=GLOBAL_BATCH)
             walls = load_run(d).step_s
-            errs_before = [abs(_pct(plans[(m, case)].predicted.step_time_s, w)) for w in walls]
-            errs_after = [abs(_pct(new.predicted.step_time_s, w)) for w in walls]
-            after_all += errs_after
-            if case == HELD_OUT:
-                held_before += errs_before
-                held_after += errs_after
-                print(f"  HELD-OUT {model} {case}: step time |err| median over ranks before refit "
-                      f"{_median(errs_before):.1f}%, after {_median(errs_after):.1f}% (predicted "
-                      f"{plans[(m, case)].predicted.step_time_s:.4f} -> {new.predicted.step_time_s:.4f} s, "
-                      f"measured median {_median(walls):.4f} s)")
-            else:
-                print(f"  fit set {model} {case}: |err| {_median(errs_before):.1f}% -> {_median(errs_after):.1f}%")
+            before = _median([abs(_pct(plans[(m, case)].predicted.step_time_s, w)) for w in walls])
+            after = _median([abs(_pct(refitted[(m, case)], w)) for w in walls])
+            tag = "HELD-OUT" if case == HELD_OUT else "fit set "
+            print(f"  {tag} {case}: step time |err| median over ranks {before:.1f}% -> {after:.1f}%")
     if after_all:
         print(f"\nstep time |err| after the per-model refit: median {_median(after_all):.1f}% over all rank-plans "
               f"(fit sets included); held-out plans: median {_median(held_before):.1f}% before, "
               f"{_median(held_after):.1f}% after")
+    if args.cross_validate:
+        _cross_validate(models, run_dirs, plans, cluster)
     return 0
 
 

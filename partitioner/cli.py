@@ -117,6 +117,9 @@ def _cmd_refit(args: argparse.Namespace) -> int:
     print(f"refit from {result.runs} run(s): peak FLOP/s x{result.flops_scale:.3g}, memory bandwidth "
           f"x{result.bandwidth_scale:.3g}, link latency x{result.latency_scale:.3g}; median measured/predicted "
           f"compute {result.compute_ratio_before:.3g} -> {result.compute_ratio_after:.3g}")
+    print(f"  per-op overhead {result.kernel_overhead_s * 1e6:.3g} us, step overhead "
+          f"{result.step_overhead_s * 1e3:.3g} ms, offload call {result.offload_call_s * 1e6:.3g} us, "
+          f"pipeline message {(result.p2p_latency_s or 0.0) * 1e3:.3g} ms")
     print(f"cluster file written to {out}")
     return 0
 

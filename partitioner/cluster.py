@@ -209,6 +209,14 @@ class Device:
     """Seconds of framework overhead per matmul-class kernel (dispatch, Python, and the small ops
     around it), added by ``cost_model.compute_time``; 0 for the presets, fitted by
     ``partitioner.refit`` where it dominates (small models on CPU)."""
+    step_overhead_s: float = 0.0
+    """Host seconds per training step outside forward, backward, communication and the optimizer
+    (splitting the batch into micro-batches, ``zero_grad``, the schedule's bookkeeping); 0 for the
+    presets, fitted by ``partitioner.refit`` from a run's measured ``other_s``."""
+    offload_call_s: float = 0.0
+    """Seconds per offloaded saved tensor per copy, beyond moving its bytes (the saved-tensor hook,
+    the offload op's dispatch, the copy's launch); 0 for the presets, fitted by
+    ``partitioner.refit`` from runs with activation offload."""
 
     def __post_init__(self) -> None:
         _normalize(self, "memory_bytes", "bytes", "give the device memory, e.g. '80GiB'")
@@ -218,8 +226,10 @@ class Device:
             object.__setattr__(self, "peak_flops", PeakFlops.from_dict(self.peak_flops, "Device.peak_flops"))
         if not isinstance(self.peak_flops, PeakFlops):
             raise ClusterSpecError(f"Device.peak_flops must be a mapping of dtype to FLOP/s, got {self.peak_flops!r}")
-        if not self.kernel_overhead_s >= 0:
-            raise ClusterSpecError(f"Device.kernel_overhead_s must be >= 0 seconds, got {self.kernel_overhead_s!r}")
+        for name in ("kernel_overhead_s", "step_overhead_s", "offload_call_s"):
+            if not getattr(self, name) >= 0:
+                raise ClusterSpecError(f"Device.{name} must be >= 0 seconds, got {getattr(self, name)!r}; "
+                                       f"leave it out (0) or give a measured overhead")
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "device") -> Device:
@@ -229,7 +239,8 @@ class Device:
         return {"name": self.name, "memory_bytes": self.memory_bytes,
                 "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
                 "peak_flops": self.peak_flops.to_dict(),
-                **({"kernel_overhead_s": self.kernel_overhead_s} if self.kernel_overhead_s else {})}
+                **{name: getattr(self, name) for name in ("kernel_overhead_s", "step_overhead_s", "offload_call_s")
+                   if getattr(self, name)}}
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

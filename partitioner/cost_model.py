@@ -161,18 +161,25 @@ DEFAULT_EFFICIENCY = EfficiencyCurve()
 
 
 def compute_time(flops: float, device: Device, dtype: str = "bf16",
-                 curve: EfficiencyCurve = DEFAULT_EFFICIENCY) -> float:
+                 curve: EfficiencyCurve = DEFAULT_EFFICIENCY, *, overhead: bool = True) -> float:
     """Seconds for ONE kernel of ``flops`` FLOPs in ``dtype`` on ``device``; sum over kernels.
 
     ``flops / (peak · curve.efficiency(flops)) + device.kernel_overhead_s`` (the framework's
-    per-kernel cost, 0 unless calibrated); 0 for no FLOPs.
+    per-op cost, 0 unless calibrated; ``overhead=False`` leaves it out, for callers that count
+    the ops themselves with :func:`op_overhead_time`); 0 for no FLOPs.
     """
     if flops < 0:
         raise ConfigError(f"flops must be >= 0, got {flops}")
     if flops == 0:
         return 0.0
     peak = device.peak_flops.for_dtype(dtype)
-    return flops / (peak * curve.efficiency(flops, peak)) + device.kernel_overhead_s
+    return flops / (peak * curve.efficiency(flops, peak)) + (device.kernel_overhead_s if overhead else 0.0)
+
+
+def op_overhead_time(ops: float, device: Device) -> float:
+    """Seconds of framework overhead for ``ops`` dispatched operators (every aten op launches
+    a kernel or at least passes the dispatcher: ``device.kernel_overhead_s`` each)."""
+    return ops * device.kernel_overhead_s
 
 
 def memory_bound_time(bytes_moved: float, bandwidth: Device | float) -> float:
@@ -343,6 +350,9 @@ class StepTimeTerms:
     """Pipeline send/recv of activations and their gradients between stages."""
     dp_comm: float = 0.0
     """Data-parallel gradient all-reduce (or ZeRO reduce-scatter + all-gather)."""
+    tied_comm: float = 0.0
+    """All-reduce of tied-weight gradients (a GPT's word embedding and LM head) between the first
+    and the last pipeline stage, which each hold a copy."""
     bubble: float = 0.0
     """Pipeline idle time."""
     recompute: float = 0.0
@@ -351,6 +361,9 @@ class StepTimeTerms:
     """Host <-> device copies of offloaded tensors."""
     optimizer: float = 0.0
     """The optimizer step."""
+    framework: float = 0.0
+    """Per-step host work outside the kernels (``Device.step_overhead_s``) and the all-reduce of
+    the step's loss over all ranks (which also waits for the last rank to finish)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

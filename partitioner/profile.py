@@ -12,6 +12,7 @@ seconds, no weights allocated.
 """
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass, replace
 
@@ -45,6 +46,10 @@ class LayerProfile:
     """Backward FLOPs per sample."""
     matmuls: int
     """Number of matmul-class kernels in the forward (sizes the per-kernel efficiency)."""
+    ops: int = 0
+    """Operators the forward dispatches (every call_function of the captured graph but tuple
+    indexing): each costs the framework's per-op overhead, which dominates small models; the
+    backward is charged twice as many (its kernels per forward op: about 2 for a GPT block)."""
     attention_flops: int
     """Forward FLOPs of attention-core kernels (QKᵀ, softmax·V): what selective
     checkpointing recomputes."""
@@ -60,6 +65,9 @@ class LayerProfile:
     attention, which keeps only its output and log-sum-exp."""
     boundary_bytes: int
     """Bytes per sample of the tensor this layer hands the next one (the hidden state)."""
+    saved_tensors: int = 0
+    """Tensors saved for backward per micro-batch (nodes whose output autograd keeps): what
+    activation offload moves one by one, each a copy out and one back."""
     tp_all_reduces: int
     """Tensor-parallel all-reduces of the boundary tensor per forward (and as many in backward):
     2 for a transformer block (attention and MLP outputs), 1 for embedding and head."""
@@ -270,7 +278,7 @@ def _heads(gm, in_stack, block) -> int:
 
 
 def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap) -> LayerProfile:
-    params = pbytes = fwd = bwd = matmuls = attn = act = repl = score = 0
+    params = pbytes = fwd = bwd = matmuls = attn = act = repl = score = saved = ops = 0
     for n in nodes:
         mem = n.meta.get(MEMORY)
         if n.op == "get_attr":
@@ -280,6 +288,8 @@ def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap) -> LayerProfile
             if _int(mem.param_bytes):
                 params += _int(n.meta[SHAPE].tensor.numel)
             continue
+        if n.op == "call_function" and n.target is not operator.getitem:
+            ops += 1
         f = n.meta.get(FLOPS)
         if f is not None:
             fwd += _int(f.fwd)
@@ -291,6 +301,7 @@ def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap) -> LayerProfile
         if mem is not None and _int(mem.kept_bytes):
             kept = _int(mem.kept_bytes)
             act += kept
+            saved += 1
             shape = n.meta[SHAPE].tensors[0].shape if SHAPE in n.meta and n.meta[SHAPE].tensors else ()
             dims = [int(d) for d in shape] if all(sympy.sympify(d).is_Integer for d in shape) else []
             if len(dims) >= 2 and dims[-1] == seq and dims[-2] == seq:
@@ -301,7 +312,7 @@ def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap) -> LayerProfile
     return LayerProfile(name=name, param_count=params, param_bytes=pbytes, fwd_flops=fwd, bwd_flops=bwd,
                         matmuls=max(matmuls, 1), attention_flops=attn, activation_bytes=act,
                         replicated_activation_bytes=repl, attention_score_bytes=score, boundary_bytes=bnd,
-                        tp_all_reduces=2)
+                        saved_tensors=saved, ops=ops, tp_all_reduces=2)
 
 
 def profile_spec(spec: ModelSpec, *, dtype: str = "fp32", optimizer: str = "adamw") -> ModelProfile:

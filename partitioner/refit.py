@@ -14,16 +14,22 @@ per-rank, per-step compute / p2p / optimizer seconds). After the warm-up step, i
   one FLOP/s number cannot carry across micro-batch sizes and stage depths.
 * **memory bandwidth** (the optimizer step is memory bound in the planner): median measured
   ``optimizer_s`` over the plan's ``optimizer`` term.
+* **offload call seconds** (``Device.offload_call_s``), from runs with activation offload: their
+  measured forward+backward seconds per micro-batch less the planner's stage time without the
+  per-tensor cost, over the stage's offloaded tensors (two copies each); median over ranks.
 * **pipeline message seconds** (``Cluster.p2p_latency_s``, in place of the link α for pipeline
   sends): each pipelined rank's measured send/receive seconds (post + wait) against the
   planner's ``pp_comm + bubble``; per run the median of the per-rank solutions, then the
   smallest over runs (the other runs' waits carry a partner's unmodelled slowness).
-* **link latency** (intra- and inter-node α, i.e. the tp and dp collectives), last: the
-  multiplier (powers of √2) whose predicted STEP times have the smallest mean
-  |log(predicted/measured)| over the runs, with the terms above fixed.
+* **link latency** (intra- and inter-node α, i.e. the tp and dp collectives and the loss
+  all-reduce), last: the multiplier (powers of √2) whose predicted STEP times have the smallest
+  mean |log(predicted/measured)| over the runs, with the terms above fixed; for each candidate the
+* **step overhead** (``Device.step_overhead_s``) is the median over ranks of the measured
+  ``other_s`` (batch slicing, ``zero_grad``, the loss all-reduce) less the planner's loss
+  all-reduce at that latency.
 
 Medians where one rank is one sample, so one slow rank (a noisy neighbour) does not move the fit.
-The presets keep both overheads at 0 / None, so the planner's results on them do not change.
+The presets keep every overhead at 0 / None, so the planner's results on them do not change.
 """
 from __future__ import annotations
 
@@ -54,6 +60,9 @@ class RunData:
     """Per rank: wall seconds of a step (median over steps)."""
     p2p_s: tuple[float, ...] = ()
     """Per rank: seconds posting, and waiting on, pipeline sends and receives (median over steps)."""
+    other_s: tuple[float, ...] = ()
+    """Per rank: the rest of the step (``StepMeasurement.other_s``: batch slicing, ``zero_grad``,
+    the loss all-reduce; median over steps)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +85,10 @@ class Refit:
     """Fitted framework seconds per matmul-class kernel (``Device.kernel_overhead_s``)."""
     p2p_latency_s: float | None = None
     """Fitted seconds per pipeline message (``Cluster.p2p_latency_s``)."""
+    step_overhead_s: float = 0.0
+    """Fitted host seconds per step (``Device.step_overhead_s``)."""
+    offload_call_s: float = 0.0
+    """Fitted seconds per offloaded tensor per copy (``Device.offload_call_s``)."""
 
 
 def load_run(path: str | Path, skip_first: int = 1) -> RunData:
@@ -91,18 +104,19 @@ def load_run(path: str | Path, skip_first: int = 1) -> RunData:
     steps = data.get("steps")
     if not steps or not all(steps):
         raise ConfigError(f"refit: {meas_file} has no steps; run at least two steps")
-    comp, opt, wall, p2p = [], [], [], []
+    comp, opt, wall, p2p, other = [], [], [], [], []
     for rank_steps in steps:
         kept = rank_steps[skip_first:] or rank_steps
         comp.append(statistics.median(s["compute_s"] for s in kept) / plan.num_micro_batches)
         opt.append(statistics.median(s["optimizer_s"] for s in kept))
         wall.append(statistics.median(s["wall_s"] for s in kept))
+        other.append(statistics.median(s.get("other_s", 0.0) for s in kept))
         p2p.append(statistics.median(s.get("recv_wait_s", 0.0) + s.get("send_wait_s", 0.0) + s.get("p2p_post_s", 0.0)
                                      for s in kept))
     if len(steps) != plan.world_size:
         raise ConfigError(f"refit: {meas_file} has {len(steps)} ranks but plan.json needs {plan.world_size}")
     return RunData(plan=plan, compute_per_mb_s=tuple(comp), optimizer_s=tuple(opt), step_s=tuple(wall),
-                   p2p_s=tuple(p2p))
+                   p2p_s=tuple(p2p), other_s=tuple(other))
 
 
 def _pp_index(plan: Plan, rank: int) -> int:
@@ -247,13 +261,52 @@ def refit(runs: Sequence[RunData], cluster: Cluster) -> Refit:
             opt_ratios += [m / predicted for m in run.optimizer_s if m > 0]
     bandwidth = 1 / statistics.median(opt_ratios) if opt_ratios else 1.0
     fitted = _with_overheads(_scaled(cluster, flops, bandwidth), kernel_s)
+    fitted = _with_device(fitted, offload_call_s=_fit_offload_call(runs, fitted, profiles))
     p2p_s = _fit_p2p(runs, fitted, profiles)
     fitted = _with_overheads(fitted, p2p_s=p2p_s)
     latency, step_err = _fit_latency(runs, fitted, profiles)
-    return Refit(cluster=_with_latency(fitted, latency), flops_scale=flops,
+    fitted = _with_step_overhead(runs, _with_latency(fitted, latency))
+    return Refit(cluster=fitted, flops_scale=flops,
                  bandwidth_scale=bandwidth, latency_scale=latency, compute_ratio_before=before,
                  compute_ratio_after=ratio, step_log_error=step_err, runs=len(runs),
-                 kernel_overhead_s=kernel_s, p2p_latency_s=p2p_s)
+                 kernel_overhead_s=kernel_s, p2p_latency_s=p2p_s,
+                 step_overhead_s=fitted.device.step_overhead_s, offload_call_s=fitted.device.offload_call_s)
+
+
+def _with_device(cluster: Cluster, **fields) -> Cluster:
+    return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, **fields))
+
+
+def _fit_offload_call(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> float:
+    """Seconds per offloaded tensor per copy (``Device.offload_call_s``, >= 0) from runs with
+    activation offload, whose measured forward+backward seconds per micro-batch include the
+    copies and their hooks: each rank's excess over the planner's stage time without the call
+    cost, over the stage's copies (read off the planner); the median over ranks and runs. The
+    cluster's value is kept without such runs."""
+    sols = []
+    for run in runs:
+        if run.plan.offload != "activations":
+            continue
+        e0 = _reevaluate(run.plan, _with_device(cluster, offload_call_s=0.0), profiles)
+        e1 = _reevaluate(run.plan, _with_device(cluster, offload_call_s=1e-3), profiles)
+        for rank, measured in enumerate(run.compute_per_mb_s):
+            i = _pp_index(run.plan, rank)
+            slope = (e1.stages[i].time_s - e0.stages[i].time_s) / 1e-3
+            if slope > 0 and measured > 0:
+                sols.append((measured - e0.stages[i].time_s) / slope)
+    return max(statistics.median(sols), 0.0) if sols else cluster.device.offload_call_s
+
+
+def _with_step_overhead(runs: Sequence[RunData], cluster: Cluster, profiles: dict | None = None) -> Cluster:
+    """``cluster`` with ``Device.step_overhead_s`` = the median over every rank of every run of
+    its measured ``other_s`` less the planner's loss all-reduce (>= 0)."""
+    base = _with_device(cluster, step_overhead_s=0.0)
+    profiles = {} if profiles is None else profiles
+    rest = []
+    for run in runs:
+        loss_ar = _reevaluate(run.plan, base, profiles).predicted.terms.get("framework", 0.0)
+        rest += [o - loss_ar for o in run.other_s]
+    return _with_device(base, step_overhead_s=max(statistics.median(rest), 0.0)) if rest else cluster
 
 
 def _with_latency(cluster: Cluster, scale: float) -> Cluster:
@@ -305,7 +358,9 @@ def _fit_latency(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> t
     best = (float("inf"), 1.0, float("inf"))
     for k in range(-8, 13):
         scale = 2.0 ** (k / 2)
-        errs = _step_log_errors(runs, _with_latency(cluster, scale), profiles)
+        # the step overhead is what the measured rest of the step leaves after the loss
+        # all-reduce, whose latency is the one being fitted
+        errs = _step_log_errors(runs, _with_step_overhead(runs, _with_latency(cluster, scale), profiles), profiles)
         best = min(best, (statistics.fmean(errs), scale, statistics.median(errs)))
     return best[1], best[2]
 

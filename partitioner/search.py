@@ -8,7 +8,9 @@ stays in one node when ``tp <= devices_per_node``), then data-parallel, then pip
 Per micro-batch of ``b`` samples, per layer (numbers per sample come from the ModelProfile):
 
 * compute: forward ``fwd_flops·b/tp`` as ``matmuls`` equal kernels, backward as twice as many
-  (``cost_model.compute_time`` per kernel, so small kernels run below peak);
+  (``cost_model.compute_time`` per kernel, so small kernels run below peak), plus the framework's
+  per-op overhead (``Device.kernel_overhead_s``) for the layer's ``ops`` forward operators and
+  twice as many backward ones (``cost_model.op_overhead_time``; independent of ``b`` and ``tp``);
 * tensor parallel: ``tp_all_reduces`` all-reduces of the boundary tensor ``b·s·h`` in forward and
   as many in backward over the TP group link (sequence parallel: reduce-scatter + all-gather,
   the same bytes);
@@ -25,13 +27,18 @@ last micro-batch overlaps that micro-batch's backward on the stage (bucketed), t
 exposed; ZeRO 1 and 2 then all-gather the updated weights (exposed); ZeRO 2 keeps only a grad
 shard so it reduce-scatters after EVERY micro-batch (each hidden behind its backward); plus the optimizer step (memory bound, or on the host with
 ``offload="optimizer"``); ZeRO ≥ 1 adds flattening the grads into the bucket and copying the
-gathered parameters back (``4·grad bytes`` memory bound).
+gathered parameters back (``4·grad bytes`` memory bound). With ``pp > 1`` and tied weights (a
+GPT's word embedding and LM head) the first and the last stage all-reduce those gradients after
+their last backward (``tied_comm``, over the pair's link). Every step also pays ``framework``:
+``Device.step_overhead_s`` of host work and the all-reduce of the loss over all ranks
+(``2·⌈log2 world⌉`` latencies).
 
 Host devices (``host_to_device.kind == "loopback"``: CPU ranks on gloo): nothing overlaps on a
 rank's one thread, so the dp reduction is fully exposed (no backward hides it), and activation
-offload's copies (``2·bytes`` at the host link) plus two framework calls per saved tensor
-(``activation_bytes / boundary_bytes`` per layer, at ``Device.kernel_overhead_s``) are added to
-the stage's time per micro-batch (so they also lengthen the bubble).
+offload's copies are added to the stage's time per micro-batch (so they also lengthen the
+bubble). A copy costs ``bytes`` at the host link plus, per saved tensor
+(``LayerProfile.saved_tensors``) and direction, the link's α and ``Device.offload_call_s`` (the
+hook and the op's dispatch).
 
 Per-device memory of a stage: model state of its layers (``cost_model.model_state_bytes``,
 ZeRO-sharded over dp, parameters divided by tp; norms are counted as sharded too, a small
@@ -48,7 +55,8 @@ buckets for dp, send/recv buffers for pp, one all-reduce buffer for tp). Activat
 * ``offload="activations"`` keeps at most two micro-batches' activations on the device (the one
   computing and one being copied); the copies out and back cost ``2·bytes`` at the slower of the
   host-to-device link and the device's share of host-memory bandwidth
-  (:data:`HOST_MEMORY_BYTES_PER_S`), hidden behind the stage's compute when shorter.
+  (:data:`HOST_MEMORY_BYTES_PER_S`) plus two messages per saved tensor (α and
+  ``Device.offload_call_s`` each), hidden behind the stage's compute when shorter.
 
 Stage boundaries (non-interleaved): the chain ``embedding, blocks, head`` is split into ``pp``
 contiguous stages minimising the slowest stage's time subject to each stage's memory limit
@@ -81,6 +89,7 @@ from partitioner.cost_model import (
     in_flight_microbatches,
     memory_bound_time,
     model_state_bytes,
+    op_overhead_time,
     reduce_scatter_time,
     send_recv_time,
 )
@@ -207,8 +216,12 @@ class _Context:
     def _layer_cost(self, layer: LayerProfile, tp: int, b: int, sp: bool, ckpt: str) -> _LayerCost:
         dev = self.cluster.device
         k = layer.matmuls
-        fwd = k * compute_time(layer.fwd_flops * b / tp / k, dev, self.dtype) if layer.fwd_flops else 0.0
-        bwd = 2 * k * compute_time(layer.bwd_flops * b / tp / (2 * k), dev, self.dtype) if layer.bwd_flops else 0.0
+        fwd = k * compute_time(layer.fwd_flops * b / tp / k, dev, self.dtype, overhead=False) if layer.fwd_flops else 0.0
+        bwd = 2 * k * compute_time(layer.bwd_flops * b / tp / (2 * k), dev, self.dtype, overhead=False) if layer.bwd_flops else 0.0
+        # framework overhead per dispatched op (independent of b and tp); backward twice the forward's
+        ops = layer.ops or k  # profiles made before op counting: the matmul kernels
+        fwd += op_overhead_time(ops, dev)
+        bwd += op_overhead_time(2 * ops, dev)
         msg = layer.boundary_bytes * b
         link = self.link(tp, 1)
         one = (reduce_scatter_time(msg, tp, link) + all_gather_time(msg, tp, link)) if sp else all_reduce_time(msg, tp, link)
@@ -493,10 +506,11 @@ def evaluate(ctx: _Context, c: Candidate, *, limit: float | None | str = "device
         host = opt_bytes if c.offload == "optimizer" else 0.0
         if c.offload == "activations":
             copy = 2 * act / min(ctx.cluster.host_to_device.bandwidth_bytes_per_s, ctx.host_rate)
+            # each saved tensor is one copy out and one back: the link's α and the framework call
+            copy += 2 * _saved_tensors(ctx, ranges) * (ctx.cluster.host_to_device.latency_s + dev.offload_call_s)
             if ctx.on_host:  # copies and saved-tensor hooks run inside forward/backward: stage time
-                per_mb = copy + 2 * _saved_tensors(ctx, c, ranges) * dev.kernel_overhead_s
-                t_mb += per_mb
-                t_off = c.num_micro_batches * per_mb
+                t_mb += copy
+                t_off = c.num_micro_batches * copy
             else:
                 t_off = c.num_micro_batches * max(0.0, copy - t_mb)
             host = act * in_flight_microbatches(c.schedule, s, c.pp, c.num_micro_batches, c.virtual_pp)
@@ -522,23 +536,37 @@ def evaluate(ctx: _Context, c: Candidate, *, limit: float | None | str = "device
         compute=m * comp, tp_comm=m * tpc, recompute=m * rc,
         pp_comm=2 * t_p2p * m * v if p > 1 else 0.0,
         bubble=(p - 1) / v * t_max,
-        dp_comm=per_stage[tail][4], optimizer=per_stage[tail][5], offload=per_stage[tail][6])
+        dp_comm=per_stage[tail][4], optimizer=per_stage[tail][5], offload=per_stage[tail][6],
+        tied_comm=_tied_sync_time(ctx, c), framework=_framework_time(ctx))
     peak = max(s.peak_memory_bytes for s in stages)
     feasible = feasible and peak <= ctx.cap
     return _Evaluated(cand=c, feasible=feasible, step_time=terms.total, peak=peak, stages=tuple(stages), terms=terms)
 
 
-def _saved_tensors(ctx: _Context, c: Candidate, ranges) -> float:
-    """Saved tensors one micro-batch offloads on a stage, counted in boundary-tensor units
-    (``activation_bytes / boundary_bytes`` per layer): each costs a copy out and one back, and on
-    a host device each copy is a framework call (``Device.kernel_overhead_s``)."""
-    n = 0.0
-    for start, stop in ranges:
-        for i in range(start, stop):
-            layer = ctx.profile.layers[i]
-            if layer.boundary_bytes:
-                n += layer.activation_bytes / layer.boundary_bytes
-    return n
+def _saved_tensors(ctx: _Context, ranges) -> int:
+    """Saved tensors one micro-batch offloads on a stage (``LayerProfile.saved_tensors``): each
+    costs a copy out and one back, each a message on the host link (its α) and a framework call
+    (``Device.offload_call_s``)."""
+    return sum(ctx.profile.layers[i].saved_tensors for start, stop in ranges for i in range(start, stop))
+
+
+def _tied_sync_time(ctx: _Context, c: Candidate) -> float:
+    """Seconds of the all-reduce of tied-weight gradients between the first and the last stage
+    (``runtime.grad_sync.TiedSync``), after the last backward: nothing hides it."""
+    shared = ctx.profile.shared_param_count
+    if c.pp == 1 or not shared:
+        return 0.0
+    grads = shared / c.tp * ctx.itemsize  # vocab-parallel: each tp rank syncs its shard
+    return all_reduce_time(grads, 2, ctx.link(2, c.dp * c.tp * (c.pp - 1)))
+
+
+def _framework_time(ctx: _Context) -> float:
+    """Seconds per step of host work (``Device.step_overhead_s``) plus the all-reduce of the
+    step's loss over every rank: a scalar, so latency only, over a tree (``2·⌈log2 n⌉`` hops, as
+    NCCL does for small messages) rather than a ring's ``2(n−1)``."""
+    world = ctx.cluster.world_size
+    loss = 2 * math.ceil(math.log2(world)) * ctx.link(world, 1).latency_s if world > 1 else 0.0
+    return ctx.cluster.device.step_overhead_s + loss
 
 
 def _name(ctx: _Context, i: int) -> str:

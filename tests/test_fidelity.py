@@ -163,7 +163,7 @@ def _copy(key) -> str | None:
 
 
 def _synthetic_run(path, plan, truth_plan, p2p_s=None):
-    """A run directory whose measurements are exactly ``truth_plan``'s predictions (2 ranks)."""
+    """A run directory whose measurements are exactly ``truth_plan``'s predictions."""
     path.mkdir(parents=True, exist_ok=True)
     m = plan.num_micro_batches
     ranks = []
@@ -173,7 +173,8 @@ def _synthetic_run(path, plan, truth_plan, p2p_s=None):
         ranks.append([{"step": k, "rank": rank, "loss": 1.0, "wall_s": truth_plan.predicted.step_time_s,
                        "compute_s": stage.time_s * m, "compute_by_stage_s": {}, "recv_wait_s": wait,
                        "send_wait_s": 0.0, "p2p_post_s": 0.0, "collective_s": 0.0,
-                       "optimizer_s": truth_plan.predicted.terms["optimizer"], "other_s": 0.0,
+                       "optimizer_s": truth_plan.predicted.terms["optimizer"],
+                       "other_s": truth_plan.predicted.terms.get("framework", 0.0),
                        "peak_memory_bytes": 1} for k in range(3)])
     (path / "plan.json").write_text(plan.to_json())
     (path / "measurements.json").write_text(json.dumps({"steps": ranks}))
@@ -210,7 +211,39 @@ def test_refit_recovers_kernel_overhead_and_pipeline_message_seconds(tmp_path):
     assert back.p2p_latency_s == pytest.approx(result.p2p_latency_s)
 
 
+def test_refit_recovers_step_overhead_and_offload_call_seconds(tmp_path):
+    from partitioner.refit import _scaled
+
+    cluster = dataclasses.replace(Cluster.preset("local-cpu"), devices_per_node=2)
+    truth = _scaled(cluster, 0.5, 1.0)
+    truth = dataclasses.replace(truth, device=dataclasses.replace(
+        truth.device, kernel_overhead_s=4e-5, step_overhead_s=3e-3, offload_call_s=2e-4))
+    profile = profile_model(GPT, dtype="fp32")
+    runs = []
+    for k, knobs in enumerate([{**BASE, "pp": 2, "micro_batch_size": 1, "num_micro_batches": 4},
+                               {**BASE, "dp": 2, "micro_batch_size": 4, "num_micro_batches": 1},
+                               {**BASE, "pp": 2, "micro_batch_size": 2, "num_micro_batches": 2,
+                                "offload": "activations"}]):
+        gb = knobs["dp"] * knobs["micro_batch_size"] * knobs["num_micro_batches"]
+        plan = predict_step_time(profile, cluster, knobs, global_batch=gb)
+        true = predict_step_time(profile, truth, knobs, global_batch=gb)
+        runs.append(load_run(_synthetic_run(tmp_path / str(k), plan, true)))
+    result = refit(runs, cluster)
+    assert result.step_overhead_s == pytest.approx(3e-3, rel=0.05)
+    assert result.offload_call_s == pytest.approx(2e-4, rel=0.05)
+    assert result.cluster.device.step_overhead_s == result.step_overhead_s
+    for run in runs:  # with every term recovered the step times are the truth's
+        again = predict_step_time(profile, result.cluster, dict(run.plan.knobs()), global_batch=run.plan.global_batch)
+        assert again.predicted.step_time_s == pytest.approx(run.step_s[0], rel=0.03)
+    back = Cluster.from_dict(result.cluster.to_dict())
+    assert back.device.offload_call_s == pytest.approx(2e-4, rel=0.05)
+
+
 def test_overheads_default_to_zero_and_leave_presets_unchanged():
     c = Cluster.preset("local-cpu")
     assert c.device.kernel_overhead_s == 0.0 and c.p2p_latency_s is None
-    assert "kernel_overhead_s" not in c.to_dict()["device"] and "p2p_latency_s" not in c.to_dict()
+    assert c.device.step_overhead_s == 0.0 and c.device.offload_call_s == 0.0
+    assert not {"kernel_overhead_s", "step_overhead_s", "offload_call_s"} & set(c.to_dict()["device"])
+    assert "p2p_latency_s" not in c.to_dict()
+    with pytest.raises(Exception, match="step_overhead_s must be >= 0"):
+        dataclasses.replace(c.device, step_overhead_s=-1.0)

@@ -129,3 +129,45 @@ def test_interleaved_needs_divisible_layers(profile):
     with pytest.raises(ConfigError, match="divisible"):
         plan(profile, _cluster(nodes=2), global_batch=64,
              fix={"pp": 4, "schedule": "interleaved", "virtual_pp": 3})
+
+
+def test_every_operator_belongs_to_one_layer_and_llama_blocks_dispatch_more(profile):
+    import operator
+
+    whole = analyze(SPEC, batch=1, seq=32, dtype="bf16")
+    ops = [n for n in whole.graph.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+    assert sum(layer.ops for layer in profile.layers) == len(ops)
+    blk = profile.blocks[0]
+    assert blk.ops > blk.matmuls and 0 < blk.saved_tensors < blk.ops
+    # RMSNorm, RoPE and SwiGLU are many small operators: the per-op overhead must see them
+    llama = profile_model("llama:layers=2,hidden=64,heads=4,kv_heads=2,vocab=256,seq=32", dtype="bf16")
+    assert llama.blocks[0].ops > 2 * blk.ops
+
+
+def _knobs(**kw):
+    return {**dict(dp=1, tp=1, pp=1, virtual_pp=1, micro_batch_size=2, num_micro_batches=2, schedule="1f1b",
+                   zero_stage=0, sequence_parallel=False, checkpointing="none", offload="none"), **kw}
+
+
+def test_tied_weights_are_synced_between_first_and_last_stage_only(profile):
+    from partitioner.cost_model import all_reduce_time
+    from partitioner.fidelity import predict_step_time
+
+    c = _cluster(devices=2)
+    two = predict_step_time(profile, c, _knobs(pp=2), global_batch=4).predicted.terms
+    assert two["tied_comm"] == pytest.approx(all_reduce_time(256 * 64 * 2, 2, c.intra_node))  # bf16 grads
+    one = predict_step_time(profile, c, _knobs(dp=2), global_batch=8).predicted.terms
+    assert one["tied_comm"] == 0.0
+    untied = profile_model("llama:layers=2,hidden=64,heads=4,kv_heads=2,vocab=256,seq=32", dtype="bf16")
+    assert untied.shared_param_count == 0
+    assert predict_step_time(untied, c, _knobs(pp=2), global_batch=4).predicted.terms["tied_comm"] == 0.0
+
+
+def test_framework_term_is_step_overhead_plus_loss_all_reduce(profile):
+    from partitioner.fidelity import predict_step_time
+
+    c = _cluster(devices=8)
+    c = dataclasses.replace(c, device=dataclasses.replace(c.device, step_overhead_s=1e-3))
+    pred = predict_step_time(profile, c, _knobs(dp=8), global_batch=32).predicted
+    assert pred.terms["framework"] == pytest.approx(1e-3 + 2 * 3 * c.intra_node.latency_s)  # log2(8) = 3 hops
+    assert pred.step_time_s == pytest.approx(sum(v for k, v in pred.terms.items() if k != "total"))

@@ -29,6 +29,7 @@ registered for the TorchScript exporter::
     partitioner.ReduceFromTP(x) -> y              all-reduce (sum) forward
     partitioner.AllReduce(x) -> y                 (attr reduce_op)
     partitioner.VocabParallelCrossEntropy(logits, target) -> (loss, softmax)   (attrs vocab_start, ignore_index)
+    partitioner.ShardedDropout(x) -> (y, mask)    one device's mask, this rank's slice (attrs ratio, dim, rank, degree)
 
 each named after its fx node and carrying ``tp_rank``, ``tp_degree`` and ``ranks`` (the global
 ranks of its tp group). The model's metadata adds ``partitioner.rank`` and
@@ -148,7 +149,7 @@ _TRACE_PREFIX = "onnx_export/trace"
 _TRACE_GROUP = f"{_TRACE_PREFIX}/rank0"
 # torch op name -> ONNX op type of the custom domain
 TP_OP_TYPES = {"copy_to_tp": "CopyToTP", "reduce_from_tp": "ReduceFromTP", "all_reduce": "AllReduce",
-               "vocab_parallel_cross_entropy": "VocabParallelCrossEntropy"}
+               "vocab_parallel_cross_entropy": "VocabParallelCrossEntropy", "sharded_dropout": "ShardedDropout"}
 
 
 def _same_type(out: Any, like: Any) -> Any:
@@ -183,13 +184,24 @@ def _sym_vocab_parallel_cross_entropy(g, logits, target, vocab_start, ignore_ind
     return loss, _same_type(softmax, logits)
 
 
+def _sym_sharded_dropout(g, x, p, dim, rank, degree, sections):
+    from torch.onnx import symbolic_helper
+
+    const = symbolic_helper._maybe_get_const
+    y, mask = g.op(f"{DOMAIN}::ShardedDropout", x, ratio_f=const(p, "f"), dim_i=const(dim, "i"),
+                   rank_i=const(rank, "i"), degree_i=const(degree, "i"), outputs=2)
+    return _same_type(y, x), mask
+
+
 _SYMBOLICS = {"copy_to_tp": _sym_copy_to_tp, "reduce_from_tp": _sym_reduce_from_tp, "all_reduce": _sym_all_reduce,
-              "vocab_parallel_cross_entropy": _sym_vocab_parallel_cross_entropy}
+              "vocab_parallel_cross_entropy": _sym_vocab_parallel_cross_entropy,
+              "sharded_dropout": _sym_sharded_dropout}
 
 
 def register_tp_symbolics(opset: int = OPSET) -> None:
     """Register the ONNX symbolic functions of ``partitioner::*`` ops for ``opset`` (idempotent)."""
     import runtime.tp_collectives  # noqa: F401  (the ops must exist before their symbolics)
+    import runtime.tp_dropout  # noqa: F401
 
     for name, fn in _SYMBOLICS.items():
         torch.onnx.register_custom_op_symbolic(f"{DOMAIN}::{name}", fn, opset)

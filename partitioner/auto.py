@@ -161,10 +161,12 @@ def runtime_kwargs(plan: Plan) -> dict[str, Any]:
     accepted = inspect.signature(ParallelModel.__init__).parameters
     kwargs: dict[str, Any] = dict(dp=plan.dp, pp=plan.pp, schedule=plan.schedule,
                                   num_micro_batches=plan.num_micro_batches, virtual_pp=plan.virtual_pp,
-                                  global_batch=plan.global_batch, zero=plan.zero_stage > 0)
+                                  global_batch=plan.global_batch, zero=plan.zero_stage)
     if plan.sequence_parallel:
-        raise ConfigError("auto_parallelize: the runtime has no sequence parallelism yet; plan with "
-                          "fix='sequence_parallel=false'")
+        kwargs["sequence_parallel"] = True
+    boundaries, _ = plan_stage_boundaries(plan)
+    if boundaries:
+        kwargs["stage_boundaries"] = boundaries
     # tp/checkpointing/offload are passed only when they differ from the runtime's defaults, so
     # a runtime without them still runs every plan that does not use them.
     for knob, default in (("tp", 1), ("checkpointing", "none"), ("offload", "none")):
@@ -179,6 +181,28 @@ def runtime_kwargs(plan: Plan) -> dict[str, Any]:
                                   f"{knob} in {supported}; plan with fix='{knob}={default}'")
             kwargs[knob] = value
     return kwargs
+
+
+def plan_stage_boundaries(plan: Plan) -> tuple[tuple[int, ...] | None, str]:
+    """The block index where each virtual stage ``1 .. pp*virtual_pp - 1`` of ``plan`` starts
+    (``StagePlan.layers`` index the chain embedding = 0, blocks 1..L, head = L+1; chunk ``k`` of
+    stage ``s`` is virtual stage ``k*pp + s``), and ``""``; or ``(None, why)`` when the runtime,
+    which cuts between blocks, cannot follow the plan (a stage holding no block)."""
+    n = plan.pp * plan.virtual_pp
+    if n == 1:
+        return (), ""
+    ranges = {}
+    for stage in plan.stages:
+        for k, r in enumerate(stage.layers):
+            ranges[k * plan.pp + stage.index] = tuple(r)
+    if sorted(ranges) != list(range(n)):
+        return None, f"the plan lists {len(ranges)} stage chunks for {n} virtual stages"
+    blocks = ranges[n - 1][1] - 2  # the chain ends with the head at L + 1
+    for vs in range(n):
+        start, stop = ranges[vs]
+        if min(stop, blocks + 1) <= max(start, 1):
+            return None, f"virtual stage {vs} holds no block (chain {start}..{stop - 1}); the runtime cuts between blocks"
+    return tuple(ranges[vs][0] - 1 for vs in range(1, n)), ""
 
 
 def _runtime_choices(knob: str) -> tuple | None:
@@ -350,9 +374,9 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
                           f"not {global_batch_size}; re-plan or pass the plan's batch size")
     kwargs = runtime_kwargs(chosen)
     notes = []
-    if chosen.zero_stage == 2:
-        notes.append("zero_stage=2 ran as ZeRO-1 (optimizer state sharded; gradients not sharded)")
-    notes.append("stages split by balancing layer counts (ParallelModel), not at the plan's stage boundaries")
+    boundaries, why = plan_stage_boundaries(chosen)
+    if boundaries is None:
+        notes.append(f"stages split by balancing layer counts, not at the plan's boundaries: {why}")
 
     with torch.no_grad():  # every rank starts from rank 0's weights
         for t in list(spec.module.parameters()) + list(spec.module.buffers()):

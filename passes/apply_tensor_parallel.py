@@ -13,9 +13,9 @@ the originals, under the same names. Graph patterns inserted (ops of ``runtime.t
     sequence_parallel=True: reduce_from_tp -> reduce_scatter_seq, copy_to_tp -> all_gather_seq and
              the norms/residuals between them on sequence chunks (passes/sequence_parallel.py)
 
-Fused q/k/v weights are sliced per section (each of q, k, v by heads). Dropout inside a tp region
-would need a per-rank RNG stream (Megatron's model-parallel RNG tracker); it is not handled here, so
-exactness holds with dropout 0. Analysis meta (shapes, FLOPs, memory) of the copied nodes is
+Fused q/k/v weights are sliced per section (each of q, k, v by heads). Dropout on a shard (tp or
+sequence) draws the mask one device would draw and keeps this rank's slice
+(:mod:`passes.sharded_dropout`), so tp training with dropout equals one device's. Analysis meta (shapes, FLOPs, memory) of the copied nodes is
 dropped: it described the unsharded graph; rerun the analysis passes on the rank program.
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ from partitioner.errors import PassError
 from passes.meta import (CAPTURE, FLOPS, MEMORY, SHAPE, TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN, ParamSharding,
                          TensorParallelPlan)
 from passes.sequence_parallel import apply_sequence_parallel, sequence_size
+from passes.sharded_dropout import rewrite_sharded_dropout
 from passes.tensor_parallel_patterns import _SPLITS, _VIEWS
 
 aten = torch.ops.aten
@@ -101,6 +102,7 @@ def apply_tensor_parallel(gm: fx.GraphModule, ctx: Any = None, *, rank: int, gro
         sp_grads = apply_sequence_parallel(graph, shapes, {n: p for n, p in attrs.items()
                                                            if isinstance(p, nn.Parameter)},
                                            tp=tp, group=group, seq=seq)
+    rewrite_sharded_dropout(graph, rank=rank, degree=tp, shapes=shapes)
     graph.eliminate_dead_code()
     graph.lint()
     # A plain program, not export's: pickling then retraces with fx's default tracer (export's

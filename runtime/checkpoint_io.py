@@ -23,6 +23,7 @@ builds the global plan, and fails the save otherwise):
 * data-parallel replicas are copies: dp index 0 writes parameters (and plain AdamW state);
   under ZeRO-1 each dp rank writes the slices of optimizer state its flat shard holds, each a
   contiguous run of a parameter's row-major elements cut into at most ``2 * ndim - 1`` boxes;
+  under ZeRO-2 the same per gradient bucket (each rank holds a chunk of every bucket);
 * tensor-parallel shards (:class:`ParamLayout`): a parameter split along ``dim`` into equal
   pieces of each *section* (fused q/k/v: three sections) is, on tp rank ``r``, the concatenation
   of section pieces; each section piece is its own box at its global offset. Replicated
@@ -471,56 +472,89 @@ def _plain_optim_entries(optimizer: torch.optim.Optimizer, local: Sequence[_Loca
     return entries
 
 
+@dataclass(frozen=True)
+class _OwnedRange:
+    """Part of a ZeRO optimizer's flat layout: ``params`` flattened back to back (one flat
+    group), of which this rank's state holds elements ``[lo, hi)``, at ``state_offset`` on."""
+
+    params: tuple
+    lo: int
+    hi: int
+    state_offset: int
+
+
+def _owned_ranges(zero) -> list[_OwnedRange]:
+    """ZeRO-1 (``ZeroAdamW``): one flat group of every parameter, this rank's ``shard_numel``
+    slice. ZeRO-2 (``Zero2AdamW``): one flat group per gradient bucket (padded to a multiple of
+    dp), this rank's chunk of each, the chunks back to back in its state."""
+    if hasattr(zero, "shard_numel"):
+        lo = zero.rank * zero.shard_numel
+        return [_OwnedRange(tuple(zero.params), lo, lo + zero.shard_numel, 0)]
+    out, offset = [], 0
+    for b in zero.sync.buckets:
+        n = b.numel // zero.size
+        out.append(_OwnedRange(tuple(b.params), zero.rank * n, (zero.rank + 1) * n, offset))
+        offset += n
+    return out
+
+
+def _zero_state_param(zero) -> nn.Parameter:
+    """The flat parameter a ZeRO optimizer steps (ZeRO-1 ``shard``, ZeRO-2 ``master``)."""
+    return zero.shard if hasattr(zero, "shard_numel") else zero.master
+
+
 def _zero_optim_entries(zero, local: Sequence[_LocalParam], *, write: bool) -> dict[str, Entry]:
-    """ZeRO-1: the slices of each parameter's AdamW state that this rank's flat shard holds."""
+    """ZeRO-1/2: the slices of each parameter's AdamW state that this rank's flat state holds."""
     by_id = {id(c): (lp, i) for lp in local for i, c in enumerate(lp.copies)}
-    state = zero.optimizer.state[zero.shard]
+    state = zero.optimizer.state[_zero_state_param(zero)]
     group = zero.optimizer.param_groups[0]
-    lo, hi = zero.rank * zero.shard_numel, (zero.rank + 1) * zero.shard_numel
     entries: dict[str, Entry] = {}
-    offset = 0
-    for p in zero.params:
-        lp, copy_index = by_id[id(p)]
-        start, stop = offset, offset + p.numel()
-        offset = stop
-        if write and not (lp.tp_writer and copy_index == 0):
-            continue
-        prefix = f"{OPTIM_PREFIX}{lp.name}."
-        # Every dp rank steps the same count: the dp-0 replica writes it, every rank reads it.
-        if not write or lp.writer:
-            _add(entries, prefix + "step", (), _whole(state["step"]))
-        a, b = max(start, lo) - start, min(stop, hi) - start  # the param's elements in this shard
-        for key in _moment_keys(group):
-            flat = state[key]
-            for offs, sizes, flat_start in flat_range_boxes(p.shape, a, b):
-                n = 1
-                for s in sizes:
-                    n *= s
-                view = flat[start + flat_start - lo:start + flat_start - lo + n].view(sizes)
-                for loc, size, glob in lp.layout.boxes(offs, sizes):
-                    rel = view
-                    for d, (o, s) in enumerate(zip(loc, size)):
-                        rel = rel.narrow(d, o - offs[d], s)
-                    _add(entries, prefix + key, lp.layout.shape, [Piece(glob, rel)])
+    for owned in _owned_ranges(zero):
+        offset = 0
+        for p in owned.params:
+            lp, copy_index = by_id[id(p)]
+            start, stop = offset, offset + p.numel()
+            offset = stop
+            if write and not (lp.tp_writer and copy_index == 0):
+                continue
+            prefix = f"{OPTIM_PREFIX}{lp.name}."
+            # Every dp rank steps the same count: the dp-0 replica writes it, every rank reads it.
+            if not write or lp.writer:
+                _add(entries, prefix + "step", (), _whole(state["step"]))
+            a, b = max(start, owned.lo) - start, min(stop, owned.hi) - start  # the param's elements here
+            base = owned.state_offset + start - owned.lo
+            for key in _moment_keys(group):
+                flat = state[key]
+                for offs, sizes, flat_start in flat_range_boxes(p.shape, a, b):
+                    n = 1
+                    for size in sizes:
+                        n *= size
+                    view = flat[base + flat_start:base + flat_start + n].view(sizes)
+                    for loc, size, glob in lp.layout.boxes(offs, sizes):
+                        rel = view
+                        for d, (o, sz) in enumerate(zip(loc, size)):
+                            rel = rel.narrow(d, o - offs[d], sz)
+                        _add(entries, prefix + key, lp.layout.shape, [Piece(glob, rel)])
     return entries
 
 
 def _is_zero(optimizer) -> bool:
-    return hasattr(optimizer, "shard") and hasattr(optimizer, "shard_numel")
+    return hasattr(optimizer, "optimizer") and (hasattr(optimizer, "shard_numel") or hasattr(optimizer, "sync"))
 
 
 def _ensure_zero_state(zero) -> None:
-    state = zero.optimizer.state[zero.shard]
+    flat = _zero_state_param(zero)
+    state = zero.optimizer.state[flat]
     if not state:
         state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
         for key in _moment_keys(zero.optimizer.param_groups[0]):
-            state[key] = torch.zeros_like(zero.shard)
+            state[key] = torch.zeros_like(flat)
 
 
 def _optim_entries(pm, local, *, write: bool) -> dict[str, Entry]:
     if not hasattr(pm.optimizer, "state") and not _is_zero(pm.optimizer):
-        raise ConfigError(f"checkpoints of optimizer {type(pm.optimizer).__name__} (ZeRO-2) are not supported "
-                          f"yet; save under zero=0 or zero=1, or pass optimizer=False to load parameters only")
+        raise ConfigError(f"checkpoints of optimizer {type(pm.optimizer).__name__} are not supported; "
+                          f"use AdamW (zero=0, 1 or 2), or pass optimizer=False to load parameters only")
     if _is_zero(pm.optimizer):
         if not write:
             _ensure_zero_state(pm.optimizer)
@@ -535,7 +569,7 @@ def _optim_entries(pm, local, *, write: bool) -> dict[str, Entry]:
 
 
 def save_checkpoint(pm, directory: str | os.PathLike, *, step: int) -> None:
-    """Save ``pm``'s parameters and AdamW state (plain or ZeRO-1) and ``step`` to ``directory``
+    """Save ``pm``'s parameters and AdamW state (plain, ZeRO-1 or ZeRO-2) and ``step`` to ``directory``
     under the original parameter names; every rank of ``pm.mesh`` calls it (collective over the
     mesh's group). Before the first optimizer step no optimizer state is saved."""
     local = _local_params(pm)
@@ -565,10 +599,14 @@ def load_checkpoint(pm, directory: str | os.PathLike, *, optimizer: bool = True)
 
 @torch.no_grad()
 def _refresh_zero_master(zero) -> None:
-    """ZeroAdamW steps its own flat copy of the parameters (``shard``): refill it from the loaded
-    parameters, or its next all-gather would bring the old weights back."""
-    lo = zero.rank * zero.shard_numel
-    zero.shard.copy_(zero._flatten([p.detach() for p in zero.params])[lo:lo + zero.shard_numel])
+    """A ZeRO optimizer steps its own flat copy of the parameters (ZeRO-1 ``shard``, ZeRO-2
+    ``master``): refill it from the loaded parameters, or its next all-gather would bring the
+    old weights back."""
+    flat = _zero_state_param(zero)
+    for owned in _owned_ranges(zero):
+        whole = torch.cat([p.detach().reshape(-1) for p in owned.params])
+        mine = whole[owned.lo:owned.hi]  # the padding past the last parameter stays as it was
+        flat[owned.state_offset:owned.state_offset + mine.numel()].copy_(mine)
 
 
 # ----------------------------------------------------------------------------------------------

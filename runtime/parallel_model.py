@@ -69,6 +69,10 @@ def build_schedule(name: str, pp: int, m: int, v: int) -> dict:
     return schedules.interleaved_1f1b(pp, m, v)
 
 
+STAGE_SEED_STRIDE = 1009
+"""Seed offset per pipeline stage (a prime, so stage seeds do not collide with nearby user seeds)."""
+
+
 class ParallelModel:
     """One rank's share of a dp x pp training job (see the module docstring).
 
@@ -80,10 +84,12 @@ class ParallelModel:
     ``"bf16"`` (autocast forwards, fp32 master weights; :mod:`runtime.mixed_precision`).
     ``adamw``: keyword arguments of ``torch.optim.AdamW``.
     ``tp``: tensor-parallel degree (Megatron sharding found by ``tag_tensor_parallel``; dropout
-    inside tp regions is not given per-rank RNG streams, so exact only with dropout 0).
+    on shards draws one device's mask, :mod:`passes.sharded_dropout`).
     ``checkpointing``: ``"none"``, ``"full"`` or ``"selective"`` activation recomputation per
     stage; ``offload``: ``"none"``, ``"activations"`` (every saved activation to host) or ``"auto"``.
     ``sequence_parallel``: Megatron sequence parallelism inside the tp rank programs (tp > 1).
+    ``stage_boundaries``: the block index where each virtual stage after the first starts (a
+    plan's split, :func:`partitioner.auto.plan_stage_boundaries`); default: balanced layer counts.
     """
 
     def __init__(self, spec: ModelSpec, *, dp: int = 1, pp: int = 1, schedule: str = "1f1b",
@@ -91,7 +97,8 @@ class ParallelModel:
                  graph: fx.GraphModule | None = None, zero: bool | int = False, adamw: dict | None = None,
                  mixed_precision: str | None = None, overlap_grad_sync: bool = True,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 60.0, tp: int = 1,
-                 checkpointing: str = "none", offload: str = "none", sequence_parallel: bool = False):
+                 checkpointing: str = "none", offload: str = "none", sequence_parallel: bool = False,
+                 stage_boundaries: Sequence[int] | None = None):
         self.mesh = mesh or Mesh(dp, pp, tp, timeout_s=timeout_s)
         if (self.mesh.dp, self.mesh.pp, self.mesh.tp) != (dp, pp, tp):
             raise ConfigError(f"parallel_model: mesh has dp={self.mesh.dp}, pp={self.mesh.pp}, tp={self.mesh.tp} but "
@@ -104,6 +111,11 @@ class ParallelModel:
                               f"num_micro_batches = {dp} * {m}; e.g. global_batch={dp * m * max(1, global_batch // (dp * m))}")
         self.spec, self.dp, self.pp, self.tp, self.m, self.v = spec, dp, pp, tp, m, v
         self.global_batch, self.bucket_bytes = global_batch, bucket_bytes
+        if pp > 1:
+            # Random streams (dropout): tp peers must draw alike (their replicated regions hold one
+            # tensor), but pipeline stages must not, or layer i of every stage gets the same
+            # masks. As Megatron does, each stage offsets the seed every rank was given.
+            torch.manual_seed(torch.initial_seed() + STAGE_SEED_STRIDE * self.mesh.pp_index)
         self.actions = self._schedule(schedule)
 
         gm = graph if graph is not None else capture_for_pipeline(spec, device=self.mesh.device.type)
@@ -113,7 +125,7 @@ class ParallelModel:
         self.program: RankProgram = build_rank_program(
             gm, dp=dp, tp=tp, pp=pp, virtual_pp=v, rank=self.mesh.rank, first=self.mesh.first,
             checkpointing=checkpointing, offload=offload, tp_group=self.tp_group_name,
-            sequence_parallel=sequence_parallel)
+            sequence_parallel=sequence_parallel, stage_boundaries=stage_boundaries)
         if tp > 1:
             register_group(self.tp_group_name, DistGroup(self.mesh.tp_group))
         self.split = self.program.split

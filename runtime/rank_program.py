@@ -32,7 +32,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import sympy
 import torch
@@ -113,7 +113,8 @@ def global_rank(pp_index: int, dp_index: int, tp_index: int, *, dp: int, tp: int
 
 def build_rank_program(gm: fx.GraphModule, *, dp: int, tp: int, pp: int, virtual_pp: int = 1, rank: int,
                        first: int = 0, checkpointing: str = "none", offload: str = "none",
-                       tp_group: str = "tp", sequence_parallel: bool = False) -> RankProgram:
+                       tp_group: str = "tp", sequence_parallel: bool = False,
+                       stage_boundaries: Sequence[int] | None = None) -> RankProgram:
     """Rank ``rank``'s program of a dp x tp x pp plan over the captured training step ``gm``.
 
     ``gm`` (from ``capture_for_pipeline``: shapes annotated) is deep-copied, never changed.
@@ -122,6 +123,8 @@ def build_rank_program(gm: fx.GraphModule, *, dp: int, tp: int, pp: int, virtual
     ``"auto"`` (those whose transfer hides behind compute) or ``"none"``. ``tp_group``: the name
     under which the caller registers this rank's tp process group in
     :mod:`runtime.tp_collectives` (the stage programs' collectives look it up at run time).
+    ``stage_boundaries``: the layer (block) index where each of the virtual stages
+    ``1 .. pp*virtual_pp - 1`` starts (a plan's stage split); default: layer counts balanced.
     """
     for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("virtual_pp", virtual_pp)):
         if not isinstance(value, int) or value < 1:
@@ -158,7 +161,13 @@ def build_rank_program(gm: fx.GraphModule, *, dp: int, tp: int, pp: int, virtual
     if n_stages > max(n_layers, 1):
         raise ConfigError(f"rank_program: pp * virtual_pp = {n_stages} stages but the model has {n_layers} "
                           f"layers; use at most {n_layers} stages")
-    boundaries = balanced_boundaries(n_layers, n_stages) if n_stages > 1 else ()
+    if stage_boundaries is not None:
+        boundaries = tuple(int(b) for b in stage_boundaries)
+        if len(boundaries) != n_stages - 1:
+            raise ConfigError(f"rank_program: {len(boundaries)} stage boundaries given for {n_stages} stages "
+                              f"(pp * virtual_pp); give {n_stages - 1} layer indexes, or none to balance layers")
+    else:
+        boundaries = balanced_boundaries(n_layers, n_stages) if n_stages > 1 else ()
     split = split_pipeline_stages(gm, assign_stages_by_layers(gm, boundaries))
     stage_of = {n.name: n.meta.get(PIPELINE_STAGE) for n in gm.graph.nodes}
     mine = tuple(s for s in range(n_stages) if s % pp == pp_index)

@@ -47,8 +47,10 @@ def _rank():
     losses = [trainer.train_step(b) for b in batches[:STEPS]]
     evaluated = trainer.eval_step(batches[STEPS])
     run = trainer.finish()
+    blocks = {s: sorted({n.split(".")[1] for n, _ in st.module.named_parameters() if n.startswith("blocks.")},
+                        key=int) for s, st in trainer.model.stages.items()}
     return {"losses": losses, "eval": evaluated, "plan": trainer.plan, "steps": run.steps, "build_s": built,
-            "stages": sorted(trainer.model.stages)}
+            "stages": sorted(trainer.model.stages), "blocks": blocks, "notes": trainer.notes}
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +88,33 @@ def test_losses_equal_single_process_training(distributed, reference):
         assert r["eval"] == pytest.approx(ref_eval, rel=1e-5), f"rank {rank} eval_step"
 
 
-def test_plan_is_the_pinned_pipeline(distributed):
+def test_plan_is_the_pinned_pipeline_cut_where_the_plan_cuts(distributed):
     plan = distributed[0]["plan"]
     assert (plan.dp, plan.tp, plan.pp, plan.num_micro_batches, plan.schedule) == (2, 1, 2, 2, "1f1b")
     assert [r["stages"] for r in distributed] == [[0], [0], [1], [1]]  # pp index = rank // dp
+    for r in distributed:
+        assert not any("balancing" in n for n in r["notes"])
+        for s, blocks in r["blocks"].items():  # the chain's blocks 1..L are the model's blocks 0..L-1
+            (start, stop), = plan.stages[s].layers
+            assert [int(b) for b in blocks] == [i - 1 for i in range(max(start, 1), min(stop, 5))]
+
+
+def test_plan_stage_boundaries_follow_the_chain_and_refuse_blockless_stages():
+    from partitioner.auto import plan_stage_boundaries
+    from partitioner.plan_types import StagePlan
+
+    plan = choose_plan(GPT, Cluster.local(4), world_size=4, global_batch_size=GLOBAL_BATCH, fix=FIX)
+
+    def with_layers(*per_stage, pp=2, v=1):
+        stages = tuple(StagePlan(index=i, layers=tuple(r), layer_names=(), param_bytes=0, peak_memory_bytes=0,
+                                 memory={}, time_s=0.0) for i, r in enumerate(per_stage))
+        return dataclasses.replace(plan, pp=pp, virtual_pp=v, stages=stages)
+
+    assert plan_stage_boundaries(with_layers([(0, 4)], [(4, 6)])) == ((3,), "")  # blocks 0-2 | 3
+    # interleaved, 2 stages x 2 chunks of one block: chunk k of stage s is virtual stage 2k + s
+    assert plan_stage_boundaries(with_layers([(0, 2), (3, 4)], [(2, 3), (4, 6)], v=2)) == ((1, 2, 3), "")
+    blockless, why = plan_stage_boundaries(with_layers([(0, 1)], [(1, 6)]))  # embedding alone
+    assert blockless is None and "stage 0 holds no block" in why
 
 
 def test_measurements_add_up(distributed):
@@ -128,10 +153,13 @@ def test_plan_that_fits_no_device_is_infeasible_at_start():
 
 def test_knobs_the_runtime_lacks_are_refused():
     plan = choose_plan(GPT, Cluster.local(4), world_size=4, global_batch_size=GLOBAL_BATCH, fix=FIX)
-    assert runtime_kwargs(plan) == dict(dp=2, pp=2, schedule="1f1b", num_micro_batches=2, virtual_pp=1,
-                                        global_batch=GLOBAL_BATCH, zero=False)
-    with pytest.raises(ConfigError, match="sequence_parallel=false"):
-        runtime_kwargs(dataclasses.replace(plan, sequence_parallel=True))
+    kwargs = runtime_kwargs(plan)
+    assert kwargs == dict(dp=2, pp=2, schedule="1f1b", num_micro_batches=2, virtual_pp=1,
+                          global_batch=GLOBAL_BATCH, zero=0, stage_boundaries=kwargs["stage_boundaries"])
+    assert len(kwargs["stage_boundaries"]) == 1
+    # ZeRO-2 and sequence parallelism run as planned
+    sp = runtime_kwargs(dataclasses.replace(plan, sequence_parallel=True, tp=2, zero_stage=2))
+    assert sp["sequence_parallel"] is True and sp["zero"] == 2 and sp["tp"] == 2
     with pytest.raises(ConfigError, match="offload=none"):  # optimizer offload: planned, not run (yet)
         runtime_kwargs(dataclasses.replace(plan, offload="optimizer"))
     check_world_size(plan, 4)

@@ -1,4 +1,4 @@
-"""Checkpoints move between plans: saved under one (dp, pp, tp) (plain AdamW or ZeRO-1), loaded
+"""Checkpoints move between plans: saved under one (dp, pp, tp) (plain AdamW, ZeRO-1 or -2), loaded
 under another, training continues exactly as an uninterrupted single-device run; the same
 checkpoint loads into the plain module and its torch.optim.AdamW.
 
@@ -26,11 +26,13 @@ ADAMW = {"lr": 1e-3, "eps": 1e-6}  # eps: see tests/test_runtime_parity.py
 TIMEOUT_S = 30.0
 
 # (name, dp, pp, tp, zero, micro-batches): saves train SAVE_AT steps from the initial weights.
-SAVES = [("pp2", 1, 2, 1, False, 2), ("dp2pp2-zero1", 2, 2, 1, True, 2), ("tp2pp2", 1, 2, 2, False, 2)]
+SAVES = [("pp2", 1, 2, 1, False, 2), ("dp2pp2-zero1", 2, 2, 1, True, 2), ("tp2pp2", 1, 2, 2, False, 2),
+         ("dp2pp2-zero2", 2, 2, 1, 2, 2)]
 # (saved checkpoint, dp, pp, tp, zero, micro-batches): loads continue to step STEPS.
 LOADS = [("pp2", 2, 2, 1, False, 2), ("tp2pp2", 1, 4, 1, False, 4), ("dp2pp2-zero1", 1, 2, 2, False, 2),
          ("pp2", 2, 1, 2, True, 2),
-         ("tp2pp2", 2, 2, 1, False, 2)]  # the issue's case: (dp,tp,pp) (1,2,2) -> (2,1,2)
+         ("tp2pp2", 2, 2, 1, False, 2),  # the issue's case: (dp,tp,pp) (1,2,2) -> (2,1,2)
+         ("dp2pp2-zero2", 1, 2, 2, False, 2), ("tp2pp2", 2, 2, 1, 2, 2)]  # out of and into ZeRO-2
 
 
 def _batches(spec):
@@ -104,7 +106,7 @@ def test_saving_run_matches_one_device(checkpoints, reference, save):
         assert results[rank][("save", save[0])]["losses"] == pytest.approx(reference[0][:SAVE_AT], rel=1e-5)
 
 
-@pytest.mark.parametrize("load", LOADS, ids=lambda c: f"{c[0]}-to-dp{c[1]}pp{c[2]}tp{c[3]}" + ("-zero1" if c[4] else ""))
+@pytest.mark.parametrize("load", LOADS, ids=lambda c: f"{c[0]}-to-dp{c[1]}pp{c[2]}tp{c[3]}" + (f"-zero{int(c[4])}" if c[4] else ""))
 def test_resumed_under_another_plan_matches_uninterrupted_run(checkpoints, reference, load):
     _, results = checkpoints
     name, dp, pp, tp, zero, _ = load

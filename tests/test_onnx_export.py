@@ -240,3 +240,18 @@ def test_checkpointed_rank_program_names_collectives_inside_regions(gpt, tmp_pat
     # the checkpoint is inlined by the trace; its region's collectives keep their fx names
     assert sorted(n.name.rsplit("/", 1)[-1] for n in nodes) == sorted(c.node for c in program.comms_of("tp"))
     assert any(n.name.startswith("checkpoint_") and "/" in n.name for n in nodes)
+
+
+def test_dropout_on_tp_shards_exports_as_a_custom_node(tmp_path):
+    # GPT-2's attention dropout runs on head shards under tp
+    spec = build_model("hf-gpt2:n_layer=1,n_embd=32,n_head=2,vocab_size=64,n_positions=16,resid_pdrop=0.1,"
+                       "embd_pdrop=0.1,attn_pdrop=0.1,seq=8")
+    paths = export_rank_programs(annotate_shapes(capture_spec(spec)), tp=2, pp=1, out_dir=tmp_path)
+    for rank, path in enumerate(paths):
+        model = onnx.load(str(path))
+        onnx.checker.check_model(model)
+        nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == "ShardedDropout"]
+        assert len(nodes) == 1, path
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
+        assert (attrs["rank"], attrs["degree"], attrs["dim"]) == (rank, 2, 1)
+        assert attrs["ratio"] == pytest.approx(0.1)

@@ -91,6 +91,7 @@ def _train_cases(cases):
         local = {n: tuple(p.shape) for n, p in pm.named_parameters().items()}
         out[_case_id(case)] = {"losses": losses, "params": pm.full_parameters(), "grads": pm.full_gradients(),
                                "local_shapes": local, "build_s": built - start, "train_s": trained - start,
+                               "seed": torch.initial_seed(),
                                "submodules": sorted(n for st in pm.stages.values()
                                                     for n, _ in st.module.named_children())}
     return out
@@ -114,6 +115,13 @@ def reference():
         spec = build_model(MODELS[key])
         out[key] = train_one_device(spec, _batches(spec), adamw=ADAMW)
     return out
+
+
+def test_pipeline_stages_draw_different_random_streams_and_tp_peers_the_same(distributed):
+    # dropout: tp peers hold one replicated tensor (same masks), stages hold different layers
+    key = _case_id(("gpt", 1, 2, 2, 2, False, "none", "none"))
+    seeds = [distributed[r][key]["seed"] for r in range(4)]  # rank = stage * tp + tp_rank
+    assert seeds[0] == seeds[1] and seeds[2] == seeds[3] and seeds[0] != seeds[2]
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)

@@ -188,42 +188,78 @@ def test_rank_program_shapes_are_local(captured):
     assert sdpa and all(int(n.meta[SHAPE].tensor.shape[1]) == 2 for n in sdpa)  # 4 heads / tp 2
 
 
-def _gloo_worker(rank: int, world: int, init_file: str, program: bytes, inputs: bytes, out_dir: str):
+def _gloo_worker(rank: int, world: int, init_file: str, cases: bytes, out_dir: str):
     import torch.distributed as dist
 
     import runtime.tp_collectives as collectives  # registers the ops before the program is loaded
+    import runtime.tp_dropout  # noqa: F401
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         collectives.register_group("tp", collectives.DistGroup())
-        gm = pickle.loads(pickle.loads(program)[rank])
-        loss = gm(*torch.load(io.BytesIO(inputs)))
-        loss.backward()
-        grads = {n: p.grad for n, p in gm.named_parameters(remove_duplicate=False)}
-        torch.save((loss.detach(), grads), os.path.join(out_dir, f"rank{rank}.pt"))
+        out = []
+        for programs, inputs, seed in pickle.loads(cases):
+            gm = pickle.loads(programs[rank])
+            torch.manual_seed(seed)  # every tp rank draws from the same stream, as one device would
+            loss = gm(*torch.load(io.BytesIO(inputs)))
+            loss.backward()
+            out.append((loss.detach(), {n: p.grad for n, p in gm.named_parameters(remove_duplicate=False)}))
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def test_tp2_on_gloo_matches_single_device(captured):
+DROPOUT_SPECS = {  # dropout 0.1 everywhere: on tp shards (attention probabilities) and on sequence chunks
+    "hf-gpt2-dropout": "hf-gpt2:n_layer=2,n_embd=64,n_head=4,resid_pdrop=0.1,embd_pdrop=0.1,attn_pdrop=0.1,seq=16",
+    "gpt-dropout": "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=16,dropout=0.1",
+}
+
+
+def test_tp2_on_gloo_matches_single_device_with_and_without_dropout(captured):
+    """One spawn of 2 gloo ranks: gpt (dropout 0); hf-gpt2 with dropout 0.1 in the tp regions
+    (its attention dropout runs on head shards); gpt with dropout 0.1 under sequence parallelism
+    (residual dropouts on sequence chunks). Each equals one device seeded alike."""
     import torch.multiprocessing as mp
 
-    gm, inputs = captured["gpt"]
-    ref_loss, ref_grads = _reference(gm, inputs)
-    programs = pickle.dumps([pickle.dumps(apply_tensor_parallel(gm, rank=r, group="tp")) for r in range(2)])
-    buf = io.BytesIO()
-    torch.save(inputs, buf)
+    dropout = tagged_tp2(DROPOUT_SPECS)
+    cases = [("gpt", captured["gpt"], False), ("hf-gpt2-dropout", dropout["hf-gpt2-dropout"], False),
+             ("gpt-dropout-sp", dropout["gpt-dropout"], True)]
+    refs, payload, summed = [], [], []
+    for k, (name, (gm, inputs), sp) in enumerate(cases):
+        torch.manual_seed(100 + k)
+        refs.append(_reference(gm, inputs))
+        programs = [apply_tensor_parallel(gm, rank=r, group="tp", sequence_parallel=sp) for r in range(2)]
+        if name != "gpt":
+            assert "partitioner.sharded_dropout" in programs[0].code, name
+        # sequence parallelism: gradients of replicated norm weights are partial per rank (the
+        # runtime sums them over the tp group)
+        summed.append(programs[0].meta[TENSOR_PARALLEL_PLAN].sequence_parallel_grads)
+        buf = io.BytesIO()
+        torch.save(inputs, buf)
+        payload.append(([pickle.dumps(p) for p in programs], buf.getvalue(), 100 + k))
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.spawn(_gloo_worker, args=(2, os.path.join(tmp, "init"), programs, buf.getvalue(), tmp),
+        ctx = mp.spawn(_gloo_worker, args=(2, os.path.join(tmp, "init"), pickle.dumps(payload), tmp),
                        nprocs=2, join=False)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 90
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:
                 for p in ctx.processes:
                     p.kill()
-                pytest.fail("gloo tp ranks did not finish within 60 s")
+                pytest.fail("gloo tp ranks did not finish within 90 s")
         results = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
-    _check(gm, ref_loss, ref_grads, [r[0] for r in results], [r[1] for r in results])
+    for k, (name, (gm, _), _) in enumerate(cases):
+        ref_loss, ref_grads = refs[k]
+        grads = [r[k][1] for r in results]
+        for n in summed[k]:
+            total = sum(g[n] for g in grads)
+            for g in grads:
+                g[n] = total
+        _check(gm, ref_loss, ref_grads, [r[k][0] for r in results], grads)
+    gm, inputs = dropout["hf-gpt2-dropout"]
+    torch.manual_seed(999)
+    with torch.no_grad():
+        other = gm(*inputs)
+    assert not torch.allclose(other, refs[1][0])  # the masks matter: another seed, another loss
 
 
 # --- coverage -----------------------------------------------------------------------------------

@@ -200,6 +200,9 @@ def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str = DEMO_FIX, d
     say(f"step time (median over ranks): {med[len(med) // 2]:.3f} s measured, {plan.predicted.step_time_s:.3f} s "
         f"predicted; peak memory {max(peaks) / 2**20:.2f} MiB measured, "
         f"{plan.predicted.peak_memory_bytes / 2**20:.2f} MiB predicted")
+    if not plan.cluster.endswith("+refit"):
+        say(f"  (predicted on cluster '{plan.cluster}'; to predict this machine, fit it to this run: "
+            f"partitioner calibrate --from-run {dump})")
     say(f"eval loss on the next unseen batch: {results[0].eval_loss:.4f}")
     say("per rank, median ms per step:  " + "  ".join(t[:-2] for t in TERMS))
     for rank, terms in results[0].breakdown.items():

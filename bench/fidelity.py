@@ -78,8 +78,9 @@ CASES = (
 )
 
 
-def _rank_main(models: dict, cases: tuple, steps: int) -> list[dict]:
-    """On every rank: each case's prediction (before training) and its measured steps."""
+def _rank_main(models: dict, cases: tuple, steps: int, boundaries: dict) -> list[dict]:
+    """On every rank: each case's prediction (before training) and its measured steps; stages are
+    cut where the plan cuts them (``boundaries[(model, case)]``)."""
     import torch
 
     from partitioner.fidelity import predict_memory
@@ -108,7 +109,8 @@ def _rank_main(models: dict, cases: tuple, steps: int) -> list[dict]:
                 pm = ParallelModel(spec, dp=c.dp, pp=c.pp, tp=c.tp, schedule=c.schedule,
                                    num_micro_batches=c.num_micro_batches, virtual_pp=c.virtual_pp,
                                    global_batch=GLOBAL_BATCH, mesh=meshes[(c.dp, c.pp, c.tp)], graph=graph,
-                                   zero=c.zero, adamw=ADAMW, checkpointing=c.checkpointing, offload=c.offload)
+                                   zero=c.zero, adamw=ADAMW, checkpointing=c.checkpointing, offload=c.offload,
+                                   stage_boundaries=boundaries.get((model, c.name)))
                 dims = {**dict(pm.micro_batches(batches[0])[1])}
                 t0 = time.perf_counter()
                 try:  # a failed prediction must not skip training: the other ranks would wait
@@ -216,7 +218,10 @@ def main(argv=None) -> int:
         results = json.loads(raw.read_text())
     else:
         t0 = time.time()
-        results = spawn(_rank_main, WORLD, models, cases, args.steps, timeout_s=3000)
+        from partitioner.auto import plan_stage_boundaries
+
+        boundaries = {key: plan_stage_boundaries(p)[0] or None for key, p in plans.items()}
+        results = spawn(_rank_main, WORLD, models, cases, args.steps, boundaries, timeout_s=3000)
         print(f"spawn done in {time.time() - t0:.1f} s", flush=True)
         raw.write_text(json.dumps(results, default=str))
 

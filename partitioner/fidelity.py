@@ -144,19 +144,35 @@ def _recording() -> Iterator[dict]:
         rec["param_grads"].add(param_grad[st])
 
     orig_pack = oo._Region.pack
+    graph_mod = torch.autograd.graph
+    orig_hooks = graph_mod.saved_tensors_hooks
+    outer: list = []  # pack hooks of annotate_memory's observation, innermost last
+
+    class ObservedHooks(orig_hooks):  # type: ignore[misc, valid-type]
+        def __enter__(self):
+            outer.append(self.pack_hook)
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            outer.pop()
+            return super().__exit__(*exc)
 
     def pack(region, t):
         packed = orig_pack(region, t)
         if isinstance(packed, oo._Packed):  # moved to host: (region, storage, bytes at the dims)
             rec["offloaded"].append((region.region, StorageWeakRef(t.untyped_storage()),
                                      am._hint(t.untyped_storage().nbytes())))
+        elif outer:  # kept on the device: the observation under the region's hooks must see it
+            outer[-1](t)  # (inside an inlined checkpointed region: what its recompute saves)
         return packed
 
     am.Timeline, am._accumulate_param, oo._Region.pack = Recorder, accumulate, pack
+    graph_mod.saved_tensors_hooks = ObservedHooks
     try:
         yield rec
     finally:
         am.Timeline, am._accumulate_param, oo._Region.pack = base, orig_acc, orig_pack
+        graph_mod.saved_tensors_hooks = orig_hooks
 
 
 def stage_events(module: fx.GraphModule, dims: Mapping[str, int], *, optimizer: str = "adamw") -> StageEvents:

@@ -260,6 +260,12 @@ class _ForwardRun:
     # call node -> the region's output nodes (one per output).
     regions: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
     region_of: dict[fx.Node, fx.Node] = field(default_factory=dict)
+
+    def outer(self, node: fx.Node) -> fx.Node:
+        """``node`` itself, or for a node inside a checkpointed region the region's call in the
+        graph: the call saves the region's inputs (for the recompute) and hands out its
+        outputs, which is all that is kept of a region."""
+        return self.region_of.get(node, node)
     alias: dict[fx.Node, fx.Node] = field(default_factory=dict)
     region_outputs: dict[fx.Node, tuple[fx.Node, ...]] = field(default_factory=dict)
 

@@ -45,11 +45,12 @@ def apply_offload(gm: fx.GraphModule, ctx: Any = None) -> fx.GraphModule:
     # saver -> (input nodes to offload, whether its own storages go too)
     plan_by_saver: dict[fx.Node, tuple[dict[fx.Node, None], bool]] = {}
     for st in run.storages.values():
-        if st.owner not in chosen or not st.kept or st.kind not in ("activation", "internal"):
+        owner = run.outer(st.owner) if st.owner is not None else None
+        if owner not in chosen or not st.kept or st.kind not in ("activation", "internal"):
             continue
-        for saver in st.savers:
+        for saver in dict.fromkeys(run.outer(v) for v in st.savers):
             inputs, internals = plan_by_saver.get(saver, ({}, False))
-            if st.owner is saver:
+            if owner is saver:
                 internals = True
             else:
                 via = [a for a in saver.all_input_nodes if st in run.node_storages.get(a, ())]

@@ -379,9 +379,6 @@ class TransformOptions:
             raise ConfigError("checkpointing='solver' needs budget_bytes (bytes of saved activations)")
         if self.offload not in OFFLOADING:
             raise ConfigError(f"offload={self.offload!r}; use one of {', '.join(OFFLOADING)}")
-        if self.checkpointing != "none" and self.offload != "none":
-            raise ConfigError("checkpointing and activation offload together are not supported (offload "
-                              "brackets would land inside recomputed regions); pick one")
         for name in ("tp", "pp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -395,7 +392,9 @@ def transform_pipeline(*, checkpointing: str = "none", budget_bytes: int | None 
 
     1. tags (decide, write meta, leave the graph as is): ``tag_tensor_parallel`` (``tp > 1``),
        ``checkpoint_policy``, ``offload_policy``, ``tag_pipeline_stages`` (``pp > 1``);
-    2. rewrites that keep one graph: ``apply_checkpoint``, ``apply_offload``;
+    2. rewrites that keep one graph: ``apply_checkpoint``, ``apply_offload`` (with both,
+       ``offload_policy`` runs between them, on the re-analysed checkpointed graph, and offloads
+       what the regions keep: their inputs);
     3. ``reanalyze`` (with ``reanalyze`` and a rewrite): shapes, FLOPs and memory of the rewritten
        graph (a checkpoint call counts its region's recompute, see ``annotate_flops`` and
        ``annotate_memory``).
@@ -413,9 +412,13 @@ def transform_pipeline(*, checkpointing: str = "none", budget_bytes: int | None 
     if opts.checkpointing != "none":
         passes.append(Pass(name="checkpoint_policy", fn=_checkpoint_policy(opts.checkpointing, opts.budget_bytes),
                            requires=(CAPTURE, SHAPE, FLOPS), provides=(CHECKPOINT, CHECKPOINT_PLAN)))
-    if opts.offload != "none":
-        passes.append(Pass(name="offload_policy", fn=_offload_policy(opts.offload),
-                           requires=(CAPTURE, SHAPE, FLOPS), provides=(OFFLOAD_PLAN,)))
+    # With checkpointing, offload is decided on the checkpointed graph (after apply_checkpoint):
+    # what a region keeps is its inputs, which its call saves.
+    both = opts.checkpointing != "none" and opts.offload != "none"
+    offload_tag = Pass(name="offload_policy", fn=_offload_policy(opts.offload),
+                       requires=(CAPTURE, SHAPE, FLOPS), provides=(OFFLOAD_PLAN,))
+    if opts.offload != "none" and not both:
+        passes.append(offload_tag)
     if opts.pp > 1:
         passes.append(Pass(name="tag_pipeline_stages", fn=_tag_pipeline_stages(opts.pp), requires=(CAPTURE, SHAPE),
                            provides=(PIPELINE_STAGE,)))
@@ -424,6 +427,10 @@ def transform_pipeline(*, checkpointing: str = "none", budget_bytes: int | None 
         from passes.apply_checkpoint import apply_checkpoint
         rewrites.append(Pass(name="apply_checkpoint", fn=apply_checkpoint, requires=(CHECKPOINT_PLAN,),
                              provides=(CHECKPOINT_PLAN,)))
+    if both:
+        rewrites.append(Pass(name="analyze_checkpointed", fn=_reanalyze, requires=(CAPTURE,),
+                             provides=(SHAPE, FLOPS, FLOP_SUMMARY, MEMORY, MEMORY_SUMMARY)))
+        rewrites.append(offload_tag)
     if opts.offload != "none":
         from passes.apply_offload import apply_offload
         rewrites.append(Pass(name="apply_offload", fn=apply_offload, requires=(OFFLOAD_PLAN,), provides=(OFFLOAD_PLAN,)))

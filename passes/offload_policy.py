@@ -64,9 +64,10 @@ def kept_storages(gm: fx.GraphModule) -> dict[fx.Node, list[OwnedStorage]]:
     out: dict[fx.Node, list[OwnedStorage]] = {}
     for st in run.storages.values():
         if st.kept and st.kind in _OFFLOADABLE and st.owner is not None:
-            savers = tuple(sorted(st.savers, key=run.index.__getitem__))
-            out.setdefault(st.owner, []).append(OwnedStorage(st.size, st.hint, savers))
+            savers = tuple(sorted(dict.fromkeys(run.outer(v) for v in st.savers), key=run.index.__getitem__))
+            out.setdefault(run.outer(st.owner), []).append(OwnedStorage(st.size, st.hint, savers))
     return dict(sorted(out.items(), key=lambda kv: run.index[kv[0]]))
+
 
 
 def offload_policy(gm: fx.GraphModule, ctx: Any = None, *, cluster: Cluster | None = None,

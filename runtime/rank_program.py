@@ -133,9 +133,6 @@ def build_rank_program(gm: fx.GraphModule, *, dp: int, tp: int, pp: int, virtual
         raise ConfigError(f"rank_program: checkpointing={checkpointing!r}; use one of {CHECKPOINTING}")
     if offload not in OFFLOAD:
         raise ConfigError(f"rank_program: offload={offload!r}; use one of {OFFLOAD}")
-    if checkpointing != "none" and offload != "none":
-        raise ConfigError("rank_program: checkpointing and activation offload together are not supported yet "
-                          "(offload brackets would land inside recomputed regions); pick one")
     size = dp * tp * pp
     if not first <= rank < first + size:
         raise ConfigError(f"rank_program: rank {rank} is outside the mesh ranks {first}..{first + size - 1}")
@@ -152,9 +149,12 @@ def build_rank_program(gm: fx.GraphModule, *, dp: int, tp: int, pp: int, virtual
     if checkpointing != "none":
         from passes.checkpoint_policy import checkpoint_policy
         checkpoint_policy(gm, policy=checkpointing)
-    if offload != "none":
+    # With checkpointing, offload is chosen on each stage after its regions are rewritten: what
+    # is left to move is what the regions keep (their inputs) and what runs outside them.
+    offload_policy_name = "all" if offload == "activations" else "auto"
+    if offload != "none" and checkpointing == "none":
         from passes.offload_policy import offload_policy
-        offload_policy(gm, policy="all" if offload == "activations" else "auto", optimizer_on_host=False)
+        offload_policy(gm, policy=offload_policy_name, optimizer_on_host=False)
 
     n_stages = pp * virtual_pp
     n_layers = len(find_layers(gm))
@@ -184,14 +184,19 @@ def build_rank_program(gm: fx.GraphModule, *, dp: int, tp: int, pp: int, virtual
             stage = apply_tensor_parallel(stage, rank=tp_index, group=tp_group, sequence_parallel=sequence_parallel)
             sp_grads.update(stage.meta[TENSOR_PARALLEL_PLAN].sequence_parallel_grads)
             stage.meta[CAPTURE] = _stage_capture(gm, split.io[s])
-        if offload != "none":
+        if offload != "none" and checkpointing == "none":
             from passes.apply_offload import apply_offload
             stage.meta[OFFLOAD_PLAN] = gm.meta[OFFLOAD_PLAN]
             apply_offload(stage)
         if checkpointing != "none":
             from passes.apply_checkpoint import apply_checkpoint
             stage.meta[CHECKPOINT_PLAN] = _stage_checkpoint_plan(gm, stage, s, stage_of)
+            if offload != "none" and tp > 1:  # the tp rewrite dropped the shapes the offload policy reads
+                from passes.annotate_shapes import annotate_shapes
+                annotate_shapes(stage)
             apply_checkpoint(stage)
+            if offload != "none":
+                stage = _offload_checkpointed(stage, offload_policy_name)
         stage.meta[PIPELINE_STAGE] = s
         modules[s] = stage
 
@@ -204,6 +209,20 @@ def build_rank_program(gm: fx.GraphModule, *, dp: int, tp: int, pp: int, virtual
 
 
 # --------------------------------------------------------------------------------------------
+def _offload_checkpointed(stage: fx.GraphModule, policy: str) -> fx.GraphModule:
+    """Offload on a checkpointed stage: a region's call saves its inputs for the recompute
+    (``torch.utils.checkpoint`` saves them through autograd, outside its own hooks), so the
+    bracket around the call moves exactly those to host; inside the region nothing is saved."""
+    from passes.annotate_flops import annotate_flops
+    from passes.annotate_shapes import annotate_shapes
+    from passes.apply_offload import apply_offload
+    from passes.offload_policy import offload_policy
+
+    annotate_flops(annotate_shapes(stage))
+    offload_policy(stage, policy=policy, optimizer_on_host=False)
+    return apply_offload(stage)
+
+
 def _stage_capture(gm: fx.GraphModule, io: StageIO):
     """The whole graph's CaptureInfo with the stage's own tensor inputs, so fake runs of the
     stage (apply_offload's observation of saved tensors) feed it what the runtime does."""

@@ -247,3 +247,12 @@ def test_overheads_default_to_zero_and_leave_presets_unchanged():
     assert "p2p_latency_s" not in c.to_dict()
     with pytest.raises(Exception, match="step_overhead_s must be >= 0"):
         dataclasses.replace(c.device, step_overhead_s=-1.0)
+
+
+def test_offload_of_checkpointed_regions_costs_memory_on_cpu(graph):
+    # On CPU the "host" copy of a region's input lives in the same memory, and backward reloads
+    # it for the recompute: the replay must not see a saving (it did, when the offload hooks hid
+    # the recompute's saves from the memory pass).
+    ckpt = predict_rank(graph, {**BASE, "checkpointing": "full"}, 0, DIMS)
+    both = predict_rank(graph, {**BASE, "checkpointing": "full", "offload": "activations"}, 0, DIMS)
+    assert both.peak_bytes >= ckpt.peak_bytes

@@ -43,7 +43,7 @@ def plans(draw, models=tuple(MODELS), max_ranks: int = WORLD) -> Plan:
     v = 2 if schedule == "interleaved" else 1
     m = draw(st.sampled_from([k for k in (1, 2, 4) if schedule != "interleaved" or k % pp == 0]))
     per_micro_batch = draw(st.sampled_from([1, 2]))
-    # checkpointing + offload together: ConfigError today
+    # checkpointing + offload together: a fixed case in test_runtime_tp_parity.py
     memory = [("none", "none"), ("full", "none"), ("none", "activations")]
     ckpt, offload = draw(st.sampled_from(memory))
     return Plan(model=model, dp=dp, tp=tp, pp=pp, schedule=schedule, virtual_pp=v, num_micro_batches=m,

@@ -39,6 +39,7 @@ CASES = [
     ("gpt", 2, 1, 2, 2, False, "full", "none"),
     ("gpt", 1, 2, 2, 2, False, "full", "none"),
     ("gpt", 1, 1, 2, 2, False, "none", "activations"),
+    ("gpt", 1, 2, 2, 2, False, "full", "activations"),  # recompute, and the regions' inputs on host
     ("hf-gpt2", 1, 2, 1, 1, False, "none", "none"),
     ("hf-gpt2", 2, 2, 1, 2, False, "none", "none"),
     ("hf-gpt2", 1, 2, 2, 2, False, "none", "none"),

@@ -196,3 +196,30 @@ def test_host_adamw_matches_device_adamw_over_three_steps():
             assert torch.equal(a, b), (step, name)
     assert host_opt.bytes_to_host == host_opt.bytes_to_device == 3 * param_bytes
     assert host_opt.state_bytes == 3 * param_bytes + 4 * len(host_opt.masters)  # masters, 2 moments, steps
+
+
+def test_offload_after_full_checkpointing_moves_the_region_inputs_and_stays_exact(annotated, inputs):
+    from passes.apply_checkpoint import apply_checkpoint
+    from passes.checkpoint_policy import checkpoint_policy
+
+    expected = _step(copy.deepcopy(annotated), inputs)
+    gm = apply_checkpoint(checkpoint_policy(copy.deepcopy(annotated), policy="full"))
+    gm = annotate_flops(annotate_shapes(gm))  # the region calls need their facts
+    calls = [n for n in gm.graph.nodes if n.target is torch.utils.checkpoint.checkpoint]
+    assert len(calls) == 2  # one region per block
+    gm = apply_offload(offload_policy(gm, policy="all"))
+    # each region's call is bracketed: what it keeps for its recompute is its input
+    order = list(gm.graph.nodes)
+    for call in calls:
+        begin = order[order.index(call) - 1]
+        assert begin.target is offload_ops.OFFLOAD_BEGIN and begin.args[0] == [call.args[1]]
+    offload_ops.reset_offload_counters()
+    torch.manual_seed(1234)
+    loss = gm(*inputs)
+    moved = offload_ops.offload_counters()
+    hidden = 2 * 16 * 64 * 4  # [batch, seq, hidden] fp32: the block inputs
+    assert [moved.by_region[begin.args[3]] for begin in order if begin.target is offload_ops.OFFLOAD_BEGIN
+            and order[order.index(begin) + 1] in calls] == [hidden, hidden]
+    loss.backward()
+    assert moved.reloaded_bytes == moved.offloaded_bytes
+    _assert_exact(expected, (loss.detach(), {k: p.grad.clone() for k, p in gm.named_parameters()}))

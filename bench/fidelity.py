@@ -75,6 +75,7 @@ CASES = (
     Case("dp4-zero1", 4, 1, 1, "1f1b", 1, 2, zero=1),
     Case("dp2-pp2-ckpt-full", 2, 1, 2, "1f1b", 1, 2, checkpointing="full"),
     Case("dp2-pp2-offload", 2, 1, 2, "1f1b", 1, 2, offload="activations"),
+    Case("dp2-pp2-ckpt-offload", 2, 1, 2, "1f1b", 1, 2, checkpointing="full", offload="activations"),
 )
 
 

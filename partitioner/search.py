@@ -507,7 +507,7 @@ def evaluate(ctx: _Context, c: Candidate, *, limit: float | None | str = "device
         if c.offload == "activations":
             copy = 2 * act / min(ctx.cluster.host_to_device.bandwidth_bytes_per_s, ctx.host_rate)
             # each saved tensor is one copy out and one back: the link's α and the framework call
-            copy += 2 * _saved_tensors(ctx, ranges) * (ctx.cluster.host_to_device.latency_s + dev.offload_call_s)
+            copy += 2 * _saved_tensors(ctx, c, ranges) * (ctx.cluster.host_to_device.latency_s + dev.offload_call_s)
             if ctx.on_host:  # copies and saved-tensor hooks run inside forward/backward: stage time
                 t_mb += copy
                 t_off = c.num_micro_batches * copy
@@ -543,11 +543,14 @@ def evaluate(ctx: _Context, c: Candidate, *, limit: float | None | str = "device
     return _Evaluated(cand=c, feasible=feasible, step_time=terms.total, peak=peak, stages=tuple(stages), terms=terms)
 
 
-def _saved_tensors(ctx: _Context, ranges) -> int:
-    """Saved tensors one micro-batch offloads on a stage (``LayerProfile.saved_tensors``): each
-    costs a copy out and one back, each a message on the host link (its α) and a framework call
-    (``Device.offload_call_s``)."""
-    return sum(ctx.profile.layers[i].saved_tensors for start, stop in ranges for i in range(start, stop))
+def _saved_tensors(ctx: _Context, c: Candidate, ranges) -> int:
+    """Saved tensors one micro-batch offloads on a stage (``LayerProfile.saved_tensors``; a block
+    under full checkpointing keeps only its input): each costs a copy out and one back, each a
+    message on the host link (its α) and a framework call (``Device.offload_call_s``)."""
+    def count(i: int) -> int:
+        block = 0 < i <= ctx.L
+        return 1 if block and c.checkpointing == "full" else ctx.profile.layers[i].saved_tensors
+    return sum(count(i) for start, stop in ranges for i in range(start, stop))
 
 
 def _tied_sync_time(ctx: _Context, c: Candidate) -> float:

@@ -90,6 +90,10 @@ class ParallelModel:
     ``sequence_parallel``: Megatron sequence parallelism inside the tp rank programs (tp > 1).
     ``stage_boundaries``: the block index where each virtual stage after the first starts (a
     plan's split, :func:`partitioner.auto.plan_stage_boundaries`); default: balanced layer counts.
+
+    Random streams: with ``pp > 1`` each rank reseeds torch's generators with
+    ``torch.initial_seed() + STAGE_SEED_STRIDE * stage`` (pipeline stages must not draw the same
+    dropout masks; tp peers and dp replicas keep equal streams).
     """
 
     def __init__(self, spec: ModelSpec, *, dp: int = 1, pp: int = 1, schedule: str = "1f1b",

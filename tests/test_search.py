@@ -171,3 +171,24 @@ def test_framework_term_is_step_overhead_plus_loss_all_reduce(profile):
     pred = predict_step_time(profile, c, _knobs(dp=8), global_batch=32).predicted
     assert pred.terms["framework"] == pytest.approx(1e-3 + 2 * 3 * c.intra_node.latency_s)  # log2(8) = 3 hops
     assert pred.step_time_s == pytest.approx(sum(v for k, v in pred.terms.items() if k != "total"))
+
+
+def test_offload_of_checkpointed_blocks_moves_one_tensor_per_block():
+    from partitioner.fidelity import predict_step_time
+
+    prof = profile_model("gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0", dtype="fp32")
+    c = Cluster.local(2)
+    knobs = _knobs(pp=2, num_micro_batches=2, micro_batch_size=2, offload="activations")
+
+    def per_call_seconds(ckpt: str) -> float:  # d(offload term) / d(offload_call_s)
+        terms = [predict_step_time(prof, dataclasses.replace(c, device=dataclasses.replace(c.device, offload_call_s=x)),
+                                   {**knobs, "checkpointing": ckpt}, global_batch=4).predicted.terms["offload"]
+                 for x in (0.0, 1e-3)]
+        return (terms[1] - terms[0]) / 1e-3
+
+    # the slower stage's copies, 2 per tensor per micro-batch: its layers' saved tensors, or one
+    # per block under full checkpointing (the region's input)
+    full, none = per_call_seconds("full"), per_call_seconds("none")
+    assert full < none
+    stage_tensors = {round(x / (2 * 2)) for x in (full,)}
+    assert stage_tensors <= {2 + prof.embedding.saved_tensors, 2 + prof.head.saved_tensors}

@@ -4,19 +4,20 @@ A run directory holds ``plan.json`` (the :class:`partitioner.plan_types.Plan` th
 per-stage predicted seconds) and ``measurements.json`` (:class:`runtime.measure.RunMeasurements`:
 per-rank, per-step compute / p2p / optimizer seconds). After the warm-up step, in order:
 
-* **peak FLOP/s and per-kernel overhead** (``Device.kernel_overhead_s``): a stage's predicted
+* **peak FLOP/s and per-op overhead** (``Device.kernel_overhead_s``): a stage's predicted
   seconds per micro-batch are ``A·x + C + K·o`` (``A``: the FLOP-rate part, ``x`` = 1 / FLOP/s
-  scale; ``C``: the efficiency curve's per-kernel constant; ``K``: matmul-class kernels, forward
-  and backward; ``o``: the overhead), all read off the planner itself. ``(x, o) >= 0`` minimise
+  scale; ``C``: the efficiency curve's per-kernel constant; ``K``: operators, forward and
+  backward; ``o``: the per-op overhead), all read off the planner itself. ``(x, o) >= 0`` minimise
   the squared relative error against each rank's measured forward+backward seconds per
   micro-batch (runs without tensor parallelism when there are any: the runtime's compute
   seconds include tp collectives). At small sizes ``o`` (framework dispatch) dominates, which
   one FLOP/s number cannot carry across micro-batch sizes and stage depths.
 * **memory bandwidth** (the optimizer step is memory bound in the planner): median measured
   ``optimizer_s`` over the plan's ``optimizer`` term.
-* **offload call seconds** (``Device.offload_call_s``), from runs with activation offload: their
-  measured forward+backward seconds per micro-batch less the planner's stage time without the
-  per-tensor cost, over the stage's offloaded tensors (two copies each); median over ranks.
+* **offload call seconds** (``Device.offload_call_s``), from runs with activation offload
+  (without checkpointing when there are such): their measured forward+backward seconds per
+  micro-batch less the planner's stage time without the per-call cost, over the stage's copies
+  (two per offloaded tensor); median over ranks.
 * **pipeline message seconds** (``Cluster.p2p_latency_s``, in place of the link α for pipeline
   sends): each pipelined rank's measured send/receive seconds (post + wait) against the
   planner's ``pp_comm + bubble``; per run the median of the per-rank solutions, then the
@@ -168,7 +169,8 @@ _KEEP = object()
 def _plain(runs: Sequence[RunData]) -> list[RunData]:
     """Runs whose compute seconds are kernels alone: no tensor parallelism (its collectives run
     inside forward/backward) and no activation offload (its copies and saved-tensor hooks run
-    inside them too, and belong to the planner's ``offload`` term)."""
+    inside them too, and belong to the planner's ``offload`` term). Checkpointed runs stay: their
+    recompute is kernels the planner counts (their hooks are fitted after, from the residual)."""
     return [r for r in runs if r.plan.tp == 1 and r.plan.offload != "activations"]
 
 
@@ -179,41 +181,51 @@ def _with_overheads(cluster: Cluster, kernel_s: float | None = None, p2p_s=_KEEP
                                p2p_latency_s=cluster.p2p_latency_s if p2p_s is _KEEP else p2p_s)
 
 
-def _nnls2(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
-    """Least squares ``a·x + b·y ≈ t`` over ``rows`` of (a, b, t) with x, y >= 0: the
-    unconstrained solution, else the better of the two one-unknown fits; ``x`` alone when the
-    rows are (nearly) collinear."""
-    saa = sum(a * a for a, _, _ in rows)
-    sbb = sum(b * b for _, b, _ in rows)
-    sab = sum(a * b for a, b, _ in rows)
-    sat = sum(a * t for a, _, t in rows)
-    sbt = sum(b * t for _, b, t in rows)
-    det = saa * sbb - sab * sab
-    only_x = (max(sat / saa, 0.0) if saa else 0.0, 0.0)
-    if det <= 1e-6 * saa * sbb:
-        # the rows cannot tell the two apart (one micro-batch size, one stage depth): x alone,
-        # i.e. no overhead is claimed without evidence for it
-        return only_x
-    x, y = (sat * sbb - sbt * sab) / det, (sbt * saa - sat * sab) / det
-    if x >= 0 and y >= 0:
-        return x, y
+def _nnls(rows: Sequence[tuple[float, ...]]) -> tuple[float, ...]:
+    """Least squares ``Σ_j a_j·x_j ≈ t`` over ``rows`` of ``(a_1, .., a_n, t)`` with every
+    ``x_j >= 0``, by trying each set of free unknowns (n is small; the others held at 0):
+    the feasible solution with the smallest squared error. A set whose columns cannot be told
+    apart (nearly collinear: one micro-batch size, one stage depth) or that the rows never
+    exercise is skipped, so no overhead is claimed without evidence for it; the first unknown
+    alone is the fallback."""
+    import itertools
 
-    def sse(x: float, y: float) -> float:
-        return sum((a * x + b * y - t) ** 2 for a, b, t in rows)
+    import torch
 
-    only_y = (0.0, max(sbt / sbb, 0.0) if sbb else 0.0)
-    return min(only_x, only_y, key=lambda xy: sse(*xy))
+    m = torch.tensor(rows, dtype=torch.float64)
+    a, t = m[:, :-1], m[:, -1]
+    n = a.shape[1]
+    best, best_err = torch.zeros(n, dtype=torch.float64), float("inf")
+    for k in range(n, 0, -1):
+        for free in itertools.combinations(range(n), k):
+            sub = a[:, list(free)]
+            gram = sub.T @ sub
+            scale = float(torch.prod(torch.diagonal(gram)))
+            if scale <= 0 or float(torch.linalg.det(gram)) <= 1e-6 * scale:
+                continue
+            sol = torch.linalg.solve(gram, sub.T @ t)
+            if bool((sol < 0).any()):
+                continue
+            x = torch.zeros(n, dtype=torch.float64)
+            x[list(free)] = sol
+            err = float(((a @ x - t) ** 2).sum())
+            if err < best_err - 1e-15:
+                best, best_err = x, err
+    if best_err == float("inf"):
+        saa = float(a[:, 0] @ a[:, 0])
+        best[0] = max(float(a[:, 0] @ t) / saa, 0.0) if saa else 0.0
+    return tuple(float(v) for v in best)
 
 
 def _fit_compute(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> tuple[float, float]:
-    """(1 / FLOP/s scale, kernel overhead seconds) fitted to measured compute per micro-batch.
+    """(1 / FLOP/s scale, per-op overhead seconds) fitted to measured compute per micro-batch.
 
     A stage's predicted seconds per micro-batch are ``A/x_scale + C + K·o``: ``A`` the FLOP-rate
-    part (scales with 1/peak), ``C`` the curve's per-kernel constant, ``K`` its matmul-class
-    kernels (forward and backward) and ``o`` the per-kernel overhead. ``A``, ``C`` and ``K`` are
-    read off the planner by evaluating each plan at peak x1, x2 and with a unit overhead, so
-    the model is exactly the planner's; (x, o) minimise the squared RELATIVE error over ranks
-    (runs without tensor parallelism when there are any, see :func:`_compute_ratio`)."""
+    part (scales with 1/peak), ``C`` the curve's per-kernel constant, ``K`` its operators
+    (forward and backward) and ``o`` the per-op overhead. ``A``, ``C`` and ``K`` are read off the
+    planner by evaluating each plan at peak x1, x2 and with a unit overhead, so the model is
+    exactly the planner's; (x, o) >= 0 minimise the squared RELATIVE error over ranks (runs
+    without tensor parallelism or offload when there are any, see :func:`_plain`)."""
     base = _with_overheads(cluster, 0.0)
     pure = _plain(runs) or list(runs)
     p1 = [_reevaluate(r.plan, base, profiles) for r in pure]
@@ -229,14 +241,14 @@ def _fit_compute(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> t
                 rows.append((flop_part / measured, kernels / measured, 1 - const / measured))
     if not rows:
         raise ConfigError("refit: no rank has a measured compute time")
-    x, o = _nnls2(rows)
+    x, o = _nnls(rows)
     # one trimming pass: ranks whose relative error is far above the typical one (a run a
     # neighbour slowed down, a mechanism with its own overhead) do not pull the fit
     res = [abs(a * x + b * o - t) for a, b, t in rows]
     cut = max(3 * statistics.median(res), 0.05)
     kept = [row for row, r in zip(rows, res) if r <= cut]
     if len(kept) >= 2 and len(kept) < len(rows):
-        x, o = _nnls2(kept)
+        x, o = _nnls(kept)
     return max(x, 1e-3), o  # x -> 0 would mean infinite FLOP/s: keep the FLOP term alive
 
 
@@ -261,7 +273,7 @@ def refit(runs: Sequence[RunData], cluster: Cluster) -> Refit:
             opt_ratios += [m / predicted for m in run.optimizer_s if m > 0]
     bandwidth = 1 / statistics.median(opt_ratios) if opt_ratios else 1.0
     fitted = _with_overheads(_scaled(cluster, flops, bandwidth), kernel_s)
-    fitted = _with_device(fitted, offload_call_s=_fit_offload_call(runs, fitted, profiles))
+    fitted = _with_device(fitted, offload_call_s=_fit_device_seconds(_offloaded(runs), fitted, profiles, "offload_call_s"))
     p2p_s = _fit_p2p(runs, fitted, profiles)
     fitted = _with_overheads(fitted, p2p_s=p2p_s)
     latency, step_err = _fit_latency(runs, fitted, profiles)
@@ -277,24 +289,28 @@ def _with_device(cluster: Cluster, **fields) -> Cluster:
     return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, **fields))
 
 
-def _fit_offload_call(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> float:
-    """Seconds per offloaded tensor per copy (``Device.offload_call_s``, >= 0) from runs with
-    activation offload, whose measured forward+backward seconds per micro-batch include the
-    copies and their hooks: each rank's excess over the planner's stage time without the call
-    cost, over the stage's copies (read off the planner); the median over ranks and runs. The
-    cluster's value is kept without such runs."""
+def _fit_device_seconds(runs: Sequence[RunData], cluster: Cluster, profiles: dict, field: str) -> float:
+    """``Device.<field>`` (seconds per call, >= 0) from ``runs``, whose measured forward+backward
+    seconds per micro-batch include those calls: each rank's excess over the planner's stage time
+    without them, over the stage's calls (the slope, read off the planner at 1 ms a call); the
+    median over ranks and runs. The cluster's value is kept without runs."""
     sols = []
     for run in runs:
-        if run.plan.offload != "activations":
-            continue
-        e0 = _reevaluate(run.plan, _with_device(cluster, offload_call_s=0.0), profiles)
-        e1 = _reevaluate(run.plan, _with_device(cluster, offload_call_s=1e-3), profiles)
+        e0 = _reevaluate(run.plan, _with_device(cluster, **{field: 0.0}), profiles)
+        e1 = _reevaluate(run.plan, _with_device(cluster, **{field: 1e-3}), profiles)
         for rank, measured in enumerate(run.compute_per_mb_s):
             i = _pp_index(run.plan, rank)
             slope = (e1.stages[i].time_s - e0.stages[i].time_s) / 1e-3
             if slope > 0 and measured > 0:
                 sols.append((measured - e0.stages[i].time_s) / slope)
-    return max(statistics.median(sols), 0.0) if sols else cluster.device.offload_call_s
+    return max(statistics.median(sols), 0.0) if sols else getattr(cluster.device, field)
+
+
+def _offloaded(runs: Sequence[RunData]) -> list[RunData]:
+    """Runs with activation offload (without checkpointing when there are such): their compute
+    carries the copies and the offload hooks (``Device.offload_call_s``)."""
+    off = [r for r in runs if r.plan.offload == "activations"]
+    return [r for r in off if r.plan.checkpointing == "none"] or off
 
 
 def _with_step_overhead(runs: Sequence[RunData], cluster: Cluster, profiles: dict | None = None) -> Cluster:

@@ -210,7 +210,10 @@ class _Context:
         key = (c.tp, c.micro_batch_size, c.sequence_parallel, c.checkpointing)
         if key not in self._costs:
             p = self.profile
-            self._costs[key] = tuple(self._layer_cost(layer, *key) for layer in (p.embedding, p.blocks[0], p.head))
+            # checkpoint regions are blocks (runtime.rank_program): embedding and head keep theirs
+            ends = (c.tp, c.micro_batch_size, c.sequence_parallel, "none")
+            self._costs[key] = (self._layer_cost(p.embedding, *ends), self._layer_cost(p.blocks[0], *key),
+                                self._layer_cost(p.head, *ends))
         return self._costs[key]
 
     def _layer_cost(self, layer: LayerProfile, tp: int, b: int, sp: bool, ckpt: str) -> _LayerCost:

@@ -223,7 +223,9 @@ def test_refit_recovers_step_overhead_and_offload_call_seconds(tmp_path):
     for k, knobs in enumerate([{**BASE, "pp": 2, "micro_batch_size": 1, "num_micro_batches": 4},
                                {**BASE, "dp": 2, "micro_batch_size": 4, "num_micro_batches": 1},
                                {**BASE, "pp": 2, "micro_batch_size": 2, "num_micro_batches": 2,
-                                "offload": "activations"}]):
+                                "offload": "activations"},
+                               {**BASE, "pp": 2, "micro_batch_size": 2, "num_micro_batches": 2,
+                                "checkpointing": "full"}]):
         gb = knobs["dp"] * knobs["micro_batch_size"] * knobs["num_micro_batches"]
         plan = predict_step_time(profile, cluster, knobs, global_batch=gb)
         true = predict_step_time(profile, truth, knobs, global_batch=gb)

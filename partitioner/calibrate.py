@@ -34,6 +34,7 @@ import math
 import os
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -510,6 +511,11 @@ class Calibration:
     """Where the cluster file was written."""
     elapsed_s: float = 0.0
     """Seconds the calibration took."""
+    refit: Any = None
+    """The :class:`partitioner.refit.Refit` of the reference runs (``cluster`` is its cluster),
+    or None when they were skipped."""
+    reference_dirs: tuple[Path, ...] = ()
+    """The reference runs' directories (plan.json + measurements.json each)."""
 
     def to_json(self) -> dict:
         """Every sample and fit as plain numbers (what ``<file>.calibration.json`` holds)."""
@@ -527,6 +533,8 @@ class Calibration:
             "all_reduce_fit": asdict(self.gloo.all_reduce_fit),
             "send_recv_fit": asdict(self.gloo.send_recv_fit),
             "cluster": self.cluster.to_dict(),
+            "refit": ({k: v for k, v in asdict(self.refit).items() if k != "cluster"}
+                      | {"runs_dirs": [str(d) for d in self.reference_dirs]} if self.refit is not None else None),
         }
 
 
@@ -574,6 +582,12 @@ def _header(cal: Calibration) -> str:
                      f"beta {fit.bandwidth_bytes_per_s / 1e9:.3g} GB/s")
     lines.append(f"memcpy of {cal.memcpy.nbytes / MiB:.0f} MiB: {cal.memcpy.copy_bytes_per_s / 1e9:.3g} GB/s copied "
                  f"({cal.memcpy.memory_bandwidth_bytes_per_s / 1e9:.3g} GB/s read+write)")
+    if cal.refit is not None:
+        r = cal.refit
+        lines.append(f"refit to {r.runs} reference training runs (partitioner/reference_runs.py): peak FLOP/s "
+                     f"x{r.flops_scale:.3g}, per-op overhead {r.kernel_overhead_s * 1e6:.3g} us, pipeline message "
+                     f"{(r.p2p_latency_s or 0) * 1e3:.3g} ms, step overhead {r.step_overhead_s * 1e3:.3g} ms, "
+                     f"offload call {r.offload_call_s * 1e6:.3g} us, link latency x{r.latency_scale:.3g}")
     return "".join(f"# {line}\n" for line in lines)
 
 
@@ -591,13 +605,17 @@ def write_calibration(cal: Calibration, out: str | Path) -> Path:
 
 
 def run_calibration(world_size: int = 4, out: str | Path | None = None, quick: bool = False, *,
-                    dtypes: Sequence[str] = ("fp32", "bf16"), write: bool = True) -> Calibration:
+                    dtypes: Sequence[str] = ("fp32", "bf16"), write: bool = True,
+                    reference_runs: bool | None = None) -> Calibration:
     """Measure matmuls, memcpy and gloo for ``world_size`` local ranks, fit, and write the file.
 
     ``out`` defaults to ``~/.cache/partitioner/local-cluster.yaml`` (what ``Cluster.local``
     reads when ``$PARTITIONER_CLUSTER_FILE`` is unset). ``quick`` measures fewer and smaller
     points (a few seconds; numbers pessimistic). Communication needs >= 2 processes, so a
-    ``world_size`` of 1 times gloo on 2.
+    ``world_size`` of 1 times gloo on 2. ``reference_runs`` (default: unless ``quick``): also
+    train a small GPT under a few plans on the ranks (:mod:`partitioner.reference_runs`, about a
+    minute) and refit the cluster's framework overheads to them (:func:`partitioner.refit.refit`);
+    the runs are kept in ``<out>.runs/``.
     """
     if world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
@@ -613,10 +631,24 @@ def run_calibration(world_size: int = 4, out: str | Path | None = None, quick: b
     cluster = build_cluster(world_size, efficiency, memcpy, gloo, threads_per_rank=threads)
     cal = Calibration(cluster=cluster, world_size=world_size, threads_per_rank=threads, matmul=tuple(matmul),
                       efficiency=efficiency, memcpy=memcpy, gloo=gloo, elapsed_s=time.perf_counter() - start)
+    if reference_runs is None:
+        reference_runs = not quick
+    if reference_runs:
+        cal = _with_reference_runs(cal, Path(DEFAULT_LOCAL_FILE if out is None else out).expanduser(), start)
     if write:
         path = write_calibration(cal, DEFAULT_LOCAL_FILE if out is None else out)
         cal = replace(cal, path=path)
     return cal
+
+
+def _with_reference_runs(cal: Calibration, path: Path, start: float) -> Calibration:
+    from partitioner.reference_runs import run_reference
+    from partitioner.refit import load_run, refit
+
+    dirs = run_reference(cal.world_size, path.with_name(path.name + ".runs"), cal.cluster)
+    result = refit([load_run(d) for d in dirs], cal.cluster)
+    return replace(cal, cluster=result.cluster, refit=result, reference_dirs=tuple(dirs),
+                   elapsed_s=time.perf_counter() - start)
 
 
 def calibrate(world_size: int = 4, out: str | Path | None = None, quick: bool = False) -> Cluster:

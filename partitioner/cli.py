@@ -138,9 +138,16 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     if args.from_run:
         return _cmd_refit(args)
-    cal = run_calibration(args.world_size, args.out, args.quick)
+    cal = run_calibration(args.world_size, args.out, args.quick,
+                          reference_runs=False if args.no_reference_runs else None)
     print(f"calibrated {cal.world_size} gloo ranks, {cal.threads_per_rank} thread(s) each "
           f"({cal.elapsed_s:.1f} s{', quick' if args.quick else ''})")
+    if cal.refit is not None:
+        r = cal.refit
+        print(f"refit to {r.runs} reference training runs ({cal.reference_dirs[0].parent}): per-op overhead "
+              f"{r.kernel_overhead_s * 1e6:.3g} us, pipeline message {(r.p2p_latency_s or 0) * 1e3:.3g} ms, "
+              f"step overhead {r.step_overhead_s * 1e3:.3g} ms, offload call {r.offload_call_s * 1e6:.3g} us, "
+              f"peak FLOP/s x{r.flops_scale:.3g}, link latency x{r.latency_scale:.3g}")
     rows = [("matmul", "n", "time", "FLOP/s", "fitted efficiency")]
     for s in cal.matmul:
         fit = cal.efficiency[s.dtype]
@@ -224,7 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="measure this machine; write the cluster file Cluster.local reads")
     p.add_argument("--world-size", type=int, default=4, help="local gloo ranks to calibrate for (default 4)")
     p.add_argument("--out", help="cluster file to write (default ~/.cache/partitioner/local-cluster.yaml)")
-    p.add_argument("--quick", action="store_true", help="fewer, smaller measurements (seconds; pessimistic)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer, smaller measurements and no reference runs (seconds; pessimistic)")
+    p.add_argument("--no-reference-runs", action="store_true",
+                   help="skip training the reference GPT under a few plans (about a minute) to fit the framework "
+                        "overheads; the microbenchmarks alone predict small steps far too short")
     p.add_argument("--from-run", nargs="+", metavar="DIR",
                    help="refit the efficiency terms of the current local cluster file from run directories "
                         "(plan.json + measurements.json) instead of measuring; writes --out")

@@ -3,6 +3,7 @@
 One quick calibration (2 gloo ranks) is shared by the module; the fits are also checked on
 synthetic samples with known answers.
 """
+import dataclasses
 import json
 import math
 
@@ -153,14 +154,48 @@ def test_bad_inputs_are_refused():
 def test_cli_prints_the_tables(cal, monkeypatch, capsys):
     calls = []
 
-    def fake(world_size, out, quick):  # the measurement itself is covered above; don't repeat it
-        calls.append((world_size, out, quick))
+    def fake(world_size, out, quick, reference_runs=None):  # the measurement itself is covered above
+        calls.append((world_size, out, quick, reference_runs))
         return cal
 
     monkeypatch.setattr("partitioner.calibrate.run_calibration", fake)
     assert main(["calibrate", "--world-size", "2", "--quick", "--out", str(cal.path)]) == 0
-    assert calls == [(2, str(cal.path), True)]
+    assert main(["calibrate", "--world-size", "2", "--no-reference-runs", "--out", str(cal.path)]) == 0
+    assert calls == [(2, str(cal.path), True, None), (2, str(cal.path), False, False)]
     text = capsys.readouterr().out
     for needle in ("fp32", "bf16", "all_reduce fit", "send_recv fit", "alpha", "beta",
                    "read+write bandwidth", str(cal.path)):
         assert needle in text, needle
+
+
+# ---- reference runs ------------------------------------------------------------------------------
+
+
+def test_reference_runs_make_the_refit_predict_this_machine(tmp_path):
+    """The small GPT under every 2-rank reference plan, 3 steps each, in one spawn: the refit to
+    them predicts their step times much better than the microbenchmarked cluster did."""
+    import math
+    import statistics
+
+    from partitioner.cluster import Cluster
+    from partitioner.reference_runs import reference_plans, run_reference
+    from partitioner.refit import load_run, refit
+
+    cluster = Cluster.preset("local-cpu")
+    cluster = dataclasses.replace(cluster, devices_per_node=2)
+    dirs = run_reference(2, tmp_path / "runs", cluster, steps=3, timeout_s=300)
+    assert [d.name for d in dirs] == [p.name for p in reference_plans(2)]
+    runs = [load_run(d) for d in dirs]
+    assert all(len(r.step_s) == 2 and min(r.step_s) > 0 for r in runs)
+    result = refit(runs, cluster)
+
+    def log_err(c):
+        from partitioner.fidelity import predict_step_time
+        from partitioner.profile import profile_model
+        from partitioner.reference_runs import REFERENCE_MODEL
+
+        prof = profile_model(REFERENCE_MODEL, dtype="fp32")
+        return statistics.median(abs(math.log(predict_step_time(prof, c, dict(r.plan.knobs()), global_batch=r.plan.global_batch)
+                                              .predicted.step_time_s / statistics.median(r.step_s))) for r in runs)
+
+    assert log_err(result.cluster) < 0.5 * log_err(cluster)

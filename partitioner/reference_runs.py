@@ -1,0 +1,142 @@
+"""Reference training runs: a small GPT trained under a few plans on this machine's local gloo
+ranks and measured, so that ``partitioner calibrate`` can refit the cost model's framework
+overheads (per-op, per-message, per-step, per-offloaded-tensor) to what this machine really
+costs, as ``calibrate --from-run`` does with a user's runs.
+
+Microbenchmarks (matmul FLOP/s, memcpy, large-message gloo α-β) miss those overheads, and at
+small sizes they are most of a step: on the 2-core CI machine the microbenchmarks alone predict
+steps about 75% too short. The overheads are properties of the machine and the runtime, not of
+the model, so a fit on the reference GPT carries over to other models (``bench/README.md``: a fit
+on zoo gpt predicts llama and hf-gpt2 plans within 15-25% median).
+
+Every plan of :func:`reference_plans` runs in ONE spawn of ``world_size`` ranks (starting gloo
+processes is the slow part); each writes ``<out>/<plan>/{plan.json,measurements.json}``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from partitioner.cluster import Cluster
+from partitioner.errors import ConfigError
+
+REFERENCE_MODEL = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=16,dropout=0.0"
+"""Small enough to train in seconds on CPU ranks, large enough to have every kind of layer."""
+ADAMW = {"lr": 1e-3, "eps": 1e-6}
+
+
+def global_batch(world_size: int) -> int:
+    """Samples per step: at least 16, a multiple of ``4 * world_size`` (every plan's dp x
+    micro-batches divides it)."""
+    return 4 * world_size * -(-16 // (4 * world_size))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReferencePlan:
+    """One plan of the reference set (every knob of :data:`partitioner.plan_types.KNOBS`)."""
+
+    name: str
+    global_batch: int
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    num_micro_batches: int = 2
+    schedule: str = "1f1b"
+    virtual_pp: int = 1
+    zero_stage: int = 0
+    checkpointing: str = "none"
+    offload: str = "none"
+
+    def knobs(self) -> dict:
+        return dict(dp=self.dp, tp=self.tp, pp=self.pp, virtual_pp=self.virtual_pp,
+                    micro_batch_size=self.global_batch // (self.dp * self.num_micro_batches),
+                    num_micro_batches=self.num_micro_batches, schedule=self.schedule, zero_stage=self.zero_stage,
+                    sequence_parallel=False, checkpointing=self.checkpointing, offload=self.offload)
+
+
+def reference_plans(world_size: int) -> tuple[ReferencePlan, ...]:
+    """The plans that fit ``world_size`` ranks: data parallel (ZeRO-1 when dp > 1), a pipeline
+    (1F1B, and with checkpointing and with activation offload), and tensor parallel, so that
+    every overhead the refit fits is exercised where the world allows it."""
+    w = world_size
+    if w < 1:
+        raise ConfigError(f"reference runs need a world size >= 1, got {w}")
+    gb = global_batch(w)
+    plans = [ReferencePlan(name=f"dp{w}" + ("-zero1" if w > 1 else ""), global_batch=gb, dp=w,
+                           zero_stage=1 if w > 1 else 0)]
+    if w % 2 == 0:
+        half = w // 2
+        plans += [ReferencePlan(name=f"dp{half}-pp2", global_batch=gb, dp=half, pp=2, num_micro_batches=4),
+                  ReferencePlan(name=f"dp{half}-pp2-ckpt", global_batch=gb, dp=half, pp=2, checkpointing="full"),
+                  ReferencePlan(name=f"dp{half}-pp2-offload", global_batch=gb, dp=half, pp=2, offload="activations"),
+                  ReferencePlan(name=f"dp{half}-tp2", global_batch=gb, dp=half, tp=2)]
+    return tuple(plans)
+
+
+def _rank_main(plans: tuple[ReferencePlan, ...], steps: int) -> list[dict]:
+    """On every rank: each plan's measured steps (dicts of :class:`runtime.measure.StepMeasurement`)."""
+    import torch
+
+    from partitioner.model_spec import build_model
+    from runtime.measure import StepTimer
+    from runtime.mesh import Mesh, init_distributed
+    from runtime.parallel_model import ParallelModel, capture_for_pipeline
+
+    init_distributed(timeout_s=300)
+    meshes = {}
+    for p in plans:  # every rank creates every group, in the same order
+        if (p.dp, p.pp, p.tp) not in meshes:
+            meshes[(p.dp, p.pp, p.tp)] = Mesh(p.dp, p.pp, p.tp, timeout_s=120)
+    spec = build_model(REFERENCE_MODEL)
+    graph = capture_for_pipeline(spec)
+    batches = [spec.example_inputs({"batch": plans[0].global_batch}, seed=10 + k) for k in range(steps)]
+    out = []
+    for p in plans:
+        torch.distributed.barrier()
+        pm = ParallelModel(spec, dp=p.dp, pp=p.pp, tp=p.tp, schedule=p.schedule, num_micro_batches=p.num_micro_batches,
+                           virtual_pp=p.virtual_pp, global_batch=p.global_batch, mesh=meshes[(p.dp, p.pp, p.tp)],
+                           graph=graph, zero=p.zero_stage, adamw=ADAMW, checkpointing=p.checkpointing,
+                           offload=p.offload)
+        timer = StepTimer(pm, track_memory=False)
+        for k, b in enumerate(batches):
+            timer.measure(k + 1, lambda b=b: pm.train_step(b))
+        out.append([dataclasses.asdict(s) for s in timer.steps])
+    torch.distributed.barrier()
+    return out
+
+
+def run_reference(world_size: int, out_dir: str | Path, cluster: Cluster, *, steps: int = 6,
+                  timeout_s: float = 900.0) -> list[Path]:
+    """Train :data:`REFERENCE_MODEL` under every plan of :func:`reference_plans` on
+    ``world_size`` local gloo ranks for ``steps`` steps (the first is warm-up) and write each
+    plan's ``plan.json`` (predicted on ``cluster``) and ``measurements.json`` under ``out_dir``;
+    returns the run directories (``partitioner.refit.refit_from_runs`` takes them)."""
+    from partitioner.fidelity import predict_step_time
+    from partitioner.profile import profile_model
+    from runtime.launch import spawn
+    from runtime.measure import RunMeasurements, StepMeasurement
+
+    if steps < 2:
+        raise ConfigError(f"reference runs need at least 2 steps (the first is warm-up), got {steps}")
+    plans = reference_plans(world_size)
+    profile = profile_model(REFERENCE_MODEL, dtype="fp32")
+    predicted = {p.name: predict_step_time(profile, cluster, p.knobs(), global_batch=p.global_batch) for p in plans}
+    start = time.perf_counter()
+    results = spawn(_rank_main, world_size, plans, steps, timeout_s=timeout_s)
+    dirs = []
+    for k, p in enumerate(plans):
+        plan = predicted[p.name]
+        per_rank = [[StepMeasurement(**{**s, "compute_by_stage_s": {int(i): v for i, v in s["compute_by_stage_s"].items()}})
+                     for s in results[rank][k]] for rank in range(world_size)]
+        run = RunMeasurements(plan_summary=plan.summary(), predicted_step_time_s=plan.predicted.step_time_s,
+                              predicted_peak_memory_bytes=plan.predicted.peak_memory_bytes,
+                              predicted_terms=plan.predicted.terms, world_size=world_size, steps=per_rank,
+                              notes=[f"reference run {p.name} of partitioner calibrate "
+                                     f"({time.perf_counter() - start:.0f} s for all plans)"])
+        d = Path(out_dir) / p.name
+        run.write(d / "measurements.json")
+        (d / "plan.json").write_text(plan.to_json() + "\n")
+        dirs.append(d)
+    return dirs

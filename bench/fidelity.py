@@ -39,15 +39,18 @@ MODELS = {
     "llama": "llama:layers=4,hidden=64,heads=4,kv_heads=2,vocab=128,seq=16",
     "hf-gpt2": ("hf-gpt2:n_layer=4,n_embd=64,n_head=4,vocab_size=128,n_positions=32,resid_pdrop=0.0,"
                 "embd_pdrop=0.0,attn_pdrop=0.0,seq=16"),
+    # one GPU (--world 1 --cluster dgx-h200): large enough that kernels, not Python, dominate
+    "gpt-gpu": "gpt:layers=8,hidden=1024,heads=16,vocab=32768,seq=512,dropout=0.0",
 }
 WORLD, GLOBAL_BATCH = 4, 16
 ADAMW = {"lr": 1e-3, "eps": 1e-6}
 HELD_OUT = "pp4-1f1b"
+HELD_OUT_BY_WORLD = {4: "pp4-1f1b", 1: "1dev"}
 
 
 @dataclass(frozen=True)
 class Case:
-    """One plan on 4 ranks (dp * tp * pp = 4)."""
+    """One plan on WORLD ranks (dp * tp * pp = WORLD)."""
 
     name: str
     dp: int
@@ -77,6 +80,13 @@ CASES = (
     Case("dp2-pp2-offload", 2, 1, 2, "1f1b", 1, 2, offload="activations"),
     Case("dp2-pp2-ckpt-offload", 2, 1, 2, "1f1b", 1, 2, checkpointing="full", offload="activations"),
 )
+ONE_DEVICE_CASES = (  # --world 1: the issue's one-GPU table, with and without checkpointing/offload
+    Case("1dev", 1, 1, 1, "1f1b", 1, 2),
+    Case("1dev-ckpt-full", 1, 1, 1, "1f1b", 1, 2, checkpointing="full"),
+    Case("1dev-offload", 1, 1, 1, "1f1b", 1, 2, offload="activations"),
+    Case("1dev-ckpt-offload", 1, 1, 1, "1f1b", 1, 2, checkpointing="full", offload="activations"),
+)
+CASES_BY_WORLD = {4: CASES, 1: ONE_DEVICE_CASES}
 
 
 def _rank_main(models: dict, cases: tuple, steps: int, boundaries: dict) -> list[dict]:
@@ -99,7 +109,7 @@ def _rank_main(models: dict, cases: tuple, steps: int, boundaries: dict) -> list
     out = []
     for model, spec_str in models.items():
         spec = build_model(spec_str)
-        graph = capture_for_pipeline(spec)
+        graph = capture_for_pipeline(spec, device=next(iter(meshes.values())).device.type)
         batches = [spec.example_inputs({"batch": GLOBAL_BATCH}, seed=10 + k) for k in range(steps)]
         batch_bytes = sum(t.untyped_storage().nbytes() for t in batches[0])
         for c in cases:
@@ -145,8 +155,13 @@ def _median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def _cluster(out: Path):
+def _cluster(out: Path, preset: str | None = None):
+    import dataclasses
+
     from partitioner.cluster import CLUSTER_FILE_ENV, DEFAULT_LOCAL_FILE, Cluster
+
+    if preset is not None:  # e.g. dgx-h200 for --world 1 on a GPU: one node of WORLD devices
+        return dataclasses.replace(Cluster.preset(preset), nodes=1, devices_per_node=WORLD)
 
     if not os.environ.get(CLUSTER_FILE_ENV) and not DEFAULT_LOCAL_FILE.expanduser().is_file():
         from partitioner.calibrate import run_calibration
@@ -190,13 +205,20 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "fidelity_runs"))
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--cases", default=",".join(c.name for c in CASES))
+    ap.add_argument("--cases", default=None, help="comma-separated case names (default: every case of the world)")
+    ap.add_argument("--world", type=int, default=4, choices=sorted(CASES_BY_WORLD),
+                    help="ranks: 4 (the CPU table) or 1 (one device: with and without checkpointing/offload)")
+    ap.add_argument("--cluster", default=None,
+                    help="a preset to predict on (e.g. dgx-h200 with --world 1 on a GPU); default the local calibration")
     ap.add_argument("--reuse", action="store_true", help="re-tabulate <out>/results.json instead of running")
     ap.add_argument("--cross-validate", action="store_true",
                     help="also leave each plan out in turn: refit on the others, predict it")
     args = ap.parse_args(argv)
+    global WORLD, HELD_OUT
+    WORLD, HELD_OUT = args.world, HELD_OUT_BY_WORLD[args.world]
     models = {m: MODELS[m] for m in args.models.split(",")}
-    cases = tuple(c for c in CASES if c.name in args.cases.split(","))
+    every = CASES_BY_WORLD[args.world]
+    cases = every if args.cases is None else tuple(c for c in every if c.name in args.cases.split(","))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -206,7 +228,7 @@ def main(argv=None) -> int:
     from runtime.launch import spawn
     from runtime.measure import RunMeasurements, StepMeasurement
 
-    cluster = _cluster(out)
+    cluster = _cluster(out, args.cluster)
     t0 = time.time()
     plans = {}
     for model, spec in models.items():

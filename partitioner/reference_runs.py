@@ -58,8 +58,9 @@ class ReferencePlan:
 
 def reference_plans(world_size: int) -> tuple[ReferencePlan, ...]:
     """The plans that fit ``world_size`` ranks: data parallel (ZeRO-1 when dp > 1), a pipeline
-    (1F1B, and with checkpointing and with activation offload), and tensor parallel, so that
-    every overhead the refit fits is exercised where the world allows it."""
+    (1F1B, and with checkpointing and with activation offload), tensor parallel, and tensor
+    parallel inside a pipeline, so that every overhead the refit fits is exercised where the
+    world allows it."""
     w = world_size
     if w < 1:
         raise ConfigError(f"reference runs need a world size >= 1, got {w}")
@@ -72,6 +73,8 @@ def reference_plans(world_size: int) -> tuple[ReferencePlan, ...]:
                   ReferencePlan(name=f"dp{half}-pp2-ckpt", global_batch=gb, dp=half, pp=2, checkpointing="full"),
                   ReferencePlan(name=f"dp{half}-pp2-offload", global_batch=gb, dp=half, pp=2, offload="activations"),
                   ReferencePlan(name=f"dp{half}-tp2", global_batch=gb, dp=half, tp=2)]
+    if w % 4 == 0:  # tp inside a pipeline: the usual large-model shape (tp in a node, pp across)
+        plans.append(ReferencePlan(name=f"dp{w // 4}-tp2-pp2", global_batch=gb, dp=w // 4, tp=2, pp=2))
     return tuple(plans)
 
 

@@ -206,8 +206,9 @@ class Device:
     peak_flops: PeakFlops
     """Dense peak FLOP/s per dtype."""
     kernel_overhead_s: float = 0.0
-    """Seconds of framework overhead per matmul-class kernel (dispatch, Python, and the small ops
-    around it), added by ``cost_model.compute_time``; 0 for the presets, fitted by
+    """Seconds of framework overhead per dispatched operator (dispatcher, Python, kernel launch):
+    the planner charges it for every forward operator of the captured graph and twice as many
+    backward ones (``cost_model.op_overhead_time``); 0 for the presets, fitted by
     ``partitioner.refit`` where it dominates (small models on CPU)."""
     step_overhead_s: float = 0.0
     """Host seconds per training step outside forward, backward, communication and the optimizer

@@ -23,11 +23,11 @@ per-rank, per-step compute / p2p / optimizer seconds). After the warm-up step, i
   planner's ``pp_comm + bubble``; per run the median of the per-rank solutions, then the
   smallest over runs (the other runs' waits carry a partner's unmodelled slowness).
 * **link latency** (intra- and inter-node α, i.e. the tp and dp collectives and the loss
-  all-reduce), last: the multiplier (powers of √2) whose predicted STEP times have the smallest
-  mean |log(predicted/measured)| over the runs, with the terms above fixed; for each candidate the
-* **step overhead** (``Device.step_overhead_s``) is the median over ranks of the measured
-  ``other_s`` (batch slicing, ``zero_grad``, the loss all-reduce) less the planner's loss
-  all-reduce at that latency.
+  all-reduce) and **step overhead** (``Device.step_overhead_s``), last: the latency multiplier
+  (powers of √2) whose predicted STEP times have the smallest mean |log(predicted/measured)|
+  over the runs, with the terms above fixed and, for each candidate multiplier, the step
+  overhead set to the median over ranks of the measured ``other_s`` (batch slicing,
+  ``zero_grad``, the loss all-reduce) less the planner's loss all-reduce at that latency.
 
 Medians where one rank is one sample, so one slow rank (a noisy neighbour) does not move the fit.
 The presets keep every overhead at 0 / None, so the planner's results on them do not change.
@@ -83,7 +83,7 @@ class Refit:
     """Median |log(predicted / measured step seconds)| over the runs after the refit."""
     runs: int
     kernel_overhead_s: float = 0.0
-    """Fitted framework seconds per matmul-class kernel (``Device.kernel_overhead_s``)."""
+    """Fitted framework seconds per dispatched operator (``Device.kernel_overhead_s``)."""
     p2p_latency_s: float | None = None
     """Fitted seconds per pipeline message (``Cluster.p2p_latency_s``)."""
     step_overhead_s: float = 0.0
@@ -170,7 +170,7 @@ def _plain(runs: Sequence[RunData]) -> list[RunData]:
     """Runs whose compute seconds are kernels alone: no tensor parallelism (its collectives run
     inside forward/backward) and no activation offload (its copies and saved-tensor hooks run
     inside them too, and belong to the planner's ``offload`` term). Checkpointed runs stay: their
-    recompute is kernels the planner counts (their hooks are fitted after, from the residual)."""
+    recompute is operators the planner counts."""
     return [r for r in runs if r.plan.tp == 1 and r.plan.offload != "activations"]
 
 
@@ -184,10 +184,10 @@ def _with_overheads(cluster: Cluster, kernel_s: float | None = None, p2p_s=_KEEP
 def _nnls(rows: Sequence[tuple[float, ...]]) -> tuple[float, ...]:
     """Least squares ``Σ_j a_j·x_j ≈ t`` over ``rows`` of ``(a_1, .., a_n, t)`` with every
     ``x_j >= 0``, by trying each set of free unknowns (n is small; the others held at 0):
-    the feasible solution with the smallest squared error. A set whose columns cannot be told
-    apart (nearly collinear: one micro-batch size, one stage depth) or that the rows never
-    exercise is skipped, so no overhead is claimed without evidence for it; the first unknown
-    alone is the fallback."""
+    the feasible solution with the smallest squared error (ties go to the earlier, smaller set
+    of unknowns). A set whose columns cannot be told apart (nearly collinear: one micro-batch
+    size, one stage depth) or that the rows never exercise is skipped: its split would be noise.
+    The first unknown alone is the fallback."""
     import itertools
 
     import torch

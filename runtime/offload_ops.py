@@ -40,17 +40,23 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import is_fake
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from partitioner.errors import PassError
 
 __all__ = ["OffloadCounters", "offload_counters", "reset_offload_counters", "check_offload_regions",
            "OFFLOAD_BEGIN", "OFFLOAD_END"]
+
+
+SOURCES_KEPT = 65536
+"""Most recent offloaded storages whose weak references the counters keep."""
 
 
 @dataclass
@@ -63,9 +69,10 @@ class OffloadCounters:
     reloaded_storages: int = 0
     kept_tensors: int = 0  # saved tensors inside a region left on the device (weights, not chosen)
     by_region: dict[int, int] = field(default_factory=dict)  # region -> bytes offloaded
-    # Weak references to the device storages that were offloaded: expired once autograd and the
-    # graph dropped them, which is what shows the bytes really left device memory.
-    sources: list[StorageWeakRef] = field(default_factory=list, repr=False)
+    # Weak references to the last device storages that were offloaded: expired once autograd and
+    # the graph dropped them, which is what shows the bytes really left device memory. Bounded,
+    # so a long training run does not collect one per offloaded tensor forever.
+    sources: deque[StorageWeakRef] = field(default_factory=lambda: deque(maxlen=SOURCES_KEPT), repr=False)
 
 
 _COUNTERS = OffloadCounters()
@@ -89,7 +96,7 @@ def reset_offload_counters() -> None:
 class _HostStorage:
     """One device storage moved to host; shared by every saved view of it."""
 
-    def __init__(self, storage: torch.UntypedStorage, device: torch.device, region: int):
+    def __init__(self, storage: torch.UntypedStorage, device: torch.device, region: int, *, count: bool = True):
         self.device = device
         self.nbytes = storage.nbytes()
         self.region = region
@@ -109,10 +116,11 @@ class _HostStorage:
         else:
             # CPU: host and "device" are one memory; clone anyway so the path is exercised.
             self.host = src.clone()
-        _COUNTERS.offloaded_bytes += self.nbytes
-        _COUNTERS.offloaded_storages += 1
-        _COUNTERS.by_region[region] = _COUNTERS.by_region.get(region, 0) + self.nbytes
-        _COUNTERS.sources.append(StorageWeakRef(storage))
+        if count:
+            _COUNTERS.offloaded_bytes += self.nbytes
+            _COUNTERS.offloaded_storages += 1
+            _COUNTERS.by_region[region] = _COUNTERS.by_region.get(region, 0) + self.nbytes
+            _COUNTERS.sources.append(StorageWeakRef(storage))
 
     def reload(self) -> torch.UntypedStorage:
         """The storage back on its device (copied once for all savers still to unpack)."""
@@ -189,6 +197,11 @@ class _Region:
         return t
 
     def _host_copy(self, t: torch.Tensor, ref: StorageWeakRef) -> _HostStorage:
+        if is_fake(t):
+            # a fake run (the memory analysis): not shared with real storages, not counted, and
+            # not registered (fake storages outlive the run in caches, and a registry full of
+            # them slowed every later real pack)
+            return _HostStorage(t.untyped_storage(), t.device, self.region, count=False)
         with _LOCK:
             for dead in [k for k, v in _LIVE.items() if v() is None or k.expired()]:
                 del _LIVE[dead]

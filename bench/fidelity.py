@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "fidelity_runs"))
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--models", default="gpt,llama,hf-gpt2", help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--cases", default=None, help="comma-separated case names (default: every case of the world)")
     ap.add_argument("--world", type=int, default=4, choices=sorted(CASES_BY_WORLD),
                     help="ranks: 4 (the CPU table) or 1 (one device: with and without checkpointing/offload)")

@@ -16,7 +16,7 @@ from passes.apply_tensor_parallel import apply_tensor_parallel, unshard_tensor
 from passes.capture import capture_spec
 from passes.meta import SHAPE, TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN, dim_symbol
 from passes.tensor_parallel_patterns import tag_tensor_parallel
-from tests.passes.tp_graphs import tagged_tp2
+from tests.passes.tp_graphs import run_simulated_step, tagged_tp2
 
 RTOL = 1e-5
 SPECS = {
@@ -33,15 +33,7 @@ def captured():
 def _run_ranks(gm, inputs, prefix):
     names = tpc.simulated_groups(prefix, 2, timeout_s=30)
     ranks = [apply_tensor_parallel(gm, rank=r, group=names[r], sequence_parallel=True) for r in range(2)]
-
-    def step(m):
-        def run():
-            loss = m(*inputs)
-            loss.backward()
-            return loss.detach(), {n: p.grad for n, p in m.named_parameters(remove_duplicate=False)}
-        return run
-
-    return ranks, tpc.run_simulated([step(m) for m in ranks], timeout_s=60)
+    return ranks, run_simulated_step(ranks, inputs)
 
 
 @pytest.mark.parametrize("key", list(SPECS))

@@ -19,7 +19,7 @@ from passes.apply_tensor_parallel import apply_tensor_parallel, shard_tensor, un
 from passes.capture import capture_model, capture_spec, module_path
 from passes.meta import SHAPE, TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN, InputSpec, ParamSharding
 from passes.tensor_parallel_patterns import sharded_param_bytes, tag_tensor_parallel
-from tests.passes.tp_graphs import tagged_tp2
+from tests.passes.tp_graphs import run_simulated_step, tagged_tp2
 
 RTOL = 1e-5
 EXACT_SPECS = {
@@ -158,14 +158,7 @@ def test_tp2_simulated_matches_single_device(captured, key):
     assert "partitioner.copy_to_tp" in code and "partitioner.reduce_from_tp" in code
     assert "partitioner.vocab_parallel_cross_entropy" in code
 
-    def step(m):
-        def run():
-            loss = m(*inputs)
-            loss.backward()
-            return loss.detach(), {n: p.grad for n, p in m.named_parameters(remove_duplicate=False)}
-        return run
-
-    results = tpc.run_simulated([step(m) for m in ranks], timeout_s=60)
+    results = run_simulated_step(ranks, inputs)
     worst = _check(gm, ref_loss, ref_grads, [r[0] for r in results], [r[1] for r in results])
     print(f"{key}: loss {ref_loss.item():.6f}, worst grad error {worst:.2e} of each tensor's max")
     # Sharded parameters are real halves, named as the originals.

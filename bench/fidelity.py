@@ -80,7 +80,7 @@ CASES = (
     Case("dp2-pp2-offload", 2, 1, 2, "1f1b", 1, 2, offload="activations"),
     Case("dp2-pp2-ckpt-offload", 2, 1, 2, "1f1b", 1, 2, checkpointing="full", offload="activations"),
 )
-ONE_DEVICE_CASES = (  # --world 1: the one-GPU table, with and without checkpointing/offload
+ONE_DEVICE_CASES = (  # --world 1: the one-GPU table, with and without checkpointing/offload
     Case("1dev", 1, 1, 1, "1f1b", 1, 2),
     Case("1dev-ckpt-full", 1, 1, 1, "1f1b", 1, 2, checkpointing="full"),
     Case("1dev-offload", 1, 1, 1, "1f1b", 1, 2, offload="activations"),
@@ -97,8 +97,9 @@ def _rank_main(models: dict, cases: tuple, steps: int, boundaries: dict) -> list
     from partitioner.fidelity import predict_memory
     from partitioner.model_spec import build_model
     from runtime.measure import StepTimer
+    from partitioner.build import build_parallel_model, capture_for_pipeline
+    from passes.ir.config import ParallelConfig
     from runtime.mesh import Mesh, init_distributed
-    from runtime.parallel_model import ParallelModel, capture_for_pipeline
 
     init_distributed(timeout_s=600)
     meshes = {}
@@ -117,11 +118,11 @@ def _rank_main(models: dict, cases: tuple, steps: int, boundaries: dict) -> list
             row = {"model": model, "case": c.name, "rank": torch.distributed.get_rank()}
             try:
                 start = time.perf_counter()
-                pm = ParallelModel(spec, dp=c.dp, pp=c.pp, tp=c.tp, schedule=c.schedule,
-                                   num_micro_batches=c.num_micro_batches, virtual_pp=c.virtual_pp,
-                                   global_batch=GLOBAL_BATCH, mesh=meshes[(c.dp, c.pp, c.tp)], graph=graph,
-                                   zero=c.zero, adamw=ADAMW, checkpointing=c.checkpointing, offload=c.offload,
-                                   stage_boundaries=boundaries.get((model, c.name)))
+                config = ParallelConfig.for_global_batch(
+                    GLOBAL_BATCH, dp=c.dp, pp=c.pp, tp=c.tp, schedule=c.schedule, num_micro_batches=c.num_micro_batches,
+                    virtual_pp=c.virtual_pp, zero_stage=c.zero, checkpointing=c.checkpointing, offload=c.offload,
+                    stage_boundaries=boundaries.get((model, c.name)))
+                pm = build_parallel_model(graph, config, meshes[(c.dp, c.pp, c.tp)], adamw=ADAMW)
                 dims = {**dict(pm.micro_batches(batches[0])[1])}
                 t0 = time.perf_counter()
                 try:  # a failed prediction must not skip training: the other ranks would wait
@@ -241,9 +242,8 @@ def main(argv=None) -> int:
         results = json.loads(raw.read_text())
     else:
         t0 = time.time()
-        from partitioner.auto import plan_stage_boundaries
 
-        boundaries = {key: plan_stage_boundaries(p)[0] or None for key, p in plans.items()}
+        boundaries = {key: p.config.stage_boundaries for key, p in plans.items()}
         results = spawn(_rank_main, WORLD, models, cases, args.steps, boundaries, timeout_s=3000)
         print(f"spawn done in {time.time() - t0:.1f} s", flush=True)
         raw.write_text(json.dumps(results, default=str))

@@ -2,14 +2,14 @@
 
 Pairs (same zoo GPT, same initial weights, same global batches, same AdamW, same micro-batches):
 
-* ``pp-1f1b`` / ``pp-gpipe``: ``ParallelModel(pp=4, schedule=...)`` vs
+* ``pp-1f1b`` / ``pp-gpipe``: ``ParallelModel`` with pp=4 and that schedule vs
   ``torch.distributed.pipelining`` (``Schedule1F1B`` / ``ScheduleGPipe`` over a hand-built
   ``PipelineStage`` per rank: the blocks of a copy of the eager model, split at the same layer
   boundaries as ours; the tied embedding / LM head gradient is summed over the two pipeline ends
   as our runtime does; pipelining's default ``scale_grads=True`` makes the gradient the mean over
   micro-batches, which is what our mean loss gives).
-* ``dp``: ``ParallelModel(dp=4)`` vs ``DistributedDataParallel`` on the eager model.
-* ``tp``: ``ParallelModel(tp=4)`` (when it takes ``tp``) vs ``parallelize_module`` with
+* ``dp``: ``ParallelModel`` with dp=4 vs ``DistributedDataParallel`` on the eager model.
+* ``tp``: ``ParallelModel`` with tp=4 vs ``parallelize_module`` with
   Colwise/Rowwise plans over a gloo ``DeviceMesh``. The fused QKV projection is column-sharded
   with its rows permuted so that each rank's shard holds its own heads' q, k and v (the usual way
   to shard a fused QKV; still one matmul, like the eager model).
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import inspect
 import statistics
 import sys
 import time
@@ -111,12 +110,6 @@ class PairResult:
         return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(self.ours_losses, self.torch_losses))
 
 
-def tp_available() -> bool:
-    """Whether ``ParallelModel`` takes a ``tp`` degree yet."""
-    from runtime.parallel_model import ParallelModel
-    return "tp" in inspect.signature(ParallelModel).parameters
-
-
 # ------------------------------------------------------------------------------------------------
 # Torch side: hand-built pipeline stages and a TP-shardable attention for the zoo GPT.
 class GPTStage(nn.Module):
@@ -185,12 +178,12 @@ def _world_mean_loss(loss: torch.Tensor | None, contributors: int) -> float:
 # ------------------------------------------------------------------------------------------------
 # Step functions: each returns ``step(batch) -> float`` (the global batch's mean loss, every rank).
 def _ours(spec, graph, mesh, config: BenchConfig, *, dp=1, pp=1, tp=1, schedule="1f1b", m=1):
-    from runtime.parallel_model import ParallelModel
+    from partitioner.build import build_parallel_model
+    from passes.ir.config import ParallelConfig
 
-    kwargs = {"tp": tp} if tp > 1 else {}
-    model = ParallelModel(spec, dp=dp, pp=pp, schedule=schedule, num_micro_batches=m, mesh=mesh,
-                          global_batch=config.global_batch, graph=graph, adamw=ADAMW, **kwargs)
-    return model.train_step
+    parallel = ParallelConfig.for_global_batch(config.global_batch, dp=dp, pp=pp, tp=tp, schedule=schedule,
+                                               num_micro_batches=m)
+    return build_parallel_model(graph, parallel, mesh, adamw=ADAMW).train_step
 
 
 def _torch_pipeline(spec, config: BenchConfig, schedule: str, ends_group):
@@ -273,8 +266,8 @@ def run_rank(config: BenchConfig, pairs: tuple[str, ...]) -> list[PairResult]:
     and return rank 0's timings and the losses."""
     from torch.distributed.device_mesh import DeviceMesh
 
+    from partitioner.build import capture_for_pipeline
     from runtime.mesh import Mesh, init_distributed
-    from runtime.parallel_model import capture_for_pipeline
 
     init_distributed(timeout_s=TIMEOUT_S)
     rank = torch.distributed.get_rank()
@@ -282,19 +275,17 @@ def run_rank(config: BenchConfig, pairs: tuple[str, ...]) -> list[PairResult]:
     graph = capture_for_pipeline(spec)  # ours deep-copies it per pair
     batches = [spec.example_inputs({"batch": config.global_batch}, seed=100 + k)
                for k in range(config.warmup + config.steps)]
-    has_tp = tp_available()
     # Every group, on every rank, in the same order (a torch.distributed rule), before any pair runs.
     pp_mesh = Mesh(1, WORLD, timeout_s=TIMEOUT_S) if any(p.startswith("pp") for p in pairs) else None
     dp_mesh = Mesh(WORLD, 1, timeout_s=TIMEOUT_S) if "dp" in pairs else None
     ends_group = torch.distributed.new_group([0, WORLD - 1], timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    tp_mesh = Mesh(1, 1, config.tp, timeout_s=TIMEOUT_S) if "tp" in pairs and has_tp else None
+    tp_mesh = Mesh(1, 1, config.tp, timeout_s=TIMEOUT_S) if "tp" in pairs else None
     device_mesh = DeviceMesh("cpu", list(range(config.tp))) if "tp" in pairs else None
 
     results = []
     for pair in pairs:
         torch.distributed.barrier()
         m = config.micro_batches
-        ours = None  # a side we cannot build yet (tp before ParallelModel takes it): torch runs alone
         if pair.startswith("pp"):
             schedule = pair.split("-")[1]
             ours = _ours(spec, graph, pp_mesh, config, pp=WORLD, schedule=schedule, m=m)
@@ -303,8 +294,7 @@ def run_rank(config: BenchConfig, pairs: tuple[str, ...]) -> list[PairResult]:
             ours = _ours(spec, graph, dp_mesh, config, dp=WORLD)
             theirs = _torch_ddp(spec, config)
         else:
-            if has_tp:
-                ours = _ours(spec, graph, tp_mesh, config, tp=config.tp)
+            ours = _ours(spec, graph, tp_mesh, config, tp=config.tp)
             theirs = _torch_tp(spec, config, device_mesh)
         times: dict[str, list[float]] = {"ours": [], "torch": []}
         losses: dict[str, list[float]] = {"ours": [], "torch": []}

@@ -11,7 +11,7 @@ from torch import fx
 
 from ir_dumps.encode import node_module, target_text
 from ir_dumps.text import shape_text
-from passes.meta import SHAPE, ShapeMeta
+from passes.ir.meta import SHAPE, ShapeMeta
 
 _FILL = {"placeholder": "lightblue", "get_attr": "lightyellow", "output": "lightgrey"}
 

@@ -3,7 +3,7 @@
 Rules that make dumps byte-identical from run to run:
 
 * only *our* facts are dumped: values in ``node.meta`` / ``gm.meta`` that are dataclasses defined
-  in this project (``passes.meta`` and friends); torch.export's own entries (fake tensors, stack
+  in this project (``passes.ir.meta`` and friends); torch.export's own entries (fake tensors, stack
   traces with file paths) are left out;
 * sympy expressions print with ``str()`` (sympy orders terms canonically); integers become ints;
 * no ``repr`` that could carry a memory address reaches the output (``at 0x...`` is stripped).
@@ -20,7 +20,8 @@ import torch
 from torch import fx
 from torch.fx.node import _get_qualified_name
 
-from passes import meta as meta_keys
+from passes.ir import meta as meta_keys
+from passes.ir.meta import module_path
 
 # Packages whose dataclasses count as project facts worth dumping.
 _PROJECT_PACKAGES = ("passes", "partitioner", "runtime", "ir_dumps")
@@ -28,7 +29,7 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def _meta_key_order() -> tuple[str, ...]:
-    """Keys of ``passes.meta`` in the order that module defines them (shape, flops, memory, ...)."""
+    """Keys of ``passes.ir.meta`` in the order that module defines them (shape, flops, memory, ...)."""
     keys = []
     for name, value in vars(meta_keys).items():
         if name.isupper() and isinstance(value, str) and not name.startswith("EXPORT_"):
@@ -52,10 +53,10 @@ def is_plain(value: Any) -> bool:
 
 
 def facts(meta: dict[str, Any]) -> Iterator[tuple[str, Any]]:
-    """The project facts of a meta dict, known keys first (in ``passes.meta`` order), then sorted.
+    """The project facts of a meta dict, known keys first (in ``passes.ir.meta`` order), then sorted.
 
     A fact is a project dataclass, or a plain scalar (:func:`is_plain`) under a key of
-    ``passes.meta``; callers that format fields must check ``dataclasses.is_dataclass`` first."""
+    ``passes.ir.meta``; callers that format fields must check ``dataclasses.is_dataclass`` first."""
     # A known key may hold a plain value (the pipeline stage is an int on nodes and on stage
     # modules): still a decision worth dumping, printed as ``key=value``.
     known = [k for k in KNOWN_KEY_ORDER if k in meta and (is_fact(meta[k]) or is_plain(meta[k]))]
@@ -168,6 +169,4 @@ def arg_json(arg: Any) -> Any:
 
 def node_module(node: fx.Node) -> str:
     """The user module path a node came from ("" when unknown or top level)."""
-    from passes.capture import module_path
-
     return module_path(node)

@@ -3,9 +3,11 @@
 For each decision — pipeline stage, tensor-parallel sharding, recompute (activation
 checkpointing), offload — it prints the value, the pass whose dump first shows it, and the cost
 terms that went into it: the node's own FLOPs and bytes, its checkpoint region's recompute FLOPs
-and bytes saved, the sharding reason, and, when ``plan.json`` lies in DIR, the stage's predicted
-time and memory from the plan. A decision no dump records is reported as "not decided by any
-pass". Reads only JSON (``manifest.json``, ``NN_<pass>.json``, ``plan.json``).
+and bytes saved, the sharding reason, and, when ``plan.json`` lies in DIR, what the plan's
+search weighed: the stage's predicted time and memory, the tensor-parallel communication the
+plan pays and the candidates with another tp degree that lost. Then the rank programs
+(``stage<s>_tp<r>/``) that hold the node, with its cost there. A decision no dump records is
+reported as "not decided by any pass". Reads only JSON (``manifest.json``, ``*.json``, ``plan.json``).
 """
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ir_dumps.reader import DumpDir, DumpError, GraphDump, NodeDump, load_dump_dir
-from partitioner.plan_types import format_bytes
+from ir_dumps.reader import DumpDir, DumpError, GraphDump, NodeDump, load_dump_dir, sympy_value
+from passes.ir.plan import format_bytes
+from passes.ir.meta import dim_symbol
 
 NOT_DECIDED = "not decided by any pass"
 DECISIONS = (("stage", "pipeline_stage"), ("sharding", "tensor_parallel"), ("recompute", "checkpoint"),
@@ -26,14 +29,21 @@ def explain_node(path: str | Path, name: str) -> str:
     dump = load_dump_dir(path)
     name = name.removeprefix("%")
     history: list[tuple[str, GraphDump, NodeDump]] = []
+    programs: dict[str, tuple[GraphDump, NodeDump]] = {}  # scope -> its last dump holding the node
     for entry in dump.entries:
         graph = dump.load(entry)
         node = graph.node(name)
-        if node is not None:
+        if node is None:
+            continue
+        if entry.dir:
+            programs[entry.dir] = (graph, node)
+        else:
             history.append((entry.name, graph, node))
-    if not history:
+    if not history and not programs:
         raise DumpError(f"no node {name!r} in any dump of {dump.path}; `ir-dumps show {dump.path} --pass P` "
                         f"lists a pass's nodes")
+    if not history:  # only in rank programs (a node a rewrite inserted)
+        history = [(f"{scope}/(program)", graph, node) for scope, (graph, node) in programs.items()]
     pass_name, graph, node = history[-1]
     lines = [f"node %{node.name}: {node.op} {node.target}" + (f"  (module {node.module})" if node.module else ""),
              f"as of the last dump that has it: {pass_name}"]
@@ -50,7 +60,37 @@ def explain_node(path: str | Path, name: str) -> str:
             continue
         lines.append(f"  decided by pass {first}")
         lines += ["  " + line for line in _decision(key, value, node, graph, plan)]
+    lines += _programs(programs, node)
     return "\n".join(lines) + "\n"
+
+
+def _programs(programs: dict[str, tuple[GraphDump, NodeDump]], whole: NodeDump) -> list[str]:
+    """The rank programs holding the node and its cost in each (after the rewrites of that rank)."""
+    if not programs:
+        return ["rank programs: none hold it (no lowering in these dumps)"]
+    out = [f"rank programs holding it: {', '.join(programs)}"]
+    for scope, (graph, node) in programs.items():
+        fwd = _fwd(node)
+        total = _fwd(whole, (graph.graph.get("capture") or {}).get("dims") or [])
+        share = f" ({fwd / total:.0%} of the whole graph's at these dims)" if fwd is not None and total else ""
+        shape = node.meta.get("shape") or {}
+        tensors = "; ".join(f"{t.get('shape')} {t.get('dtype')}" for t in shape.get("tensors", []))
+        memory = node.meta.get("memory") or {}
+        kept = f", kept for backward {memory.get('kept_bytes')} bytes" if memory.get("kept_bytes") else ""
+        out.append(f"  {scope}: fwd FLOPs {_num(fwd) if fwd is not None else '?'}{share}, output {tensors or '?'}{kept}")
+    return out
+
+
+def _fwd(node: NodeDump, dims: Any = ()) -> float | None:
+    """The node's forward FLOPs, evaluated at ``dims`` (``[[name, size], ...]``) when symbolic."""
+    flops = node.meta.get("flops")
+    if not isinstance(flops, dict):
+        return None
+    try:
+        value = sympy_value(flops.get("fwd", 0)).subs({dim_symbol(str(k)): int(v) for k, v in dims})
+        return float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def _costs(node: NodeDump) -> list[str]:
@@ -113,18 +153,53 @@ def _decision(key: str, value: Any, node: NodeDump, graph: GraphDump, plan: dict
         out = [" ".join(f"{k}={v}" for k, v in value.items() if v not in (None, "", []))]
         tplan = graph.graph.get("tensor_parallel_plan")
         if isinstance(tplan, dict):
-            param = (tplan.get("params") or {}).get(node.target)
-            out.append(f"tp degree {tplan.get('degree')}" + (f"; parameter {node.target}: {param}" if param else ""))
+            params = tplan.get("params") or {}
+            reads = [graph.node(a.removeprefix("%")) for a in _refs(node.args)]
+            targets = [n.target for n in reads if n is not None and n.op == "get_attr"] + [node.target]
+            for target in dict.fromkeys(t for t in targets if t in params):
+                out.append(f"parameter {target}: {params[target]}")
+            out.append(f"tp degree {tplan.get('degree')}")
+        out += _tp_cost(plan)
         return out
     # offload and anything a later pass adds: print its fields generically.
     return [" ".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else str(value)]
 
 
+def _refs(args: Any) -> list[str]:
+    """The ``%node`` references in a dumped argument list (nested lists included)."""
+    out: list[str] = []
+    for a in args if isinstance(args, (list, tuple)) else [args]:
+        if isinstance(a, (list, tuple)):
+            out += _refs(a)
+        elif isinstance(a, str) and a.startswith("%"):
+            out.append(a)
+    return out
+
+
+def _tp_cost(plan: dict | None) -> list[str]:
+    """What the plan's search weighed for its tp degree: the tp communication it pays, and the
+    candidates with another degree that lost (plan.json's prediction and alternatives)."""
+    if plan is None:
+        return ["(no plan.json here: the degree was given, not searched)"]
+    pred = plan.get("predicted") or {}
+    terms = pred.get("terms") or {}
+    step = float(pred.get("step_time_s", 0) or 0)
+    tp = plan.get("tp", 1)
+    out = [f"cost: the search chose tp={tp}: predicted step {step * 1e3:.3f} ms, of which tensor-parallel "
+           f"communication {float(terms.get('tp_comm', 0)) * 1e3:.3f} ms and compute {float(terms.get('compute', 0)) * 1e3:.3f} ms"]
+    others = [a for a in plan.get("alternatives") or [] if (a.get("knobs") or {}).get("tp") not in (None, tp)]
+    for alt in others[:3]:
+        knobs = alt.get("knobs") or {}
+        out.append(f"  lost: tp={knobs.get('tp')} dp={knobs.get('dp')} pp={knobs.get('pp')}: "
+                   f"{float(alt.get('step_time_s', 0)) * 1e3:.3f} ms, {alt.get('reason')}")
+    if not others:
+        out.append("  (no candidate with another tp degree among the plan's alternatives; pinned, or far slower)")
+    return out
+
+
 def _stage_flops(graph: GraphDump, stage: int) -> list[str]:
     """Forward+backward FLOPs per stage from the node annotations (at the captured dims): the
     quantity a layer-balanced split evens out."""
-    from ir_dumps.reader import sympy_value
-    from passes.meta import dim_symbol
 
     dims = (graph.graph.get("capture") or {}).get("dims") or []
     subs = {dim_symbol(str(k)): int(v) for k, v in dims}
@@ -160,6 +235,9 @@ def _load_plan(dump: DumpDir) -> dict | None:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError:
         return None
+    if isinstance(data, dict) and isinstance(data.get("config"), dict):
+        data = {**data["config"], **{k: v for k, v in data.items() if k != "config"}}  # knobs read at top level
+    return data

@@ -19,11 +19,13 @@ as ``Identity`` nodes whose output keeps the name). Our decisions travel along:
   kernel for the custom domain); ``with_comm=False`` keeps the plain, runnable program.
 
 One file per (pipeline stage, tp rank): :func:`export_split` writes the unsharded stages (as tp
-rank 0); :func:`export_rank_programs` writes every tp rank's own program, built by
-:func:`runtime.rank_program.build_rank_program` (sharded parameters as that rank's slices under
-their original names). Its tensor-parallel collectives (``torch.ops.partitioner.*``, see
-:mod:`runtime.tp_collectives`) become custom-domain nodes through ONNX symbolic functions
-registered for the TorchScript exporter::
+rank 0); :func:`export_rank_programs` writes the programs of given
+:class:`passes.ir.program.RankProgram` s, each stage as its rank runs it (sharded parameters as
+that rank's slices under their original names). Tracing runs the programs, so their custom ops
+need real kernels, which the runtime owns: the caller passes ``tracing``, a context in which
+they run on one process (:func:`runtime.kernels.collectives.trace_groups`). The tensor-parallel
+collectives (``torch.ops.partitioner.*``, :mod:`passes.ir.ops`) become custom-domain nodes
+through ONNX symbolic functions registered for the TorchScript exporter::
 
     partitioner.CopyToTP(x) -> y                  identity forward, all-reduce of the gradient
     partitioner.ReduceFromTP(x) -> y              all-reduce (sum) forward
@@ -42,31 +44,36 @@ from __future__ import annotations
 import contextlib
 import json
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
 import sympy
 import torch
 from torch import fx
 
 from ir_dumps.encode import facts, to_json
-from partitioner.errors import PassError
-from passes.meta import (
+from passes.ir.errors import PassError
+from passes.ir.meta import (
     CAPTURE, CHECKPOINT, PIPELINE_STAGE, TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN, PipelineSplit, StageIO, TensorMeta,
     dim_symbol,
 )
+from passes.ir.program import RankProgram
+import passes.ir.ops  # noqa: F401  (the ops must exist before their symbolics)
 
 DOMAIN = "partitioner"
 OPSET = 17
 _ANNOTATION_KEYS = (PIPELINE_STAGE, CHECKPOINT, TENSOR_PARALLEL, "offload")
 
 
-def stage_example_inputs(split: PipelineSplit, stage: int, dims: Mapping[str, int]) -> tuple[Any, ...]:
+def stage_example_inputs(split: PipelineSplit | Sequence[StageIO], stage: int,
+                         dims: Mapping[str, int]) -> tuple[Any, ...]:
     """Inputs of stage ``stage`` for tracing: zeros of each input's shape and dtype (token ids
     of 0 are valid indices), sizes evaluated from ``dims`` (named dim -> int)."""
     subs = {dim_symbol(k): int(v) for k, v in dims.items()}
+    io = split.io if isinstance(split, PipelineSplit) else split
     out: list[Any] = []
-    for inp in split.io[stage].inputs:
+    for inp in io[stage].inputs:
         if inp.kind == "size":
             out.append(_concrete(inp.value, subs, inp.name))
         else:
@@ -82,8 +89,8 @@ def export_stage(split: PipelineSplit, stage: int, path: str | Path, *, dims: Ma
     import onnx
 
     path = Path(path)
-    model = _trace(split.modules[stage], split, stage, path, dims=dims, opset=opset)
-    _annotate(model, split.modules[stage], split, stage, tp_rank)
+    model = _trace(split.modules[stage], split.io, stage, path, dims=dims, opset=opset)
+    _annotate(model, split.modules[stage], _split_facts(split), stage, tp_rank)
     if with_comm:
         _add_comm_nodes(model, split.io[stage], stage)
     onnx.checker.check_model(model)
@@ -100,37 +107,28 @@ def export_split(split: PipelineSplit, out_dir: str | Path, *, dims: Mapping[str
                          with_comm=with_comm, opset=opset) for s in range(split.n_stages)]
 
 
-def export_rank_programs(gm: fx.GraphModule, *, tp: int, pp: int, out_dir: str | Path,
-                         dims: Mapping[str, int] | None = None, checkpointing: str = "none",
-                         with_comm: bool = True, opset: int = OPSET) -> list[Path]:
-    """``stage<s>_tp<r>.onnx`` in ``out_dir`` for every pipeline stage ``s`` < ``pp`` and tp rank
-    ``r`` < ``tp``: the program rank (s, dp 0, r) runs, from ``build_rank_program(gm, dp=1, ...)``
-    (no process group needed). Returns the paths, stage-major.
+def export_rank_programs(programs: Sequence[RankProgram], out_dir: str | Path, *, dims: Mapping[str, int] | None = None,
+                         with_comm: bool = True, opset: int = OPSET,
+                         tracing: Callable[[RankProgram], ContextManager] | None = None) -> list[Path]:
+    """``stage<s>_tp<r>.onnx`` in ``out_dir`` for every stage ``s`` of every program (tp rank
+    ``r`` its ``tp_index``): the program as that rank runs it. Returns the paths, in order.
 
-    ``gm``: the captured, shape-annotated training step (not changed); ``dims``: named dim ->
-    int for the example inputs (default: the capture's hints); ``checkpointing``: passed to
-    the rank-program builder. ``with_comm=False`` leaves out Send/Recv (the tp collectives are
-    the program itself and always stay). See the module docstring for what a file holds.
+    ``dims``: named dim -> int for the example inputs (default: the capture's hints);
+    ``tracing(program)``: the context the program's custom ops run in while traced (see the
+    module docstring; without one, a program with tp collectives cannot be traced).
+    ``with_comm=False`` leaves out Send/Recv (the tp collectives are the program itself and always stay).
     """
     import onnx
 
-    from runtime.rank_program import build_rank_program, global_rank
-
-    if dims is None:
-        info = gm.meta.get(CAPTURE)
-        if info is None:
-            raise PassError("onnx_export: gm has no capture info to take example dims from; pass dims=")
-        dims = dict(info.dims)
     out_dir = Path(out_dir)
     paths = []
-    for stage in range(pp):
-        for tp_rank in range(tp):
-            rank = global_rank(stage, 0, tp_rank, dp=1, tp=tp)
-            program = build_rank_program(gm, dp=1, tp=tp, pp=pp, rank=rank, checkpointing=checkpointing,
-                                         tp_group=_TRACE_GROUP)
-            module, path = program.modules[stage], out_dir / f"stage{stage}_tp{tp_rank}.onnx"
-            model = _trace(module, program.split, stage, path, dims=dims, opset=opset)
-            _annotate(model, module, program.split, stage, tp_rank)
+    for program in programs:
+        for stage in program.stages:
+            module, path = program.modules[stage], out_dir / f"stage{stage}_tp{program.tp_index}.onnx"
+            stage_dims = dims if dims is not None else _dims_of(module)
+            with (tracing(program) if tracing is not None else contextlib.nullcontext()):
+                model = _trace(module, program.io, stage, path, dims=stage_dims, opset=opset)
+            _annotate(model, module, _program_facts(program), stage, program.tp_index)
             _annotate_rank(model, program, stage)
             if with_comm:
                 peers = {(c.kind, c.peer_stage): c.ranks[0] for c in program.comms if c.kind in ("send", "recv")}
@@ -141,15 +139,38 @@ def export_rank_programs(gm: fx.GraphModule, *, tp: int, pp: int, out_dir: str |
     return paths
 
 
+def _dims_of(module: fx.GraphModule) -> dict[str, int]:
+    info = module.meta.get(CAPTURE)
+    if info is None:
+        raise PassError("onnx_export: the program has no capture info to take example dims from; pass dims=")
+    return dict(info.dims)
+
+
+@dataclass(frozen=True)
+class _Facts:
+    """What the annotations need of a split or a rank program."""
+    n_stages: int
+    skip: str
+    tied: dict[str, tuple[int, ...]]
+    aliases: dict[str, tuple[str, ...]]
+
+
+def _split_facts(split: PipelineSplit) -> _Facts:
+    return _Facts(split.n_stages, split.skip, dict(split.tied), dict(split.aliases))
+
+
+def _program_facts(program: RankProgram) -> _Facts:
+    return _Facts(program.n_stages, "relay", {n: t.stages for n, t in program.tied.items()},
+                  {n: t.aliases for n, t in program.tied.items()})
+
+
 # --------------------------------------------------------------------------------------------------
 # Tensor-parallel collectives: ONNX symbolic functions for the TorchScript exporter.
-# The tp group the rank programs are built for while exporting: the name simulated_groups gives
-# rank 0 of a one-rank group under this prefix (the name itself does not reach the ONNX file).
-_TRACE_PREFIX = "onnx_export/trace"
-_TRACE_GROUP = f"{_TRACE_PREFIX}/rank0"
 # torch op name -> ONNX op type of the custom domain
 TP_OP_TYPES = {"copy_to_tp": "CopyToTP", "reduce_from_tp": "ReduceFromTP", "all_reduce": "AllReduce",
-               "vocab_parallel_cross_entropy": "VocabParallelCrossEntropy", "sharded_dropout": "ShardedDropout"}
+               "vocab_parallel_cross_entropy": "VocabParallelCrossEntropy", "sharded_dropout": "ShardedDropout",
+               "reduce_scatter_seq": "ReduceScatterSeq", "all_gather_seq": "AllGatherSeq",
+               "scatter_to_seq": "ScatterToSeq", "gather_from_seq": "GatherFromSeq"}
 
 
 def _same_type(out: Any, like: Any) -> Any:
@@ -193,45 +214,49 @@ def _sym_sharded_dropout(g, x, p, dim, rank, degree, sections):
     return _same_type(y, x), mask
 
 
-_SYMBOLICS = {"copy_to_tp": _sym_copy_to_tp, "reduce_from_tp": _sym_reduce_from_tp, "all_reduce": _sym_all_reduce,
+def _sym_seq(op_type: str, scale_up: bool):
+    """Symbolic of a sequence-parallel op: the sequence dim ``dim`` grows (gathers) or shrinks
+    (scatters) by ``tp``; attrs ``dim`` and ``tp``."""
+    def symbolic(g, x, dim, tp, group):
+        from torch.onnx import symbolic_helper
+
+        d, t = symbolic_helper._maybe_get_const(dim, "i"), symbolic_helper._maybe_get_const(tp, "i")
+        out = g.op(f"{DOMAIN}::{op_type}", x, dim_i=d, tp_i=t)
+        sizes = symbolic_helper._get_tensor_sizes(x)
+        if sizes and sizes[d] is not None:
+            sizes = list(sizes)
+            sizes[d] = sizes[d] * t if scale_up else sizes[d] // t
+            out.setType(x.type().with_sizes(sizes))
+        else:
+            out.setType(x.type())
+        return out
+    return symbolic
+
+
+_SYMBOLICS = {"reduce_scatter_seq": _sym_seq("ReduceScatterSeq", False), "all_gather_seq": _sym_seq("AllGatherSeq", True),
+              "scatter_to_seq": _sym_seq("ScatterToSeq", False), "gather_from_seq": _sym_seq("GatherFromSeq", True),
+              "copy_to_tp": _sym_copy_to_tp, "reduce_from_tp": _sym_reduce_from_tp, "all_reduce": _sym_all_reduce,
               "vocab_parallel_cross_entropy": _sym_vocab_parallel_cross_entropy,
               "sharded_dropout": _sym_sharded_dropout}
 
 
 def register_tp_symbolics(opset: int = OPSET) -> None:
     """Register the ONNX symbolic functions of ``partitioner::*`` ops for ``opset`` (idempotent)."""
-    import runtime.tp_collectives  # noqa: F401  (the ops must exist before their symbolics)
-    import runtime.tp_dropout  # noqa: F401
-
     for name, fn in _SYMBOLICS.items():
         torch.onnx.register_custom_op_symbolic(f"{DOMAIN}::{name}", fn, opset)
 
 
-@contextlib.contextmanager
-def _trace_group() -> Iterator[None]:
-    """A one-rank simulated tp group for tracing: the exporter runs each collective once on
-    this rank's shard (values are this rank's partial sums; only shapes and the graph matter)."""
-    from runtime.tp_collectives import simulated_groups, unregister_group
-
-    (name,) = simulated_groups(_TRACE_PREFIX, 1)
-    assert name == _TRACE_GROUP, name
-    try:
-        yield
-    finally:
-        unregister_group(name)
-
-
-def _trace(module: fx.GraphModule, split: PipelineSplit, stage: int, path: Path, *, dims: Mapping[str, int],
+def _trace(module: fx.GraphModule, ios: Sequence[StageIO], stage: int, path: Path, *, dims: Mapping[str, int],
            opset: int) -> Any:
-    """Export ``module`` (stage ``stage`` of ``split``'s contracts) with the TorchScript exporter
+    """Export ``module`` (stage ``stage`` of the contracts ``ios``) with the TorchScript exporter
     and load it back."""
     import onnx
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    io = split.io[stage]
-    args = stage_example_inputs(split, stage, dims)
+    io = ios[stage]
+    args = stage_example_inputs(ios, stage, dims)
     register_tp_symbolics(opset)
-    with warnings.catch_warnings(), _trace_group():
+    with warnings.catch_warnings():
         # The legacy exporter is the one that keeps parameter names; its deprecation and
         # training-mode dropout warnings say nothing about this stage.
         warnings.simplefilter("ignore")
@@ -245,7 +270,7 @@ def _trace(module: fx.GraphModule, split: PipelineSplit, stage: int, path: Path,
 
 
 # --------------------------------------------------------------------------------------------------
-def _annotate(model: Any, module: fx.GraphModule, split: PipelineSplit, stage: int, tp_rank: int) -> None:
+def _annotate(model: Any, module: fx.GraphModule, split: _Facts, stage: int, tp_rank: int) -> None:
     tp_plan = module.meta.get(TENSOR_PARALLEL_PLAN) if hasattr(module, "meta") else None
     annotations: dict[str, dict[str, Any]] = {}
     for node in module.graph.nodes:
@@ -280,21 +305,21 @@ def _annotate(model: Any, module: fx.GraphModule, split: PipelineSplit, stage: i
         init.doc_string = "; ".join(parts)
 
 
-def _annotate_rank(model: Any, program: Any, stage: int) -> None:
-    """Rank facts of a :class:`runtime.rank_program.RankProgram`: the global rank, each
+def _annotate_rank(model: Any, program: RankProgram, stage: int) -> None:
+    """Rank facts of a :class:`passes.ir.program.RankProgram`: the global rank, each
     parameter's sharding with its local and full shape, and the tp collectives' attributes."""
     from onnx import helper
 
-    from runtime.rank_program import global_rank
-
-    module, full = program.modules[stage], program.split.modules[stage]
+    module = program.modules[stage]
     plan = program.tp_plan
     params = {}
     for name, param in module.named_parameters():
         sharding = plan.params.get(name) if plan is not None else None
+        full = list(param.shape)
+        if sharding is not None and sharding.dim is not None:
+            full[sharding.dim] *= program.tp
         params[name] = {"dim": getattr(sharding, "dim", None), "sections": list(getattr(sharding, "sections", ())),
-                        "reason": getattr(sharding, "reason", ""), "shape": list(param.shape),
-                        "full_shape": list(full.get_parameter(name).shape)}
+                        "reason": getattr(sharding, "reason", ""), "shape": list(param.shape), "full_shape": full}
     for key, value in (("partitioner.rank", str(program.rank)),
                        ("partitioner.tp_params", json.dumps(params, sort_keys=True))):
         entry = model.metadata_props.add()
@@ -304,8 +329,7 @@ def _annotate_rank(model: Any, program: Any, stage: int) -> None:
     fx_order = list(_tp_collectives(module))
     nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type in TP_OP_TYPES.values()]
     same_order = [n.op_type for n in nodes] == [TP_OP_TYPES[op] for op, _ in fx_order]
-    ranks = [global_rank(program.pp_index, program.dp_index, t, dp=program.dp, tp=program.tp)
-             for t in range(program.tp)]
+    ranks = [program.rank_of(program.pp_index, program.dp_index, t) for t in range(program.tp)]
     for i, node in enumerate(nodes):
         if same_order:  # otherwise the exporter's names stay
             node.name = fx_order[i][1]
@@ -322,7 +346,8 @@ def _tp_collectives(gm: fx.GraphModule, prefix: str = "") -> Iterator[tuple[str,
         if node.op != "call_function":
             continue
         if getattr(node.target, "namespace", None) == DOMAIN:
-            yield node.target._opname, prefix + node.name
+            if node.target._opname in TP_OP_TYPES:  # the offload brackets move no data: not in the file
+                yield node.target._opname, prefix + node.name
             continue
         for arg in node.all_input_nodes:
             if arg.op == "get_attr" and isinstance(sub := _submodule(gm, arg.target), fx.GraphModule):

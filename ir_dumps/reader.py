@@ -12,19 +12,18 @@ from typing import Any
 
 import sympy
 
-from partitioner.errors import PartitionerError
+from passes.ir.errors import PartitionerError
 from ir_dumps.json_dump import FORMAT
 from ir_dumps.writer import MANIFEST, MANIFEST_FORMAT, DumpEntry
+from passes.ir.meta import dim_symbol
 
 
 class DumpError(PartitionerError):
     """A dump directory or file is missing or malformed; the message says which and what to do."""
 
-
 @dataclass(frozen=True, kw_only=True)
 class NodeDump:
     """One node of a JSON dump (see :mod:`ir_dumps.json_dump` for the fields)."""
-
     name: str
     op: str
     target: str
@@ -38,7 +37,6 @@ class NodeDump:
 @dataclass(frozen=True, kw_only=True)
 class GraphDump:
     """One JSON dump: the graph after pass number ``index``."""
-
     pass_name: str
     index: int
     graph: dict[str, Any]
@@ -55,19 +53,26 @@ class GraphDump:
 @dataclass(frozen=True, kw_only=True)
 class DumpDir:
     """A dump directory: the manifest's entries, in pipeline order."""
-
     path: Path
     model: str
     entries: tuple[DumpEntry, ...]
     total_seconds: float
+    manifest: dict[str, Any] | None = None
 
     def entry(self, pass_name: str) -> DumpEntry:
-        """The entry of a pass by name, number (``2``) or file stem (``02_annotate_flops``)."""
+        """The entry of a pass by name (``annotate_flops``, ``stage0_tp1/apply_tensor_parallel``),
+        number (``2``, ``stage0_tp1/3``) or file stem (``02_annotate_flops``, ``stage0_tp1/03_...``)."""
         for e in self.entries:
-            if pass_name in (e.name, str(e.index), f"{e.index:02d}", Path(e.file("json")).stem):
+            prefix = f"{e.dir}/" if e.dir else ""
+            forms = (e.name, f"{prefix}{e.index}", f"{prefix}{e.index:02d}", prefix + Path(e.file("json")).stem)
+            if pass_name in forms:
                 return e
         known = ", ".join(e.name for e in self.entries)
         raise DumpError(f"no pass {pass_name!r} in {self.path}; passes there: {known}")
+
+    def scopes(self) -> list[str]:
+        """The stage program directories of the dump (``stage0_tp0``, ...), in run order."""
+        return list(dict.fromkeys(e.dir for e in self.entries if e.dir))
 
     def load(self, entry: DumpEntry) -> GraphDump:
         return load_json_dump(self.path / entry.file("json"))
@@ -91,11 +96,14 @@ def load_dump_dir(path: Path | str) -> DumpDir:
     if not manifest.is_file():
         raise DumpError(f"{path} has no {MANIFEST}; is it a dump directory written by the pass manager?")
     data = _read_json(manifest)
-    if data.get("format") != MANIFEST_FORMAT:
+    if data.get("format") not in (MANIFEST_FORMAT, _FORMAT_V1):
         raise DumpError(f"{manifest} has format {data.get('format')!r}, expected {MANIFEST_FORMAT!r}")
     entries = tuple(DumpEntry.from_json(e) for e in data.get("passes", []))
     return DumpDir(path=path, model=str(data.get("model", "")), entries=entries,
-                   total_seconds=float(data.get("total_seconds", 0.0)))
+                   total_seconds=float(data.get("total_seconds", 0.0)), manifest=data)
+
+
+_FORMAT_V1 = "partitioner-ir-manifest/1"  # one directory, no pipelines (still readable)
 
 
 def load_json_dump(path: Path | str) -> GraphDump:
@@ -119,8 +127,6 @@ def load_json_dump(path: Path | str) -> GraphDump:
 
 def sympy_value(value: Any) -> sympy.Expr:
     """A dumped size back as sympy (named dims become positive integer symbols)."""
-    from passes.meta import dim_symbol
-
     if isinstance(value, (int, float)):
         return sympy.sympify(value)
     expr = sympy.sympify(value)

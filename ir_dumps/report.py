@@ -8,7 +8,7 @@ Sections (stable ids, so tests and people can find them):
   device stacked by term (parameters, gradients, optimizer, activations, buffers) against the
   device capacity;
 * ``#timeline`` — ranks x time: the pipeline schedule's action lists (the very lists
-  :mod:`runtime.schedule` hands the runtime) timed by :func:`runtime.schedule.simulate` with each
+  :mod:`passes.ir.schedule` hands the runtime) timed by :func:`passes.ir.schedule.simulate` with each
   stage's predicted forward/backward time; forward, backward, communication, grad sync and
   idle time (the bubble) each have a colour and a class;
 * ``#alternatives`` — the candidate plans the search rejected and why;
@@ -26,7 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from partitioner.plan_types import MEMORY_TERMS, Plan, format_bytes
+from passes.ir.plan import MEMORY_TERMS, Plan, format_bytes
+from passes.ir import schedule as sched
+from passes.ir.schedule import simulate
+from passes.ir.meta import CHECKPOINT, PIPELINE_STAGE, TENSOR_PARALLEL
 
 # Forward is taken as a third of a stage's fwd+bwd time: the backward of a matmul costs two
 # forwards (input and weight gradients), the usual 1:2 split of the cost model.
@@ -62,7 +65,6 @@ svg text { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif;
 @dataclass(frozen=True, kw_only=True)
 class Interval:
     """One drawn piece of a rank's timeline: seconds from the step start, kind, label."""
-
     start: float
     end: float
     kind: str
@@ -75,7 +77,7 @@ def write_report(path: str | Path, *, plan: Plan, cluster: Any, schedule: Mappin
     """Write ``report.html`` for ``plan`` on ``cluster`` (a :class:`partitioner.cluster.Cluster`).
 
     ``schedule``: per-rank action lists (default: generated from the plan's pp, num_micro_batches,
-    schedule and virtual_pp by :mod:`runtime.schedule`). ``measured``: per rank
+    schedule and virtual_pp by :mod:`passes.ir.schedule`). ``measured``: per rank
     ``{"step_time_s": seconds, "peak_memory_bytes": bytes}`` shown beside the prediction.
     ``graph``: an fx.GraphModule whose nodes carry pass annotations. Returns the path written.
     """
@@ -112,9 +114,7 @@ def render_report(*, plan: Plan, cluster: Any, schedule: Mapping[int, list] | No
 
 # --------------------------------------------------------------------------------------- schedule
 def plan_schedule(plan: Plan) -> dict[int, list]:
-    """The per-rank action lists the runtime executes for ``plan`` (see :mod:`runtime.schedule`)."""
-    from runtime import schedule as sched
-
+    """The per-rank action lists the runtime executes for ``plan`` (see :mod:`passes.ir.schedule`)."""
     p, m, v = plan.pp, plan.num_micro_batches, plan.virtual_pp
     if plan.schedule == "gpipe":
         return sched.gpipe(p, m)
@@ -142,7 +142,6 @@ def stage_times(plan: Plan) -> tuple[dict[int, float], dict[int, float]]:
 def timeline_intervals(plan: Plan, schedule: Mapping[int, list]) -> tuple[dict[int, list[Interval]], float]:
     """Simulate ``schedule`` with the plan's predicted times; per rank the intervals to draw
     (idle gaps included) and the makespan in seconds."""
-    from runtime.schedule import simulate
 
     fwd, bwd = stage_times(plan)
     n_stages = len({a.stage for acts in schedule.values() for a in acts if a.stage is not None})
@@ -224,7 +223,7 @@ def _timeline(plan: Plan, schedule: Mapping[int, list]) -> str:
                  f"faster ranks also wait on the slowest one." if times and max(times) > 1.01 * min(times) else "")
     note = (f'<p class="note" id="timeline-note">Simulated makespan {_ms(makespan)}; idle {bubble:.1%} of '
             f'rank-time (the plan\'s fill/drain bubble is {plan.predicted.bubble_fraction:.1%}).{imbalance} '
-            f'Drawn from the per-rank action lists of <code>runtime.schedule</code> (the lists the runtime '
+            f'Drawn from the per-rank action lists of <code>passes.ir.schedule</code> (the lists the runtime '
             f'executes), timed by <code>simulate</code> with each stage\'s predicted fwd+bwd time split 1:2 '
             f'and the plan\'s pp_comm spread over its messages; only transit a rank waits on is drawn.</p>'
             if total > 0 else "")
@@ -364,7 +363,6 @@ def _measured(plan: Plan, measured: Mapping[Any, Mapping[str, float]]) -> str:
 
 
 def _graph_summary(graph: Any) -> str:
-    from passes.meta import CHECKPOINT, PIPELINE_STAGE, TENSOR_PARALLEL
 
     keys = (PIPELINE_STAGE, CHECKPOINT, TENSOR_PARALLEL, "offload")
     per_stage: dict[Any, Counter] = {}

@@ -21,7 +21,7 @@ from pathlib import Path
 from torch import fx
 
 from ir_dumps.encode import target_text
-from passes.meta import CHECKPOINT, PIPELINE_STAGE, TENSOR_PARALLEL
+from passes.ir.meta import CHECKPOINT, PIPELINE_STAGE, TENSOR_PARALLEL
 
 OFFLOAD = "offload"  # written by the offload pass (being written); shown generically when present
 STAGE_COLOURS = ("#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d",

@@ -22,7 +22,7 @@ import sympy
 from torch import fx
 
 from ir_dumps.encode import arg_text, dtype_text, facts, node_module, scalar_text, target_text
-from passes.meta import SHAPE, ShapeMeta
+from passes.ir.meta import SHAPE, ShapeMeta
 
 # Short labels for well-known keys; other keys print under their own name.
 _LABELS = {"memory": "mem"}

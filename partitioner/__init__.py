@@ -3,7 +3,7 @@
 Heavy submodules load lazily so that ``import partitioner`` stays cheap and the packages
 ``passes``/``runtime``/``ir_dumps`` can import our error types without a cycle.
 """
-from partitioner.errors import (  # noqa: F401
+from passes.ir.errors import (  # noqa: F401
     AnalysisError,
     CaptureError,
     ConfigError,
@@ -17,7 +17,7 @@ _LAZY = {
     "ModelSpec": "partitioner.model_spec",
     "analyze": "partitioner.analysis",
     "plan": "partitioner.planning",
-    "Plan": "partitioner.plan_types",
+    "Plan": "passes.ir.plan",
     "Cluster": "partitioner.cluster",
 }
 

@@ -12,10 +12,10 @@ import sympy
 import torch
 from torch import fx
 
-from partitioner.errors import ConfigError
+from passes.ir.errors import ConfigError
 from partitioner.model_spec import ModelSpec, build_model
 from passes.capture import capture_spec, module_path
-from passes.meta import (
+from passes.ir.meta import (
     FLOP_SUMMARY,
     FLOPS,
     MEMORY,
@@ -23,6 +23,8 @@ from passes.meta import (
     SHAPE,
     dim_symbol,
 )
+from ir_dumps.writer import DumpWriter
+from partitioner.build import analyse
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -31,7 +33,6 @@ OPTIMIZERS = ("adamw", "adam", "sgd")
 @dataclass(frozen=True, kw_only=True)
 class LayerStats:
     """Totals of one top-level layer (``blocks.3``, ``lm_head``, ...)."""
-
     name: str
     param_bytes: sympy.Expr
     fwd_flops: sympy.Expr
@@ -41,7 +42,6 @@ class LayerStats:
 @dataclass(frozen=True, kw_only=True)
 class Analysis:
     """What the analysis passes found for one training step (bytes, FLOPs)."""
-
     model: str
     dims: dict[str, int | str]
     dtype: str
@@ -90,11 +90,9 @@ def analyze(model: ModelSpec | str, *, batch: int | str | None = None, seq: int 
     spec = build_model(model, device="meta", dtype=DTYPES[dtype]) if isinstance(model, str) else model
     dims, symbolic, rename = _resolve_dims(spec, {"batch": batch, "seq": seq})
     gm = capture_spec(spec, dims=dims, symbolic=symbolic)
-    from passes.manager import PassContext, default_analysis_pipeline
 
-    ctx = PassContext(optimizer=optimizer, mixed_precision=dtype != "fp32",
-                      dump_dir=Path(dump_dir) if dump_dir else None)
-    gm = default_analysis_pipeline(dump_dir=ctx.dump_dir).run(gm, ctx)
+    writer = DumpWriter(dump_dir, model=spec.name) if dump_dir else None
+    gm = analyse(gm, optimizer=optimizer, mixed_precision=dtype != "fp32", writer=writer)
 
     def named(expr) -> sympy.Expr:
         return sympy.expand(sympy.sympify(expr).xreplace(rename))

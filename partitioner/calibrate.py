@@ -42,7 +42,7 @@ import yaml
 
 from partitioner.cluster import DEFAULT_LOCAL_FILE, Cluster, Device, Link, PeakFlops
 from partitioner.cost_model import EfficiencyCurve, all_reduce_time, send_recv_time
-from partitioner.errors import ConfigError
+from passes.ir.errors import ConfigError
 
 KiB, MiB = 2**10, 2**20
 

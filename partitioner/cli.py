@@ -8,7 +8,7 @@ import time
 
 import sympy
 
-from partitioner.errors import PartitionerError
+from passes.ir.errors import PartitionerError
 
 
 def _human(expr, unit: str) -> str:
@@ -104,7 +104,31 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             knobs = " ".join(f"{k}={v}" for k, v in alt.knobs.items())
             print(f"  {knobs}: {alt.reason}")
     if args.dump_dir:
-        print(f"\nplan written to {args.dump_dir}/plan.json and {args.dump_dir}/report.html")
+        print(f"\ndumps in {args.dump_dir}: every pass of the lowering, stage<s>_tp<r>/program.txt (+ .onnx) per "
+              f"rank program, stages.dot, plan.json, report.html  (python -m ir_dumps show {args.dump_dir})")
+    return 0
+
+
+def _cmd_lower(args: argparse.Namespace) -> int:
+    from partitioner.cluster import Cluster
+    from partitioner.planning import write_model_plan_dumps
+    from passes.ir.errors import ConfigError
+    from passes.ir.plan import Plan
+
+    try:
+        text = open(args.plan, encoding="utf-8").read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read plan {args.plan}: {exc.strerror}; give the plan.json a plan wrote") from None
+    plan = Plan.from_json(text)
+    if args.cluster == "local":
+        cluster = Cluster.local(args.world_size or plan.world_size)
+    else:
+        cluster = Cluster.load(args.cluster, nodes=args.nodes)
+    dumps = write_model_plan_dumps(args.dump_dir, model=plan.model, plan=plan, cluster=cluster,
+                                   param_bytes=None if args.onnx else float("inf"), seq=args.seq)
+    print(f"lowered {plan.model} under {plan.config.text()}: {len(dumps.programs)} rank programs in {args.dump_dir}")
+    for note in dumps.notes:
+        print(f"  {note}")
     return 0
 
 
@@ -222,8 +246,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="adamw", help="adamw, adam or sgd")
     p.add_argument("--fix", help="pin knobs: tp=8,pp=4,schedule=interleaved,virtual_pp=2,...")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--dump-dir", help="write plan.json here")
+    p.add_argument("--dump-dir", help="write the plan's dump tree here (every pass, rank programs, ONNX, plan.json)")
     p.set_defaults(fn=_cmd_plan)
+
+    p = sub.add_parser("lower", help="lower a plan.json again into a dump tree (what --dump-dir writes)")
+    p.add_argument("--plan", required=True, help="a plan.json (from plan/demo/train --dump-dir)")
+    p.add_argument("--cluster", required=True, help="preset, cluster file, or 'local' (this machine)")
+    p.add_argument("--nodes", type=int, help="number of nodes of a preset (default: the preset's)")
+    p.add_argument("--world-size", type=int, help="ranks of the 'local' cluster (default: the plan's)")
+    p.add_argument("--seq", type=int, help="sequence length the model was planned at (default: the spec's)")
+    p.add_argument("--no-onnx", dest="onnx", action="store_false", help="capture on the meta device, no ONNX")
+    p.add_argument("--dump-dir", required=True, help="where to write the tree")
+    p.set_defaults(fn=_cmd_lower)
 
     p = sub.add_parser("models", help="list the model zoo")
     p.set_defaults(fn=_cmd_models)
@@ -248,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
     p.add_argument("--fix", default=DEMO_FIX, help=f"pinned knobs (default {DEMO_FIX})")
     p.add_argument("--global-batch", type=int, default=DEMO_GLOBAL_BATCH, help="samples per step")
-    p.add_argument("--dump-dir", default="demo_out", help="plan.json, report.html, measurements.json, ir/")
+    p.add_argument("--dump-dir", default="demo_out", help="the dump tree, plan.json, report.html, measurements.json")
     p.set_defaults(fn=_cmd_demo)
 
     p = sub.add_parser("train", help="train a model spec on every rank of a torchrun (env://) job")
@@ -257,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
     p.add_argument("--fix", help="pin knobs: dp=2,pp=2,...")
     p.add_argument("--cluster", help="preset or cluster file (default: this machine, one device per rank)")
-    p.add_argument("--dump-dir", help="write plan.json, report.html, measurements.json, ir/ here (rank 0)")
+    p.add_argument("--dump-dir", help="write the dump tree, plan.json, report.html, measurements.json here (rank 0)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective/receive may wait (default 60)")
     p.add_argument("--lr", type=float, help="AdamW learning rate (default torch's)")
     p.set_defaults(fn=_cmd_train)

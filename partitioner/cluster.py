@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from partitioner.errors import ClusterSpecError
+from passes.ir.errors import ClusterSpecError
 
 LINK_KINDS = ("nvlink", "nvswitch", "pcie", "infiniband", "roce", "ethernet", "loopback")
 BACKENDS = ("nccl", "gloo")

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 from partitioner.cluster import Cluster, Device, Link
-from partitioner.errors import ConfigError
+from passes.ir.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------
 # Which link a group uses
@@ -378,3 +378,28 @@ class StepTimeTerms:
     def to_dict(self) -> dict[str, float]:
         """Every term and ``total``, seconds."""
         return asdict(self) | {"total": self.total}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterCosts:
+    """The :class:`passes.ir.cost.CostHooks` of one device of a cluster (see :func:`cost_hooks`)."""
+
+    name: str
+    device_memory_bytes: float
+    host_memory_bytes: float
+    device: Device = field(repr=False)
+    host_link: Link = field(repr=False)
+
+    def compute_seconds(self, flops: float, dtype: str) -> float:
+        return compute_time(flops, self.device, dtype)
+
+    def host_copy_seconds(self, nbytes: float) -> float:
+        return nbytes / self.host_link.bandwidth_bytes_per_s + self.host_link.latency_s
+
+
+def cost_hooks(cluster: Cluster) -> ClusterCosts:
+    """What the policy passes of the lowering need of ``cluster``: one device's compute time,
+    its link to host memory, device and (per device) host memory."""
+    return ClusterCosts(name=f"{cluster.name} x {cluster.nodes}", device_memory_bytes=cluster.device.memory_bytes,
+                        host_memory_bytes=cluster.host_memory_bytes / cluster.devices_per_node,
+                        device=cluster.device, host_link=cluster.host_to_device)

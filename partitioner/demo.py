@@ -4,8 +4,9 @@
 (``Cluster.local(4)``, pipeline stages pinned with ``--fix``), spawns the 4 ranks
 (:func:`runtime.launch.spawn`), trains on the byte-level stdlib corpus (:mod:`partitioner.corpus`),
 prints the loss per step with a progress bar, checks the first steps against single-process
-training of the same model, and leaves in ``--dump-dir``: ``plan.json``, ``report.html``,
-``measurements.json`` and ``ir/`` (the graph after each analysis pass).
+training of the same model, and leaves in ``--dump-dir`` the plan's dump tree
+(:mod:`partitioner.dumps`: every pass of the lowering, each rank program as text and ONNX),
+``plan.json``, ``report.html`` and ``measurements.json``.
 
 ``partitioner train`` is the same loop for any model spec, run by every rank of a job that
 torchrun (or any env:// launcher) started. A rank that fails (an exception, or a peer that
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from partitioner.errors import PartitionerError
+from passes.ir.errors import PartitionerError
 
 if TYPE_CHECKING:  # torch is imported where used: `partitioner --help` stays fast
     import torch
@@ -194,7 +195,7 @@ def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str = DEMO_FIX, d
     measured = results[0].measured
     med = sorted(v["step_time_s"] for v in measured.values())
     peaks = [v["peak_memory_bytes"] for v in measured.values()]
-    from partitioner.plan_types import Plan
+    from passes.ir.plan import Plan
 
     plan = Plan.from_json(results[0].plan_json)
     say(f"step time (median over ranks): {med[len(med) // 2]:.3f} s measured, {plan.predicted.step_time_s:.3f} s "
@@ -208,7 +209,8 @@ def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str = DEMO_FIX, d
     for rank, terms in results[0].breakdown.items():
         say(f"  rank {rank}:  " + "  ".join(f"{terms[t] * 1e3:{len(t) - 2}.1f}" for t in TERMS))
     total = time.perf_counter() - start
-    say(f"wrote {dump}/plan.json, report.html, measurements.json, ir/  (total {total:.1f} s: build "
+    say(f"wrote {dump}/: every pass, stage<s>_tp<r>/program.txt (+ .onnx), plan.json, report.html, "
+        f"measurements.json  (total {total:.1f} s: build "
         f"{max(r.build_s for r in results):.1f} s, train {max(r.train_s for r in results):.1f} s)")
     return {"losses": losses, "reference": ref, "max_rel_diff": diff, "seconds": total,
             "distributed_seconds": distributed_s, "plan": plan, "dump_dir": dump}
@@ -235,6 +237,7 @@ def run_train(*, model: str, global_batch: int, steps: int, fix: str | None, dum
         os._exit(EXIT_RANK_FAILED if exc.own else EXIT_PEER_FAILED)
     trainer.finish()
     if rank0 and dump_dir:
-        print(f"wrote {dump_dir}/plan.json, report.html, measurements.json, ir/", flush=True)
+        print(f"wrote {dump_dir}/: every pass, stage<s>_tp<r>/program.txt (+ .onnx), plan.json, report.html, "
+              f"measurements.json", flush=True)
     dist.destroy_process_group()
     return 0

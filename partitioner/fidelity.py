@@ -2,11 +2,11 @@
 
 MEMORY is derived from the exact liveness analysis of the rank's own stage modules, not from the
 planner's per-layer estimate. For each stage module (tp-sharded, checkpointed or offloaded as the
-runtime builds it; :func:`runtime.rank_program.build_rank_program`) :func:`stage_events` records
+runtime runs it; :func:`passes.lower.lower`) :func:`stage_events` records
 the alloc/free timeline of :func:`passes.annotate_memory.annotate_memory` at ONE micro-batch's dims
 (the analysis is run unchanged; its :class:`passes.liveness.Timeline` is swapped for a recording
 one while it runs). :func:`predict_rank` then replays those timelines along the rank's schedule
-(:func:`runtime.parallel_model.build_schedule`), keyed per micro-batch, with what the runtime adds
+(:func:`passes.ir.schedule.build`), keyed per micro-batch, with what the runtime adds
 around them (:mod:`runtime.stage_executor`, :mod:`runtime.grad_sync`)::
 
     step start     params + optimizer state (AdamW: 2 x params + a 4-byte step each; ZeRO-1: the
@@ -25,7 +25,7 @@ around them (:mod:`runtime.stage_executor`, :mod:`runtime.grad_sync`)::
 
 Activation offload: annotate_memory does not see the saves inside an offload region, so an
 offloaded storage leaves the device after its last forward use; :func:`stage_events` adds the
-copies :mod:`runtime.offload_ops` makes (the reloaded copy in backward, and on CPU the "host"
+copies the offload hooks make (the reloaded copy in backward, and on CPU the "host"
 clone from the save to the last backward, in the same memory; see :func:`_with_offload_copies`).
 
 The rank's peak is the largest live total of that replay. Everything is in bytes of tensor
@@ -46,7 +46,19 @@ from typing import Hashable, Iterator, Mapping
 import torch
 from torch import fx
 
-from partitioner.errors import ConfigError
+from passes.ir.errors import ConfigError
+import passes.step_simulation as am  # the memory pass's step simulation: its Timeline is swapped below
+from passes.saved_tensors import _hint
+import passes.ir.offload_ops as oo
+from passes.annotate_memory import annotate_memory
+from passes.ir.meta import CAPTURE, MEMORY_SUMMARY
+from passes.ir.offload_ops import OFFLOAD_BEGIN
+from passes.ir.meta import dim_symbol
+from passes.ir.schedule import build as build_schedule
+from passes.ir.schedule.actions import Kind
+from partitioner.search import plan
+from partitioner.build import rank_program
+from passes.ir.config import KNOBS, ParallelConfig
 
 _STEP_BYTES = 4  # AdamW's 0-dim float32 ``step`` per parameter tensor
 
@@ -54,7 +66,6 @@ _STEP_BYTES = 4  # AdamW's 0-dim float32 ``step`` per parameter tensor
 @dataclass(frozen=True, slots=True)
 class Event:
     """One alloc (``+``) or free (``-``) of ``key`` (``bytes`` at the micro-batch's dims)."""
-
     phase: str
     op: str
     key: Hashable
@@ -79,11 +90,9 @@ class StageEvents:
     activation_bytes: int
     """Saved activations kept between forward and backward (annotate_memory's ``activation_bytes``)."""
 
-
 @dataclass(frozen=True, kw_only=True)
 class RankPrediction:
     """Predicted peak bytes and step seconds of one rank; ``peak_action`` says where the peak is."""
-
     rank: int
     peak_bytes: int
     step_time_s: float
@@ -95,11 +104,9 @@ class RankPrediction:
     parts: Mapping[str, int] = field(default_factory=dict)
     """Live bytes by category at the peak (``state``, ``grads``, ``activations``, ``buffers``)."""
 
-
 @dataclass(frozen=True, kw_only=True)
 class MemoryPrediction:
     """Result of :func:`predict_memory` (bytes)."""
-
     peak_bytes: int
     where: str
     """The action (``0B1``: backward of stage 0, micro-batch 1; ``STEP``...) at the peak."""
@@ -115,9 +122,7 @@ class MemoryPrediction:
 @contextlib.contextmanager
 def _recording() -> Iterator[dict]:
     """Swap annotate_memory's Timeline and AccumulateGrad model for recording ones, and watch the
-    offload hooks (:mod:`runtime.offload_ops`) that the fake forward runs."""
-    import passes.annotate_memory as am
-    import runtime.offload_ops as oo
+    offload hooks (:mod:`passes.ir.offload_ops`) that the fake forward runs."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     rec: dict = {"events": [], "param_grads": set(), "offloaded": []}
@@ -143,7 +148,7 @@ def _recording() -> Iterator[dict]:
         orig_acc(grads, param_grad, st, key, grad_size, key_hint)
         rec["param_grads"].add(param_grad[st])
 
-    orig_pack = oo._Region.pack
+    orig_pack = oo.OffloadRegion.pack
     graph_mod = torch.autograd.graph
     orig_hooks = graph_mod.saved_tensors_hooks
     outer: list = []  # pack hooks of annotate_memory's observation, innermost last
@@ -159,34 +164,32 @@ def _recording() -> Iterator[dict]:
 
     def pack(region, t):
         packed = orig_pack(region, t)
-        if isinstance(packed, oo._Packed):  # moved to host: (region, storage, bytes at the dims)
+        if isinstance(packed, oo.Packed):  # moved to host: (region, storage, bytes at the dims)
             rec["offloaded"].append((region.region, StorageWeakRef(t.untyped_storage()),
-                                     am._hint(t.untyped_storage().nbytes())))
+                                     _hint(t.untyped_storage().nbytes())))
         elif outer:  # kept on the device: the observation under the region's hooks must see it
             outer[-1](t)  # (inside an inlined checkpointed region: what its recompute saves)
         return packed
 
-    am.Timeline, am._accumulate_param, oo._Region.pack = Recorder, accumulate, pack
+    am.Timeline, am._accumulate_param, oo.OffloadRegion.pack = Recorder, accumulate, pack
     graph_mod.saved_tensors_hooks = ObservedHooks
     try:
         yield rec
     finally:
-        am.Timeline, am._accumulate_param, oo._Region.pack = base, orig_acc, orig_pack
+        am.Timeline, am._accumulate_param, oo.OffloadRegion.pack = base, orig_acc, orig_pack
         graph_mod.saved_tensors_hooks = orig_hooks
 
 
 def stage_events(module: fx.GraphModule, dims: Mapping[str, int], *, optimizer: str = "adamw") -> StageEvents:
     """Record the liveness timeline of ``module`` (a stage program with ``meta[CAPTURE]`` listing
-    its own inputs, as :func:`runtime.rank_program.build_rank_program` sets it) for one
+    its own inputs, as :func:`passes.lower.lower` sets it) for one
     micro-batch of named ``dims`` (e.g. ``{"batch": 2, "seq": 8}``). ``module`` is not changed."""
-    from passes.annotate_memory import annotate_memory
-    from passes.meta import CAPTURE, MEMORY_SUMMARY
 
     gm = copy.deepcopy(module)
     info = gm.meta.get(CAPTURE)
     if info is None:
-        raise ConfigError("fidelity: the stage module has no meta['capture']; build it with "
-                          "runtime.rank_program.build_rank_program, which gives each stage its own inputs")
+        raise ConfigError("fidelity: the stage module has no meta['capture']; lower it with "
+                          "passes.lower.lower, which gives each stage its own inputs")
     missing = [n for n, _ in info.dims if n in info.symbolic and n not in dims]
     if missing:
         raise ConfigError(f"fidelity: dims {missing} of the stage are not given; pass dims={{...}} with them")
@@ -224,7 +227,7 @@ def stage_events(module: fx.GraphModule, dims: Mapping[str, int], *, optimizer: 
 
 
 def _with_offload_copies(gm: fx.GraphModule, events: list, offloaded: list, *, device: str) -> list:
-    """``events`` with the copies :mod:`runtime.offload_ops` makes of offloaded storages.
+    """``events`` with the copies the offload hooks make of offloaded storages.
 
     annotate_memory sees none of the saves made inside an offload region (the region's hooks sit
     on top of its own), so an offloaded storage dies on the device after its last forward use,
@@ -241,7 +244,6 @@ def _with_offload_copies(gm: fx.GraphModule, events: list, offloaded: list, *, d
     """
     if not offloaded:
         return [e for e in events]
-    from runtime.offload_ops import OFFLOAD_BEGIN
 
     nodes = list(gm.graph.nodes)
     saver = {n.args[3]: nodes[i + 1].name for i, n in enumerate(nodes) if n.target is OFFLOAD_BEGIN}
@@ -257,7 +259,7 @@ def _with_offload_copies(gm: fx.GraphModule, events: list, offloaded: list, *, d
     start: dict[tuple[str, str], list[Event]] = {}  # (phase, node) -> events right after its marker
     for n, (ref, (nbytes, names)) in enumerate(savers.items()):
         names = sorted(names, key=lambda x: fwd_order.get(x, 0))
-        first, last = names[0], names[-1]
+        first = names[0]
         running = [x for x in names if x in bwd_seen]
         if device != "cuda":
             before.setdefault(("forward", first), []).append(Event("forward", "+", ("offload_host", n), nbytes))
@@ -321,7 +323,6 @@ def _int(expr, hints) -> int:
 
 class _Live:
     """Live bytes by key and category, and the largest total seen."""
-
     def __init__(self) -> None:
         self.size: dict[Hashable, tuple[int, str]] = {}
         self.total = 0
@@ -364,16 +365,13 @@ def _tensor_bytes(meta, dims_sym) -> int:
 def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapping[str, int],
                    global_batch_bytes: int = 0, zero: int = 0, optimizer: str = "adamw",
                    events: Mapping[int, StageEvents] | None = None) -> MemoryPrediction:
-    """Peak live bytes of one rank running ``program`` (a :class:`runtime.rank_program.RankProgram`)
+    """Peak live bytes of one rank running ``program`` (a :class:`passes.ir.program.RankProgram`)
     for one step (see the module docstring).
 
     ``dims``: named dims of ONE micro-batch; ``global_batch_bytes``: storage bytes of the global
     batch tensors every rank slices its micro-batches from; ``zero``: 0 or 1 (ZeRO-1 AdamW).
     ``events``: precomputed :func:`stage_events` per stage (computed here otherwise).
     """
-    from passes.meta import dim_symbol
-    from runtime.parallel_model import build_schedule
-    from runtime.schedule_actions import Kind
 
     if zero not in (0, 1):
         raise ConfigError(f"fidelity: zero={zero}; only ZeRO-1 (or none) is modelled")
@@ -506,10 +504,8 @@ def _sent_output(key, sent, ev) -> bool:
 
 def predict_step_time(profile, cluster, knobs: Mapping[str, object], *, global_batch: int,
                       optimizer: str = "adamw"):
-    """The planner's :class:`partitioner.plan_types.Plan` for ``knobs`` (every knob of
-    :data:`partitioner.plan_types.KNOBS`) on ``cluster``: ``step_time_s`` (seconds) and terms."""
-    from partitioner.plan_types import KNOBS
-    from partitioner.search import plan
+    """The planner's :class:`passes.ir.plan.Plan` for ``knobs`` (every knob of
+    :data:`passes.ir.plan.KNOBS`) on ``cluster``: ``step_time_s`` (seconds) and terms."""
 
     missing = [k for k in KNOBS if k not in knobs]
     if missing:
@@ -523,15 +519,14 @@ def predict_rank(gm: fx.GraphModule, knobs: Mapping[str, object], rank: int, dim
                  optimizer: str = "adamw") -> RankPrediction:
     """Predicted peak bytes of rank ``rank`` for the plan ``knobs`` (``dp``, ``tp``, ``pp``,
     ``virtual_pp``, ``schedule``, ``num_micro_batches``, ``zero_stage``, ``checkpointing``,
-    ``offload``) over ``gm`` (from :func:`runtime.parallel_model.capture_for_pipeline`), with ONE
+    ``offload``) over ``gm`` (from :func:`partitioner.build.capture_for_pipeline`), with ONE
     micro-batch of named ``dims``. ``step_time_s``: the planner's step time
-    (:func:`predict_step_time`), the same on every rank."""
-    from runtime.rank_program import build_rank_program
+    (:func:`predict_step_time`), the same on every rank. The rank program is the one the
+    runtime would run (:func:`partitioner.build.rank_program`)."""
 
-    program = build_rank_program(gm, dp=int(knobs["dp"]), tp=int(knobs.get("tp", 1)), pp=int(knobs["pp"]),
-                                 virtual_pp=int(knobs.get("virtual_pp", 1)), rank=rank,
-                                 checkpointing=str(knobs.get("checkpointing", "none")),
-                                 offload=str(knobs.get("offload", "none")))
+    config = ParallelConfig(**{k: knobs[k] for k in KNOBS if k in knobs and k != "micro_batch_size"},
+                            micro_batch_size=int(dims.get("batch", knobs.get("micro_batch_size", 1))))
+    program = rank_program(gm, config, rank)
     mem = predict_memory(
         program, schedule=str(knobs["schedule"]), num_micro_batches=int(knobs["num_micro_batches"]), dims=dims,
         global_batch_bytes=global_batch_bytes, zero=int(knobs.get("zero_stage", 0)), optimizer=optimizer)

@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from partitioner.errors import ModelSpecError
-from passes.meta import InputSpec
+from passes.ir.errors import ModelSpecError
+from passes.ir.meta import InputSpec
 
 LossFn = Callable[..., torch.Tensor]
 

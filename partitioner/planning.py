@@ -4,8 +4,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from partitioner.cluster import Cluster
-from partitioner.errors import ConfigError
-from partitioner.plan_types import KNOBS, Plan
+from passes.ir.errors import ConfigError
+from passes.ir.plan import KNOBS, Plan
+from partitioner.profile import profile_model
+from partitioner.search import plan as search
+from ir_dumps.writer import DumpWriter
+from partitioner.build import analyse, capture_training_step
+from partitioner.dumps import write_plan_dumps
+from partitioner.model_spec import build_model
 
 _KNOB_TYPES = {"schedule": str, "checkpointing": str, "offload": str, "sequence_parallel": bool}
 
@@ -15,10 +21,10 @@ def plan(model: str, cluster: Cluster | str, *, global_batch: int, nodes: int | 
          optimizer: str = "adamw", dump_dir: str | Path | None = None) -> Plan:
     """The fastest plan for ``model`` (a spec string) on ``cluster`` (a Cluster, preset or file).
 
-    ``fix`` pins knobs (dict, or ``"tp=8,pp=4"``); ``dump_dir`` receives ``plan.json`` and ``report.html``.
+    ``fix`` pins knobs (dict, or ``"tp=8,pp=4"``); ``dump_dir`` receives the plan's dump tree
+    (:mod:`partitioner.dumps`: every pass of the lowering, each rank program with its ONNX,
+    the stage picture, ``plan.json`` and ``report.html``).
     """
-    from partitioner.profile import profile_model
-    from partitioner.search import plan as search
 
     if isinstance(cluster, str):
         cluster = Cluster.load(cluster, nodes=nodes)
@@ -28,12 +34,33 @@ def plan(model: str, cluster: Cluster | str, *, global_batch: int, nodes: int | 
     profile = profile_model(model, seq=seq, dtype=dtype, optimizer=optimizer)
     chosen = search(profile, cluster, global_batch=global_batch, fix=pinned, optimizer=optimizer)
     if dump_dir is not None:
-        Path(dump_dir).mkdir(parents=True, exist_ok=True)
-        (Path(dump_dir) / "plan.json").write_text(chosen.to_json() + "\n")
-        from ir_dumps.report import write_report
-
-        write_report(Path(dump_dir) / "report.html", plan=chosen, cluster=cluster)
+        write_model_plan_dumps(dump_dir, model=model, plan=chosen, cluster=cluster, param_bytes=4 * profile.param_count,
+                               seq=seq, optimizer=optimizer)
     return chosen
+
+
+MATERIALISE_LIMIT_BYTES = 2**31
+"""A model planned without weights gets real (seeded random) ones for its dumps up to this many
+fp32 parameter bytes, so its ONNX files hold a runnable program; larger ones are captured on the
+meta device and their dumps have no ONNX."""
+
+
+def write_model_plan_dumps(dump_dir: str | Path, *, model: str, plan: Plan, cluster: Cluster,
+                           param_bytes: float | None = None, seq: int | None = None, optimizer: str = "adamw"):
+    """Capture ``model`` as a job would (fp32 weights, symbolic dims), analyse it and write the
+    dump tree of ``plan`` (:func:`partitioner.dumps.write_plan_dumps`)."""
+
+    if param_bytes is None:
+        param_bytes = 4 * sum(p.numel() for p in build_model(model, device="meta").module.parameters())
+    device = "cpu" if param_bytes <= MATERIALISE_LIMIT_BYTES else "meta"
+    spec = build_model(model, device=device, seed=0)
+    if seq is not None:
+        spec.dims["seq"] = seq
+    writer = DumpWriter(dump_dir, model=plan.model)
+    graph = analyse(capture_training_step(spec, device="cpu"), optimizer=optimizer,
+                    mixed_precision=plan.config.mixed_precision, writer=writer)
+    return write_plan_dumps(dump_dir, graph=graph, plan=plan, cluster=cluster, writer=writer,
+                            reproduce_args=("--seq", str(seq)) if seq is not None else ())
 
 
 def parse_fix(text: str) -> dict[str, object]:

@@ -13,21 +13,18 @@ seconds, no weights allocated.
 from __future__ import annotations
 
 import operator
-import re
 from dataclasses import dataclass, replace
 
 import sympy
 from torch import fx
 
-from partitioner.errors import AnalysisError, ConfigError
+from passes.ir.errors import AnalysisError, ConfigError
 from partitioner.model_spec import ModelSpec, build_model, format_spec, model_keys, parse_spec
-from passes.capture import module_path
-from passes.meta import FLOPS, MEMORY, SHAPE
+from passes.ir.meta import BLOCK, CAPTURE, FLOPS, LAYER_CHAIN, MEMORY, SHAPE, dim_symbol
 
 LAYER_KEYS = ("layers", "num_hidden_layers", "n_layer", "num_layers")
 """Spec keys that set the number of repeated blocks (zoo models, then Hugging Face names)."""
 
-_BLOCK_PATH = re.compile(r"^(.*?\.\d+)(?:\.|$)")  # "blocks.3.attn.qkv" -> "blocks.3"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,8 +122,10 @@ class ModelProfile:
         return sum(layer.activation_bytes for layer in self.layers)
 
 
-def _int(expr) -> int:
+def _int(expr, subs: dict | None = None) -> int:
     value = sympy.sympify(expr)
+    if subs and not value.is_Integer:
+        value = value.xreplace(subs)
     if not value.is_Integer:
         raise AnalysisError(f"profile expected a concrete number, got {value}; capture with concrete dims")
     return int(value)
@@ -217,98 +216,72 @@ class _SharedMap(dict):
         self.all_names = all_names
 
 
-def _block_of(node: fx.Node) -> str | None:
-    path = module_path(node) or (node.target if node.op == "get_attr" else "")
-    m = _BLOCK_PATH.match(path or "")
-    return m.group(1) if m else None
-
-
-def _chain(gm: fx.GraphModule, seq: int, shared: _SharedMap):
-    """Group the analysed nodes into embedding / blocks / head and sum their costs."""
-    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    block = {n: _block_of(n) for n in nodes}
-    order = [b for b in dict.fromkeys(block[n] for n in nodes if n.op != "get_attr") if b]
-    # The repeated stack is the block prefix ("blocks", "model.layers") with the most members.
-    prefixes: dict[str, list[str]] = {}
-    for b in order:
-        prefixes.setdefault(b.rsplit(".", 1)[0], []).append(b)
-    if not prefixes:
-        raise AnalysisError("profile found no repeated blocks (no module path like 'blocks.0')")
-    stack = max(prefixes.values(), key=len)
-    in_stack = set(stack)
-    compute = [n for n in nodes if n.op != "get_attr"]
-    index = {n: i for i, n in enumerate(compute)}
-    first = min(index[n] for n in compute if block[n] in in_stack)
-
-    def group(n: fx.Node) -> str:
-        if block[n] in in_stack:
-            return block[n]
-        anchor = n
-        if n.op == "get_attr":  # a parameter sits where it is first used
-            users = [u for u in n.users if u in index]
-            if not users:
-                return "embedding"
-            anchor = min(users, key=index.get)
-            if block[anchor] in in_stack:
-                return block[anchor]
-        return "embedding" if index[anchor] < first else "head"
-
-    groups: dict[str, list[fx.Node]] = {g: [] for g in ["embedding", *stack, "head"]}
-    for n in nodes:
-        groups[group(n)].append(n)
+def _chain(gm: fx.GraphModule, seq: int, shared: _SharedMap, subs: dict | None = None):
+    """Group the analysed nodes by their layer-chain index (``annotate_blocks``) and sum their costs."""
+    chain = gm.meta.get(LAYER_CHAIN)
+    if chain is None or not chain.blocks:
+        raise AnalysisError("profile found no repeated blocks (no module path like 'blocks.0'); the planner "
+                            "partitions a chain of repeated blocks")
+    stack = list(chain.blocks)
+    groups: dict[str, list[fx.Node]] = {g: [] for g in chain.names}
+    for n in gm.graph.nodes:
+        if n.op not in ("placeholder", "output"):
+            groups[n.meta[BLOCK].name].append(n)
     boundary = {}
     for g in stack:
         outs = [n for n in groups[g] if n.op != "get_attr" and SHAPE in n.meta and len(n.meta[SHAPE].tensors) == 1]
         boundary[g] = outs[-1].meta[SHAPE].tensor
     hidden = int(boundary[stack[0]].shape[-1])
-    heads = _heads(gm, in_stack, block)
-    layers = {g: _sum(g, ns, seq, hidden, boundary.get(g), shared) for g, ns in groups.items()}
+    heads = _heads(gm)
+    layers = {g: _sum(g, ns, seq, hidden, boundary.get(g), shared, subs) for g, ns in groups.items()}
     bnd = layers[stack[0]].boundary_bytes
     emb = replace(layers["embedding"], boundary_bytes=bnd, tp_all_reduces=1)
     head = replace(layers["head"], boundary_bytes=bnd, tp_all_reduces=1)
     return emb, [layers[g] for g in stack], head, hidden, heads
 
 
-def _heads(gm, in_stack, block) -> int:
+def _heads(gm) -> int:
     for n in gm.graph.nodes:
         f = n.meta.get(FLOPS)
-        if block.get(n) in in_stack and f is not None and f.kind == "attention" and SHAPE in n.meta:
+        if n.meta[BLOCK].in_block and f is not None and f.kind == "attention" and SHAPE in n.meta:
             return int(n.meta[SHAPE].tensors[0].shape[1])  # (batch, heads, seq, head_dim)
     return 1
 
 
-def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap) -> LayerProfile:
+def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap, subs: dict | None = None) -> LayerProfile:
     params = pbytes = fwd = bwd = matmuls = attn = act = repl = score = saved = ops = 0
     for n in nodes:
         mem = n.meta.get(MEMORY)
         if n.op == "get_attr":
             if mem is None or n.target in shared.all_names:
                 continue  # tied weights are counted once, in ModelProfile.shared_param_*
-            pbytes += _int(mem.param_bytes)
-            if _int(mem.param_bytes):
-                params += _int(n.meta[SHAPE].tensor.numel)
+            pbytes += _int(mem.param_bytes, subs)
+            if _int(mem.param_bytes, subs):
+                params += _int(n.meta[SHAPE].tensor.numel, subs)
             continue
-        if n.op == "call_function" and n.target is not operator.getitem:
+        is_size = SHAPE in n.meta and n.meta[SHAPE].value is not None  # size arithmetic dispatches no kernel
+        if n.op == "call_function" and n.target is not operator.getitem and not is_size:
             ops += 1
         f = n.meta.get(FLOPS)
         if f is not None:
-            fwd += _int(f.fwd)
-            bwd += _int(f.bwd)
-            if _int(f.fwd):
+            fwd += _int(f.fwd, subs)
+            bwd += _int(f.bwd, subs)
+            if _int(f.fwd, subs):
                 matmuls += 1
             if f.kind == "attention":
-                attn += _int(f.fwd)
-        if mem is not None and _int(mem.kept_bytes):
-            kept = _int(mem.kept_bytes)
+                attn += _int(f.fwd, subs)
+        if mem is not None and _int(mem.kept_bytes, subs):
+            kept = _int(mem.kept_bytes, subs)
             act += kept
             saved += 1
             shape = n.meta[SHAPE].tensors[0].shape if SHAPE in n.meta and n.meta[SHAPE].tensors else ()
-            dims = [int(d) for d in shape] if all(sympy.sympify(d).is_Integer for d in shape) else []
+            shape = [sympy.sympify(d).xreplace(subs) if subs else sympy.sympify(d) for d in shape]
+            dims = [int(d) for d in shape] if all(d.is_Integer for d in shape) else []
             if len(dims) >= 2 and dims[-1] == seq and dims[-2] == seq:
                 score += kept
             elif dims and dims[-1] == hidden:
                 repl += kept
-    bnd = _int(boundary.nbytes) if boundary is not None else 0
+    bnd = _int(boundary.nbytes, subs) if boundary is not None else 0
     return LayerProfile(name=name, param_count=params, param_bytes=pbytes, fwd_flops=fwd, bwd_flops=bwd,
                         matmuls=max(matmuls, 1), attention_flops=attn, activation_bytes=act,
                         replicated_activation_bytes=repl, attention_score_bytes=score, boundary_bytes=bnd,
@@ -328,3 +301,26 @@ def profile_spec(spec: ModelSpec, *, dtype: str = "fp32", optimizer: str = "adam
     return ModelProfile(model=spec.name, seq=seq, dtype=dtype, hidden=hidden, heads=heads, embedding=embedding,
                         blocks=tuple(blocks), head=head, shared_param_count=sum(n for n, _ in shared.values()),
                         shared_param_bytes=sum(b for _, b in shared.values()))
+
+
+def profile_graph(gm: fx.GraphModule, *, dtype: str = "fp32", name: str | None = None) -> ModelProfile:
+    """A :class:`ModelProfile` of an already captured and analysed graph (shapes, blocks, FLOPs,
+    memory; symbolic dims are evaluated at batch 1 and their hints): what a job that captured its
+    model once plans from. Tied parameters come from the capture, so they count once."""
+    info = gm.meta[CAPTURE]
+    hints = dict(info.dims)
+    subs = {dim_symbol(n): sympy.Integer(1 if n == "batch" else v) for n, v in info.dims}
+    seq = int(hints.get("seq", 0) or 0)
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    tied = {}
+    for names in info.tied:
+        present = [n for n in names if n in params]
+        if present:
+            p = params[present[0]]
+            tied[names[0]] = (p.numel(), p.numel() * p.element_size())
+    shared = _SharedMap(tied, {n for names in info.tied for n in names})
+    embedding, blocks, head, hidden, heads = _chain(gm, seq, shared, subs)
+    return ModelProfile(model=name or info.model, seq=seq, dtype=dtype, hidden=hidden, heads=heads,
+                        embedding=embedding, blocks=tuple(blocks), head=head,
+                        shared_param_count=sum(n for n, _ in tied.values()),
+                        shared_param_bytes=sum(b for _, b in tied.values()))

@@ -20,7 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from partitioner.cluster import Cluster
-from partitioner.errors import ConfigError
+from passes.ir.errors import ConfigError
+from partitioner.model_spec import build_model
+from runtime.measure import StepTimer
+from partitioner.build import build_parallel_model, capture_for_pipeline
+from passes.ir.config import ParallelConfig
+from runtime.mesh import Mesh, init_distributed
+from partitioner.fidelity import predict_step_time
+from partitioner.profile import profile_model
+from runtime.launch import spawn
+from runtime.measure import RunMeasurements, StepMeasurement
 
 REFERENCE_MODEL = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=16,dropout=0.0"
 """Small enough to train in seconds on CPU ranks, large enough to have every kind of layer."""
@@ -35,8 +44,7 @@ def global_batch(world_size: int) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class ReferencePlan:
-    """One plan of the reference set (every knob of :data:`partitioner.plan_types.KNOBS`)."""
-
+    """One plan of the reference set (every knob of :data:`passes.ir.plan.KNOBS`)."""
     name: str
     global_batch: int
     dp: int
@@ -82,10 +90,6 @@ def _rank_main(plans: tuple[ReferencePlan, ...], steps: int) -> list[dict]:
     """On every rank: each plan's measured steps (dicts of :class:`runtime.measure.StepMeasurement`)."""
     import torch
 
-    from partitioner.model_spec import build_model
-    from runtime.measure import StepTimer
-    from runtime.mesh import Mesh, init_distributed
-    from runtime.parallel_model import ParallelModel, capture_for_pipeline
 
     init_distributed(timeout_s=300)
     meshes = {}
@@ -98,10 +102,10 @@ def _rank_main(plans: tuple[ReferencePlan, ...], steps: int) -> list[dict]:
     out = []
     for p in plans:
         torch.distributed.barrier()
-        pm = ParallelModel(spec, dp=p.dp, pp=p.pp, tp=p.tp, schedule=p.schedule, num_micro_batches=p.num_micro_batches,
-                           virtual_pp=p.virtual_pp, global_batch=p.global_batch, mesh=meshes[(p.dp, p.pp, p.tp)],
-                           graph=graph, zero=p.zero_stage, adamw=ADAMW, checkpointing=p.checkpointing,
-                           offload=p.offload)
+        config = ParallelConfig.for_global_batch(
+            p.global_batch, dp=p.dp, pp=p.pp, tp=p.tp, schedule=p.schedule, num_micro_batches=p.num_micro_batches,
+            virtual_pp=p.virtual_pp, zero_stage=p.zero_stage, checkpointing=p.checkpointing, offload=p.offload)
+        pm = build_parallel_model(graph, config, meshes[(p.dp, p.pp, p.tp)], adamw=ADAMW)
         timer = StepTimer(pm, track_memory=False)
         for k, b in enumerate(batches):
             timer.measure(k + 1, lambda b=b: pm.train_step(b))
@@ -116,10 +120,6 @@ def run_reference(world_size: int, out_dir: str | Path, cluster: Cluster, *, ste
     ``world_size`` local gloo ranks for ``steps`` steps (the first is warm-up) and write each
     plan's ``plan.json`` (predicted on ``cluster``) and ``measurements.json`` under ``out_dir``;
     returns the run directories (``partitioner.refit.refit_from_runs`` takes them)."""
-    from partitioner.fidelity import predict_step_time
-    from partitioner.profile import profile_model
-    from runtime.launch import spawn
-    from runtime.measure import RunMeasurements, StepMeasurement
 
     if steps < 2:
         raise ConfigError(f"reference runs need at least 2 steps (the first is warm-up), got {steps}")

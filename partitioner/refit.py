@@ -1,6 +1,6 @@
 """Refit the cost model's efficiency terms from training runs (``partitioner calibrate --from-run``).
 
-A run directory holds ``plan.json`` (the :class:`partitioner.plan_types.Plan` that ran, with its
+A run directory holds ``plan.json`` (the :class:`passes.ir.plan.Plan` that ran, with its
 per-stage predicted seconds) and ``measurements.json`` (:class:`runtime.measure.RunMeasurements`:
 per-rank, per-step compute / p2p / optimizer seconds). After the warm-up step, in order:
 
@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import Sequence
 
 from partitioner.cluster import Cluster, PeakFlops
-from partitioner.errors import ConfigError
-from partitioner.plan_types import Plan
+from passes.ir.errors import ConfigError
+from passes.ir.plan import Plan
 
 
 

@@ -5,64 +5,8 @@ Rank layout (Megatron order): tensor-parallel ranks are adjacent (``tp`` innermo
 stays in one node when ``tp <= devices_per_node``), then data-parallel, then pipeline stages:
 ``rank = stage * dp * tp + dp_rank * tp + tp_rank``.
 
-Per micro-batch of ``b`` samples, per layer (numbers per sample come from the ModelProfile):
-
-* compute: forward ``fwd_flops·b/tp`` as ``matmuls`` equal kernels, backward as twice as many
-  (``cost_model.compute_time`` per kernel, so small kernels run below peak), plus the framework's
-  per-op overhead (``Device.kernel_overhead_s``) for the layer's ``ops`` forward operators and
-  twice as many backward ones (``cost_model.op_overhead_time``; independent of ``b`` and ``tp``);
-* tensor parallel: ``tp_all_reduces`` all-reduces of the boundary tensor ``b·s·h`` in forward and
-  as many in backward over the TP group link (sequence parallel: reduce-scatter + all-gather,
-  the same bytes);
-* recompute: ``full`` checkpointing reruns the layer's forward (compute and TP communication);
-  ``selective`` reruns the attention core only (its ``attention_flops``).
-
-A stage's time per micro-batch is the sum over its layers. The step is
-``(m + (p−1)/v) · T_max`` (``cost_model.pipeline_step_time``) with ``T_max`` the slowest stage,
-plus pipeline send/recv of the boundary tensor (scattered over TP ranks, as Megatron does):
-``2·t_p2p·m·v``, each rank's own messages (charging the ``p−1`` fill/drain messages as well
-over-predicted deep pipelines on measured runs; the fill is in the bubble), plus the exposed data-parallel gradient reduction: gradients accumulate
-over micro-batches and the reduction (all-reduce for ZeRO 0, reduce-scatter for ZeRO 1) of the
-last micro-batch overlaps that micro-batch's backward on the stage (bucketed), the rest is
-exposed; ZeRO 1 and 2 then all-gather the updated weights (exposed); ZeRO 2 keeps only a grad
-shard so it reduce-scatters after EVERY micro-batch (each hidden behind its backward); plus the optimizer step (memory bound, or on the host with
-``offload="optimizer"``); ZeRO ≥ 1 adds flattening the grads into the bucket and copying the
-gathered parameters back (``4·grad bytes`` memory bound). With ``pp > 1`` and tied weights (a
-GPT's word embedding and LM head) the first and the last stage all-reduce those gradients after
-their last backward (``tied_comm``, over the pair's link). Every step also pays ``framework``:
-``Device.step_overhead_s`` of host work and the all-reduce of the loss over all ranks
-(``2·⌈log2 world⌉`` latencies).
-
-Host devices (``host_to_device.kind == "loopback"``: CPU ranks on gloo): nothing overlaps on a
-rank's one thread, so the dp reduction is fully exposed (no backward hides it), and activation
-offload's copies are added to the stage's time per micro-batch (so they also lengthen the
-bubble). A copy costs ``bytes`` at the host link plus, per saved tensor
-(``LayerProfile.saved_tensors``) and direction, the link's α and ``Device.offload_call_s`` (the
-hook and the op's dispatch).
-
-Per-device memory of a stage: model state of its layers (``cost_model.model_state_bytes``,
-ZeRO-sharded over dp, parameters divided by tp; norms are counted as sharded too, a small
-over-count of the saving), plus saved activations of the micro-batches in flight
-(``cost_model.in_flight_microbatches``), plus communication buffers (two 25 MiB gradient
-buckets for dp, send/recv buffers for pp, one all-reduce buffer for tp). Activation terms:
-
-* TP shards the activations except the [b, s, h] ones (norm inputs, residuals, dropout masks),
-  which sequence parallelism shards as well (Korthikanti et al. 2022);
-* ``selective`` drops the [s, s] attention-score tensors (0 with fused attention, which keeps
-  none: selective then saves nothing and is only tried when pinned);
-* ``full`` keeps each layer's input (the boundary tensor) per micro-batch in flight, plus one
-  whole layer's activations for the layer being recomputed;
-* ``offload="activations"`` keeps at most two micro-batches' activations on the device (the one
-  computing and one being copied); the copies out and back cost ``2·bytes`` at the slower of the
-  host-to-device link and the device's share of host-memory bandwidth
-  (:data:`HOST_MEMORY_BYTES_PER_S`) plus two messages per saved tensor (α and
-  ``Device.offload_call_s`` each), hidden behind the stage's compute when shorter.
-
-Stage boundaries (non-interleaved): the chain ``embedding, blocks, head`` is split into ``pp``
-contiguous stages minimising the slowest stage's time subject to each stage's memory limit
-(parametric search over the possible bottleneck times with a greedy feasibility check, which is
-exact for contiguous chains with additive per-stage costs). Interleaved: ``L/(p·v)`` blocks per
-chunk, embedding on stage 0, head on stage p−1.
+The cost of one candidate (its stage split, memory and step time) is :mod:`partitioner.plan_cost`;
+the search enumerates and prunes the candidates and returns the best as a :class:`Plan`.
 
 Pruning: tp divides the heads and (unless fixed) divides the devices of a node, so every TP
 group stays inside one node; pp ≤ layers; micro-batch sizes
@@ -74,173 +18,29 @@ exceeds the best plans found (branch and bound), so the result equals exhaustive
 from __future__ import annotations
 
 import bisect
-import dataclasses
-import math
-from dataclasses import dataclass
 
 from partitioner.cluster import Cluster
-from partitioner.cost_model import (
-    StepTimeTerms,
-    all_gather_time,
-    all_reduce_time,
-    bubble_fraction,
-    compute_time,
-    group_link,
-    in_flight_microbatches,
-    memory_bound_time,
-    model_state_bytes,
-    op_overhead_time,
-    reduce_scatter_time,
-    send_recv_time,
-)
-from partitioner.errors import ConfigError, InfeasiblePlanError
-from partitioner.plan_types import (
-    CHECKPOINTING,
-    KNOBS,
-    OFFLOAD,
-    SCHEDULES,
-    Alternative,
-    Plan,
-    Prediction,
-    StagePlan,
-    format_bytes,
-)
-from partitioner.profile import LayerProfile, ModelProfile
+from partitioner.cost_model import bubble_fraction
+from partitioner.plan_cost import Evaluated, PlanContext, evaluate, lower_bound
+from partitioner.profile import ModelProfile
+from passes.ir.config import CHECKPOINTING, KNOBS, OFFLOAD, SCHEDULES, ParallelConfig
+from passes.ir.errors import ConfigError, InfeasiblePlanError
+from passes.ir.plan import Alternative, Plan, Prediction, format_bytes
 
 MAX_MICRO_BATCH = 16
 """Largest micro-batch size tried unless fixed (larger ones gain little kernel efficiency)."""
 MAX_VIRTUAL_PP = 8
-GRAD_BUCKET_BYTES = 25 * 2**20
-"""DDP gradient bucket; two are in flight while reducing."""
-HOST_MEMORY_BYTES_PER_S = 100e9
-"""Usable host-memory bandwidth of one node, shared by its devices: bounds the CPU optimizer step
-and activation offload copies (an assumption; the cluster file has no such field yet)."""
 N_ALTERNATIVES = 4
 
-GiB = 2**30
+
+_OFFLOAD_ORDER = ("none", "optimizer", "activations")  # the tie-break's order: cheaper to run first
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """Values of every knob of one plan (names as in :data:`partitioner.plan_types.KNOBS`)."""
-
-    dp: int
-    tp: int
-    pp: int
-    virtual_pp: int
-    micro_batch_size: int
-    num_micro_batches: int
-    schedule: str
-    zero_stage: int
-    sequence_parallel: bool
-    checkpointing: str
-    offload: str
-
-    def knobs(self) -> dict[str, object]:
-        return {k: getattr(self, k) for k in KNOBS}
-
-    def key(self) -> tuple:
-        """Stable tie-break: simpler plans first (less parallelism, no offload, no recompute)."""
-        return (OFFLOAD.index(self.offload), CHECKPOINTING.index(self.checkpointing), self.zero_stage,
-                self.sequence_parallel, self.pp, self.tp, SCHEDULES.index(self.schedule), self.virtual_pp,
-                -self.micro_batch_size)
-
-
-@dataclass(frozen=True, slots=True)
-class _LayerCost:
-    """One layer, one micro-batch, one device: seconds and bytes."""
-
-    fwd: float
-    bwd: float
-    tp_comm: float
-    recompute: float
-    act_bytes: float
-    """Saved activations of one micro-batch on one device, under the checkpointing policy."""
-    full_act_bytes: float
-    """Saved activations without checkpointing (the working set while recomputing)."""
-    params: float
-    """Parameters on one device (tp-sharded)."""
-
-    @property
-    def time(self) -> float:
-        return self.fwd + self.bwd + self.tp_comm + self.recompute
-
-
-@dataclass(frozen=True, slots=True)
-class _Evaluated:
-    cand: Candidate
-    feasible: bool
-    step_time: float
-    peak: float
-    stages: tuple[StagePlan, ...]
-    terms: StepTimeTerms
-
-
-class _Context:
-    """Everything fixed during one search: profile, cluster, caches of links and layer costs."""
-
-    def __init__(self, profile: ModelProfile, cluster: Cluster, global_batch: int, optimizer: str):
-        self.profile = profile
-        self.cluster = cluster
-        self.global_batch = global_batch
-        self.optimizer = optimizer
-        self.dtype = profile.dtype
-        self.precision = "fp32" if profile.dtype == "fp32" else "mixed"
-        self.cap = cluster.device.memory_bytes
-        self.host_cap = cluster.host_memory_bytes / cluster.devices_per_node
-        self.host_rate = HOST_MEMORY_BYTES_PER_S / cluster.devices_per_node  # per device, bytes/s
-        self.L = len(profile.blocks)
-        self.itemsize = 4 if self.precision == "fp32" else 2
-        # device memory IS host memory (CPU ranks): copies and collectives are not overlapped
-        self.on_host = cluster.host_to_device.kind == "loopback"
-        self._links: dict = {}
-        self._costs: dict = {}
-
-    def link(self, size: int, stride: int):
-        key = (size, stride)
-        if key not in self._links:
-            self._links[key] = group_link(self.cluster, size=size, stride=stride)
-        return self._links[key]
-
-    def pp_link(self, c: Candidate):
-        return self.link(2, c.dp * c.tp)
-
-    def layer_costs(self, c: Candidate) -> tuple[_LayerCost, _LayerCost, _LayerCost]:
-        """Costs of (embedding, a block, head) for ``c``'s tp, micro-batch, sp, checkpointing."""
-        key = (c.tp, c.micro_batch_size, c.sequence_parallel, c.checkpointing)
-        if key not in self._costs:
-            p = self.profile
-            # checkpoint regions are blocks (runtime.rank_program): embedding and head keep theirs
-            ends = (c.tp, c.micro_batch_size, c.sequence_parallel, "none")
-            self._costs[key] = (self._layer_cost(p.embedding, *ends), self._layer_cost(p.blocks[0], *key),
-                                self._layer_cost(p.head, *ends))
-        return self._costs[key]
-
-    def _layer_cost(self, layer: LayerProfile, tp: int, b: int, sp: bool, ckpt: str) -> _LayerCost:
-        dev = self.cluster.device
-        k = layer.matmuls
-        fwd = k * compute_time(layer.fwd_flops * b / tp / k, dev, self.dtype, overhead=False) if layer.fwd_flops else 0.0
-        bwd = 2 * k * compute_time(layer.bwd_flops * b / tp / (2 * k), dev, self.dtype, overhead=False) if layer.bwd_flops else 0.0
-        # framework overhead per dispatched op (independent of b and tp); backward twice the forward's
-        ops = layer.ops or k  # profiles made before op counting: the matmul kernels
-        fwd += op_overhead_time(ops, dev)
-        bwd += op_overhead_time(2 * ops, dev)
-        msg = layer.boundary_bytes * b
-        link = self.link(tp, 1)
-        one = (reduce_scatter_time(msg, tp, link) + all_gather_time(msg, tp, link)) if sp else all_reduce_time(msg, tp, link)
-        fwd_comm = layer.tp_all_reduces * one
-        repl = layer.replicated_activation_bytes / (tp if sp else 1)
-        full = (repl + (layer.activation_bytes - layer.replicated_activation_bytes) / tp) * b
-        if ckpt == "full":
-            act = layer.boundary_bytes * b / (tp if sp else 1)
-            recompute = fwd + fwd_comm
-        elif ckpt == "selective":
-            act = full - layer.attention_score_bytes * b / tp
-            recompute = compute_time(layer.attention_flops * b / tp, dev, self.dtype) if layer.attention_flops else 0.0
-        else:
-            act, recompute = full, 0.0
-        return _LayerCost(fwd=fwd, bwd=bwd, tp_comm=2 * fwd_comm, recompute=recompute, act_bytes=act,
-                          full_act_bytes=full, params=layer.param_count / tp)
+def _key(c: ParallelConfig) -> tuple:
+    """Stable tie-break: simpler plans first (less parallelism, no offload, no recompute)."""
+    return (_OFFLOAD_ORDER.index(c.offload), CHECKPOINTING.index(c.checkpointing), c.zero_stage,
+            c.sequence_parallel, c.pp, c.tp, SCHEDULES.index(c.schedule), c.virtual_pp,
+            -c.micro_batch_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,7 +59,7 @@ def _check_fix(fix: dict) -> None:
 
 
 def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
-               fix: dict | None = None) -> list[Candidate]:
+               fix: dict | None = None) -> list[ParallelConfig]:
     """Every candidate plan the search considers (after pruning), in a stable order."""
     fix = dict(fix or {})
     _check_fix(fix)
@@ -271,6 +71,7 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
         return values
 
     out = []
+    refused: dict[str, None] = {}  # why configs were left out, in order, each once
     for tp in opts("tp", [t for t in _divisors(world)
                           if profile.heads % t == 0 and cluster.devices_per_node % t == 0]):
         if world % tp:
@@ -304,287 +105,23 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
                             ckpts = ["none", "selective", "full"] if has_scores else ["none", "full"]
                             for ckpt in opts("checkpointing", ckpts):
                                 for off in opts("offload", list(OFFLOAD)):
-                                    out.append(Candidate(dp=dp, tp=tp, pp=pp, virtual_pp=v, micro_batch_size=mbs,
-                                                         num_micro_batches=m, schedule=sched, zero_stage=zero,
-                                                         sequence_parallel=sp, checkpointing=ckpt, offload=off))
+                                    try:  # only configs the lowering and the runtime carry out are offered
+                                        out.append(ParallelConfig(
+                                            dp=dp, tp=tp, pp=pp, virtual_pp=v, micro_batch_size=mbs,
+                                            num_micro_batches=m, schedule=sched, zero_stage=zero,
+                                            sequence_parallel=sp, checkpointing=ckpt, offload=off,
+                                            dtype=profile.dtype))
+                                    except ConfigError as exc:
+                                        refused.setdefault(str(exc), None)
+    if not out and refused:
+        raise ConfigError(f"no candidate plan: every combination of the pinned knobs breaks a rule: "
+                          f"{'; '.join(list(refused)[:3])}")
     # Pinned interleaved plans that break the divisibility rules: say why rather than return nothing.
     if not out and fix.get("schedule") == "interleaved" and "pp" in fix and "virtual_pp" in fix:
         if L % (fix["pp"] * fix["virtual_pp"]):
             raise ConfigError(f"interleaved schedule needs layers ({L}) divisible by pp*virtual_pp "
                               f"({fix['pp']}*{fix['virtual_pp']})")
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Evaluation of one candidate
-# ---------------------------------------------------------------------------------------------
-
-
-def _state_per_param(ctx: _Context, c: Candidate) -> tuple[float, float, float]:
-    """Device bytes per (tp-sharded) parameter: (params, grads, optimizer) under ZeRO/offload."""
-    ms = model_state_bytes(1.0, c.dp, c.zero_stage, ctx.precision, ctx.optimizer)
-    opt = 0.0 if c.offload == "optimizer" else ms.optimizer
-    return ms.params, ms.grads, opt
-
-
-def _inflight(c: Candidate, stage: int) -> float:
-    n = in_flight_microbatches(c.schedule, stage, c.pp, c.num_micro_batches, c.virtual_pp)
-    if c.offload == "activations":
-        n = min(n, 2.0 / c.virtual_pp if c.virtual_pp > 1 else 2.0)
-    return n
-
-
-def _buffers(ctx: _Context, c: Candidate, grads: float | None = None) -> float:
-    """Communication buffers of one device, bytes: pp and tp buffers, plus the dp gradient
-    buckets (``min(2 buckets, grads)`` when the stage's full-size ``grads`` bytes are given)."""
-    msg = ctx.profile.blocks[0].boundary_bytes * c.micro_batch_size
-    out = 0.0
-    if c.dp > 1 and grads is not None:
-        out += min(2 * GRAD_BUCKET_BYTES, grads)
-    if c.pp > 1:
-        out += 4 * msg / c.tp  # send and receive, forward activations and backward gradients
-    if c.tp > 1:
-        out += msg
-    return out
-
-
-def _assignment(ctx: _Context, c: Candidate, costs, limit: float | None) -> list[list[tuple[int, int]]] | None:
-    """Chain ranges per stage; ``limit`` bytes per device (None: ignore memory)."""
-    L, p, v = ctx.L, c.pp, c.virtual_pp
-    if c.schedule == "interleaved":
-        per = L // (p * v)
-        chunks = [[] for _ in range(p)]
-        for j in range(p * v):
-            start, stop = 1 + j * per, 1 + (j + 1) * per
-            if j == 0:
-                start = 0
-            if j == p * v - 1:
-                stop = L + 2
-            chunks[j % p].append((start, stop))
-        return chunks
-    emb, blk, head = costs
-    times = [emb.time, blk.time, head.time]
-    # Possible bottleneck times: contiguous sums of the chain (n blocks, with or without the ends).
-    cands = sorted({n * blk.time + e * emb.time + h * head.time
-                    for n in range(L + 1) for e in (0, 1) for h in (0, 1) if n + e + h > 0})
-    lo = bisect.bisect_left(cands, max(sum(times[i] * (L if i == 1 else 1) for i in range(3)) / p, max(times)) * (1 - 1e-12))
-    if _greedy(ctx, c, costs, float("inf"), limit) is None:
-        return None
-    hi = len(cands) - 1
-    lo = min(lo, hi)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _greedy(ctx, c, costs, cands[mid], limit) is None:
-            lo = mid + 1
-        else:
-            hi = mid
-    return _greedy(ctx, c, costs, cands[lo], limit) or _greedy(ctx, c, costs, float("inf"), limit)
-
-
-def _greedy(ctx: _Context, c: Candidate, costs, T: float, limit: float | None):
-    """Fill stages left to right with as many layers as time ``T`` and memory allow."""
-    L, p = ctx.L, c.pp
-    emb, blk, head = costs
-    wp, wg, wo = _state_per_param(ctx, c)
-    per_param = wp + wg + wo
-    shared = ctx.profile.shared_param_count / c.tp
-    runs = [(emb, 1, shared if p > 1 else 0.0), (blk, L, 0.0), (head, 1, shared)]
-    eps = 1e-12 * max(T, 1e-30) if math.isfinite(T) else 0.0
-    counts = []
-    run, left = 0, runs[0][1]
-    for stage in range(p):
-        n_in = _inflight(c, stage)
-        t = grads = 0.0
-        taken = 0
-        mem = _buffers(ctx, c) + (blk.full_act_bytes if c.checkpointing == "full" else 0.0)
-        bucket = 2 * GRAD_BUCKET_BYTES if c.dp > 1 else 0.0
-        while run < 3:
-            cost, _, extra = runs[run]
-            w = (cost.params + extra) * per_param + n_in * cost.act_bytes
-            g = (cost.params + extra) * ctx.itemsize if c.dp > 1 else 0.0  # gradient bucket growth
-            n = left
-            if cost.time > 0:
-                n = min(n, int((T - t + eps) // cost.time)) if math.isfinite(T) else n
-            if limit is not None and w + g > 0:
-                # fits when mem + n·w + min(bucket, grads + n·g) <= limit: either bound suffices
-                full = (limit - mem - bucket) // w if w > 0 else float("inf")
-                growing = (limit - mem - grads) // (w + g)
-                n = min(n, int(max(full, growing)))
-            n = max(n, 0)
-            t += n * cost.time
-            mem += n * w
-            grads += n * g
-            taken += n
-            left -= n
-            if left > 0:
-                break
-            run += 1
-            left = runs[run][1] if run < 3 else 0
-        if taken == 0 and run < 3:
-            return None
-        counts.append(taken)
-    if run < 3:
-        return None
-    # Stages the greedy left empty (it packs early stages full) take one layer from the nearest
-    # earlier stage with several; counts stay contiguous ranges, the caller re-checks memory.
-    for st in range(p):
-        if counts[st] == 0:
-            donors = [i for i in range(st) if counts[i] > 1]
-            if not donors:
-                return None
-            counts[donors[-1]] -= 1
-            counts[st] += 1
-    ranges, start = [], 0
-    for n in counts:
-        ranges.append([(start, start + n)])
-        start += n
-    return ranges
-
-
-def _stage_numbers(ctx: _Context, c: Candidate, costs, ranges: list[tuple[int, int]], stage: int):
-    """Time per micro-batch (fwd, bwd, tp, recompute), params on device, memory breakdown."""
-    emb, blk, head = costs
-    L, p = ctx.L, c.pp
-    f = b = tpc = rc = params = act = 0.0
-    shared = ctx.profile.shared_param_count / c.tp
-    for start, stop in ranges:
-        for i in range(start, stop):
-            cost = emb if i == 0 else head if i == L + 1 else blk
-            f += cost.fwd
-            b += cost.bwd
-            tpc += cost.tp_comm
-            rc += cost.recompute
-            params += cost.params
-            act += cost.act_bytes
-            if (i == 0 and p > 1) or i == L + 1:
-                params += shared
-    wp, wg, wo = _state_per_param(ctx, c)
-    memory = {
-        "parameters": params * wp,
-        "gradients": params * wg,
-        "optimizer": params * wo,
-        "activations": act * _inflight(c, stage) + (blk.full_act_bytes if c.checkpointing == "full" else 0.0),
-        "buffers": _buffers(ctx, c, params * ctx.itemsize),
-    }
-    return f, b, tpc, rc, params, act, memory
-
-
-def evaluate(ctx: _Context, c: Candidate, *, limit: float | None | str = "device") -> _Evaluated:
-    """Partition, memory and step time of one candidate; ``limit=None`` splits the stages by time
-    only (to say how much memory the candidate needs)."""
-    costs = ctx.layer_costs(c)
-    assignment = _assignment(ctx, c, costs, ctx.cap if limit == "device" else limit)
-    feasible = assignment is not None
-    if assignment is None:  # how much it would need: the time-balanced split, memory ignored
-        assignment = _assignment(ctx, c, costs, None)
-    dev = ctx.cluster.device
-    ms1 = model_state_bytes(1.0, c.dp, c.zero_stage, ctx.precision, ctx.optimizer)
-    stages, per_stage = [], []
-    for s, ranges in enumerate(assignment):
-        f, b, tpc, rc, params, act, memory = _stage_numbers(ctx, c, costs, ranges, s)
-        t_mb = f + b + tpc + rc
-        # data parallel: grads of this stage; the last micro-batch's backward hides part of it
-        grads = params * ctx.itemsize
-        link = ctx.link(c.dp, c.tp)
-        rs, ag = reduce_scatter_time(grads, c.dp, link), all_gather_time(grads, c.dp, link)
-        # on a host device (gloo on CPU) the bucket's collective shares the rank's one thread
-        # with backward: nothing hides it
-        hide = 0.0 if ctx.on_host else b
-        if c.zero_stage == 0:    # one all-reduce after the last micro-batch, hidden behind its backward
-            dp_exposed = max(0.0, all_reduce_time(grads, c.dp, link) - hide)
-        elif c.zero_stage == 1:  # reduce-scatter hidden likewise; all-gather of new weights after the step
-            dp_exposed = max(0.0, rs - hide) + ag
-        else:                    # sharded grads: a reduce-scatter per micro-batch, each behind its backward
-            dp_exposed = c.num_micro_batches * max(0.0, rs - hide) + ag
-        updated = params / (c.dp if c.zero_stage >= 1 else 1)  # parameters this rank updates
-        opt_bytes = updated * ms1.optimizer * (c.dp if c.zero_stage >= 1 else 1)
-        if c.offload == "optimizer":
-            h2d = ctx.cluster.host_to_device.bandwidth_bytes_per_s
-            t_opt = (updated * 2 * ctx.itemsize) / h2d + 2 * opt_bytes / ctx.host_rate
-        else:
-            t_opt = memory_bound_time(2 * opt_bytes + updated * 2 * ctx.itemsize, dev)
-        if c.zero_stage >= 1:  # flatten the stage's grads into the bucket, copy the gathered params back
-            t_opt += memory_bound_time(4 * grads, dev)
-        t_off = 0.0
-        host = opt_bytes if c.offload == "optimizer" else 0.0
-        if c.offload == "activations":
-            copy = 2 * act / min(ctx.cluster.host_to_device.bandwidth_bytes_per_s, ctx.host_rate)
-            # each saved tensor is one copy out and one back: the link's α and the framework call
-            copy += 2 * _saved_tensors(ctx, c, ranges) * (ctx.cluster.host_to_device.latency_s + dev.offload_call_s)
-            if ctx.on_host:  # copies and saved-tensor hooks run inside forward/backward: stage time
-                t_mb += copy
-                t_off = c.num_micro_batches * copy
-            else:
-                t_off = c.num_micro_batches * max(0.0, copy - t_mb)
-            host = act * in_flight_microbatches(c.schedule, s, c.pp, c.num_micro_batches, c.virtual_pp)
-        if host > ctx.host_cap:
-            feasible = False
-        peak = sum(memory.values())
-        names = tuple(f"{_name(ctx, a)}..{_name(ctx, z - 1)}" for a, z in ranges)
-        stages.append(StagePlan(index=s, layers=tuple(tuple(r) for r in ranges), layer_names=names,
-                                param_bytes=params * ctx.itemsize, peak_memory_bytes=peak, memory=memory,
-                                time_s=t_mb))
-        per_stage.append((t_mb, f + b, tpc, rc, dp_exposed, t_opt, t_off))
-    p, v, m = c.pp, c.virtual_pp, c.num_micro_batches
-    slow = max(range(p), key=lambda i: (per_stage[i][0], -i))
-    t_max, comp, tpc, rc = per_stage[slow][:4]
-    t_p2p = 0.0
-    if p > 1:
-        pp_link = ctx.pp_link(c)
-        if ctx.cluster.p2p_latency_s is not None:  # calibrated per-message seconds of pipeline sends
-            pp_link = dataclasses.replace(pp_link, latency_s=ctx.cluster.p2p_latency_s)
-        t_p2p = send_recv_time(ctx.profile.blocks[0].boundary_bytes * c.micro_batch_size / c.tp, pp_link)
-    tail = max(range(p), key=lambda i: (sum(per_stage[i][4:]), -i))
-    terms = StepTimeTerms(
-        compute=m * comp, tp_comm=m * tpc, recompute=m * rc,
-        pp_comm=2 * t_p2p * m * v if p > 1 else 0.0,
-        bubble=(p - 1) / v * t_max,
-        dp_comm=per_stage[tail][4], optimizer=per_stage[tail][5], offload=per_stage[tail][6],
-        tied_comm=_tied_sync_time(ctx, c), framework=_framework_time(ctx))
-    peak = max(s.peak_memory_bytes for s in stages)
-    feasible = feasible and peak <= ctx.cap
-    return _Evaluated(cand=c, feasible=feasible, step_time=terms.total, peak=peak, stages=tuple(stages), terms=terms)
-
-
-def _saved_tensors(ctx: _Context, c: Candidate, ranges) -> int:
-    """Saved tensors one micro-batch offloads on a stage (``LayerProfile.saved_tensors``; a block
-    under full checkpointing keeps only its input): each costs a copy out and one back, each a
-    message on the host link (its α) and a framework call (``Device.offload_call_s``)."""
-    def count(i: int) -> int:
-        block = 0 < i <= ctx.L
-        return 1 if block and c.checkpointing == "full" else ctx.profile.layers[i].saved_tensors
-    return sum(count(i) for start, stop in ranges for i in range(start, stop))
-
-
-def _tied_sync_time(ctx: _Context, c: Candidate) -> float:
-    """Seconds of the all-reduce of tied-weight gradients between the first and the last stage
-    (``runtime.grad_sync.TiedSync``), after the last backward: nothing hides it."""
-    shared = ctx.profile.shared_param_count
-    if c.pp == 1 or not shared:
-        return 0.0
-    grads = shared / c.tp * ctx.itemsize  # vocab-parallel: each tp rank syncs its shard
-    return all_reduce_time(grads, 2, ctx.link(2, c.dp * c.tp * (c.pp - 1)))
-
-
-def _framework_time(ctx: _Context) -> float:
-    """Seconds per step of host work (``Device.step_overhead_s``) plus the all-reduce of the
-    step's loss over every rank: a scalar, so latency only, over a tree (``2·⌈log2 n⌉`` hops, as
-    NCCL does for small messages) rather than a ring's ``2(n−1)``."""
-    world = ctx.cluster.world_size
-    loss = 2 * math.ceil(math.log2(world)) * ctx.link(world, 1).latency_s if world > 1 else 0.0
-    return ctx.cluster.device.step_overhead_s + loss
-
-
-def _name(ctx: _Context, i: int) -> str:
-    return ctx.profile.layers[i].name
-
-
-def lower_bound(ctx: _Context, c: Candidate) -> float:
-    """A step time no partition of ``c`` beats: perfect balance, bubble, no dp/optimizer cost."""
-    emb, blk, head = ctx.layer_costs(c)
-    total = emb.time + ctx.L * blk.time + head.time
-    per_stage = max(total / c.pp, blk.time * math.ceil(ctx.L / c.pp) if c.schedule == "interleaved" else 0.0)
-    return (c.num_micro_batches + (c.pp - 1) / c.virtual_pp) * per_stage
 
 
 # ---------------------------------------------------------------------------------------------
@@ -597,28 +134,28 @@ def plan(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: dic
     """The fastest plan for ``profile`` on ``cluster`` that fits every device's memory.
 
     ``global_batch``: samples per step (``dp · micro_batch_size · num_micro_batches``).
-    ``fix``: pin any of :data:`partitioner.plan_types.KNOBS` (e.g. ``{"tp": 8, "pp": 4}``); a pinned
+    ``fix``: pin any of :data:`passes.ir.plan.KNOBS` (e.g. ``{"tp": 8, "pp": 4}``); a pinned
     ``tp`` may exceed the devices of one node. With every knob pinned this evaluates that plan.
-    Deterministic: ties go to the simpler plan (:meth:`Candidate.key`).
+    Deterministic: ties go to the simpler plan (:meth:`ParallelConfig.key`).
     Raises :class:`InfeasiblePlanError` when no candidate fits.
     """
     if global_batch < 1:
         raise ConfigError(f"global_batch must be >= 1, got {global_batch}")
-    ctx = _Context(profile, cluster, global_batch, optimizer)
+    ctx = PlanContext(profile, cluster, global_batch, optimizer)
     cands = candidates(profile, cluster, global_batch, fix)
     if not cands:
         raise ConfigError(f"no candidate plan for world size {cluster.world_size}, global batch {global_batch}, "
                           f"{profile.heads} heads, {ctx.L} layers, fix={fix}: dp must divide the global batch, tp "
                           f"the heads (and fit in a node of {cluster.devices_per_node} unless fixed); relax fix")
-    ordered = sorted(((lower_bound(ctx, c), c.key(), c) for c in cands), key=lambda t: t[:2])
-    feasible: list[_Evaluated] = []
-    infeasible: list[_Evaluated] = []
+    ordered = sorted(((lower_bound(ctx, c), _key(c), c) for c in cands), key=lambda t: t[:2])
+    feasible: list[Evaluated] = []
+    infeasible: list[Evaluated] = []
     for bound, _, c in ordered:
         if len(feasible) > N_ALTERNATIVES and bound > feasible[N_ALTERNATIVES].step_time:
             break
         e = evaluate(ctx, c)
         if e.feasible:
-            bisect.insort(feasible, e, key=lambda x: (x.step_time, x.cand.key()))
+            bisect.insort(feasible, e, key=lambda x: (x.step_time, _key(x.config)))
         else:
             infeasible.append(e)
     if not feasible:
@@ -630,46 +167,46 @@ def plan(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: dic
         err.min_bytes = need  # for callers and tests: the exact number behind the message
         raise err
     best = feasible[0]
-    alts = [Alternative(knobs=e.cand.knobs(), step_time_s=e.step_time, peak_memory_bytes=e.peak,
+    alts = [Alternative(knobs=e.config.knobs(), step_time_s=e.step_time, peak_memory_bytes=e.peak,
                         reason=f"slower by {(e.step_time / best.step_time - 1) * 100:.1f}%")
             for e in feasible[1:N_ALTERNATIVES]]
-    faster = sorted((e for e in infeasible if e.step_time < best.step_time), key=lambda e: (e.step_time, e.cand.key()))
-    alts += [Alternative(knobs=e.cand.knobs(), step_time_s=e.step_time, peak_memory_bytes=e.peak,
+    faster = sorted((e for e in infeasible if e.step_time < best.step_time), key=lambda e: (e.step_time, _key(e.config)))
+    alts += [Alternative(knobs=e.config.knobs(), step_time_s=e.step_time, peak_memory_bytes=e.peak,
                          reason=_memory_reason(ctx, e)) for e in faster[:2]]
     return _to_plan(ctx, best, tuple(alts))
 
 
 def min_memory(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: dict | None = None,
-               optimizer: str = "adamw") -> tuple[float, Candidate]:
+               optimizer: str = "adamw") -> tuple[float, ParallelConfig]:
     """Smallest per-device peak bytes over every candidate (each with its time-balanced stage
     split, memory ignored) and the candidate that needs it; ``fix`` restricts the candidates."""
-    ctx = _Context(profile, cluster, global_batch, optimizer)
+    ctx = PlanContext(profile, cluster, global_batch, optimizer)
     cands = candidates(profile, cluster, global_batch, fix)
     if not cands:
         raise ConfigError(f"no candidate plan for fix={fix}")
     return _min_memory(ctx, cands)
 
 
-def _min_memory(ctx: _Context, cands: list[Candidate]) -> tuple[float, Candidate]:
+def _min_memory(ctx: PlanContext, cands: list[ParallelConfig]) -> tuple[float, ParallelConfig]:
     best = None
     for c in cands:
         e = evaluate(ctx, c, limit=None)
-        if best is None or (e.peak, c.key()) < (best[0], best[1].key()):
+        if best is None or (e.peak, _key(c)) < (best[0], _key(best[1])):
             best = (e.peak, c)
     return best
 
 
-def _memory_reason(ctx: _Context, e: _Evaluated) -> str:
+def _memory_reason(ctx: PlanContext, e: Evaluated) -> str:
     if e.peak > ctx.cap:
         return f"needs {format_bytes(e.peak)} of {format_bytes(ctx.cap)}"
     return f"needs more than {format_bytes(ctx.host_cap)} of host memory per device"
 
 
-def _short(c: Candidate) -> str:
+def _short(c: ParallelConfig) -> str:
     return " ".join(f"{k}={v}" for k, v in c.knobs().items())
 
 
-def _tried(cands: list[Candidate]) -> str:
+def _tried(cands: list[ParallelConfig]) -> str:
     parts = []
     for k in KNOBS:
         values = sorted({getattr(c, k) for c in cands}, key=str)
@@ -677,8 +214,8 @@ def _tried(cands: list[Candidate]) -> str:
     return "; ".join(parts)
 
 
-def _to_plan(ctx: _Context, e: _Evaluated, alts: tuple[Alternative, ...]) -> Plan:
-    c = e.cand
+def _to_plan(ctx: PlanContext, e: Evaluated, alts: tuple[Alternative, ...]) -> Plan:
+    c = e.config
     world = ctx.cluster.world_size
     model_flops = (ctx.profile.fwd_flops + ctx.profile.bwd_flops) * ctx.global_batch
     per_device = model_flops / e.step_time / world
@@ -687,5 +224,8 @@ def _to_plan(ctx: _Context, e: _Evaluated, alts: tuple[Alternative, ...]) -> Pla
                       peak_memory_bytes=e.peak,
                       bubble_fraction=bubble_fraction(c.schedule, c.pp, c.num_micro_batches, c.virtual_pp),
                       terms=e.terms.to_dict())
+    # the plan's stage split travels in its config: chunk k of pipeline rank s is virtual stage k*pp + s
+    starts = {k * c.pp + st.index: r[0] for st in e.stages for k, r in enumerate(st.layers)}
+    config = c.replace(stage_boundaries=tuple(starts[vs] for vs in range(1, c.n_stages)))
     return Plan(model=ctx.profile.model, cluster=f"{ctx.cluster.name} x {ctx.cluster.nodes}",
-                global_batch=ctx.global_batch, **c.knobs(), stages=e.stages, predicted=pred, alternatives=alts)
+                global_batch=ctx.global_batch, config=config, stages=e.stages, predicted=pred, alternatives=alts)

@@ -37,8 +37,8 @@ import torch
 import torch.utils.checkpoint
 from torch import fx
 
-from partitioner.errors import AnalysisError
-from passes.meta import FLOP_SUMMARY, FLOPS, SHAPE, FlopMeta, FlopSummary, ShapeMeta, TensorMeta
+from passes.ir.errors import AnalysisError
+from passes.ir.meta import FLOP_SUMMARY, FLOPS, SHAPE, FlopMeta, FlopSummary, ShapeMeta, TensorMeta
 
 aten = torch.ops.aten
 _ZERO = sympy.Integer(0)

@@ -32,9 +32,9 @@ from typing import Any
 import torch.utils.checkpoint
 from torch import fx
 
-from partitioner.errors import PassError
+from passes.ir.errors import PassError
 from passes.checkpoint_policy import region_io
-from passes.meta import CHECKPOINT, CHECKPOINT_PLAN, CheckpointMeta, CheckpointRegion
+from passes.ir.meta import CHECKPOINT, CHECKPOINT_PLAN, CheckpointMeta, CheckpointRegion
 
 
 def apply_checkpoint(gm: fx.GraphModule, ctx: Any = None) -> fx.GraphModule:

@@ -1,5 +1,5 @@
 """Transform (apply half): bracket every node that saves an offloaded activation with the
-offload ops of :mod:`runtime.offload_ops`, as ``offload_policy`` decided.
+offload ops of :mod:`passes.ir.offload_ops`, as ``offload_policy`` decided.
 
 For each owner with ``node.meta[OFFLOAD].offload`` and each of its savers ``N``::
 
@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from torch import fx
 
-from partitioner.errors import PassError
+from passes.ir.errors import PassError
 from passes.annotate_memory import observe_saved_tensors as _observe_saved
-from passes.meta import OFFLOAD, OFFLOAD_PLAN
-from runtime.offload_ops import OFFLOAD_BEGIN, OFFLOAD_END, check_offload_regions
+from passes.ir.meta import OFFLOAD, OFFLOAD_PLAN
+from passes.ir.offload_ops import OFFLOAD_BEGIN, OFFLOAD_END, check_offload_regions
 
 
 def apply_offload(gm: fx.GraphModule, ctx: Any = None) -> fx.GraphModule:

@@ -2,7 +2,7 @@
 
 Reads ``node.meta[TENSOR_PARALLEL]`` and ``gm.meta[TENSOR_PARALLEL_PLAN]``; returns a new
 GraphModule (the input is left as it was) whose sharded parameters are this rank's slices of
-the originals, under the same names. Graph patterns inserted (ops of ``runtime.tp_collectives``)::
+the originals, under the same names. Graph patterns inserted (ops of ``passes.ir.ops``)::
 
     column:  x -> partitioner.copy_to_tp(x, g) -> linear(., W[rank rows])          (f: id / all-reduce)
     row:     x_shard -> linear(., W[:, rank cols]) -> partitioner.reduce_from_tp(., g) -> + bias
@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import copy
 import operator
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import fx, nn
 
-import runtime.tp_collectives  # noqa: F401  (registers torch.ops.partitioner.*)
-from partitioner.errors import PassError
-from passes.meta import (CAPTURE, FLOPS, MEMORY, SHAPE, TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN, ParamSharding,
-                         TensorParallelPlan)
+import passes.ir.ops  # noqa: F401  (defines torch.ops.partitioner.*)
+from passes.ir.program import shard_tensor
+from passes.ir.errors import PassError
+from passes.ir.meta import (FLOP_SUMMARY, FLOPS, MEMORY, MEMORY_SUMMARY, SHAPE, TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN, TensorParallelPlan)
 from passes.sequence_parallel import apply_sequence_parallel, sequence_size
 from passes.sharded_dropout import rewrite_sharded_dropout
 from passes.tensor_parallel_patterns import _SPLITS, _VIEWS
@@ -38,33 +38,7 @@ from passes.tensor_parallel_patterns import _SPLITS, _VIEWS
 aten = torch.ops.aten
 tp_ops = torch.ops.partitioner
 _STALE = (SHAPE, FLOPS, MEMORY)
-
-
-def shard_tensor(t: torch.Tensor, sharding: ParamSharding, rank: int, degree: int) -> torch.Tensor:
-    """This rank's slice of ``t`` (a copy): along ``sharding.dim``, the ``rank``-th of ``degree``
-    equal pieces of every section; the whole tensor (copied) when replicated."""
-    if sharding.dim is None:
-        return t.detach().clone()
-    pieces, offset = [], 0
-    for size in sharding.sections or (t.shape[sharding.dim],):
-        chunk = size // degree
-        pieces.append(t.detach().narrow(sharding.dim, offset + rank * chunk, chunk))
-        offset += size
-    return torch.cat(pieces, dim=sharding.dim).clone()
-
-
-def unshard_tensor(shards: Sequence[torch.Tensor], sharding: ParamSharding) -> torch.Tensor:
-    """Inverse of :func:`shard_tensor`: the full tensor from every rank's slice, in rank order
-    (rank 0's copy for a replicated one)."""
-    if sharding.dim is None:
-        return shards[0]
-    degree = len(shards)
-    out, offset = [], 0
-    for size in sharding.sections:
-        chunk = size // degree
-        out.extend(s.narrow(sharding.dim, offset // degree, chunk) for s in shards)
-        offset += size
-    return torch.cat(out, dim=sharding.dim)
+_STALE_GRAPH = (FLOP_SUMMARY, MEMORY_SUMMARY, TENSOR_PARALLEL_PLAN)
 
 
 def apply_tensor_parallel(gm: fx.GraphModule, ctx: Any = None, *, rank: int, group: str,
@@ -109,7 +83,8 @@ def apply_tensor_parallel(gm: fx.GraphModule, ctx: Any = None, *, rank: int, gro
     # module-stack tracer cannot be rebuilt), so a rank program can be shipped to its process.
     graph._tracer_cls, graph._tracer_extras = None, {}
     out = fx.GraphModule(attrs, graph, class_name=type(gm).__name__)
-    out.meta.update({k: v for k, v in gm.meta.items() if k == CAPTURE})
+    # the graph's decisions travel on (the summaries described the unsharded graph and do not)
+    out.meta.update({k: v for k, v in gm.meta.items() if k not in _STALE_GRAPH})
     out.meta[TENSOR_PARALLEL_PLAN] = TensorParallelPlan(degree=tp, params=plan.params, rank=rank,
                                                         sequence_parallel=seq is not None,
                                                         sequence_parallel_grads=sp_grads)

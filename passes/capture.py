@@ -25,10 +25,10 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 from torch import fx, nn
 
-from partitioner.errors import CaptureError
-from passes.meta import CAPTURE, EXPORT_MODULE_STACK, CaptureInfo, InputSpec
+from passes.ir.errors import CaptureError
+from passes.ir.meta import CAPTURE, CAPTURE_WRAPPER, EXPORT_MODULE_STACK, CaptureInfo, InputSpec, module_path  # noqa: F401
 
-_WRAPPER_ATTR = "model"
+_WRAPPER_ATTR = CAPTURE_WRAPPER  # the loss wrapper's attribute holding the user's model
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _EXPORT_ATTEMPTS = 3  # the first export, then up to two with export's suggested dim ranges applied
 
@@ -96,8 +96,28 @@ def capture_model(
         symbolic=symbolic,
         device=run_device,
         dtype=dtype,
+        tied=_tied_names(module),
     )
+    global _CAPTURES
+    _CAPTURES += 1
     return gm
+
+
+_CAPTURES = 0
+
+
+def capture_count() -> int:
+    """How many captures this process has made (a job captures its model once per process)."""
+    return _CAPTURES
+
+
+def _tied_names(module: nn.Module) -> tuple[tuple[str, ...], ...]:
+    """Every parameter the module lists under several names, as its names (the first is the one
+    ``named_parameters()`` gives, the canonical name)."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return tuple(tuple(ns) for ns in names.values() if len(ns) > 1)
 
 
 def capture_spec(spec, *, dims: dict[str, int] | None = None, symbolic: Iterable[str] = (),
@@ -106,17 +126,6 @@ def capture_spec(spec, *, dims: dict[str, int] | None = None, symbolic: Iterable
     all_dims = {**spec.dims, **(dims or {})}
     return capture_model(spec.module, inputs=spec.inputs, dims=all_dims, loss=spec.loss,
                          symbolic=symbolic, name=spec.name, device=device)
-
-
-def module_path(node: fx.Node) -> str:
-    """Dotted path of the innermost user module a node came from ("" for top level)."""
-    stack = node.meta.get(EXPORT_MODULE_STACK) or {}
-    # torch.export marks nodes it made outside any module with this placeholder key.
-    stack = {k: v for k, v in stack.items() if k != "_empty_nn_module_stack_from_metadata_hook"}
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    return _strip_wrapper_prefix(path)
 
 
 # ---------------------------------------------------------------------------------------------

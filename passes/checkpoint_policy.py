@@ -5,10 +5,10 @@ Regions
     A *cut point* is a position in node order where at most one activation is live (produced
     before, used after); parameters, graph inputs and sizes are available everywhere and do not
     count. The compute nodes between two cut points form a single-entry, single-exit segment.
-    Segments whose nodes belong to the same transformer block (module path ``blocks.N``,
-    ``layers.N``, ``h.N`` or ``layer.N``) are merged into one region per block; a model without
-    blocks uses its segments as regions. A skip connection keeps two activations live, so no
-    cut point falls inside it.
+    Segments whose nodes belong to the same repeated block (``node.meta[BLOCK]`` from
+    ``annotate_blocks``: ``blocks.N``, ``model.layers.N``, ...) are merged into one region per
+    block; a model without blocks uses its segments as regions. A skip connection keeps two
+    activations live, so no cut point falls inside it.
 
 Policies
     * ``none``: regions are found, nothing is recomputed.
@@ -28,7 +28,7 @@ from ``node.meta[FLOPS]`` (``annotate_flops``). Writes ``node.meta[CHECKPOINT]``
 """
 from __future__ import annotations
 
-import re
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -36,19 +36,18 @@ import sympy
 import torch
 from torch import fx
 
-from partitioner.errors import ConfigError, PassError
-from passes.capture import module_path
+from passes.ir.errors import ConfigError, PassError
+from passes.ir.meta import module_path
 # annotate_memory's forward observation (storages, owners, savers); private there, shared here.
 from passes.annotate_memory import observe_saved_tensors as _observe_saved
 from passes.checkpoint_solver import ChainSegment, solve_chain
-from passes.meta import (CAPTURE, CHECKPOINT, CHECKPOINT_PLAN, EXPORT_VAL, FLOPS, SHAPE,
+from passes.ir.meta import (BLOCK, CAPTURE, CHECKPOINT, CHECKPOINT_PLAN, EXPORT_VAL, FLOPS, LAYER_CHAIN,
+                            PIPELINE_STAGE, SHAPE,
                          CheckpointMeta, CheckpointPlan, CheckpointRegion)
 
 aten = torch.ops.aten
 POLICIES = ("none", "full", "selective", "solver")
 _ZERO = sympy.Integer(0)
-# The outermost "<container>.<index>" of a module path: "transformer.h.3.attn" -> "transformer.h.3".
-_BLOCK = re.compile(r"^((?:.*?\.)?(?:blocks|layers|h|layer)\.\d+)(?:\.|$)")
 _ATTENTION_ANCHORS = {aten.scaled_dot_product_attention.default, aten._softmax.default, aten.softmax.int}
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")
 
@@ -131,9 +130,9 @@ def segments(gm: fx.GraphModule) -> list[list[fx.Node]]:
 
 
 def block_of(node: fx.Node) -> str | None:
-    """The transformer block a node belongs to ("blocks.2"), or None."""
-    m = _BLOCK.match(module_path(node))
-    return m.group(1) if m else None
+    """The repeated block a node belongs to (``"blocks.2"``, from ``annotate_blocks``), or None."""
+    meta = node.meta.get(BLOCK)
+    return meta.name if meta is not None and meta.in_block else None
 
 
 def block_regions(gm: fx.GraphModule) -> list[Region]:
@@ -234,7 +233,7 @@ def checkpoint_policy(gm: fx.GraphModule, ctx: Any = None, *, policy: str = "ful
 
     ``policy`` is one of :data:`POLICIES`; ``budget_bytes`` (bytes of saved activations after one
     forward, at the dims' hints) is required by ``solver`` and only used there. Needs
-    ``annotate_shapes`` and ``annotate_flops`` to have run.
+    ``annotate_shapes``, ``annotate_blocks`` and ``annotate_flops`` to have run.
     """
     if policy not in POLICIES:
         raise ConfigError(f"unknown checkpoint policy {policy!r}; choose one of {', '.join(POLICIES)}")
@@ -244,7 +243,10 @@ def checkpoint_policy(gm: fx.GraphModule, ctx: Any = None, *, policy: str = "ful
         missing = [n.name for n in _compute_nodes(gm) if key not in n.meta]
         if missing:
             raise PassError(f"checkpoint_policy: node {missing[0]!r} has no node.meta[{key!r}]; run {provider} "
-                            f"first (annotate_shapes -> annotate_flops -> checkpoint_policy)")
+                            f"first (annotate_shapes -> annotate_blocks -> annotate_flops -> checkpoint_policy)")
+    if LAYER_CHAIN not in gm.meta:
+        raise PassError("checkpoint_policy: gm.meta has no 'layer_chain'; run annotate_blocks first (regions are "
+                        "the blocks it finds)")
 
     regions = attention_regions(gm) if policy == "selective" else block_regions(gm)
     saved = _saved_model(gm)
@@ -316,3 +318,36 @@ def _solve(regions: list[Region], saved: _Saved, flops: list[sympy.Expr], hints:
     raise PassError(f"checkpoint_policy: no choice of the {len(regions)} regions keeps at most {budget} bytes of "
                     f"saved activations (nothing recomputed: {base} bytes; every region recomputed: {every} bytes); "
                     f"raise budget_bytes, lower the micro-batch size, or split the model over more pipeline stages")
+
+
+# ---------------------------------------------------------------------------------------------
+# Per stage: the whole graph's decision, restricted to one stage's program.
+
+def restrict_checkpoint_plan(gm: fx.GraphModule, ctx: Any = None, *, stage: int) -> fx.GraphModule:
+    """Keep the recomputed regions of ``gm.meta[CHECKPOINT_PLAN]`` (decided on the whole graph)
+    that lie on pipeline stage ``stage`` — ``gm`` is that stage's program — each widened to the
+    nodes a later rewrite (tensor parallelism) inserted between its first and last node, and to
+    inserted nodes right after it that only read it (``reduce_from_tp`` + bias after a
+    row-parallel linear closing the region). Regions are blocks and stages are cut between
+    blocks, so no region spans two stages. Returns ``gm`` with the restricted plan."""
+    plan = gm.meta[CHECKPOINT_PLAN]
+    order = _compute_nodes(gm)
+    index = {n.name: i for i, n in enumerate(order)}
+    original = {n.name for n in gm.graph.nodes if n.meta.get(PIPELINE_STAGE) is not None}
+    regions = []
+    for region in plan.regions:
+        names = [n for n in region.nodes if n in index and n in original]
+        if not names or not region.recompute:
+            continue
+        lo, hi = min(index[n] for n in names), max(index[n] for n in names)
+        keep = set(names)
+        nodes = [n.name for n in order[lo:hi + 1] if n.name in keep or n.name not in original]
+        inside = set(nodes)
+        for n in order[hi + 1:]:
+            if n.name in original or not all(a.name in inside or a.op == "get_attr" for a in n.all_input_nodes):
+                break
+            nodes.append(n.name)
+            inside.add(n.name)
+        regions.append(dataclasses.replace(region, nodes=tuple(nodes)))
+    gm.meta[CHECKPOINT_PLAN] = dataclasses.replace(plan, regions=tuple(regions))
+    return gm

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from partitioner.errors import ConfigError
+from passes.ir.errors import ConfigError
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,8 +18,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.nn.utils.stateless import _reparametrize_module
 
-from partitioner.errors import AnalysisError
-from passes.meta import CAPTURE, CaptureInfo, dim_symbol
+from passes.ir.errors import AnalysisError
+from passes.ir.meta import CAPTURE, CaptureInfo, dim_symbol
 
 
 @dataclass

@@ -8,23 +8,24 @@ them on fake tensors (parameters, buffers and graph inputs are not activations a
 the caller keeps its inputs alive anyway). Offloading an owner moves each of its storages to host
 once, whichever nodes (its *savers*) save views of it.
 
-Cost model, at the dims' hints, with ``cluster.host_to_device`` (α-β) and
-:func:`partitioner.cost_model.compute_time` over ``node.meta[FLOPS]``:
+Cost model, at the dims' hints, with the caller's :class:`passes.ir.cost.CostHooks` (the
+cluster the plan is lowered for): its ``compute_seconds`` over ``node.meta[FLOPS]`` and its
+``host_copy_seconds``:
 
-* ``transfer_s`` = Σ over its storages of 2 · (bytes / bandwidth + latency): to host and back;
+* ``transfer_s`` = Σ over its storages of 2 · ``host_copy_seconds(bytes)``: to host and back;
 * ``hidden_behind_s`` = forward time of every node after the owner + backward time of every
   node after its last saver (backward runs in reverse, so those run before the first backward
   that reads the storage). Only matmul-class FLOPs count, so the window is a lower bound.
 
-Policies
-    * ``auto``: owners with ``transfer_s <= hidden_behind_s``, largest first, while the link's
+Selections
+    * ``hidden``: owners with ``transfer_s <= hidden_behind_s``, largest first, while the link's
       total busy time stays within the step's compute time (one link carries every transfer),
       until ``target_bytes`` (if given) is reached.
-    * ``all``: every owner of kept activations (for tests and for memory at any price).
+    * ``all``: every owner of kept activations (the knob ``offload="activations"``).
     * ``none``: nothing; the meta still says what each owner would cost.
 
 Optimizer state (``optimizer_on_host``): ``None`` decides from ``gm.meta[MEMORY_SUMMARY]``: the
-state goes to the host when the step's peak does not fit in ``cluster.device.memory_bytes``;
+state goes to the host when the step's peak does not fit in ``cost.device_memory_bytes``;
 per step the gradients go to host and the updated parameters come back.
 Writes ``node.meta[OFFLOAD]`` on every owner of kept activations and ``gm.meta[OFFLOAD_PLAN]``.
 """
@@ -36,14 +37,13 @@ from typing import Any
 import sympy
 from torch import fx
 
-from partitioner.cluster import Cluster
-from partitioner.cost_model import compute_time
-from partitioner.errors import ConfigError, PassError
+from passes.ir.config import OFFLOAD_SELECTIONS
+from passes.ir.cost import CostHooks
+from passes.ir.errors import ConfigError, PassError
 # annotate_memory's forward observation (storages, owners, savers); private there, shared here.
 from passes.annotate_memory import observe_saved_tensors as _observe_saved
-from passes.meta import (CAPTURE, FLOPS, MEMORY_SUMMARY, OFFLOAD, OFFLOAD_PLAN, OffloadMeta, OffloadPlan)
+from passes.ir.meta import (CAPTURE, FLOPS, MEMORY_SUMMARY, OFFLOAD, OFFLOAD_PLAN, OffloadMeta, OffloadPlan)
 
-POLICIES = ("auto", "all", "none")
 _OFFLOADABLE = ("activation", "internal")
 _ZERO = sympy.Integer(0)
 
@@ -70,19 +70,19 @@ def kept_storages(gm: fx.GraphModule) -> dict[fx.Node, list[OwnedStorage]]:
 
 
 
-def offload_policy(gm: fx.GraphModule, ctx: Any = None, *, cluster: Cluster | None = None,
-                   policy: str = "auto", target_bytes: int | None = None,
-                   optimizer_on_host: bool | None = None) -> fx.GraphModule:
+def offload_policy(gm: fx.GraphModule, ctx: Any = None, *, cost: CostHooks, selection: str = "hidden",
+                   target_bytes: int | None = None, optimizer_on_host: bool | None = None) -> fx.GraphModule:
     """Decide which owners' saved activations go to host; write :class:`OffloadMeta` on every
     owner of kept activations and :class:`OffloadPlan` under ``gm.meta[OFFLOAD_PLAN]``.
 
-    ``cluster`` supplies the host link and the device (default: the ``local-cpu`` preset);
-    ``target_bytes``: stop once this many bytes are offloaded (``auto`` only);
+    ``cost``: the device and host link of the cluster the plan is for; ``selection``: one of
+    :data:`passes.ir.config.OFFLOAD_SELECTIONS`;
+    ``target_bytes``: stop once this many bytes are offloaded (``hidden`` only);
     ``optimizer_on_host``: force the optimizer-state decision (``None``: decide, see module doc).
     Needs ``annotate_flops`` (and ``annotate_memory`` for the automatic optimizer decision).
     """
-    if policy not in POLICIES:
-        raise ConfigError(f"unknown offload policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if selection not in OFFLOAD_SELECTIONS:
+        raise ConfigError(f"unknown offload selection {selection!r}; choose one of {', '.join(OFFLOAD_SELECTIONS)}")
     if target_bytes is not None and target_bytes < 0:
         raise ConfigError(f"offload target_bytes must be >= 0 (bytes), got {target_bytes}")
     compute = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
@@ -90,13 +90,12 @@ def offload_policy(gm: fx.GraphModule, ctx: Any = None, *, cluster: Cluster | No
     if missing:
         raise PassError(f"offload_policy: node {missing[0]!r} has no node.meta[{FLOPS!r}]; run annotate_shapes "
                         f"and annotate_flops first")
-    cluster = cluster or Cluster.preset("local-cpu")
-    link = cluster.host_to_device
     hints = gm.meta[CAPTURE].symbols() if CAPTURE in gm.meta else {}
     dtype = str(gm.meta[CAPTURE].dtype).removeprefix("torch.") if CAPTURE in gm.meta else "fp32"
 
     def seconds(flops: sympy.Expr) -> float:
-        return compute_time(float(sympy.sympify(flops).subs(hints)), cluster.device, dtype)
+        value = float(sympy.sympify(flops).subs(hints))
+        return cost.compute_seconds(value, dtype) if value else 0.0
 
     order = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(order)}
@@ -110,7 +109,7 @@ def offload_policy(gm: fx.GraphModule, ctx: Any = None, *, cluster: Cluster | No
     facts = {}
     for owner, storages in owners.items():
         nbytes = sympy.expand(sympy.Add(*[s.bytes for s in storages]))
-        transfer = sum(2 * (s.hint / link.bandwidth_bytes_per_s + link.latency_s) for s in storages)
+        transfer = sum(2 * cost.host_copy_seconds(s.hint) for s in storages)
         last_saver = max((index[v] for s in storages for v in s.savers), default=index[owner])
         hidden = fwd_after[index[owner]] + bwd_after[last_saver]
         savers = tuple(dict.fromkeys(v.name for s in storages for v in s.savers))
@@ -118,10 +117,10 @@ def offload_policy(gm: fx.GraphModule, ctx: Any = None, *, cluster: Cluster | No
 
     chosen: dict[fx.Node, str] = {}
     reasons: dict[fx.Node, str] = {}
-    if policy == "all":
-        chosen = {o: "policy 'all'" for o in owners}
-    elif policy == "none":
-        reasons = {o: "policy 'none'" for o in owners}
+    if selection == "all":
+        chosen = {o: "selection 'all'" for o in owners}
+    elif selection == "none":
+        reasons = {o: "selection 'none'" for o in owners}
     else:
         busy, moved = 0.0, 0
         for owner in sorted(owners, key=lambda o: (-facts[o][1], index[o])):  # largest first
@@ -145,10 +144,10 @@ def offload_policy(gm: fx.GraphModule, ctx: Any = None, *, cluster: Cluster | No
         if node not in owners:
             node.meta.pop(OFFLOAD, None)  # a re-run must not leave stale decisions
 
-    opt = _optimizer_decision(gm, cluster, optimizer_on_host, hints)
+    opt = _optimizer_decision(gm, cost, optimizer_on_host, hints)
     names = tuple(o.name for o in owners if o in chosen)
     gm.meta[OFFLOAD_PLAN] = OffloadPlan(
-        policy=policy, nodes=names,
+        policy=selection, nodes=names,
         activation_bytes=sympy.expand(sympy.Add(*[facts[o][0] for o in chosen])) if chosen else _ZERO,
         link_s=sum(facts[o][2] for o in chosen), target_bytes=target_bytes, **opt)
     return gm
@@ -162,7 +161,7 @@ def _suffix_sums(values: list[float]) -> list[float]:
     return out
 
 
-def _optimizer_decision(gm: fx.GraphModule, cluster: Cluster, forced: bool | None, hints: dict) -> dict:
+def _optimizer_decision(gm: fx.GraphModule, cost: CostHooks, forced: bool | None, hints: dict) -> dict:
     summary = gm.meta.get(MEMORY_SUMMARY)
     if summary is None:
         if forced is None:
@@ -178,15 +177,15 @@ def _optimizer_decision(gm: fx.GraphModule, cluster: Cluster, forced: bool | Non
     peak = int(sympy.sympify(summary.peak_bytes).subs(hints))
     if forced is not None:
         on_host, reason = forced, "forced by the caller"
-    elif peak > cluster.device.memory_bytes:
+    elif peak > cost.device_memory_bytes:
         on_host = True
-        reason = (f"step peak {peak} bytes > device memory {cluster.device.memory_bytes} bytes: keep the "
+        reason = (f"step peak {peak} bytes > device memory {int(cost.device_memory_bytes)} bytes: keep the "
                   f"optimizer state on the host")
     else:
         on_host = False
-        reason = f"step peak {peak} bytes fits in device memory {cluster.device.memory_bytes} bytes"
-    if on_host and int(sympy.sympify(state).subs(hints)) > cluster.host_memory_bytes:
-        raise PassError(f"offload_policy: optimizer state of {state} bytes does not fit in host memory "
-                        f"({cluster.host_memory_bytes} bytes); shard it (ZeRO) across more devices")
+        reason = f"step peak {peak} bytes fits in device memory {int(cost.device_memory_bytes)} bytes"
+    if on_host and int(sympy.sympify(state).subs(hints)) > cost.host_memory_bytes:
+        raise PassError(f"offload_policy: optimizer state of {state} bytes does not fit in the host memory of one "
+                        f"device ({int(cost.host_memory_bytes)} bytes); shard it (ZeRO) across more devices")
     return dict(optimizer_on_host=on_host, optimizer_bytes_moved=moved if on_host else _ZERO,
                 optimizer_state_bytes=state if on_host else _ZERO, optimizer_reason=reason)

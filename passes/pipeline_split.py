@@ -42,46 +42,30 @@ Virtual stages: ``n_stages = pp * v`` stages; stage ``s`` runs on rank ``s % pp`
 from __future__ import annotations
 
 import operator
-import re
 from typing import Any, Mapping, Sequence
 
 import sympy
 import torch
 from torch import fx, nn
 
-from partitioner.errors import PassError
-from passes.capture import module_path
-from passes.meta import (
-    PIPELINE_STAGE, SHAPE, PipelineSplit, StageAssignment, StageInput, StageIO, StageOutput,
+from passes.ir.errors import PassError
+from passes.ir.meta import module_path
+from passes.ir.meta import (
+    BLOCK, LAYER_CHAIN, PIPELINE_STAGE, SHAPE, LayerChain, PipelineSplit, StageAssignment, StageInput, StageIO, StageOutput,
     TensorMeta,
 )
 
 SKIP_POLICIES = ("relay", "direct")
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")
-_INDEX = re.compile(r"\d+")
 
 
 # --------------------------------------------------------------------------------------------
 # Policy: stage assignments
 # --------------------------------------------------------------------------------------------
-def find_layers(gm: fx.GraphModule, prefix: str | None = None) -> list[str]:
-    """Repeated layers of the model in graph order, e.g. ``["blocks.0", "blocks.1", ...]``.
-
-    A layer is a module path ending in an integer index (``blocks.3``, ``model.layers.3``).
-    Without ``prefix`` the container with the most indexed children is taken (so a small
-    ``head.0`` elsewhere is not mistaken for a layer); ``prefix="blocks"`` picks it explicitly.
-    """
-    candidates: dict[str, list[str]] = {}
-    for node in gm.graph.nodes:
-        layer = _layer_of(module_path(node), prefix)
-        if layer is not None:
-            container = layer.rpartition(".")[0]
-            if layer not in candidates.setdefault(container, []):
-                candidates[container].append(layer)
-    if not candidates:
-        return []
-    container = prefix if prefix is not None else max(candidates, key=lambda c: len(candidates[c]))
-    return candidates.get(container, [])
+def find_layers(gm: fx.GraphModule) -> list[str]:
+    """The repeated blocks of the model in graph order (``["blocks.0", "blocks.1", ...]``), as
+    ``annotate_blocks`` found them (``gm.meta[LAYER_CHAIN]``)."""
+    return list(_chain(gm).blocks)
 
 
 def balanced_boundaries(n_layers: int, n_stages: int) -> tuple[int, ...]:
@@ -92,17 +76,48 @@ def balanced_boundaries(n_layers: int, n_stages: int) -> tuple[int, ...]:
     return tuple(round(i * n_layers / n_stages) for i in range(1, n_stages))
 
 
-def assign_stages_by_layers(gm: fx.GraphModule, boundaries: Sequence[int | str], *,
-                            prefix: str | None = None) -> StageAssignment:
-    """Stage of every node from layer boundaries.
+def chain_starts(n_blocks: int, n_stages: int, starts: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The layer-chain index where each stage ``1 .. n_stages - 1`` starts (chain: 0 embedding,
+    ``1 .. n_blocks`` blocks, ``n_blocks + 1`` head): ``starts`` checked, or by default the blocks
+    spread evenly (embedding with the first block, head with the last)."""
+    if starts is None:
+        return tuple(1 + b for b in balanced_boundaries(n_blocks, n_stages)) if n_stages > 1 else ()
+    starts = tuple(int(x) for x in starts)
+    if len(starts) != n_stages - 1 or list(starts) != sorted(set(starts)) or (starts and not
+                                                                           1 <= starts[0] <= starts[-1] <= n_blocks + 1):
+        raise PassError(f"pipeline_split: stage starts {list(starts)} for {n_stages} stages must be {n_stages - 1} "
+                        f"strictly increasing layer-chain indexes in 1..{n_blocks + 1} (0 is the embedding)")
+    return starts
 
-    ``boundaries[i]`` is the first layer of stage ``i + 1``, as an index into
-    :func:`find_layers` or a layer name (``"blocks.2"``); ``len(boundaries) + 1`` stages.
-    Layer nodes go with their layer's stage; the others are placed by :func:`assign_stages`:
-    before the first layer (embeddings) on stage 0, after the last (final norm, head, loss) on
-    the last stage.
+
+def assign_stages_by_chain(gm: fx.GraphModule, starts: Sequence[int]) -> StageAssignment:
+    """Stage of every node from the layer-chain index where each stage ``1..`` starts.
+
+    Every compute node goes with its chain index (``node.meta[BLOCK]``): stage ``s`` holds the
+    indexes ``starts[s-1] .. starts[s] - 1``. Nodes that read graph inputs only (sizes of the
+    token ids, an ``arange``, flattened targets) are placed by :func:`assign_stages` on the
+    earliest stage that uses them, so they are never sent.
     """
-    layers = find_layers(gm, prefix)
+    chain = _chain(gm)
+    starts = chain_starts(chain.n_blocks, len(starts) + 1, starts)
+    memo: dict[fx.Node, bool] = {}
+    mapping = {}
+    for node in gm.graph.nodes:
+        if node.op not in _COMPUTE_OPS or (_reads_only_placeholders(node, memo) and not _is_size(node)):
+            continue
+        meta = node.meta.get(BLOCK)
+        if meta is None:
+            raise PassError(f"pipeline_split: node {node.name!r} has no node.meta[{BLOCK!r}]; run annotate_blocks "
+                            f"on the captured graph before splitting it")
+        mapping[node.name] = sum(b <= meta.index for b in starts)
+    return assign_stages(gm, mapping, n_stages=len(starts) + 1)
+
+
+def assign_stages_by_layers(gm: fx.GraphModule, boundaries: Sequence[int | str]) -> StageAssignment:
+    """Stage of every node from layer boundaries: ``boundaries[i]`` is the first block of stage
+    ``i + 1``, as an index into :func:`find_layers` or a block name (``"blocks.2"``); the
+    embedding goes with the first block, the head with the last (:func:`assign_stages_by_chain`)."""
+    layers = find_layers(gm)
     if not layers:
         raise PassError("pipeline_split: found no repeated layers (module paths like 'blocks.0'); "
                         "pass an explicit node -> stage mapping instead")
@@ -117,11 +132,22 @@ def assign_stages_by_layers(gm: fx.GraphModule, boundaries: Sequence[int | str],
     if any(not 0 < b < len(layers) for b in starts) or starts != sorted(set(starts)):
         raise PassError(f"pipeline_split: boundaries {list(boundaries)} must be strictly increasing layer "
                         f"indexes in 1..{len(layers) - 1} (the model has {len(layers)} layers)")
-    layer_stage = {name: sum(b <= i for b in starts) for i, name in enumerate(layers)}
+    return assign_stages_by_chain(gm, [1 + b for b in starts])
 
-    stage = {node.name: layer_stage[layer] for node in gm.graph.nodes
-             if node.op in _COMPUTE_OPS and (layer := _layer_of(module_path(node), prefix)) in layer_stage}
-    return assign_stages(gm, stage, n_stages=len(starts) + 1)
+
+def tag_pipeline_stages_by_chain(gm: fx.GraphModule, ctx: Any = None, *, starts: Sequence[int]) -> fx.GraphModule:
+    """Write ``node.meta[PIPELINE_STAGE]`` on every node: stage ``s`` holds the layer-chain
+    indexes from ``starts[s-1]`` up to ``starts[s] - 1`` (:func:`assign_stages_by_chain`); the
+    graph itself is not split (:func:`split_pipeline_stages` carves the stage programs)."""
+    return tag_pipeline_stages(gm, assign_stages_by_chain(gm, starts))
+
+
+def _chain(gm: fx.GraphModule) -> LayerChain:
+    chain = gm.meta.get(LAYER_CHAIN)
+    if chain is None:
+        raise PassError("pipeline_split: gm.meta has no 'layer_chain'; run annotate_blocks on the captured graph "
+                        "first (stages are cut along the layer chain it finds)")
+    return chain
 
 
 def assign_stages(gm: fx.GraphModule, mapping: Mapping[str | fx.Node, int], *,
@@ -388,15 +414,6 @@ def _build_stage(gm, s, nodes, reads, recv, send, sizes, graph_outputs, stage_of
 
 
 # --------------------------------------------------------------------------------------------
-def _layer_of(path: str, prefix: str | None) -> str | None:
-    """The layer (``container.<int>``) a module path lies in: the first indexed component."""
-    parts = path.split(".") if path else []
-    for i in range(1, len(parts)):
-        if _INDEX.fullmatch(parts[i]) and (prefix is None or ".".join(parts[:i]) == prefix):
-            return ".".join(parts[:i + 1])
-    return None
-
-
 def _compute_inputs(node: fx.Node) -> list[fx.Node]:
     return [a for a in node.all_input_nodes if a.op in _COMPUTE_OPS]
 

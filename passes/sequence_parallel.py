@@ -4,7 +4,7 @@ Called by ``apply_tensor_parallel(..., sequence_parallel=True)`` on the graph it
 produced. With tp alone, the regions between a row-parallel output and the next column-parallel
 input (residual adds, LayerNorm / RMSNorm, dropout) run replicated on every tp rank; here they
 run on this rank's contiguous chunk of the sequence dim instead. Patterns (ops of
-``runtime.tp_collectives``; ``d`` the sequence dim, ``tp`` the degree)::
+``passes.ir.ops``; ``d`` the sequence dim, ``tp`` the degree)::
 
     row:     linear(x_shard, W) -> reduce_from_tp          becomes  -> reduce_scatter_seq(., d)
     embed:   vocab-parallel embedding -> reduce_from_tp    becomes  -> reduce_scatter_seq(., d)
@@ -34,9 +34,9 @@ import sympy
 import torch
 from torch import fx
 
-import runtime.tp_collectives  # noqa: F401  (registers torch.ops.partitioner.*)
-from partitioner.errors import ConfigError
-from passes.meta import CAPTURE, TENSOR_PARALLEL, ShapeMeta, TPMeta, dim_symbol
+import passes.ir.ops  # noqa: F401  (defines torch.ops.partitioner.*)
+from passes.ir.errors import ConfigError
+from passes.ir.meta import CAPTURE, TENSOR_PARALLEL, ShapeMeta, TPMeta, dim_symbol
 from passes.tensor_parallel_patterns import _PASSTHROUGH, _VIEWS, _groups
 
 aten = torch.ops.aten

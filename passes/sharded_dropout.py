@@ -12,7 +12,7 @@ node that runs on a shard with ``TPMeta.role`` ``"sharded"`` or ``"sequence"`` a
 The attention is spelled out as ATen's math path on CPU spells it (scale both operands by
 √scale, ``_safe_softmax``'s zeros for rows masked whole, dropout of the probabilities, so the loss equals one device's bit for
 bit there); SDPA without dropout, and every op outside a shard, is left alone. See
-:mod:`runtime.tp_dropout` for why the full mask is drawn.
+:mod:`runtime.kernels.dropout` for why the full mask is drawn.
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ import operator
 import torch
 from torch import fx
 
-import runtime.tp_dropout  # noqa: F401  (registers torch.ops.partitioner.sharded_dropout)
-from partitioner.errors import PassError
-from passes.meta import TENSOR_PARALLEL, ShapeMeta, TPMeta
+import passes.ir.ops  # noqa: F401  (defines torch.ops.partitioner.sharded_dropout)
+from passes.ir.errors import PassError
+from passes.ir.meta import TENSOR_PARALLEL, ShapeMeta, TPMeta
 
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default

@@ -32,8 +32,8 @@ import sympy
 import torch
 from torch import fx
 
-from partitioner.errors import ConfigError, PassError
-from passes.meta import (SHAPE, TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN, ParamSharding, TensorParallelPlan,
+from passes.ir.errors import ConfigError, PassError
+from passes.ir.meta import (SHAPE, TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN, ParamSharding, TensorParallelPlan,
                          TPMeta)
 
 aten = torch.ops.aten

@@ -61,8 +61,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from partitioner.errors import ConfigError
-from passes.meta import TENSOR_PARALLEL_PLAN, ParamSharding, TensorParallelPlan
+from passes.ir.errors import ConfigError
+from passes.ir.meta import TENSOR_PARALLEL_PLAN, ParamSharding, TensorParallelPlan
 
 TRAIN_STEP_KEY = "train.step"
 OPTIM_PREFIX = "optim.state."
@@ -372,7 +372,7 @@ class _LocalParam:
 def _tp_plan(pm) -> TensorParallelPlan | None:
     """The tensor-parallel plan of this rank's stages: ``pm.program.tp_plan`` (or ``pm.tp_plan``),
     else ``TENSOR_PARALLEL_PLAN`` in a stage module's meta (set by ``apply_tensor_parallel``)."""
-    plan = getattr(getattr(pm, "program", None), "tp_plan", None) or getattr(pm, "tp_plan", None)
+    plan = pm.program.tp_plan
     if plan is None:
         for stage in pm.stages.values():
             plan = getattr(stage.module, "meta", {}).get(TENSOR_PARALLEL_PLAN)
@@ -397,13 +397,10 @@ def original_aliases(module: nn.Module) -> dict[str, str]:
 
 
 def _canonical_names(pm) -> dict[str, str]:
-    """Alias -> canonical name, from the original module's ties and the split's tied records
-    (a captured graph may read a tied weight under any one of its names)."""
-    out = original_aliases(pm.spec.module)
-    for key, aliases in pm.split.aliases.items():
-        canon = out.get(key, key)
-        out.update({a: canon for a in aliases})
-    return out
+    """Alias -> canonical name of every tied parameter: the original module's ties, recorded at
+    capture, and the split's tied records (a captured graph may read a tied weight under any one
+    of its names); both travel in the rank program."""
+    return dict(pm.program.canonical_names)
 
 
 def _local_params(pm) -> list[_LocalParam]:
@@ -432,7 +429,7 @@ def _local_params(pm) -> list[_LocalParam]:
             layout_shape = _full_shape(p, sharding, tp)
             layout = ParamLayout.from_sharding(layout_shape, sharding, tp_index, tp)
             # A tied weight is written by the lowest stage holding a copy (one writer per box).
-            tied = next((stages for k, stages in pm.split.tied.items() if canon_of.get(k, k) == canon), ())
+            tied = next((t.stages for k, t in pm.program.tied.items() if canon_of.get(k, k) == canon), ())
             lowest = min(tied, default=s)
             tp_writer = s == lowest and (layout.dim is not None or tp_index == 0)
             found[canon] = _LocalParam(canon, [p], layout, tp_writer and pm.mesh.dp_index == 0, tp_writer)

@@ -25,7 +25,8 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from runtime.schedule_actions import Action
+from passes.ir.schedule.actions import Action
+from runtime import comm
 
 FAULT_ENV = "PARTITIONER_FAULT"
 
@@ -42,9 +43,7 @@ class RankIdentity:
 def gather_pids(group: Any = None) -> list[RankIdentity]:
     """Every rank's host and pid (a collective over ``group``; call it on every rank)."""
     me = RankIdentity(rank=dist.get_rank(), host=socket.gethostname(), pid=os.getpid())
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, me, group=group)
-    return sorted(out, key=lambda r: r.rank)
+    return sorted(comm.all_gather_object(me, group), key=lambda r: r.rank)
 
 
 def dead_ranks(ranks: Sequence[RankIdentity]) -> list[int]:

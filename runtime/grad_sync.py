@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partitioner.errors import ConfigError
+from passes.ir.errors import ConfigError
+from runtime import comm
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 # As DDP: the first bucket (the last layers' gradients, ready first) is small, so that
@@ -84,7 +85,7 @@ class TiedSync:
             for p in t.copies:
                 total += p.grad
             if t.group is not None:
-                dist.all_reduce(total, group=t.group)
+                comm.all_reduce(total, t.group)
             for p in t.copies:
                 p.grad.copy_(total)
 
@@ -118,7 +119,7 @@ class ZeroAdamW:
         self.optimizer.step()
         if self.size > 1:
             shards = [torch.empty_like(self.shard) for _ in range(self.size)]
-            dist.all_gather(shards, self.shard.detach(), group=self.group)
+            comm.all_gather(shards, self.shard.detach(), self.group)
             flat = torch.cat(shards)
         else:
             flat = self.shard.detach()
@@ -257,14 +258,14 @@ class BucketedGradSync:
             chunks = list(flat.chunk(self.size))
             b.out = torch.empty_like(chunks[0])
             if self.size > 1:
-                b.work = dist.reduce_scatter(b.out, chunks, group=self.group, async_op=True)
+                b.work = comm.reduce_scatter(b.out, chunks, self.group, async_op=True)
             else:
                 b.out.copy_(chunks[0])
                 b.work = _DONE
             for p in b.params:  # ZeRO-2: this rank keeps only its reduced chunk
                 p.grad = None
         else:
-            b.work = dist.all_reduce(flat, group=self.group, async_op=True) if self.size > 1 else _DONE
+            b.work = comm.all_reduce(flat, self.group, async_op=True) if self.size > 1 else _DONE
         self.events.append(LaunchEvent(self.buckets.index(b), time.perf_counter(), from_hook))
 
     @torch.no_grad()
@@ -283,7 +284,7 @@ class BucketedGradSync:
                 self._launch(b, from_hook=False)
         chunks = []
         for b in self.buckets:
-            b.work.wait()
+            comm.wait(b.work, self.group)
             if self.shard:
                 chunks.append(b.out.div_(self.size))
                 continue
@@ -306,7 +307,7 @@ class BucketedGradSync:
 class _Done:
     """The handle of a collective over one rank: nothing to wait for."""
 
-    def wait(self) -> bool:
+    def wait(self, timeout=None) -> bool:
         return True
 
 
@@ -353,11 +354,11 @@ class Zero2AdamW:
             offset += n
             if self.size > 1:
                 parts = [torch.empty_like(mine) for _ in range(self.size)]
-                gathered.append((b, parts, dist.all_gather(parts, mine.contiguous(), group=self.group, async_op=True)))
+                gathered.append((b, parts, comm.all_gather(parts, mine, self.group, async_op=True)))
             else:
                 gathered.append((b, [mine], _DONE))
         for b, parts, work in gathered:
-            work.wait()
+            comm.wait(work, self.group)
             flat, pos = torch.cat(parts), 0
             for p in b.params:
                 p.copy_(flat[pos:pos + p.numel()].view_as(p))

@@ -23,7 +23,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from partitioner.errors import PartitionerError
+from passes.ir.errors import PartitionerError
 
 
 class LaunchError(PartitionerError, RuntimeError):

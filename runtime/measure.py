@@ -36,7 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from runtime.schedule_actions import Action
+from passes.ir.schedule.actions import Action
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,6 +135,7 @@ class StepTimer:
         for name, kind in (("_forward", "compute"), ("_backward", "compute"), ("_recv_f", "post"),
                            ("_recv_b", "post"), ("_send_f", "post"), ("_send_b", "post")):
             setattr(ex, name, self._wrap_action(getattr(ex, name), kind))
+        ex._flush = self._wrap(ex._flush, "post")  # a schedule step's messages, posted as one batch
         ex._take_recvs = self._wrap(ex._take_recvs, "recv_wait")
         ex._wait_sends = self._wrap(ex._wait_sends, "send_wait")
         self._orig_grad_sync = model._grad_sync

@@ -24,7 +24,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from partitioner.errors import ConfigError
+from passes.ir.errors import ConfigError
+from runtime import comm
 
 AXES = ("pp", "dp", "tp")
 DEFAULT_TIMEOUT_S = 60.0
@@ -57,7 +58,8 @@ def init_distributed(*, backend: str | None = None, timeout_s: float = DEFAULT_T
 class Mesh:
     """The (pp, dp, tp) process groups of this rank.
 
-    Attributes (for an active rank): ``pp_index``, ``dp_index``, ``tp_index``; ``pp_group``,
+    Attributes (for an active rank): ``pp_index``, ``dp_index``, ``tp_index``; ``pp_group``
+    (with ``pp_reverse_group`` over the same ranks for pipeline messages to lower ranks),
     ``dp_group``, ``tp_group``, ``group`` (every rank of the mesh); ``pp_ranks``/``dp_ranks``/
     ``tp_ranks``: global ranks of this rank's groups, in axis order; ``ends_group`` over
     ``ends_ranks``, the first and last ranks of this rank's pipeline (for tied weights); ``device``.
@@ -94,6 +96,13 @@ class Mesh:
                 if self.active and self.rank in ranks:
                     setattr(self, f"{axis}_group", group)
                     setattr(self, f"{axis}_ranks", tuple(ranks))
+        # Pipeline messages towards lower ranks get a group of their own (a second NCCL
+        # communicator: runtime.comm), so they never queue behind messages going up.
+        self.pp_reverse_group = None
+        for ranks in self.axis_ranks("pp"):
+            group = self.new_group(ranks) if pp > 1 else None
+            if self.active and self.rank in ranks:
+                self.pp_reverse_group = group
         # The first and last pipeline ranks of each pipeline hold the tied embedding / LM head.
         # Groups are made here, by every rank: new_group(use_local_synchronization=True) names a
         # group by its ranks, so a second mesh over the same ranks would collide with the first.
@@ -105,6 +114,12 @@ class Mesh:
             if self.active and self.rank in ranks:
                 self.ends_ranks = tuple(ends) if pp > 1 else ()
                 self.ends_group = group if pp > 2 else (self.pp_group if pp == 2 else None)
+
+        if self.active and self.backend == "nccl" and pp > 1:
+            # NCCL: a batch_isend_irecv that is a group's first operation must involve every rank of
+            # the group; one collective on each pipeline group at start-up makes that hold.
+            for group in (self.pp_group, self.pp_reverse_group):
+                comm.all_reduce(torch.zeros(1, device=self.device), group)
 
     def global_rank(self, pp_index: int, dp_index: int, tp_index: int = 0) -> int:
         """Global rank at mesh coordinates (see the module docstring for the layout)."""
@@ -126,7 +141,7 @@ class Mesh:
 
     def new_group(self, ranks) -> dist.ProcessGroup | None:
         """A process group over ``ranks`` with this mesh's timeout; call it on every rank of the world."""
-        return dist.new_group(ranks=list(ranks), timeout=self.timeout)
+        return comm.new_group(ranks, timeout_s=self.timeout.total_seconds())
 
     def __repr__(self) -> str:
         where = (f"pp={self.pp_index} dp={self.dp_index} tp={self.tp_index}" if self.active else "inactive")

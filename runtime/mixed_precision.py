@@ -18,7 +18,7 @@ from typing import Callable, ContextManager
 
 import torch
 
-from partitioner.errors import ConfigError
+from passes.ir.errors import ConfigError
 
 MODES = {"bf16": torch.bfloat16}
 

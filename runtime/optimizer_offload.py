@@ -19,7 +19,7 @@ from typing import Iterable
 
 import torch
 
-from partitioner.errors import ConfigError
+from passes.ir.errors import ConfigError
 
 
 class HostOffloadedAdamW:

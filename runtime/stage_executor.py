@@ -1,4 +1,4 @@
-"""Run one rank's pipeline action list (:mod:`runtime.schedule`) for one training step.
+"""Run one rank's pipeline action list (:mod:`passes.ir.schedule`) for one training step.
 
 What each action does on this rank::
 
@@ -14,11 +14,17 @@ What each action does on this rank::
     ALL_REDUCE   ``grad_sync()`` callback (data-parallel and tied-weight gradients)
     STEP         ``step()`` callback (optimizer)
 
-All point-to-point traffic is non-blocking (a 1F1B schedule deadlocks with blocking sends):
-receives are waited right before their tensors are used, sends at the end of the step, and
-their tensors are kept alive until then. Peers in the schedule are pipeline indices; they map to
-global ranks through ``pp_ranks``. Every message has a tag made of (direction, sending stage,
-micro-batch, tensor) so gloo never confuses two messages between the same pair of ranks.
+All point-to-point traffic is non-blocking (a 1F1B schedule deadlocks with blocking sends) and
+goes through :mod:`runtime.comm`: the messages of consecutive SEND/RECV actions (one schedule
+step) are posted together as one ``batch_isend_irecv`` right before the next compute or sync
+action; receives are waited right before their tensors are used, sends at the end of the step,
+and their tensors are kept alive until then. On NCCL a rank's batches run in order on one
+stream, each until its peers' matching batches run; the schedules are checked to complete under
+exactly that model (:func:`passes.ir.schedule.validate.check_batches`): messages to a higher
+rank go over ``pp_group``, to a lower one over ``pp_reverse_group`` (two streams on NCCL). Peers in the schedule
+are pipeline indices; they map to global ranks through ``pp_ranks``. Every message has a tag
+made of (direction, sending stage, micro-batch, tensor) so gloo never confuses two messages
+between the same pair of ranks.
 
 Two consecutive stages on the same rank (pp=1 with virtual stages) exchange tensors in memory:
 the schedule has no SEND/RECV between them.
@@ -42,9 +48,12 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from partitioner.errors import ConfigError
-from passes.meta import StageIO, dim_symbol
-from runtime.schedule_actions import Action, Kind
+from passes.ir.errors import ConfigError
+from passes.ir.meta import StageIO, dim_symbol
+from passes.ir.schedule.actions import Action, Kind
+from runtime import comm
+
+_COMM = (Kind.RECV_F, Kind.SEND_F, Kind.RECV_B, Kind.SEND_B)
 
 
 @dataclass(frozen=True)
@@ -66,11 +75,14 @@ class StageExecutor:
 
     def __init__(self, stages: Mapping[int, LocalStage], io: Sequence[StageIO], *, pp_ranks: Sequence[int],
                  pp_group: dist.ProcessGroup | None, num_micro_batches: int, device: torch.device,
-                 forward_context: Callable[[], ContextManager] | None = None):
+                 forward_context: Callable[[], ContextManager] | None = None,
+                 pp_reverse_group: dist.ProcessGroup | None = None, pp_index: int | None = None):
         self.stages = dict(stages)
         self.io = tuple(io)
         self.pp_ranks = tuple(pp_ranks)
         self.pp_group = pp_group
+        self.pp_reverse_group = pp_reverse_group if pp_reverse_group is not None else pp_group
+        self.pp_index = pp_index
         self.m = num_micro_batches
         self.device = device
         # boundary[s]: names stage s sends to stage s + 1, in the receiver's input order.
@@ -106,11 +118,14 @@ class StageExecutor:
         self._recv: dict[tuple[str, int, int], list[tuple[torch.Tensor, object]]] = {}
         self._leaves: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._outputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self._sends: list[tuple[object, torch.Tensor]] = []
+        self._sends: list[list] = []  # [tensor, work] of each posted send
+        self._pending: list[tuple[comm.P2P, list]] = []  # messages of the current schedule step, not yet posted
         self._losses: list[torch.Tensor] = []
         handlers = {Kind.RECV_F: self._recv_f, Kind.FORWARD: self._forward, Kind.SEND_F: self._send_f,
                     Kind.RECV_B: self._recv_b, Kind.BACKWARD: self._backward, Kind.SEND_B: self._send_b}
         for action in actions:
+            if action.kind not in _COMM:
+                self._flush()  # the step's sends and receives go out together
             if action.kind == Kind.ALL_REDUCE:
                 self._wait_sends()
                 grad_sync()
@@ -118,6 +133,7 @@ class StageExecutor:
                 step()
             else:
                 handlers[action.kind](action)
+        self._flush()
         self._wait_sends()
         losses, self._losses = self._losses, []
         self._leaves.clear()
@@ -148,14 +164,25 @@ class StageExecutor:
         for j, name in enumerate(names):
             meta = self._meta[(receiver_stage if direction == "F" else receiver_stage + 1, name)]
             buf = torch.empty(self._shape(meta), dtype=meta.dtype, device=self.device)
-            work = dist.irecv(buf, self.pp_ranks[peer], group=self.pp_group, tag=self._tag(direction, sender, key[2], j))
-            buffers.append((buf, work))
+            entry = [buf, None]
+            self._pending.append((comm.P2P("recv", buf, self.pp_ranks[peer], self._tag(direction, sender, key[2], j),
+                                           self._group(peer, sending=False)), entry))
+            buffers.append(entry)
         self._recv[key] = buffers
+
+    def _flush(self) -> None:
+        """Post the messages of the current schedule step as one batch."""
+        if not self._pending:
+            return
+        works = comm.post_p2p([m for m, _ in self._pending])
+        for (_, entry), work in zip(self._pending, works):
+            entry[1] = work
+        self._pending.clear()
 
     def _take_recvs(self, key) -> list[torch.Tensor]:
         out = []
         for buf, work in self._recv.pop(key, []):
-            work.wait()
+            comm.wait(work, self.pp_reverse_group)
             out.append(buf)
         return out
 
@@ -228,12 +255,22 @@ class StageExecutor:
             self._isend(_grad_or_zeros(leaves[name]), a.peer, self._tag("B", a.stage, a.microbatch, j))
 
     def _isend(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        work = dist.isend(tensor, self.pp_ranks[peer], group=self.pp_group, tag=tag)
-        self._sends.append((work, tensor))  # the tensor must live until the send completes
+        entry = [tensor, None]  # the tensor must live until the send completes
+        self._pending.append((comm.P2P("send", tensor, self.pp_ranks[peer], tag, self._group(peer, sending=True)),
+                              entry))
+        self._sends.append(entry)
+
+    def _group(self, peer: int, *, sending: bool):
+        """The group of a message with pipeline index ``peer``: ``pp_group`` towards higher
+        indexes (sends to, receives from lower), ``pp_reverse_group`` the other way."""
+        me = self.pp_index if self.pp_index is not None else peer
+        up = peer > me if sending else peer < me
+        return self.pp_group if up else self.pp_reverse_group
 
     def _wait_sends(self) -> None:
-        for work, _ in self._sends:
-            work.wait()
+        self._flush()
+        for _, work in self._sends:
+            comm.wait(work, self.pp_group)  # both pp groups have the mesh's timeout
         self._sends.clear()
 
 

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The device checks, as ONE prepared run on a lent GPU machine (see the developers' guide):
-#   run(command="bash scripts/device_check.sh", timeout_s=540)
-# It uses the torch installed there (python3; not our pinned CPU build) with this repo on
-# PYTHONPATH, and leaves at most 4 files under $OUT (the device tool brings back 8, 2 folders deep).
-#   1. NCCL/CUDA: one-rank ParallelModel trains like plain AdamW on the GPU, with and without
-#      checkpointing / activation offload (pinned host memory, side stream)  -> $OUT/parity.txt
-#   2. issue 7's one-GPU table: predicted vs measured peak memory and step time, 4 plans, on the
-#      dgx-h200 preset, refit on 3 and the plain one held out               -> $OUT/fidelity.txt
+# GPU/NCCL checks for one CUDA GPU with NCCL. Run from the repository root:
+#   PYTHONPATH=. bash scripts/device_check.sh
+# It uses the python3 found on PATH (override with PYTHON=...), so the CUDA build of torch
+# installed there rather than the pinned CPU build, with this repository on PYTHONPATH. Results
+# go to $OUT (default /tmp/device_out), three files:
+#   env.txt       the GPU (nvidia-smi -L), the torch version and whether CUDA is available
+#   parity.txt    NCCL/CUDA: one-rank ParallelModel trains like plain AdamW on the GPU, with and
+#                 without checkpointing / activation offload (pinned host memory, side stream)
+#   fidelity.txt  the one-GPU fidelity table: predicted vs measured peak memory and step time,
+#                 4 plans, on the dgx-h200 preset, refit on 3 with the plain one held out
 set -uo pipefail
 OUT=${OUT:-/tmp/device_out}
 mkdir -p "$OUT"

@@ -1,11 +1,11 @@
-"""Parity on the device a lent machine has (CUDA under NCCL; gloo on CPU elsewhere): one rank's
+"""Parity on the local device (CUDA under NCCL on a GPU; gloo on CPU otherwise): one rank's
 ParallelModel, plain and with checkpointing, activation offload (pinned host memory and a side
 stream on CUDA) and both, trains like plain AdamW on the same device, loss for loss.
 
     python scripts/device_parity.py [--steps 3]
 
 Prints one line per configuration and exits non-zero on a mismatch. Part of
-``scripts/device_check.sh``; runs here on CPU too, which is how it is tested.
+``scripts/device_check.sh``; also runs on CPU, which is how it is tested without a GPU.
 """
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ def _rank(steps: int) -> list[tuple[str, list[float], list[float], int | None]]:
 
     from partitioner.model_spec import build_model
     from runtime.measure import StepTimer
+    from partitioner.build import build_parallel_model, capture_for_pipeline
+    from passes.ir.config import ParallelConfig
     from runtime.mesh import Mesh, init_distributed
-    from runtime.parallel_model import ParallelModel, capture_for_pipeline
 
     init_distributed(timeout_s=300)
     mesh = Mesh(1, 1, 1, timeout_s=120)
@@ -47,8 +48,8 @@ def _rank(steps: int) -> list[tuple[str, list[float], list[float], int | None]]:
     graph = capture_for_pipeline(spec, device=device.type)
     out = []
     for ckpt, offload in CONFIGS:
-        pm = ParallelModel(build_model(SPEC), dp=1, pp=1, global_batch=GLOBAL_BATCH, mesh=mesh, graph=graph,
-                           num_micro_batches=2, adamw=ADAMW, checkpointing=ckpt, offload=offload)
+        config = ParallelConfig.for_global_batch(GLOBAL_BATCH, num_micro_batches=2, checkpointing=ckpt, offload=offload)
+        pm = build_parallel_model(graph, config, mesh, adamw=ADAMW)
         timer = StepTimer(pm)
         losses = [timer.measure(k + 1, lambda b=b: pm.train_step(b)).loss for k, b in enumerate(batches)]
         out.append((f"checkpointing={ckpt} offload={offload} on {device}", losses, ref,

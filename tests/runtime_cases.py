@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from partitioner.model_spec import build_model
+from passes.ir.config import ParallelConfig
 from tests.one_device import train_one_device
 
 # Dropout 0 everywhere: parity must be exact, and pipelining or micro-batching change the order
@@ -60,11 +61,12 @@ class Plan:
                 + (f"-ckpt_{self.checkpointing}" if self.checkpointing != "none" else "")
                 + (f"-offload_{self.offload}" if self.offload != "none" else ""))
 
-    def kwargs(self) -> dict:
-        """The keyword arguments of ``ParallelModel`` (without spec, mesh and graph)."""
-        return dict(dp=self.dp, tp=self.tp, pp=self.pp, schedule=self.schedule, virtual_pp=self.virtual_pp,
-                    num_micro_batches=self.num_micro_batches, global_batch=self.global_batch, zero=self.zero,
-                    checkpointing=self.checkpointing, offload=self.offload, adamw=ADAMW)
+    def config(self) -> ParallelConfig:
+        """The :class:`ParallelConfig` the plan is lowered with."""
+        return ParallelConfig.for_global_batch(
+            self.global_batch, dp=self.dp, tp=self.tp, pp=self.pp, schedule=self.schedule, virtual_pp=self.virtual_pp,
+            num_micro_batches=self.num_micro_batches, zero_stage=int(self.zero), checkpointing=self.checkpointing,
+            offload=self.offload)
 
 
 def batches(spec, global_batch: int) -> list[tuple[torch.Tensor, ...]]:
@@ -87,8 +89,8 @@ def train_plans(plans: list[Plan]) -> dict:
     others wait at the next world barrier. A plan that raises is recorded and the job goes on, so
     one runtime bug does not hide the verdict on the other plans.
     """
+    from partitioner.build import build_parallel_model, capture_for_pipeline
     from runtime.mesh import Mesh, init_distributed
-    from runtime.parallel_model import ParallelModel, capture_for_pipeline
 
     started, start = time.time(), time.perf_counter()
     init_distributed(timeout_s=600)  # the world group only paces the plans; it may wait long
@@ -108,7 +110,7 @@ def train_plans(plans: list[Plan]) -> dict:
             continue
         t0 = time.perf_counter()
         try:
-            pm = ParallelModel(specs[plan.model], mesh=mesh, graph=graphs[plan.model], **plan.kwargs())
+            pm = build_parallel_model(graphs[plan.model], plan.config(), mesh, adamw=ADAMW)
             losses = [pm.train_step(b) for b in batches(specs[plan.model], plan.global_batch)]
             out[plan.id] = {"losses": losses, "params": pm.full_parameters(), "grads": pm.full_gradients(),
                             "seconds": time.perf_counter() - t0}

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from partitioner.auto import check_world_size, choose_plan, runtime_kwargs
+from partitioner.auto import check_world_size, choose_plan
 from partitioner.cluster import Cluster
 from partitioner.errors import ConfigError, InfeasiblePlanError
 from partitioner.model_spec import build_model
@@ -99,22 +99,26 @@ def test_plan_is_the_pinned_pipeline_cut_where_the_plan_cuts(distributed):
             assert [int(b) for b in blocks] == [i - 1 for i in range(max(start, 1), min(stop, 5))]
 
 
-def test_plan_stage_boundaries_follow_the_chain_and_refuse_blockless_stages():
-    from partitioner.auto import plan_stage_boundaries
-    from partitioner.plan_types import StagePlan
-
+def test_plan_config_carries_the_plan_stage_split():
     plan = choose_plan(GPT, Cluster.local(4), world_size=4, global_batch_size=GLOBAL_BATCH, fix=FIX)
+    (first,), (second,) = (s.layers for s in plan.stages)
+    assert plan.config.stage_boundaries == (second[0],) and first == (0, second[0])
+    inter = choose_plan(GPT, Cluster.local(4), world_size=4, global_batch_size=GLOBAL_BATCH,
+                        fix="dp=2,pp=2,schedule=interleaved,virtual_pp=2,num_micro_batches=2")
+    # chunk k of pipeline rank s is virtual stage k*pp + s: the boundaries are its chunks' starts
+    starts = {k * 2 + st.index: r[0] for st in inter.stages for k, r in enumerate(st.layers)}
+    assert inter.config.stage_boundaries == tuple(starts[v] for v in range(1, 4))
 
-    def with_layers(*per_stage, pp=2, v=1):
-        stages = tuple(StagePlan(index=i, layers=tuple(r), layer_names=(), param_bytes=0, peak_memory_bytes=0,
-                                 memory={}, time_s=0.0) for i, r in enumerate(per_stage))
-        return dataclasses.replace(plan, pp=pp, virtual_pp=v, stages=stages)
 
-    assert plan_stage_boundaries(with_layers([(0, 4)], [(4, 6)])) == ((3,), "")  # blocks 0-2 | 3
-    # interleaved, 2 stages x 2 chunks of one block: chunk k of stage s is virtual stage 2k + s
-    assert plan_stage_boundaries(with_layers([(0, 2), (3, 4)], [(2, 3), (4, 6)], v=2)) == ((1, 2, 3), "")
-    blockless, why = plan_stage_boundaries(with_layers([(0, 1)], [(1, 6)]))  # embedding alone
-    assert blockless is None and "stage 0 holds no block" in why
+def test_a_stage_without_blocks_is_lowered_as_planned():
+    from partitioner.build import capture_for_pipeline, lower_all
+    from passes.ir.config import ParallelConfig
+
+    graph = capture_for_pipeline(build_model(GPT))
+    lowering = lower_all(graph, ParallelConfig(pp=2, stage_boundaries=(1,)), cluster=Cluster.local(2))
+    first = {n for n, _ in lowering.programs[(0, 0)].named_parameters()}
+    assert first == {"wte.weight", "wpe.weight"}  # the embedding alone: chain index 0
+    assert "blocks.0.ln_1.weight" in {n for n, _ in lowering.programs[(1, 0)].named_parameters()}
 
 
 def test_measurements_add_up(distributed):
@@ -151,17 +155,20 @@ def test_plan_that_fits_no_device_is_infeasible_at_start():
         choose_plan(GPT, tiny, world_size=4, global_batch_size=GLOBAL_BATCH)
 
 
-def test_knobs_the_runtime_lacks_are_refused():
+def test_the_search_offers_only_what_runs():
+    from partitioner.auto import auto_parallelize
+    from partitioner.profile import profile_model
+    from partitioner.search import candidates
+
+    profile = profile_model(GPT, dtype="fp32")
+    cands = candidates(profile, Cluster.local(4), GLOBAL_BATCH)
+    assert {c.zero_stage for c in cands} == {0, 1, 2} and "optimizer" in {c.offload for c in cands}
+    assert not [c for c in cands if c.offload == "optimizer" and c.zero_stage]  # host AdamW is unsharded
+    with pytest.raises(ConfigError, match="no candidate plan.*offload='optimizer'.*zero_stage=1"):
+        candidates(profile, Cluster.local(4), GLOBAL_BATCH, fix={"offload": "optimizer", "zero_stage": 1, "dp": 4})
+    with pytest.raises(ConfigError, match="fp16 needs dynamic loss scaling"):
+        auto_parallelize(GPT, global_batch_size=GLOBAL_BATCH, dtype="fp16")
     plan = choose_plan(GPT, Cluster.local(4), world_size=4, global_batch_size=GLOBAL_BATCH, fix=FIX)
-    kwargs = runtime_kwargs(plan)
-    assert kwargs == dict(dp=2, pp=2, schedule="1f1b", num_micro_batches=2, virtual_pp=1,
-                          global_batch=GLOBAL_BATCH, zero=0, stage_boundaries=kwargs["stage_boundaries"])
-    assert len(kwargs["stage_boundaries"]) == 1
-    # ZeRO-2 and sequence parallelism run as planned
-    sp = runtime_kwargs(dataclasses.replace(plan, sequence_parallel=True, tp=2, zero_stage=2))
-    assert sp["sequence_parallel"] is True and sp["zero"] == 2 and sp["tp"] == 2
-    with pytest.raises(ConfigError, match="offload=none"):  # optimizer offload: planned, not run (yet)
-        runtime_kwargs(dataclasses.replace(plan, offload="optimizer"))
     check_world_size(plan, 4)
 
 

@@ -31,7 +31,7 @@ SAVES = [("pp2", 1, 2, 1, False, 2), ("dp2pp2-zero1", 2, 2, 1, True, 2), ("tp2pp
 # (saved checkpoint, dp, pp, tp, zero, micro-batches): loads continue to step STEPS.
 LOADS = [("pp2", 2, 2, 1, False, 2), ("tp2pp2", 1, 4, 1, False, 4), ("dp2pp2-zero1", 1, 2, 2, False, 2),
          ("pp2", 2, 1, 2, True, 2),
-         ("tp2pp2", 2, 2, 1, False, 2),  # the issue's case: (dp,tp,pp) (1,2,2) -> (2,1,2)
+         ("tp2pp2", 2, 2, 1, False, 2),  # tp traded for dp: (dp,tp,pp) (1,2,2) -> (2,1,2)
          ("dp2pp2-zero2", 1, 2, 2, False, 2), ("tp2pp2", 2, 2, 1, 2, 2)]  # out of and into ZeRO-2
 
 
@@ -42,8 +42,9 @@ def _batches(spec):
 def _run_cases(root: str):
     """On each rank: the losses of every save case (steps 1..SAVE_AT) and load case (the rest)."""
     from runtime.checkpoint_io import load_checkpoint, save_checkpoint
+    from partitioner.build import build_parallel_model, capture_for_pipeline
+    from passes.ir.config import ParallelConfig
     from runtime.mesh import Mesh, init_distributed
-    from runtime.parallel_model import ParallelModel, capture_for_pipeline
 
     init_distributed(timeout_s=200)  # the world group only paces the cases
     spec = build_model(GPT)
@@ -56,8 +57,9 @@ def _run_cases(root: str):
         torch.distributed.barrier()  # a load starts after every save has finished
         if not mesh.active:
             continue
-        model = ParallelModel(spec, dp=dp, pp=pp, tp=tp, num_micro_batches=m, global_batch=GLOBAL_BATCH, mesh=mesh,
-                              graph=graph, zero=zero, adamw=ADAMW)
+        config = ParallelConfig.for_global_batch(GLOBAL_BATCH, dp=dp, pp=pp, tp=tp, num_micro_batches=m,
+                                                 zero_stage=int(zero))
+        model = build_parallel_model(graph, config, mesh, adamw=ADAMW)
         if kind == "save":
             losses = [model.train_step(b) for b in batches[:SAVE_AT]]
             save_checkpoint(model, f"{root}/{name}", step=SAVE_AT)
@@ -187,9 +189,9 @@ def test_flat_ranges_become_contiguous_boxes(shape):
 
 
 def _tp_plans(*degrees):
-    from passes.meta import TENSOR_PARALLEL_PLAN
+    from passes.ir.meta import TENSOR_PARALLEL_PLAN
     from passes.tensor_parallel_patterns import tag_tensor_parallel
-    from runtime.parallel_model import capture_for_pipeline
+    from partitioner.build import capture_for_pipeline
     gm = capture_for_pipeline(build_model(GPT))  # once: capture is the slow part
     return [tag_tensor_parallel(gm, degree=d).meta[TENSOR_PARALLEL_PLAN] for d in degrees]
 
@@ -197,7 +199,7 @@ def _tp_plans(*degrees):
 def test_tp_shards_reshard_through_a_checkpoint(tmp_path):
     """tp=2 shards (fused q/k/v: three sections), written in ZeRO-style flat slices of each
     shard, load into the full module and into tp=4 shards equal to shard_tensor's."""
-    from passes.apply_tensor_parallel import shard_tensor
+    from passes.ir.program import shard_tensor
 
     module = build_model(GPT).module
     full = dict(module.named_parameters())

@@ -11,7 +11,7 @@ import torch
 
 from partitioner import corpus
 from partitioner.cli import main
-from partitioner.plan_types import Plan
+from passes.ir.plan import Plan
 
 SMALL = "gpt:layers=2,hidden=32,heads=2,vocab=256,seq=16,dropout=0.0"
 
@@ -42,8 +42,10 @@ def test_demo_runs_matches_one_process_and_writes_every_file(tmp_path, capfd):
     assert all(f"loss {x:.4f}" in text for x in losses)
     report = (out / "report.html").read_text()
     assert 'id="measured"' in report  # written again after training, with the measurements
-    manifest = json.loads((out / "ir" / "manifest.json").read_text())
-    assert manifest and (out / "ir" / "03_annotate_memory.txt").is_file()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest and (out / "04_annotate_memory.txt").is_file()
+    assert sorted(manifest["pipelines"]) == ["analysis", "stage0_tp0", "stage1_tp0", "whole_graph"]
+    assert (out / "stage1_tp0" / "program.txt").is_file() and (out / "stage1_tp0" / "program.onnx").is_file()
 
 
 def test_corpus_is_real_text_deterministic_bytes():

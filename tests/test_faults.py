@@ -17,7 +17,7 @@ import pytest
 from partitioner.demo import EXIT_PEER_FAILED, EXIT_RANK_FAILED
 from runtime.faults import RankIdentity, describe_failure, parse_fault
 from runtime.launch import free_port
-from runtime.schedule_actions import Action, Kind
+from passes.ir.schedule.actions import Action, Kind
 
 MODEL = "gpt:layers=2,hidden=32,heads=2,vocab=256,seq=16,dropout=0.0"
 FIX = "dp=2,pp=2,schedule=1f1b,num_micro_batches=2,offload=none,checkpointing=none"

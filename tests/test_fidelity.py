@@ -15,9 +15,9 @@ from partitioner.model_spec import build_model
 from partitioner.profile import profile_model
 from partitioner.refit import load_run, refit, refit_from_runs
 from passes.annotate_memory import annotate_memory
-from passes.meta import CAPTURE, MEMORY_SUMMARY, dim_symbol
-from runtime.parallel_model import capture_for_pipeline
-from runtime.rank_program import build_rank_program
+from passes.ir.meta import CAPTURE, MEMORY_SUMMARY, dim_symbol
+from partitioner.build import capture_for_pipeline, lower_all, rank_program
+from passes.ir.config import ParallelConfig
 
 GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 DIMS = {"batch": 4, "seq": 8}
@@ -33,7 +33,8 @@ def graph():
 def test_pipeline_ranks_hold_every_parameter_once_plus_tied_copies(graph):
     knobs = {**BASE, "pp": 2, "num_micro_batches": 2}
     preds = [predict_rank(graph, knobs, r, DIMS) for r in range(2)]
-    split = build_rank_program(graph, dp=1, tp=1, pp=2, rank=0).split
+    split = lower_all(graph, ParallelConfig(pp=2, num_micro_batches=2, micro_batch_size=4),
+                      cluster=Cluster.local(2)).split
     model = sum(t.numel() * t.element_size() for t in graph.parameters())  # tied weights once
     # a weight tied across stages (embedding / LM head) has a copy on each stage holding it
     tied_extra = sum((len(stages) - 1) * _param_bytes(graph, split.aliases[name][0])
@@ -137,8 +138,8 @@ def _param_bytes(gm, name) -> int:
 def test_offload_events_add_a_host_copy_and_a_reload_per_offloaded_storage(graph):
     from partitioner.fidelity import stage_events
 
-    plain = build_rank_program(graph, dp=1, tp=1, pp=1, rank=0)
-    offl = build_rank_program(graph, dp=1, tp=1, pp=1, rank=0, offload="activations")
+    plain = rank_program(graph, ParallelConfig(micro_batch_size=4), 0)
+    offl = rank_program(graph, ParallelConfig(micro_batch_size=4, offload="activations"), 0)
     ev = stage_events(offl.modules[0], DIMS)
     base = stage_events(plain.modules[0], DIMS)
     host = {e.key: e.bytes for e in ev.forward if e.op == "+" and _copy(e.key) == "offload_host"}
@@ -263,7 +264,7 @@ def test_offload_of_checkpointed_regions_costs_memory_on_cpu(graph):
 def test_fake_runs_leave_no_offload_state_behind(graph):
     # the replay runs the offload hooks on fake tensors: nothing of it may stay in the registry
     # the real hooks share host copies through (it made every later real offload 2-3x slower)
-    import runtime.offload_ops as oo
+    import runtime.kernels.offload as oo
 
     oo.reset_offload_counters()
     alive = sum(v() is not None for v in oo._LIVE.values())

@@ -7,15 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from ir_dumps.golden import REGEN_COMMAND, compare, generate, golden_dir
-from passes.manager import default_analysis_pipeline
+from ir_dumps.golden import REGEN_COMMAND, compare, golden_dir
+from partitioner.golden import generate
+from passes.pipelines import analysis_passes
 
 GOLDEN = golden_dir(Path(__file__).resolve().parent.parent)
 
 
 def test_golden_dumps_match(tmp_path):
     files = generate(tmp_path)
-    expected_names = ["00_input.txt"] + [f"{i:02d}_{p.name}.txt" for i, p in enumerate(default_analysis_pipeline(), 1)]
+    expected_names = ["00_input.txt"] + [f"{i:02d}_{p.name}.txt" for i, p in enumerate(analysis_passes(), 1)]
     assert [f.name for f in files] == expected_names
     report = compare(GOLDEN, tmp_path)
     if report:

@@ -11,8 +11,9 @@ from ir_dumps.dot import graph_dot
 from ir_dumps.json_dump import FORMAT, graph_json
 from ir_dumps.reader import DumpError, load_dump_dir, load_json_dump, sympy_value
 from ir_dumps.text import graph_text, node_line
+from ir_dumps.writer import DumpWriter
 from passes.manager import Pass, PassManager
-from passes.meta import (FLOP_SUMMARY, FLOPS, MEMORY, SHAPE, FlopMeta, FlopSummary, MemoryMeta, SavedTensor,
+from passes.ir.meta import (FLOP_SUMMARY, FLOPS, MEMORY, SHAPE, FlopMeta, FlopSummary, MemoryMeta, SavedTensor,
                          ShapeMeta, TensorMeta, dim_symbol)
 
 B, S = dim_symbol("batch"), dim_symbol("seq")
@@ -63,7 +64,7 @@ def annotated() -> fx.GraphModule:
 
 @pytest.fixture()
 def dump_dir(tmp_path):
-    PassManager(PIPELINE, dump_dir=tmp_path / "d").run(fx.symbolic_trace(Tiny()))
+    PassManager(PIPELINE, instrument=DumpWriter(tmp_path / "d")).run(fx.symbolic_trace(Tiny()))
     return tmp_path / "d"
 
 
@@ -205,7 +206,7 @@ def test_cli_diff_directories_reports_added_removed_and_changed(dump_dir, tmp_pa
         return gm
 
     other = tmp_path / "other"
-    PassManager([*PIPELINE, Pass(name="rewrite", fn=rewrite)], dump_dir=other).run(fx.symbolic_trace(Tiny()))
+    PassManager([*PIPELINE, Pass(name="rewrite", fn=rewrite)], instrument=DumpWriter(other)).run(fx.symbolic_trace(Tiny()))
     assert main(["diff", str(dump_dir), str(other)]) == 0
     out = capsys.readouterr().out
     assert out.count("no differences") == 4  # input, shapes, flops, memory are the same

@@ -18,7 +18,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from partitioner.model_spec import build_model, known_models
 from passes.annotate_memory import annotate_memory
 from passes.capture import capture_spec
-from passes.meta import MEMORY_SUMMARY, dim_symbol
+from passes.ir.meta import MEMORY_SUMMARY, dim_symbol
 
 # One small spec per zoo name; only the names registered in this checkout are tested.
 SPECS = {

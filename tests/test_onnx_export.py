@@ -17,12 +17,17 @@ from ir_dumps.onnx_export import DOMAIN, export_rank_programs, export_split, exp
 from ir_dumps.text import graph_text
 from partitioner.model_spec import build_model
 from passes.annotate_flops import annotate_flops
+from passes.annotate_blocks import annotate_blocks
 from passes.annotate_shapes import annotate_shapes
 from passes.capture import capture_spec
 from passes.checkpoint_policy import checkpoint_policy
-from passes.meta import PIPELINE_STAGE
+from passes.ir.meta import PIPELINE_STAGE
 from passes.pipeline_split import assign_stages, assign_stages_by_layers, balanced_boundaries, split_pipeline_stages
-from runtime.rank_program import build_rank_program, global_rank
+from partitioner.build import lower_all
+from partitioner.cluster import Cluster
+from passes.ir.config import ParallelConfig
+from passes.ir.program import global_rank
+from runtime.kernels.collectives import trace_groups
 
 GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 
@@ -30,7 +35,7 @@ GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 @pytest.fixture(scope="module")
 def gpt():
     spec = build_model(GPT)
-    gm = checkpoint_policy(annotate_flops(annotate_shapes(capture_spec(spec))), policy="full")
+    gm = checkpoint_policy(annotate_flops(annotate_blocks(annotate_shapes(capture_spec(spec)))), policy="full")
     return spec, gm
 
 
@@ -125,13 +130,26 @@ TP, PP = 2, 2
 TP_OPS = {"CopyToTP", "ReduceFromTP", "AllReduce", "VocabParallelCrossEntropy"}
 
 
+def _programs(gm, **knobs):
+    """The rank programs of dp 0 for every (pipeline index, tp rank), in that order."""
+    config = ParallelConfig(**knobs)
+    lowering = lower_all(gm, config, cluster=Cluster.local(config.world_size))
+    return [lowering.rank_program(global_rank(p, 0, t, dp=1, tp=config.tp))
+            for p in range(config.pp) for t in range(config.tp)]
+
+
+def _export(programs, out_dir):
+    return export_rank_programs(programs, out_dir, tracing=lambda p: trace_groups(p.tp_group, p.tp_index, p.tp))
+
+
 @pytest.fixture(scope="module")
 def rank_export(gpt, tmp_path_factory):
     """(paths, {(stage, tp rank): loaded model}) of export_rank_programs at tp=2, pp=2."""
     _, gm = gpt
-    paths = export_rank_programs(gm, tp=TP, pp=PP, out_dir=tmp_path_factory.mktemp("ranks"))
+    programs = _programs(gm, tp=TP, pp=PP)
+    paths = _export(programs, tmp_path_factory.mktemp("ranks"))
     keys = [(s, r) for s in range(PP) for r in range(TP)]
-    return paths, {k: onnx.load(str(p)) for k, p in zip(keys, paths)}
+    return paths, {k: onnx.load(str(p)) for k, p in zip(keys, paths)}, programs
 
 
 @pytest.fixture(scope="module")
@@ -148,8 +166,7 @@ def _attrs(node):
 
 
 def test_rank_program_files_are_valid_with_tp_collectives(gpt, rank_export):
-    _, gm = gpt
-    paths, rank_files = rank_export
+    paths, rank_files, programs = rank_export
     assert [p.name for p in paths] == ["stage0_tp0.onnx", "stage0_tp1.onnx",
                                                      "stage1_tp0.onnx", "stage1_tp1.onnx"]
     for (stage, tp_rank), model in rank_files.items():
@@ -160,7 +177,7 @@ def test_rank_program_files_are_valid_with_tp_collectives(gpt, rank_export):
         assert (props["partitioner.tp_degree"], props["partitioner.rank"]) == (str(TP), str(rank))
         # Every tp collective of the rank program's fx graph is a partitioner-domain node, in order,
         # under the fx node's name, with the global ranks of its tp group.
-        program = build_rank_program(gm, dp=1, tp=TP, pp=PP, rank=rank)
+        (program,) = [p for p in programs if p.rank == rank]
         comms = program.comms_of("tp")
         nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type in TP_OPS]
         assert comms and [n.name for n in nodes] == [c.node for c in comms]
@@ -220,7 +237,7 @@ def test_vocab_parallel_loss_knows_its_vocab_slice(rank_files):
 
 def test_text_and_json_dumps_of_a_stage_module_with_int_graph_meta(gpt):
     _, gm = gpt
-    program = build_rank_program(gm, dp=1, tp=TP, pp=PP, rank=global_rank(1, 0, 1, dp=1, tp=TP))
+    (program,) = [p for p in _programs(gm, tp=TP, pp=PP) if p.rank == global_rank(1, 0, 1, dp=1, tp=TP)]
     module = program.modules[1]
     assert module.meta[PIPELINE_STAGE] == 1  # a plain int, not a dataclass
     text = graph_text(module, title="stage1_tp1")
@@ -231,11 +248,12 @@ def test_text_and_json_dumps_of_a_stage_module_with_int_graph_meta(gpt):
 
 def test_checkpointed_rank_program_names_collectives_inside_regions(gpt, tmp_path):
     _, gm = gpt
-    paths = export_rank_programs(gm, tp=TP, pp=1, out_dir=tmp_path, checkpointing="full")
+    programs = _programs(gm, tp=TP, checkpointing="full")
+    paths = _export(programs, tmp_path)
     assert [p.name for p in paths] == ["stage0_tp0.onnx", "stage0_tp1.onnx"]
     model = onnx.load(str(paths[1]))
     onnx.checker.check_model(model)
-    program = build_rank_program(gm, dp=1, tp=TP, pp=1, rank=1, checkpointing="full")
+    program = programs[1]
     nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type in TP_OPS]
     # the checkpoint is inlined by the trace; its region's collectives keep their fx names
     assert sorted(n.name.rsplit("/", 1)[-1] for n in nodes) == sorted(c.node for c in program.comms_of("tp"))
@@ -246,7 +264,7 @@ def test_dropout_on_tp_shards_exports_as_a_custom_node(tmp_path):
     # GPT-2's attention dropout runs on head shards under tp
     spec = build_model("hf-gpt2:n_layer=1,n_embd=32,n_head=2,vocab_size=64,n_positions=16,resid_pdrop=0.1,"
                        "embd_pdrop=0.1,attn_pdrop=0.1,seq=8")
-    paths = export_rank_programs(annotate_shapes(capture_spec(spec)), tp=2, pp=1, out_dir=tmp_path)
+    paths = _export(_programs(annotate_flops(annotate_blocks(annotate_shapes(capture_spec(spec)))), tp=2), tmp_path)
     for rank, path in enumerate(paths):
         model = onnx.load(str(path))
         onnx.checker.check_model(model)

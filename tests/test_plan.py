@@ -5,7 +5,7 @@ import pytest
 
 from partitioner.cluster import Cluster
 from partitioner.errors import ConfigError
-from partitioner.plan_types import Plan
+from passes.ir.plan import Plan
 from partitioner.profile import profile_model
 from partitioner.search import plan
 
@@ -43,8 +43,11 @@ def test_plan_fields_are_consistent(chosen):
 
 
 def test_plan_rejects_inconsistent_batch(chosen):
-    data = chosen.to_dict() | {"num_micro_batches": chosen.num_micro_batches + 1}
+    def with_config(**changes):
+        data = chosen.to_dict()
+        return data | {"config": data["config"] | changes}
+
     with pytest.raises(ConfigError, match="global_batch"):
-        Plan.from_dict(data)
+        Plan.from_dict(with_config(num_micro_batches=chosen.num_micro_batches + chosen.pp))
     with pytest.raises(ConfigError, match="schedule"):
-        Plan.from_dict(chosen.to_dict() | {"schedule": "zigzag"})
+        Plan.from_dict(with_config(schedule="zigzag"))

@@ -15,13 +15,16 @@ def test_plan_json_has_documented_keys(capsys, tmp_path):
             "--json", "--dump-dir", str(tmp_path)]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
-    for key in ("dp", "tp", "pp", "virtual_pp", "micro_batch_size", "num_micro_batches", "schedule", "zero_stage",
-                "sequence_parallel", "checkpointing", "offload", "stages", "predicted"):
+    for key in ("model", "cluster", "global_batch", "config", "stages", "predicted", "alternatives"):
         assert key in out, key
+    config = out["config"]
+    for key in ("dp", "tp", "pp", "virtual_pp", "micro_batch_size", "num_micro_batches", "schedule", "zero_stage",
+                "sequence_parallel", "checkpointing", "offload", "dtype", "stage_boundaries"):
+        assert key in config, key
     for key in ("step_time_s", "tflops_per_device", "mfu", "peak_memory_bytes", "bubble_fraction"):
         assert key in out["predicted"], key
-    assert out["dp"] * out["tp"] * out["pp"] == 8
-    assert out["dp"] * out["micro_batch_size"] * out["num_micro_batches"] == 16
+    assert config["dp"] * config["tp"] * config["pp"] == 8
+    assert config["dp"] * config["micro_batch_size"] * config["num_micro_batches"] == 16
     assert json.loads((tmp_path / "plan.json").read_text()) == out
 
 

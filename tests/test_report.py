@@ -12,8 +12,9 @@ from ir_dumps.explain import NOT_DECIDED
 from ir_dumps.report import plan_schedule, render_report, timeline_intervals
 from ir_dumps.stage_dot import stage_colour, stage_dot
 from partitioner.cluster import Cluster
-from partitioner.plan_types import MEMORY_TERMS, Alternative, Plan, Prediction, StagePlan
-from runtime.schedule import compute_only
+from passes.ir.config import ParallelConfig
+from passes.ir.plan import MEMORY_TERMS, Alternative, Plan, Prediction, StagePlan
+from passes.ir.schedule import compute_only
 
 GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 
@@ -64,8 +65,8 @@ def synthetic_plan(*, pp=4, m=8, schedule="gpipe", v=1, time_s=0.3, pp_comm=0.0)
                         peak_memory_bytes=5e9, reason="slower by 10.0%"),
             Alternative(knobs={"dp": 1, "tp": 4, "pp": 1}, step_time_s=step, peak_memory_bytes=9e10,
                         reason="needs 90.00 GiB of 80.00 GiB"))
-    return Plan(model="gpt:test", cluster="dgx-a100-80gb x 1", global_batch=m, dp=1, tp=1, pp=pp, virtual_pp=v,
-                micro_batch_size=1, num_micro_batches=m, schedule=schedule, stages=stages,
+    config = ParallelConfig(pp=pp, virtual_pp=v, micro_batch_size=1, num_micro_batches=m, schedule=schedule)
+    return Plan(model="gpt:test", cluster="dgx-a100-80gb x 1", global_batch=m, config=config, stages=stages,
                 predicted=Prediction(step_time_s=step, tflops_per_device=100.0, mfu=0.4,
                                      peak_memory_bytes=sum(mem.values()), bubble_fraction=(pp - 1) / (m + pp - 1),
                                      terms=terms),
@@ -155,6 +156,8 @@ def dumped(tmp_path_factory):
     from passes.annotate_shapes import annotate_shapes
     from passes.capture import capture_spec
     from passes.checkpoint_policy import checkpoint_policy
+    from ir_dumps.writer import DumpWriter
+    from passes.annotate_blocks import annotate_blocks
     from passes.manager import Pass, PassManager
     from passes.pipeline_split import assign_stages_by_layers, tag_pipeline_stages
 
@@ -165,9 +168,10 @@ def dumped(tmp_path_factory):
         return checkpoint_policy(gm, ctx, policy="full")
 
     out = tmp_path_factory.mktemp("dumps")
-    passes = [Pass(name="annotate_shapes", fn=annotate_shapes), Pass(name="annotate_flops", fn=annotate_flops),
+    passes = [Pass(name="annotate_shapes", fn=annotate_shapes), Pass(name="annotate_blocks", fn=annotate_blocks),
+              Pass(name="annotate_flops", fn=annotate_flops),
               Pass(name="checkpoint_policy", fn=recompute_block_1), Pass(name="pipeline_stages", fn=stages)]
-    gm = PassManager(passes, dump_dir=out).run(capture_spec(build_model(GPT)))
+    gm = PassManager(passes, instrument=DumpWriter(out)).run(capture_spec(build_model(GPT)))
     return gm, out
 
 
@@ -182,7 +186,7 @@ def test_planning_writes_report_beside_plan_json(tmp_path):
 
     chosen = plan("gpt:layers=2,hidden=64,heads=2,vocab=128,seq=32", Cluster.local(2), global_batch=4,
                   fix="pp=2", dump_dir=tmp_path)
-    assert json.loads((tmp_path / "plan.json").read_text())["pp"] == 2
+    assert json.loads((tmp_path / "plan.json").read_text())["config"]["pp"] == 2
     doc = parse((tmp_path / "report.html").read_text())
     assert [g["data-stage"] for g in doc.with_class("stage-mem")] == ["0", "1"]
     assert len(doc.with_class("idle")) > 0  # pp=2: the bubble shows

@@ -56,8 +56,9 @@ def _batches(spec):
 
 
 def _train_cases(cases):
+    from partitioner.build import build_parallel_model, capture_for_pipeline
+    from passes.ir.config import ParallelConfig
     from runtime.mesh import Mesh, init_distributed
-    from runtime.parallel_model import ParallelModel, capture_for_pipeline
 
     init_distributed(timeout_s=200)
     spec = build_model(GPT)
@@ -69,10 +70,11 @@ def _train_cases(cases):
         torch.distributed.barrier()
         if not mesh.active:
             continue
-        model = ParallelModel(spec, dp=case.dp, pp=case.pp, schedule="1f1b", num_micro_batches=case.m,
-                              global_batch=GLOBAL_BATCH, mesh=mesh, graph=graph, zero=case.zero, adamw=ADAMW,
-                              bucket_bytes=BUCKET_BYTES, overlap_grad_sync=case.overlap,
-                              mixed_precision=case.mixed_precision)
+        config = ParallelConfig.for_global_batch(GLOBAL_BATCH, dp=case.dp, pp=case.pp, schedule="1f1b",
+                                                 num_micro_batches=case.m, zero_stage=case.zero,
+                                                 dtype=case.mixed_precision or "fp32")
+        model = build_parallel_model(graph, config, mesh, adamw=ADAMW, bucket_bytes=BUCKET_BYTES,
+                                     overlap_grad_sync=case.overlap)
         start = time.perf_counter()
         losses = [model.train_step(b) for b in batches]
         named = model.named_parameters()

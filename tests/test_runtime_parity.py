@@ -52,8 +52,9 @@ def _batches(spec):
 
 def _train_cases(cases):
     """On each rank: every case's per-step losses and this rank's final parameters."""
+    from partitioner.build import build_parallel_model, capture_for_pipeline
+    from passes.ir.config import ParallelConfig
     from runtime.mesh import Mesh, init_distributed
-    from runtime.parallel_model import ParallelModel, capture_for_pipeline
 
     # The world group only paces the cases (a barrier each), so it may wait long on this shared
     # machine; the meshes' groups, where training happens, keep the short timeout.
@@ -72,8 +73,9 @@ def _train_cases(cases):
         if not mesh.active:
             continue
         start = time.perf_counter()
-        model = ParallelModel(spec, dp=dp, pp=pp, schedule=schedule, num_micro_batches=m, virtual_pp=v,
-                              global_batch=GLOBAL_BATCH, mesh=mesh, graph=graph, zero=zero, adamw=ADAMW)
+        config = ParallelConfig.for_global_batch(GLOBAL_BATCH, dp=dp, pp=pp, schedule=schedule, num_micro_batches=m,
+                                                 virtual_pp=v, zero_stage=int(zero))
+        model = build_parallel_model(graph, config, mesh, adamw=ADAMW)
         built = time.perf_counter()
         losses = [model.train_step(b) for b in batches]
         params = {name: p.detach().clone() for name, p in model.named_parameters().items()}

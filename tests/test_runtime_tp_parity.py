@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from partitioner.model_spec import build_model
+from passes.ir.config import ParallelConfig
 from runtime.launch import spawn
 from tests.one_device import train_one_device
 
@@ -60,8 +61,8 @@ def _batches(spec):
 
 def _train_cases(cases):
     """On each rank: every case's per-step losses and the full (tp-gathered) parameters/grads."""
+    from partitioner.build import build_parallel_model, capture_for_pipeline
     from runtime.mesh import Mesh, init_distributed
-    from runtime.parallel_model import ParallelModel, capture_for_pipeline
 
     start = time.perf_counter()
     init_distributed(timeout_s=300)  # the world group only paces the cases
@@ -83,9 +84,10 @@ def _train_cases(cases):
         if not mesh.active:
             continue
         start = time.perf_counter()
-        pm = ParallelModel(specs[model], dp=dp, tp=tp, pp=pp, schedule="1f1b", num_micro_batches=m,
-                           global_batch=GLOBAL_BATCH, mesh=mesh, graph=graphs[model], zero=zero, adamw=ADAMW,
-                           checkpointing=ckpt, offload=offload)
+        config = ParallelConfig.for_global_batch(GLOBAL_BATCH, dp=dp, tp=tp, pp=pp, schedule="1f1b",
+                                                 num_micro_batches=m, zero_stage=int(zero), checkpointing=ckpt,
+                                                 offload=offload)
+        pm = build_parallel_model(graphs[model], config, mesh, adamw=ADAMW)
         built = time.perf_counter()
         losses = [pm.train_step(b) for b in _batches(specs[model])]
         trained = time.perf_counter()
@@ -168,14 +170,16 @@ def test_checkpointed_stages_call_recompute_regions(distributed):
 # --- rank programs, single process ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gpt_graph():
-    from runtime.parallel_model import capture_for_pipeline
+    from partitioner.build import capture_for_pipeline
     return capture_for_pipeline(build_model(MODELS["gpt"]))
 
 
 @pytest.fixture(scope="module")
 def programs_222(gpt_graph):
-    from runtime.rank_program import build_rank_program
-    return [build_rank_program(gpt_graph, dp=2, tp=2, pp=2, rank=r) for r in range(8)]
+    from partitioner.build import lower_all
+    from partitioner.cluster import Cluster
+    lowering = lower_all(gpt_graph, ParallelConfig(dp=2, tp=2, pp=2), cluster=Cluster.local(8))
+    return [lowering.rank_program(r) for r in range(8)]
 
 
 def test_rank_coordinates_and_stages_follow_the_mesh_layout(programs_222):
@@ -230,8 +234,8 @@ def test_communication_lists(programs_222):
 
 
 def test_checkpointing_wraps_tp_collectives_into_the_regions(gpt_graph):
-    from runtime.rank_program import build_rank_program
-    prog = build_rank_program(gpt_graph, dp=1, tp=2, pp=2, rank=0, checkpointing="full")
+    from partitioner.build import rank_program
+    prog = rank_program(gpt_graph, ParallelConfig(tp=2, pp=2, checkpointing="full"), 0)
     stage = prog.modules[0]
     regions = {n: m for n, m in stage.named_children() if n.startswith("checkpoint_")}
     assert sorted(regions) == ["checkpoint_blocks_0", "checkpoint_blocks_1"]
@@ -243,11 +247,11 @@ def test_checkpointing_wraps_tp_collectives_into_the_regions(gpt_graph):
 
 
 def test_bad_arguments_name_the_fix(gpt_graph):
+    from partitioner.build import rank_program
     from partitioner.errors import ConfigError
-    from runtime.rank_program import build_rank_program
     with pytest.raises(ConfigError, match="outside the mesh"):
-        build_rank_program(gpt_graph, dp=1, tp=2, pp=1, rank=2)
+        rank_program(gpt_graph, ParallelConfig(tp=2), 2)
     with pytest.raises(ConfigError, match="checkpointing"):
-        build_rank_program(gpt_graph, dp=1, tp=1, pp=1, rank=0, checkpointing="some")
+        rank_program(gpt_graph, ParallelConfig(checkpointing="some"), 0)
     with pytest.raises(ConfigError, match="at most 4 stages"):
-        build_rank_program(gpt_graph, dp=1, tp=1, pp=8, rank=0)
+        rank_program(gpt_graph, ParallelConfig(pp=8), 0)

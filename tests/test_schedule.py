@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from partitioner.errors import PartitionerError
-from runtime.schedule import (
+from passes.ir.schedule import (
     Action,
     Kind,
     ScheduleError,

@@ -7,7 +7,7 @@ import pytest
 from partitioner.analysis import analyze
 from partitioner.cluster import Cluster
 from partitioner.errors import ConfigError, InfeasiblePlanError
-from partitioner.plan_types import format_bytes
+from passes.ir.plan import format_bytes
 from partitioner.profile import profile_model
 from partitioner.search import candidates, min_memory, plan
 

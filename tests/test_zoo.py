@@ -136,7 +136,7 @@ MODEL_FILE = '''
 import torch
 from torch import nn
 from partitioner.model_spec import ModelSpec
-from passes.meta import InputSpec
+from passes.ir.meta import InputSpec
 
 def make_model():
     return ModelSpec(name="mine", module=nn.Linear(6, 3), dims={"batch": 4},

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from partitioner.errors import ModelSpecError
+from passes.ir.errors import ModelSpecError
 from partitioner.model_spec import ModelSpec, register
 from partitioner.zoo.gpt import init_weights
-from passes.meta import InputSpec
+from passes.ir.meta import InputSpec
 
 TOKEN_TYPES = 2  # segment A / segment B, as in BERT pre-training
 

@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from partitioner.errors import ModelSpecError
+from passes.ir.errors import ModelSpecError
 from partitioner.model_spec import ModelSpec, register
-from passes.meta import InputSpec
+from passes.ir.meta import InputSpec
 
 
 class CausalSelfAttention(nn.Module):

@@ -15,9 +15,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from partitioner.errors import ModelSpecError
+from passes.ir.errors import ModelSpecError
 from partitioner.model_spec import ModelSpec, register
-from passes.meta import InputSpec
+from passes.ir.meta import InputSpec
 
 _DIM_KEYS = ("batch", "seq")
 

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from partitioner.errors import ModelSpecError
+from passes.ir.errors import ModelSpecError
 from partitioner.model_spec import ModelSpec, register
 from partitioner.zoo.gpt import init_weights, lm_loss
-from passes.meta import InputSpec
+from passes.ir.meta import InputSpec
 
 
 class RMSNorm(nn.Module):

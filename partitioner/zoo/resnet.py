@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from partitioner.errors import ModelSpecError
+from passes.ir.errors import ModelSpecError
 from partitioner.model_spec import ModelSpec, register
-from passes.meta import InputSpec
+from passes.ir.meta import InputSpec
 
 
 class BasicBlock(nn.Module):

@@ -14,7 +14,7 @@ from partitioner.model_spec import build_model, known_models
 from passes.annotate_flops import annotate_flops
 from passes.annotate_shapes import annotate_shapes
 from passes.capture import capture_model, capture_spec
-from passes.meta import FLOP_SUMMARY, FLOPS, FlopMeta, InputSpec, dim_symbol
+from passes.ir.meta import FLOP_SUMMARY, FLOPS, FlopMeta, InputSpec, dim_symbol
 
 B, S = dim_symbol("batch"), dim_symbol("seq")
 

@@ -11,7 +11,7 @@ from torch import nn
 from partitioner.errors import ConfigError
 from passes.annotate_memory import annotate_memory
 from passes.capture import capture_model
-from passes.meta import MEMORY, MEMORY_SUMMARY, InputSpec, dim_symbol
+from passes.ir.meta import MEMORY, MEMORY_SUMMARY, InputSpec, dim_symbol
 
 B = dim_symbol("batch")
 

@@ -6,7 +6,7 @@ from torch import nn
 
 from passes.annotate_shapes import annotate_shapes
 from passes.capture import capture_model
-from passes.meta import SHAPE, InputSpec, dim_symbol
+from passes.ir.meta import SHAPE, InputSpec, dim_symbol
 
 B, S = dim_symbol("batch"), dim_symbol("seq")
 

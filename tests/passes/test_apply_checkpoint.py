@@ -12,11 +12,12 @@ from torch import fx
 from partitioner.errors import PassError
 from partitioner.model_spec import build_model
 from passes.annotate_flops import annotate_flops
+from passes.annotate_blocks import annotate_blocks
 from passes.annotate_shapes import annotate_shapes
 from passes.apply_checkpoint import apply_checkpoint
 from passes.capture import capture_spec
 from passes.checkpoint_policy import checkpoint_policy
-from passes.meta import CHECKPOINT, CHECKPOINT_PLAN
+from passes.ir.meta import CHECKPOINT, CHECKPOINT_PLAN
 
 L = 3
 SPEC = f"gpt:layers={L},hidden=64,heads=4,vocab=128,seq=16,dropout=0.1"
@@ -26,7 +27,7 @@ SPEC = f"gpt:layers={L},hidden=64,heads=4,vocab=128,seq=16,dropout=0.1"
 def gpt() -> fx.GraphModule:
     torch.manual_seed(0)
     gm = capture_spec(build_model(SPEC, device="cpu"))
-    return annotate_flops(annotate_shapes(gm))
+    return annotate_flops(annotate_blocks(annotate_shapes(gm)))
 
 
 def _inputs():

@@ -11,7 +11,7 @@ from partitioner.errors import CaptureError
 from partitioner.model_spec import build_model
 from passes.annotate_shapes import annotate_shapes
 from passes.capture import capture_model, capture_spec
-from passes.meta import CAPTURE, SHAPE, InputSpec, dim_symbol
+from passes.ir.meta import CAPTURE, SHAPE, InputSpec, dim_symbol
 
 SEQ = ("batch", "seq")
 # Dropout stays on where the model has it: the tests reseed before each call, and the captured

@@ -18,11 +18,12 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from partitioner.model_spec import build_model
 from passes.annotate_flops import annotate_flops
 from passes.annotate_memory import annotate_memory
+from passes.annotate_blocks import annotate_blocks
 from passes.annotate_shapes import annotate_shapes
 from passes.apply_checkpoint import apply_checkpoint
 from passes.capture import capture_spec
 from passes.checkpoint_policy import checkpoint_policy
-from passes.meta import CHECKPOINT_PLAN, FLOP_SUMMARY, FLOPS, MEMORY_SUMMARY, dim_symbol
+from passes.ir.meta import CHECKPOINT_PLAN, FLOP_SUMMARY, FLOPS, MEMORY_SUMMARY, dim_symbol
 
 SPEC = "gpt:layers=2,hidden=64,heads=4,vocab=256,seq=32,batch=8"
 PEAK_TOLERANCE = 0.05
@@ -31,7 +32,7 @@ PEAK_TOLERANCE = 0.05
 @functools.lru_cache(maxsize=None)
 def _captured():
     spec = build_model(SPEC)
-    gm = annotate_flops(annotate_shapes(capture_spec(spec)))
+    gm = annotate_flops(annotate_blocks(annotate_shapes(capture_spec(spec))))
     return spec.example_inputs(), gm
 
 
@@ -47,7 +48,7 @@ def _checkpointed(policy: str) -> fx.GraphModule:
     budget = _budget(gm) if policy == "solver" else None
     gm = apply_checkpoint(checkpoint_policy(copy.deepcopy(gm), policy=policy, budget_bytes=budget))
     # the rewrite leaves new nodes without facts: analyse the rewritten graph again
-    return annotate_memory(annotate_flops(annotate_shapes(gm)))
+    return annotate_memory(annotate_flops(annotate_blocks(annotate_shapes(gm))))
 
 
 def _measured_peak(gm: fx.GraphModule, inputs) -> int:
@@ -108,9 +109,9 @@ def test_flops_add_one_recomputed_forward(policy):
 def test_symbolic_checkpointed_flops():
     """Symbolic dims: the checkpoint node's FLOPs stay polynomials in batch and seq."""
     spec = build_model("gpt:layers=2,hidden=64,heads=4,vocab=128,seq=16")
-    gm = annotate_flops(annotate_shapes(capture_spec(spec, symbolic=("batch", "seq"))))
+    gm = annotate_flops(annotate_blocks(annotate_shapes(capture_spec(spec, symbolic=("batch", "seq")))))
     before = gm.meta[FLOP_SUMMARY]
-    gm = annotate_flops(annotate_shapes(apply_checkpoint(checkpoint_policy(gm, policy="full"))))
+    gm = annotate_flops(annotate_blocks(annotate_shapes(apply_checkpoint(checkpoint_policy(gm, policy="full")))))
     after, plan = gm.meta[FLOP_SUMMARY], gm.meta[CHECKPOINT_PLAN]
     assert after.fwd == before.fwd
     assert sympy.expand(after.bwd - before.bwd - plan.recompute_flops) == 0

@@ -11,11 +11,12 @@ from partitioner.errors import ConfigError, PassError
 from partitioner.model_spec import build_model
 from passes.annotate_flops import annotate_flops
 from passes.annotate_memory import annotate_memory
+from passes.annotate_blocks import annotate_blocks
 from passes.annotate_shapes import annotate_shapes
 from passes.capture import capture_spec
 from passes.checkpoint_policy import (attention_regions, block_of, block_regions, checkpoint_policy, cut_points,
                                       segments)
-from passes.meta import CHECKPOINT, CHECKPOINT_PLAN, FLOPS, MEMORY_SUMMARY, CheckpointMeta
+from passes.ir.meta import CHECKPOINT, CHECKPOINT_PLAN, FLOPS, MEMORY_SUMMARY, CheckpointMeta
 
 L, B, S, H, V = 3, 2, 16, 64, 128
 SPEC = f"gpt:layers={L},hidden={H},heads=4,vocab={V},seq={S},batch={B}"
@@ -24,7 +25,7 @@ SPEC = f"gpt:layers={L},hidden={H},heads=4,vocab={V},seq={S},batch={B}"
 @pytest.fixture(scope="module")
 def gpt() -> fx.GraphModule:
     gm = capture_spec(build_model(SPEC, device="meta"))
-    return annotate_memory(annotate_flops(annotate_shapes(gm)))
+    return annotate_memory(annotate_flops(annotate_blocks(annotate_shapes(gm))))
 
 
 def _names(nodes):
@@ -160,7 +161,7 @@ def test_errors(gpt):
 def test_symbolic_dims():
     gm = capture_spec(build_model("gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8", device="meta"),
                       symbolic=("batch", "seq"))
-    annotate_flops(annotate_shapes(gm))
+    annotate_flops(annotate_blocks(annotate_shapes(gm)))
     plan = checkpoint_policy(gm, policy="full").meta[CHECKPOINT_PLAN]
     assert [r.name for r in plan.regions] == ["blocks.0", "blocks.1"]  # sizes do not block cut points
     batch, seq = (s for s in sorted(plan.saved_bytes_after.free_symbols, key=str))

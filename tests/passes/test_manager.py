@@ -7,8 +7,10 @@ import torch
 from torch import fx, nn
 
 from partitioner.errors import PassError
-from passes.manager import Pass, PassContext, PassManager, _adapt, default_analysis_pipeline
-from passes.meta import CAPTURE, FLOP_SUMMARY, FLOPS, SHAPE, FlopMeta, FlopSummary, ShapeMeta, TensorMeta, dim_symbol
+from ir_dumps.writer import DumpWriter
+from passes.manager import Pass, PassContext, PassManager, _adapt
+from passes.pipelines import analysis_passes
+from passes.ir.meta import CAPTURE, FLOP_SUMMARY, FLOPS, SHAPE, FlopMeta, FlopSummary, ShapeMeta, TensorMeta, dim_symbol
 
 B = dim_symbol("batch")
 
@@ -153,7 +155,7 @@ def test_manager_rejects_plain_functions():
 
 
 def test_dumps_written_with_expected_names(tmp_path):
-    pm = PassManager([SHAPES, FLOP], dump_dir=tmp_path / "dumps")
+    pm = PassManager([SHAPES, FLOP], instrument=DumpWriter(tmp_path / "dumps"))
     pm.run(tiny_gm())
     names = sorted(p.name for p in (tmp_path / "dumps").iterdir())
     stems = ["00_input", "01_fake_shapes", "02_fake_flops"]
@@ -169,7 +171,7 @@ def test_dumps_written_with_expected_names(tmp_path):
 def test_dump_dir_from_context_and_stale_files_removed(tmp_path):
     (tmp_path / "05_old_pass.txt").write_text("stale")
     (tmp_path / "notes.txt").write_text("mine")
-    PassManager([SHAPES]).run(tiny_gm(), PassContext(dump_dir=tmp_path))
+    PassManager([SHAPES], instrument=DumpWriter(tmp_path)).run(tiny_gm())
     assert (tmp_path / "01_fake_shapes.txt").is_file()
     assert not (tmp_path / "05_old_pass.txt").exists()
     assert (tmp_path / "notes.txt").read_text() == "mine"
@@ -180,14 +182,14 @@ def test_failed_run_keeps_dumps_of_earlier_passes(tmp_path):
         raise RuntimeError("nope")
 
     with pytest.raises(PassError, match=str(tmp_path)):
-        PassManager([SHAPES, Pass(name="fail", fn=fail)], dump_dir=tmp_path).run(tiny_gm())
+        PassManager([SHAPES, Pass(name="fail", fn=fail)], instrument=DumpWriter(tmp_path)).run(tiny_gm())
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert [p["name"] for p in manifest["passes"]] == ["input", "fake_shapes"]
 
 
 def test_dumps_are_deterministic(tmp_path):
     for run in ("a", "b"):
-        PassManager([SHAPES, FLOP], dump_dir=tmp_path / run).run(tiny_gm())
+        PassManager([SHAPES, FLOP], instrument=DumpWriter(tmp_path / run)).run(tiny_gm())
     files = sorted(p.name for p in (tmp_path / "a").iterdir() if p.name != "manifest.json")
     assert len(files) == 9
     for name in files:
@@ -206,10 +208,10 @@ def test_adapt_passes_context_options_as_keywords():
 
 
 def test_default_pipeline_is_ordered_and_self_consistent():
-    pm = default_analysis_pipeline()
+    pm = analysis_passes()
     names = [p.name for p in pm]
     assert names[0] == "annotate_shapes"
-    order = ["annotate_shapes", "annotate_flops", "annotate_memory"]
+    order = ["annotate_shapes", "annotate_blocks", "annotate_flops", "annotate_memory"]
     assert names == [n for n in order if n in names]
     provided = {CAPTURE}  # written by capture, before any pass
     for p in pm:

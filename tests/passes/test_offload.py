@@ -1,4 +1,4 @@
-"""Activation offload (offload_policy tags, apply_offload rewrites, runtime.offload_ops runs) and
+"""Activation offload (offload_policy tags, apply_offload rewrites, runtime.kernels.offload runs) and
 optimizer-state offload (runtime.optimizer_offload)."""
 from __future__ import annotations
 
@@ -9,17 +9,20 @@ import pytest
 import sympy
 import torch
 
+from partitioner.cost_model import cost_hooks
 from partitioner.cluster import Cluster, Link
 from partitioner.errors import ConfigError, PassError
 from partitioner.model_spec import build_model
 from passes.annotate_flops import annotate_flops
 from passes.annotate_memory import annotate_memory
+from passes.annotate_blocks import annotate_blocks
 from passes.annotate_shapes import annotate_shapes
 from passes.apply_offload import apply_offload
 from passes.capture import capture_spec
-from passes.meta import MEMORY, MEMORY_SUMMARY, OFFLOAD, OFFLOAD_PLAN
+from passes.ir.meta import MEMORY, MEMORY_SUMMARY, OFFLOAD, OFFLOAD_PLAN
 from passes.offload_policy import offload_policy
-from runtime import offload_ops
+from passes.ir import offload_ops as offload_graph
+from runtime.kernels import offload as offload_ops
 from runtime.optimizer_offload import HostOffloadedAdamW
 
 SPEC = "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=16"
@@ -28,7 +31,7 @@ SPEC = "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=16"
 @pytest.fixture(scope="module")
 def annotated():
     gm = capture_spec(build_model(SPEC, device="cpu"))
-    for p in (annotate_shapes, annotate_flops, annotate_memory):
+    for p in (annotate_shapes, annotate_blocks, annotate_flops, annotate_memory):
         gm = p(gm)
     return gm
 
@@ -48,6 +51,9 @@ def _step(gm, inputs):
     return loss.detach(), {k: p.grad.clone() for k, p in gm.named_parameters()}
 
 
+LOCAL = cost_hooks(Cluster.preset("local-cpu"))
+
+
 def _cluster(bandwidth: float, latency: float = 0.0, memory: int | None = None) -> Cluster:
     base = Cluster.preset("local-cpu")
     device = base.device if memory is None else dataclasses.replace(base.device, memory_bytes=memory)
@@ -65,12 +71,12 @@ def _assert_exact(a, b):
 
 def test_offload_all_is_exact_and_moves_the_predicted_bytes(annotated, inputs):
     ref = copy.deepcopy(annotated)
-    gm = offload_policy(copy.deepcopy(annotated), policy="all")
+    gm = offload_policy(copy.deepcopy(annotated), cost=LOCAL, selection="all")
     plan = gm.meta[OFFLOAD_PLAN]
     predicted = int(plan.activation_bytes)
     assert predicted > 0 and len(plan.nodes) > 10
     gm = apply_offload(gm)
-    assert gm.meta[OFFLOAD_PLAN].regions == offload_ops.check_offload_regions(gm) > 0
+    assert gm.meta[OFFLOAD_PLAN].regions == offload_graph.check_offload_regions(gm) > 0
     expected = _step(ref, inputs)
 
     offload_ops.reset_offload_counters()
@@ -91,18 +97,18 @@ def test_offload_all_is_exact_and_moves_the_predicted_bytes(annotated, inputs):
     again = copy.deepcopy(gm)
     again.graph.eliminate_dead_code()
     again.recompile()
-    assert offload_ops.check_offload_regions(again) == gm.meta[OFFLOAD_PLAN].regions
+    assert offload_graph.check_offload_regions(again) == gm.meta[OFFLOAD_PLAN].regions
     offload_ops.reset_offload_counters()
     _assert_exact(expected, _step(again, inputs))
     assert offload_ops.offload_counters().offloaded_bytes == predicted
 
 
 def test_ops_show_by_name_in_code_and_graph(annotated):
-    gm = offload_policy(copy.deepcopy(annotated), policy="all")
+    gm = offload_policy(copy.deepcopy(annotated), cost=LOCAL, selection="all")
     gm = apply_offload(gm)
     assert "torch.ops.partitioner.offload_begin.default(" in gm.code
     assert "torch.ops.partitioner.offload_end.default(" in gm.code
-    begins = [n for n in gm.graph.nodes if n.target is offload_ops.OFFLOAD_BEGIN]
+    begins = [n for n in gm.graph.nodes if n.target is offload_graph.OFFLOAD_BEGIN]
     assert len(begins) == gm.meta[OFFLOAD_PLAN].regions
     # each begin brackets exactly one saver of an offloaded owner, named in that owner's meta
     savers = {s for n in gm.graph.nodes if OFFLOAD in n.meta and n.meta[OFFLOAD].offload
@@ -114,12 +120,12 @@ def test_ops_show_by_name_in_code_and_graph(annotated):
 
 def test_policy_bytes_match_annotate_memory_and_transfer_formula(annotated):
     bw, lat = 1e9, 2e-6
-    gm = offload_policy(copy.deepcopy(annotated), cluster=_cluster(bw, lat), policy="none")
+    gm = offload_policy(copy.deepcopy(annotated), cost=cost_hooks(_cluster(bw, lat)), selection="none")
     owners = [n for n in gm.graph.nodes if OFFLOAD in n.meta]
     assert owners and not gm.meta[OFFLOAD_PLAN].nodes
     for n in owners:
         meta = n.meta[OFFLOAD]
-        assert not meta.offload and meta.reason == "policy 'none'"
+        assert not meta.offload and meta.reason == "selection 'none'"
         assert sympy.simplify(meta.bytes - n.meta[MEMORY].kept_bytes) == 0, n.name
         storages = round((meta.transfer_s / 2 - int(meta.bytes) / bw) / lat)  # latency once per storage
         assert storages >= 1
@@ -130,10 +136,10 @@ def test_policy_bytes_match_annotate_memory_and_transfer_formula(annotated):
 
 
 def test_policy_picks_nothing_on_a_slow_link_and_every_hideable_on_a_fast_one(annotated):
-    slow = offload_policy(copy.deepcopy(annotated), cluster=_cluster(1.0, 1e-3))
+    slow = offload_policy(copy.deepcopy(annotated), cost=cost_hooks(_cluster(1.0, 1e-3)))
     assert slow.meta[OFFLOAD_PLAN].nodes == () and int(slow.meta[OFFLOAD_PLAN].activation_bytes) == 0
 
-    fast = offload_policy(copy.deepcopy(annotated), cluster=_cluster(1e18))
+    fast = offload_policy(copy.deepcopy(annotated), cost=cost_hooks(_cluster(1e18)))
     metas = {n.name: n.meta[OFFLOAD] for n in fast.graph.nodes if OFFLOAD in n.meta}
     hideable = {k for k, m in metas.items() if m.transfer_s <= m.hidden_behind_s}
     assert set(fast.meta[OFFLOAD_PLAN].nodes) == hideable
@@ -143,27 +149,27 @@ def test_policy_picks_nothing_on_a_slow_link_and_every_hideable_on_a_fast_one(an
 
 
 def test_policy_target_stops_largest_first(annotated):
-    full = offload_policy(copy.deepcopy(annotated), cluster=_cluster(1e18))
+    full = offload_policy(copy.deepcopy(annotated), cost=cost_hooks(_cluster(1e18)))
     metas = {n.name: n.meta[OFFLOAD] for n in full.graph.nodes if OFFLOAD in n.meta}
     target = int(full.meta[OFFLOAD_PLAN].activation_bytes) // 3
-    gm = offload_policy(copy.deepcopy(annotated), cluster=_cluster(1e18), target_bytes=target)
+    gm = offload_policy(copy.deepcopy(annotated), cost=cost_hooks(_cluster(1e18)), target_bytes=target)
     chosen = gm.meta[OFFLOAD_PLAN].nodes
     sizes = sorted((int(metas[k].bytes) for k in chosen), reverse=True)
     assert sum(sizes) >= target > sum(sizes[:-1])
     rest = [int(m.bytes) for k, m in metas.items() if k not in chosen and m.transfer_s <= m.hidden_behind_s]
     assert max(rest) <= min(sizes)  # largest first
     with pytest.raises(ConfigError, match="target_bytes"):
-        offload_policy(copy.deepcopy(annotated), target_bytes=-1)
-    with pytest.raises(ConfigError, match="unknown offload policy"):
-        offload_policy(copy.deepcopy(annotated), policy="some")
+        offload_policy(copy.deepcopy(annotated), cost=LOCAL, target_bytes=-1)
+    with pytest.raises(ConfigError, match="unknown offload selection"):
+        offload_policy(copy.deepcopy(annotated), cost=LOCAL, selection="some")
 
 
 def test_optimizer_offload_decision(annotated):
     summary = annotated.meta[MEMORY_SUMMARY]
-    fits = offload_policy(copy.deepcopy(annotated), policy="none").meta[OFFLOAD_PLAN]
+    fits = offload_policy(copy.deepcopy(annotated), cost=LOCAL, selection="none").meta[OFFLOAD_PLAN]
     assert not fits.optimizer_on_host and fits.optimizer_bytes_moved == 0
-    tight = offload_policy(copy.deepcopy(annotated), policy="none",
-                           cluster=_cluster(1e10, memory=int(summary.peak_bytes) - 1)).meta[OFFLOAD_PLAN]
+    tight = offload_policy(copy.deepcopy(annotated), selection="none",
+                           cost=cost_hooks(_cluster(1e10, memory=int(summary.peak_bytes) - 1))).meta[OFFLOAD_PLAN]
     assert tight.optimizer_on_host and "device memory" in tight.optimizer_reason
     assert tight.optimizer_bytes_moved == summary.grad_bytes + summary.param_bytes
     assert tight.optimizer_state_bytes == summary.optimizer_bytes + 4 * summary.param_count
@@ -204,21 +210,21 @@ def test_offload_after_full_checkpointing_moves_the_region_inputs_and_stays_exac
 
     expected = _step(copy.deepcopy(annotated), inputs)
     gm = apply_checkpoint(checkpoint_policy(copy.deepcopy(annotated), policy="full"))
-    gm = annotate_flops(annotate_shapes(gm))  # the region calls need their facts
+    gm = annotate_flops(annotate_blocks(annotate_shapes(gm)))  # the region calls need their facts
     calls = [n for n in gm.graph.nodes if n.target is torch.utils.checkpoint.checkpoint]
     assert len(calls) == 2  # one region per block
-    gm = apply_offload(offload_policy(gm, policy="all"))
+    gm = apply_offload(offload_policy(gm, cost=LOCAL, selection="all"))
     # each region's call is bracketed: what it keeps for its recompute is its input
     order = list(gm.graph.nodes)
     for call in calls:
         begin = order[order.index(call) - 1]
-        assert begin.target is offload_ops.OFFLOAD_BEGIN and begin.args[0] == [call.args[1]]
+        assert begin.target is offload_graph.OFFLOAD_BEGIN and begin.args[0] == [call.args[1]]
     offload_ops.reset_offload_counters()
     torch.manual_seed(1234)
     loss = gm(*inputs)
     moved = offload_ops.offload_counters()
     hidden = 2 * 16 * 64 * 4  # [batch, seq, hidden] fp32: the block inputs
-    assert [moved.by_region[begin.args[3]] for begin in order if begin.target is offload_ops.OFFLOAD_BEGIN
+    assert [moved.by_region[begin.args[3]] for begin in order if begin.target is offload_graph.OFFLOAD_BEGIN
             and order[order.index(begin) + 1] in calls] == [hidden, hidden]
     loss.backward()
     assert moved.reloaded_bytes == moved.offloaded_bytes

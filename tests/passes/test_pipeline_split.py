@@ -8,9 +8,10 @@ from torch import nn
 
 from partitioner.errors import PassError
 from partitioner.model_spec import build_model
+from passes.annotate_blocks import annotate_blocks
 from passes.annotate_shapes import annotate_shapes
 from passes.capture import capture_model, capture_spec, module_path
-from passes.meta import PIPELINE_STAGE, InputSpec, StageInput, StageIO, StageOutput, TensorMeta, dim_symbol
+from passes.ir.meta import PIPELINE_STAGE, InputSpec, StageInput, StageIO, StageOutput, TensorMeta, dim_symbol
 from passes.pipeline_split import (
     assign_stages, assign_stages_by_layers, balanced_boundaries, find_layers, split_pipeline_stages,
     stage_rank_chunk,
@@ -71,7 +72,7 @@ def run_pipeline(split, inputs: dict[str, torch.Tensor], dims: dict[str, int]):
 
 def _gpt(symbolic=()):
     spec = build_model(GPT)
-    gm = annotate_shapes(capture_spec(spec, symbolic=symbolic))
+    gm = annotate_blocks(annotate_shapes(capture_spec(spec, symbolic=symbolic)))
     return spec, gm
 
 
@@ -200,7 +201,7 @@ class Skip(nn.Module):
 def _skip_graph():
     torch.manual_seed(0)
     gm = capture_model(Skip(), inputs=(InputSpec(name="x", shape=("batch", 8)),), dims={"batch": 4})
-    return annotate_shapes(gm)
+    return annotate_blocks(annotate_shapes(gm))
 
 
 @pytest.mark.parametrize("skip", ["relay", "direct"])
@@ -268,8 +269,8 @@ class Flattened(nn.Module):
 
 def test_size_without_a_carrier_becomes_a_size_input():
     torch.manual_seed(0)
-    gm = annotate_shapes(capture_model(Flattened(), inputs=(InputSpec(name="x", shape=("batch", "seq", 8)),),
-                                       dims={"batch": 2, "seq": 3}, symbolic=("batch", "seq")))
+    gm = annotate_blocks(annotate_shapes(capture_model(Flattened(), inputs=(InputSpec(name="x", shape=("batch", "seq", 8)),),
+                                       dims={"batch": 2, "seq": 3}, symbolic=("batch", "seq"))))
     split = split_pipeline_stages(gm, assign_stages_by_layers(gm, [1]))
     inputs = split.io[1].inputs
     assert [(i.kind, i.meta.shape if i.meta else i.value) for i in inputs] == [

@@ -8,13 +8,14 @@ import pytest
 import sympy
 import torch
 
-import runtime.tp_collectives as tpc
+import runtime.kernels.collectives as tpc
 from partitioner.errors import ConfigError
 from partitioner.model_spec import build_model
 from passes.annotate_shapes import annotate_shapes
-from passes.apply_tensor_parallel import apply_tensor_parallel, unshard_tensor
+from passes.apply_tensor_parallel import apply_tensor_parallel
+from passes.ir.program import unshard_tensor
 from passes.capture import capture_spec
-from passes.meta import SHAPE, TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN, dim_symbol
+from passes.ir.meta import SHAPE, TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN, dim_symbol
 from passes.tensor_parallel_patterns import tag_tensor_parallel
 from tests.passes.tp_graphs import run_simulated_step, tagged_tp2
 
@@ -103,11 +104,13 @@ def test_sequence_not_divisible_by_tp_is_a_config_error():
 
 
 def test_rank_programs_of_a_pipeline_split():
-    from runtime.parallel_model import capture_for_pipeline
-    from runtime.rank_program import build_rank_program
+    from partitioner.build import capture_for_pipeline, lower_all
+    from partitioner.cluster import Cluster
+    from passes.ir.config import ParallelConfig
 
     graph = capture_for_pipeline(build_model(SPECS["gpt"], device="meta"))
-    progs = [build_rank_program(graph, dp=1, tp=2, pp=2, rank=r, sequence_parallel=True) for r in range(4)]
+    lowering = lower_all(graph, ParallelConfig(tp=2, pp=2, sequence_parallel=True), cluster=Cluster.local(4))
+    progs = [lowering.rank_program(r) for r in range(4)]
     ops = {r: sorted({c.op for c in p.comms_of("tp")}) for r, p in enumerate(progs)}
     # stage 1 receives the whole residual stream and cuts it; stage 0 gathers what it sends
     assert "gather_from_seq" in ops[0] and "scatter_to_seq" in ops[2]
@@ -128,8 +131,9 @@ def _batches(spec):
 
 
 def _train(cases):
+    from partitioner.build import build_parallel_model, capture_for_pipeline
+    from passes.ir.config import ParallelConfig
     from runtime.mesh import Mesh, init_distributed
-    from runtime.parallel_model import ParallelModel, capture_for_pipeline
 
     init_distributed(timeout_s=200)
     spec = build_model(GPT)
@@ -140,8 +144,9 @@ def _train(cases):
         torch.distributed.barrier()
         if not mesh.active:
             continue
-        pm = ParallelModel(spec, dp=dp, tp=tp, pp=pp, schedule="1f1b", num_micro_batches=m,
-                           global_batch=GLOBAL_BATCH, mesh=mesh, graph=graph, adamw=ADAMW, sequence_parallel=True)
+        config = ParallelConfig.for_global_batch(GLOBAL_BATCH, dp=dp, tp=tp, pp=pp, schedule="1f1b",
+                                                 num_micro_batches=m, sequence_parallel=True)
+        pm = build_parallel_model(graph, config, mesh, adamw=ADAMW)
         losses = [pm.train_step(b) for b in _batches(spec)]
         code = "".join(st.module.code for st in pm.stages.values())
         out[(dp, tp, pp, m)] = {"losses": losses, "params": pm.full_parameters(), "grads": pm.full_gradients(),

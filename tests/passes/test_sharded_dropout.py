@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-import runtime.tp_dropout  # noqa: F401
+import runtime.kernels  # noqa: F401
 from passes.apply_tensor_parallel import apply_tensor_parallel
 from tests.passes.tp_graphs import tagged_tp2
 

@@ -13,11 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import runtime.tp_collectives as tpc
+import runtime.kernels.collectives as tpc
 from partitioner.model_spec import build_model
-from passes.apply_tensor_parallel import apply_tensor_parallel, shard_tensor, unshard_tensor
+from passes.apply_tensor_parallel import apply_tensor_parallel
+from passes.ir.program import shard_tensor, unshard_tensor
 from passes.capture import capture_model, capture_spec, module_path
-from passes.meta import SHAPE, TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN, InputSpec, ParamSharding
+from passes.ir.meta import SHAPE, TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN, InputSpec, ParamSharding
 from passes.tensor_parallel_patterns import sharded_param_bytes, tag_tensor_parallel
 from tests.passes.tp_graphs import run_simulated_step, tagged_tp2
 
@@ -184,8 +185,8 @@ def test_rank_program_shapes_are_local(captured):
 def _gloo_worker(rank: int, world: int, init_file: str, cases: bytes, out_dir: str):
     import torch.distributed as dist
 
-    import runtime.tp_collectives as collectives  # registers the ops before the program is loaded
-    import runtime.tp_dropout  # noqa: F401
+    import runtime.kernels.collectives as collectives  # registers the kernels before the program is loaded
+    import runtime.kernels  # noqa: F401
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:

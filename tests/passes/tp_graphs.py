@@ -20,7 +20,7 @@ def tagged_tp2(specs: dict[str, str]) -> dict[str, tuple]:
 def run_simulated_step(ranks, inputs, timeout_s: float = 60.0) -> list[tuple]:
     """One forward + backward of every tp rank program in lockstep threads (simulated groups):
     per rank (loss, {parameter name: gradient})."""
-    import runtime.tp_collectives as tpc
+    import runtime.kernels.collectives as tpc
 
     def step(m):
         def run():

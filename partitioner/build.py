@@ -1,0 +1,99 @@
+"""From a model to the trainer of one rank: capture once, analyse, lower, run.
+
+::
+
+    graph = capture_for_pipeline(spec)                      # capture (symbolic dims) + analysis, once
+    model = build_parallel_model(graph, config, mesh)       # lower this rank's program, run it
+
+:func:`auto_parallelize <partitioner.auto.auto_parallelize>` does the same with a plan from the
+search in between; tests and benchmarks call these directly with a config of their own.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+from torch import fx
+
+from partitioner.cluster import Cluster
+from partitioner.cost_model import cost_hooks
+from passes.capture import capture_spec
+from passes.ir.config import ParallelConfig
+from passes.lower import lower, lower_rank
+from passes.manager import PassContext
+from passes.pipelines import analysis_passes, manager
+from runtime.parallel_model import ParallelModel
+
+if TYPE_CHECKING:
+    from partitioner.model_spec import ModelSpec
+    from runtime.mesh import Mesh
+    from runtime.parallel_model import ParallelModel
+
+
+def capture_training_step(spec: ModelSpec, *, symbolic: Sequence[str] | None = None,
+                          device: str | None = None) -> fx.GraphModule:
+    """The training step of ``spec`` captured once, every named dim symbolic by default (a plan
+    picks the micro-batch later). ``device``: the device type the programs will run on."""
+    if symbolic is None:
+        symbolic = sorted({d for inp in spec.inputs for d in inp.shape if isinstance(d, str)})
+    return capture_spec(spec, symbolic=tuple(symbolic), device=device)
+
+
+def analyse(gm: fx.GraphModule, *, optimizer: str = "adamw", mixed_precision: bool = False, writer=None,
+            memory: bool = True) -> fx.GraphModule:
+    """The analysis passes (shapes, blocks, FLOPs and, with ``memory``, memory) over ``gm``, in
+    place; returns it. ``writer``: an :class:`ir_dumps.writer.DumpWriter` that dumps every pass."""
+    ctx = PassContext(optimizer=optimizer, mixed_precision=mixed_precision)
+    passes = [p for p in analysis_passes(ctx) if memory or p.name != "annotate_memory"]
+    pm = manager(passes, instrument=writer)
+    gm = pm.run(gm, ctx)
+    if writer is not None:
+        writer.record_pipeline("analysis", pm.text())
+    return gm
+
+
+def capture_for_pipeline(spec: ModelSpec, symbolic: Sequence[str] | None = None, *,
+                         device: str | None = None) -> fx.GraphModule:
+    """Capture and analyse ``spec`` (what :func:`build_parallel_model` lowers): one capture, shared
+    by every config built from it (the lowering deep-copies it)."""
+    return analyse(capture_training_step(spec, symbolic=symbolic, device=device))
+
+
+def build_parallel_model(graph: fx.GraphModule, config: ParallelConfig, mesh: Mesh, *,
+                         cluster: Cluster | None = None, adamw: dict | None = None, overlap_grad_sync: bool = True,
+                         bucket_bytes: int | None = None, tp_group: str = "tp") -> ParallelModel:
+    """Lower ``graph`` (from :func:`capture_for_pipeline`) for this rank of ``mesh`` under
+    ``config`` and return the runtime's :class:`ParallelModel` executing it.
+
+    ``cluster``: what the policy passes cost against (default ``Cluster.local`` of the mesh's
+    size: this machine). ``tp_group``: the name the programs look their tp group up by (give
+    models that live side by side in one process different names).
+    """
+
+    cluster = cluster or Cluster.local(mesh.size)
+    program = lower_rank(graph, config, mesh.rank, cost=cost_hooks(cluster), first=mesh.first, tp_group=tp_group,
+                         ctx=PassContext(mixed_precision=config.mixed_precision))
+    kwargs = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+    return ParallelModel(program, mesh, adamw=adamw, overlap_grad_sync=overlap_grad_sync, **kwargs)
+
+
+def lower_all(graph: fx.GraphModule, config: ParallelConfig, *, cluster: Cluster, tp_group: str = "tp", writer=None):
+    """Every (stage, tp rank) program of ``config`` (a :class:`passes.lower.Lowering`); with an
+    :class:`ir_dumps.writer.DumpWriter`, every pass is dumped into its tree."""
+    instrument_for = None
+    if writer is not None:
+        def instrument_for(name: str):
+            return writer if name == "whole_graph" else writer.scope(name)
+    lowering = lower(graph, config, cost=cost_hooks(cluster), tp_group=tp_group, instrument_for=instrument_for,
+                     ctx=PassContext(mixed_precision=config.mixed_precision))
+    if writer is not None:
+        for record in lowering.pipelines:
+            writer.record_pipeline(record.name, record.text)
+    return lowering
+
+
+def rank_program(graph: fx.GraphModule, config: ParallelConfig, rank: int, *, cluster: Cluster | None = None,
+                 first: int = 0, tp_group: str = "tp"):
+    """The :class:`passes.ir.program.RankProgram` of global ``rank`` (no process group needed)."""
+    cluster = cluster or Cluster.local(config.world_size)
+    return lower_rank(graph, config, rank, cost=cost_hooks(cluster), first=first, tp_group=tp_group,
+                      ctx=PassContext(mixed_precision=config.mixed_precision))

@@ -1,0 +1,13 @@
+"""The leaf every layer shares: what the compiler, the runtime and the dumps agree on.
+
+* :mod:`passes.ir.meta` — the ``node.meta`` / ``gm.meta`` keys and the dataclasses under them;
+* :mod:`passes.ir.config` — :class:`ParallelConfig`, every knob of a plan, and the choices;
+* :mod:`passes.ir.plan` — :class:`Plan`, the config with what it should cost;
+* :mod:`passes.ir.program` — the rank-program contract (:class:`RankProgram`, comms, shard specs);
+* :mod:`passes.ir.ops`, :mod:`passes.ir.offload_ops` — our custom ops: schemas, fake kernels, autograd;
+* :mod:`passes.ir.schedule` — pipeline schedules as data (actions, builders, validation);
+* :mod:`passes.ir.cost` — the costs a policy pass asks of the cluster;
+* :mod:`passes.ir.errors` — the error types.
+
+It imports nothing else of the project (``lint-imports`` checks it, tests/test_layers.py runs it).
+"""

@@ -1,0 +1,218 @@
+"""``ParallelConfig``: every knob of a parallel training plan, in one typed, validated record.
+
+The search returns one inside its :class:`passes.ir.plan.Plan`; the lowering
+(:func:`passes.lower.lower`) takes one; every rank program carries one; the runtime runs what it
+says. The choices of each knob are spelled here and nowhere else (the ``Literal`` types and the
+tuples derived from them).
+
+Stage boundaries are indexes into the model's *layer chain*: ``0`` is the embedding (everything
+before the first repeated block), ``1 .. L`` the blocks, ``L + 1`` the head (final norm, LM head,
+loss), as :mod:`passes.annotate_blocks` numbers them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+from passes.ir.errors import ConfigError
+
+Schedule = Literal["gpipe", "1f1b", "interleaved"]
+ZeroStage = Literal[0, 1, 2]
+Checkpointing = Literal["none", "selective", "full"]
+Offload = Literal["none", "activations", "optimizer"]
+DType = Literal["fp32", "bf16", "fp16"]
+
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
+ZERO_STAGES: tuple[int, ...] = get_args(ZeroStage)
+CHECKPOINTING: tuple[str, ...] = get_args(Checkpointing)
+OFFLOAD: tuple[str, ...] = get_args(Offload)
+DTYPES: tuple[str, ...] = get_args(DType)
+
+# Options of the passes that carry the knobs out (what a pass can do, beyond what the planner asks).
+CheckpointPolicy = Literal["none", "full", "selective", "solver"]
+"""``checkpoint_policy``'s policies: the knob's three, plus ``solver`` (fewest recompute FLOPs under
+a byte budget, :mod:`passes.checkpoint_solver`)."""
+OffloadSelection = Literal["none", "all", "hidden"]
+"""``offload_policy``'s selections: ``all`` kept activations (the knob ``offload="activations"``),
+or only those whose copies ``hidden`` behind compute on the cost model's numbers."""
+CHECKPOINT_POLICIES: tuple[str, ...] = get_args(CheckpointPolicy)
+OFFLOAD_SELECTIONS: tuple[str, ...] = get_args(OffloadSelection)
+
+KNOBS = ("dp", "tp", "pp", "virtual_pp", "micro_batch_size", "num_micro_batches", "schedule", "zero_stage",
+         "sequence_parallel", "checkpointing", "offload")
+"""The fields the search chooses and ``fix=`` may pin (``dtype`` is the user's; ``stage_boundaries``
+follows from the others)."""
+
+_POSITIVE = ("dp", "tp", "pp", "virtual_pp", "micro_batch_size", "num_micro_batches")
+_CHOICES = {"schedule": SCHEDULES, "zero_stage": ZERO_STAGES, "checkpointing": CHECKPOINTING,
+            "offload": OFFLOAD, "dtype": DTYPES}
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ParallelConfig:
+    """How one training step is spread over ``dp * tp * pp`` devices. Validated on construction."""
+
+    dp: int = 1
+    """Data-parallel replicas."""
+    tp: int = 1
+    """Tensor-parallel degree (Megatron column/row sharding inside each block)."""
+    pp: int = 1
+    """Pipeline stages (pipeline ranks)."""
+    virtual_pp: int = 1
+    """Model chunks per pipeline rank (interleaved schedule; 1 otherwise)."""
+    micro_batch_size: int = 1
+    """Samples per micro-batch on one data-parallel replica."""
+    num_micro_batches: int = 1
+    """Micro-batches per optimizer step (gradient accumulation)."""
+    schedule: Schedule = "1f1b"
+    """Pipeline schedule."""
+    zero_stage: ZeroStage = 0
+    """ZeRO over the data-parallel group: 0 none, 1 optimizer state sharded, 2 gradients too."""
+    sequence_parallel: bool = False
+    """Shard the tensor-parallel-replicated activations (norms, dropout, residuals) along the sequence."""
+    checkpointing: Checkpointing = "none"
+    """Activation recomputation per block: ``selective`` the attention core, ``full`` the whole block."""
+    offload: Offload = "none"
+    """``activations``: saved activations wait in host memory between forward and backward;
+    ``optimizer``: optimizer state and step on the host (ZeRO-Offload style)."""
+    dtype: DType = "fp32"
+    """Training precision: ``fp32``, or ``bf16``/``fp16`` compute with fp32 master weights."""
+    stage_boundaries: tuple[int, ...] | None = None
+    """Layer-chain index where each virtual stage ``1 .. pp*virtual_pp - 1`` starts (see the module
+    docstring); ``None``: the blocks are spread evenly, the embedding on the first stage, the head on
+    the last."""
+
+    def __post_init__(self) -> None:
+        if self.stage_boundaries is not None and not isinstance(self.stage_boundaries, tuple):
+            object.__setattr__(self, "stage_boundaries", tuple(self.stage_boundaries))
+        self.validate()
+
+    @classmethod
+    def for_global_batch(cls, global_batch: int, **knobs: Any) -> ParallelConfig:
+        """The config whose ``dp * micro_batch_size * num_micro_batches`` is ``global_batch``
+        (``micro_batch_size`` follows from the other two)."""
+        dp, m = knobs.get("dp", 1), knobs.get("num_micro_batches", 1)
+        if not isinstance(global_batch, int) or global_batch < 1 or global_batch % (dp * m):
+            raise ConfigError(f"global batch {global_batch!r} must be a positive multiple of dp * num_micro_batches "
+                              f"= {dp} * {m}; e.g. {dp * m * max(1, (global_batch if isinstance(global_batch, int) else 1) // (dp * m))}")
+        return cls(micro_batch_size=global_batch // (dp * m), **knobs)
+
+    # --------------------------------------------------------------------------------- derived
+    @property
+    def world_size(self) -> int:
+        """Devices the plan uses: ``dp * tp * pp``."""
+        return self.dp * self.tp * self.pp
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step: ``dp * micro_batch_size * num_micro_batches``."""
+        return self.dp * self.micro_batch_size * self.num_micro_batches
+
+    @property
+    def n_stages(self) -> int:
+        """Virtual pipeline stages: ``pp * virtual_pp``."""
+        return self.pp * self.virtual_pp
+
+    @property
+    def mixed_precision(self) -> bool:
+        """Low-precision compute with fp32 master weights."""
+        return self.dtype != "fp32"
+
+    # ------------------------------------------------------------------------------ validation
+    def problems(self, *, world_size: int | None = None, blocks: int | None = None,
+                 heads: int | None = None) -> list[str]:
+        """Every rule this config breaks, each as ``constraint: values; fix`` (empty: valid).
+
+        With ``world_size`` (devices of the job), ``blocks`` (repeated layers of the model) or
+        ``heads`` (attention heads) the rules that involve them are checked too.
+        """
+        out: list[str] = []
+        for name in _POSITIVE:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                out.append(f"{name} must be an integer >= 1, got {value!r}; give a positive count")
+        for name, choices in _CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices or isinstance(value, bool) != isinstance(choices[0], bool):
+                out.append(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            out.append(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
+        if out:
+            return out  # the rules below compare values that must be well typed first
+        if self.virtual_pp > 1 and self.schedule != "interleaved":
+            out.append(f"virtual_pp={self.virtual_pp} needs schedule='interleaved' (gpipe and 1f1b run one chunk "
+                       f"per rank), got schedule={self.schedule!r}; set schedule=interleaved or virtual_pp=1")
+        if self.schedule == "interleaved" and self.num_micro_batches % self.pp:
+            out.append(f"the interleaved schedule needs num_micro_batches ({self.num_micro_batches}) divisible by "
+                       f"pp ({self.pp}); use a multiple of {self.pp} micro-batches")
+        if self.sequence_parallel and self.tp == 1:
+            out.append("sequence_parallel=true needs tp > 1 (it shards what tensor parallelism replicates); "
+                       "set tp >= 2 or sequence_parallel=false")
+        if self.offload == "optimizer" and self.zero_stage:
+            out.append(f"offload='optimizer' keeps the whole optimizer state on the host, zero_stage="
+                       f"{self.zero_stage} shards it over dp: choose one (zero_stage=0 or offload='none')")
+        if self.stage_boundaries is not None:
+            b = self.stage_boundaries
+            if len(b) != self.n_stages - 1:
+                out.append(f"stage_boundaries has {len(b)} entries for pp*virtual_pp = {self.n_stages} stages; "
+                           f"give {self.n_stages - 1} layer-chain indexes, or none to spread the blocks evenly")
+            elif any(not isinstance(x, int) or isinstance(x, bool) for x in b) or list(b) != sorted(set(b)) \
+                    or (b and b[0] < 1):
+                out.append(f"stage_boundaries {list(b)} must be strictly increasing layer-chain indexes >= 1 "
+                           f"(0 is the embedding, on the first stage)")
+            elif blocks is not None and b and b[-1] > blocks + 1:
+                out.append(f"stage_boundaries {list(b)} go past the head (chain index {blocks + 1} of a model "
+                           f"with {blocks} blocks); every stage needs a layer")
+        if world_size is not None and self.world_size != world_size:
+            out.append(f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.world_size} but the job has {world_size} "
+                       f"devices; choose knobs whose product is {world_size}")
+        if blocks is not None and self.stage_boundaries is None and self.n_stages > blocks:
+            out.append(f"pp*virtual_pp = {self.n_stages} stages but the model has {blocks} blocks; use at most "
+                       f"{blocks} stages")
+        if heads is not None and heads % self.tp:
+            out.append(f"tp={self.tp} must divide the attention heads ({heads}); use a divisor of {heads}")
+        return out
+
+    def validate(self, *, world_size: int | None = None, blocks: int | None = None,
+                 heads: int | None = None) -> None:
+        """Raise :class:`ConfigError` listing every broken rule (see :meth:`problems`)."""
+        found = self.problems(world_size=world_size, blocks=blocks, heads=heads)
+        if found:
+            raise ConfigError("invalid parallel config: " + "; ".join(found))
+
+    # ------------------------------------------------------------------------------- round trip
+    def knobs(self) -> dict[str, Any]:
+        """The values of :data:`KNOBS` (what ``fix=`` takes to reproduce this config)."""
+        return {k: getattr(self, k) for k in KNOBS}
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if out["stage_boundaries"] is not None:
+            out["stage_boundaries"] = list(out["stage_boundaries"])
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ParallelConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(f"parallel config: unknown field(s) {', '.join(unknown)}; fields are "
+                              f"{', '.join(sorted(names))}")
+        data = dict(data)
+        if data.get("stage_boundaries") is not None:
+            data["stage_boundaries"] = tuple(data["stage_boundaries"])
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> ParallelConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def text(self) -> str:
+        """One line, ``dp=2 tp=1 pp=2 ...``: the knobs that differ from a single device's, then dtype."""
+        default = ParallelConfig()
+        parts = [f"{k}={v}" for k, v in self.knobs().items() if v != getattr(default, k) or k in ("dp", "tp", "pp")]
+        parts.append(f"dtype={self.dtype}")
+        if self.stage_boundaries is not None:
+            parts.append("stages@" + ",".join(map(str, self.stage_boundaries)))
+        return " ".join(parts)

@@ -1,0 +1,36 @@
+"""Error types of the partitioner. Every message names the cause and what to do about it.
+
+This module imports nothing from the project so that every package can raise these.
+"""
+
+
+class PartitionerError(Exception):
+    """Base class of every error this project raises on purpose."""
+
+
+class ModelSpecError(PartitionerError, ValueError):
+    """A model spec string (``NAME:key=value,...``) is malformed or names an unknown model."""
+
+
+class CaptureError(PartitionerError):
+    """A model could not be captured into an fx graph."""
+
+
+class AnalysisError(PartitionerError):
+    """An analysis pass could not compute its facts for a node."""
+
+
+class PassError(PartitionerError):
+    """A pass failed or broke a declared condition; the message names the pass and the node."""
+
+
+class ConfigError(PartitionerError, ValueError):
+    """An option (dtype, optimizer, dims, ...) has a value we do not support."""
+
+
+class ClusterSpecError(ConfigError):
+    """A cluster description (preset, YAML/JSON file or dict) is malformed or out of range."""
+
+
+class InfeasiblePlanError(PartitionerError):
+    """No parallel plan fits the devices' memory; the message says the smallest need and the knobs tried."""

@@ -1,0 +1,589 @@
+"""Checking and timing a whole pipeline schedule on CPU, without running a model.
+
+Execution model (what :func:`validate` proves deadlock-free and :func:`simulate` times):
+
+* each rank runs its list in order, one action at a time;
+* a SEND posts its message and returns at once (the runtime must use ``isend``); with
+  ``blocking_sends=True`` a SEND instead waits until the peer is at the matching RECV
+  (rendezvous, like a large ``dist.send`` on gloo), and both complete together;
+* a RECV waits until the matching SEND is posted (plus ``comm_time`` seconds in transit);
+* forward ``sF i`` needs ``(s-1)F i`` when stage s-1 is on the same rank, else its ``RECV_F``;
+  backward ``sB i`` needs ``sF i`` and ``(s+1)B i`` (same rank) or its ``RECV_B``;
+* ALL_REDUCE and STEP are local to the rank (the data-parallel peers are not in the schedule).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from passes.ir.schedule.actions import (
+    COMM_KINDS,
+    COMPUTE_KINDS,
+    RECV_KINDS,
+    SEND_KINDS,
+    Action,
+    Kind,
+    ScheduleError,
+    format_grid,
+)
+
+Schedule = dict[int, list[Action]]
+
+# A message is identified by direction, the stage that sends it, and the microbatch.
+_Msg = tuple[str, int, int]
+
+
+def _message(action: Action) -> _Msg:
+    """The message a SEND/RECV action carries: ("F"|"B", sending stage, microbatch)."""
+    s, i = action.stage, action.microbatch
+    assert s is not None and i is not None
+    if action.kind == Kind.SEND_F:
+        return ("F", s, i)
+    if action.kind == Kind.RECV_F:
+        return ("F", s - 1, i)
+    if action.kind == Kind.SEND_B:
+        return ("B", s, i)
+    return ("B", s + 1, i)  # RECV_B: the grad comes from the next stage
+
+
+def stage_to_rank_of(schedule: Schedule) -> dict[int, int]:
+    """The rank each stage's compute actions run on; raises if a stage appears on two ranks."""
+    placement: dict[int, int] = {}
+    for rank in sorted(schedule):
+        for step, action in enumerate(schedule[rank]):
+            if action.kind in COMPUTE_KINDS:
+                assert action.stage is not None
+                other = placement.setdefault(action.stage, rank)
+                if other != rank:
+                    raise ScheduleError(
+                        f"stage {action.stage} computes on rank {other} and on rank {rank} (step {step}: "
+                        f"{action}); a stage must live on one rank\n\n{format_grid(schedule, {rank: step}, 'here')}"
+                    )
+    return placement
+
+
+# ---------------------------------------------------------------------------------------------
+# Static checks: counts, order within a rank, and matching of sends with receives.
+
+
+def _static_problems(schedule: Schedule, placement: dict[int, int]) -> list[tuple[int, int, str]]:
+    """Every (rank, step, description) problem found without executing the schedule."""
+    problems: list[tuple[int, int, str]] = []
+    n_stages = len(placement)
+    if sorted(placement) != list(range(n_stages)):
+        problems.append((min(schedule), 0, f"stages must be 0..{n_stages - 1}, found {sorted(placement)}"))
+        return problems
+
+    # position[(rank, kind, stage, microbatch)] = step; duplicates are problems.
+    position: dict[tuple[int, Kind, int | None, int | None], int] = {}
+    microbatches: dict[tuple[Kind, int], set[int]] = {}
+    for rank, actions in schedule.items():
+        for step, a in enumerate(actions):
+            key = (rank, a.kind, a.stage, a.microbatch)
+            if key in position:
+                problems.append((rank, step, f"{a} appears twice on rank {rank} (first at step {position[key]})"))
+                continue
+            position[key] = step
+            if a.kind in COMPUTE_KINDS:
+                assert a.stage is not None and a.microbatch is not None
+                microbatches.setdefault((a.kind, a.stage), set()).add(a.microbatch)
+            elif a.stage is not None and a.stage >= n_stages:
+                problems.append((rank, step, f"{a} names stage {a.stage}, but only stages 0..{n_stages - 1} compute"))
+            elif a.stage is not None and placement[a.stage] != rank:
+                problems.append((rank, step, f"{a} runs on rank {rank}, but stage {a.stage} lives on rank {placement[a.stage]}"))
+
+    # Every stage runs F and B once for the same microbatches 0..m-1 (those of stage 0's forward).
+    expected = microbatches.get((Kind.FORWARD, 0), set())
+    m = len(expected)
+    if expected != set(range(m)):
+        problems.append((placement[0], 0, f"stage 0 forwards microbatches {sorted(expected)}; expected 0..{m - 1}"))
+    for s in range(n_stages):
+        for kind in (Kind.FORWARD, Kind.BACKWARD):
+            got = microbatches.get((kind, s), set())
+            if got != expected:
+                missing, extra = sorted(expected - got), sorted(got - expected)
+                problems.append((placement[s], 0, f"stage {s} runs {kind.value} for microbatches {sorted(got)}: "
+                                 f"missing {missing}, unexpected {extra}"))
+
+    def pos(rank: int, kind: Kind, s: int | None, i: int | None) -> int | None:
+        return position.get((rank, kind, s, i))
+
+    # Order and communication around every compute action.
+    for rank, actions in schedule.items():
+        for step, a in enumerate(actions):
+            s, i = a.stage, a.microbatch
+            if a.kind == Kind.BACKWARD:
+                f = pos(rank, Kind.FORWARD, s, i)
+                if f is not None and f > step:
+                    problems.append((rank, step, f"{a} comes before its forward {s}F{i} (step {f})"))
+            if a.kind in COMPUTE_KINDS:
+                assert s is not None
+                # The neighbour this compute action takes its input from.
+                src = s - 1 if a.kind == Kind.FORWARD else s + 1
+                if 0 <= src < n_stages and placement[src] != rank:
+                    recv_kind = Kind.RECV_F if a.kind == Kind.FORWARD else Kind.RECV_B
+                    r = pos(rank, recv_kind, s, i)
+                    want = Action(recv_kind, s, i, placement[src])
+                    if r is None:
+                        problems.append((rank, step, f"{a} has no {want} on rank {rank}; stage {src} lives on "
+                                         f"rank {placement[src]} (add_communication inserts it)"))
+                    elif r > step:
+                        problems.append((rank, step, f"{a} comes before its receive {want} (step {r})"))
+                dst = s + 1 if a.kind == Kind.FORWARD else s - 1
+                if 0 <= dst < n_stages and placement[dst] != rank:
+                    send_kind = Kind.SEND_F if a.kind == Kind.FORWARD else Kind.SEND_B
+                    if pos(rank, send_kind, s, i) is None:
+                        want = Action(send_kind, s, i, placement[dst])
+                        problems.append((rank, step, f"{a} has no {want} after it; stage {dst} on rank "
+                                         f"{placement[dst]} waits for it"))
+            if a.kind in SEND_KINDS:
+                compute = Kind.FORWARD if a.kind == Kind.SEND_F else Kind.BACKWARD
+                c = pos(rank, compute, s, i)
+                if c is not None and c > step:
+                    problems.append((rank, step, f"{a} sends before {s}{compute.value}{i} (step {c}) computes it"))
+            if a.kind == Kind.ALL_REDUCE:
+                late = [str(b) for b in actions[step + 1:] if b.kind == Kind.BACKWARD]
+                if late:
+                    problems.append((rank, step, f"ALL_REDUCE before backward {', '.join(late[:3])}: the grads are not complete"))
+            if a.kind == Kind.OPTIMIZER_STEP:
+                late = [str(b) for b in actions[step + 1:] if b.kind in (Kind.BACKWARD, Kind.ALL_REDUCE)]
+                if late:
+                    problems.append((rank, step, f"STEP before {', '.join(late[:3])}: the step would use partial grads"))
+
+    # Sends and receives pair up one to one, with consistent peers.
+    sends: dict[_Msg, tuple[int, int, Action]] = {}
+    recvs: dict[_Msg, tuple[int, int, Action]] = {}
+    for rank, actions in schedule.items():
+        for step, a in enumerate(actions):
+            if a.kind in SEND_KINDS or a.kind in RECV_KINDS:
+                table = sends if a.kind in SEND_KINDS else recvs
+                table.setdefault(_message(a), (rank, step, a))
+    for msg, (rank, step, a) in sends.items():
+        direction, src, i = msg
+        dst = src + 1 if direction == "F" else src - 1
+        if not 0 <= dst < n_stages:
+            problems.append((rank, step, f"{a} sends past the end of the pipeline (no stage {dst})"))
+            continue
+        if placement[dst] == rank:
+            problems.append((rank, step, f"{a}: stage {dst} is on the same rank; drop the send"))
+        if a.peer != placement[dst]:
+            problems.append((rank, step, f"{a} goes to rank {a.peer}, but stage {dst} lives on rank {placement[dst]}"))
+        if msg not in recvs:
+            want = Action(Kind.RECV_F if direction == "F" else Kind.RECV_B, dst, i, rank)
+            problems.append((rank, step, f"{a} has no matching {want} on rank {placement[dst]}"))
+    for msg, (rank, step, a) in recvs.items():
+        direction, src, i = msg
+        if not 0 <= src < n_stages:
+            problems.append((rank, step, f"{a} receives from beyond the pipeline (no stage {src})"))
+            continue
+        if a.peer != placement[src]:
+            problems.append((rank, step, f"{a} expects rank {a.peer}, but stage {src} lives on rank {placement[src]}"))
+        if msg not in sends:
+            want = Action(Kind.SEND_F if direction == "F" else Kind.SEND_B, src, i, rank)
+            problems.append((rank, step, f"{a} has no matching {want} on rank {placement[src]}"))
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# Execution: one engine for the deadlock check and the timing simulation.
+
+
+@dataclass(frozen=True, slots=True)
+class TimedAction:
+    """One executed action: start and end in seconds since the schedule began."""
+
+    start: float
+    end: float
+    action: Action
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    """What :func:`simulate` measured.
+
+    timelines: per rank, the executed actions in order with start/end times (seconds).
+    makespan: time (seconds) when the last rank finishes.
+    """
+
+    timelines: dict[int, tuple[TimedAction, ...]]
+    makespan: float
+
+    def busy_time(self, rank: int) -> float:
+        """Seconds rank ``rank`` spends in forward and backward compute."""
+        return sum(t.end - t.start for t in self.timelines[rank] if t.action.kind in COMPUTE_KINDS)
+
+    def bubble_fraction(self, rank: int | None = None) -> float:
+        """Idle share of the makespan: ``1 - compute / makespan`` for one rank, or averaged over ranks."""
+        ranks = [rank] if rank is not None else sorted(self.timelines)
+        if self.makespan == 0:
+            return 0.0
+        return sum(1.0 - self.busy_time(r) / self.makespan for r in ranks) / len(ranks)
+
+
+Duration = Callable[[Action], float]
+
+
+def _execute(
+    schedule: Schedule,
+    placement: dict[int, int],
+    duration: Duration,
+    comm_time: float,
+    blocking_sends: bool,
+) -> tuple[dict[int, list[TimedAction]], dict[int, int]]:
+    """Run every rank's list under the module's execution model.
+
+    Returns the per-rank timelines and, for ranks that could not finish, the step they are stuck
+    at (empty when the schedule completes). Times depend only on dependencies, not on the order in
+    which ranks are visited, so the result is deterministic.
+    """
+    ranks = sorted(schedule)
+    pc = {r: 0 for r in ranks}          # next step per rank
+    free = {r: 0.0 for r in ranks}      # time each rank is next idle
+    done: dict[tuple[Kind, int, int], float] = {}  # (F|B, stage, mb) -> end time
+    received: dict[tuple[int, _Msg], float] = {}   # (rank, message) -> end time of its RECV
+    posted: dict[_Msg, float] = {}                 # message -> time its SEND was posted
+    timelines: dict[int, list[TimedAction]] = {r: [] for r in ranks}
+    n_stages = len(placement)
+
+    def input_ready(rank: int, a: Action) -> float | None:
+        """Time the inputs of compute/send action ``a`` are available on ``rank``, or None."""
+        s, i = a.stage, a.microbatch
+        assert s is not None and i is not None
+        if a.kind in SEND_KINDS:
+            return done.get((Kind.FORWARD if a.kind == Kind.SEND_F else Kind.BACKWARD, s, i))
+        deps: list[float | None] = []
+        if a.kind == Kind.BACKWARD:
+            deps.append(done.get((Kind.FORWARD, s, i)))
+        src = s - 1 if a.kind == Kind.FORWARD else s + 1
+        if 0 <= src < n_stages:
+            if placement[src] == rank:
+                deps.append(done.get((a.kind, src, i)))
+            else:
+                direction = "F" if a.kind == Kind.FORWARD else "B"
+                deps.append(received.get((rank, (direction, src, i))))
+        if any(d is None for d in deps):
+            return None
+        return max([0.0] + deps)  # type: ignore[arg-type]
+
+    def run(rank: int, a: Action, start: float, end: float) -> None:
+        timelines[rank].append(TimedAction(start, end, a))
+        free[rank] = end
+        pc[rank] += 1
+        if a.kind in COMPUTE_KINDS:
+            done[(a.kind, a.stage, a.microbatch)] = end  # type: ignore[index]
+        elif a.kind in SEND_KINDS:
+            posted[_message(a)] = start
+        elif a.kind in RECV_KINDS:
+            received[(rank, _message(a))] = end
+
+    def try_step(rank: int) -> bool:
+        a = schedule[rank][pc[rank]]
+        if a.kind in (Kind.ALL_REDUCE, Kind.OPTIMIZER_STEP):
+            run(rank, a, free[rank], free[rank] + duration(a))
+            return True
+        if a.kind in RECV_KINDS:
+            if blocking_sends:
+                return False  # completed together with its SEND, from the sender's side
+            sent = posted.get(_message(a))
+            if sent is None:
+                return False
+            run(rank, a, free[rank], max(free[rank], sent + comm_time))
+            return True
+        ready = input_ready(rank, a)
+        if ready is None:
+            return False
+        start = max(free[rank], ready)
+        if a.kind in COMPUTE_KINDS:
+            run(rank, a, start, start + duration(a))
+            return True
+        # SEND
+        if not blocking_sends:
+            run(rank, a, start, start)
+            return True
+        peer = a.peer
+        assert peer is not None
+        if peer not in schedule or pc[peer] >= len(schedule[peer]):
+            return False
+        b = schedule[peer][pc[peer]]
+        if b.kind not in RECV_KINDS or _message(b) != _message(a):
+            return False
+        start = max(start, free[peer])
+        run(rank, a, start, start + comm_time)
+        run(peer, b, start, start + comm_time)
+        return True
+
+    progress = True
+    while progress:
+        progress = False
+        for rank in ranks:
+            while pc[rank] < len(schedule[rank]) and try_step(rank):
+                progress = True
+    stuck = {r: pc[r] for r in ranks if pc[r] < len(schedule[r])}
+    return timelines, stuck
+
+
+def _waiting_for(schedule: Schedule, placement: dict[int, int], rank: int, step: int, blocking_sends: bool) -> str:
+    """Why ``rank`` cannot run its action at ``step``, in words."""
+    a = schedule[rank][step]
+    if a.kind in RECV_KINDS:
+        direction, src, i = _message(a)
+        kind = "SEND_F" if direction == "F" else "SEND_B"
+        return f"waits for {src}{kind}{i}->{rank} on rank {a.peer}"
+    if a.kind in SEND_KINDS:
+        if blocking_sends:
+            direction, src, i = _message(a)
+            dst = src + 1 if direction == "F" else src - 1
+            kind = "RECV_F" if direction == "F" else "RECV_B"
+            return f"waits (rendezvous) for rank {a.peer} to reach {dst}{kind}{i}<-{rank}"
+        compute = "F" if a.kind == Kind.SEND_F else "B"
+        return f"waits for {a.stage}{compute}{a.microbatch}"
+    s, i = a.stage, a.microbatch
+    assert s is not None
+    src = s - 1 if a.kind == Kind.FORWARD else s + 1
+    needs = [f"{s}F{i}"] if a.kind == Kind.BACKWARD else []
+    if 0 <= src < len(placement):
+        needs.append(f"{src}{a.kind.value}{i}" if placement[src] == rank else f"its receive from stage {src}")
+    return "waits for " + " and ".join(needs)
+
+
+def validate(schedule: Schedule, *, blocking_sends: bool = False) -> None:
+    """Check a lowered schedule (compute + SEND/RECV for every cross-rank edge) for all ranks together.
+
+    Raises :class:`ScheduleError` listing every static problem (counts, order, unmatched send or
+    receive), or, if there is none, the deadlock found by executing the schedule, each with a
+    step x rank grid marking where ranks are stuck. ``blocking_sends`` checks rendezvous sends
+    (see the module docstring) instead of posted ones.
+    """
+    if not schedule:
+        raise ScheduleError("empty schedule: give at least one rank")
+    placement = stage_to_rank_of(schedule)
+    if not placement:
+        raise ScheduleError("schedule has no forward or backward action on any rank")
+    problems = _static_problems(schedule, placement)
+    if problems:
+        marks: dict[int, int] = {}
+        for rank, step, _ in problems:
+            marks.setdefault(rank, step)
+        listed = "\n".join(f"  - rank {r} step {s}: {msg}" for r, s, msg in problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise ScheduleError(
+            f"invalid schedule, {len(problems)} problem(s):\n{listed}{more}\n\n"
+            f"first problem per rank marked [..]:\n{format_grid(schedule, marks, 'problem')}"
+        )
+    _, stuck = _execute(schedule, placement, lambda a: 1.0, 0.0, blocking_sends)
+    if stuck:
+        reasons = "\n".join(
+            f"  - rank {r} stuck at step {s} on {schedule[r][s]}: "
+            f"{_waiting_for(schedule, placement, r, s, blocking_sends)}"
+            for r, s in sorted(stuck.items())
+        )
+        mode = "rendezvous sends" if blocking_sends else "posted (non-blocking) sends"
+        raise ScheduleError(
+            f"schedule deadlocks with {mode}; {len(stuck)} rank(s) cannot finish:\n{reasons}\n\n"
+            f"{format_grid(schedule, stuck, 'stuck')}"
+        )
+
+
+PerStage = float | Mapping[int, float]
+
+
+def _per_stage(value: PerStage, name: str) -> Callable[[int], float]:
+    if isinstance(value, Mapping):
+        def lookup(stage: int) -> float:
+            if stage not in value:
+                raise ScheduleError(f"{name} has no time for stage {stage}; give a float or a time for every stage")
+            return float(value[stage])
+        return lookup
+    return lambda stage: float(value)
+
+
+def simulate(
+    schedule: Schedule,
+    fwd_time: PerStage,
+    bwd_time: PerStage,
+    comm_time: float = 0.0,
+    *,
+    grad_sync_time: float = 0.0,
+    step_time: float = 0.0,
+    blocking_sends: bool = False,
+) -> SimResult:
+    """Time a schedule: validate it, then run every rank's list with the given durations.
+
+    fwd_time / bwd_time: seconds of one stage's forward / backward on one microbatch, one float
+        for all stages or a mapping stage -> seconds.
+    comm_time: seconds a message spends in transit between ranks (SEND costs the sender nothing
+        with posted sends; a RECV ends when the message arrives).
+    grad_sync_time / step_time: seconds of ALL_REDUCE / STEP on each rank.
+    """
+    validate(schedule, blocking_sends=blocking_sends)
+    placement = stage_to_rank_of(schedule)
+    fwd, bwd = _per_stage(fwd_time, "fwd_time"), _per_stage(bwd_time, "bwd_time")
+
+    def duration(a: Action) -> float:
+        if a.kind == Kind.FORWARD:
+            return fwd(a.stage)  # type: ignore[arg-type]
+        if a.kind == Kind.BACKWARD:
+            return bwd(a.stage)  # type: ignore[arg-type]
+        return grad_sync_time if a.kind == Kind.ALL_REDUCE else step_time
+
+    timelines, stuck = _execute(schedule, placement, duration, comm_time, blocking_sends)
+    assert not stuck, "validate() passed, so execution must finish"
+    makespan = max((t[-1].end for t in timelines.values() if t), default=0.0)
+    return SimResult({r: tuple(t) for r, t in timelines.items()}, makespan)
+
+
+def peak_in_flight(schedule: Schedule, rank: int) -> int:
+    """Most (stage, microbatch) activation sets rank ``rank`` holds at once: forward ran, backward not yet.
+
+    For one stage per rank this is the number of microbatches in flight (1F1B: stage i of p holds
+    p - i; GPipe: m). With v chunks per rank each set is one chunk's activations (1/v of a rank's).
+    """
+    live: set[tuple[int | None, int | None]] = set()
+    peak = 0
+    for a in schedule[rank]:
+        if a.kind == Kind.FORWARD:
+            live.add((a.stage, a.microbatch))
+            peak = max(peak, len(live))
+        elif a.kind == Kind.BACKWARD:
+            live.discard((a.stage, a.microbatch))
+    return peak
+
+
+# ---------------------------------------------------------------------------------------------
+# Batched point-to-point on one stream per rank (NCCL): what the runtime posts.
+
+
+def message_stream(rank: int, a: Action) -> str:
+    """The stream a SEND/RECV of ``rank`` travels on: ``"up"`` between a rank and a higher peer
+    in the send's direction (sends to a higher rank, receives from a lower one), ``"down"`` the
+    other way. The runtime posts the two on two process groups (two NCCL communicators), so a
+    message never waits behind one going the other way."""
+    to_higher = a.peer > rank if a.kind in SEND_KINDS else a.peer < rank  # type: ignore[operator]
+    return "up" if to_higher else "down"
+
+
+def comm_batches(actions: list[Action]) -> list[tuple[int, list[Action]]]:
+    """The runs one rank posts: each run of consecutive SEND/RECV actions, with the step of its
+    first action (the runtime posts a run together, before the next compute or sync action)."""
+    out: list[tuple[int, list[Action]]] = []
+    run: list[Action] = []
+    start = 0
+    for step, a in enumerate(actions):
+        if a.kind in COMM_KINDS:
+            if not run:
+                start = step
+            run.append(a)
+        elif run:
+            out.append((start, run))
+            run = []
+    if run:
+        out.append((start, run))
+    return out
+
+
+def check_message_order(schedule: Schedule) -> None:
+    """Check that between every ordered pair of ranks the sends (in the sender's list order) and
+    the receives (in the receiver's) carry the same messages in the same order: NCCL pairs the
+    messages between two ranks in posting order, with no tags."""
+    placement = stage_to_rank_of(schedule)
+    sent: dict[tuple[int, int], list[_Msg]] = {}
+    got: dict[tuple[int, int], list[_Msg]] = {}
+    for rank, actions in schedule.items():
+        for a in actions:
+            if a.kind in SEND_KINDS:
+                sent.setdefault((rank, a.peer), []).append(_message(a))  # type: ignore[arg-type]
+            elif a.kind in RECV_KINDS:
+                got.setdefault((a.peer, rank), []).append(_message(a))  # type: ignore[arg-type]
+    for pair in sorted(set(sent) | set(got)):
+        a, b = sent.get(pair, []), got.get(pair, [])
+        if a != b:
+            k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            raise ScheduleError(f"rank {pair[0]} sends rank {pair[1]} its messages in another order than rank "
+                                f"{pair[1]} receives them (first difference at message {k}: sent "
+                                f"{a[k] if k < len(a) else None}, received {b[k] if k < len(b) else None}); NCCL "
+                                f"matches them in posting order (stages on ranks: {placement})")
+
+
+def check_batches(schedule: Schedule) -> None:
+    """Check that ``schedule`` completes under NCCL's grouped point-to-point, as the runtime posts
+    it: each run of consecutive SEND/RECV actions (:func:`comm_batches`) is posted at once, one
+    batch per stream (:func:`message_stream`); each (rank, stream) runs its batches in order; a
+    batch's messages become active when it reaches the head, a send and its receive complete
+    once both are active (rendezvous), and the next batch starts when all of the head's
+    messages completed. Compute goes on meanwhile and waits only for the receive it reads (sync
+    and step wait for all of the rank's messages). Also checks :func:`check_message_order`.
+    Raises :class:`ScheduleError` with the ranks' stuck steps marked on the grid."""
+    validate(schedule)
+    check_message_order(schedule)
+    placement = stage_to_rank_of(schedule)
+    ranks = sorted(schedule)
+    runs = {r: dict(comm_batches(schedule[r])) for r in ranks}  # rank -> first step -> run
+    streams: dict[tuple[int, str], list[list[Action]]] = {}  # (rank, stream) -> posted batches
+    completed: dict[tuple[int, str], int] = {}
+    pc = {r: 0 for r in ranks}
+    finished: set[tuple[int, _Msg]] = set()  # (rank, message) of completed sends and receives
+    done: set[tuple[Kind, int, int]] = set()
+    n_stages = len(placement)
+
+    def host_step(rank: int) -> bool:
+        a = schedule[rank][pc[rank]]
+        if a.kind in COMM_KINDS:  # the whole run is posted at once, a batch per stream
+            run = runs[rank][pc[rank]]
+            for name in ("up", "down"):
+                batch = [b for b in run if message_stream(rank, b) == name]
+                if batch:
+                    streams.setdefault((rank, name), []).append(batch)
+                    completed.setdefault((rank, name), 0)
+            pc[rank] += len(run)
+            return True
+        if a.kind in (Kind.ALL_REDUCE, Kind.OPTIMIZER_STEP):
+            if any(completed[k] < len(v) for k, v in streams.items() if k[0] == rank):
+                return False  # the runtime waits for its sends first
+            pc[rank] += 1
+            return True
+        s, i = a.stage, a.microbatch
+        src = s - 1 if a.kind == Kind.FORWARD else s + 1
+        if a.kind == Kind.BACKWARD and (Kind.FORWARD, s, i) not in done:
+            return False
+        if 0 <= src < n_stages:
+            if placement[src] == rank:
+                if (a.kind, src, i) not in done:
+                    return False
+            elif (rank, ("F" if a.kind == Kind.FORWARD else "B", src, i)) not in finished:
+                return False
+        done.add((a.kind, s, i))
+        pc[rank] += 1
+        return True
+
+    def stream_step() -> bool:
+        head = {k: v[completed[k]] for k, v in streams.items() if completed[k] < len(v)}
+        moved = False
+        for (r, name), batch in head.items():
+            for a in batch:
+                if a.kind not in SEND_KINDS or (r, _message(a)) in finished:
+                    continue
+                peer_head = head.get((a.peer, name), [])
+                if any(b.kind in RECV_KINDS and _message(b) == _message(a) for b in peer_head):
+                    finished.update({(r, _message(a)), (a.peer, _message(a))})
+                    moved = True
+        for (r, name), batch in head.items():
+            if all((r, _message(a)) in finished for a in batch):
+                completed[(r, name)] += 1
+                moved = True
+        return moved
+
+    progress = True
+    while progress:
+        progress = False
+        for r in ranks:
+            while pc[r] < len(schedule[r]) and host_step(r):
+                progress = True
+        progress = stream_step() or progress
+    stuck = {r: pc[r] for r in ranks if pc[r] < len(schedule[r])
+             or any(completed[k] < len(v) for k, v in streams.items() if k[0] == r)}
+    if stuck:
+        lines = "\n".join(f"  - rank {r}: host at step {min(pc[r], len(schedule[r]) - 1)}, streams at batch " + ", ".join(
+            f"{k[1]} {completed[k]}/{len(v)}" for k, v in sorted(streams.items()) if k[0] == r) for r in sorted(stuck))
+        marks = {r: min(pc[r], len(schedule[r]) - 1) for r in stuck}
+        raise ScheduleError(f"schedule deadlocks with batched point-to-point (NCCL rendezvous, a stream per "
+                            f"direction):\n{lines}\n\n{format_grid(schedule, marks, 'stuck')}")

@@ -1,0 +1,8 @@
+"""Real kernels of the ``partitioner::*`` ops (their schemas, fake kernels and autograd are in
+:mod:`passes.ir.ops` and :mod:`passes.ir.offload_ops`): importing this package registers them.
+
+* :mod:`runtime.kernels.collectives` — the tp collectives and the tp group registry;
+* :mod:`runtime.kernels.dropout` — dropout on a tp shard with one device's mask;
+* :mod:`runtime.kernels.offload` — host copies of offloaded activations.
+"""
+from runtime.kernels import collectives, dropout, offload  # noqa: F401  (registers the kernels)

@@ -1,0 +1,169 @@
+"""Real kernels of the activation offload ops (:mod:`passes.ir.offload_ops`: the schemas, the
+saved-tensor hook mechanism and the fake kernels).
+
+The kernels open and close an :class:`passes.ir.offload_ops.OffloadRegion` whose host copies
+are :class:`_HostStorage`:
+
+Host memory
+    On CUDA the host copy is pinned memory written with ``non_blocking`` copies on a side
+    stream (the device storage is kept alive for that stream with ``record_stream``), and the
+    reload is issued on the side stream that the compute stream then waits for. On CPU the host
+    *is* device memory; the copy is still made (a clone into a separate storage) so the same
+    path runs and is tested, and the original storage is released exactly as on a GPU.
+Sharing
+    A storage saved by several savers (views of one storage) is copied once: live host copies
+    are found by the storage's weak reference. The reloaded device copy is shared by all savers
+    of the storage and dropped after the last of them unpacked.
+
+Counters: :func:`offload_counters` (bytes and storages moved each way, per region); reset with
+:func:`reset_offload_counters`.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from passes.ir.offload_ops import OffloadRegion, Packed, begin_region, bytes_view, end_region
+from passes.ir.ops import qualname
+
+__all__ = ["OffloadCounters", "offload_counters", "reset_offload_counters"]
+
+
+SOURCES_KEPT = 65536
+"""Most recent offloaded storages whose weak references the counters keep."""
+
+
+@dataclass
+class OffloadCounters:
+    """What the hooks moved since the last reset (bytes are whole storages)."""
+
+    offloaded_bytes: int = 0
+    reloaded_bytes: int = 0
+    offloaded_storages: int = 0
+    reloaded_storages: int = 0
+    kept_tensors: int = 0  # saved tensors inside a region left on the device (weights, not chosen)
+    by_region: dict[int, int] = field(default_factory=dict)  # region -> bytes offloaded
+    # Weak references to the last device storages that were offloaded: expired once autograd and
+    # the graph dropped them, which is what shows the bytes really left device memory. Bounded,
+    # so a long training run does not collect one per offloaded tensor forever.
+    sources: deque[StorageWeakRef] = field(default_factory=lambda: deque(maxlen=SOURCES_KEPT), repr=False)
+
+
+_COUNTERS = OffloadCounters()
+_LOCK = threading.Lock()
+
+
+def offload_counters() -> OffloadCounters:
+    """The live counters (a mutable object; copy it to keep a snapshot)."""
+    return _COUNTERS
+
+
+def reset_offload_counters() -> None:
+    """Zero every counter."""
+    global _COUNTERS
+    _COUNTERS = OffloadCounters()
+
+
+# ---------------------------------------------------------------------------------------------
+# Host copies of storages.
+
+class _HostStorage:
+    """One device storage moved to host; shared by every saved view of it."""
+
+    def __init__(self, storage: torch.UntypedStorage, device: torch.device, region: int):
+        self.device = device
+        self.nbytes = storage.nbytes()
+        self.region = region
+        self.users = 0  # packed views not yet unpacked
+        self._reloaded: torch.UntypedStorage | None = None
+        self._event = None
+        src = bytes_view(storage, device)
+        if device.type == "cuda":
+            self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+            stream = _side_stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))  # the producer's kernel is done
+            with torch.cuda.stream(stream):
+                self.host.copy_(src, non_blocking=True)
+            src.record_stream(stream)  # keep the device storage until the copy has read it
+            self._event = torch.cuda.Event()
+            self._event.record(stream)
+        else:
+            # CPU: host and "device" are one memory; clone anyway so the path is exercised.
+            self.host = src.clone()
+        _COUNTERS.offloaded_bytes += self.nbytes
+        _COUNTERS.offloaded_storages += 1
+        _COUNTERS.by_region[region] = _COUNTERS.by_region.get(region, 0) + self.nbytes
+        _COUNTERS.sources.append(StorageWeakRef(storage))
+
+    def reload(self) -> torch.UntypedStorage:
+        """The storage back on its device (copied once for all savers still to unpack)."""
+        if self._reloaded is None:
+            if self.device.type == "cuda":
+                stream = _side_stream(self.device)
+                with torch.cuda.stream(stream):
+                    stream.wait_event(self._event)
+                    back = self.host.to(self.device, non_blocking=True)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                back.record_stream(torch.cuda.current_stream(self.device))
+            else:
+                back = self.host.clone()
+            self._reloaded = back.untyped_storage()
+            _COUNTERS.reloaded_bytes += self.nbytes
+            _COUNTERS.reloaded_storages += 1
+        return self._reloaded
+
+    def release(self) -> None:
+        """One saver unpacked: drop the device copy after the last one."""
+        self.users = max(self.users - 1, 0)
+        if self.users == 0:
+            self._reloaded = None
+
+
+_STREAMS: dict[torch.device, object] = {}
+
+
+def _side_stream(device: torch.device):
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+    return _STREAMS[device]
+
+
+# Host copies of device storages still alive, for sharing one copy among the savers of a storage.
+# Values are weak: a host copy lives as long as some packed tensor refers to it.
+_LIVE: dict[StorageWeakRef, "weakref.ref[_HostStorage]"] = {}
+
+
+def _host_copy(t: torch.Tensor, ref: StorageWeakRef, region: int) -> _HostStorage:
+    """The live host copy of ``t``'s storage, made now if there is none."""
+    with _LOCK:
+        for dead in [k for k, v in _LIVE.items() if v() is None or k.expired()]:
+            del _LIVE[dead]
+        found = _LIVE.get(ref)
+        host = found() if found is not None else None
+        if host is None:
+            host = _HostStorage(t.untyped_storage(), t.device, region)
+            _LIVE[ref] = weakref.ref(host)
+        return host
+
+
+class _CountingRegion(OffloadRegion):
+    def pack(self, t: torch.Tensor):
+        packed = super().pack(t)
+        if not isinstance(packed, Packed):
+            _COUNTERS.kept_tensors += 1
+        return packed
+
+
+@torch.library.register_kernel(qualname("offload_begin"), None)
+def _offload_begin(offload: list[torch.Tensor], keep: list[torch.Tensor], internals: bool, region: int) -> None:
+    begin_region(_CountingRegion(offload, keep, internals, region, _host_copy))
+
+
+@torch.library.register_kernel(qualname("offload_end"), None)
+def _offload_end(region: int) -> None:
+    end_region(region)

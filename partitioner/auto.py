@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -165,6 +166,9 @@ class AutoParallel:
         self.rank = dist.get_rank()
         self.notes = list(notes)
         self.timer = StepTimer(model, track_memory=track_memory)
+        self.build_seconds: dict[str, float] = {}
+        """Wall seconds of each phase of :func:`auto_parallelize` on this rank (capture, analysis,
+        plan, mesh, lower, runtime)."""
         self.identities = gather_pids(model.mesh.group)
         self._fault = arm_from_env(model.executor, self.rank)
         self._step = 0
@@ -302,14 +306,16 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     cluster = cluster or Cluster.local(world)
     device = torch.device("cuda", torch.cuda.current_device()) if default_backend() == "nccl" else torch.device("cpu")
     out_dir = Path(dump_dir) if dump_dir is not None else None
-    writer = None
-    if out_dir is not None and rank == 0:
-
-        writer = DumpWriter(out_dir, model=spec.name)
+    writer = DumpWriter(out_dir, model=spec.name) if out_dir is not None and rank == 0 else None
+    clock = _Clock()
 
     graph = capture_training_step(spec, device=device.type)  # the job's one capture of the model
+    clock.lap("capture")
     _broadcast_weights(graph, device)
-    analyse(graph, mixed_precision=dtype != "fp32", writer=writer)
+    # Rank 0 profiles the graph for the search: its memory per sample (batch 1, concrete). The
+    # other ranks need no whole-graph memory: each program is analysed again once lowered.
+    analyse(graph, mixed_precision=dtype != "fp32", writer=writer, memory=rank == 0, memory_batch=1)
+    clock.lap("analysis")
     if plan is None:
         chosen = _broadcast_plan(lambda: choose_plan(spec, cluster, world_size=world,
                                                      global_batch_size=global_batch_size, fix=fix, dtype=dtype,
@@ -322,17 +328,35 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
                           f"not {global_batch_size}; re-plan or pass the plan's batch size")
     if chosen.config.dtype != dtype:
         chosen = dataclasses.replace(chosen, config=chosen.config.replace(dtype=dtype))
+    clock.lap("plan")
 
     mesh = Mesh(chosen.dp, chosen.pp, chosen.tp, timeout_s=timeout_s)
+    clock.lap("mesh")
     if writer is not None:
-
         dumps = write_plan_dumps(out_dir, graph=graph, plan=chosen, cluster=cluster, writer=writer)
         program = dumps.lowering.rank_program(rank)
+        clock.lap("lower+dumps")
     else:
         program = lower_rank(graph, chosen.config, rank, cost=cost_hooks(cluster),
                              ctx=PassContext(mixed_precision=chosen.config.mixed_precision))
+        clock.lap("lower")
     pm = ParallelModel(program, mesh, adamw=optimizer)
     trainer = AutoParallel(pm, chosen, cluster, spec, dump_dir=out_dir, track_memory=track_memory)
+    clock.lap("runtime")
+    trainer.build_seconds = dict(clock.laps)
     if writer is not None:
         trainer._graph = dumps.lowering.graph
     return trainer
+
+
+class _Clock:
+    """Wall seconds of each phase of a build, in order."""
+
+    def __init__(self):
+        self.laps: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = now - self._t
+        self._t = now

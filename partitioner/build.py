@@ -39,11 +39,13 @@ def capture_training_step(spec: ModelSpec, *, symbolic: Sequence[str] | None = N
 
 
 def analyse(gm: fx.GraphModule, *, optimizer: str = "adamw", mixed_precision: bool = False, writer=None,
-            memory: bool = True) -> fx.GraphModule:
+            memory: bool = True, memory_batch: int | None = None) -> fx.GraphModule:
     """The analysis passes (shapes, blocks, FLOPs and, with ``memory``, memory) over ``gm``, in
-    place; returns it. ``writer``: an :class:`ir_dumps.writer.DumpWriter` that dumps every pass."""
+    place; returns it. ``memory_batch``: count memory at that batch, concretely (``1``: the
+    per-sample numbers the planner profiles). ``writer``: an :class:`ir_dumps.writer.DumpWriter`
+    that dumps every pass."""
     ctx = PassContext(optimizer=optimizer, mixed_precision=mixed_precision)
-    passes = [p for p in analysis_passes(ctx) if memory or p.name != "annotate_memory"]
+    passes = analysis_passes(ctx, memory=memory, memory_batch=memory_batch)
     pm = manager(passes, instrument=writer)
     gm = pm.run(gm, ctx)
     if writer is not None:

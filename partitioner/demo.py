@@ -104,6 +104,8 @@ class RankResult:
     """Per rank: median seconds per step of each measured term (:func:`breakdown`)."""
     eval_loss: float
     """Loss of the next, unseen corpus batch after training (``eval_step``)."""
+    build_phases: dict[str, float]
+    """Seconds of each phase of ``auto_parallelize`` on this rank."""
 
 
 def _demo_rank(model: str, steps: int, fix: str, dump_dir: str, global_batch: int, timeout_s: float,
@@ -126,7 +128,7 @@ def _demo_rank(model: str, steps: int, fix: str, dump_dir: str, global_batch: in
     run = trainer.finish()
     return RankResult(losses=losses, plan_json=trainer.plan.to_json(), build_s=built - start,
                       train_s=trained - built, measured=run.summary_by_rank(), breakdown=breakdown(run.steps),
-                      eval_loss=eval_loss)
+                      eval_loss=eval_loss, build_phases=trainer.build_seconds)
 
 
 TERMS = ("wall_s", "compute_s", "recv_wait_s", "send_wait_s", "p2p_post_s", "collective_s", "optimizer_s", "other_s")
@@ -208,6 +210,8 @@ def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str = DEMO_FIX, d
     say("per rank, median ms per step:  " + "  ".join(t[:-2] for t in TERMS))
     for rank, terms in results[0].breakdown.items():
         say(f"  rank {rank}:  " + "  ".join(f"{terms[t] * 1e3:{len(t) - 2}.1f}" for t in TERMS))
+    phases = results[0].build_phases
+    say("build on rank 0: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
     total = time.perf_counter() - start
     say(f"wrote {dump}/: every pass, stage<s>_tp<r>/program.txt (+ .onnx), plan.json, report.html, "
         f"measurements.json  (total {total:.1f} s: build "

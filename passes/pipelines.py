@@ -95,7 +95,7 @@ REGISTRY: dict[str, PassDef] = {d.name: d for d in (
     PassDef(name="annotate_flops", make=_plain(annotate_flops), requires=(CAPTURE, SHAPE),
             provides=(FLOPS, FLOP_SUMMARY)),
     PassDef(name="annotate_memory", make=_plain(annotate_memory), requires=(CAPTURE, SHAPE),
-            provides=(MEMORY, MEMORY_SUMMARY), options=("optimizer", "mixed_precision")),
+            provides=(MEMORY, MEMORY_SUMMARY), options=("optimizer", "mixed_precision", "batch")),
     PassDef(name="tag_tensor_parallel", make=_plain(tag_tensor_parallel), requires=(CAPTURE, SHAPE),
             provides=(TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN), options=("degree",)),
     PassDef(name="checkpoint_policy", make=_plain(checkpoint_policy), requires=(CAPTURE, SHAPE, LAYER_CHAIN, FLOPS),
@@ -129,11 +129,17 @@ def manager(passes: Sequence[Pass], *, check: bool = True, instrument=None) -> P
 
 
 # --------------------------------------------------------------------------------------- pipelines
-def analysis_passes(ctx: PassContext | None = None) -> list[Pass]:
-    """Shapes, layer chain, FLOPs, memory (with ``ctx``'s optimizer and precision)."""
+def analysis_passes(ctx: PassContext | None = None, *, memory: bool = True,
+                    memory_batch: int | None = None) -> list[Pass]:
+    """Shapes, layer chain, FLOPs and (with ``memory``) memory, with ``ctx``'s optimizer and
+    precision; ``memory_batch``: count memory at that batch, concretely (see ``annotate_memory``)."""
     ctx = ctx or PassContext()
-    return [make_pass("annotate_shapes"), make_pass("annotate_blocks"), make_pass("annotate_flops"),
-            make_pass("annotate_memory", optimizer=ctx.optimizer, mixed_precision=ctx.mixed_precision)]
+    out = [make_pass("annotate_shapes"), make_pass("annotate_blocks"), make_pass("annotate_flops")]
+    if memory:
+        options = {} if memory_batch is None else {"batch": memory_batch}
+        out.append(make_pass("annotate_memory", optimizer=ctx.optimizer, mixed_precision=ctx.mixed_precision,
+                             **options))
+    return out
 
 
 def reanalysis_passes(ctx: PassContext | None = None) -> list[Pass]:

@@ -6,7 +6,8 @@ import time
 
 from partitioner.model_spec import build_model
 from passes.capture import capture_spec
-from passes.manager import PassContext, default_analysis_pipeline
+from passes.manager import PassContext
+from passes.pipelines import analysis_passes, manager as pass_manager
 
 SPEC = "gpt:layers=96,hidden=12288,heads=96,vocab=51200,seq=2048"
 
@@ -17,7 +18,7 @@ def main() -> None:
     t1 = time.perf_counter()
     gm = capture_spec(spec, dims={"batch": 1})
     t2 = time.perf_counter()
-    manager = default_analysis_pipeline()
+    manager = pass_manager(analysis_passes())
     manager.run(gm, PassContext())
     t3 = time.perf_counter()
     print(f"{SPEC}  batch=1  nodes={len(gm.graph.nodes)}")

@@ -73,7 +73,7 @@ def scalar_text(value: Any) -> str:
     if isinstance(value, torch.dtype):
         return dtype_text(value)
     if isinstance(value, sympy.Basic):
-        return str(value)
+        return sympy_text(value)
     if isinstance(value, enum.Enum):
         return value.name
     if isinstance(value, (int, float, str)):
@@ -83,6 +83,15 @@ def scalar_text(value: Any) -> str:
     if is_fact(value):
         return ":".join(scalar_text(getattr(value, f.name)) for f in dataclasses.fields(value))
     return safe_repr(value)
+
+
+def sympy_text(value: sympy.Basic) -> str:
+    """``str(value)``; integers and symbols (most sizes) without a trip through sympy's printer."""
+    if isinstance(value, sympy.Integer):
+        return str(int(value))
+    if isinstance(value, sympy.Symbol):
+        return value.name
+    return str(value)
 
 
 def dtype_text(dtype: torch.dtype) -> str:
@@ -106,7 +115,7 @@ def to_json(value: Any) -> Any:
             return int(value)
         if value.is_Number:
             return float(value) if isinstance(value, sympy.Float) else str(value)
-        return str(value)
+        return sympy_text(value)
     if isinstance(value, torch.dtype):
         return dtype_text(value)
     if isinstance(value, enum.Enum):

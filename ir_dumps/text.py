@@ -21,7 +21,7 @@ from typing import Any
 import sympy
 from torch import fx
 
-from ir_dumps.encode import arg_text, dtype_text, facts, node_module, scalar_text, target_text
+from ir_dumps.encode import arg_text, dtype_text, facts, node_module, scalar_text, sympy_text, target_text
 from passes.ir.meta import SHAPE, ShapeMeta
 
 # Short labels for well-known keys; other keys print under their own name.
@@ -84,7 +84,7 @@ def shape_text(shape: ShapeMeta) -> str:
     """``float32[batch, seq, 64]``; several outputs in parentheses; a size value as ``= expr``."""
     if shape.value is not None:
         return f"= {shape.value}"
-    tensors = [f"{dtype_text(t.dtype)}[{', '.join(str(d) for d in t.shape)}]" for t in shape.tensors]
+    tensors = [f"{dtype_text(t.dtype)}[{', '.join(sympy_text(d) for d in t.shape)}]" for t in shape.tensors]
     if len(tensors) == 1:
         return tensors[0]
     return "(" + ", ".join(tensors) + ")"

@@ -16,6 +16,7 @@ from passes.ir.errors import ConfigError
 from partitioner.model_spec import ModelSpec, build_model
 from passes.capture import capture_spec, module_path
 from passes.ir.meta import (
+    BLOCK,
     FLOP_SUMMARY,
     FLOPS,
     MEMORY,
@@ -139,8 +140,12 @@ def _resolve_dims(spec: ModelSpec, requested: dict[str, int | str | None]):
 
 
 def layer_of(node: fx.Node) -> str:
-    """The top-level layer a node belongs to: ``blocks.3`` for ModuleList items, else ``wte``;
-    ``(graph)`` for nodes outside every module (the loss, size arithmetic)."""
+    """The layer a node belongs to: its repeated block (``blocks.3``, from ``annotate_blocks``),
+    else its top-level module (``wte``); ``(graph)`` for nodes outside every module (the loss,
+    size arithmetic)."""
+    block = node.meta.get(BLOCK)
+    if block is not None and block.in_block:
+        return block.name
     path = module_path(node) or (node.target if node.op == "get_attr" else "")
     parts = path.split(".") if path else []
     if node.op == "get_attr":

@@ -12,9 +12,10 @@ What happens, in order (every rank, unless said):
 
 1. ``torch.distributed`` is initialised from env:// if it is not yet (the default group gets a
    long timeout: it only carries start-up and the plan broadcast);
-2. the model is captured, once per process (:func:`partitioner.build.capture_training_step`,
-   every named dim symbolic), rank 0's weights are broadcast into the captured graph, and the
-   analysis passes run (shapes, blocks, FLOPs, memory);
+2. rank 0 captures the model (:func:`partitioner.build.capture_training_step`, every named dim
+   symbolic) and runs the analysis passes (shapes, blocks, FLOPs, memory per sample); the
+   analysed graph travels to every rank (:mod:`passes.ir.graph_transfer`), which rebuilds it
+   around its own module, and rank 0's weights are broadcast into it: the job captures once;
 3. rank 0 profiles that graph (:func:`partitioner.profile.profile_graph`) and searches the plan
    (:mod:`partitioner.search`) on ``cluster`` (default ``Cluster.local(world_size)``) with ``fix``
    pinned; the plan, or the error, is broadcast so every rank starts the same plan or fails with
@@ -41,32 +42,29 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ir_dumps.report import write_report
+from ir_dumps.writer import DumpWriter
+from partitioner.build import analyse, capture_training_step
 from partitioner.cluster import Cluster
+from partitioner.cost_model import cost_hooks
+from partitioner.dumps import write_plan_dumps
 from partitioner.model_spec import ModelSpec, build_model
-from partitioner.profile import ModelProfile
-from passes.ir.errors import ConfigError, InfeasiblePlanError, PartitionerError
+from partitioner.planning import parse_fix
+from partitioner.profile import ModelProfile, profile_graph, profile_model, profile_spec
+from partitioner.search import plan as search
+from passes.ir.errors import CaptureError, ConfigError, InfeasiblePlanError, PartitionerError, PassError
+from passes.ir.graph_transfer import pack_graph, unpack_graph
 from passes.ir.meta import InputSpec
 from passes.ir.plan import Plan
-from runtime import comm
-from partitioner.planning import parse_fix
-from partitioner.profile import profile_model, profile_spec
-from partitioner.search import plan as search
-from runtime.faults import arm_from_env, gather_pids
-from runtime.measure import StepTimer
 from passes.ir.schedule.actions import Kind
-from runtime.checkpoint_io import save_checkpoint
-from runtime.checkpoint_io import load_checkpoint
-from runtime.measure import RunMeasurements
-from ir_dumps.report import write_report
-from partitioner.build import analyse, capture_training_step
-from partitioner.cost_model import cost_hooks
-from partitioner.profile import profile_graph
 from passes.lower import lower_rank
 from passes.manager import PassContext
+from runtime import comm
+from runtime.checkpoint_io import load_checkpoint, save_checkpoint
+from runtime.faults import arm_from_env, gather_pids
+from runtime.measure import RunMeasurements, StepTimer
 from runtime.mesh import Mesh, default_backend, init_distributed
 from runtime.parallel_model import ParallelModel
-from ir_dumps.writer import DumpWriter
-from partitioner.dumps import write_plan_dumps
 
 START_TIMEOUT_S = 600.0
 """Seconds the default process group waits (start-up, plan broadcast): planning on a loaded
@@ -245,33 +243,32 @@ _TRACKER_NOTE = ["on CPU, steps whose peak_memory_bytes is set ran under the liv
                  "take step times from the others (summary_by_rank skips the first 2 steps)"]
 
 
-def _broadcast_plan(make: Callable[[], Plan]) -> Plan:
-    """Rank 0 runs ``make``; every rank returns its plan or raises its error (same type, same text)."""
+def _from_rank0(make: Callable[[], Any]) -> Any:
+    """Rank 0 runs ``make``; every rank returns its (picklable) result or raises its error (same
+    type, same text), so a refusal on rank 0 does not leave the others waiting."""
     box: Any = None
     if dist.get_rank() == 0:
         try:
-            box = ("ok", make().to_json())
+            box = ("ok", make())
         except PartitionerError as exc:
             box = ("error", type(exc).__name__, str(exc))
     box = comm.broadcast_object(box, src=0)
     if box[0] == "error":
         _, kind, message = box
-        errors = {"InfeasiblePlanError": InfeasiblePlanError, "ConfigError": ConfigError}
-        raise errors.get(kind, ConfigError)(message)
-    return Plan.from_json(box[1])
+        raise _ERRORS.get(kind, ConfigError)(message)
+    return box[1]
+
+
+_ERRORS = {cls.__name__: cls for cls in (InfeasiblePlanError, ConfigError, CaptureError, PassError)}
 
 
 def _broadcast_weights(graph: torch.fx.GraphModule, device: torch.device) -> None:
     """Every rank starts from rank 0's weights: the captured graph's parameters and buffers, in
     name order, through the job's device (an NCCL group carries CUDA tensors only)."""
+    tensors = dict(graph.named_parameters())
+    tensors.update(dict(graph.named_buffers()))
     with torch.no_grad():
-        tensors = dict(graph.named_parameters())
-        tensors.update(dict(graph.named_buffers()))
-        for _, t in sorted(tensors.items()):
-            buf = t.detach().to(device)
-            comm.broadcast(buf, src=0)
-            if buf is not t:
-                t.copy_(buf)
+        comm.broadcast_tensors([t for _, t in sorted(tensors.items())], src=0, device=device)
 
 
 def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str | None = None, *,
@@ -298,7 +295,9 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     if dtype not in RUNTIME_DTYPES:
         raise ConfigError(f"auto_parallelize: dtype {dtype!r}; the runtime trains in {', '.join(RUNTIME_DTYPES)} "
                           f"(fp16 needs dynamic loss scaling, which it does not run): use dtype='bf16'")
+    clock = _Clock()
     init_distributed(timeout_s=max(timeout_s, START_TIMEOUT_S))
+    clock.lap("join")
     world, rank = dist.get_world_size(), dist.get_rank()
     spec = as_spec(model, inputs=inputs, loss_fn=loss_fn, dims=dims)
     if isinstance(cluster, str):
@@ -307,19 +306,25 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     device = torch.device("cuda", torch.cuda.current_device()) if default_backend() == "nccl" else torch.device("cpu")
     out_dir = Path(dump_dir) if dump_dir is not None else None
     writer = DumpWriter(out_dir, model=spec.name) if out_dir is not None and rank == 0 else None
-    clock = _Clock()
+    clock.lap("model")
 
-    graph = capture_training_step(spec, device=device.type)  # the job's one capture of the model
-    clock.lap("capture")
+    # Rank 0 captures the model and analyses it (memory per sample: batch 1, concretely, what the
+    # search profiles); every rank rebuilds that graph around its own module and lowers it.
+    def capture_and_analyse():
+        captured = capture_training_step(spec, device=device.type)
+        clock.lap("capture")
+        analyse(captured, mixed_precision=dtype != "fp32", writer=writer, memory_batch=1)
+        clock.lap("analysis")
+        return pack_graph(captured, spec.module)
+
+    graph = unpack_graph(_from_rank0(capture_and_analyse), spec.module)
+    clock.lap("graph to every rank")
     _broadcast_weights(graph, device)
-    # Rank 0 profiles the graph for the search: its memory per sample (batch 1, concrete). The
-    # other ranks need no whole-graph memory: each program is analysed again once lowered.
-    analyse(graph, mixed_precision=dtype != "fp32", writer=writer, memory=rank == 0, memory_batch=1)
-    clock.lap("analysis")
+    clock.lap("weights")
     if plan is None:
-        chosen = _broadcast_plan(lambda: choose_plan(spec, cluster, world_size=world,
-                                                     global_batch_size=global_batch_size, fix=fix, dtype=dtype,
-                                                     profile=profile_graph(graph, dtype=dtype, name=spec.name)))
+        chosen = Plan.from_json(_from_rank0(lambda: choose_plan(
+            spec, cluster, world_size=world, global_batch_size=global_batch_size, fix=fix, dtype=dtype,
+            profile=profile_graph(graph, dtype=dtype, name=spec.name)).to_json()))
     else:
         check_world_size(plan, world)
         chosen = plan

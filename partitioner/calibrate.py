@@ -43,6 +43,7 @@ import yaml
 from partitioner.cluster import DEFAULT_LOCAL_FILE, Cluster, Device, Link, PeakFlops
 from partitioner.cost_model import EfficiencyCurve, all_reduce_time, send_recv_time
 from passes.ir.errors import ConfigError
+from runtime.launch import spawn
 
 KiB, MiB = 2**10, 2**20
 
@@ -470,8 +471,6 @@ def measure_gloo(world_size: int, sizes: Sequence[int] = COMM_SIZES, *, effort: 
     and the whole job is killed after ``2·timeout_s`` seconds, so nothing hangs. All-reduce time
     per size is the slowest rank's fastest repeat; send/recv is half of rank 0's round trip.
     """
-    from runtime.launch import spawn
-
     if world_size < 2:
         raise ConfigError(f"measure_gloo needs world_size >= 2 to time communication, got {world_size}")
     if not sizes or any(s < 4 for s in sizes):

@@ -8,7 +8,8 @@ import time
 
 import sympy
 
-from passes.ir.errors import PartitionerError
+from passes.ir.errors import ConfigError, PartitionerError
+from passes.ir.plan import Plan
 
 
 def _human(expr, unit: str) -> str:
@@ -112,8 +113,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_lower(args: argparse.Namespace) -> int:
     from partitioner.cluster import Cluster
     from partitioner.planning import write_model_plan_dumps
-    from passes.ir.errors import ConfigError
-    from passes.ir.plan import Plan
 
     try:
         text = open(args.plan, encoding="utf-8").read()

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 
 from partitioner.cluster import Cluster, Device, Link
+from passes.ir.config import SCHEDULES
 from passes.ir.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------
@@ -200,7 +201,6 @@ def roofline_time(flops: float, bytes_moved: float, device: Device, dtype: str =
 # Pipelines
 # ---------------------------------------------------------------------------------------------
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 def _check_pipeline(schedule: str, p: int, m: int, v: int) -> None:

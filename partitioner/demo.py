@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from passes.ir.errors import PartitionerError
+from passes.ir.plan import Plan
+from runtime.faults import describe_failure, is_communication_error
+from runtime.launch import spawn
 
 if TYPE_CHECKING:  # torch is imported where used: `partitioner --help` stays fast
     import torch
@@ -73,8 +76,6 @@ def train_loop(trainer, steps: int, batch: Callable[[int], Sequence[torch.Tensor
                echo: bool) -> list[float]:
     """``steps`` train steps; on rank 0 (``echo``) prints a progress line per step. Any failure is
     re-raised as :class:`RankFailure` naming the failed peer and this rank's last action."""
-    from runtime.faults import describe_failure, is_communication_error
-
     losses = []
     try:
         for step in range(steps):
@@ -171,8 +172,6 @@ def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str = DEMO_FIX, d
              out=None) -> dict:
     """The whole demo; returns a summary dict. Raises :class:`ParityError` when the first
     :data:`CHECK_STEPS` losses differ from single-process training by more than :data:`CHECK_RTOL`."""
-    from runtime.launch import spawn
-
     def say(text: str) -> None:
         print(text, file=out or sys.stdout, flush=True)
 
@@ -197,8 +196,6 @@ def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str = DEMO_FIX, d
     measured = results[0].measured
     med = sorted(v["step_time_s"] for v in measured.values())
     peaks = [v["peak_memory_bytes"] for v in measured.values()]
-    from passes.ir.plan import Plan
-
     plan = Plan.from_json(results[0].plan_json)
     say(f"step time (median over ranks): {med[len(med) // 2]:.3f} s measured, {plan.predicted.step_time_s:.3f} s "
         f"predicted; peak memory {max(peaks) / 2**20:.2f} MiB measured, "

@@ -155,7 +155,7 @@ class PlanContext:
         key = (c.tp, c.micro_batch_size, c.sequence_parallel, c.checkpointing)
         if key not in self._costs:
             p = self.profile
-            # checkpoint regions are blocks (runtime.rank_program): embedding and head keep theirs
+            # checkpoint regions are blocks (passes.lower): embedding and head keep theirs
             ends = (c.tp, c.micro_batch_size, c.sequence_parallel, "none")
             self._costs[key] = (self._layer_cost(p.embedding, *ends), self._layer_cost(p.blocks[0], *key),
                                 self._layer_cost(p.head, *ends))

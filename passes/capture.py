@@ -107,7 +107,7 @@ _CAPTURES = 0
 
 
 def capture_count() -> int:
-    """How many captures this process has made (a job captures its model once per process)."""
+    """How many captures this process has made (``auto_parallelize`` captures on rank 0 only)."""
     return _CAPTURES
 
 

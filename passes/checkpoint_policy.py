@@ -36,6 +36,7 @@ import sympy
 import torch
 from torch import fx
 
+from passes.ir.config import CHECKPOINT_POLICIES
 from passes.ir.errors import ConfigError, PassError
 from passes.ir.meta import module_path
 # annotate_memory's forward observation (storages, owners, savers); private there, shared here.
@@ -46,7 +47,7 @@ from passes.ir.meta import (BLOCK, CAPTURE, CHECKPOINT, CHECKPOINT_PLAN, EXPORT_
                          CheckpointMeta, CheckpointPlan, CheckpointRegion)
 
 aten = torch.ops.aten
-POLICIES = ("none", "full", "selective", "solver")
+POLICIES = CHECKPOINT_POLICIES
 _ZERO = sympy.Integer(0)
 _ATTENTION_ANCHORS = {aten.scaled_dot_product_attention.default, aten._softmax.default, aten.softmax.int}
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")

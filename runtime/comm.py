@@ -101,6 +101,33 @@ def broadcast(t: torch.Tensor, src: int, group: Any = None) -> None:
     dist.broadcast(t, src=src, group=group)
 
 
+BROADCAST_BUCKET_BYTES = 64 * 2**20
+
+
+def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, group: Any = None, *, device: torch.device,
+                      bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
+    """Every tensor of ``tensors`` = rank ``src``'s, in place: packed per dtype into buckets of
+    about ``bucket_bytes`` on ``device`` (the group's device), one broadcast per bucket rather
+    than one per tensor."""
+    buckets: list[list[torch.Tensor]] = []
+    open_bucket: dict[torch.dtype, tuple[list[torch.Tensor], list[int]]] = {}  # dtype -> (tensors, [bytes])
+    for t in tensors:
+        members, size = open_bucket.get(t.dtype, (None, None))
+        if members is None or size[0] >= bucket_bytes:
+            members, size = [], [0]
+            open_bucket[t.dtype] = (members, size)
+            buckets.append(members)
+        members.append(t)
+        size[0] += t.numel() * t.element_size()
+    for bucket in buckets:
+        flat = torch.cat([t.detach().reshape(-1).to(device) for t in bucket])
+        broadcast(flat, src, group)
+        offset = 0
+        for t in bucket:
+            t.detach().copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
 def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     """Rank ``src``'s picklable ``obj`` on every rank (pickled through the group's device)."""
     box = [obj]

@@ -27,6 +27,7 @@ from passes.ir.schedule import (
     stage_placement,
     validate,
 )
+from passes.ir.schedule.actions import COMM_KINDS as COMM
 
 
 def _all_schedules(p: int, m: int, v: int):
@@ -272,3 +273,41 @@ def test_property_random_sizes(p, k, v, extra, tf, tb):
     assert result.makespan == pytest.approx((m + (p - 1) / v) * (tf + tb))
     peaks = [peak_in_flight(schedule, r) for r in range(p)]
     assert max(peaks) == peaks[0] <= v * m
+
+
+# --- batched point-to-point, as NCCL runs it --------------------------------------------------
+@pytest.mark.parametrize("name,p,m,v", [(n, p, m, v) for p in (2, 3, 4) for m in (1, 2, 4, 8)
+                                        for n, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+                                        if n != "interleaved" or m % p == 0])
+def test_every_schedule_completes_with_batched_rendezvous_p2p(name, p, m, v):
+    from passes.ir.schedule import build
+    from passes.ir.schedule.validate import check_batches, comm_batches
+
+    schedule = build(name, p, m, v)
+    check_batches(schedule)
+    runs = [run for r in schedule for _, run in comm_batches(schedule[r])]
+    assert runs and all(a.kind in COMM for run in runs for a in run)
+
+
+def test_one_stream_for_both_directions_would_deadlock_interleaved():
+    # the reason the runtime posts messages to lower ranks on a second group: on one stream per
+    # rank pair, interleaved 1F1B on 2 ranks waits in a cycle (rank 0's send of a backward
+    # gradient queues behind its own batch that needs rank 1's later one, and back)
+    from passes.ir.schedule import build
+    from passes.ir.schedule.validate import check_batches
+
+    schedule = build("interleaved", 2, 4, 2)
+    with pytest.raises(ScheduleError, match="deadlocks with batched point-to-point"):
+        check_batches(schedule, stream=lambda rank, a: "one")
+    check_batches(schedule)
+
+
+def test_messages_posted_in_another_order_than_received_are_refused():
+    from passes.ir.schedule.validate import check_message_order
+
+    schedule = one_f_one_b(2, 2)
+    sends = [i for i, a in enumerate(schedule[0]) if a.kind == Kind.SEND_F]
+    i, j = sends[:2]
+    schedule[0][i], schedule[0][j] = schedule[0][j], schedule[0][i]
+    with pytest.raises(ScheduleError, match="rank 0 sends rank 1 its messages in another order"):
+        check_message_order(schedule)

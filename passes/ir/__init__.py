@@ -6,6 +6,7 @@
 * :mod:`passes.ir.program` — the rank-program contract (:class:`RankProgram`, comms, shard specs);
 * :mod:`passes.ir.ops`, :mod:`passes.ir.offload_ops` — our custom ops: schemas, fake kernels, autograd;
 * :mod:`passes.ir.schedule` — pipeline schedules as data (actions, builders, validation);
+* :mod:`passes.ir.graph_transfer` — an analysed graph as bytes, rebuilt on another rank;
 * :mod:`passes.ir.cost` — the costs a policy pass asks of the cluster;
 * :mod:`passes.ir.errors` — the error types.
 

@@ -1,4 +1,5 @@
 """annotate_shapes on small hand-built graphs: concrete and symbolic shapes, dtypes, sizes."""
+import pytest
 import sympy
 import torch
 import torch.nn.functional as F
@@ -71,3 +72,27 @@ def test_bf16_dtype_propagates():
     gm = annotate_shapes(_capture(TwoLinear().to(torch.bfloat16), ("batch", 8), dtype=torch.bfloat16))
     assert _by_name(gm)["linear_1"].meta[SHAPE].tensor.dtype == torch.bfloat16
     assert _by_name(gm)["linear_1"].meta[SHAPE].tensor.nbytes == 4 * 8 * 2
+
+
+@pytest.mark.parametrize("spec", [
+    "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8",
+    "llama:layers=1,hidden=32,heads=2,vocab=64,seq=8",
+    "hf-gpt2:n_layer=1,n_embd=32,n_head=2,vocab_size=64,n_positions=16,seq=8",
+    "resnet",
+])
+def test_symbolic_shapes_from_export_equal_the_symbolic_fake_run(spec):
+    # a fresh capture takes its symbolic shapes from export and requires_grad from a run at the hints
+    import copy
+
+    from partitioner.build import capture_training_step
+    from partitioner.model_spec import build_model
+    from passes import annotate_shapes as shapes
+
+    gm = capture_training_step(build_model(spec))
+    fast = shapes._from_export(gm, gm.meta["capture"])
+    assert fast is not None
+    slow_gm = copy.deepcopy(gm)
+    fake, results = shapes._run(slow_gm, slow_gm.meta["capture"])
+    slow = {n.name: shapes.shape_meta(fake, v) for n, v in results.items()}
+    assert {n.name: m for n, m in fast.items()} == slow
+    assert any(t.requires_grad for m in fast.values() for t in m.tensors)

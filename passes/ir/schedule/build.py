@@ -174,8 +174,10 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
 
 
 def build(schedule: str, p: int, m: int, v: int = 1) -> Schedule:
-    """The full schedule named ``schedule`` (``gpipe``, ``1f1b`` or ``interleaved``), validated."""
-    from passes.ir.schedule.validate import validate
+    """The full schedule named ``schedule`` (``gpipe``, ``1f1b`` or ``interleaved``), checked to
+    complete as the runtime posts it on NCCL (:func:`passes.ir.schedule.validate.check_batches`,
+    which also validates it)."""
+    from passes.ir.schedule.validate import check_batches
 
     if schedule == "gpipe" and v == 1:
         full = gpipe(p, m)
@@ -186,5 +188,5 @@ def build(schedule: str, p: int, m: int, v: int = 1) -> Schedule:
     else:
         raise ScheduleError(f"no schedule {schedule!r} with {v} chunks per rank; use gpipe or 1f1b with one chunk, "
                             f"interleaved with any")
-    validate(full)
+    check_batches(full)
     return full

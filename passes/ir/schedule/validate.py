@@ -312,14 +312,22 @@ def _execute(
         run(peer, b, start, start + comm_time)
         return True
 
+    _run_until_stuck(ranks, schedule, pc, try_step)
+    stuck = {r: pc[r] for r in ranks if pc[r] < len(schedule[r])}
+    return timelines, stuck
+
+
+def _run_until_stuck(ranks, schedule: Schedule, pc: dict[int, int], step: Callable[[int], bool],
+                     background: Callable[[], bool] = lambda: False) -> None:
+    """Advance every rank's program counter with ``step`` (and ``background`` work, such as
+    streams) until nothing moves any more."""
     progress = True
     while progress:
         progress = False
         for rank in ranks:
-            while pc[rank] < len(schedule[rank]) and try_step(rank):
+            while pc[rank] < len(schedule[rank]) and step(rank):
                 progress = True
-    stuck = {r: pc[r] for r in ranks if pc[r] < len(schedule[r])}
-    return timelines, stuck
+        progress = background() or progress
 
 
 def _waiting_for(schedule: Schedule, placement: dict[int, int], rank: int, step: int, blocking_sends: bool) -> str:
@@ -504,7 +512,7 @@ def check_message_order(schedule: Schedule) -> None:
                                 f"matches them in posting order (stages on ranks: {placement})")
 
 
-def check_batches(schedule: Schedule) -> None:
+def check_batches(schedule: Schedule, *, stream: Callable[[int, Action], str] | None = None) -> None:
     """Check that ``schedule`` completes under NCCL's grouped point-to-point, as the runtime posts
     it: each run of consecutive SEND/RECV actions (:func:`comm_batches`) is posted at once, one
     batch per stream (:func:`message_stream`); each (rank, stream) runs its batches in order; a
@@ -512,9 +520,11 @@ def check_batches(schedule: Schedule) -> None:
     once both are active (rendezvous), and the next batch starts when all of the head's
     messages completed. Compute goes on meanwhile and waits only for the receive it reads (sync
     and step wait for all of the rank's messages). Also checks :func:`check_message_order`.
-    Raises :class:`ScheduleError` with the ranks' stuck steps marked on the grid."""
+    Raises :class:`ScheduleError` with the ranks' stuck steps marked on the grid. ``stream``:
+    which stream a message of a rank travels on (default :func:`message_stream`)."""
     validate(schedule)
     check_message_order(schedule)
+    stream = stream or message_stream
     placement = stage_to_rank_of(schedule)
     ranks = sorted(schedule)
     runs = {r: dict(comm_batches(schedule[r])) for r in ranks}  # rank -> first step -> run
@@ -529,8 +539,8 @@ def check_batches(schedule: Schedule) -> None:
         a = schedule[rank][pc[rank]]
         if a.kind in COMM_KINDS:  # the whole run is posted at once, a batch per stream
             run = runs[rank][pc[rank]]
-            for name in ("up", "down"):
-                batch = [b for b in run if message_stream(rank, b) == name]
+            for name in dict.fromkeys(stream(rank, b) for b in run):
+                batch = [b for b in run if stream(rank, b) == name]
                 if batch:
                     streams.setdefault((rank, name), []).append(batch)
                     completed.setdefault((rank, name), 0)
@@ -572,13 +582,7 @@ def check_batches(schedule: Schedule) -> None:
                 moved = True
         return moved
 
-    progress = True
-    while progress:
-        progress = False
-        for r in ranks:
-            while pc[r] < len(schedule[r]) and host_step(r):
-                progress = True
-        progress = stream_step() or progress
+    _run_until_stuck(ranks, schedule, pc, host_step, stream_step)
     stuck = {r: pc[r] for r in ranks if pc[r] < len(schedule[r])
              or any(completed[k] < len(v) for k, v in streams.items() if k[0] == r)}
     if stuck:

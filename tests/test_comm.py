@@ -1,0 +1,51 @@
+"""The runtime's communication module on 3 gloo ranks: tensors broadcast in buckets arrive whole
+and in place (mixed dtypes, a non-contiguous view, buckets smaller than a tensor), objects
+broadcast, and a tensor off the group's device is refused before anything is sent."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.launch import spawn
+
+
+def _tensors(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(rank)
+    wide = torch.randn(6, 4, generator=g)
+    return [torch.randn(5, 3, generator=g), torch.randint(0, 100, (7,), generator=g),
+            torch.randn(2, 2, generator=g).double(), wide.t(), torch.randn(0, generator=g),
+            torch.randn(300, generator=g)]
+
+
+def _broadcast_rank(bucket_bytes: int):
+    import torch.distributed as dist
+
+    from runtime import comm
+    from runtime.mesh import init_distributed
+
+    init_distributed(timeout_s=60)
+    rank = dist.get_rank()
+    tensors = _tensors(rank)
+    comm.broadcast_tensors(tensors, src=1, device=torch.device("cpu"), bucket_bytes=bucket_bytes)
+    obj = comm.broadcast_object({"plan": "dp=3"} if rank == 0 else None, src=0)
+    return tensors, obj  # the same objects: written in place
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 2**20])
+def test_broadcast_tensors_gives_every_rank_the_source_tensors(bucket_bytes):
+    results = spawn(_broadcast_rank, 3, bucket_bytes, timeout_s=120)
+    expected = _tensors(1)
+    for rank, (tensors, obj) in enumerate(results):
+        assert obj == {"plan": "dp=3"}
+        for got, want in zip(tensors, expected, strict=True):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert torch.equal(got, want), rank
+    assert not torch.equal(_tensors(0)[0], expected[0])  # the ranks did start from different values
+
+
+def test_a_cpu_tensor_on_an_nccl_group_is_refused_before_sending(monkeypatch):
+    from runtime import comm
+
+    monkeypatch.setattr(comm, "backend_of", lambda group: "nccl")
+    with pytest.raises(comm.CommError, match="a cpu tensor of shape \\(5, 3\\) on an NCCL group.*mesh.device"):
+        comm.broadcast(torch.zeros(5, 3), src=0)

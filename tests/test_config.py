@@ -1,0 +1,60 @@
+"""ParallelConfig: the one typed record of a plan's knobs; every rule it checks names the
+constraint, the values and the fix; JSON round trip; the Plan holds one."""
+from __future__ import annotations
+
+import pytest
+
+from passes.ir.config import CHECKPOINTING, KNOBS, OFFLOAD, SCHEDULES, ParallelConfig
+from passes.ir.errors import ConfigError
+
+
+def test_defaults_are_one_device_and_derived_sizes():
+    c = ParallelConfig()
+    assert (c.world_size, c.global_batch, c.n_stages, c.mixed_precision) == (1, 1, 1, False)
+    c = ParallelConfig(dp=2, tp=2, pp=2, virtual_pp=2, schedule="interleaved", micro_batch_size=3, num_micro_batches=4,
+                       dtype="bf16")
+    assert (c.world_size, c.global_batch, c.n_stages, c.mixed_precision) == (8, 24, 4, True)
+    assert set(c.knobs()) == set(KNOBS)
+
+
+@pytest.mark.parametrize("knobs,needle", [
+    (dict(tp=0), "tp must be an integer >= 1, got 0"),
+    (dict(dp=True), "dp must be an integer >= 1, got True"),
+    (dict(schedule="zigzag"), "schedule must be one of gpipe, 1f1b, interleaved, got 'zigzag'"),
+    (dict(checkpointing="sometimes"), "checkpointing must be one of none, selective, full"),
+    (dict(zero_stage=3), "zero_stage must be one of 0, 1, 2"),
+    (dict(virtual_pp=2), "virtual_pp=2 needs schedule='interleaved'"),
+    (dict(pp=2, schedule="interleaved", virtual_pp=2, num_micro_batches=3), "divisible by pp (2)"),
+    (dict(sequence_parallel=True), "sequence_parallel=true needs tp > 1"),
+    (dict(offload="optimizer", zero_stage=1, dp=2), "offload='optimizer' keeps the whole optimizer state on the host"),
+    (dict(pp=2, stage_boundaries=(1, 2)), "stage_boundaries has 2 entries for pp*virtual_pp = 2 stages"),
+    (dict(pp=3, stage_boundaries=(2, 2)), "strictly increasing"),
+])
+def test_each_rule_names_the_constraint_and_the_fix(knobs, needle):
+    with pytest.raises(ConfigError, match="invalid parallel config") as err:
+        ParallelConfig(**knobs)
+    assert needle in str(err.value)
+
+
+def test_rules_that_need_the_model_or_the_job():
+    c = ParallelConfig(dp=2, tp=4, pp=2)
+    assert c.problems() == []
+    found = c.problems(world_size=8, blocks=1, heads=6)
+    assert any("dp*tp*pp = 2*4*2 = 16 but the job has 8 devices" in p for p in found)
+    assert any("2 stages but the model has 1 blocks" in p for p in found)
+    assert any("tp=4 must divide the attention heads (6)" in p for p in found)
+
+
+def test_round_trip_and_global_batch_constructor():
+    c = ParallelConfig.for_global_batch(16, dp=2, pp=2, num_micro_batches=4, stage_boundaries=[3])
+    assert c.micro_batch_size == 2 and c.stage_boundaries == (3,)
+    assert ParallelConfig.from_dict(c.to_dict()) == c
+    with pytest.raises(ConfigError, match="positive multiple of dp \\* num_micro_batches = 2 \\* 4"):
+        ParallelConfig.for_global_batch(12, dp=2, num_micro_batches=4)
+    with pytest.raises(ConfigError, match="unknown field"):
+        ParallelConfig.from_dict({**c.to_dict(), "tensor_parallel": 2})
+
+
+def test_the_choices_are_spelled_here():
+    assert SCHEDULES == ("gpipe", "1f1b", "interleaved")
+    assert CHECKPOINTING == ("none", "selective", "full") and OFFLOAD == ("none", "activations", "optimizer")

@@ -5,8 +5,10 @@
 ONE spawn of 4 gloo ranks runs every (model, plan) case for ``--steps`` steps; step 1 is warm-up
 and left out of the times (its peak is lower: no gradients or optimizer state exist before it).
 
-* memory, predicted on each rank before training by :func:`partitioner.fidelity.predict_memory`
-  from the rank's own stage modules; measured by :class:`runtime.measure.StepTimer` (live tensor
+* memory, the planner's returned per-rank peak (``plan.predicted.rank_peak_memory_bytes``: the
+  search checks its plan with the exact replay of every rank program it lowers,
+  :mod:`partitioner.memory_check`; each rank also replays the program it runs, a cross-check);
+  measured by :class:`runtime.measure.StepTimer` (live tensor
   storage bytes on CPU), max over the steps;
 * time, predicted by the planner (:func:`partitioner.fidelity.predict_step_time`) on
   ``Cluster.local(4)`` (a quick calibration is made first when this machine has no calibration
@@ -16,8 +18,8 @@ and left out of the times (its peak is lower: no gradients or optimizer state ex
   seconds, link latency) is fitted on every case but the HELD-OUT plan, and the held-out plan's
   step time is predicted with the cluster before and after the refit.
 
-ZeRO-1: :class:`runtime.measure.StepTimer` counts :class:`runtime.grad_sync.ZeroAdamW`'s shard,
-its gradient and its AdamW state in the persistent baseline.
+ZeRO-1/2: :class:`runtime.measure.StepTimer` counts :class:`runtime.grad_sync.ShardedAdamW`'s
+fp32 master chunk, its gradient and its AdamW state in the persistent baseline.
 """
 from __future__ import annotations
 
@@ -76,6 +78,8 @@ CASES = (
     Case("tp2-pp2-1f1b", 1, 2, 2, "1f1b", 1, 2),
     Case("dp2-tp2", 2, 2, 1, "1f1b", 1, 2),
     Case("dp4-zero1", 4, 1, 1, "1f1b", 1, 2, zero=1),
+    Case("dp4-zero2", 4, 1, 1, "1f1b", 1, 2, zero=2),
+    Case("dp2-pp2-zero2", 2, 1, 2, "1f1b", 1, 2, zero=2),
     Case("dp2-pp2-ckpt-full", 2, 1, 2, "1f1b", 1, 2, checkpointing="full"),
     Case("dp2-pp2-offload", 2, 1, 2, "1f1b", 1, 2, offload="activations"),
     Case("dp2-pp2-ckpt-offload", 2, 1, 2, "1f1b", 1, 2, checkpointing="full", offload="activations"),
@@ -223,7 +227,10 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    from partitioner.build import capture_for_pipeline
     from partitioner.fidelity import predict_step_time
+    from partitioner.memory_check import replay_check
+    from partitioner.model_spec import build_model
     from partitioner.profile import profile_model
     from partitioner.refit import load_run, refit
     from runtime.launch import spawn
@@ -234,8 +241,10 @@ def main(argv=None) -> int:
     plans = {}
     for model, spec in models.items():
         profile = profile_model(spec, dtype="fp32")
+        check = replay_check(capture_for_pipeline(build_model(spec)), cluster)  # the planner's own memory numbers
         for c in cases:
-            plans[(model, c.name)] = predict_step_time(profile, cluster, c.knobs(), global_batch=GLOBAL_BATCH)
+            plans[(model, c.name)] = predict_step_time(profile, cluster, c.knobs(), global_batch=GLOBAL_BATCH,
+                                                       check=check)
     print(f"planned {len(plans)} cases in {time.time() - t0:.1f} s; spawning {WORLD} ranks", flush=True)
     raw = out / "results.json"
     if args.reuse and raw.is_file():  # re-tabulate (and refit) a previous spawn's results
@@ -285,7 +294,9 @@ def main(argv=None) -> int:
                 refitted[(m, case)] = predict_step_time(profile, result.cluster, dict(plans[(m, case)].knobs()),
                                                         global_batch=GLOBAL_BATCH).predicted.step_time_s
 
-    print("\n| model | plan | rank | predicted peak B | measured peak B | err % | measured step s "
+    print("\nmemory: the planner's returned peak of each rank (plan.predicted.rank_peak_memory_bytes, the exact "
+          "replay of the rank program it lowers) against the rank's measured peak")
+    print("\n| model | plan | rank | planner peak B | measured peak B | err % | measured step s "
           "| predicted (calibration) | err % | predicted (refit) | err % | peak at |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     mem_err, time_err, after_all, held_before, held_after = [], [], [], [], []
@@ -302,7 +313,8 @@ def main(argv=None) -> int:
                 print(f"| {model} | {name} | {r} | no memory measured ({len(row['steps'])} steps) |")
                 continue
             peak, wall = max(peaks), steps.step_s[r]
-            me, te = _pct(row["pred_peak"], peak), _pct(plan.predicted.step_time_s, wall)
+            planned = plan.predicted.rank_peak_memory_bytes[r]
+            me, te = _pct(planned, peak), _pct(plan.predicted.step_time_s, wall)
             after = refitted.get((model, case), float("nan"))
             ae = _pct(after, wall)
             mem_err.append(abs(me))
@@ -311,7 +323,7 @@ def main(argv=None) -> int:
             if case == HELD_OUT:
                 held_before.append(abs(te))
                 held_after.append(abs(ae))
-            print(f"| {model} | {name} | {r} | {row['pred_peak']} | {peak} | {me:+.2f} | {wall:.4f} "
+            print(f"| {model} | {name} | {r} | {planned:.0f} | {peak} | {me:+.2f} | {wall:.4f} "
                   f"| {plan.predicted.step_time_s:.4f} | {te:+.1f} | {after:.4f} | {ae:+.1f} | {row['pred_where']} |")
     print(f"\nmemory |err|: median {_median(mem_err):.2f}%, max {max(mem_err, default=float('nan')):.2f}%, "
           f"{sum(e <= 5 for e in mem_err)}/{len(mem_err)} rank-plans within 5%, {sum(e <= 3 for e in mem_err)} within 3%")

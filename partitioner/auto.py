@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
 
 from ir_dumps.report import write_report
 from ir_dumps.writer import DumpWriter
@@ -48,6 +48,7 @@ from partitioner.build import analyse, capture_training_step
 from partitioner.cluster import Cluster
 from partitioner.cost_model import cost_hooks
 from partitioner.dumps import write_plan_dumps
+from partitioner.memory_check import replay_check
 from partitioner.model_spec import ModelSpec, build_model
 from partitioner.planning import parse_fix
 from partitioner.profile import ModelProfile, profile_graph, profile_model, profile_spec
@@ -99,18 +100,30 @@ def as_spec(model: str | ModelSpec | nn.Module, *, inputs: Sequence[InputSpec] |
 
 
 def meta_copy(spec: ModelSpec) -> ModelSpec:
-    """The same model on the meta device (no weights): what analysis and profiling read."""
-    module = copy.deepcopy(spec.module).to("meta")  # deepcopy keeps tied weights tied
+    """The same model on the meta device (no weights): what analysis and profiling read. Tied
+    weights stay tied (one parameter under several names), so they are counted once."""
+    module = copy.deepcopy(spec.module)  # deepcopy keeps ties; ``.to("meta")`` below does not
+    aliases: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    module = module.to("meta")  # one new meta parameter per owning module: the ties break here
+    for names in aliases.values():
+        shared = module.get_parameter(names[0])
+        for alias in names[1:]:
+            owner, _, leaf = alias.rpartition(".")
+            setattr(module.get_submodule(owner), leaf, shared)
     return ModelSpec(name=spec.name, module=module, inputs=spec.inputs, loss=spec.loss, dims=dict(spec.dims))
 
 
 def choose_plan(model: str | ModelSpec, cluster: Cluster, *, world_size: int, global_batch_size: int,
                 fix: dict | str | None = None, dtype: str = "fp32", optimizer: str = "adamw",
-                profile: ModelProfile | None = None) -> Plan:
+                profile: ModelProfile | None = None, graph: fx.GraphModule | None = None) -> Plan:
     """The planner's best plan for ``model`` on ``cluster``, checked against the job's ``world_size``.
 
     ``profile``: the model's profile when the caller has it (a job profiles the graph it captured);
-    otherwise the model is profiled here. Raises :class:`InfeasiblePlanError` when no plan fits the
+    otherwise the model is profiled here. ``graph``: the analysed capture; with it, the plan's
+    memory is the exact replay of its rank programs (:mod:`partitioner.memory_check`) and a
+    candidate that the replay shows does not fit is dropped. Raises :class:`InfeasiblePlanError` when no plan fits the
     devices' memory, and :class:`ConfigError` when the plan needs a different number of ranks than
     the job has.
     """
@@ -126,7 +139,8 @@ def choose_plan(model: str | ModelSpec, cluster: Cluster, *, world_size: int, gl
     if profile is None:
         profile = (profile_model(model, dtype=dtype, optimizer=optimizer) if isinstance(model, str)
                    else profile_spec(meta_copy(model), dtype=dtype, optimizer=optimizer))
-    chosen = search(profile, cluster, global_batch=global_batch_size, fix=pinned, optimizer=optimizer)
+    check = replay_check(graph, cluster, optimizer=optimizer) if graph is not None else None
+    chosen = search(profile, cluster, global_batch=global_batch_size, fix=pinned, optimizer=optimizer, check=check)
     check_world_size(chosen, world_size)
     return chosen
 
@@ -324,7 +338,7 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     if plan is None:
         chosen = Plan.from_json(_from_rank0(lambda: choose_plan(
             spec, cluster, world_size=world, global_batch_size=global_batch_size, fix=fix, dtype=dtype,
-            profile=profile_graph(graph, dtype=dtype, name=spec.name)).to_json()))
+            profile=profile_graph(graph, dtype=dtype, name=spec.name), graph=graph).to_json()))
     else:
         check_world_size(plan, world)
         chosen = plan

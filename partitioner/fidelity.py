@@ -9,8 +9,9 @@ one while it runs). :func:`predict_rank` then replays those timelines along the 
 (:func:`passes.ir.schedule.build`), keyed per micro-batch, with what the runtime adds
 around them (:mod:`runtime.stage_executor`, :mod:`runtime.grad_sync`)::
 
-    step start     params + optimizer state (AdamW: 2 x params + a 4-byte step each; ZeRO-1: the
-                   dp shard, its 2 states and its gradient) + last step's gradients + the global batch
+    step start     params + optimizer state (AdamW: 2 x params + a 4-byte step each; ZeRO-1/2: the
+                   fp32 master chunk and its 2 states; offload="optimizer": none, it is on the
+                   host) + last step's gradients + the global batch
     RECV_F         a receive buffer per boundary tensor (kept until SEND_B: the leaf of backward)
     FORWARD        the stage's forward events (activations saved for backward stay live)
     SEND_F         the output is held by the pending isend until the ALL_REDUCE action waits
@@ -20,8 +21,14 @@ around them (:mod:`runtime.stage_executor`, :mod:`runtime.grad_sync`)::
     last backward  data parallel: the gradient bucket (a flat copy of every gradient) is
                    launched from the hook of the stage's last gradient
     ALL_REDUCE     pending sends released; tied-weight sums; bucket views replace the gradients
+    BACKWARD/ZeRO  ZeRO-1: at the last backward each bucket's flat fp32 copy replaces its
+                   gradients and this rank's chunk arrives. ZeRO-2: every backward's gradients
+                   fill buckets that are launched (fp32 flat copy, gradients freed) as they
+                   complete, at most MAX_IN_FLIGHT in flight (runtime.grad_sync)
     STEP           AdamW's per-parameter temporaries (annotate_memory's optimizer phase), or
-                   ZeRO-1: flat padded gradient, its shard, the all-gathered shards and their cat
+                   ZeRO: the chunk's temporaries and the all-gathers of the updated chunks (at
+                   most MAX_IN_FLIGHT buckets); offload="optimizer": the gradients' host copies
+                   (counted on a CPU device only)
 
 Activation offload: annotate_memory does not see the saves inside an offload region, so an
 offloaded storage leaves the device after its last forward use; :func:`stage_events` adds the
@@ -57,6 +64,7 @@ from passes.ir.meta import dim_symbol
 from passes.ir.schedule import build as build_schedule
 from passes.ir.schedule.actions import Kind
 from partitioner.search import plan
+from runtime.grad_sync import DEFAULT_BUCKET_BYTES, FIRST_BUCKET_BYTES, MAX_IN_FLIGHT
 from partitioner.build import rank_program
 from passes.ir.config import KNOBS, ParallelConfig
 
@@ -373,8 +381,8 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
     ``events``: precomputed :func:`stage_events` per stage (computed here otherwise).
     """
 
-    if zero not in (0, 1):
-        raise ConfigError(f"fidelity: zero={zero}; only ZeRO-1 (or none) is modelled")
+    if zero not in (0, 1, 2):
+        raise ConfigError(f"fidelity: zero={zero}; the runtime runs ZeRO stages 0, 1 and 2")
     m, pp, v, dp = num_micro_batches, program.pp, program.virtual_pp, program.dp
     actions = build_schedule(schedule, pp, m, v)[program.pp_index]
     ev = dict(events) if events is not None else {s: stage_events(program.modules[s], dims, optimizer=optimizer)
@@ -394,17 +402,22 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
                 params.append(p)
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     n_tensors = len(params)
+    sync = dp > 1 or zero > 0  # runtime.parallel_model builds gradient buckets
+    buckets = bucket_bytes(params, dp if zero else 1)
+    chunk_bytes = sum(4 * b // dp for b in buckets) if zero else 0  # this rank's fp32 chunk of every bucket
+    host_optimizer = program.config.offload == "optimizer"  # runtime.optimizer_offload: state on the host
+    host_is_device = bool(params) and params[0].device.type == "cpu"
     live = _Live()
     live.alloc("params", param_bytes, "state", "(start)")
-    if zero:
-        numel = sum(p.numel() for p in params)
-        shard = -(-numel // dp) * params[0].element_size() if params else 0
-        live.alloc("zero_state", 3 * shard + _STEP_BYTES, "state", "(start)")  # shard, exp_avg, exp_avg_sq
+    if host_optimizer:
+        pass  # the fp32 masters and AdamW's moments live in host memory, not on the device
+    elif zero:  # fp32 master chunk, exp_avg, exp_avg_sq (runtime.grad_sync.ShardedAdamW)
+        live.alloc("zero_state", 3 * chunk_bytes + _STEP_BYTES, "state", "(start)")
     else:
         live.alloc("opt_state", 2 * param_bytes + _STEP_BYTES * n_tensors, "state", "(start)")
     state_bytes = live.total
     live.alloc("batch", global_batch_bytes, "buffers", "(start)")
-    live.alloc("grads_prev", param_bytes, "grads", "(start)")  # last step's, until zero_grad
+    live.alloc("grads_prev", chunk_bytes if zero else param_bytes, "grads", "(start)")  # last step's, until zero_grad
     live.free("grads_prev")
 
     last_backward = {}
@@ -414,6 +427,7 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
     grads_made: set[int] = set()
     sent: list[Hashable] = []
     bucket_launched = False
+    zero2 = _Zero2Buckets(live, buckets, params, chunk_bytes) if zero == 2 else None
     for k, a in enumerate(actions):
         where = f"{a}"
         s, i = a.stage, a.microbatch
@@ -431,12 +445,16 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
             for e in ev[s].backward:
                 key = (s, i, e.key)
                 if e.key in ev[s].param_grads:
-                    if first:
+                    if zero2 is not None:  # every backward's gradients, reduced bucket by bucket
+                        zero2.grad(e, ("pgrad", s, i, e.key), where)
+                    elif first:
                         _apply(live, e, ("pgrad", s), "grads", where)
                     elif e.op == "+":
                         live.bump(e.bytes, "grads", where)  # accumulated in place, then released
                     continue
                 _apply(live, e, (s, i), "activations", where)
+            if zero2 is not None:
+                zero2.flush(where)  # the last (partial) bucket completes at the end of backward
             if s > 0:  # the gradient of each received input, held until its send completes
                 for inp in boundary[s - 1]:
                     if inp.meta.requires_grad:
@@ -446,9 +464,13 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
             for key in [key for key in live.size if _of(key, s, i)]:
                 if not (("out", s, i) in sent and _is_output_key(key, ev[s])):
                     live.free(key)
-            if dp > 1 and not bucket_launched and all(last_backward[t] <= k for t in last_backward):
-                live.alloc("bucket", param_bytes, "grads", where)  # flat copy of every gradient
+            if sync and zero < 2 and not bucket_launched and all(last_backward[t] <= k for t in last_backward):
                 bucket_launched = True
+                if zero == 1:  # each bucket's flat fp32 copy replaces its gradients; the chunks arrive
+                    live.bump(4 * max(buckets, default=0), "grads", where)
+                    live.alloc("zero_chunks", chunk_bytes, "grads", where)
+                else:
+                    live.alloc("bucket", param_bytes, "grads", where)  # flat copy of every gradient
         elif a.kind == Kind.SEND_B:
             for inp in boundary[s - 1]:
                 live.free_if(("recv", s, i, inp.name))
@@ -457,23 +479,111 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
                 if (isinstance(key, tuple) and key and key[0] == "igrad") or _sent_output(key, sent, ev):
                     live.free(key)
             sent.clear()
-            if bucket_launched:  # the gradients become views of the bucket
+            if zero2 is not None:
+                zero2.finish(where)
+            elif bucket_launched:  # the gradients become views of the bucket (ZeRO-1: are freed)
                 for key in [key for key in live.size if isinstance(key, tuple) and key[0] == "pgrad"]:
                     live.free(key)
+            if zero:  # the chunks are concatenated into the master's gradient
+                live.bump(chunk_bytes, "grads", where)
         elif a.kind == Kind.OPTIMIZER_STEP:
-            if zero:
-                full = -(-sum(p.numel() for p in params) // dp) * dp * (params[0].element_size() if params else 4)
-                shard = full // dp
-                # flat padded gradient (cat, then pad) -> its shard; then shards + their cat
-                live.bump(2 * full, "grads", where)
-                live.alloc("zero_shard_grad", shard, "grads", where)
-                live.bump(2 * shard, "state", where)  # AdamW temporaries of the shard
-                live.bump(2 * full if dp > 1 else 0, "state", where)
-                live.free("zero_shard_grad")
+            if host_optimizer:
+                # the gradients' host copies (fp32); on a CPU "device" they are in the same memory
+                if host_is_device:
+                    live.bump(sum(4 * p.numel() for p in params), "state", where)
+            elif zero:
+                # AdamW temporaries of the chunk; then the all-gather of the updated chunks, at most
+                # MAX_IN_FLIGHT buckets at once, each gathered into its parts and their cat
+                live.bump(2 * chunk_bytes, "state", where)
+                biggest = sorted((_own(b, params) for b in buckets), reverse=True)
+                if dp > 1:
+                    live.bump(sum(biggest[:MAX_IN_FLIGHT]) + biggest[0], "state", where)
             else:
                 live.bump(max((e.optimizer_bytes for e in ev.values()), default=0), "state", where)
     return MemoryPrediction(peak_bytes=live.peak, where=live.where, parts=live.parts, param_bytes=param_bytes,
                             state_bytes=state_bytes)
+
+
+def bucket_bytes(params, size: int) -> list[int]:
+    """Element counts of the gradient buckets :class:`runtime.grad_sync.BucketedGradSync` makes
+    of ``params`` (reverse order, the first bucket small), padded to a multiple of ``size``."""
+    out: list[int] = []
+    filled = 0
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        cap = min(DEFAULT_BUCKET_BYTES, FIRST_BUCKET_BYTES) if len(out) == 1 else DEFAULT_BUCKET_BYTES
+        if not out or filled + nbytes > cap:
+            out.append(0)
+            filled = 0
+        out[-1] += p.numel()
+        filled += nbytes
+    return [-(-n // size) * size for n in out]
+
+
+def _own(numel: int, params) -> int:
+    """Bytes of ``numel`` elements in the parameters' dtype."""
+    return numel * (params[0].element_size() if params else 4)
+
+
+class _Zero2Buckets:
+    """ZeRO-2 in the replay, as :class:`runtime.grad_sync.BucketedGradSync` runs it: gradients
+    made by a backward fill the current bucket; a full bucket is launched (its fp32 flat copy
+    made, its gradients freed); at most ``MAX_IN_FLIGHT`` stay in flight, and a bucket's last
+    launch is waited for when its next round begins; this rank's summed chunks stay from the
+    first launch to the step."""
+
+    def __init__(self, live: _Live, buckets: list[int], params, chunk_bytes: int) -> None:
+        self.live, self.params, self.chunk_bytes = live, params, chunk_bytes
+        self.caps = [_own(b, params) for b in buckets] or [0]
+        self.pending: list[Hashable] = []
+        self.filled = 0
+        self.index = 0
+        self.in_flight: list[Hashable] = []
+        self.launches = 0
+
+    def grad(self, e: Event, key: Hashable, where: str) -> None:
+        """One parameter-gradient event of a backward: a partial gradient freed once summed
+        ("-") leaves the bucket; a full bucket launches."""
+        if e.op != "+":
+            if key in self.pending:
+                self.pending.remove(key)
+                self.filled -= self.live.size[key][0]
+                self.live.free(key)
+            return
+        if not self.pending:  # a new round of this bucket: its last launch is waited for
+            for index, flat in [f for f in self.in_flight if f[0] == self.index]:
+                self.live.free(flat)
+                self.in_flight.remove((index, flat))
+        self.live.alloc(key, e.bytes, "grads", where)
+        self.pending.append(key)
+        self.filled += e.bytes
+        if self.filled >= self.caps[self.index % len(self.caps)]:
+            self._launch(where)
+
+    def flush(self, where: str) -> None:
+        if self.pending:
+            self._launch(where)
+        self.index = 0
+
+    def _launch(self, where: str) -> None:
+        if not self.launches:
+            self.live.alloc("zero_chunks", self.chunk_bytes, "grads", where)
+        self.launches += 1
+        flat = 4 * self.filled // (self.params[0].element_size() if self.params else 4)
+        if len(self.in_flight) >= MAX_IN_FLIGHT:
+            self.live.free(self.in_flight.pop(0)[1])
+        key = ("zero2_flat", self.launches)
+        self.live.alloc(key, flat, "grads", where)
+        self.in_flight.append((self.index, key))
+        for k in self.pending:
+            self.live.free(k)
+        self.pending, self.filled = [], 0
+        self.index += 1
+
+    def finish(self, where: str) -> None:
+        for _, key in self.in_flight:
+            self.live.free(key)
+        self.in_flight = []
 
 
 def _apply(live: _Live, e: Event, tag: tuple, kind: str, where: str) -> None:
@@ -503,15 +613,17 @@ def _sent_output(key, sent, ev) -> bool:
 
 
 def predict_step_time(profile, cluster, knobs: Mapping[str, object], *, global_batch: int,
-                      optimizer: str = "adamw"):
+                      optimizer: str = "adamw", check=None):
     """The planner's :class:`passes.ir.plan.Plan` for ``knobs`` (every knob of
-    :data:`passes.ir.plan.KNOBS`) on ``cluster``: ``step_time_s`` (seconds) and terms."""
+    :data:`passes.ir.plan.KNOBS`) on ``cluster``: ``step_time_s`` (seconds) and terms. ``check``:
+    the search's memory check (:func:`partitioner.memory_check.replay_check`), so the plan carries
+    the memory numbers the planner returns for a captured model."""
 
     missing = [k for k in KNOBS if k not in knobs]
     if missing:
         raise ConfigError(f"fidelity: pin every knob to evaluate one plan; missing {missing}")
     big = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=1 << 50))
-    return plan(profile, big, global_batch=global_batch, fix=dict(knobs), optimizer=optimizer)
+    return plan(profile, big, global_batch=global_batch, fix=dict(knobs), optimizer=optimizer, check=check)
 
 
 def predict_rank(gm: fx.GraphModule, knobs: Mapping[str, object], rank: int, dims: Mapping[str, int], *,

@@ -194,6 +194,8 @@ def _state_per_param(ctx: PlanContext, c: ParallelConfig) -> tuple[float, float,
     """Device bytes per (tp-sharded) parameter: (params, grads, optimizer) under ZeRO/offload."""
     ms = model_state_bytes(1.0, c.dp, c.zero_stage, ctx.precision, ctx.optimizer)
     opt = 0.0 if c.offload == "optimizer" else ms.optimizer
+    if c.zero_stage and ctx.precision == "fp32" and opt:
+        opt += 4.0 / c.dp  # runtime.grad_sync.ShardedAdamW steps an fp32 copy of its chunk
     return ms.params, ms.grads, opt
 
 

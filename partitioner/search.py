@@ -18,6 +18,8 @@ exceeds the best plans found (branch and bound), so the result equals exhaustive
 from __future__ import annotations
 
 import bisect
+import dataclasses
+from typing import Callable
 
 from partitioner.cluster import Cluster
 from partitioner.cost_model import bubble_fraction
@@ -31,6 +33,8 @@ MAX_MICRO_BATCH = 16
 """Largest micro-batch size tried unless fixed (larger ones gain little kernel efficiency)."""
 MAX_VIRTUAL_PP = 8
 N_ALTERNATIVES = 4
+N_CHECKED = 3
+"""Fastest candidates whose memory ``check`` may drop before the search gives up."""
 
 
 _OFFLOAD_ORDER = ("none", "optimizer", "activations")  # the tie-break's order: cheaper to run first
@@ -130,13 +134,16 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
 
 
 def plan(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: dict | None = None,
-         optimizer: str = "adamw") -> Plan:
+         optimizer: str = "adamw", check: Callable[[Plan], Plan] | None = None) -> Plan:
     """The fastest plan for ``profile`` on ``cluster`` that fits every device's memory.
 
     ``global_batch``: samples per step (``dp · micro_batch_size · num_micro_batches``).
     ``fix``: pin any of :data:`passes.ir.plan.KNOBS` (e.g. ``{"tp": 8, "pp": 4}``); a pinned
     ``tp`` may exceed the devices of one node. With every knob pinned this evaluates that plan.
     Deterministic: ties go to the simpler plan (:meth:`ParallelConfig.key`).
+    ``check``: re-measures a plan's memory exactly (:func:`partitioner.memory_check.replay_check`);
+    the fastest candidates are checked in order and the first whose checked peak fits the device
+    is returned with the checked numbers; a candidate that does not fit is dropped.
     Raises :class:`InfeasiblePlanError` when no candidate fits.
     """
     if global_batch < 1:
@@ -166,14 +173,30 @@ def plan(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: dic
             f"memory, more devices, or a smaller global batch")
         err.min_bytes = need  # for callers and tests: the exact number behind the message
         raise err
-    best = feasible[0]
+    checked: list[tuple[Evaluated, Plan]] = []
+    for e in feasible[:N_CHECKED] if check is not None else feasible[:1]:
+        candidate = _to_plan(ctx, e, ())
+        if check is not None:
+            candidate = check(candidate)
+            if candidate.predicted.peak_memory_bytes > ctx.cap:
+                infeasible.append(dataclasses.replace(e, peak=candidate.predicted.peak_memory_bytes))
+                continue
+        checked.append((e, candidate))
+        break
+    if not checked:
+        worst = ", ".join(f"{_short(e.config)}: {format_bytes(e.peak)}" for e in infeasible[-N_CHECKED:])
+        raise InfeasiblePlanError(
+            f"the exact memory replay of the {min(N_CHECKED, len(feasible))} fastest plans exceeds "
+            f"{format_bytes(cluster.device.memory_bytes)} per device ({worst}); use devices with more memory, "
+            f"more devices, a smaller global batch, or fix checkpointing=full")
+    best, chosen = checked[0]
     alts = [Alternative(knobs=e.config.knobs(), step_time_s=e.step_time, peak_memory_bytes=e.peak,
                         reason=f"slower by {(e.step_time / best.step_time - 1) * 100:.1f}%")
-            for e in feasible[1:N_ALTERNATIVES]]
+            for e in feasible if e is not best][:N_ALTERNATIVES - 1]
     faster = sorted((e for e in infeasible if e.step_time < best.step_time), key=lambda e: (e.step_time, _key(e.config)))
     alts += [Alternative(knobs=e.config.knobs(), step_time_s=e.step_time, peak_memory_bytes=e.peak,
                          reason=_memory_reason(ctx, e)) for e in faster[:2]]
-    return _to_plan(ctx, best, tuple(alts))
+    return dataclasses.replace(chosen, alternatives=tuple(alts))
 
 
 def min_memory(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: dict | None = None,

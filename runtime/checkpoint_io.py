@@ -21,9 +21,9 @@ builds the global plan, and fails the save otherwise):
 
 * pipeline ranks hold disjoint layers; a tied weight is written by the lowest stage holding it;
 * data-parallel replicas are copies: dp index 0 writes parameters (and plain AdamW state);
-  under ZeRO-1 each dp rank writes the slices of optimizer state its flat shard holds, each a
-  contiguous run of a parameter's row-major elements cut into at most ``2 * ndim - 1`` boxes;
-  under ZeRO-2 the same per gradient bucket (each rank holds a chunk of every bucket);
+  under ZeRO-1/2 each dp rank writes the slices of optimizer state its chunk of every gradient
+  bucket holds, each a contiguous run of a parameter's row-major elements cut into at most
+  ``2 * ndim - 1`` boxes;
 * tensor-parallel shards (:class:`ParamLayout`): a parameter split along ``dim`` into equal
   pieces of each *section* (fused q/k/v: three sections) is, on tp rank ``r``, the concatenation
   of section pieces; each section piece is its own box at its global offset. Replicated
@@ -481,12 +481,8 @@ class _OwnedRange:
 
 
 def _owned_ranges(zero) -> list[_OwnedRange]:
-    """ZeRO-1 (``ZeroAdamW``): one flat group of every parameter, this rank's ``shard_numel``
-    slice. ZeRO-2 (``Zero2AdamW``): one flat group per gradient bucket (padded to a multiple of
-    dp), this rank's chunk of each, the chunks back to back in its state."""
-    if hasattr(zero, "shard_numel"):
-        lo = zero.rank * zero.shard_numel
-        return [_OwnedRange(tuple(zero.params), lo, lo + zero.shard_numel, 0)]
+    """ZeRO-1/2 (``runtime.grad_sync.ShardedAdamW``): one flat group per gradient bucket (padded
+    to a multiple of dp), this rank's chunk of each, the chunks back to back in its state."""
     out, offset = [], 0
     for b in zero.sync.buckets:
         n = b.numel // zero.size
@@ -496,8 +492,8 @@ def _owned_ranges(zero) -> list[_OwnedRange]:
 
 
 def _zero_state_param(zero) -> nn.Parameter:
-    """The flat parameter a ZeRO optimizer steps (ZeRO-1 ``shard``, ZeRO-2 ``master``)."""
-    return zero.shard if hasattr(zero, "shard_numel") else zero.master
+    """The flat fp32 master chunk a ZeRO optimizer steps."""
+    return zero.master
 
 
 def _zero_optim_entries(zero, local: Sequence[_LocalParam], *, write: bool) -> dict[str, Entry]:
@@ -536,7 +532,7 @@ def _zero_optim_entries(zero, local: Sequence[_LocalParam], *, write: bool) -> d
 
 
 def _is_zero(optimizer) -> bool:
-    return hasattr(optimizer, "optimizer") and (hasattr(optimizer, "shard_numel") or hasattr(optimizer, "sync"))
+    return hasattr(optimizer, "optimizer") and hasattr(optimizer, "sync")
 
 
 def _ensure_zero_state(zero) -> None:
@@ -596,12 +592,11 @@ def load_checkpoint(pm, directory: str | os.PathLike, *, optimizer: bool = True)
 
 @torch.no_grad()
 def _refresh_zero_master(zero) -> None:
-    """A ZeRO optimizer steps its own flat copy of the parameters (ZeRO-1 ``shard``, ZeRO-2
-    ``master``): refill it from the loaded parameters, or its next all-gather would bring the
-    old weights back."""
+    """A ZeRO optimizer steps its own flat master copy of its chunks of the parameters: refill it
+    from the loaded parameters, or its next all-gather would bring the old weights back."""
     flat = _zero_state_param(zero)
     for owned in _owned_ranges(zero):
-        whole = torch.cat([p.detach().reshape(-1) for p in owned.params])
+        whole = torch.cat([p.detach().reshape(-1).to(flat.dtype) for p in owned.params])
         mine = whole[owned.lo:owned.hi]  # the padding past the last parameter stays as it was
         flat[owned.state_offset:owned.state_offset + mine.numel()].copy_(mine)
 

@@ -5,28 +5,37 @@
   all-reduce over the pipeline's first and last ranks when they are the holders, as for a GPT,
   else over the whole pipeline group with zeros from non-holders) and written back to every
   copy, so identical copies with identical optimizer states stay identical.
-* :class:`BucketedGradSync`: data-parallel gradient average in flat buckets of about
+* :class:`BucketedGradSync`: data-parallel gradient sync in flat buckets of about
   ``bucket_bytes`` (fewer, larger messages), overlapped with backward. A
-  ``register_post_accumulate_grad_hook`` per parameter counts its gradient accumulations; when
-  every parameter of a bucket has received the last one of the step (its stages' backward count:
-  with gradient accumulation over micro-batches only the last backward triggers), the bucket's
-  async all-reduce (or, for ZeRO-2, reduce-scatter) starts while backward goes on. ``finish``
-  launches what backward did not reach, waits every handle and averages. Tied copies sit in
-  buckets of their own that start after :class:`TiedSync` (their sum must be complete first).
+  ``register_post_accumulate_grad_hook`` per parameter tells a bucket when its gradients are
+  complete. Three modes, one per ZeRO stage:
+
+  - ``"all_reduce"`` (no ZeRO): a bucket's async all-reduce starts when every parameter of it has
+    received the last accumulation of the step (with micro-batches only the last backward
+    triggers); ``finish`` averages and makes every ``p.grad`` a view of its bucket.
+  - ``"reduce_scatter"`` (ZeRO-1): the same trigger, but a reduce-scatter: each dp rank keeps only
+    its 1/dp chunk of the (padded) bucket and the full gradients are freed. Full-size gradients
+    live through the accumulation, as ZeRO-1 keeps them.
+  - ``"reduce_scatter_each"`` (ZeRO-2): a bucket is reduce-scattered after EVERY backward that
+    completes it, its full gradients are freed at once, and the chunk is added into a sharded
+    fp32 accumulator: full-size gradients live only while their bucket is in flight (at most
+    ``MAX_IN_FLIGHT`` buckets; the oldest is waited for before another starts, and a bucket's
+    last launch when its next round begins).
+
+  ``finish`` launches what backward did not reach and waits every handle. Tied copies (and
+  sequence-parallel partial gradients) sit in buckets of their own that start after
+  :class:`TiedSync` (their sum must be complete first), so they stay full-size until then.
   Buckets are filled in reverse parameter order, the order backward produces gradients.
-* :class:`ZeroAdamW`: ZeRO stage 1: every dp rank keeps the AdamW state of one contiguous shard
-  of the flattened parameters, steps it, and all-gathers the updated shards. AdamW is elementwise,
-  so this gives the same parameters as an unsharded AdamW. Gradients are still all-reduced in full
-  (ZeRO-2, :class:`Zero2AdamW`, reduce-scatters them instead).
-* :class:`Zero2AdamW`: ZeRO stage 2: the gradients are reduce-scattered bucket by bucket, so
-  each dp rank keeps only its 1/dp chunk of every (padded) bucket and frees the full gradients;
-  it steps the AdamW state of that chunk and all-gathers the updated parameters.
+* :class:`ShardedAdamW`: ZeRO-1 and ZeRO-2: each dp rank keeps an fp32 master copy of its chunk of
+  every bucket and the AdamW state of that chunk, steps it with the averaged gradient chunk, and
+  all-gathers the updated chunks into the parameters. AdamW is elementwise, so this gives the same
+  parameters as an unsharded AdamW.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Literal, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -90,55 +99,6 @@ class TiedSync:
                 p.grad.copy_(total)
 
 
-class ZeroAdamW:
-    """AdamW whose state is sharded over the dp group (ZeRO-1); same results as ``torch.optim.AdamW``.
-
-    Call :meth:`step` after the gradients are averaged over dp (every rank holds full gradients).
-    """
-
-    def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup | None, rank: int, size: int,
-                 **adamw_kwargs):
-        self.params = list(params)
-        self.group, self.rank, self.size = group, rank, size
-        total = sum(p.numel() for p in self.params)
-        self.shard_numel = -(-total // size)  # padded: every shard the same length for all_gather
-        self.padded = self.shard_numel * size
-        flat = self._flatten([p.detach() for p in self.params])
-        lo = rank * self.shard_numel
-        self.shard = nn.Parameter(flat[lo:lo + self.shard_numel].clone())
-        self.optimizer = torch.optim.AdamW([self.shard], **adamw_kwargs)
-
-    def _flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        return torch.nn.functional.pad(flat, (0, self.padded - flat.numel()))
-
-    @torch.no_grad()
-    def step(self) -> None:
-        lo = self.rank * self.shard_numel
-        self.shard.grad = self._flatten([p.grad for p in self.params])[lo:lo + self.shard_numel].clone()
-        self.optimizer.step()
-        if self.size > 1:
-            shards = [torch.empty_like(self.shard) for _ in range(self.size)]
-            comm.all_gather(shards, self.shard.detach(), self.group)
-            flat = torch.cat(shards)
-        else:
-            flat = self.shard.detach()
-        offset = 0
-        for p in self.params:
-            p.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-        self.shard.grad = None
-
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (exp_avg and exp_avg_sq of its shard)."""
-        return sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
-                   for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-
-
 # ------------------------------------------------------------------------------------------------
 # Overlapped buckets and ZeRO-2
 
@@ -154,6 +114,12 @@ def expected_accumulations(stage_params: Mapping[int, Sequence[nn.Parameter]],
     return out
 
 
+SyncMode = Literal["all_reduce", "reduce_scatter", "reduce_scatter_each"]
+MODE_OF_ZERO_STAGE: dict[int, SyncMode] = {0: "all_reduce", 1: "reduce_scatter", 2: "reduce_scatter_each"}
+MAX_IN_FLIGHT = 2
+"""ZeRO-2: buckets whose reduce-scatter may be in flight at once (each holds its full flat copy)."""
+
+
 @dataclass(eq=False)
 class GradBucket:
     """Parameters whose gradients travel in one flat message; ``numel`` is padded to a multiple
@@ -163,9 +129,22 @@ class GradBucket:
     numel: int
     late: bool  # tied copies: launched by ``finish`` after the tied sum
     pending: int = 0  # parameters still waiting for their last accumulation this step
-    flat: torch.Tensor | None = None
-    out: torch.Tensor | None = None  # this rank's reduced chunk (sharded mode)
-    work: object | None = None
+    flat: torch.Tensor | None = None  # all-reduce mode: the bucket, averaged in place
+    out: torch.Tensor | None = None  # sharded modes: this rank's summed chunk so far (fp32)
+    work: object | None = None  # all-reduce and ZeRO-1: the step's one collective
+    round: set[int] = field(default_factory=set)  # ZeRO-2: params accumulated since the last launch
+    launches: int = 0  # collectives started this step
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A ZeRO-2 reduce-scatter not yet waited for: its handle, its result chunk and the full flat
+    copy it reads (kept alive until the wait)."""
+
+    bucket: GradBucket
+    work: object
+    chunk: torch.Tensor
+    flat: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -179,33 +158,42 @@ class LaunchEvent:
 
 
 class BucketedGradSync:
-    """Data-parallel gradient average over ``group`` (``size`` ranks) in flat buckets, started by
-    backward hooks (``overlap``) or after backward; ``shard=True`` reduce-scatters (ZeRO-2).
+    """Data-parallel gradient sync over ``group`` (``size`` ranks) in flat buckets (see the module
+    docstring for the three ``mode``s).
 
     ``late``: parameters (tied copies) that go in trailing buckets started by :meth:`finish` after
     the ``before_late`` callback (the tied sum). ``accumulations``: gradient accumulations per
-    parameter per step (:func:`expected_accumulations`); a parameter missing there never
-    triggers a launch from its hook. Every rank of ``group`` must build it from the same shapes
-    in the same order, and backward must reach parameters in the same order on every rank (the
-    same program): the collectives are matched by issue order.
+    parameter per step (:func:`expected_accumulations`); in the all-reduce and ZeRO-1 modes a
+    parameter missing there never triggers a launch from its hook. ``overlap=False`` starts
+    collectives only in :meth:`finish` (ZeRO-2 still reduces after every backward, waiting at
+    once). Every rank of ``group`` must build it from the same shapes in the same order, and
+    backward must reach parameters in the same order on every rank (the same program): the
+    collectives are matched by issue order.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup | None, size: int, *,
                  rank: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, late: Sequence[nn.Parameter] = (),
-                 overlap: bool = True, shard: bool = False, accumulations: Mapping[int, int] | None = None):
-        self.group, self.size, self.rank, self.shard = group, size, rank, shard
+                 overlap: bool = True, mode: SyncMode = "all_reduce", accumulations: Mapping[int, int] | None = None):
+        if mode not in MODE_OF_ZERO_STAGE.values():
+            raise ConfigError(f"grad_sync: unknown mode {mode!r}; use one of {sorted(MODE_OF_ZERO_STAGE.values())}")
+        self.group, self.size, self.rank, self.mode = group, size, rank, mode
+        self.shard = mode != "all_reduce"
+        self.each_backward = mode == "reduce_scatter_each"
         late_ids = {id(p) for p in late}
         self.params = list(params)
         early = [p for p in reversed(self.params) if id(p) not in late_ids]
         tail = [p for p in reversed(self.params) if id(p) in late_ids]
         self.buckets = self._fill(early, bucket_bytes, False) + self._fill(tail, bucket_bytes, True)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._index = {id(b): k for k, b in enumerate(self.buckets)}
         self.accumulations = dict(accumulations or {})
         self._seen: dict[int, int] = {}
+        self._in_flight: list[_InFlight] = []
         self.events: list[LaunchEvent] = []  # this step's launches so far
         self.last_events: list[LaunchEvent] = []  # the last finished step's (tests check the overlap)
-        self.overlap = overlap and (size > 1 or shard)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in early] if self.overlap else []
+        self.overlap = overlap and (size > 1 or self.shard)
+        hooked = self.overlap or self.each_backward
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in early] if hooked else []
         self.reset()
 
     def _fill(self, params: Sequence[nn.Parameter], bucket_bytes: int, late: bool) -> list[GradBucket]:
@@ -228,16 +216,36 @@ class BucketedGradSync:
     def reset(self) -> None:
         """Forget the current step's progress (called by :meth:`finish` and before each step)."""
         self._seen.clear()
+        self._in_flight = []
         self.events = []
         for b in self.buckets:
-            b.pending, b.flat, b.out, b.work = len(b.params), None, None, None
+            b.pending, b.flat, b.out, b.work, b.launches = len(b.params), None, None, None, 0
+            b.round = set()
+
+    def held_bytes(self) -> int:
+        """Gradient bytes this object holds now: ZeRO's summed chunks and the flat copies of the
+        buckets in flight (all-reduce mode: the buckets, which ``p.grad`` views after ``finish``)."""
+        total = 0
+        for b in self.buckets:
+            for t in (b.flat, b.out):
+                if t is not None:
+                    total += t.numel() * t.element_size()
+        return total + sum(f.flat.numel() * f.flat.element_size() for f in self._in_flight)
 
     # ------------------------------------------------------------------------------------------
     def _on_grad(self, p: nn.Parameter) -> None:
+        bucket = self._bucket_of[id(p)]
+        if self.each_backward:
+            if not bucket.round:  # a new round of this bucket: its last one has had a whole backward
+                for f in [f for f in self._in_flight if f.bucket is bucket]:
+                    self._retire(f)
+            bucket.round.add(id(p))
+            if len(bucket.round) == len(bucket.params):
+                self._launch(bucket, from_hook=True)
+            return
         expected = self.accumulations.get(id(p))
         if expected is None:
             return
-        bucket = self._bucket_of[id(p)]
         seen = self._seen[id(p)] = self._seen.get(id(p), 0) + 1
         if bucket.work is not None:
             raise ConfigError(f"grad_sync: a parameter of shape {tuple(p.shape)} got gradient accumulation {seen} "
@@ -248,46 +256,75 @@ class BucketedGradSync:
             if bucket.pending == 0:
                 self._launch(bucket, from_hook=True)
 
-    def _launch(self, b: GradBucket, *, from_hook: bool) -> None:
+    def _flat_grads(self, b: GradBucket, dtype: torch.dtype | None = None) -> torch.Tensor:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = torch.cat([g.reshape(-1).to(dtype or g.dtype) for g in grads])
         if b.numel > flat.numel():
             flat = torch.nn.functional.pad(flat, (0, b.numel - flat.numel()))
-        b.flat = flat
-        if self.shard:
-            chunks = list(flat.chunk(self.size))
-            b.out = torch.empty_like(chunks[0])
-            if self.size > 1:
-                b.work = comm.reduce_scatter(b.out, chunks, self.group, async_op=True)
-            else:
-                b.out.copy_(chunks[0])
-                b.work = _DONE
-            for p in b.params:  # ZeRO-2: this rank keeps only its reduced chunk
-                p.grad = None
+        return flat
+
+    def _launch(self, b: GradBucket, *, from_hook: bool) -> None:
+        b.launches += 1
+        self.events.append(LaunchEvent(self._index[id(b)], time.perf_counter(), from_hook))
+        if not self.shard:
+            b.flat = self._flat_grads(b)
+            b.work = comm.all_reduce(b.flat, self.group, async_op=True) if self.size > 1 else _DONE
+            return
+        flat = self._flat_grads(b, torch.float32)  # the shard sums in fp32 whatever the grads' dtype
+        for p in b.params:  # this rank keeps only its reduced chunk
+            p.grad = None
+        b.round = set()
+        chunks = list(flat.chunk(self.size))
+        chunk = torch.empty_like(chunks[0])
+        if self.size > 1:
+            work = comm.reduce_scatter(chunk, chunks, self.group, async_op=True)
         else:
-            b.work = comm.all_reduce(flat, self.group, async_op=True) if self.size > 1 else _DONE
-        self.events.append(LaunchEvent(self.buckets.index(b), time.perf_counter(), from_hook))
+            chunk.copy_(chunks[0])
+            work = _DONE
+        if not self.each_backward:  # ZeRO-1: one collective per bucket and step
+            b.out, b.work, b.flat = chunk, work, flat
+            return
+        while len(self._in_flight) >= MAX_IN_FLIGHT:
+            self._retire(self._in_flight[0])
+        self._in_flight.append(_InFlight(b, work, chunk, flat))
+        if not self.overlap:
+            self._retire(self._in_flight[-1])
+
+    def _retire(self, f: _InFlight) -> None:
+        """ZeRO-2: wait one reduce-scatter and add its chunk into the bucket's accumulator."""
+        comm.wait(f.work, self.group)
+        self._in_flight.remove(f)
+        if f.bucket.out is None:
+            f.bucket.out = f.chunk
+        else:
+            f.bucket.out += f.chunk
 
     @torch.no_grad()
     def finish(self, before_late: Callable[[], None] | None = None) -> torch.Tensor | None:
-        """Launch every bucket backward did not (first the early ones, then ``before_late()``,
-        then the late ones), wait all and average. All-reduce mode: ``p.grad`` holds the average
-        (a view into the bucket). Sharded mode: returns this rank's averaged flat gradient chunk
-        (the concatenation of its chunk of every bucket) and leaves ``p.grad`` None."""
+        """Launch every bucket backward did not complete (first the early ones, then
+        ``before_late()``, then the late ones), wait all and average. All-reduce mode: ``p.grad``
+        holds the average (a view into the bucket). Sharded modes: returns this rank's averaged
+        flat gradient chunk (the concatenation of its chunk of every bucket, fp32) and leaves
+        ``p.grad`` None."""
         for b in self.buckets:
-            if not b.late and b.work is None:
+            if not b.late and self._unsent(b):
                 self._launch(b, from_hook=False)
         if before_late is not None:
             before_late()
         for b in self.buckets:
             if b.late:
                 self._launch(b, from_hook=False)
+        while self._in_flight:
+            self._retire(self._in_flight[0])
         chunks = []
         for b in self.buckets:
-            comm.wait(b.work, self.group)
             if self.shard:
+                if b.work is not None:
+                    comm.wait(b.work, self.group)
+                    b.flat = None
                 chunks.append(b.out.div_(self.size))
                 continue
+            comm.wait(b.work, self.group)
             if self.size > 1:
                 b.flat /= self.size
             offset = 0
@@ -297,6 +334,13 @@ class BucketedGradSync:
         self.last_events = list(self.events)
         self.reset()
         return torch.cat(chunks) if self.shard else None
+
+    def _unsent(self, b: GradBucket) -> bool:
+        """Whether ``finish`` must still launch ``b``: never launched this step, or (ZeRO-2)
+        gradients accumulated since its last launch."""
+        if not self.each_backward:
+            return b.work is None
+        return b.launches == 0 or any(p.grad is not None for p in b.params)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -314,26 +358,27 @@ class _Done:
 _DONE = _Done()
 
 
-class Zero2AdamW:
-    """ZeRO-2 AdamW over the dp group of ``sync`` (a sharded :class:`BucketedGradSync`): this
-    rank's AdamW state and gradients cover only its chunk of every bucket (1/dp of the padded
-    flat parameters); same results as ``torch.optim.AdamW``.
+class ShardedAdamW:
+    """ZeRO-1/2 AdamW over the dp group of ``sync`` (a sharded :class:`BucketedGradSync`): this
+    rank's fp32 master weights, AdamW state and gradients cover only its chunk of every bucket
+    (1/dp of the padded flat parameters); same results as ``torch.optim.AdamW``.
 
     The step: ``sync.finish`` (called by the gradient-sync action) hands over the averaged chunk;
-    :meth:`step` steps the chunk and all-gathers every bucket's updated chunks into the params.
+    :meth:`step` steps the chunk and all-gathers every bucket's updated chunks into the params
+    (at most ``MAX_IN_FLIGHT`` buckets' gathers at once, so the gathered copies stay small).
     """
 
     def __init__(self, sync: BucketedGradSync, **adamw_kwargs):
         if not sync.shard:
-            raise ConfigError("grad_sync: Zero2AdamW needs a BucketedGradSync built with shard=True")
+            raise ConfigError("grad_sync: ShardedAdamW needs a BucketedGradSync in a reduce_scatter mode")
         self.sync = sync
         self.params = sync.params
         self.rank, self.size, self.group = sync.rank, sync.size, sync.group
         with torch.no_grad():
-            chunks = [self._flat(b, [p.detach() for p in b.params]).chunk(self.size)[self.rank] for b in sync.buckets]
+            chunks = [self._flat(b, [p.detach().float() for p in b.params]).chunk(self.size)[self.rank]
+                      for b in sync.buckets]
         self.master = nn.Parameter(torch.cat(chunks).clone())
         self.optimizer = torch.optim.AdamW([self.master], **adamw_kwargs)
-        self.grad_chunk: torch.Tensor | None = None
 
     @staticmethod
     def _flat(b: GradBucket, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -344,25 +389,61 @@ class Zero2AdamW:
         """The averaged gradient chunk from :meth:`BucketedGradSync.finish`."""
         self.master.grad = chunk
 
+    def _chunks(self, flat: torch.Tensor) -> Iterator[tuple[GradBucket, torch.Tensor]]:
+        offset = 0
+        for b in self.sync.buckets:
+            n = b.numel // self.size
+            yield b, flat[offset:offset + n]
+            offset += n
+
+    def _gather_into(self, flat: torch.Tensor, write: Callable[[GradBucket, torch.Tensor], None]) -> None:
+        """All-gather every bucket's chunk of ``flat`` (this rank's concatenated chunks) and hand
+        each bucket's full flat tensor to ``write``; at most ``MAX_IN_FLIGHT`` at once."""
+        pending: list[tuple[GradBucket, list[torch.Tensor], object]] = []
+
+        def drain(keep: int) -> None:
+            while len(pending) > keep:
+                b, parts, work = pending.pop(0)
+                comm.wait(work, self.group)
+                write(b, torch.cat(parts))
+
+        for b, mine in self._chunks(flat):
+            if self.size > 1:
+                parts = [torch.empty_like(mine) for _ in range(self.size)]
+                pending.append((b, parts, comm.all_gather(parts, mine, self.group, async_op=True)))
+            else:
+                pending.append((b, [mine], _DONE))
+            drain(MAX_IN_FLIGHT)
+        drain(0)
+
     @torch.no_grad()
     def step(self) -> None:
         self.optimizer.step()
-        gathered, offset = [], 0
-        for b in self.sync.buckets:
-            n = b.numel // self.size
-            mine = self.master.detach()[offset:offset + n]
-            offset += n
-            if self.size > 1:
-                parts = [torch.empty_like(mine) for _ in range(self.size)]
-                gathered.append((b, parts, comm.all_gather(parts, mine, self.group, async_op=True)))
-            else:
-                gathered.append((b, [mine], _DONE))
-        for b, parts, work in gathered:
-            comm.wait(work, self.group)
-            flat, pos = torch.cat(parts), 0
+
+        def write(b: GradBucket, full: torch.Tensor) -> None:
+            pos = 0
             for p in b.params:
-                p.copy_(flat[pos:pos + p.numel()].view_as(p))
+                p.copy_(full[pos:pos + p.numel()].view_as(p))
                 pos += p.numel()
+
+        self._gather_into(self.master.detach(), write)
+
+    @torch.no_grad()
+    def full_gradients(self) -> dict[int, torch.Tensor]:
+        """The averaged gradient of every parameter (by ``id``), all-gathered from the chunks of
+        the last sync. Collective over the dp group."""
+        out: dict[int, torch.Tensor] = {}
+        if self.master.grad is None:
+            return out
+
+        def write(b: GradBucket, full: torch.Tensor) -> None:
+            pos = 0
+            for p in b.params:
+                out[id(p)] = full[pos:pos + p.numel()].view_as(p).to(p.dtype).clone()
+                pos += p.numel()
+
+        self._gather_into(self.master.grad, write)
+        return out
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -379,11 +460,3 @@ class Zero2AdamW:
         held = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
         g = self.master.grad
         return held + (g.numel() * g.element_size() if g is not None else 0)
-
-
-def zero_stage(zero: bool | int) -> int:
-    """The ZeRO stage asked for: ``False``/0 none, ``True``/1 optimizer state, 2 also gradients."""
-    stage = int(zero) if isinstance(zero, (bool, int)) else -1
-    if stage not in (0, 1, 2):
-        raise ConfigError(f"grad_sync: zero={zero!r} is not a ZeRO stage we run; use 0, 1 (or True) or 2")
-    return stage

@@ -208,13 +208,13 @@ class StepTimer:
             if p.grad is not None:
                 yield p.grad
         opt = self.model.optimizer
-        # ZeRO-1 (runtime.grad_sync.ZeroAdamW) has no ``.state``: it holds a flat parameter shard
-        # (with its gradient) and an inner AdamW over that shard, whose state is the shard's.
-        shard = getattr(opt, "shard", None)
-        if isinstance(shard, torch.Tensor):
-            yield shard
-            if shard.grad is not None:
-                yield shard.grad
+        # ZeRO (runtime.grad_sync.ShardedAdamW) has no ``.state``: it holds a flat fp32 master
+        # chunk (with its gradient) and an inner AdamW over that chunk, whose state is the chunk's.
+        master = getattr(opt, "master", None)
+        if isinstance(master, torch.Tensor):
+            yield master
+            if master.grad is not None:
+                yield master.grad
         for o in (opt, getattr(opt, "optimizer", None)):
             state = getattr(o, "state", {})
             for st in (state.values() if isinstance(state, dict) else ()):

@@ -6,7 +6,7 @@ it captures nothing and runs no pass. Around the program it builds what is proce
     RankProgram (stage programs, I/O contracts, comms, schedule, config)
         -> stage executor (the schedule's actions; pipeline P2P through runtime.comm)
         -> gradient sync (tied copies, sequence-parallel partial grads, dp buckets / ZeRO)
-        -> optimizer (AdamW, ZeRO-1/2 AdamW, or AdamW on the host for offload="optimizer")
+        -> optimizer (AdamW, ZeRO-1/2 sharded AdamW, or AdamW on the host for offload="optimizer")
 
 ``train_step(batch)`` takes the *global* batch (every rank gets the same tensors), keeps this
 dp rank's contiguous slice, cuts it into ``num_micro_batches`` micro-batches, runs the schedule
@@ -34,7 +34,7 @@ from passes.ir.errors import ConfigError
 from passes.ir.program import RankProgram, unshard_tensor
 from runtime import comm
 from runtime.grad_sync import (
-    DEFAULT_BUCKET_BYTES, BucketedGradSync, TiedCopies, TiedSync, Zero2AdamW, ZeroAdamW, expected_accumulations,
+    DEFAULT_BUCKET_BYTES, MODE_OF_ZERO_STAGE, BucketedGradSync, ShardedAdamW, TiedCopies, TiedSync, expected_accumulations,
     fill_missing_grads, unique_params,
 )
 from runtime.kernels.collectives import DistGroup, all_reduce_grads, register_group
@@ -100,10 +100,8 @@ class ParallelModel:
         self.grad_buckets = self._grad_buckets(overlap_grad_sync)
         if c.offload == "optimizer":
             self.optimizer = HostOffloadedAdamW(self.params, **kwargs)
-        elif self.zero == 2:
-            self.optimizer = Zero2AdamW(self.grad_buckets, **kwargs)
-        elif self.zero == 1:
-            self.optimizer = ZeroAdamW(self.params, mesh.dp_group, mesh.dp_index, c.dp, **kwargs)
+        elif self.zero:
+            self.optimizer = ShardedAdamW(self.grad_buckets, **kwargs)
         else:
             self.optimizer = torch.optim.AdamW(self.params, **kwargs)
 
@@ -140,13 +138,13 @@ class ParallelModel:
 
     def _grad_buckets(self, overlap: bool) -> BucketedGradSync | None:
         """The dp gradient buckets (None when there is nothing to average or shard)."""
-        if self.dp == 1 and self.zero != 2:
+        if self.dp == 1 and not self.zero:
             return None
         accumulations = expected_accumulations({s: unique_params([st.module]) for s, st in self.stages.items()},
                                                backward_counts(self.actions))
         return BucketedGradSync(self.params, self.mesh.dp_group, self.dp, rank=self.mesh.dp_index,
                                 bucket_bytes=self.bucket_bytes, late=[p for t in self.tied_sync.tied for p in t.copies] + self.sp_params,
-                                overlap=overlap, shard=self.zero == 2, accumulations=accumulations)
+                                overlap=overlap, mode=MODE_OF_ZERO_STAGE[self.zero], accumulations=accumulations)
 
     def _sp_grad_sync(self) -> None:
         if self.sp_params:
@@ -167,7 +165,7 @@ class ParallelModel:
 
         chunk = self.grad_buckets.finish(before_late=tied)
         if chunk is not None:
-            self.optimizer.set_grad(chunk)  # ZeRO-2: this rank's averaged chunk
+            self.optimizer.set_grad(chunk)  # ZeRO: this rank's averaged chunk
 
     def _step(self) -> None:
         # Gradients are zeroed at the start of the next step, not here, so that after a step
@@ -228,8 +226,19 @@ class ParallelModel:
         return self._gather_full({n: p.detach() for n, p in self.named_parameters().items()})
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
-        """As :meth:`full_parameters`, for the gradients of the last step (after their sync)."""
-        return self._gather_full({n: p.grad for n, p in self.named_parameters().items()})
+        """As :meth:`full_parameters`, for the gradients of the last step (after their sync):
+        under ZeRO the dp-averaged chunks are all-gathered first (collective over dp and tp)."""
+        return self._gather_full(self.synced_gradients())
+
+    def synced_gradients(self) -> dict[str, torch.Tensor]:
+        """This rank's gradients of the last step by name, after the dp sync (tp shards as they
+        are). Under ZeRO, where a rank keeps only its chunk, the chunks are all-gathered over dp
+        (collective: every dp rank must call it)."""
+        named = self.named_parameters()
+        if isinstance(self.optimizer, ShardedAdamW):
+            full = self.optimizer.full_gradients()
+            return {n: full[id(p)] for n, p in named.items() if id(p) in full}
+        return {n: p.grad for n, p in named.items()}
 
     def _gather_full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         plan = self.program.tp_plan

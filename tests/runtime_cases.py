@@ -45,7 +45,7 @@ class Plan:
     virtual_pp: int
     num_micro_batches: int
     global_batch: int  # samples per optimizer step, split over dp, then into micro-batches
-    zero: bool
+    zero: int  # ZeRO stage 0, 1 or 2
     checkpointing: str
     offload: str
 
@@ -57,7 +57,7 @@ class Plan:
     @property
     def id(self) -> str:
         return (f"{self.model}-dp{self.dp}-tp{self.tp}-pp{self.pp}-{self.schedule}-v{self.virtual_pp}"
-                f"-m{self.num_micro_batches}-b{self.global_batch}" + ("-zero1" if self.zero else "")
+                f"-m{self.num_micro_batches}-b{self.global_batch}" + (f"-zero{self.zero}" if self.zero else "")
                 + (f"-ckpt_{self.checkpointing}" if self.checkpointing != "none" else "")
                 + (f"-offload_{self.offload}" if self.offload != "none" else ""))
 
@@ -65,7 +65,7 @@ class Plan:
         """The :class:`ParallelConfig` the plan is lowered with."""
         return ParallelConfig.for_global_batch(
             self.global_batch, dp=self.dp, tp=self.tp, pp=self.pp, schedule=self.schedule, virtual_pp=self.virtual_pp,
-            num_micro_batches=self.num_micro_batches, zero_stage=int(self.zero), checkpointing=self.checkpointing,
+            num_micro_batches=self.num_micro_batches, zero_stage=self.zero, checkpointing=self.checkpointing,
             offload=self.offload)
 
 

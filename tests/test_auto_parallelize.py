@@ -186,3 +186,36 @@ def test_live_bytes_counts_storages_once_and_frees_them():
         assert mode.live == 20000
         del view, b
     assert (mode.live, mode.peak) == (4000, 20000)
+
+
+def test_returned_plan_memory_is_the_replay_and_matches_each_rank_measured(distributed):
+    """The plan's own peak (what decided that it fits) is the exact replay of each rank's program,
+    and each rank's measured peak (live storages, steps 0 and 1) is within 5% of its number."""
+    plan = distributed[0]["plan"]
+    assert plan.predicted.memory_model == "replay"
+    peaks = plan.predicted.rank_peak_memory_bytes
+    assert len(peaks) == WORLD and plan.predicted.peak_memory_bytes == max(peaks)
+    for st in plan.stages:  # a stage's peak is the largest of its ranks' (dp replicas are equal)
+        assert st.peak_memory_bytes == max(peaks[st.index * 2:(st.index + 1) * 2])
+    for rank, per_rank in enumerate(distributed[0]["steps"]):
+        measured = max(m.peak_memory_bytes for m in per_rank if m.peak_memory_bytes is not None)
+        assert measured == pytest.approx(peaks[rank], rel=0.05), f"rank {rank}: measured {measured}, plan {peaks[rank]}"
+
+
+@pytest.mark.parametrize("spec", ["gpt:layers=2,hidden=64,heads=4,vocab=500,seq=32",
+                                  "hf-gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=500,seq=32"])
+def test_planner_counts_tied_weights_once(spec):
+    """The embedding and the LM head share one tensor: the plan's parameter count and model-state
+    bytes are the module's own (not the untied copy's, +13% on these models)."""
+    from partitioner.auto import meta_copy
+    from partitioner.profile import profile_spec
+
+    model = build_model(spec)
+    own = sum(p.numel() for p in model.module.parameters())  # each tensor once
+    names = [n for n, _ in model.module.named_parameters(remove_duplicate=False)]
+    assert len(names) > len(dict(model.module.named_parameters()))  # the model does tie weights
+    assert profile_spec(meta_copy(model)).param_count == own
+    plan = choose_plan(model, Cluster.local(1), world_size=1, global_batch_size=4,
+                       fix="dp=1,tp=1,pp=1,offload=none,checkpointing=none")
+    memory = plan.stages[0].memory
+    assert (memory["parameters"], memory["gradients"], memory["optimizer"]) == (4 * own, 4 * own, 8 * own)

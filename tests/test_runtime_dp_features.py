@@ -3,8 +3,10 @@ with backward, ZeRO-2 and bf16 mixed precision, against single-process AdamW tra
 
 * overlap on/off at dp=2 and (dp, pp)=(2, 2): same losses, parameters and synced gradients as one
   process (rtol 1e-5); with overlap a bucket's all-reduce starts inside the last backward action.
-* ZeRO-2 at dp=2, dp=4 and (dp, pp)=(2, 2): same losses and parameters; after the step a rank holds
-  1/dp of the optimizer state and of the gradients.
+* ZeRO-1 and ZeRO-2 at dp=2, dp=4 and (dp, pp)=(2, 2): same losses, parameters and (all-gathered)
+  averaged gradients; after the step a rank holds 1/dp of the optimizer state and of the
+  gradients. Gradient bytes are measured after EVERY backward action: under ZeRO-2 at most 1/dp
+  of the full gradients plus the buckets in flight, under ZeRO-1 the full gradients.
 * bf16 autocast (fp32 master weights) at (dp, pp)=(2, 2): losses within 1e-2 of single-process
   training under the same autocast.
 """
@@ -45,10 +47,26 @@ class Case:
 CASES = [
     Case(2, 1, 2), Case(2, 1, 2, overlap=False),
     Case(2, 2, 2), Case(2, 2, 2, overlap=False),
-    Case(2, 1, 2, zero=2), Case(4, 1, 2, zero=2), Case(2, 2, 2, zero=2),
+    Case(2, 1, 2, zero=2), Case(4, 1, 4, zero=2), Case(2, 2, 4, zero=2), Case(2, 1, 4, zero=2, overlap=False),
+    Case(4, 1, 4, zero=1),
     Case(2, 2, 2, mixed_precision="bf16"),
 ]
 FP32_CASES = [c for c in CASES if c.mixed_precision is None]
+
+
+def _record_gradient_bytes(model) -> list[int]:
+    """Wrap the executor's backward action: after each one, append the gradient bytes the rank
+    holds (every ``p.grad``, plus what the dp sync holds: ZeRO chunks and buckets in flight)."""
+    held: list[int] = []
+    backward = model.executor._backward
+
+    def measured(action):
+        backward(action)
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in model.params if p.grad is not None)
+        held.append(grads + model.grad_buckets.held_bytes())
+
+    model.executor._backward = measured
+    return held
 
 
 def _batches(spec):
@@ -75,6 +93,7 @@ def _train_cases(cases):
                                                  dtype=case.mixed_precision or "fp32")
         model = build_parallel_model(graph, config, mesh, adamw=ADAMW, bucket_bytes=BUCKET_BYTES,
                                      overlap_grad_sync=case.overlap)
+        held_after_backward = _record_gradient_bytes(model)
         start = time.perf_counter()
         losses = [model.train_step(b) for b in batches]
         named = model.named_parameters()
@@ -82,8 +101,11 @@ def _train_cases(cases):
         result = {"losses": losses, "train_s": time.perf_counter() - start,
                   "params": {n: p.detach().clone() for n, p in named.items()},
                   "grads": {n: None if p.grad is None else p.grad.clone() for n, p in named.items()},
+                  "synced_grads": {n: g.clone() for n, g in model.synced_gradients().items()},
+                  "held_after_backward": held_after_backward[-case.m:],  # the last step's micro-batches
+                  "max_bucket_bytes": max(b.numel for b in model.grad_buckets.buckets) * 4,
                   "param_bytes": total_numel * 4, "buckets": len(model.grad_buckets.buckets)}
-        if case.zero == 2:
+        if case.zero:
             result["state_bytes"] = model.optimizer.state_bytes()
             result["grad_bytes"] = model.optimizer.grad_bytes()
         # Backward of the last step: when each backward action ended and when each bucket started.
@@ -127,12 +149,11 @@ def test_same_losses_and_parameters_as_one_device(distributed, reference, case):
             torch.testing.assert_close(value, expected.detach(), rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"rank {rank} {name}: {m}")
             covered.add(id(expected))
-            grad = result["grads"][name]
-            if case.zero == 2:
-                assert grad is None, f"ZeRO-2 must free the full gradient of {name}"
-            else:  # AdamW is scale invariant: check the synced gradients as well
-                torch.testing.assert_close(grad, expected.grad, rtol=1e-5, atol=1e-7,
-                                           msg=lambda m: f"rank {rank} grad of {name}: {m}")
+            if case.zero:
+                assert result["grads"][name] is None, f"ZeRO must free the full gradient of {name}"
+            # AdamW is scale invariant: check the synced gradients as well (ZeRO: all-gathered)
+            torch.testing.assert_close(result["synced_grads"][name], expected.grad, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"rank {rank} grad of {name}: {m}")
     assert {id(p) for p in ref_model.parameters()} <= covered
 
 
@@ -154,14 +175,38 @@ def test_serial_path_starts_buckets_after_backward(distributed):
         assert all(not hook and t > last_backward_end for _, t, hook in result["launches"])
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.zero == 2], ids=lambda c: c.id)
-def test_zero2_holds_one_dp_th_of_state_and_gradients(distributed, case):
+@pytest.mark.parametrize("case", [c for c in CASES if c.zero], ids=lambda c: c.id)
+def test_zero_holds_one_dp_th_of_state_and_gradients(distributed, case):
     for result in _ranks(distributed, case):
         full = result["param_bytes"]
         padding = result["buckets"] * case.dp * 4  # each bucket padded by < dp fp32 elements
         assert abs(result["grad_bytes"] - full / case.dp) <= padding, (result["grad_bytes"], full, case.dp)
         # two moments (exp_avg, exp_avg_sq) per element of the shard
         assert abs(result["state_bytes"] - 2 * full / case.dp) <= 2 * padding, (result["state_bytes"], full)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.zero == 2], ids=lambda c: c.id)
+def test_zero2_holds_sharded_gradients_during_backward(distributed, case):
+    """After every backward of a step (not only after the sync), a ZeRO-2 rank holds its fp32
+    chunks (1/dp of the padded gradients) plus at most two buckets in flight, never the full
+    gradients of its stage."""
+    for rank, result in enumerate(_ranks(distributed, case)):
+        full, padding = result["param_bytes"], result["buckets"] * case.dp * 4
+        bound = full / case.dp + padding + 2 * result["max_bucket_bytes"]
+        assert bound < full  # the bound says something: the tiny model has many small buckets
+        assert len(result["held_after_backward"]) == case.m
+        for k, held in enumerate(result["held_after_backward"]):
+            assert held <= bound, f"rank {rank}, backward {k}: {held} gradient bytes > {bound:.0f} ({full} full)"
+        assert max(result["held_after_backward"]) > 0
+
+
+def test_zero1_keeps_full_gradients_through_accumulation(distributed):
+    """ZeRO-1 reduce-scatters once, after the last accumulation: the earlier backwards hold every
+    gradient of the rank in full (what the planner counts for it)."""
+    case = Case(4, 1, 4, zero=1)
+    for rank, result in enumerate(_ranks(distributed, case)):
+        for k, held in enumerate(result["held_after_backward"][:-1]):
+            assert held >= result["param_bytes"], f"rank {rank}, backward {k}: {held} < {result['param_bytes']}"
 
 
 def test_bf16_losses_match_single_process_autocast(distributed, reference):

@@ -79,7 +79,7 @@ def _train_cases(cases):
         built = time.perf_counter()
         losses = [model.train_step(b) for b in batches]
         params = {name: p.detach().clone() for name, p in model.named_parameters().items()}
-        grads = {name: p.grad.clone() for name, p in model.named_parameters().items()}  # last step's
+        grads = {name: g.clone() for name, g in model.synced_gradients().items()}  # last step's, dp-averaged
         state = model.optimizer.state_bytes() if zero else sum(
             t.numel() * t.element_size() for st in model.optimizer.state.values() for t in st.values() if t.dim())
         out[_case_id(case)] = {"losses": losses, "params": params, "grads": grads, "build_s": built - start,

@@ -2,7 +2,7 @@
 
 Hypothesis draws feasible plans (``plans`` below: tiny zoo GPT and tiny HF GPT-2,
 dp*tp*pp in {1, 2, 4, 8}, tp | heads, gpipe / 1f1b / interleaved with virtual_pp=2, micro-batches,
-ZeRO-1, full checkpointing or activation offload) and each one must give the per-step losses,
+ZeRO-1 or ZeRO-2, full checkpointing or activation offload) and each one must give the per-step losses,
 final parameters and last-step gradients of single-process AdamW training at rtol 1e-5. Fixed
 HF GPT-2 1F1B plans add pipeline coverage of a model we did not write.
 
@@ -47,7 +47,7 @@ def plans(draw, models=tuple(MODELS), max_ranks: int = WORLD) -> Plan:
     memory = [("none", "none"), ("full", "none"), ("none", "activations")]
     ckpt, offload = draw(st.sampled_from(memory))
     return Plan(model=model, dp=dp, tp=tp, pp=pp, schedule=schedule, virtual_pp=v, num_micro_batches=m,
-                global_batch=dp * m * per_micro_batch, zero=draw(st.booleans()), checkpointing=ckpt, offload=offload)
+                global_batch=dp * m * per_micro_batch, zero=draw(st.sampled_from([0, 1, 2] if dp > 1 else [0])), checkpointing=ckpt, offload=offload)
 
 
 def draw_plans(strategy, n: int, *, seed_value: int, pool_size: int = 200) -> list[Plan]:
@@ -94,7 +94,7 @@ DRAWN = draw_plans(plans(), N_DRAWN, seed_value=SEED)
 
 # HF GPT-2 through the pipeline with 1F1B: dp only, pp 2 and 4, dp x pp, and all three axes.
 HF_PIPELINE = [Plan(model="hf-gpt2", dp=dp, tp=tp, pp=pp, schedule="1f1b", virtual_pp=1,
-                    num_micro_batches=max(2, pp), global_batch=8, zero=False, checkpointing="none",
+                    num_micro_batches=max(2, pp), global_batch=8, zero=0, checkpointing="none",
                     offload="none")
                for dp, tp, pp in [(2, 1, 1), (1, 1, 2), (1, 1, 4), (2, 1, 2), (2, 2, 2)]]
 ALL = DRAWN + [p for p in HF_PIPELINE if p not in DRAWN]
@@ -175,7 +175,7 @@ def test_draw_covers_every_axis_and_option():
         "memory": {(p.checkpointing, p.offload) for p in DRAWN},
     }
     want = {"model": set(MODELS), "tp>1": {True, False}, "pp>1": {True, False}, "dp>1": {True, False},
-            "schedule": {"gpipe", "1f1b", "interleaved"}, "zero": {True, False},
+            "schedule": {"gpipe", "1f1b", "interleaved"}, "zero": {0, 1, 2},
             "memory": {("none", "none"), ("full", "none"), ("none", "activations")}}
     assert seen == want, [p.id for p in DRAWN]
     assert len(DRAWN) == len(set(DRAWN)) == N_DRAWN

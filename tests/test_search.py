@@ -192,3 +192,37 @@ def test_offload_of_checkpointed_blocks_moves_one_tensor_per_block():
     assert full < none
     stage_tensors = {round(x / (2 * 2)) for x in (full,)}
     assert stage_tensors <= {2 + prof.embedding.saved_tensors, 2 + prof.head.saved_tensors}
+
+
+def _shrunk(preset: str, nodes: int, memory_gib: float | None) -> Cluster:
+    c = Cluster.preset(preset, nodes=nodes)
+    if memory_gib is not None:
+        c = dataclasses.replace(c, device=dataclasses.replace(c.device, memory_bytes=int(memory_gib * 2**30)))
+    return c
+
+
+EXHAUSTIVE_MODELS = ("gpt:layers=8,hidden=1024,heads=16,vocab=32000,seq=1024",
+                     "llama:layers=8,hidden=1024,heads=16,kv_heads=4,vocab=32000,seq=1024",
+                     "bert:layers=8,hidden=768,heads=12,vocab=30000,seq=512")
+# One node with room, two nodes, and a node so small that memory decides (checkpointing, ZeRO, offload).
+EXHAUSTIVE_CLUSTERS = (("dgx-a100-80gb", 1, None), ("dgx-h100", 2, None), ("dgx-a100-40gb", 1, 1.5))
+
+
+@pytest.mark.parametrize("spec", EXHAUSTIVE_MODELS, ids=lambda s: s.split(":")[0])
+@pytest.mark.parametrize("cluster_args", EXHAUSTIVE_CLUSTERS, ids=lambda a: f"{a[0]}x{a[1]}-{a[2] or 'full'}")
+def test_search_returns_the_exhaustive_optimum(spec, cluster_args):
+    """Branch and bound must return what evaluating EVERY candidate returns: the fastest feasible
+    plan, ties to the simpler one."""
+    from partitioner.plan_cost import PlanContext, evaluate
+    from partitioner.search import _key
+
+    profile = profile_model(spec, dtype="bf16")
+    cluster = _shrunk(*cluster_args)
+    ctx = PlanContext(profile, cluster, 64, "adamw")
+    every = [evaluate(ctx, c) for c in candidates(profile, cluster, 64)]
+    feasible = [e for e in every if e.feasible]
+    assert feasible and len(feasible) < len(every) or cluster_args[2] is None
+    best = min(feasible, key=lambda e: (e.step_time, _key(e.config)))
+    chosen = plan(profile, cluster, global_batch=64)
+    assert chosen.config.knobs() == best.config.knobs()
+    assert chosen.predicted.step_time_s == best.step_time

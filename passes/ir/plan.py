@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 from passes.ir.config import KNOBS, ParallelConfig
 from passes.ir.errors import ConfigError
@@ -56,11 +57,16 @@ class Prediction:
     mfu: float
     """Model FLOPs utilisation: model FLOP/s over the devices' datasheet peak."""
     peak_memory_bytes: float
-    """Largest per-device peak over the stages."""
+    """Largest per-device peak over the stages, bytes."""
     bubble_fraction: float
     """Pipeline idle fraction of the schedule: (p−1)/v / (m + (p−1)/v)."""
     terms: dict[str, float]
     """``StepTimeTerms.to_dict()``: seconds by cause, and ``total``."""
+    rank_peak_memory_bytes: tuple[float, ...] = ()
+    """Peak bytes of each global rank (index = rank) when ``memory_model`` is ``"replay"``."""
+    memory_model: Literal["analytic", "replay"] = "analytic"
+    """Where the peaks come from: the search's per-layer model, or the exact replay of the rank
+    programs (:mod:`partitioner.memory_check`) that every returned plan of a captured model gets."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,7 +141,9 @@ class Plan:
         data["stages"] = tuple(
             StagePlan(**{**s, "layers": tuple(tuple(r) for r in s["layers"]), "layer_names": tuple(s["layer_names"])})
             for s in data.get("stages", ()))
-        data["predicted"] = Prediction(**data["predicted"])
+        predicted = dict(data["predicted"])
+        predicted["rank_peak_memory_bytes"] = tuple(predicted.get("rank_peak_memory_bytes", ()))
+        data["predicted"] = Prediction(**predicted)
         data["alternatives"] = tuple(Alternative(**a) for a in data.get("alternatives", ()))
         return cls(**data)
 

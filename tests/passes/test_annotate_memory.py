@@ -4,7 +4,6 @@ Every expected number below is computed by hand in the comment next to it (fp32 
 """
 import pytest
 import sympy
-import torch
 import torch.nn.functional as F
 from torch import nn
 

@@ -1,0 +1,79 @@
+"""The planner's memory numbers, from the exact replay of the rank programs the plan will run.
+
+The search prunes and ranks candidates with the analytic per-layer model (:mod:`partitioner.plan_cost`,
+fast, a few percent off). Before a plan is returned, :func:`replay_check` lowers it exactly as the
+job will (:func:`partitioner.build.lower_all`, one lowering for every rank program) and replays
+each distinct rank program's step (:func:`partitioner.fidelity.predict_memory`: the liveness of
+its own stage modules along its schedule, with the gradient buckets, ZeRO chunks, receive buffers
+and optimizer the runtime adds). That replay is what the plan reports as its per-rank and
+per-stage peak, and a candidate whose replay does not fit the device is dropped.
+
+Data-parallel replicas run the same program: one replay per (pipeline stage, tp rank) serves
+every dp index.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import fx
+
+from partitioner.build import lower_all
+from partitioner.cluster import Cluster
+from partitioner.fidelity import predict_memory
+from passes.ir.meta import CAPTURE
+from passes.ir.plan import Plan
+from passes.ir.program import global_rank
+
+
+def global_batch_bytes(graph: fx.GraphModule, global_batch: int) -> int:
+    """Bytes of the global batch every rank is handed (``train_step`` slices its share of it)."""
+    info = graph.meta[CAPTURE]
+    dims = {**dict(info.dims), "batch": global_batch}
+    total = 0
+    for spec in info.inputs:
+        n = 1
+        for d in spec.shape:
+            n *= dims[d] if isinstance(d, str) else int(d)
+        total += n * torch.empty((), dtype=spec.dtype).element_size()
+    return total
+
+
+def replay_rank_peaks(graph: fx.GraphModule, plan: Plan, cluster: Cluster, *,
+                      optimizer: str = "adamw") -> tuple[int, ...]:
+    """Peak live bytes of every global rank of ``plan`` (index = rank), by the exact replay of
+    its rank program on ``graph`` (the analysed capture :func:`partitioner.build.analyse` made)."""
+    c = plan.config
+    lowering = lower_all(graph, c, cluster=cluster)
+    dims = {**dict(graph.meta[CAPTURE].dims), "batch": c.micro_batch_size}
+    batch_bytes = global_batch_bytes(graph, plan.global_batch)
+    peaks: dict[int, int] = {}
+    for s in range(c.pp):
+        for t in range(c.tp):
+            program = lowering.rank_program(global_rank(s, 0, t, dp=c.dp, tp=c.tp))
+            mem = predict_memory(program, schedule=c.schedule, num_micro_batches=c.num_micro_batches, dims=dims,
+                                 global_batch_bytes=batch_bytes, zero=c.zero_stage, optimizer=optimizer)
+            for d in range(c.dp):
+                peaks[global_rank(s, d, t, dp=c.dp, tp=c.tp)] = int(mem.peak_bytes)
+    return tuple(peaks[r] for r in range(c.world_size))
+
+
+def with_rank_peaks(plan: Plan, peaks: tuple[int, ...]) -> Plan:
+    """``plan`` whose predicted peak (overall, per stage, per rank) is ``peaks``."""
+    c = plan.config
+    stage_peak = {s: max(peaks[global_rank(s, d, t, dp=c.dp, tp=c.tp)] for d in range(c.dp) for t in range(c.tp))
+                  for s in range(c.pp)}
+    stages = tuple(dataclasses.replace(st, peak_memory_bytes=float(stage_peak[st.index])) for st in plan.stages)
+    predicted = dataclasses.replace(plan.predicted, peak_memory_bytes=float(max(peaks)),
+                                    rank_peak_memory_bytes=tuple(float(p) for p in peaks), memory_model="replay")
+    return dataclasses.replace(plan, stages=stages, predicted=predicted)
+
+
+def replay_check(graph: fx.GraphModule, cluster: Cluster, *, optimizer: str = "adamw"):
+    """The ``check`` callback of :func:`partitioner.search.plan`: a candidate with its replayed
+    memory numbers (the search drops it when they exceed the device)."""
+
+    def check(plan: Plan) -> Plan:
+        return with_rank_peaks(plan, replay_rank_peaks(graph, plan, cluster, optimizer=optimizer))
+
+    return check

@@ -64,7 +64,7 @@ from passes.ir.meta import dim_symbol
 from passes.ir.schedule import build as build_schedule
 from passes.ir.schedule.actions import Kind
 from partitioner.search import plan
-from runtime.grad_sync import DEFAULT_BUCKET_BYTES, FIRST_BUCKET_BYTES, MAX_IN_FLIGHT
+from runtime.grad_sync import MAX_IN_FLIGHT, bucket_groups
 from partitioner.build import rank_program
 from passes.ir.config import KNOBS, ParallelConfig
 
@@ -403,17 +403,16 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     n_tensors = len(params)
     sync = dp > 1 or zero > 0  # runtime.parallel_model builds gradient buckets
-    buckets = bucket_bytes(params, dp if zero else 1)
+    buckets = bucket_numels(params, dp if zero else 1)
     chunk_bytes = sum(4 * b // dp for b in buckets) if zero else 0  # this rank's fp32 chunk of every bucket
     host_optimizer = program.config.offload == "optimizer"  # runtime.optimizer_offload: state on the host
     host_is_device = bool(params) and params[0].device.type == "cpu"
     live = _Live()
     live.alloc("params", param_bytes, "state", "(start)")
-    if host_optimizer:
-        pass  # the fp32 masters and AdamW's moments live in host memory, not on the device
-    elif zero:  # fp32 master chunk, exp_avg, exp_avg_sq (runtime.grad_sync.ShardedAdamW)
+    # offload="optimizer": the fp32 masters and AdamW's moments live in host memory, not on the device
+    if zero and not host_optimizer:  # fp32 master chunk, exp_avg, exp_avg_sq (runtime.grad_sync.ShardedAdamW)
         live.alloc("zero_state", 3 * chunk_bytes + _STEP_BYTES, "state", "(start)")
-    else:
+    elif not host_optimizer:
         live.alloc("opt_state", 2 * param_bytes + _STEP_BYTES * n_tensors, "state", "(start)")
     state_bytes = live.total
     live.alloc("batch", global_batch_bytes, "buffers", "(start)")
@@ -504,20 +503,12 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
                             state_bytes=state_bytes)
 
 
-def bucket_bytes(params, size: int) -> list[int]:
+def bucket_numels(params, size: int) -> list[int]:
     """Element counts of the gradient buckets :class:`runtime.grad_sync.BucketedGradSync` makes
-    of ``params`` (reverse order, the first bucket small), padded to a multiple of ``size``."""
-    out: list[int] = []
-    filled = 0
-    for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
-        cap = min(DEFAULT_BUCKET_BYTES, FIRST_BUCKET_BYTES) if len(out) == 1 else DEFAULT_BUCKET_BYTES
-        if not out or filled + nbytes > cap:
-            out.append(0)
-            filled = 0
-        out[-1] += p.numel()
-        filled += nbytes
-    return [-(-n // size) * size for n in out]
+    of ``params`` (:func:`runtime.grad_sync.bucket_groups` in backward order), padded to a
+    multiple of ``size``. Tied copies, which the runtime puts in buckets of their own, are not
+    told apart here."""
+    return [-(-sum(p.numel() for p in g) // size) * size for g in bucket_groups(list(reversed(params)))]
 
 
 def _own(numel: int, params) -> int:
@@ -538,7 +529,7 @@ class _Zero2Buckets:
         self.pending: list[Hashable] = []
         self.filled = 0
         self.index = 0
-        self.in_flight: list[Hashable] = []
+        self.in_flight: list[tuple[int, Hashable]] = []  # (bucket index, key of its flat copy)
         self.launches = 0
 
     def grad(self, e: Event, key: Hashable, where: str) -> None:

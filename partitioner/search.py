@@ -173,30 +173,37 @@ def plan(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: dic
             f"memory, more devices, or a smaller global batch")
         err.min_bytes = need  # for callers and tests: the exact number behind the message
         raise err
-    checked: list[tuple[Evaluated, Plan]] = []
-    for e in feasible[:N_CHECKED] if check is not None else feasible[:1]:
-        candidate = _to_plan(ctx, e, ())
-        if check is not None:
-            candidate = check(candidate)
-            if candidate.predicted.peak_memory_bytes > ctx.cap:
-                infeasible.append(dataclasses.replace(e, peak=candidate.predicted.peak_memory_bytes))
-                continue
-        checked.append((e, candidate))
-        break
-    if not checked:
-        worst = ", ".join(f"{_short(e.config)}: {format_bytes(e.peak)}" for e in infeasible[-N_CHECKED:])
+    best, chosen, dropped = _first_that_fits(ctx, feasible, check)
+    if best is None:
+        shown = ", ".join(f"{_short(e.config)}: {format_bytes(e.peak)}" for e in dropped)
         raise InfeasiblePlanError(
-            f"the exact memory replay of the {min(N_CHECKED, len(feasible))} fastest plans exceeds "
-            f"{format_bytes(cluster.device.memory_bytes)} per device ({worst}); use devices with more memory, "
+            f"the exact memory replay of the {len(dropped)} fastest plans exceeds "
+            f"{format_bytes(cluster.device.memory_bytes)} per device ({shown}); use devices with more memory, "
             f"more devices, a smaller global batch, or fix checkpointing=full")
-    best, chosen = checked[0]
+    infeasible += dropped  # the candidates before ``best`` in ``feasible``
+    slower = feasible[feasible.index(best) + 1:]
     alts = [Alternative(knobs=e.config.knobs(), step_time_s=e.step_time, peak_memory_bytes=e.peak,
                         reason=f"slower by {(e.step_time / best.step_time - 1) * 100:.1f}%")
-            for e in feasible if e is not best][:N_ALTERNATIVES - 1]
+            for e in slower[:N_ALTERNATIVES - 1]]
     faster = sorted((e for e in infeasible if e.step_time < best.step_time), key=lambda e: (e.step_time, _key(e.config)))
     alts += [Alternative(knobs=e.config.knobs(), step_time_s=e.step_time, peak_memory_bytes=e.peak,
                          reason=_memory_reason(ctx, e)) for e in faster[:2]]
     return dataclasses.replace(chosen, alternatives=tuple(alts))
+
+
+def _first_that_fits(ctx: PlanContext, feasible: list[Evaluated], check: Callable[[Plan], Plan] | None):
+    """(evaluated, plan, dropped): the fastest candidate whose ``check``ed peak fits the device
+    (its plan carries the checked numbers), and the faster ones the check dropped (their peak
+    replaced by the checked one). Without ``check`` the fastest is taken as it is."""
+    if check is None:
+        return feasible[0], _to_plan(ctx, feasible[0], ()), []
+    dropped = []
+    for e in feasible[:N_CHECKED]:
+        plan_ = check(_to_plan(ctx, e, ()))
+        if plan_.predicted.peak_memory_bytes <= ctx.cap:
+            return e, plan_, dropped
+        dropped.append(dataclasses.replace(e, peak=plan_.predicted.peak_memory_bytes))
+    return None, None, dropped
 
 
 def min_memory(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: dict | None = None,

@@ -114,6 +114,25 @@ def expected_accumulations(stage_params: Mapping[int, Sequence[nn.Parameter]],
     return out
 
 
+def bucket_groups(params: Sequence[nn.Parameter], bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
+                  first_small: bool = True) -> list[list[nn.Parameter]]:
+    """``params`` (in the order backward makes their gradients) cut into buckets of at most
+    ``bucket_bytes`` (the first at most ``FIRST_BUCKET_BYTES`` when ``first_small``), one dtype
+    per bucket. :class:`BucketedGradSync` fills its buckets so, and the memory replay
+    (:mod:`partitioner.fidelity`) sizes them so."""
+    groups: list[list[nn.Parameter]] = []
+    filled = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        cap = min(bucket_bytes, FIRST_BUCKET_BYTES) if len(groups) == 1 and first_small else bucket_bytes
+        if not groups or filled + nbytes > cap or p.dtype != groups[-1][0].dtype:
+            groups.append([])
+            filled = 0
+        groups[-1].append(p)
+        filled += nbytes
+    return groups
+
+
 SyncMode = Literal["all_reduce", "reduce_scatter", "reduce_scatter_each"]
 MODE_OF_ZERO_STAGE: dict[int, SyncMode] = {0: "all_reduce", 1: "reduce_scatter", 2: "reduce_scatter_each"}
 MAX_IN_FLIGHT = 2
@@ -197,18 +216,8 @@ class BucketedGradSync:
         self.reset()
 
     def _fill(self, params: Sequence[nn.Parameter], bucket_bytes: int, late: bool) -> list[GradBucket]:
-        groups: list[list[nn.Parameter]] = []
-        filled = 0
-        for p in params:
-            nbytes = p.numel() * p.element_size()
-            cap = min(bucket_bytes, FIRST_BUCKET_BYTES) if len(groups) == 1 and not late else bucket_bytes
-            if not groups or filled + nbytes > cap or p.dtype != groups[-1][0].dtype:
-                groups.append([])
-                filled = 0
-            groups[-1].append(p)
-            filled += nbytes
         out = []
-        for ps in groups:
+        for ps in bucket_groups(params, bucket_bytes, first_small=not late):
             n = sum(p.numel() for p in ps)
             out.append(GradBucket(ps, -(-n // self.size) * self.size if self.shard else n, late))
         return out

@@ -221,8 +221,29 @@ def test_search_returns_the_exhaustive_optimum(spec, cluster_args):
     ctx = PlanContext(profile, cluster, 64, "adamw")
     every = [evaluate(ctx, c) for c in candidates(profile, cluster, 64)]
     feasible = [e for e in every if e.feasible]
-    assert feasible and len(feasible) < len(every) or cluster_args[2] is None
+    assert feasible
+    if cluster_args[2] is not None:  # the shrunk node: memory rules candidates out
+        assert len(feasible) < len(every)
     best = min(feasible, key=lambda e: (e.step_time, _key(e.config)))
     chosen = plan(profile, cluster, global_batch=64)
     assert chosen.config.knobs() == best.config.knobs()
     assert chosen.predicted.step_time_s == best.step_time
+
+
+def test_a_candidate_the_memory_check_drops_is_not_returned(profile):
+    """The search returns the fastest candidate whose checked peak fits; a faster one the check
+    shows does not fit becomes an alternative with the checked peak as its reason."""
+    cluster = _cluster()
+    fastest = plan(profile, cluster, global_batch=16)
+
+    def check(p):
+        peak = 2 * cluster.device.memory_bytes if p.config.knobs() == fastest.config.knobs() else 1.0
+        return dataclasses.replace(p, predicted=dataclasses.replace(p.predicted, peak_memory_bytes=peak))
+
+    chosen = plan(profile, cluster, global_batch=16, check=check)
+    assert chosen.config.knobs() != fastest.config.knobs() and chosen.predicted.peak_memory_bytes == 1.0
+    assert chosen.predicted.step_time_s >= fastest.predicted.step_time_s
+    dropped = [a for a in chosen.alternatives if a.knobs == fastest.config.knobs()]
+    assert len(dropped) == 1 and dropped[0].reason.startswith("needs ")
+    with pytest.raises(InfeasiblePlanError, match="exact memory replay of the 3 fastest plans"):
+        plan(profile, cluster, global_batch=16, check=lambda p: check(dataclasses.replace(p, config=fastest.config)))

@@ -53,6 +53,7 @@ from partitioner.model_spec import ModelSpec, build_model
 from partitioner.planning import parse_fix
 from partitioner.profile import ModelProfile, profile_graph, profile_model, profile_spec
 from partitioner.search import plan as search
+from passes.ir.config import TORCH_DTYPES
 from passes.ir.errors import CaptureError, ConfigError, InfeasiblePlanError, PartitionerError, PassError
 from passes.ir.graph_transfer import pack_graph, unpack_graph
 from passes.ir.meta import InputSpec
@@ -155,8 +156,8 @@ def check_world_size(plan: Plan, world_size: int) -> None:
             f"{world_size})")
 
 
-RUNTIME_DTYPES = ("fp32", "bf16")
-"""Precisions the runtime trains in (fp16 needs loss scaling, which it does not run)."""
+RUNTIME_DTYPES = ("fp32", "bf16", "fp16")
+"""Precisions the runtime trains in (16-bit: fp32 master weights; fp16 with dynamic loss scaling)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,8 +299,10 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     than batch). ``cluster``: a Cluster or preset name (default ``Cluster.local(world_size)``).
     ``optimizer``: keyword arguments of AdamW (the runtime's optimizer), e.g. ``{"lr": 1e-3}``.
     ``fix``: knobs to pin (``"dp=2,pp=2"`` or a dict). ``plan``: skip the search and run this
-    plan (still checked against the world size). ``dtype``: ``fp32`` or ``bf16`` (autocast with
-    fp32 master weights). ``timeout_s``: seconds any training collective or receive may wait
+    plan (still checked against the world size). ``dtype``: ``fp32``, ``bf16`` or ``fp16``: a 16-bit
+    dtype casts the module (in place) and its floating inputs to it before capture, so the model
+    trains with 16-bit parameters, gradients and activations and fp32 master weights and AdamW
+    state (fp16 with dynamic loss scaling). ``timeout_s``: seconds any training collective or receive may wait
     before the job fails. See the module docstring for what is written to ``dump_dir``.
     """
 
@@ -307,13 +310,14 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
         raise ConfigError("auto_parallelize: optimizer= takes AdamW keyword arguments (a dict, e.g. {'lr': 1e-3}); "
                           "the runtime builds AdamW (or ZeRO-1 AdamW) over each rank's parameters itself")
     if dtype not in RUNTIME_DTYPES:
-        raise ConfigError(f"auto_parallelize: dtype {dtype!r}; the runtime trains in {', '.join(RUNTIME_DTYPES)} "
-                          f"(fp16 needs dynamic loss scaling, which it does not run): use dtype='bf16'")
+        raise ConfigError(f"auto_parallelize: dtype {dtype!r}; the runtime trains in {', '.join(RUNTIME_DTYPES)}")
     clock = _Clock()
     init_distributed(timeout_s=max(timeout_s, START_TIMEOUT_S))
     clock.lap("join")
     world, rank = dist.get_world_size(), dist.get_rank()
     spec = as_spec(model, inputs=inputs, loss_fn=loss_fn, dims=dims)
+    if dtype != "fp32":  # every rank: the graph is rebuilt around each rank's own (cast) module
+        spec = spec.cast(TORCH_DTYPES[dtype])
     if isinstance(cluster, str):
         cluster = Cluster.load(cluster)
     cluster = cluster or Cluster.local(world)

@@ -9,9 +9,10 @@ one while it runs). :func:`predict_rank` then replays those timelines along the 
 (:func:`passes.ir.schedule.build`), keyed per micro-batch, with what the runtime adds
 around them (:mod:`runtime.stage_executor`, :mod:`runtime.grad_sync`)::
 
-    step start     params + optimizer state (AdamW: 2 x params + a 4-byte step each; ZeRO-1/2: the
-                   fp32 master chunk and its 2 states; offload="optimizer": none, it is on the
-                   host) + last step's gradients + the global batch
+    step start     params + optimizer state (AdamW: its 2 fp32 moments, plus an fp32 master copy
+                   under bf16/fp16, and a 4-byte step per tensor; ZeRO-1/2: the fp32 master chunk
+                   and its 2 states; offload="optimizer": none, it is on the host) + last step's
+                   gradients + the global batch
     RECV_F         a receive buffer per boundary tensor (kept until SEND_B: the leaf of backward)
     FORWARD        the stage's forward events (activations saved for backward stay live)
     SEND_F         the output is held by the pending isend until the ALL_REDUCE action waits
@@ -25,10 +26,12 @@ around them (:mod:`runtime.stage_executor`, :mod:`runtime.grad_sync`)::
                    gradients and this rank's chunk arrives. ZeRO-2: every backward's gradients
                    fill buckets that are launched (fp32 flat copy, gradients freed) as they
                    complete, at most MAX_IN_FLIGHT in flight (runtime.grad_sync)
-    STEP           AdamW's per-parameter temporaries (annotate_memory's optimizer phase), or
+    STEP           AdamW's per-parameter temporaries (annotate_memory's optimizer phase; under
+                   bf16/fp16 after every gradient's fp32 copy for the masters), or
                    ZeRO: the chunk's temporaries and the all-gathers of the updated chunks (at
-                   most MAX_IN_FLIGHT buckets); offload="optimizer": the gradients' host copies
-                   (counted on a CPU device only)
+                   most MAX_IN_FLIGHT buckets); offload="optimizer": the host AdamW's
+                   temporaries (counted on a CPU device only: there the host is the same memory;
+                   the masters, moments and gradient buffers on the host are not device memory)
 
 Activation offload: annotate_memory does not see the saves inside an offload region, so an
 offloaded storage leaves the device after its last forward use; :func:`stage_events` adds the
@@ -188,10 +191,12 @@ def _recording() -> Iterator[dict]:
         graph_mod.saved_tensors_hooks = orig_hooks
 
 
-def stage_events(module: fx.GraphModule, dims: Mapping[str, int], *, optimizer: str = "adamw") -> StageEvents:
+def stage_events(module: fx.GraphModule, dims: Mapping[str, int], *, optimizer: str = "adamw",
+                 mixed_precision: bool = False) -> StageEvents:
     """Record the liveness timeline of ``module`` (a stage program with ``meta[CAPTURE]`` listing
     its own inputs, as :func:`passes.lower.lower` sets it) for one
-    micro-batch of named ``dims`` (e.g. ``{"batch": 2, "seq": 8}``). ``module`` is not changed."""
+    micro-batch of named ``dims`` (e.g. ``{"batch": 2, "seq": 8}``). ``module`` is not changed.
+    ``mixed_precision``: a 16-bit plan, whose optimizer temporaries are fp32 (the masters')."""
 
     gm = copy.deepcopy(module)
     info = gm.meta.get(CAPTURE)
@@ -203,7 +208,7 @@ def stage_events(module: fx.GraphModule, dims: Mapping[str, int], *, optimizer: 
         raise ConfigError(f"fidelity: dims {missing} of the stage are not given; pass dims={{...}} with them")
     gm.meta[CAPTURE] = dataclasses.replace(info, dims=tuple((n, int(dims.get(n, v))) for n, v in info.dims))
     with _recording() as rec:
-        annotate_memory(gm, optimizer=optimizer)
+        annotate_memory(gm, optimizer=optimizer, mixed_precision=mixed_precision)
     summary = gm.meta[MEMORY_SUMMARY]
     events = _with_offload_copies(gm, rec["events"], rec["offloaded"], device=info.device)
     fwd, bwd, opt_live, opt_peak = [], [], 0, 0
@@ -385,7 +390,8 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
         raise ConfigError(f"fidelity: zero={zero}; the runtime runs ZeRO stages 0, 1 and 2")
     m, pp, v, dp = num_micro_batches, program.pp, program.virtual_pp, program.dp
     actions = build_schedule(schedule, pp, m, v)[program.pp_index]
-    ev = dict(events) if events is not None else {s: stage_events(program.modules[s], dims, optimizer=optimizer)
+    ev = dict(events) if events is not None else {s: stage_events(program.modules[s], dims, optimizer=optimizer,
+                                                                  mixed_precision=program.config.mixed_precision)
                                                   for s in program.stages}
     sym = {dim_symbol(k): val for k, val in dims.items()}
     io = program.io
@@ -401,7 +407,9 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
                 seen.add(id(p))
                 params.append(p)
     param_bytes = sum(p.numel() * p.element_size() for p in params)
+    numel = sum(p.numel() for p in params)
     n_tensors = len(params)
+    masters = program.config.mixed_precision  # runtime.mixed_precision: fp32 masters of 16-bit params
     sync = dp > 1 or zero > 0  # runtime.parallel_model builds gradient buckets
     buckets = bucket_numels(params, dp if zero else 1)
     chunk_bytes = sum(4 * b // dp for b in buckets) if zero else 0  # this rank's fp32 chunk of every bucket
@@ -412,8 +420,8 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
     # offload="optimizer": the fp32 masters and AdamW's moments live in host memory, not on the device
     if zero and not host_optimizer:  # fp32 master chunk, exp_avg, exp_avg_sq (runtime.grad_sync.ShardedAdamW)
         live.alloc("zero_state", 3 * chunk_bytes + _STEP_BYTES, "state", "(start)")
-    elif not host_optimizer:
-        live.alloc("opt_state", 2 * param_bytes + _STEP_BYTES * n_tensors, "state", "(start)")
+    elif not host_optimizer:  # AdamW's fp32 moments (and MasterWeightAdamW's fp32 masters)
+        live.alloc("opt_state", (12 if masters else 8) * numel + _STEP_BYTES * n_tensors, "state", "(start)")
     state_bytes = live.total
     live.alloc("batch", global_batch_bytes, "buffers", "(start)")
     live.alloc("grads_prev", chunk_bytes if zero else param_bytes, "grads", "(start)")  # last step's, until zero_grad
@@ -487,18 +495,22 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
                 live.bump(chunk_bytes, "grads", where)
         elif a.kind == Kind.OPTIMIZER_STEP:
             if host_optimizer:
-                # the gradients' host copies (fp32); on a CPU "device" they are in the same memory
+                # the gradients go into host buffers of their own (not device memory); AdamW's
+                # temporaries on the host are, on a CPU "device", in the same memory
                 if host_is_device:
-                    live.bump(sum(4 * p.numel() for p in params), "state", where)
+                    live.bump(max((e.optimizer_bytes for e in ev.values()), default=0), "state", where)
             elif zero:
                 # AdamW temporaries of the chunk; then the all-gather of the updated chunks, at most
                 # MAX_IN_FLIGHT buckets at once, each gathered into its parts and their cat
                 live.bump(2 * chunk_bytes, "state", where)
                 biggest = sorted((_own(b, params) for b in buckets), reverse=True)
                 if dp > 1:
-                    live.bump(sum(biggest[:MAX_IN_FLIGHT]) + biggest[0], "state", where)
-            else:
-                live.bump(max((e.optimizer_bytes for e in ev.values()), default=0), "state", where)
+                    # 16-bit parameters: each in-flight chunk is first cast from the fp32 master
+                    cast = sum(biggest[:MAX_IN_FLIGHT]) // dp if masters else 0
+                    live.bump(sum(biggest[:MAX_IN_FLIGHT]) + biggest[0] + cast, "state", where)
+            else:  # 16-bit: every gradient's fp32 copy is made before AdamW runs on the masters
+                live.bump((4 * numel if masters else 0) + max((e.optimizer_bytes for e in ev.values()), default=0),
+                          "state", where)
     return MemoryPrediction(peak_bytes=live.peak, where=live.where, parts=live.parts, param_bytes=param_bytes,
                             state_bytes=state_bytes)
 

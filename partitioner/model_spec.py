@@ -6,6 +6,7 @@ that capture sees one training step: ``loss = spec.loss(module, *inputs)``.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib.util
 import inspect
@@ -37,6 +38,14 @@ class ModelSpec:
     inputs: tuple[InputSpec, ...]
     loss: LossFn
     dims: dict[str, int] = field(default_factory=dict)
+
+    def cast(self, dtype: torch.dtype) -> ModelSpec:
+        """This model trained in ``dtype``: the module's floating parameters and buffers are cast
+        in place (as ``module.to(dtype)``) and the floating inputs declared in ``dtype``; integer
+        inputs (token ids, labels) keep theirs. Returns the spec with the retyped inputs."""
+        self.module.to(dtype=dtype)
+        inputs = tuple(dataclasses.replace(i, dtype=dtype) if i.dtype.is_floating_point else i for i in self.inputs)
+        return dataclasses.replace(self, inputs=inputs)
 
     def example_inputs(self, dims: dict[str, int] | None = None, *, device: str | torch.device = "cpu",
                        seed: int = 0) -> tuple[torch.Tensor, ...]:

@@ -196,7 +196,10 @@ def _state_per_param(ctx: PlanContext, c: ParallelConfig) -> tuple[float, float,
     opt = 0.0 if c.offload == "optimizer" else ms.optimizer
     if c.zero_stage and ctx.precision == "fp32" and opt:
         opt += 4.0 / c.dp  # runtime.grad_sync.ShardedAdamW steps an fp32 copy of its chunk
-    return ms.params, ms.grads, opt
+    grads = ms.grads
+    if c.zero_stage >= 2 and ctx.precision != "fp32":
+        grads = 4.0 / c.dp  # the sharded accumulator sums in fp32 (runtime.grad_sync)
+    return ms.params, grads, opt
 
 
 def _inflight(c: ParallelConfig, stage: int) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from partitioner.cluster import Cluster
+from passes.ir.config import TORCH_DTYPES
 from passes.ir.errors import ConfigError
 from passes.ir.plan import KNOBS, Plan
 from partitioner.profile import profile_model
@@ -47,13 +48,13 @@ meta device and their dumps have no ONNX."""
 
 def write_model_plan_dumps(dump_dir: str | Path, *, model: str, plan: Plan, cluster: Cluster,
                            param_bytes: float | None = None, seq: int | None = None, optimizer: str = "adamw"):
-    """Capture ``model`` as a job would (fp32 weights, symbolic dims), analyse it and write the
-    dump tree of ``plan`` (:func:`partitioner.dumps.write_plan_dumps`)."""
+    """Capture ``model`` as a job would (weights in the plan's dtype, symbolic dims), analyse it
+    and write the dump tree of ``plan`` (:func:`partitioner.dumps.write_plan_dumps`)."""
 
     if param_bytes is None:
         param_bytes = 4 * sum(p.numel() for p in build_model(model, device="meta").module.parameters())
     device = "cpu" if param_bytes <= MATERIALISE_LIMIT_BYTES else "meta"
-    spec = build_model(model, device=device, seed=0)
+    spec = build_model(model, device=device, seed=0).cast(TORCH_DTYPES[plan.config.dtype])
     if seq is not None:
         spec.dims["seq"] = seq
     writer = DumpWriter(dump_dir, model=plan.model)

@@ -34,7 +34,7 @@ from typing import Callable, Iterable, Mapping
 import sympy
 from torch import fx
 
-from passes.ir.config import ParallelConfig
+from passes.ir.config import TORCH_DTYPES, ParallelConfig, dtype_name
 from passes.ir.cost import CostHooks
 from passes.ir.errors import ConfigError, PassError
 from passes.ir.meta import (CAPTURE, CHECKPOINT_PLAN, LAYER_CHAIN, OFFLOAD_PLAN, PIPELINE_STAGE, TENSOR_PARALLEL_PLAN,
@@ -131,6 +131,12 @@ def lower(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
     ctx = ctx or PassContext(mixed_precision=config.mixed_precision)
     blocks = gm.meta[LAYER_CHAIN].n_blocks
     config.validate(blocks=blocks)
+    captured = gm.meta[CAPTURE].dtype
+    if captured != TORCH_DTYPES[config.dtype]:
+        # the stage programs run in the dtype they were captured in: a bf16 plan needs a bf16 graph
+        raise ConfigError(f"lower: the plan trains in {config.dtype} but the graph was captured in {captured}; "
+                          f"capture the model cast to {config.dtype} (ModelSpec.cast, as auto_parallelize(dtype=...) "
+                          f"does) or plan with dtype={dtype_name(captured)}")
     if config.n_stages > 1 and blocks == 0:
         raise ConfigError("pp*virtual_pp > 1 needs repeated blocks to cut stages between, and the model has none "
                           "(no module path like 'blocks.0'); use pp=1")

@@ -63,10 +63,11 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from passes.ir.errors import ConfigError
 from passes.ir.meta import TENSOR_PARALLEL_PLAN, ParamSharding, TensorParallelPlan
+from runtime.mixed_precision import ADAMW_MOMENT_KEYS as MOMENT_KEYS
+from runtime.mixed_precision import init_adamw_state
 
 TRAIN_STEP_KEY = "train.step"
 OPTIM_PREFIX = "optim.state."
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -343,18 +344,6 @@ def _moment_keys(group: Mapping) -> tuple[str, ...]:
     return MOMENT_KEYS if group.get("amsgrad", False) else MOMENT_KEYS[:2]
 
 
-def _ensure_adamw_state(optimizer: torch.optim.Optimizer) -> None:
-    """Allocate AdamW state (zeros, step 0) where the optimizer has not stepped yet, so that a
-    load has tensors to read into; AdamW keeps existing state on its next step."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
-                for key in _moment_keys(group):
-                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
 # ----------------------------------------------------------------------------------------------
 # ParallelModel
 # ----------------------------------------------------------------------------------------------
@@ -555,7 +544,7 @@ def _optim_entries(pm, local, *, write: bool) -> dict[str, Entry]:
             return {}
         return _zero_optim_entries(pm.optimizer, local, write=write)
     if not write:
-        _ensure_adamw_state(pm.optimizer)
+        init_adamw_state(pm.optimizer)
     elif not pm.optimizer.state:
         return {}
     return _plain_optim_entries(pm.optimizer, local, write=write)
@@ -643,7 +632,7 @@ def load_optimizer_state_into(optimizer: torch.optim.Optimizer, module: nn.Modul
     saved = checkpoint_keys(directory)
     names = _module_names(module, {k[len(OPTIM_PREFIX):].rsplit(".", 1)[0]: v for k, v in saved.items()
                                    if k.startswith(OPTIM_PREFIX)})
-    _ensure_adamw_state(optimizer)
+    init_adamw_state(optimizer)
     entries: dict[str, Entry] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:

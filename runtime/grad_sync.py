@@ -28,8 +28,8 @@
   Buckets are filled in reverse parameter order, the order backward produces gradients.
 * :class:`ShardedAdamW`: ZeRO-1 and ZeRO-2: each dp rank keeps an fp32 master copy of its chunk of
   every bucket and the AdamW state of that chunk, steps it with the averaged gradient chunk, and
-  all-gathers the updated chunks into the parameters. AdamW is elementwise, so this gives the same
-  parameters as an unsharded AdamW.
+  all-gathers the updated chunks (in the parameters' dtype: 16 bits under bf16/fp16) into the
+  parameters. AdamW is elementwise, so this gives the same parameters as an unsharded AdamW.
 """
 from __future__ import annotations
 
@@ -266,10 +266,20 @@ class BucketedGradSync:
                 self._launch(bucket, from_hook=True)
 
     def _flat_grads(self, b: GradBucket, dtype: torch.dtype | None = None) -> torch.Tensor:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-        flat = torch.cat([g.reshape(-1).to(dtype or g.dtype) for g in grads])
-        if b.numel > flat.numel():
-            flat = torch.nn.functional.pad(flat, (0, b.numel - flat.numel()))
+        """The bucket's gradients in one flat (padded) tensor of ``dtype`` (default: theirs), each
+        copied into its slice: no per-gradient converted copies on the way (16-bit gradients into
+        an fp32 flat would otherwise hold twice the flat's bytes at once)."""
+        first = b.params[0]
+        flat = torch.empty(b.numel, dtype=dtype or first.dtype, device=first.device)
+        offset = 0
+        for p in b.params:
+            n = p.numel()
+            if p.grad is None:
+                flat[offset:offset + n].zero_()
+            else:
+                flat[offset:offset + n].copy_(p.grad.reshape(-1))
+            offset += n
+        flat[offset:].zero_()
         return flat
 
     def _launch(self, b: GradBucket, *, from_hook: bool) -> None:
@@ -405,9 +415,12 @@ class ShardedAdamW:
             yield b, flat[offset:offset + n]
             offset += n
 
-    def _gather_into(self, flat: torch.Tensor, write: Callable[[GradBucket, torch.Tensor], None]) -> None:
+    def _gather_into(self, flat: torch.Tensor, write: Callable[[GradBucket, torch.Tensor], None], *,
+                     in_param_dtype: bool = False) -> None:
         """All-gather every bucket's chunk of ``flat`` (this rank's concatenated chunks) and hand
-        each bucket's full flat tensor to ``write``; at most ``MAX_IN_FLIGHT`` at once."""
+        each bucket's full flat tensor to ``write``; at most ``MAX_IN_FLIGHT`` at once.
+        ``in_param_dtype``: gather each chunk cast to its bucket's parameter dtype (a 16-bit
+        plan's updated parameters travel in 16 bits)."""
         pending: list[tuple[GradBucket, list[torch.Tensor], object]] = []
 
         def drain(keep: int) -> None:
@@ -417,6 +430,8 @@ class ShardedAdamW:
                 write(b, torch.cat(parts))
 
         for b, mine in self._chunks(flat):
+            if in_param_dtype:
+                mine = mine.to(b.params[0].dtype)
             if self.size > 1:
                 parts = [torch.empty_like(mine) for _ in range(self.size)]
                 pending.append((b, parts, comm.all_gather(parts, mine, self.group, async_op=True)))
@@ -435,7 +450,22 @@ class ShardedAdamW:
                 p.copy_(full[pos:pos + p.numel()].view_as(p))
                 pos += p.numel()
 
+        self._gather_into(self.master.detach(), write, in_param_dtype=True)
+
+    @torch.no_grad()
+    def full_masters(self) -> dict[int, torch.Tensor]:
+        """The fp32 master weight of every parameter (by ``id``), all-gathered from the chunks.
+        Collective over the dp group."""
+        out: dict[int, torch.Tensor] = {}
+
+        def write(b: GradBucket, full: torch.Tensor) -> None:
+            pos = 0
+            for p in b.params:
+                out[id(p)] = full[pos:pos + p.numel()].view_as(p).clone()
+                pos += p.numel()
+
         self._gather_into(self.master.detach(), write)
+        return out
 
     @torch.no_grad()
     def full_gradients(self) -> dict[int, torch.Tensor]:

@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from passes.ir.schedule.actions import Action
+from runtime.mixed_precision import MasterWeightAdamW
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,15 +67,17 @@ class LiveBytes(TorchDispatchMode):
     ``untyped_storage()`` fires when the storage itself is freed.
     """
 
-    def __init__(self, existing: Iterable[torch.Tensor] = ()):
+    def __init__(self, existing: Iterable[torch.Tensor] = (), *, host: Iterable[torch.Tensor] = ()):
         super().__init__()
         self.live = 0
         self._seen: dict[int, weakref.ref] = {}
         for t in existing:  # parameters, gradients, optimizer state: live before the step starts
             self._track(t)
+        for t in host:  # host memory (an offloaded optimizer's): known, never counted
+            self._track(t, count=False)
         self.peak = self.live
 
-    def _track(self, t: torch.Tensor) -> None:
+    def _track(self, t: torch.Tensor, *, count: bool = True) -> None:
         if t.device.type != "cpu" or t.is_meta:
             return
         try:
@@ -84,7 +87,7 @@ class LiveBytes(TorchDispatchMode):
         key = id(storage)
         if key in self._seen and self._seen[key]() is storage:
             return  # a view, or an in-place op's result: bytes already counted
-        nbytes = storage.nbytes()
+        nbytes = storage.nbytes() if count else 0
         self._seen[key] = weakref.ref(storage, lambda _r, k=key, n=nbytes: self._free(k, n))
         self.live += nbytes
 
@@ -181,7 +184,7 @@ class StepTimer:
         mode = None
         limit = None if self.track_memory is True else int(self.track_memory)
         if not cuda and (limit is None or len(self.steps) < limit):
-            mode = LiveBytes(self._persistent())
+            mode = LiveBytes(self._persistent(), host=self._host_resident())
         start = time.perf_counter()
         if mode is not None:
             with mode:
@@ -202,12 +205,23 @@ class StepTimer:
         self.steps.append(m)
         return m
 
+    def _host_resident(self) -> Iterator[torch.Tensor]:
+        """offload="optimizer": the masters, moments and gradient buffers in host memory (on a
+        CPU device the same memory, but not the device's share the plan counts)."""
+        opt = self.model.optimizer
+        if isinstance(opt, MasterWeightAdamW) and opt.on_host:
+            yield from opt.state_tensors()
+
     def _persistent(self) -> Iterator[torch.Tensor]:
         for p in self.model.params:
             yield p
             if p.grad is not None:
                 yield p.grad
         opt = self.model.optimizer
+        if isinstance(opt, MasterWeightAdamW):
+            if not opt.on_host:
+                yield from opt.state_tensors()
+            return
         # ZeRO (runtime.grad_sync.ShardedAdamW) has no ``.state``: it holds a flat fp32 master
         # chunk (with its gradient) and an inner AdamW over that chunk, whose state is the chunk's.
         master = getattr(opt, "master", None)

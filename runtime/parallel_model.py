@@ -6,7 +6,8 @@ it captures nothing and runs no pass. Around the program it builds what is proce
     RankProgram (stage programs, I/O contracts, comms, schedule, config)
         -> stage executor (the schedule's actions; pipeline P2P through runtime.comm)
         -> gradient sync (tied copies, sequence-parallel partial grads, dp buckets / ZeRO)
-        -> optimizer (AdamW, ZeRO-1/2 sharded AdamW, or AdamW on the host for offload="optimizer")
+        -> optimizer (AdamW, ZeRO-1/2 sharded AdamW, or AdamW on the host for offload="optimizer";
+           under bf16/fp16 every one of them steps fp32 master weights)
 
 ``train_step(batch)`` takes the *global* batch (every rank gets the same tensors), keeps this
 dp rank's contiguous slice, cuts it into ``num_micro_batches`` micro-batches, runs the schedule
@@ -20,8 +21,10 @@ Parameters a tp rank holds a shard of keep their original names
 gradients on every tp rank (Megatron's f/g operators), so the dp average runs over the dp group
 (same tp index) and tied weights sum over the pipeline's ends of the same tp index.
 
-Precision: ``config.dtype == "bf16"`` runs every stage forward under bf16 autocast with fp32
-master weights (:mod:`runtime.mixed_precision`); ``fp16`` is refused (it needs loss scaling).
+Precision: the stage programs run in the dtype they were captured in, which the lowering checks
+is ``config.dtype``. Under ``bf16``/``fp16`` parameters, gradients and activations are 16-bit and
+the optimizer steps fp32 master weights (:mod:`runtime.mixed_precision`); ``fp16`` also scales
+the loss dynamically and skips a step whose gradients overflowed (on every rank).
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ from runtime.grad_sync import (
 )
 from runtime.kernels.collectives import DistGroup, all_reduce_grads, register_group
 from runtime.mesh import Mesh
-from runtime.mixed_precision import forward_context, parse_mixed_precision
+from runtime.mixed_precision import DynamicLossScaler, MasterWeightAdamW
 from runtime.optimizer_offload import HostOffloadedAdamW
 from runtime.stage_executor import LocalStage, StageExecutor, backward_counts
 
@@ -71,9 +74,6 @@ class ParallelModel:
         if program.rank != mesh.rank or program.first != mesh.first:
             raise ConfigError(f"parallel_model: the program is rank {program.rank}'s (mesh from {program.first}), this "
                               f"process is rank {mesh.rank} (mesh from {mesh.first}); lower the program of this rank")
-        if c.dtype == "fp16":
-            raise ConfigError("parallel_model: dtype fp16 needs dynamic loss scaling, which this runtime does not run; "
-                              "plan with dtype bf16 (same memory, no scaling) or fp32")
         self.program, self.mesh, self.config = program, mesh, c
         self.dp, self.pp, self.tp, self.m, self.v = c.dp, c.pp, c.tp, c.num_micro_batches, c.virtual_pp
         self.global_batch, self.bucket_bytes = c.global_batch, bucket_bytes
@@ -89,8 +89,7 @@ class ParallelModel:
         self.stages = {s: LocalStage(s, module.to(mesh.device), program.io[s]) for s, module in program.modules.items()}
         self.executor = StageExecutor(self.stages, program.io, pp_ranks=mesh.pp_ranks, pp_group=mesh.pp_group,
                                       pp_reverse_group=mesh.pp_reverse_group, pp_index=mesh.pp_index,
-                                      num_micro_batches=c.num_micro_batches, device=mesh.device,
-                                      forward_context=forward_context(parse_mixed_precision(c.dtype, mesh.device.type)))
+                                      num_micro_batches=c.num_micro_batches, device=mesh.device)
         self.tied_sync = TiedSync(self._tied_copies(), mesh.device)
         self.params = unique_params([st.module for st in self.stages.values()])
         # sequence parallelism: replicated params read on sequence chunks; grads summed over tp first
@@ -102,8 +101,11 @@ class ParallelModel:
             self.optimizer = HostOffloadedAdamW(self.params, **kwargs)
         elif self.zero:
             self.optimizer = ShardedAdamW(self.grad_buckets, **kwargs)
+        elif c.mixed_precision:
+            self.optimizer = MasterWeightAdamW(self.params, **kwargs)
         else:
             self.optimizer = torch.optim.AdamW(self.params, **kwargs)
+        self.loss_scaler = DynamicLossScaler() if c.dtype == "fp16" else None
 
     @property
     def inputs(self):
@@ -170,7 +172,18 @@ class ParallelModel:
     def _step(self) -> None:
         # Gradients are zeroed at the start of the next step, not here, so that after a step
         # they can still be read (tests compare them with single-device training).
+        if self.loss_scaler is not None:
+            overflow = self.loss_scaler.unscale(self._fp32_grads(), self.mesh.group, self.mesh.device)
+            self.loss_scaler.update(overflow)
+            if overflow:  # every rank skips this step (the flag was reduced over the mesh)
+                return
         self.optimizer.step()
+
+    def _fp32_grads(self) -> list[torch.Tensor]:
+        """The fp32 gradients the optimizer is about to step with (a 16-bit plan's master grads)."""
+        if isinstance(self.optimizer, ShardedAdamW):
+            return [self.optimizer.master.grad] if self.optimizer.master.grad is not None else []
+        return self.optimizer.prepare_grads()
 
     # ------------------------------------------------------------------------------------------
     def micro_batches(self, batch: Sequence[torch.Tensor]) -> tuple[list[dict[str, torch.Tensor]], dict[str, int]]:
@@ -191,6 +204,8 @@ class ParallelModel:
         for spec, t in zip(self.inputs, batch):
             axis = list(spec.shape).index("batch")
             mine = t.narrow(axis, self.mesh.dp_index * mb * self.m, mb * self.m).to(self.mesh.device)
+            if mine.is_floating_point() and spec.dtype.is_floating_point:
+                mine = mine.to(spec.dtype)  # a bf16/fp16 plan takes its floating inputs in that dtype
             for i, chunk in enumerate(mine.split(mb, dim=axis)):
                 micro[i][spec.name] = chunk
         return micro, {**dims, "batch": mb}
@@ -201,6 +216,8 @@ class ParallelModel:
         self.optimizer.zero_grad()
         if self.grad_buckets is not None:
             self.grad_buckets.reset()
+        if self.loss_scaler is not None:
+            self.executor.loss_scale = self.loss_scaler.scale
         losses = self.executor.run(self.actions, micro, dims, grad_sync=self._grad_sync, step=self._step)
         total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         if losses:  # the last stage: mean over micro-batches, then over dp via the sum below
@@ -224,6 +241,18 @@ class ParallelModel:
         """This rank's parameters by name, tp-sharded ones all-gathered over the tp group into
         the full tensors (copies). Collective: every rank of the tp group must call it."""
         return self._gather_full({n: p.detach() for n, p in self.named_parameters().items()})
+
+    def full_master_parameters(self) -> dict[str, torch.Tensor]:
+        """As :meth:`full_parameters`, for the weights the optimizer steps: a 16-bit plan's fp32
+        master copies (under ZeRO all-gathered over dp first), else the parameters themselves."""
+        named = self.named_parameters()
+        if isinstance(self.optimizer, ShardedAdamW):
+            masters = self.optimizer.full_masters()
+        elif isinstance(self.optimizer, MasterWeightAdamW):
+            masters = self.optimizer.master_of()
+        else:
+            masters = {id(p): p.detach() for p in named.values()}
+        return self._gather_full({n: masters[id(p)] for n, p in named.items()})
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """As :meth:`full_parameters`, for the gradients of the last step (after their sync):

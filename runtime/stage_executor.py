@@ -32,17 +32,16 @@ the schedule has no SEND/RECV between them.
 Receive shapes and size inputs are sympy expressions evaluated once per distinct micro-batch dims
 and cached (``subs`` costs milliseconds a step: ~20 ms for the 16 receives of a 4-stage,
 8-micro-batch GPT step, measured on our loaded 2-core machine; ~1.4 ms cached).
-``forward_context`` (e.g. bf16 autocast, see :mod:`runtime.mixed_precision`) wraps every stage
-forward; a boundary output whose dtype differs from its contract (a bf16 activation under
-autocast) is cast to the contract's dtype before it is sent, so receivers' buffers and the
-gradients sent back keep the contract's dtype.
+Each stage program runs in the dtype it was captured in (a bf16 plan is a bf16 graph), so its
+outputs have their contracts' dtypes. ``loss_scale`` multiplies the loss before backward (fp16's
+dynamic loss scaling, :mod:`runtime.mixed_precision`; 1.0 otherwise); the loss is taken to fp32
+first, so the scaled value cannot overflow the 16-bit range.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -75,7 +74,6 @@ class StageExecutor:
 
     def __init__(self, stages: Mapping[int, LocalStage], io: Sequence[StageIO], *, pp_ranks: Sequence[int],
                  pp_group: dist.ProcessGroup | None, num_micro_batches: int, device: torch.device,
-                 forward_context: Callable[[], ContextManager] | None = None,
                  pp_reverse_group: dist.ProcessGroup | None = None, pp_index: int | None = None):
         self.stages = dict(stages)
         self.io = tuple(io)
@@ -95,7 +93,7 @@ class StageExecutor:
                                           f"neighbour-only traffic: split with skip='relay'")
         self._meta = {(s, inp.name): inp.meta for s in range(len(self.io)) for inp in self.io[s].inputs
                       if inp.kind == "recv"}
-        self.forward_context = forward_context or contextlib.nullcontext
+        self.loss_scale = 1.0
         # (shape or size expression id, dims) -> evaluated ints; the expressions live in self.io.
         self._shape_cache: dict[tuple[int, tuple], object] = {}
         self._dims_key: tuple = ()
@@ -213,11 +211,9 @@ class StageExecutor:
                 t = received[inp.name].requires_grad_(inp.meta.requires_grad)
                 leaves[inp.name] = t
                 args.append(t)
-        with self.forward_context():
-            result = stage.module(*args)
+        result = stage.module(*args)
         self._leaves[(s, i)] = leaves
-        self._outputs[(s, i)] = {out.name: _as_contract(value, out.meta)
-                                 for out, value in zip(stage.io.outputs, result)}
+        self._outputs[(s, i)] = {out.name: value for out, value in zip(stage.io.outputs, result)}
         for out, value in zip(stage.io.outputs, result):
             if out.graph_output == 0:
                 self._losses.append(value.detach())
@@ -240,7 +236,8 @@ class StageExecutor:
         for out in stage.io.outputs:
             value = outputs[out.name]
             if out.graph_output == 0:
-                tensors.append(value / self.m)  # mean over micro-batches; dp averaging is grad_sync's
+                # mean over micro-batches (dp averaging is grad_sync's), times the loss scale
+                tensors.append(value.float() / self.m * self.loss_scale)
                 grad_tensors.append(None)
             elif out.name in grads and value.requires_grad:
                 tensors.append(value)
@@ -281,14 +278,6 @@ def backward_counts(actions: Sequence[Action]) -> dict[int, int]:
         if a.kind == Kind.BACKWARD:
             out[a.stage] = out.get(a.stage, 0) + 1
     return out
-
-
-def _as_contract(value, meta):
-    # Under autocast a boundary activation may come out bf16 while the contract (and the
-    # receiver's buffer) says fp32; the cast is differentiable, so the gradient comes back fp32.
-    if isinstance(value, torch.Tensor) and meta is not None and value.dtype != meta.dtype and value.is_floating_point():
-        return value.to(meta.dtype)
-    return value
 
 
 def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:

@@ -166,8 +166,8 @@ def test_the_search_offers_only_what_runs():
     assert not [c for c in cands if c.offload == "optimizer" and c.zero_stage]  # host AdamW is unsharded
     with pytest.raises(ConfigError, match="no candidate plan.*offload='optimizer'.*zero_stage=1"):
         candidates(profile, Cluster.local(4), GLOBAL_BATCH, fix={"offload": "optimizer", "zero_stage": 1, "dp": 4})
-    with pytest.raises(ConfigError, match="fp16 needs dynamic loss scaling"):
-        auto_parallelize(GPT, global_batch_size=GLOBAL_BATCH, dtype="fp16")
+    with pytest.raises(ConfigError, match="dtype 'fp8'.*fp32, bf16, fp16"):
+        auto_parallelize(GPT, global_batch_size=GLOBAL_BATCH, dtype="fp8")
     plan = choose_plan(GPT, Cluster.local(4), world_size=4, global_batch_size=GLOBAL_BATCH, fix=FIX)
     check_world_size(plan, 4)
 

@@ -15,6 +15,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+import torch
+
 from passes.ir.errors import ConfigError
 
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
@@ -28,6 +30,17 @@ ZERO_STAGES: tuple[int, ...] = get_args(ZeroStage)
 CHECKPOINTING: tuple[str, ...] = get_args(Checkpointing)
 OFFLOAD: tuple[str, ...] = get_args(Offload)
 DTYPES: tuple[str, ...] = get_args(DType)
+TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The torch dtype of parameters and activations under each training dtype (``bf16``/``fp16``:
+16-bit weights, gradients and activations; the optimizer keeps fp32 master weights)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The training-dtype name (``fp32``, ``bf16``, ``fp16``) of a torch floating dtype."""
+    for name, t in TORCH_DTYPES.items():
+        if t == dtype:
+            return name
+    raise ConfigError(f"no training dtype for {dtype}; the runtime trains in {', '.join(TORCH_DTYPES)}")
 
 # Options of the passes that carry the knobs out (what a pass can do, beyond what the planner asks).
 CheckpointPolicy = Literal["none", "full", "selective", "solver"]

@@ -192,9 +192,14 @@ def memory_bound_time(bytes_moved: float, bandwidth: Device | float) -> float:
 
 
 def roofline_time(flops: float, bytes_moved: float, device: Device, dtype: str = "bf16",
-                  curve: EfficiencyCurve = DEFAULT_EFFICIENCY) -> float:
-    """Seconds for one kernel: the larger of its compute time and its memory time."""
-    return max(compute_time(flops, device, dtype, curve), memory_bound_time(bytes_moved, device))
+                  curve: EfficiencyCurve = DEFAULT_EFFICIENCY, *, overhead: bool = True) -> float:
+    """Seconds for one kernel of ``flops`` FLOPs that reads and writes ``bytes_moved`` bytes: the
+    larger of its compute time (at ``curve``'s efficiency for its size) and its memory time
+    (bytes / ``Device.memory_bandwidth_bytes_per_s``), plus ``device.kernel_overhead_s`` unless
+    ``overhead=False`` (for callers that count the ops with :func:`op_overhead_time`)."""
+    compute = compute_time(flops, device, dtype, curve, overhead=False)
+    extra = device.kernel_overhead_s if overhead and (flops or bytes_moved) else 0.0
+    return max(compute, memory_bound_time(bytes_moved, device)) + extra
 
 
 # ---------------------------------------------------------------------------------------------

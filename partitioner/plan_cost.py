@@ -15,7 +15,8 @@ Per micro-batch of ``b`` samples, per layer (numbers per sample come from the Mo
   as many in backward over the TP group link (sequence parallel: reduce-scatter + all-gather,
   the same bytes);
 * recompute: ``full`` checkpointing reruns the layer's forward (compute and TP communication);
-  ``selective`` reruns the attention core only (its attention kernels on the roofline).
+  ``selective`` reruns the attention core only (its attention kernels on the roofline, and for
+  an unfused attention the memory-bound nodes on its [s, s] scores).
 
 A stage's time per micro-batch is the sum over its layers. The step is
 ``(m + (p−1)/v) · T_max`` (``cost_model.pipeline_step_time``) with ``T_max`` the slowest stage,
@@ -233,8 +234,10 @@ class PlanContext:
         if not layer.kernels:
             return compute_time(layer.attention_flops * b / tp, dev, self.dtype) if layer.attention_flops else 0.0
         core = [k for k in layer.kernels if k.attention]
+        # an unfused core also reruns its mask, softmax and dropout on the [s, s] scores
+        scores = memory_bound_time(layer.score_memory_bound_bytes * b / tp, dev)
         return (sum(self._kernel_time(k.fwd_flops * b / tp, k.bytes * b / tp, k.weight_bytes / tp) for k in core)
-                + op_overhead_time(len(core), dev))
+                + scores + op_overhead_time(len(core), dev))
 
 
 

@@ -45,7 +45,8 @@ class Kernel:
     weight_bytes: int = 0
     """Bytes of the parameters it reads (once per kernel, whatever the micro-batch)."""
     attention: bool = False
-    """An attention-core kernel (what selective checkpointing recomputes)."""
+    """An attention-core kernel (what selective checkpointing recomputes): fused attention, or
+    a matmul that makes or consumes the [s, s] scores of an unfused one (QKᵀ, probabilities·V)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,6 +101,9 @@ class LayerProfile:
     """Bytes as ``memory_bound_bytes`` of the nodes whose output is a [.., h] tensor (layer norms,
     residual adds, dropout of the block outputs, embedding lookups): every tensor-parallel rank
     moves all of them unless sequence parallelism shards them."""
+    score_memory_bound_bytes: int = 0
+    """Part of ``memory_bound_bytes`` of the nodes with [s, s] outputs (mask, softmax, dropout of
+    an unfused attention's scores): selective checkpointing reruns them. 0 for fused attention."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -311,20 +315,35 @@ def _moved_bytes(n: fx.Node, subs: dict | None) -> tuple[int, int]:
     return act, weights
 
 
+def _trailing(n: fx.Node, k: int, subs: dict | None) -> tuple[int, ...]:
+    """The last ``k`` dims of ``n``'s first output (``()`` if it has fewer or they are symbolic)."""
+    sm = n.meta.get(SHAPE)
+    if sm is None or not sm.tensors or len(sm.tensors[0].shape) < k:
+        return ()
+    dims = [sympy.sympify(d) for d in sm.tensors[0].shape[-k:]]
+    dims = [d.xreplace(subs) if subs else d for d in dims]
+    return tuple(int(d) for d in dims) if all(d.is_Integer for d in dims) else ()
+
+
 def _hidden_output(n: fx.Node, hidden: int, subs: dict | None) -> bool:
     """Whether ``n``'s first output has the hidden size as its trailing dim ([.., h])."""
-    sm = n.meta.get(SHAPE)
-    if sm is None or not sm.tensors or not sm.tensors[0].shape:
-        return False
-    last = sympy.sympify(sm.tensors[0].shape[-1])
-    last = last.xreplace(subs) if subs else last
-    return last.is_Integer and int(last) == hidden
+    return _trailing(n, 1, subs) == (hidden,)
+
+
+def _scores(n: fx.Node, seq: int, subs: dict | None) -> bool:
+    """Whether ``n`` makes an [.., s, s] tensor (attention scores or probabilities)."""
+    return _trailing(n, 2, subs) == (seq, seq)
+
+
+def _attention_core(n: fx.Node, kind: str, seq: int, subs: dict | None) -> bool:
+    """A fused attention node, or a matmul that makes or consumes [s, s] scores."""
+    return kind == "attention" or _scores(n, seq, subs) or any(_scores(a, seq, subs) for a in n.all_input_nodes)
 
 
 def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap, subs: dict | None = None) -> LayerProfile:
     params = pbytes = fwd = bwd = matmuls = attn = act = repl = score = saved = ops = 0
     kernels: list[Kernel] = []
-    mem_bytes = repl_mem_bytes = 0
+    mem_bytes = repl_mem_bytes = score_mem_bytes = 0
     for n in nodes:
         mem = n.meta.get(MEMORY)
         if n.op == "get_attr":
@@ -350,7 +369,7 @@ def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap, subs: dict | No
         if node_fwd:
             moved, weights = _moved_bytes(n, subs)
             kernels.append(Kernel(fwd_flops=node_fwd, bwd_flops=_int(f.bwd, subs), bytes=moved,
-                                  weight_bytes=weights, attention=f.kind == "attention"))
+                                  weight_bytes=weights, attention=_attention_core(n, f.kind, seq, subs)))
         elif dispatched:  # no matmul work: the kernel is bound by the bytes it moves
             # its parameters (norm scales and shifts) are a few KiB: left out of the per-sample bytes
             moved = _moved_bytes(n, subs)[0]
@@ -358,6 +377,8 @@ def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap, subs: dict | No
                 repl_mem_bytes += moved
             else:
                 mem_bytes += moved
+                if _scores(n, seq, subs):
+                    score_mem_bytes += moved
         if mem is not None and _int(mem.kept_bytes, subs):
             kept = _int(mem.kept_bytes, subs)
             act += kept
@@ -374,7 +395,8 @@ def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap, subs: dict | No
                         matmuls=max(matmuls, 1), attention_flops=attn, activation_bytes=act,
                         replicated_activation_bytes=repl, attention_score_bytes=score, boundary_bytes=bnd,
                         saved_tensors=saved, ops=ops, tp_all_reduces=2, kernels=tuple(kernels),
-                        memory_bound_bytes=mem_bytes, replicated_memory_bound_bytes=repl_mem_bytes)
+                        memory_bound_bytes=mem_bytes, replicated_memory_bound_bytes=repl_mem_bytes,
+                        score_memory_bound_bytes=score_mem_bytes)
 
 
 def profile_spec(spec: ModelSpec, *, dtype: str = "fp32", optimizer: str = "adamw") -> ModelProfile:

@@ -52,6 +52,7 @@ def test_block_profile_carries_memory_bound_bytes(profile):
     assert len(block.kernels) == block.matmuls == 5  # qkv, sdpa, proj, fc, proj
     assert sum(k.fwd_flops for k in block.kernels) == block.fwd_flops
     assert [k.attention for k in block.kernels] == [False, True, False, False, False]
+    assert block.score_memory_bound_bytes == 0  # fused attention keeps no [s, s] scores
 
 
 def test_memory_bound_nodes_cost_bytes_over_bandwidth(profile):

@@ -4,8 +4,9 @@ Times are seconds, sizes bytes, compute FLOPs. Nothing here looks at a graph: th
 combines these primitives with the facts the analysis passes wrote.
 
 * Links: :func:`group_link` picks the link a process group communicates over.
-* Collectives, α-β model with ring algorithms: :func:`all_reduce_time`, :func:`all_gather_time`,
-  :func:`reduce_scatter_time`, :func:`all_to_all_time`, :func:`send_recv_time`.
+* Collectives, α-β model: :func:`all_reduce_time` (ring or tree, as NCCL picks:
+  :func:`all_reduce_algorithm`), ring :func:`all_gather_time`, :func:`reduce_scatter_time`,
+  :func:`all_to_all_time`, :func:`send_recv_time`.
 * Compute: :func:`compute_time` (with an :class:`EfficiencyCurve`), :func:`memory_bound_time`,
   :func:`roofline_time`.
 * Pipelines: :func:`bubble_fraction`, :func:`pipeline_bubble_time`, :func:`pipeline_step_time`,
@@ -15,6 +16,7 @@ combines these primitives with the facts the analysis passes wrote.
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -73,7 +75,7 @@ def group_link(cluster: Cluster, ranks: Sequence[int] | None = None, *,
 
 
 # ---------------------------------------------------------------------------------------------
-# Collectives: alpha-beta model, ring algorithms
+# Collectives: alpha-beta model, ring and tree algorithms
 # ---------------------------------------------------------------------------------------------
 
 
@@ -90,15 +92,71 @@ def ring_all_reduce_bytes_per_rank(nbytes: float, n: int) -> float:
     return 2 * (n - 1) / n * nbytes
 
 
-def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-reduce of an ``nbytes`` buffer over ``n`` ranks: 2(n−1)/n·bytes/β + 2(n−1)·α seconds.
+TREE_LINK_KINDS = ("infiniband", "roce", "ethernet")
+"""Links over which NCCL runs its tree all-reduce: between nodes. Inside a node NCCL's "tree" is
+a chain (as many hops as a ring), so a group on NVLink/NVSwitch, PCIe or loopback uses the ring."""
+TREE_BANDWIDTH_FACTOR = 0.92
+"""Bus-bandwidth factor of NCCL's tree all-reduce against the ring's (NCCL's tuning model,
+``src/graph/tuning.cc``: the tree's bus bandwidth is 0.92 of the link's)."""
+
+
+def ring_all_reduce_time(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-reduce of ``nbytes`` over ``n`` ranks: 2(n−1)/n·bytes/β + 2(n−1)·α seconds.
 
     A reduce-scatter then an all-gather, each n−1 steps; 0 for n = 1.
     """
+    _check_collective(nbytes, n)
     if n == 1:
-        _check_collective(nbytes, n)
         return 0.0
     return ring_all_reduce_bytes_per_rank(nbytes, n) / link.bandwidth_bytes_per_s + 2 * (n - 1) * link.latency_s
+
+
+def tree_all_reduce_time(nbytes: float, n: int, link: Link) -> float:
+    """Double-binary-tree all-reduce (NCCL's "tree"): 2·bytes/(0.92·β) + 2·⌈log2 n⌉·α seconds.
+
+    A reduce up the tree and a broadcast down it, each ⌈log2 n⌉ hops deep; each half of the
+    buffer goes through one of the two trees, so every rank sends and receives about the whole
+    buffer twice, at :data:`TREE_BANDWIDTH_FACTOR` of the link's bandwidth. 0 for n = 1.
+    """
+    _check_collective(nbytes, n)
+    if n == 1:
+        return 0.0
+    depth = math.ceil(math.log2(n))
+    return 2 * nbytes / (TREE_BANDWIDTH_FACTOR * link.bandwidth_bytes_per_s) + 2 * depth * link.latency_s
+
+
+def all_reduce_algorithm(nbytes: float, n: int, link: Link) -> str:
+    """``"tree"`` or ``"ring"``: the faster of the two for this message, group size and link,
+    as NCCL's tuner picks (the tree only between nodes, :data:`TREE_LINK_KINDS`). The tree's
+    latency grows as log2 n and the ring's as n, the ring moves fewer bytes: small messages on
+    many ranks take the tree, large ones the ring (:func:`tree_ring_switch_bytes`)."""
+    if n <= 2 or link.kind not in TREE_LINK_KINDS:
+        return "ring"
+    return "tree" if tree_all_reduce_time(nbytes, n, link) < ring_all_reduce_time(nbytes, n, link) else "ring"
+
+
+def tree_ring_switch_bytes(n: int, link: Link) -> float:
+    """Message bytes at which the tree and the ring all-reduce take the same time over ``n``
+    ranks on ``link`` (0 where the ring always wins): the tree below it, the ring above.
+
+    Equating the two: bytes·(2/0.92 − 2(n−1)/n)/β = 2α·((n−1) − ⌈log2 n⌉).
+    """
+    if n <= 2 or link.kind not in TREE_LINK_KINDS:
+        return 0.0
+    saved_latency = 2 * link.latency_s * ((n - 1) - math.ceil(math.log2(n)))
+    extra_per_byte = (2 / TREE_BANDWIDTH_FACTOR - 2 * (n - 1) / n) / link.bandwidth_bytes_per_s
+    return max(0.0, saved_latency / extra_per_byte)
+
+
+def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
+    """All-reduce of an ``nbytes`` buffer over ``n`` ranks with the algorithm NCCL would pick
+    (:func:`all_reduce_algorithm`): the ring (2(n−1)/n·bytes/β + 2(n−1)·α) inside a node and for
+    large messages, the tree (2·bytes/(0.92·β) + 2·⌈log2 n⌉·α) for small ones between nodes.
+    0 for n = 1.
+    """
+    if all_reduce_algorithm(nbytes, n, link) == "tree":
+        return tree_all_reduce_time(nbytes, n, link)
+    return ring_all_reduce_time(nbytes, n, link)
 
 
 def all_gather_time(nbytes: float, n: int, link: Link) -> float:
@@ -192,9 +250,14 @@ def memory_bound_time(bytes_moved: float, bandwidth: Device | float) -> float:
 
 
 def roofline_time(flops: float, bytes_moved: float, device: Device, dtype: str = "bf16",
-                  curve: EfficiencyCurve = DEFAULT_EFFICIENCY) -> float:
-    """Seconds for one kernel: the larger of its compute time and its memory time."""
-    return max(compute_time(flops, device, dtype, curve), memory_bound_time(bytes_moved, device))
+                  curve: EfficiencyCurve = DEFAULT_EFFICIENCY, *, overhead: bool = True) -> float:
+    """Seconds for one kernel of ``flops`` FLOPs that reads and writes ``bytes_moved`` bytes: the
+    larger of its compute time (at ``curve``'s efficiency for its size) and its memory time
+    (bytes / ``Device.memory_bandwidth_bytes_per_s``), plus ``device.kernel_overhead_s`` unless
+    ``overhead=False`` (for callers that count the ops with :func:`op_overhead_time`)."""
+    compute = compute_time(flops, device, dtype, curve, overhead=False)
+    extra = device.kernel_overhead_s if overhead and (flops or bytes_moved) else 0.0
+    return max(compute, memory_bound_time(bytes_moved, device)) + extra
 
 
 # ---------------------------------------------------------------------------------------------

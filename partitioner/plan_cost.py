@@ -2,15 +2,21 @@
 
 Per micro-batch of ``b`` samples, per layer (numbers per sample come from the ModelProfile):
 
-* compute: forward ``fwd_flops·b/tp`` as ``matmuls`` equal kernels, backward as twice as many
-  (``cost_model.compute_time`` per kernel, so small kernels run below peak), plus the framework's
-  per-op overhead (``Device.kernel_overhead_s``) for the layer's ``ops`` forward operators and
-  twice as many backward ones (``cost_model.op_overhead_time``; independent of ``b`` and ``tp``);
+* compute, a roofline per node: each matmul-class node (``LayerProfile.kernels``) takes the
+  larger of its FLOPs·b/tp at the efficiency curve's rate for that kernel size and dtype and its
+  bytes (activations·b/tp plus its weight shard) at the device memory bandwidth
+  (``cost_model.roofline_time``); its backward is two such kernels of half its backward FLOPs.
+  Every other node (norms, softmax, elementwise ops, dropout, loss) is memory bound: the layer's
+  ``memory_bound_bytes``·b/tp plus ``replicated_memory_bound_bytes``·b (÷tp with sequence
+  parallelism) at the memory bandwidth, twice that in backward. Plus the framework's per-op
+  overhead (``Device.kernel_overhead_s``) for the layer's ``ops`` forward operators and twice as
+  many backward ones (``cost_model.op_overhead_time``; independent of ``b`` and ``tp``);
 * tensor parallel: ``tp_all_reduces`` all-reduces of the boundary tensor ``b·s·h`` in forward and
   as many in backward over the TP group link (sequence parallel: reduce-scatter + all-gather,
   the same bytes);
 * recompute: ``full`` checkpointing reruns the layer's forward (compute and TP communication);
-  ``selective`` reruns the attention core only (its ``attention_flops``).
+  ``selective`` reruns the attention core only (its attention kernels on the roofline, and for
+  an unfused attention the memory-bound nodes on its [s, s] scores).
 
 A stage's time per micro-batch is the sum over its layers. The step is
 ``(m + (p−1)/v) · T_max`` (``cost_model.pipeline_step_time``) with ``T_max`` the slowest stage,
@@ -78,6 +84,7 @@ from partitioner.cost_model import (
     model_state_bytes,
     op_overhead_time,
     reduce_scatter_time,
+    roofline_time,
     send_recv_time,
 )
 from partitioner.profile import LayerProfile, ModelProfile
@@ -163,11 +170,14 @@ class PlanContext:
 
     def _layer_cost(self, layer: LayerProfile, tp: int, b: int, sp: bool, ckpt: str) -> _LayerCost:
         dev = self.cluster.device
-        k = layer.matmuls
-        fwd = k * compute_time(layer.fwd_flops * b / tp / k, dev, self.dtype, overhead=False) if layer.fwd_flops else 0.0
-        bwd = 2 * k * compute_time(layer.bwd_flops * b / tp / (2 * k), dev, self.dtype, overhead=False) if layer.bwd_flops else 0.0
+        fwd, bwd = self._matmul_times(layer, tp, b)
+        mem_fwd = memory_bound_time(self._memory_bound_bytes(layer, tp, b, sp), dev)
+        # an elementwise op's backward reads the output gradient and its saved input and writes
+        # the input gradient: about twice its forward's bytes
+        fwd += mem_fwd
+        bwd += 2 * mem_fwd
         # framework overhead per dispatched op (independent of b and tp); backward twice the forward's
-        ops = layer.ops or k  # profiles made before op counting: the matmul kernels
+        ops = layer.ops or layer.matmuls  # profiles made before op counting: the matmul kernels
         fwd += op_overhead_time(ops, dev)
         bwd += op_overhead_time(2 * ops, dev)
         msg = layer.boundary_bytes * b
@@ -181,11 +191,53 @@ class PlanContext:
             recompute = fwd + fwd_comm
         elif ckpt == "selective":
             act = full - layer.attention_score_bytes * b / tp
-            recompute = compute_time(layer.attention_flops * b / tp, dev, self.dtype) if layer.attention_flops else 0.0
+            recompute = self._attention_recompute_time(layer, tp, b)
         else:
             act, recompute = full, 0.0
         return _LayerCost(fwd=fwd, bwd=bwd, tp_comm=2 * fwd_comm, recompute=recompute, act_bytes=act,
                           full_act_bytes=full, params=layer.param_count / tp)
+
+    def _kernel_time(self, flops: float, act_bytes: float, weight_bytes: float) -> float:
+        """Seconds of one matmul-class kernel on one device: the roofline of its FLOPs and bytes
+        (activations and its weight shard), framework overhead left to the op count."""
+        return roofline_time(flops, act_bytes + weight_bytes, self.cluster.device, self.dtype, overhead=False)
+
+    def _matmul_times(self, layer: LayerProfile, tp: int, b: int) -> tuple[float, float]:
+        """(forward, backward) seconds of the layer's matmul-class kernels for a micro-batch of
+        ``b`` on one of ``tp`` ranks, each kernel on the roofline. A kernel's FLOPs, activations
+        and weights are split over the tp ranks (column/row-parallel shards; the replicated input
+        of a column-parallel matmul is a small part of its bytes). Its backward is two kernels
+        (input and weight gradient) of half its backward FLOPs, each moving the forward's bytes."""
+        if not layer.kernels:  # a profile without per-node costs: ``matmuls`` equal kernels
+            k = layer.matmuls
+            fwd = k * self._kernel_time(layer.fwd_flops * b / tp / k, 0.0, 0.0) if layer.fwd_flops else 0.0
+            bwd = 2 * k * self._kernel_time(layer.bwd_flops * b / tp / (2 * k), 0.0, 0.0) if layer.bwd_flops else 0.0
+            return fwd, bwd
+        fwd = bwd = 0.0
+        for kern in layer.kernels:
+            moved, weights = kern.bytes * b / tp, kern.weight_bytes / tp
+            fwd += self._kernel_time(kern.fwd_flops * b / tp, moved, weights)
+            if kern.bwd_flops:
+                bwd += 2 * self._kernel_time(kern.bwd_flops * b / tp / 2, moved, weights)
+        return fwd, bwd
+
+    @staticmethod
+    def _memory_bound_bytes(layer: LayerProfile, tp: int, b: int, sp: bool) -> float:
+        """Bytes the layer's non-matmul kernels move in one forward of ``b`` samples on one device:
+        tensor parallelism shards the [.., 4h]/vocab-sized tensors; the [.., h] ones (norms,
+        residuals, dropout) stay whole on every rank unless sequence parallelism shards them."""
+        return (layer.memory_bound_bytes / tp + layer.replicated_memory_bound_bytes / (tp if sp else 1)) * b
+
+    def _attention_recompute_time(self, layer: LayerProfile, tp: int, b: int) -> float:
+        """Seconds of selective checkpointing's extra forward: the attention-core kernels again."""
+        dev = self.cluster.device
+        if not layer.kernels:
+            return compute_time(layer.attention_flops * b / tp, dev, self.dtype) if layer.attention_flops else 0.0
+        core = [k for k in layer.kernels if k.attention]
+        # an unfused core also reruns its mask, softmax and dropout on the [s, s] scores
+        scores = memory_bound_time(layer.score_memory_bound_bytes * b / tp, dev)
+        return (sum(self._kernel_time(k.fwd_flops * b / tp, k.bytes * b / tp, k.weight_bytes / tp) for k in core)
+                + scores + op_overhead_time(len(core), dev))
 
 
 

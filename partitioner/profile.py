@@ -25,6 +25,28 @@ from passes.ir.meta import BLOCK, CAPTURE, FLOPS, LAYER_CHAIN, MEMORY, SHAPE, di
 LAYER_KEYS = ("layers", "num_hidden_layers", "n_layer", "num_layers")
 """Spec keys that set the number of repeated blocks (zoo models, then Hugging Face names)."""
 
+GATHER_OPS = ("aten.embedding", "aten.index_select")
+"""Ops that read only the rows of their first input (a table) that they write: they move about
+their output's bytes of the table, not the whole table."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Kernel:
+    """One matmul-class node of a layer (matmul, linear, conv, attention), ONE sample, no tensor
+    parallelism: what the roofline needs to time it (``cost_model.roofline_time``)."""
+
+    fwd_flops: int
+    """Forward FLOPs (2 per multiply-add)."""
+    bwd_flops: int
+    """Backward FLOPs (input and weight gradients: two kernels of about half each)."""
+    bytes: int
+    """Activation bytes the forward reads and writes per sample: its non-parameter tensor inputs
+    plus its outputs (linear in the micro-batch)."""
+    weight_bytes: int = 0
+    """Bytes of the parameters it reads (once per kernel, whatever the micro-batch)."""
+    attention: bool = False
+    """An attention-core kernel (what selective checkpointing recomputes): fused attention, or
+    a matmul that makes or consumes the [s, s] scores of an unfused one (QKᵀ, probabilities·V)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +90,20 @@ class LayerProfile:
     tp_all_reduces: int
     """Tensor-parallel all-reduces of the boundary tensor per forward (and as many in backward):
     2 for a transformer block (attention and MLP outputs), 1 for embedding and head."""
+    kernels: tuple[Kernel, ...] = ()
+    """The layer's matmul-class nodes, each timed by the roofline (empty in profiles made before
+    per-node costing: then ``matmuls`` equal kernels of ``fwd_flops`` are assumed)."""
+    memory_bound_bytes: int = 0
+    """Bytes the forward's other kernels (norms, softmax, elementwise ops, dropout, loss) read
+    and write, per sample, whose tensors tensor parallelism shards (trailing dim not the hidden
+    size: the MLP's 4h activations, vocab-parallel logits)."""
+    replicated_memory_bound_bytes: int = 0
+    """Bytes as ``memory_bound_bytes`` of the nodes whose output is a [.., h] tensor (layer norms,
+    residual adds, dropout of the block outputs, embedding lookups): every tensor-parallel rank
+    moves all of them unless sequence parallelism shards them."""
+    score_memory_bound_bytes: int = 0
+    """Part of ``memory_bound_bytes`` of the nodes with [s, s] outputs (mask, softmax, dropout of
+    an unfused attention's scores): selective checkpointing reruns them. 0 for fused attention."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -248,8 +284,66 @@ def _heads(gm) -> int:
     return 1
 
 
+def _tensor_bytes(node: fx.Node, subs: dict | None) -> int:
+    """Bytes of every tensor ``node`` produces (0 for a node without shape facts)."""
+    sm = node.meta.get(SHAPE)
+    if sm is None:
+        return 0
+    return sum(_int(t.nbytes, subs) for t in sm.tensors)
+
+
+def _moved_bytes(n: fx.Node, subs: dict | None) -> tuple[int, int]:
+    """(activation bytes, parameter bytes) one forward kernel of ``n`` reads and writes: its
+    non-parameter tensor inputs plus its outputs, and its parameter (``get_attr``) inputs.
+
+    A view (no new storage: ``MemoryMeta.output_bytes`` 0) launches no kernel and moves nothing;
+    a gather reads only the table rows it writes (:data:`GATHER_OPS`), counted as activation bytes.
+    """
+    mem = n.meta.get(MEMORY)
+    out = _tensor_bytes(n, subs)
+    if mem is not None and not _int(mem.output_bytes, subs):
+        return 0, 0
+    inputs = list(n.all_input_nodes)
+    act, weights = out, 0
+    for i, a in enumerate(inputs):
+        if i == 0 and str(n.target).startswith(GATHER_OPS):
+            act += out
+        elif a.op == "get_attr":
+            weights += _tensor_bytes(a, subs)
+        else:
+            act += _tensor_bytes(a, subs)
+    return act, weights
+
+
+def _trailing(n: fx.Node, k: int, subs: dict | None) -> tuple[int, ...]:
+    """The last ``k`` dims of ``n``'s first output (``()`` if it has fewer or they are symbolic)."""
+    sm = n.meta.get(SHAPE)
+    if sm is None or not sm.tensors or len(sm.tensors[0].shape) < k:
+        return ()
+    dims = [sympy.sympify(d) for d in sm.tensors[0].shape[-k:]]
+    dims = [d.xreplace(subs) if subs else d for d in dims]
+    return tuple(int(d) for d in dims) if all(d.is_Integer for d in dims) else ()
+
+
+def _hidden_output(n: fx.Node, hidden: int, subs: dict | None) -> bool:
+    """Whether ``n``'s first output has the hidden size as its trailing dim ([.., h])."""
+    return _trailing(n, 1, subs) == (hidden,)
+
+
+def _scores(n: fx.Node, seq: int, subs: dict | None) -> bool:
+    """Whether ``n`` makes an [.., s, s] tensor (attention scores or probabilities)."""
+    return _trailing(n, 2, subs) == (seq, seq)
+
+
+def _attention_core(n: fx.Node, kind: str, seq: int, subs: dict | None) -> bool:
+    """A fused attention node, or a matmul that makes or consumes [s, s] scores."""
+    return kind == "attention" or _scores(n, seq, subs) or any(_scores(a, seq, subs) for a in n.all_input_nodes)
+
+
 def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap, subs: dict | None = None) -> LayerProfile:
     params = pbytes = fwd = bwd = matmuls = attn = act = repl = score = saved = ops = 0
+    kernels: list[Kernel] = []
+    mem_bytes = repl_mem_bytes = score_mem_bytes = 0
     for n in nodes:
         mem = n.meta.get(MEMORY)
         if n.op == "get_attr":
@@ -260,16 +354,31 @@ def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap, subs: dict | No
                 params += _int(n.meta[SHAPE].tensor.numel, subs)
             continue
         is_size = SHAPE in n.meta and n.meta[SHAPE].value is not None  # size arithmetic dispatches no kernel
-        if n.op == "call_function" and n.target is not operator.getitem and not is_size:
+        dispatched = n.op == "call_function" and n.target is not operator.getitem and not is_size
+        if dispatched:
             ops += 1
         f = n.meta.get(FLOPS)
+        node_fwd = _int(f.fwd, subs) if f is not None else 0
         if f is not None:
-            fwd += _int(f.fwd, subs)
+            fwd += node_fwd
             bwd += _int(f.bwd, subs)
-            if _int(f.fwd, subs):
+            if node_fwd:
                 matmuls += 1
             if f.kind == "attention":
-                attn += _int(f.fwd, subs)
+                attn += node_fwd
+        if node_fwd:
+            moved, weights = _moved_bytes(n, subs)
+            kernels.append(Kernel(fwd_flops=node_fwd, bwd_flops=_int(f.bwd, subs), bytes=moved,
+                                  weight_bytes=weights, attention=_attention_core(n, f.kind, seq, subs)))
+        elif dispatched:  # no matmul work: the kernel is bound by the bytes it moves
+            # its parameters (norm scales and shifts) are a few KiB: left out of the per-sample bytes
+            moved = _moved_bytes(n, subs)[0]
+            if _hidden_output(n, hidden, subs):
+                repl_mem_bytes += moved
+            else:
+                mem_bytes += moved
+                if _scores(n, seq, subs):
+                    score_mem_bytes += moved
         if mem is not None and _int(mem.kept_bytes, subs):
             kept = _int(mem.kept_bytes, subs)
             act += kept
@@ -285,7 +394,9 @@ def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap, subs: dict | No
     return LayerProfile(name=name, param_count=params, param_bytes=pbytes, fwd_flops=fwd, bwd_flops=bwd,
                         matmuls=max(matmuls, 1), attention_flops=attn, activation_bytes=act,
                         replicated_activation_bytes=repl, attention_score_bytes=score, boundary_bytes=bnd,
-                        saved_tensors=saved, ops=ops, tp_all_reduces=2)
+                        saved_tensors=saved, ops=ops, tp_all_reduces=2, kernels=tuple(kernels),
+                        memory_bound_bytes=mem_bytes, replicated_memory_bound_bytes=repl_mem_bytes,
+                        score_memory_bound_bytes=score_mem_bytes)
 
 
 def profile_spec(spec: ModelSpec, *, dtype: str = "fp32", optimizer: str = "adamw") -> ModelProfile:

@@ -145,8 +145,10 @@ def plan_lines(plan: Plan, fix: str | None) -> list[str]:
     if second is None:
         lines.append("runner-up: none (no other candidate fits)")
     else:
+        # a tie goes to the simpler plan (search._key): say so rather than leave "lost by 0 s" unexplained
+        tie = "; a tie, the simpler plan is chosen" if second.loss_s == 0 else ""
         lines.append(f"runner-up: {_knobs_text(second.knobs)}: {second.step_time_s:.4f} s predicted, lost by "
-                     f"{second.loss_s:.3g} s ({second.loss_fraction:.2%})")
+                     f"{second.loss_s:.3g} s ({second.loss_fraction:.2%}){tie}")
     return lines
 
 

@@ -41,7 +41,7 @@ def test_demo_runs_matches_one_process_and_writes_every_file(tmp_path, capfd):
     second = runner_up(plan)
     assert second is not None and second.knobs != plan.knobs() and second.loss_s >= 0
     assert second.loss_fraction == pytest.approx(second.step_time_s / plan.predicted.step_time_s - 1)
-    line = re.search(r"^runner-up: (.*): ([0-9.]+) s predicted, lost by ([0-9.e-]+) s \(([0-9.]+)%\)$", text, flags=re.M)
+    line = re.search(r"^runner-up: (.*): ([0-9.]+) s predicted, lost by ([0-9.e-]+) s \(([0-9.]+)%\)(; a tie, the simpler plan is chosen)?$", text, flags=re.M)
     assert line, text
     assert float(line.group(2)) == pytest.approx(second.step_time_s, abs=1e-4)
     assert float(line.group(4)) == pytest.approx(100 * second.loss_fraction, abs=0.01)
@@ -94,5 +94,8 @@ def test_plan_lines_name_the_runner_up_and_its_loss():
     assert lines[0].startswith("plan (nothing pinned; the search chose the rest): ")
     assert lines[1].endswith(f"lost by {0.25 * best:.3g} s (25.00%)") and "zero=2" in lines[1]
     assert plan_lines(plan, "dp=2")[0].startswith("plan (pinned dp=2; ")
+    tie = dataclasses.replace(slower, step_time_s=best)
+    assert plan_lines(dataclasses.replace(plan, alternatives=(tie,)), None)[1].endswith(
+        "lost by 0 s (0.00%); a tie, the simpler plan is chosen")
     assert plan_lines(dataclasses.replace(plan, alternatives=(faster,)), None)[1] == \
         "runner-up: none (no other candidate fits)"

@@ -244,3 +244,17 @@ def test_docs_example_parses(tmp_path):
     (tmp_path / "c.yaml").write_text(example)
     c = Cluster.from_file(tmp_path / "c.yaml")
     assert c == dataclasses.replace(Cluster.preset("dgx-a100-80gb", nodes=2), name="my-a100-pair")
+
+
+def _local_two():
+    return Cluster.local(2)
+
+
+def test_a_spawned_rank_without_a_cache_says_where_to_calibrate(cache):
+    """Ranks of runtime.launch.spawn are daemonic and may not start the calibration's processes."""
+    from runtime.launch import LaunchError, spawn
+
+    with pytest.raises(LaunchError, match=r"ClusterSpecError: no cached calibration .* call Cluster.local\(2\) in "
+                                          r"the launching process first, or run `partitioner calibrate --world-size 2`"):
+        spawn(_local_two, 1, timeout_s=120)
+    assert not local_cache_file(2).exists()

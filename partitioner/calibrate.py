@@ -650,14 +650,16 @@ class Recipe:
 
 
 FULL_RECIPE = Recipe(name="full", effort=FULL, matmul_sizes=MATMUL_SIZES, comm_sizes=COMM_SIZES,
-                     memcpy_bytes=MEMCPY_BYTES, reference_steps=6)
-"""``partitioner calibrate``: every size, 5 reference steps per plan."""
+                     memcpy_bytes=MEMCPY_BYTES, reference_steps=8)
+"""``partitioner calibrate``: every size, 6 measured reference steps per plan (after 2 of warm-up)."""
 AUTO_RECIPE = Recipe(name="auto", effort=Effort(repeats=5, min_sample_s=0.01, comm_repeats=10),
                      matmul_sizes=MATMUL_SIZES[:-1], comm_sizes=QUICK_COMM_SIZES, memcpy_bytes=128 * MiB,
-                     reference_steps=4)
+                     reference_steps=6)
 """What ``Cluster.local`` runs the first time: the reference runs, which carry most of what a
-small step costs, with 3 measured steps each (medians over ranks and steps); gloo timed by the
-same processes and up to the 4 MiB messages that local jobs' buckets send; no 2048 matmul."""
+small step costs, with 4 measured steps each after 2 of warm-up (medians over ranks and steps;
+a step costs a tenth of a second, starting the processes and lowering the plans tens of
+seconds); gloo timed by the same processes and up to the 4 MiB messages that local jobs'
+buckets send; no 2048 matmul."""
 QUICK_RECIPE = Recipe(name="quick", effort=QUICK, matmul_sizes=QUICK_MATMUL_SIZES, comm_sizes=QUICK_COMM_SIZES,
                       memcpy_bytes=QUICK_MEMCPY_BYTES, reference_steps=0)
 """``calibrate --quick``: microbenchmarks only, small sizes (seconds; numbers pessimistic)."""
@@ -763,7 +765,11 @@ def _with_reference_runs(cal: Calibration, path: Path, recipe: Recipe, results=N
     if results is None:
         results = measure_reference(cal.world_size, cal.cluster, steps=recipe.reference_steps)
     dirs = write_reference(results, path.with_name(path.name + ".runs"), cal.cluster)
-    result = refit([load_run(d) for d in dirs], cal.cluster)
+    from partitioner.reference_runs import WARMUP_STEPS
+
+    # the warm-up steps out when the recipe leaves at least two measured ones
+    skip = WARMUP_STEPS if recipe.reference_steps >= WARMUP_STEPS + 2 else 1
+    result = refit([load_run(d, skip_first=skip) for d in dirs], cal.cluster)
     return replace(cal, cluster=result.cluster, refit=result, reference_dirs=tuple(dirs))
 
 

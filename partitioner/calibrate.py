@@ -21,9 +21,12 @@ Both models are affine in the size (``t = c0 + c1·x``). They are fitted by leas
 RELATIVE error, ``Σ((c0 + c1·xᵢ)/tᵢ − 1)²``, so a 4 KiB message (tens of µs) counts as much as a
 64 MiB one (tenths of a second); plain least squares would fit only the largest sizes.
 
-:func:`calibrate` runs everything and writes a YAML cluster file (default
-``~/.cache/partitioner/local-cluster.yaml``) with the measurements summarized in its header
-comments, plus ``<file>.calibration.json`` next to it with every sample and fit.
+:func:`run_calibration` runs everything and writes a YAML cluster file (default: this machine's
+cache file, :func:`partitioner.cluster.local_cache_file`, which ``Cluster.local`` reads) with the
+measurements summarized in its header comments, plus ``<file>.calibration.json`` next to it with
+every sample and fit. A :class:`Recipe` says how much is measured: :data:`AUTO_RECIPE` is what
+``Cluster.local`` runs by itself the first time, :data:`FULL_RECIPE` what ``partitioner
+calibrate`` runs.
 """
 from __future__ import annotations
 
@@ -35,12 +38,12 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import yaml
 
-from partitioner.cluster import DEFAULT_LOCAL_FILE, Cluster, Device, Link, PeakFlops
+from partitioner.cluster import Cluster, Device, Link, PeakFlops
 from partitioner.cost_model import EfficiencyCurve, all_reduce_time, send_recv_time
 from passes.ir.errors import ConfigError
 from runtime.launch import spawn
@@ -405,9 +408,17 @@ class CommSample:
 
 
 def _gloo_worker(sizes: Sequence[int], repeats: int, timeout_s: float) -> dict[str, list[tuple[int, float]]]:
-    """Runs on every rank: time all_reduce at each size, and a send/recv ping-pong between
-    ranks 0 and 1; returns ``{"all_reduce": [(bytes, s)], "send_recv": [(bytes, s)]}`` (the
-    send/recv list only on rank 0).
+    """Runs on every rank: joins a gloo group, then :func:`time_gloo`."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
+    return time_gloo(sizes, repeats)
+
+
+def time_gloo(sizes: Sequence[int], repeats: int) -> dict[str, list[tuple[int, float]]]:
+    """On every rank of an initialized gloo group: time all_reduce at each size (bytes), and a
+    send/recv ping-pong between ranks 0 and 1; returns ``{"all_reduce": [(bytes, s)],
+    "send_recv": [(bytes, s)]}`` (the send/recv list only on rank 0).
 
     Every sample is ONE operation after a barrier, and the fastest of ``repeats`` is kept: a
     loop of many operations would average in the scheduling delays of other processes (a gloo
@@ -418,7 +429,6 @@ def _gloo_worker(sizes: Sequence[int], repeats: int, timeout_s: float) -> dict[s
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
     rank = dist.get_rank()
 
     def all_reduce(buf: torch.Tensor) -> None:
@@ -477,6 +487,13 @@ def measure_gloo(world_size: int, sizes: Sequence[int] = COMM_SIZES, *, effort: 
         raise ConfigError(f"measure_gloo: sizes must be at least 4 bytes, got {list(sizes)}")
     per_rank = spawn(_gloo_worker, world_size, tuple(sizes), effort.comm_repeats, timeout_s,
                      timeout_s=2 * timeout_s)
+    return gloo_measurement(per_rank)
+
+
+def gloo_measurement(per_rank: Sequence[dict]) -> GlooMeasurement:
+    """The samples and fits of :func:`time_gloo`'s results on every rank (index = rank): the
+    all-reduce time per size is the slowest rank's fastest repeat; send/recv is rank 0's."""
+    world_size = len(per_rank)
     all_reduce = tuple(
         CommSample(op="all_reduce", world_size=world_size, nbytes=nbytes,
                    seconds=max(r["all_reduce"][i][1] for r in per_rank))
@@ -515,12 +532,16 @@ class Calibration:
     or None when they were skipped."""
     reference_dirs: tuple[Path, ...] = ()
     """The reference runs' directories (plan.json + measurements.json each)."""
+    recipe: str = "full"
+    """Name of the :class:`Recipe` measured."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds of each phase (matmul, memcpy, gloo and the reference runs, refit)."""
 
     def to_json(self) -> dict:
         """Every sample and fit as plain numbers (what ``<file>.calibration.json`` holds)."""
         return {
-            "world_size": self.world_size, "threads_per_rank": self.threads_per_rank,
-            "cpu": cpu_name(), "cores": cpu_count(), "elapsed_s": self.elapsed_s,
+            "recipe": self.recipe, "world_size": self.world_size, "threads_per_rank": self.threads_per_rank,
+            "cpu": cpu_name(), "cores": cpu_count(), "elapsed_s": self.elapsed_s, "phases_s": self.phases,
             "matmul": [asdict(s) | {"flops_per_s": s.flops_per_s} for s in self.matmul],
             "efficiency": {d: {"peak_flops_per_s": f.peak_flops_per_s, **asdict(f.curve)}
                            for d, f in self.efficiency.items()},
@@ -590,69 +611,177 @@ def _header(cal: Calibration) -> str:
     return "".join(f"# {line}\n" for line in lines)
 
 
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in its directory and a rename, so a
+    reader (another rank, a crash half-way) never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def write_calibration(cal: Calibration, out: str | Path) -> Path:
-    """Write the cluster file (YAML with a comment header, or JSON) and ``<out>.calibration.json``."""
+    """Write the cluster file (YAML with a comment header, or JSON) and ``<out>.calibration.json``
+    (first, so that a cluster file is never without its samples)."""
     path = Path(out).expanduser()
-    if path.suffix == ".json":
-        cal.cluster.to_file(path)
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(_header(cal) + yaml.safe_dump(cal.cluster.to_dict(), sort_keys=False))
+    data = cal.cluster.to_dict()
+    text = json.dumps(data, indent=2) + "\n" if path.suffix == ".json" else _header(cal) + yaml.safe_dump(data, sort_keys=False)
+    _write_atomically(path.with_name(path.name + ".calibration.json"), json.dumps(cal.to_json(), indent=2) + "\n")
+    _write_atomically(path, text)
     Cluster.from_file(path)  # what Cluster.local will do: fail here rather than later
-    path.with_name(path.name + ".calibration.json").write_text(json.dumps(cal.to_json(), indent=2) + "\n")
     return path
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """What one calibration measures, and how hard."""
+
+    name: str
+    effort: Effort
+    matmul_sizes: tuple[int, ...]
+    """Square matmul sizes ``n`` timed per dtype."""
+    comm_sizes: tuple[int, ...]
+    """gloo message sizes in bytes."""
+    memcpy_bytes: int
+    """Bytes of the large copy (above the last-level cache for a true memory bandwidth)."""
+    reference_steps: int
+    """Steps of each reference plan (:mod:`partitioner.reference_runs`; the first is warm-up);
+    0: none, the microbenchmarks alone (which predict small steps far too short)."""
+
+
+FULL_RECIPE = Recipe(name="full", effort=FULL, matmul_sizes=MATMUL_SIZES, comm_sizes=COMM_SIZES,
+                     memcpy_bytes=MEMCPY_BYTES, reference_steps=8)
+"""``partitioner calibrate``: every size, 6 measured reference steps per plan (after 2 of warm-up)."""
+AUTO_RECIPE = Recipe(name="auto", effort=Effort(repeats=5, min_sample_s=0.01, comm_repeats=10),
+                     matmul_sizes=MATMUL_SIZES[:-1], comm_sizes=QUICK_COMM_SIZES, memcpy_bytes=128 * MiB,
+                     reference_steps=6)
+"""What ``Cluster.local`` runs the first time: the reference runs, which carry most of what a
+small step costs, with 4 measured steps each after 2 of warm-up (medians over ranks and steps;
+a step costs a tenth of a second, starting the processes and lowering the plans tens of
+seconds); gloo timed by the same processes and up to the 4 MiB messages that local jobs'
+buckets send; no 2048 matmul."""
+QUICK_RECIPE = Recipe(name="quick", effort=QUICK, matmul_sizes=QUICK_MATMUL_SIZES, comm_sizes=QUICK_COMM_SIZES,
+                      memcpy_bytes=QUICK_MEMCPY_BYTES, reference_steps=0)
+"""``calibrate --quick``: microbenchmarks only, small sizes (seconds; numbers pessimistic)."""
+TINY_RECIPE = Recipe(name="tiny", effort=Effort(repeats=2, min_sample_s=0.001, comm_repeats=2),
+                     matmul_sizes=(32, 64), comm_sizes=(4 * KiB, 64 * KiB), memcpy_bytes=1 * MiB, reference_steps=0)
+"""The least that runs every measurement (tests of the machinery, not of the numbers)."""
 
 
 def run_calibration(world_size: int = 4, out: str | Path | None = None, quick: bool = False, *,
                     dtypes: Sequence[str] = ("fp32", "bf16"), write: bool = True,
-                    reference_runs: bool | None = None) -> Calibration:
+                    reference_runs: bool | None = None, recipe: Recipe | None = None) -> Calibration:
     """Measure matmuls, memcpy and gloo for ``world_size`` local ranks, fit, and write the file.
 
-    ``out`` defaults to ``~/.cache/partitioner/local-cluster.yaml`` (what ``Cluster.local``
-    reads when ``$PARTITIONER_CLUSTER_FILE`` is unset). ``quick`` measures fewer and smaller
-    points (a few seconds; numbers pessimistic). Communication needs >= 2 processes, so a
-    ``world_size`` of 1 times gloo on 2. ``reference_runs`` (default: unless ``quick``): also
-    train a small GPT under a few plans on the ranks (:mod:`partitioner.reference_runs`, about a
-    minute) and refit the cluster's framework overheads to them (:func:`partitioner.refit.refit`);
-    the runs are kept in ``<out>.runs/``.
+    ``out`` defaults to this machine's cache file (``cluster.local_cache_file``: what
+    ``Cluster.local`` reads when ``$PARTITIONER_CLUSTER_FILE`` is unset), so a calibration
+    refreshes it. ``recipe`` (default :data:`QUICK_RECIPE` when ``quick``, else
+    :data:`FULL_RECIPE`) says what is measured. Communication needs >= 2 processes, so a
+    ``world_size`` of 1 times gloo on 2. ``reference_runs``: override the recipe's (False: none;
+    True: at least :data:`FULL_RECIPE`'s steps); the reference plans train a small GPT on the
+    ranks (:mod:`partitioner.reference_runs`) and the cluster's framework overheads are refitted
+    to them (:func:`partitioner.refit.refit`); the runs are kept in ``<out>.runs/``.
     """
     if world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
     if "fp32" not in dtypes:
         raise ConfigError(f"calibration needs fp32 among the dtypes (the cluster's base peak), got {list(dtypes)}")
+    recipe = _with_reference_override(recipe or (QUICK_RECIPE if quick else FULL_RECIPE), reference_runs)
+    path = Path(out).expanduser() if out is not None else _default_out(world_size)
     start = time.perf_counter()
-    effort = QUICK if quick else FULL
+    lap = _Laps()
     threads = rank_threads(world_size)
-    matmul = measure_matmul(dtypes, QUICK_MATMUL_SIZES if quick else MATMUL_SIZES, threads=threads, effort=effort)
+    matmul = measure_matmul(dtypes, recipe.matmul_sizes, threads=threads, effort=recipe.effort)
     efficiency = {d: fit_efficiency([(s.flops, s.seconds) for s in matmul if s.dtype == d]) for d in dtypes}
-    memcpy = measure_memcpy(QUICK_MEMCPY_BYTES if quick else MEMCPY_BYTES, threads=threads, effort=effort)
-    gloo = measure_gloo(max(world_size, 2), QUICK_COMM_SIZES if quick else COMM_SIZES, effort=effort)
+    lap("matmul")
+    memcpy = measure_memcpy(recipe.memcpy_bytes, threads=threads, effort=recipe.effort)
+    lap("memcpy")
+    if recipe.reference_steps and world_size >= 2:
+        # one spawn for the gloo timings and the reference runs: starting processes is the slow part
+        gloo, reference = _gloo_and_reference(world_size, recipe, efficiency, memcpy, threads)
+        lap("gloo + reference runs")
+    else:
+        gloo, reference = measure_gloo(max(world_size, 2), recipe.comm_sizes, effort=recipe.effort), None
+        lap("gloo")
     cluster = build_cluster(world_size, efficiency, memcpy, gloo, threads_per_rank=threads)
     cal = Calibration(cluster=cluster, world_size=world_size, threads_per_rank=threads, matmul=tuple(matmul),
-                      efficiency=efficiency, memcpy=memcpy, gloo=gloo, elapsed_s=time.perf_counter() - start)
-    if reference_runs is None:
-        reference_runs = not quick
-    if reference_runs:
-        cal = _with_reference_runs(cal, Path(DEFAULT_LOCAL_FILE if out is None else out).expanduser(), start)
+                      efficiency=efficiency, memcpy=memcpy, gloo=gloo, recipe=recipe.name)
+    if recipe.reference_steps:
+        cal = _with_reference_runs(cal, path, recipe, reference)
+        lap("reference runs + refit" if reference is None else "refit")
+    cal = replace(cal, elapsed_s=time.perf_counter() - start, phases=lap.seconds)
     if write:
-        path = write_calibration(cal, DEFAULT_LOCAL_FILE if out is None else out)
-        cal = replace(cal, path=path)
+        cal = replace(cal, path=write_calibration(cal, path))
     return cal
 
 
-def _with_reference_runs(cal: Calibration, path: Path, start: float) -> Calibration:
-    from partitioner.reference_runs import run_reference
+class _Laps:
+    """Seconds of each named phase, measured from the previous call (or construction)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = now - self._last
+        self._last = now
+
+
+def _default_out(world_size: int) -> Path:
+    from partitioner.cluster import local_cache_file
+
+    return local_cache_file(world_size)
+
+
+def _with_reference_override(recipe: Recipe, reference_runs: bool | None) -> Recipe:
+    if reference_runs is None:
+        return recipe
+    steps = max(recipe.reference_steps, FULL_RECIPE.reference_steps) if reference_runs else 0
+    return replace(recipe, reference_steps=steps)
+
+
+def _gloo_and_reference(world_size: int, recipe: Recipe, efficiency: dict[str, EfficiencyFit],
+                        memcpy: MemcpyMeasurement, threads: int):
+    """(gloo measurement, reference results) from one spawn of ``world_size`` ranks. The lowering
+    there costs against the cluster of the compute measurements (it reads no links)."""
+    from partitioner.reference_runs import measure_reference
+
+    placeholder = LinkFit(op="all_reduce", world_size=world_size, latency_s=0.0, bandwidth_bytes_per_s=1.0)
+    provisional = build_cluster(world_size, efficiency, memcpy,
+                                GlooMeasurement(all_reduce=(), send_recv=(), all_reduce_fit=placeholder,
+                                                send_recv_fit=placeholder), threads_per_rank=threads)
+    results = measure_reference(world_size, provisional, steps=recipe.reference_steps,
+                                comm_sizes=recipe.comm_sizes, comm_repeats=recipe.effort.comm_repeats)
+    return gloo_measurement(results.comm), results
+
+
+def _with_reference_runs(cal: Calibration, path: Path, recipe: Recipe, results=None) -> Calibration:
+    """``cal`` refitted to the reference runs (``results`` when they ran with the gloo timings,
+    else run now), which are written to ``<path>.runs/``."""
+    from partitioner.reference_runs import measure_reference, write_reference
     from partitioner.refit import load_run, refit
 
-    dirs = run_reference(cal.world_size, path.with_name(path.name + ".runs"), cal.cluster)
-    result = refit([load_run(d) for d in dirs], cal.cluster)
-    return replace(cal, cluster=result.cluster, refit=result, reference_dirs=tuple(dirs),
-                   elapsed_s=time.perf_counter() - start)
+    if results is None:
+        results = measure_reference(cal.world_size, cal.cluster, steps=recipe.reference_steps)
+    dirs = write_reference(results, path.with_name(path.name + ".runs"), cal.cluster)
+    from partitioner.reference_runs import WARMUP_STEPS
+
+    # the warm-up steps out when the recipe leaves at least two measured ones
+    skip = WARMUP_STEPS if recipe.reference_steps >= WARMUP_STEPS + 2 else 1
+    result = refit([load_run(d, skip_first=skip) for d in dirs], cal.cluster)
+    return replace(cal, cluster=result.cluster, refit=result, reference_dirs=tuple(dirs))
+
+
+def auto_calibrate(world_size: int, path: Path) -> Calibration:
+    """What ``Cluster.local`` runs on a cache miss: :data:`AUTO_RECIPE` for ``world_size`` ranks,
+    written to ``path``."""
+    return run_calibration(world_size, path, recipe=AUTO_RECIPE)
 
 
 def calibrate(world_size: int = 4, out: str | Path | None = None, quick: bool = False) -> Cluster:
     """Measure this machine for ``world_size`` local gloo ranks and write the cluster file that
-    ``Cluster.local`` reads (default ``~/.cache/partitioner/local-cluster.yaml``); returns it.
+    ``Cluster.local`` reads (default: this machine's cache file); returns it.
 
     See :func:`run_calibration` for the measurements and fits behind it.
     """

@@ -132,10 +132,10 @@ def _cmd_lower(args: argparse.Namespace) -> int:
 
 
 def _cmd_refit(args: argparse.Namespace) -> int:
-    from partitioner.cluster import DEFAULT_LOCAL_FILE, Cluster
+    from partitioner.cluster import Cluster, local_cache_file
     from partitioner.refit import refit_from_runs
 
-    out = args.out or DEFAULT_LOCAL_FILE.expanduser()
+    out = args.out or local_cache_file(args.world_size)
     result = refit_from_runs(args.from_run, Cluster.local(args.world_size), out)
     print(f"refit from {result.runs} run(s): peak FLOP/s x{result.flops_scale:.3g}, memory bandwidth "
           f"x{result.bandwidth_scale:.3g}, link latency x{result.latency_scale:.3g}; median measured/predicted "
@@ -202,7 +202,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             ("device memory (host / ranks)", _human(cal.cluster.device.memory_bytes, "B"))]
     print(_table(rows))
     print(f"\ncluster file written to {cal.path} (samples in {cal.path.name}.calibration.json); "
-          f"Cluster.local reads it" + ("" if args.out is None else " with PARTITIONER_CLUSTER_FILE set to it"))
+          + ("Cluster.local reads it (the cache of this machine)" if args.out is None
+             else "Cluster.local reads it with PARTITIONER_CLUSTER_FILE set to it"))
     return 0
 
 
@@ -263,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("calibrate", help="measure this machine; write the cluster file Cluster.local reads")
     p.add_argument("--world-size", type=int, default=4, help="local gloo ranks to calibrate for (default 4)")
-    p.add_argument("--out", help="cluster file to write (default ~/.cache/partitioner/local-cluster.yaml)")
+    p.add_argument("--out", help="cluster file to write (default: this machine's cache file, which Cluster.local "
+                                 "reads; a calibration refreshes it)")
     p.add_argument("--quick", action="store_true",
                    help="fewer, smaller measurements and no reference runs (seconds; pessimistic)")
     p.add_argument("--no-reference-runs", action="store_true",
@@ -279,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="plan and train a GPT on 4 local gloo ranks, checked against one process")
     p.add_argument("--model", default=DEMO_MODEL, help=f"model spec (default {DEMO_MODEL})")
     p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
-    p.add_argument("--fix", default=DEMO_FIX, help=f"pinned knobs (default {DEMO_FIX})")
+    p.add_argument("--fix", default=DEMO_FIX, help="pin knobs, e.g. dp=2,pp=2 (default: none, the search chooses)")
     p.add_argument("--global-batch", type=int, default=DEMO_GLOBAL_BATCH, help="samples per step")
     p.add_argument("--dump-dir", default="demo_out", help="the dump tree, plan.json, report.html, measurements.json")
     p.set_defaults(fn=_cmd_demo)

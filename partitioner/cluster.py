@@ -12,10 +12,15 @@ documented in ``docs/cluster_schema.md``; presets live in ``partitioner/presets/
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
+import multiprocessing
 import os
 import re
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +37,14 @@ _DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "tf32": "t
 
 PRESET_DIR = Path(__file__).parent / "presets"
 CLUSTER_FILE_ENV = "PARTITIONER_CLUSTER_FILE"
+"""An explicit cluster file for ``Cluster.local``: used as it is (it must exist), no calibration."""
+CACHE_DIR_ENV = "PARTITIONER_CACHE_DIR"
+"""Overrides where calibrations are cached (default: the user cache directory, see :func:`cache_dir`)."""
 DEFAULT_LOCAL_FILE = Path("~/.cache/partitioner/local-cluster.yaml")
+"""Where ``calibrate`` wrote before calibrations were cached per machine; no longer read."""
+CALIBRATION_VERSION = 1
+"""Part of every cache key: raise it when what a calibration measures or fits changes, so that
+an older cached file is not read as a current one."""
 
 # ---------------------------------------------------------------------------------------------
 # Quantities with units
@@ -421,18 +433,126 @@ class Cluster:
     def local(cls, world_size: int, backend: str = "gloo") -> Cluster:
         """This machine as one node of ``world_size`` ranks.
 
-        Reads the calibration file named by ``$PARTITIONER_CLUSTER_FILE`` (which must exist when
-        set) or else ``~/.cache/partitioner/local-cluster.yaml`` if present; otherwise the
-        rough ``local-cpu`` preset.
+        Reads the file named by ``$PARTITIONER_CLUSTER_FILE`` when set (it must exist). Otherwise,
+        for gloo, this machine's cached calibration (:func:`cached_local_cluster`), measured the
+        first time it is needed; other backends get the rough ``local-cpu`` preset.
         """
         env = os.environ.get(CLUSTER_FILE_ENV)
         if env:
             base = cls.from_file(env)  # an explicit request: a missing file is an error
-        elif DEFAULT_LOCAL_FILE.expanduser().is_file():
-            base = cls.from_file(DEFAULT_LOCAL_FILE)
-        else:
+        elif backend == "gloo":
+            base = cached_local_cluster(world_size)
+        else:  # the calibration measures CPU processes on gloo: it says nothing about GPUs
             base = cls.preset("local-cpu")
         return dataclasses.replace(base, nodes=1, devices_per_node=world_size, backend=backend)
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-machine calibration cache
+# ---------------------------------------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """Where calibrations are cached: ``$PARTITIONER_CACHE_DIR``, else ``$XDG_CACHE_HOME/partitioner``,
+    else ``~/.cache/partitioner``."""
+    env = os.environ.get(CACHE_DIR_ENV)
+    if env:
+        return Path(env).expanduser()
+    # the XDG base-directory rule (platformdirs is not a dependency): a relative
+    # $XDG_CACHE_HOME is invalid and ignored
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else Path("~/.cache").expanduser()
+    return base / "partitioner"
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class MachineKey:
+    """What a local calibration depends on: two setups that differ in any field are measured
+    separately (a copied home directory, a new torch, another world size)."""
+
+    cpu: str
+    """CPU model name (``/proc/cpuinfo``)."""
+    cores: int
+    """Cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
+    torch_version: str
+    """``torch.__version__``: kernels and dispatch overheads change between releases."""
+    world_size: int
+    """Local gloo ranks the calibration was measured for."""
+    threads_per_rank: int
+    """torch threads per rank (``calibrate.rank_threads``)."""
+    version: int = CALIBRATION_VERSION
+    """:data:`CALIBRATION_VERSION` when it was written."""
+
+    @classmethod
+    def this_machine(cls, world_size: int) -> MachineKey:
+        """The key of this machine for ``world_size`` local ranks."""
+        import torch
+
+        from partitioner.calibrate import cpu_count, cpu_name, rank_threads
+
+        return cls(cpu=cpu_name(), cores=cpu_count(), torch_version=torch.__version__,
+                   world_size=world_size, threads_per_rank=rank_threads(world_size))
+
+    def file_name(self) -> str:
+        """``local-w<ranks>-t<threads>-c<cores>-torch<version>-<hash>.yaml``: readable, and the
+        hash of every field (the CPU name too) makes it unique."""
+        digest = hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        torch_tag = re.sub(r"[^0-9A-Za-z.]+", "_", self.torch_version)
+        return f"local-w{self.world_size}-t{self.threads_per_rank}-c{self.cores}-torch{torch_tag}-{digest}.yaml"
+
+
+def local_cache_file(world_size: int) -> Path:
+    """The cached calibration of this machine for ``world_size`` gloo ranks (it may not exist yet)."""
+    return cache_dir() / MachineKey.this_machine(world_size).file_name()
+
+
+def cached_local_cluster(world_size: int) -> Cluster:
+    """This machine's calibrated cluster for ``world_size`` gloo ranks, from the cache; on a miss
+    it is measured (:func:`partitioner.calibrate.auto_calibrate`), cached, and one line on stderr
+    says so. Concurrent callers (the ranks of one job) wait for one calibration, not run four."""
+    path = local_cache_file(world_size)
+    if path.is_file():
+        return read_cached(path, world_size)
+    with _exclusive(path.with_name(path.name + ".lock")):
+        if path.is_file():  # another process calibrated while this one waited
+            return read_cached(path, world_size)
+        _refuse_in_daemon(path, world_size)
+        from partitioner.calibrate import auto_calibrate
+
+        cal = auto_calibrate(world_size, path)
+    print(f"partitioner: calibrated this machine for {world_size} gloo rank(s) in {cal.elapsed_s:.0f} s; "
+          f"cached in {path}", file=sys.stderr, flush=True)
+    return cal.cluster
+
+
+def read_cached(path: Path, world_size: int) -> Cluster:
+    """The cluster of cache file ``path``; a file that does not read raises
+    :class:`ClusterSpecError` naming it and how to rewrite it."""
+    try:
+        return Cluster.from_file(path)
+    except ClusterSpecError as e:
+        raise ClusterSpecError(f"the cached calibration {path} is corrupt ({e}); rewrite it with `partitioner "
+                               f"calibrate --world-size {world_size}`, or delete it to recalibrate on next use") from None
+
+
+@contextlib.contextmanager
+def _exclusive(lock_file: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``lock_file`` for the block (``filelock``, a torch dependency)."""
+    from filelock import FileLock
+
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(lock_file):
+        yield
+
+
+def _refuse_in_daemon(path: Path, world_size: int) -> None:
+    """A daemonic process (a rank of ``runtime.launch.spawn``) may not start the calibration's
+    processes: say what to do instead of failing inside multiprocessing."""
+    if multiprocessing.current_process().daemon:
+        raise ClusterSpecError(
+            f"no cached calibration of this machine for {world_size} rank(s) ({path}), and this process (a "
+            f"spawned rank) cannot start the calibration's processes: call Cluster.local({world_size}) in the "
+            f"launching process first, or run `partitioner calibrate --world-size {world_size}`")
 
 
 class _Loader(yaml.SafeLoader):

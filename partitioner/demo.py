@@ -1,7 +1,8 @@
 """``partitioner demo`` and ``partitioner train``: plan and train a model on real text.
 
-``partitioner demo`` (no arguments needed) plans the zoo GPT for 4 local gloo ranks
-(``Cluster.local(4)``, pipeline stages pinned with ``--fix``), spawns the 4 ranks
+``partitioner demo`` (no arguments needed) plans the zoo GPT for 4 local gloo ranks on
+``Cluster.local(4)`` (this machine, calibrated the first time), letting the search choose every
+knob (``--fix`` pins some), prints the chosen plan and the runner-up with how much it lost, spawns the 4 ranks
 (:func:`runtime.launch.spawn`), trains on the byte-level stdlib corpus (:mod:`partitioner.corpus`),
 prints the loss per step with a progress bar, checks the first steps against single-process
 training of the same model, and leaves in ``--dump-dir`` the plan's dump tree
@@ -31,7 +32,9 @@ if TYPE_CHECKING:  # torch is imported where used: `partitioner --help` stays fa
     import torch
 
 DEMO_MODEL = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq=64,dropout=0.0"
-DEMO_FIX = "dp=2,pp=2"  # pipeline stages pinned; the planner picks the schedule and the rest
+DEMO_FIX = None
+"""Nothing pinned: the search chooses dp, tp, pp, micro-batching, schedule, ZeRO, checkpointing
+and offload (the dtype is the user's)."""
 DEMO_WORLD = 4
 DEMO_GLOBAL_BATCH = 8
 CHECK_STEPS = 3
@@ -109,20 +112,19 @@ class RankResult:
     """Seconds of each phase of ``auto_parallelize`` on this rank."""
 
 
-def _demo_rank(model: str, steps: int, fix: str, dump_dir: str, global_batch: int, timeout_s: float,
-               track_memory: bool) -> RankResult:
+def _demo_rank(model: str, steps: int, fix: str | None, dump_dir: str, global_batch: int, timeout_s: float,
+               track_memory: bool, cluster) -> RankResult:
     import torch.distributed as dist
 
     from partitioner.auto import auto_parallelize
-    from partitioner.cluster import Cluster
 
     start = time.perf_counter()
-    trainer = auto_parallelize(model, Cluster.local(DEMO_WORLD), global_batch_size=global_batch, fix=fix,
+    trainer = auto_parallelize(model, cluster, global_batch_size=global_batch, fix=fix,
                                dump_dir=dump_dir, timeout_s=timeout_s, track_memory=track_memory)
     built = time.perf_counter()
     rank0 = dist.get_rank() == 0
     if rank0:
-        print(f"plan: {trainer.plan.summary()}", flush=True)
+        print("\n".join(plan_lines(trainer.plan, fix)), flush=True)
     losses = train_loop(trainer, steps, lambda k: batch_for(trainer.spec, k, global_batch), echo=rank0)
     trained = time.perf_counter()
     eval_loss = trainer.eval_step(batch_for(trainer.spec, steps, global_batch))
@@ -130,6 +132,30 @@ def _demo_rank(model: str, steps: int, fix: str, dump_dir: str, global_batch: in
     return RankResult(losses=losses, plan_json=trainer.plan.to_json(), build_s=built - start,
                       train_s=trained - built, measured=run.summary_by_rank(), breakdown=breakdown(run.steps),
                       eval_loss=eval_loss, build_phases=trainer.build_seconds)
+
+
+def plan_lines(plan: Plan, fix: str | None) -> list[str]:
+    """What the search decided: the chosen plan (and what was pinned), then the runner-up and
+    how much slower it was predicted, in seconds and percent."""
+    from partitioner.search import runner_up
+
+    pinned = f"pinned {fix}" if fix else "nothing pinned"
+    lines = [f"plan ({pinned}; the search chose the rest): {plan.summary()}"]
+    second = runner_up(plan)
+    if second is None:
+        lines.append("runner-up: none (no other candidate fits)")
+    else:
+        # a tie goes to the simpler plan (search._key): say so rather than leave "lost by 0 s" unexplained
+        tie = "; a tie, the simpler plan is chosen" if second.loss_s == 0 else ""
+        lines.append(f"runner-up: {_knobs_text(second.knobs)}: {second.step_time_s:.4f} s predicted, lost by "
+                     f"{second.loss_s:.3g} s ({second.loss_fraction:.2%}){tie}")
+    return lines
+
+
+def _knobs_text(knobs: dict) -> str:
+    short = {"micro_batch_size": "mbs", "num_micro_batches": "m", "zero_stage": "zero",
+             "sequence_parallel": "sp", "checkpointing": "ckpt", "virtual_pp": "v"}
+    return " ".join(f"{short.get(k, k)}={v}" for k, v in knobs.items() if not (k == "virtual_pp" and v == 1))
 
 
 TERMS = ("wall_s", "compute_s", "recv_wait_s", "send_wait_s", "p2p_post_s", "collective_s", "optimizer_s", "other_s")
@@ -163,22 +189,32 @@ def reference_losses(model: str, steps: int, global_batch: int) -> list[float]:
     return out
 
 
+def _off(predicted: float, measured: float) -> str:
+    """``"-12.3% off"``: the prediction's error relative to the measurement."""
+    return f"{(predicted / measured - 1) * 100:+.1f}% off" if measured > 0 else "nothing measured"
+
+
 def max_rel_diff(a: Sequence[float], b: Sequence[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
-def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str = DEMO_FIX, dump_dir: str = "demo_out",
+def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str | None = DEMO_FIX, dump_dir: str = "demo_out",
              global_batch: int = DEMO_GLOBAL_BATCH, timeout_s: float = 60.0, track_memory: bool | int = 2,
              out=None) -> dict:
     """The whole demo; returns a summary dict. Raises :class:`ParityError` when the first
     :data:`CHECK_STEPS` losses differ from single-process training by more than :data:`CHECK_RTOL`."""
+    from partitioner.cluster import Cluster
+
     def say(text: str) -> None:
         print(text, file=out or sys.stdout, flush=True)
 
     start = time.perf_counter()
     dump = str(Path(dump_dir).resolve())
-    say(f"demo: {model} on {DEMO_WORLD} local gloo ranks, fix {fix}, global batch {global_batch}, {steps} steps")
-    results = spawn(_demo_rank, DEMO_WORLD, model, steps, fix, dump, global_batch, timeout_s, track_memory,
+    # here, not on the ranks: a first calibration starts processes, which spawned ranks may not
+    cluster = Cluster.local(DEMO_WORLD)
+    say(f"demo: {model} on {DEMO_WORLD} local gloo ranks ({cluster.name}), {f'fix {fix}' if fix else 'nothing pinned'}, "
+        f"global batch {global_batch}, {steps} steps")
+    results = spawn(_demo_rank, DEMO_WORLD, model, steps, fix, dump, global_batch, timeout_s, track_memory, cluster,
                     timeout_s=max(600.0, 20.0 * steps))
     distributed_s = time.perf_counter() - start
     losses = results[0].losses
@@ -197,10 +233,11 @@ def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str = DEMO_FIX, d
     med = sorted(v["step_time_s"] for v in measured.values())
     peaks = [v["peak_memory_bytes"] for v in measured.values()]
     plan = Plan.from_json(results[0].plan_json)
-    say(f"step time (median over ranks): {med[len(med) // 2]:.3f} s measured, {plan.predicted.step_time_s:.3f} s "
-        f"predicted; peak memory {max(peaks) / 2**20:.2f} MiB measured, "
-        f"{plan.predicted.peak_memory_bytes / 2**20:.2f} MiB predicted")
-    if not plan.cluster.endswith("+refit"):
+    step_s, peak = med[len(med) // 2], max(peaks)
+    say(f"step time (median over ranks): {step_s:.3f} s measured, {plan.predicted.step_time_s:.3f} s "
+        f"predicted ({_off(plan.predicted.step_time_s, step_s)}); peak memory {peak / 2**20:.2f} MiB measured, "
+        f"{plan.predicted.peak_memory_bytes / 2**20:.2f} MiB predicted ({_off(plan.predicted.peak_memory_bytes, peak)})")
+    if "+refit" not in plan.cluster:
         say(f"  (predicted on cluster '{plan.cluster}'; to predict this machine, fit it to this run: "
             f"partitioner calibrate --from-run {dump})")
     say(f"eval loss on the next unseen batch: {results[0].eval_loss:.4f}")

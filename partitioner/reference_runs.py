@@ -34,6 +34,10 @@ from runtime.measure import RunMeasurements, StepMeasurement
 REFERENCE_MODEL = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=16,dropout=0.0"
 """Small enough to train in seconds on CPU ranks, large enough to have every kind of layer."""
 ADAMW = {"lr": 1e-3, "eps": 1e-6}
+WARMUP_STEPS = 2
+"""Steps of each reference plan left out of the fit: the second step was still 20-50% slower than
+the later ones on the 2-core machine (gloo's connections, the allocator, the optimizer state
+being created), as the demo, which also skips two, sees."""
 
 
 def global_batch(world_size: int) -> int:
@@ -86,18 +90,49 @@ def reference_plans(world_size: int) -> tuple[ReferencePlan, ...]:
     return tuple(plans)
 
 
-def _rank_main(plans: tuple[ReferencePlan, ...], steps: int) -> list[dict]:
-    """On every rank: each plan's measured steps (dicts of :class:`runtime.measure.StepMeasurement`)."""
+@dataclass(frozen=True, kw_only=True)
+class ReferenceResults:
+    """What the reference ranks measured: gloo timings and each plan's steps."""
+
+    comm: tuple[dict, ...]
+    """Per rank: ``calibrate.time_gloo``'s ``{op: [(bytes, seconds)]}`` (empty without sizes)."""
+    steps: tuple[tuple[list[dict], ...], ...]
+    """Per rank, per plan of :func:`reference_plans`: the measured steps (dicts of
+    :class:`runtime.measure.StepMeasurement`)."""
+
+
+def _shared_graph(spec):
+    """The captured, analysed graph of ``spec`` on every rank: rank 0 captures it and the others
+    rebuild it around their own module (on shared cores, one capture instead of one per rank)."""
+    import torch.distributed as dist
+
+    from passes.ir.graph_transfer import pack_graph, unpack_graph
+    from runtime.comm import broadcast_object
+
+    payload = None
+    if dist.get_rank() == 0:
+        graph = capture_for_pipeline(spec)
+        payload = pack_graph(graph, spec.module)
+    return unpack_graph(broadcast_object(payload, src=0), spec.module)
+
+
+def _rank_main(plans: tuple[ReferencePlan, ...], steps: int, cluster: Cluster,
+               comm_sizes: tuple[int, ...], comm_repeats: int) -> tuple[dict, list[list[dict]]]:
+    """On every rank: the gloo timings (``comm_sizes``; first, while the ranks do nothing else),
+    then each plan's measured steps. ``cluster`` is what the lowering costs against
+    (``Cluster.local`` here would start the very calibration these runs are part of)."""
     import torch
 
+    from partitioner.calibrate import time_gloo
 
     init_distributed(timeout_s=300)
+    comm = time_gloo(comm_sizes, comm_repeats) if comm_sizes else {}
     meshes = {}
     for p in plans:  # every rank creates every group, in the same order
         if (p.dp, p.pp, p.tp) not in meshes:
             meshes[(p.dp, p.pp, p.tp)] = Mesh(p.dp, p.pp, p.tp, timeout_s=120)
     spec = build_model(REFERENCE_MODEL)
-    graph = capture_for_pipeline(spec)
+    graph = _shared_graph(spec)
     batches = [spec.example_inputs({"batch": plans[0].global_batch}, seed=10 + k) for k in range(steps)]
     out = []
     for p in plans:
@@ -105,41 +140,59 @@ def _rank_main(plans: tuple[ReferencePlan, ...], steps: int) -> list[dict]:
         config = ParallelConfig.for_global_batch(
             p.global_batch, dp=p.dp, pp=p.pp, tp=p.tp, schedule=p.schedule, num_micro_batches=p.num_micro_batches,
             virtual_pp=p.virtual_pp, zero_stage=p.zero_stage, checkpointing=p.checkpointing, offload=p.offload)
-        pm = build_parallel_model(graph, config, meshes[(p.dp, p.pp, p.tp)], adamw=ADAMW)
+        pm = build_parallel_model(graph, config, meshes[(p.dp, p.pp, p.tp)], cluster=cluster, adamw=ADAMW)
         timer = StepTimer(pm, track_memory=False)
         for k, b in enumerate(batches):
             timer.measure(k + 1, lambda b=b: pm.train_step(b))
         out.append([dataclasses.asdict(s) for s in timer.steps])
     torch.distributed.barrier()
-    return out
+    return comm, out
 
 
-def run_reference(world_size: int, out_dir: str | Path, cluster: Cluster, *, steps: int = 6,
-                  timeout_s: float = 900.0) -> list[Path]:
+def measure_reference(world_size: int, cluster: Cluster, *, steps: int = 6, comm_sizes: tuple[int, ...] = (),
+                      comm_repeats: int = 0, timeout_s: float = 900.0) -> ReferenceResults:
     """Train :data:`REFERENCE_MODEL` under every plan of :func:`reference_plans` on
-    ``world_size`` local gloo ranks for ``steps`` steps (the first is warm-up) and write each
-    plan's ``plan.json`` (predicted on ``cluster``) and ``measurements.json`` under ``out_dir``;
-    returns the run directories (``partitioner.refit.refit_from_runs`` takes them)."""
-
+    ``world_size`` local gloo ranks for ``steps`` steps (the first is warm-up), in ONE spawn;
+    with ``comm_sizes`` the same ranks first time gloo at those sizes (bytes), so that a
+    calibration starts its processes once. ``cluster``: what the lowering costs against (its
+    links are not used)."""
     if steps < 2:
         raise ConfigError(f"reference runs need at least 2 steps (the first is warm-up), got {steps}")
     plans = reference_plans(world_size)
+    per_rank = spawn(_rank_main, world_size, plans, steps, cluster, tuple(comm_sizes), comm_repeats,
+                     timeout_s=timeout_s)
+    return ReferenceResults(comm=tuple(c for c, _ in per_rank), steps=tuple(tuple(s) for _, s in per_rank))
+
+
+def write_reference(results: ReferenceResults, out_dir: str | Path, cluster: Cluster, *,
+                    elapsed_s: float = 0.0) -> list[Path]:
+    """Write each reference plan's ``plan.json`` (predicted on ``cluster``) and
+    ``measurements.json`` under ``out_dir``; returns the run directories
+    (``partitioner.refit.refit_from_runs`` takes them)."""
+    world_size = len(results.steps)
+    plans = reference_plans(world_size)
     profile = profile_model(REFERENCE_MODEL, dtype="fp32")
-    predicted = {p.name: predict_step_time(profile, cluster, p.knobs(), global_batch=p.global_batch) for p in plans}
-    start = time.perf_counter()
-    results = spawn(_rank_main, world_size, plans, steps, timeout_s=timeout_s)
     dirs = []
     for k, p in enumerate(plans):
-        plan = predicted[p.name]
+        plan = predict_step_time(profile, cluster, p.knobs(), global_batch=p.global_batch)
         per_rank = [[StepMeasurement(**{**s, "compute_by_stage_s": {int(i): v for i, v in s["compute_by_stage_s"].items()}})
-                     for s in results[rank][k]] for rank in range(world_size)]
+                     for s in results.steps[rank][k]] for rank in range(world_size)]
         run = RunMeasurements(plan_summary=plan.summary(), predicted_step_time_s=plan.predicted.step_time_s,
                               predicted_peak_memory_bytes=plan.predicted.peak_memory_bytes,
                               predicted_terms=plan.predicted.terms, world_size=world_size, steps=per_rank,
                               notes=[f"reference run {p.name} of partitioner calibrate "
-                                     f"({time.perf_counter() - start:.0f} s for all plans)"])
+                                     f"({elapsed_s:.0f} s for all plans)"])
         d = Path(out_dir) / p.name
         run.write(d / "measurements.json")
         (d / "plan.json").write_text(plan.to_json() + "\n")
         dirs.append(d)
     return dirs
+
+
+def run_reference(world_size: int, out_dir: str | Path, cluster: Cluster, *, steps: int = 6,
+                  timeout_s: float = 900.0) -> list[Path]:
+    """:func:`measure_reference` (no gloo timings) then :func:`write_reference`: the run
+    directories under ``out_dir``."""
+    start = time.perf_counter()
+    results = measure_reference(world_size, cluster, steps=steps, timeout_s=timeout_s)
+    return write_reference(results, out_dir, cluster, elapsed_s=time.perf_counter() - start)

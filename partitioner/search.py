@@ -133,6 +133,34 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RunnerUp:
+    """The fastest candidate that fits but was not chosen, and by how much it lost."""
+
+    knobs: dict[str, object]
+    """Its values of :data:`KNOBS`."""
+    step_time_s: float
+    """Its predicted seconds per step."""
+    loss_s: float
+    """Its predicted step time minus the chosen plan's, seconds (>= 0)."""
+    loss_fraction: float
+    """``loss_s`` over the chosen plan's step time (0.05 = 5% slower)."""
+
+
+def runner_up(chosen: Plan) -> RunnerUp | None:
+    """The runner-up of a plan :func:`plan` returned, or None when no other candidate fits.
+
+    :func:`plan` lists the slower feasible candidates first and then only faster ones that do not
+    fit, so the runner-up is the fastest alternative that is not faster than the chosen plan."""
+    best = chosen.predicted.step_time_s
+    slower = [a for a in chosen.alternatives if a.step_time_s >= best]
+    if not slower:
+        return None
+    alt = min(slower, key=lambda a: a.step_time_s)
+    return RunnerUp(knobs=dict(alt.knobs), step_time_s=alt.step_time_s, loss_s=alt.step_time_s - best,
+                    loss_fraction=(alt.step_time_s - best) / best if best > 0 else 0.0)
+
+
 def plan(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: dict | None = None,
          optimizer: str = "adamw", check: Callable[[Plan], Plan] | None = None) -> Plan:
     """The fastest plan for ``profile`` on ``cluster`` that fits every device's memory.
@@ -149,7 +177,7 @@ def plan(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: dic
     if global_batch < 1:
         raise ConfigError(f"global_batch must be >= 1, got {global_batch}")
     ctx = PlanContext(profile, cluster, global_batch, optimizer)
-    cands = candidates(profile, cluster, global_batch, fix)
+    cands = _offload_only_off_host(candidates(profile, cluster, global_batch, fix), cluster, fix)
     if not cands:
         raise ConfigError(f"no candidate plan for world size {cluster.world_size}, global batch {global_batch}, "
                           f"{profile.heads} heads, {ctx.L} layers, fix={fix}: dp must divide the global batch, tp "
@@ -189,6 +217,14 @@ def plan(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: dic
     alts += [Alternative(knobs=e.config.knobs(), step_time_s=e.step_time, peak_memory_bytes=e.peak,
                          reason=_memory_reason(ctx, e)) for e in faster[:2]]
     return dataclasses.replace(chosen, alternatives=tuple(alts))
+
+
+def _offload_only_off_host(cands: list[ParallelConfig], cluster: Cluster, fix: dict | None) -> list[ParallelConfig]:
+    """``cands`` without offload on CPU ranks (a loopback host link) unless ``fix`` pins it: their
+    "host" memory is the ranks' own memory, so offloading to it frees nothing and adds copies."""
+    if cluster.host_to_device.kind != "loopback" or "offload" in (fix or {}):
+        return cands
+    return [c for c in cands if c.offload == "none"]
 
 
 def _first_that_fits(ctx: PlanContext, feasible: list[Evaluated], check: Callable[[Plan], Plan] | None):

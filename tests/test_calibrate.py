@@ -199,3 +199,20 @@ def test_reference_runs_make_the_refit_predict_this_machine(tmp_path):
                                               .predicted.step_time_s / statistics.median(r.step_s))) for r in runs)
 
     assert log_err(result.cluster) < 0.5 * log_err(cluster)
+
+
+def test_calibrate_command_refreshes_the_cache(tmp_path, monkeypatch, capsys):
+    """`partitioner calibrate` (no --out) rewrites the cache file Cluster.local reads."""
+    from partitioner.calibrate import TINY_RECIPE
+    from partitioner.cluster import CACHE_DIR_ENV, CLUSTER_FILE_ENV, local_cache_file
+
+    monkeypatch.delenv(CLUSTER_FILE_ENV, raising=False)
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr("partitioner.calibrate.QUICK_RECIPE", TINY_RECIPE)  # the least that measures everything
+    path = local_cache_file(2)
+    dataclasses.replace(Cluster.preset("local-cpu"), name="stale").to_file(path)
+    assert Cluster.local(2).name == "stale"
+    assert main(["calibrate", "--world-size", "2", "--quick"]) == 0
+    assert f"cluster file written to {path}" in capsys.readouterr().out
+    assert Cluster.local(2).name == "local-calibrated"  # the refreshed file, read without calibrating again
+    assert json.loads(path.with_name(path.name + ".calibration.json").read_text())["recipe"] == "tiny"

@@ -1,10 +1,17 @@
 """Cluster description: presets, units, file round-trips and validation messages."""
 import dataclasses
 import json
+import re
 
 import pytest
 
-from partitioner.cluster import Cluster, Device, Link, PeakFlops, parse_quantity
+from pathlib import Path
+
+from partitioner.calibrate import TINY_RECIPE
+from partitioner.cluster import (
+    CACHE_DIR_ENV, CLUSTER_FILE_ENV, Cluster, Device, Link, MachineKey, PeakFlops, cache_dir, local_cache_file,
+    parse_quantity,
+)
 from partitioner.errors import ClusterSpecError, ConfigError
 
 GiB = 2**30
@@ -35,12 +42,7 @@ def test_local_cpu_preset_and_local():
     assert c.device.peak_flops.tf32 == c.device.peak_flops.fp32  # defaulted
 
 
-def test_local_reads_calibration_file(tmp_path, monkeypatch):
-    monkeypatch.delenv("PARTITIONER_CLUSTER_FILE", raising=False)
-    monkeypatch.setattr("partitioner.cluster.DEFAULT_LOCAL_FILE", tmp_path / "missing.yaml")
-    default = Cluster.local(4)
-    assert (default.name, default.world_size, default.backend) == ("local-cpu", 4, "gloo")
-
+def test_local_reads_an_explicit_cluster_file(tmp_path, monkeypatch):
     calibrated = dataclasses.replace(Cluster.preset("local-cpu"), name="my-box",
                                      intra_node=Link(kind="loopback", bandwidth_bytes_per_s=2e9, latency_s=1e-5))
     path = calibrated.to_file(tmp_path / "local.yaml")
@@ -50,6 +52,80 @@ def test_local_reads_calibration_file(tmp_path, monkeypatch):
 
     monkeypatch.setenv("PARTITIONER_CLUSTER_FILE", str(tmp_path / "nope.yaml"))
     with pytest.raises(ClusterSpecError, match="cannot read cluster file .*nope.yaml"):
+        Cluster.local(2)
+
+
+# ---- the per-machine calibration cache ---------------------------------------------------------
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """No explicit cluster file, the cache in ``tmp_path``, and first-use calibrations at the
+    least effort that runs every measurement."""
+    monkeypatch.delenv(CLUSTER_FILE_ENV, raising=False)
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr("partitioner.calibrate.AUTO_RECIPE", TINY_RECIPE)
+    return tmp_path / "cache"
+
+
+def test_local_calibrates_once_then_reads_the_cache(cache, monkeypatch, capfd):
+    import partitioner.calibrate as calibrate
+
+    calls = []
+    real = calibrate.auto_calibrate
+    monkeypatch.setattr(calibrate, "auto_calibrate", lambda w, path: calls.append((w, path)) or real(w, path))
+    first = Cluster.local(2)
+    err = capfd.readouterr().err.strip().splitlines()
+    path = local_cache_file(2)
+    assert path.parent == cache and path.is_file() and calls == [(2, path)]
+    said = [line for line in err if line.startswith("partitioner:")]
+    assert len(said) == 1, err
+    assert re.fullmatch(rf"partitioner: calibrated this machine for 2 gloo rank\(s\) in \d+ s; cached in {re.escape(str(path))}",
+                        said[0]), said
+    assert (first.name, first.world_size, first.backend) == ("local-calibrated", 2, "gloo")
+
+    mtime = path.stat().st_mtime_ns
+    again = Cluster.local(2)
+    assert calls == [(2, path)]  # a second calibration would have been recorded here
+    assert again == first and path.stat().st_mtime_ns == mtime
+    assert "partitioner:" not in capfd.readouterr().err  # nothing printed on a cache hit
+    assert Cluster.local(2, backend="nccl").name == "local-cpu"  # GPUs: not what the calibration measures
+
+
+def test_cache_key_separates_machines_and_setups(cache, monkeypatch):
+    key = MachineKey(cpu="Xeon A", cores=2, torch_version="2.13.0+cpu", world_size=4, threads_per_rank=1)
+    names = {key.file_name()} | {dataclasses.replace(key, **change).file_name() for change in (
+        {"cpu": "Xeon B"}, {"cores": 8}, {"torch_version": "2.12.0"}, {"world_size": 2}, {"threads_per_rank": 4},
+        {"version": key.version + 1})}
+    assert len(names) == 7
+    assert key.file_name() == MachineKey(**dataclasses.asdict(key)).file_name()  # stable
+    assert key.file_name().startswith("local-w4-t1-c2-torch2.13.0_cpu-")
+    here = local_cache_file(2)
+    assert here.parent == cache and here != local_cache_file(4)
+    monkeypatch.setattr("partitioner.calibrate.cpu_name", lambda: "Another CPU")
+    assert local_cache_file(2) != here
+
+
+def test_cache_dir_follows_xdg(monkeypatch, tmp_path):
+    monkeypatch.delenv(CACHE_DIR_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "partitioner"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/path")  # invalid by the XDG rule: ignored
+    assert cache_dir() == Path("~/.cache/partitioner").expanduser()
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+
+
+def test_a_corrupt_cache_file_is_an_error_naming_it_and_the_fix(cache):
+    path = local_cache_file(2)
+    path.parent.mkdir(parents=True)
+    path.write_text("name: [unclosed\n")
+    with pytest.raises(ClusterSpecError) as e:
+        Cluster.local(2)
+    assert f"the cached calibration {path} is corrupt" in str(e.value)
+    assert "partitioner calibrate --world-size 2" in str(e.value)
+    path.write_text("name: half a file\n")  # valid YAML, not a cluster
+    with pytest.raises(ClusterSpecError, match="corrupt.*missing key"):
         Cluster.local(2)
 
 
@@ -168,3 +244,17 @@ def test_docs_example_parses(tmp_path):
     (tmp_path / "c.yaml").write_text(example)
     c = Cluster.from_file(tmp_path / "c.yaml")
     assert c == dataclasses.replace(Cluster.preset("dgx-a100-80gb", nodes=2), name="my-a100-pair")
+
+
+def _local_two():
+    return Cluster.local(2)
+
+
+def test_a_spawned_rank_without_a_cache_says_where_to_calibrate(cache):
+    """Ranks of runtime.launch.spawn are daemonic and may not start the calibration's processes."""
+    from runtime.launch import LaunchError, spawn
+
+    with pytest.raises(LaunchError, match=r"ClusterSpecError: no cached calibration .* call Cluster.local\(2\) in "
+                                          r"the launching process first, or run `partitioner calibrate --world-size 2`"):
+        spawn(_local_two, 1, timeout_s=120)
+    assert not local_cache_file(2).exists()

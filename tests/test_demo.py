@@ -3,15 +3,21 @@ single-process training, and writes plan.json, report.html, measurements.json an
 Plus the corpus it trains on."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
 
+import pytest
 import torch
 
 from partitioner import corpus
+from partitioner.auto import choose_plan
 from partitioner.cli import main
-from passes.ir.plan import Plan
+from partitioner.cluster import Cluster
+from partitioner.demo import DEMO_GLOBAL_BATCH, plan_lines
+from partitioner.search import runner_up
+from passes.ir.plan import Alternative, Plan
 
 SMALL = "gpt:layers=2,hidden=32,heads=2,vocab=256,seq=16,dropout=0.0"
 
@@ -28,7 +34,18 @@ def test_demo_runs_matches_one_process_and_writes_every_file(tmp_path, capfd):
     assert bars == ["step   1/3", "step   2/3", "step   3/3"]
 
     plan = Plan.from_json((out / "plan.json").read_text())
-    assert (plan.dp, plan.pp, plan.tp) == (2, 2, 1)  # the demo's default fix: pipeline stages show
+    # nothing pinned: the demo runs the search's own choice, and says what came second and by how much
+    searched = choose_plan(SMALL, Cluster.local(4), world_size=4, global_batch_size=DEMO_GLOBAL_BATCH)
+    assert plan.knobs() == searched.knobs()
+    assert f"plan (nothing pinned; the search chose the rest): {plan.summary()}" in text
+    second = runner_up(plan)
+    assert second is not None and second.knobs != plan.knobs() and second.loss_s >= 0
+    assert second.loss_fraction == pytest.approx(second.step_time_s / plan.predicted.step_time_s - 1)
+    line = re.search(r"^runner-up: (.*): ([0-9.]+) s predicted, lost by ([0-9.e-]+) s \(([0-9.]+)%\)(; a tie, the simpler plan is chosen)?$", text, flags=re.M)
+    assert line, text
+    assert float(line.group(2)) == pytest.approx(second.step_time_s, abs=1e-4)
+    assert float(line.group(4)) == pytest.approx(100 * second.loss_fraction, abs=0.01)
+    assert re.search(r"step time \(median over ranks\): [0-9.]+ s measured, [0-9.]+ s predicted \([-+][0-9.]+% off\)", text)
     m = json.loads((out / "measurements.json").read_text())
     assert m["world_size"] == 4 and [len(s) for s in m["steps"]] == [3, 3, 3, 3]
     assert m["predicted_step_time_s"] == plan.predicted.step_time_s
@@ -44,8 +61,10 @@ def test_demo_runs_matches_one_process_and_writes_every_file(tmp_path, capfd):
     assert 'id="measured"' in report  # written again after training, with the measurements
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest and (out / "04_annotate_memory.txt").is_file()
-    assert sorted(manifest["pipelines"]) == ["analysis", "stage0_tp0", "stage1_tp0", "whole_graph"]
-    assert (out / "stage1_tp0" / "program.txt").is_file() and (out / "stage1_tp0" / "program.onnx").is_file()
+    programs = [f"stage{s}_tp{t}" for s in range(plan.pp) for t in range(plan.tp)]
+    assert sorted(manifest["pipelines"]) == sorted(["analysis", "whole_graph", *programs])
+    last = out / programs[-1]
+    assert (last / "program.txt").is_file() and (last / "program.onnx").is_file()
 
 
 def test_corpus_is_real_text_deterministic_bytes():
@@ -58,3 +77,25 @@ def test_corpus_is_real_text_deterministic_bytes():
     assert torch.equal(idx[:, 1:], targets[:, :-1])  # next-byte targets
     assert not torch.equal(idx, corpus.batch(6, 4, 16)[0])
     assert int(idx.max()) < corpus.VOCAB
+
+
+def test_plan_lines_name_the_runner_up_and_its_loss():
+    plan = choose_plan(SMALL, Cluster.local(4), world_size=4, global_batch_size=DEMO_GLOBAL_BATCH)
+    best = plan.predicted.step_time_s
+    slower = Alternative(knobs={**plan.knobs(), "zero_stage": 2}, step_time_s=1.25 * best, peak_memory_bytes=1.0,
+                         reason="slower")
+    faster = Alternative(knobs={**plan.knobs(), "tp": 4}, step_time_s=0.5 * best, peak_memory_bytes=1e12,
+                         reason="needs more memory")  # faster but does not fit: not the runner-up
+    plan = dataclasses.replace(plan, alternatives=(slower, faster))
+    second = runner_up(plan)
+    assert second.knobs == slower.knobs and second.loss_fraction == pytest.approx(0.25)
+    assert second.loss_s == pytest.approx(0.25 * best)
+    lines = plan_lines(plan, None)
+    assert lines[0].startswith("plan (nothing pinned; the search chose the rest): ")
+    assert lines[1].endswith(f"lost by {0.25 * best:.3g} s (25.00%)") and "zero=2" in lines[1]
+    assert plan_lines(plan, "dp=2")[0].startswith("plan (pinned dp=2; ")
+    tie = dataclasses.replace(slower, step_time_s=best)
+    assert plan_lines(dataclasses.replace(plan, alternatives=(tie,)), None)[1].endswith(
+        "lost by 0 s (0.00%); a tie, the simpler plan is chosen")
+    assert plan_lines(dataclasses.replace(plan, alternatives=(faster,)), None)[1] == \
+        "runner-up: none (no other candidate fits)"

@@ -1,0 +1,24 @@
+"""Session set-up: the suite never calibrates this machine by itself, nor touches the user's cache.
+
+``Cluster.local`` calibrates and caches this machine on first use; here every test (and every rank
+process it spawns, which inherits the environment) sees the ``local-cpu`` preset through
+``$PARTITIONER_CLUSTER_FILE`` (the numbers the tests were written against, the same on every
+machine) and a cache directory of its own. Tests of the calibration cache unset the file and point
+the cache at their ``tmp_path``.
+"""
+import os
+import shutil
+import tempfile
+
+from partitioner.cluster import CACHE_DIR_ENV, CLUSTER_FILE_ENV, PRESET_DIR
+
+_CACHE = tempfile.mkdtemp(prefix="partitioner-test-cache-")
+
+
+def pytest_configure(config):
+    os.environ[CACHE_DIR_ENV] = _CACHE
+    os.environ.setdefault(CLUSTER_FILE_ENV, str(PRESET_DIR / "local-cpu.yaml"))
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_CACHE, ignore_errors=True)

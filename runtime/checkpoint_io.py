@@ -64,7 +64,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from passes.ir.errors import ConfigError
 from passes.ir.meta import TENSOR_PARALLEL_PLAN, ParamSharding, TensorParallelPlan
 from runtime.mixed_precision import ADAMW_MOMENT_KEYS as MOMENT_KEYS
-from runtime.mixed_precision import init_adamw_state
+from runtime.mixed_precision import MasterWeightAdamW, init_adamw_state
 
 TRAIN_STEP_KEY = "train.step"
 OPTIM_PREFIX = "optim.state."
@@ -432,24 +432,31 @@ def _full_shape(p: torch.Tensor, sharding: ParamSharding | None, tp: int) -> tup
     return tuple(shape)
 
 
-def _model_entries(local: Sequence[_LocalParam], *, write: bool) -> dict[str, Entry]:
+def _model_entries(local: Sequence[_LocalParam], *, write: bool,
+                   masters: Mapping[int, torch.Tensor] | None = None) -> dict[str, Entry]:
+    """Every parameter's entry; ``masters`` (by the parameter's ``id``): the fp32 master weights
+    a master-weight optimizer keeps, saved and loaded in the parameters' place."""
     entries: dict[str, Entry] = {}
     for lp in local:
         if write and not lp.writer:
             continue
         for copy in (lp.copies[:1] if write else lp.copies):
-            _add(entries, lp.name, lp.layout.shape, pieces_of(copy.detach(), lp.layout))
+            t = masters[id(copy)] if masters is not None else copy.detach()
+            _add(entries, lp.name, lp.layout.shape, pieces_of(t, lp.layout))
     return entries
 
 
 def _plain_optim_entries(optimizer: torch.optim.Optimizer, local: Sequence[_LocalParam], *,
-                         write: bool) -> dict[str, Entry]:
+                         write: bool, masters: Mapping[int, torch.Tensor] | None = None) -> dict[str, Entry]:
+    """AdamW's state of every parameter; ``masters``: the state is keyed by these (a master-weight
+    optimizer's inner AdamW steps the masters)."""
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     entries: dict[str, Entry] = {}
     for lp in local:
         if write and not lp.writer:
             continue
         for copy in (lp.copies[:1] if write else lp.copies):
+            copy = masters[id(copy)] if masters is not None else copy
             state = optimizer.state[copy]
             prefix = f"{OPTIM_PREFIX}{lp.name}."
             _add(entries, prefix + "step", (), _whole(state["step"]))
@@ -485,11 +492,17 @@ def _zero_state_param(zero) -> nn.Parameter:
     return zero.master
 
 
-def _zero_optim_entries(zero, local: Sequence[_LocalParam], *, write: bool) -> dict[str, Entry]:
-    """ZeRO-1/2: the slices of each parameter's AdamW state that this rank's flat state holds."""
+def _zero_optim_entries(zero, local: Sequence[_LocalParam], *, write: bool, state: bool = True,
+                        params: bool = False) -> dict[str, Entry]:
+    """ZeRO-1/2: the slices of each parameter's AdamW ``state`` that this rank's flat state holds
+    and, with ``params``, of its fp32 master (saved and loaded as the parameter: a 16-bit plan's
+    checkpoint holds the fp32 weights)."""
     by_id = {id(c): (lp, i) for lp in local for i, c in enumerate(lp.copies)}
-    state = zero.optimizer.state[_zero_state_param(zero)]
+    adam = zero.optimizer.state[_zero_state_param(zero)] if state else {}
     group = zero.optimizer.param_groups[0]
+    flats: list[tuple[str | None, torch.Tensor]] = [(k, adam[k]) for k in _moment_keys(group)] if state else []
+    if params:
+        flats.append((None, _zero_state_param(zero).detach()))
     entries: dict[str, Entry] = {}
     for owned in _owned_ranges(zero):
         offset = 0
@@ -501,12 +514,12 @@ def _zero_optim_entries(zero, local: Sequence[_LocalParam], *, write: bool) -> d
                 continue
             prefix = f"{OPTIM_PREFIX}{lp.name}."
             # Every dp rank steps the same count: the dp-0 replica writes it, every rank reads it.
-            if not write or lp.writer:
-                _add(entries, prefix + "step", (), _whole(state["step"]))
+            if state and (not write or lp.writer):
+                _add(entries, prefix + "step", (), _whole(adam["step"]))
             a, b = max(start, owned.lo) - start, min(stop, owned.hi) - start  # the param's elements here
             base = owned.state_offset + start - owned.lo
-            for key in _moment_keys(group):
-                flat = state[key]
+            for key, flat in flats:
+                name = lp.name if key is None else prefix + key
                 for offs, sizes, flat_start in flat_range_boxes(p.shape, a, b):
                     n = 1
                     for size in sizes:
@@ -516,7 +529,7 @@ def _zero_optim_entries(zero, local: Sequence[_LocalParam], *, write: bool) -> d
                         rel = view
                         for d, (o, sz) in enumerate(zip(loc, size)):
                             rel = rel.narrow(d, o - offs[d], sz)
-                        _add(entries, prefix + key, lp.layout.shape, [Piece(glob, rel)])
+                        _add(entries, name, lp.layout.shape, [Piece(glob, rel)])
     return entries
 
 
@@ -534,6 +547,9 @@ def _ensure_zero_state(zero) -> None:
 
 
 def _optim_entries(pm, local, *, write: bool) -> dict[str, Entry]:
+    if isinstance(pm.optimizer, MasterWeightAdamW):  # its state exists from the start
+        keys = {id(p): m for p, m in zip(pm.optimizer.params, pm.optimizer.masters)}  # AdamW's state keys
+        return _plain_optim_entries(pm.optimizer.optimizer, local, write=write, masters=keys)
     if not hasattr(pm.optimizer, "state") and not _is_zero(pm.optimizer):
         raise ConfigError(f"checkpoints of optimizer {type(pm.optimizer).__name__} are not supported; "
                           f"use AdamW (zero=0, 1 or 2), or pass optimizer=False to load parameters only")
@@ -555,7 +571,7 @@ def save_checkpoint(pm, directory: str | os.PathLike, *, step: int) -> None:
     under the original parameter names; every rank of ``pm.mesh`` calls it (collective over the
     mesh's group). Before the first optimizer step no optimizer state is saved."""
     local = _local_params(pm)
-    entries = _model_entries(local, write=True)
+    entries = _weight_entries(pm, local, write=True)
     optim = _optim_entries(pm, local, write=True)
     entries.update(optim)
     if pm.mesh.rank == pm.mesh.first:
@@ -568,15 +584,37 @@ def load_checkpoint(pm, directory: str | os.PathLike, *, optimizer: bool = True)
     parameters and, with ``optimizer``, its AdamW state); returns the saved step. Every rank of
     ``pm.mesh`` calls it."""
     local = _local_params(pm)
-    entries = _model_entries(local, write=False)
+    entries = _weight_entries(pm, local, write=False)
     if optimizer:
         entries.update(_optim_entries(pm, local, write=False))
     step = torch.zeros((), dtype=torch.int64)
     entries[TRAIN_STEP_KEY] = Entry((), _whole(step))
     load_entries(entries, directory, process_group=pm.mesh.group)
-    if _is_zero(pm.optimizer):
-        _refresh_zero_master(pm.optimizer)
+    opt = pm.optimizer
+    if isinstance(opt, MasterWeightAdamW):
+        opt.publish()  # the loaded masters into the parameters
+    elif _is_zero(opt) and _zero_masters_are_weights(pm):
+        opt.publish()  # the loaded master chunks, all-gathered into the parameters
+    elif _is_zero(opt):
+        _refresh_zero_master(opt)
     return int(step)
+
+
+def _zero_masters_are_weights(pm) -> bool:
+    """A 16-bit plan under ZeRO: the fp32 master chunks, not the 16-bit parameters, are saved and
+    loaded as the weights."""
+    return _is_zero(pm.optimizer) and any(p.dtype != torch.float32 for p in pm.params)
+
+
+def _weight_entries(pm, local, *, write: bool) -> dict[str, Entry]:
+    """The weights' entries: the parameters, or (16-bit plans, host offload) the fp32 masters the
+    optimizer steps, so that a checkpoint holds the fp32 weights and a resumed run continues
+    exactly."""
+    if isinstance(pm.optimizer, MasterWeightAdamW):
+        return _model_entries(local, write=write, masters=pm.optimizer.master_of())
+    if _zero_masters_are_weights(pm):
+        return _zero_optim_entries(pm.optimizer, local, write=write, state=False, params=True)
+    return _model_entries(local, write=write)
 
 
 @torch.no_grad()

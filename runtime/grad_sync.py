@@ -443,6 +443,12 @@ class ShardedAdamW:
     @torch.no_grad()
     def step(self) -> None:
         self.optimizer.step()
+        self.publish()
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """All-gather every bucket's updated master chunks into the parameters (collective over
+        the dp group)."""
 
         def write(b: GradBucket, full: torch.Tensor) -> None:
             pos = 0

@@ -137,6 +137,12 @@ class MasterWeightAdamW:
                 m.grad = None  # the device's fp32 gradient copies live for the step only
         self._prepared = False
 
+    @torch.no_grad()
+    def publish(self) -> None:
+        """Every master into its parameter (after the masters were loaded from a checkpoint)."""
+        for p, m in zip(self.params, self.masters):
+            p.copy_(m)
+
     def step(self) -> None:
         """Gradients to fp32 masters, AdamW, masters back into the parameters."""
         if not self._prepared:

@@ -61,20 +61,28 @@ def _batches(spec):
     return [spec.example_inputs({"batch": GLOBAL_BATCH}, seed=100 + k) for k in range(STEPS)]
 
 
-def _rank():
+def _rank(checkpoint: str):
     from partitioner.auto import auto_parallelize
     from partitioner.cluster import Cluster
 
     out = {}
-    for case in CASES:
+    for k, case in enumerate(CASES):
         spec = build_model(GPT)
         trainer = auto_parallelize(GPT, Cluster.local(WORLD), optimizer={**ADAMW, "lr": case.lr},
                                    global_batch_size=GLOBAL_BATCH, fix=case.fix, dtype=case.dtype, timeout_s=60)
         pm = trainer.model
         if case.loss_scale is not None:
             pm.loss_scaler.scale = case.loss_scale
+        if k == 1:  # the first plan's checkpoint, loaded under another plan (ZeRO-2, tp=2)
+            trainer.load(checkpoint)
+            out["loaded"] = pm.full_master_parameters()
+            trainer = auto_parallelize(GPT, Cluster.local(WORLD), optimizer={**ADAMW, "lr": case.lr},
+                                       global_batch_size=GLOBAL_BATCH, fix=case.fix, dtype=case.dtype, timeout_s=60)
+            pm = trainer.model
         initial = {n: p.detach().float().clone() for n, p in pm.full_master_parameters().items()}
         losses = [trainer.train_step(b) for b in _batches(spec)]
+        if k == 0:
+            trainer.save(checkpoint)
         tracked = [m.peak_memory_bytes for m in trainer.timer.steps if m.peak_memory_bytes is not None]
         out[case.id] = {
             "measured_peak": max(tracked), "planned_peak": trainer.plan.predicted.rank_peak_memory_bytes[pm.mesh.rank],
@@ -91,9 +99,14 @@ def _rank():
 
 
 @pytest.fixture(scope="module")
-def distributed():
+def checkpoint(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("bf16-checkpoint"))
+
+
+@pytest.fixture(scope="module")
+def distributed(checkpoint):
     start = time.perf_counter()
-    results = spawn(_rank, WORLD, timeout_s=600)
+    results = spawn(_rank, WORLD, checkpoint, timeout_s=600)
     print(f"\nspawn of {WORLD} ranks, {len(CASES)} plans: {time.perf_counter() - start:.1f} s")
     return results
 
@@ -185,3 +198,23 @@ def test_fp16_overflow_skips_the_step_on_every_rank(distributed):
         for n, m in r["masters"].items():
             assert torch.equal(m, r["initial"][n]), n
         assert r["scale"] == OVERFLOWING.loss_scale / 2 ** STEPS
+
+
+def test_16bit_checkpoint_holds_the_fp32_masters(distributed, checkpoint):
+    """A bf16 plan's checkpoint holds its fp32 master weights under the original names: loaded
+    under another bf16 plan (dp=2 x tp=2, ZeRO-2: the masters are dp chunks there) and into the
+    plain fp32 model, every weight is the saving plan's master, bit for bit."""
+    from runtime.checkpoint_io import load_into_module
+
+    saved = {}
+    for result in distributed:
+        saved.update(result[CASES[0].id]["masters"])
+    module = build_model(GPT).module
+    load_into_module(module, checkpoint)
+    plain = dict(module.named_parameters())
+    for name, master in saved.items():
+        if name in plain:
+            assert torch.equal(plain[name], master), name
+    for rank, result in enumerate(distributed):
+        for name, loaded in result["loaded"].items():
+            assert torch.equal(loaded, saved[name]), f"rank {rank}: {name}"

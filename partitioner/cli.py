@@ -210,7 +210,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from partitioner.demo import run_demo
 
-    run_demo(model=args.model, steps=args.steps, fix=args.fix, dump_dir=args.dump_dir, global_batch=args.global_batch)
+    run_demo(model=args.model, steps=args.steps, fix=args.fix, dump_dir=args.dump_dir, global_batch=args.global_batch,
+             dtype=args.dtype)
     return 0
 
 
@@ -218,7 +219,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from partitioner.demo import run_train
 
     return run_train(model=args.model, global_batch=args.global_batch, steps=args.steps, fix=args.fix,
-                     dump_dir=args.dump_dir, cluster=args.cluster, timeout_s=args.timeout, lr=args.lr)
+                     dump_dir=args.dump_dir, cluster=args.cluster, timeout_s=args.timeout, lr=args.lr, dtype=args.dtype)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -284,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fix", default=DEMO_FIX, help="pin knobs, e.g. dp=2,pp=2 (default: none, the search chooses)")
     p.add_argument("--global-batch", type=int, default=DEMO_GLOBAL_BATCH, help="samples per step")
     p.add_argument("--dump-dir", default="demo_out", help="the dump tree, plan.json, report.html, measurements.json")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
+                   help="training precision (16-bit: fp32 master weights; checked against one process in that dtype)")
     p.set_defaults(fn=_cmd_demo)
 
     p = sub.add_parser("train", help="train a model spec on every rank of a torchrun (env://) job")
@@ -295,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-dir", help="write the dump tree, plan.json, report.html, measurements.json here (rank 0)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective/receive may wait (default 60)")
     p.add_argument("--lr", type=float, help="AdamW learning rate (default torch's)")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
+                   help="training precision: fp32, or bf16/fp16 weights, gradients and activations with fp32 "
+                        "master weights (fp16 with dynamic loss scaling)")
     p.set_defaults(fn=_cmd_train)
     return parser
 

@@ -39,6 +39,9 @@ DEMO_WORLD = 4
 DEMO_GLOBAL_BATCH = 8
 CHECK_STEPS = 3
 CHECK_RTOL = 1e-4
+CHECK_RTOL_16BIT = 2e-2
+"""bf16/fp16 losses are 16-bit numbers summed in a plan's own order: about one unit in the last
+place of bf16 (2**-8 relative) apart from one process's; two of them stay under this bound."""
 EXIT_PEER_FAILED = 3
 """Exit status of ``partitioner train`` on a rank that stops because a peer failed."""
 EXIT_RANK_FAILED = 1
@@ -113,13 +116,13 @@ class RankResult:
 
 
 def _demo_rank(model: str, steps: int, fix: str | None, dump_dir: str, global_batch: int, timeout_s: float,
-               track_memory: bool, cluster) -> RankResult:
+               track_memory: bool, cluster, dtype: str = "fp32") -> RankResult:
     import torch.distributed as dist
 
     from partitioner.auto import auto_parallelize
 
     start = time.perf_counter()
-    trainer = auto_parallelize(model, cluster, global_batch_size=global_batch, fix=fix,
+    trainer = auto_parallelize(model, cluster, global_batch_size=global_batch, fix=fix, dtype=dtype,
                                dump_dir=dump_dir, timeout_s=timeout_s, track_memory=track_memory)
     built = time.perf_counter()
     rank0 = dist.get_rank() == 0
@@ -171,21 +174,41 @@ def breakdown(steps, skip_first: int = 2) -> dict[int, dict[str, float]]:
     return out
 
 
-def reference_losses(model: str, steps: int, global_batch: int) -> list[float]:
-    """Single-process AdamW training of ``model`` (same seed, same batches): per-step losses."""
+def reference_losses(model: str, steps: int, global_batch: int, dtype: str = "fp32") -> list[float]:
+    """Single-process AdamW training of ``model`` (same seed, same batches): per-step losses. A
+    16-bit ``dtype``: the model cast to it, AdamW on fp32 master weights; fp16 with the runtime's
+    dynamic loss scaling policy (:class:`runtime.mixed_precision.DynamicLossScaler`)."""
     import torch
 
     from partitioner.model_spec import build_model
+    from passes.ir.config import TORCH_DTYPES
+    from runtime.mixed_precision import DynamicLossScaler, MasterWeightAdamW
 
     spec = build_model(model, device="cpu", seed=0)  # auto_parallelize builds with seed 0 too
-    opt = torch.optim.AdamW(spec.module.parameters())
+    if dtype == "fp32":
+        opt = torch.optim.AdamW(spec.module.parameters())
+    else:
+        spec = spec.cast(TORCH_DTYPES[dtype])
+        opt = MasterWeightAdamW(spec.module.parameters())
+    scaler = DynamicLossScaler() if dtype == "fp16" else None
     out = []
     for step in range(steps):
         opt.zero_grad()
         loss = spec.loss(spec.module, *batch_for(spec, step, global_batch))
-        loss.backward()
-        opt.step()
         out.append(loss.item())
+        if scaler is None:
+            loss.backward()
+            opt.step()
+            continue
+        (loss.float() * scaler.scale).backward()
+        grads = opt.prepare_grads()
+        with torch.no_grad():
+            for g in grads:
+                g.mul_(1.0 / scaler.scale)
+        overflow = not all(bool(torch.isfinite(g).all()) for g in grads)
+        scaler.update(overflow)
+        if not overflow:
+            opt.apply()
     return out
 
 
@@ -200,7 +223,7 @@ def max_rel_diff(a: Sequence[float], b: Sequence[float]) -> float:
 
 def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str | None = DEMO_FIX, dump_dir: str = "demo_out",
              global_batch: int = DEMO_GLOBAL_BATCH, timeout_s: float = 60.0, track_memory: bool | int = 2,
-             out=None) -> dict:
+             dtype: str = "fp32", out=None) -> dict:
     """The whole demo; returns a summary dict. Raises :class:`ParityError` when the first
     :data:`CHECK_STEPS` losses differ from single-process training by more than :data:`CHECK_RTOL`."""
     from partitioner.cluster import Cluster
@@ -215,7 +238,7 @@ def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str | None = DEMO
     say(f"demo: {model} on {DEMO_WORLD} local gloo ranks ({cluster.name}), {f'fix {fix}' if fix else 'nothing pinned'}, "
         f"global batch {global_batch}, {steps} steps")
     results = spawn(_demo_rank, DEMO_WORLD, model, steps, fix, dump, global_batch, timeout_s, track_memory, cluster,
-                    timeout_s=max(600.0, 20.0 * steps))
+                    dtype, timeout_s=max(600.0, 20.0 * steps))
     distributed_s = time.perf_counter() - start
     losses = results[0].losses
     for rank, r in enumerate(results):
@@ -223,11 +246,12 @@ def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str | None = DEMO
             raise ParityError(f"rank {rank} returned losses {r.losses[:3]}..., rank 0 {losses[:3]}...; every rank "
                               f"must return the same loss")
     n = min(CHECK_STEPS, steps)
-    ref = reference_losses(model, n, global_batch)
+    ref = reference_losses(model, n, global_batch, dtype)
     diff = max_rel_diff(losses[:n], ref) if n else 0.0
-    if diff > CHECK_RTOL:
-        raise ParityError(f"first {n} losses {losses[:n]} differ from single-process training {ref} by max rel "
-                          f"diff {diff:.2e} > {CHECK_RTOL:g}")
+    rtol = CHECK_RTOL if dtype == "fp32" else CHECK_RTOL_16BIT
+    if diff > rtol:
+        raise ParityError(f"first {n} losses {losses[:n]} differ from single-process {dtype} training {ref} by max "
+                          f"rel diff {diff:.2e} > {rtol:g}")
     say(f"matches single-process training: max rel diff {diff:.2e} over the first {n} steps")
     measured = results[0].measured
     med = sorted(v["step_time_s"] for v in measured.values())
@@ -255,14 +279,14 @@ def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str | None = DEMO
 
 
 def run_train(*, model: str, global_batch: int, steps: int, fix: str | None, dump_dir: str | None,
-              cluster: str | None, timeout_s: float, lr: float | None) -> int:
+              cluster: str | None, timeout_s: float, lr: float | None, dtype: str = "fp32") -> int:
     """``partitioner train`` on this rank (env:// rendezvous); returns the exit code."""
     import torch.distributed as dist
 
     from partitioner.auto import auto_parallelize
 
     trainer = auto_parallelize(model, cluster, global_batch_size=global_batch, fix=fix, dump_dir=dump_dir,
-                               timeout_s=timeout_s, optimizer={"lr": lr} if lr is not None else None)
+                               timeout_s=timeout_s, optimizer={"lr": lr} if lr is not None else None, dtype=dtype)
     rank0 = dist.get_rank() == 0
     if rank0:
         print(f"plan: {trainer.plan.summary()}", flush=True)

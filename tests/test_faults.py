@@ -48,7 +48,7 @@ def test_failed_rank_ends_job_within_twice_the_timeout_and_is_named(how, victim_
     fault = f"rank={VICTIM},step=2,action=1" + (",raise=1" if how == "raise" else "")
     procs = _launch(WORLD, {"PARTITIONER_FAULT": fault},
                     "--model", MODEL, "--global-batch", "8", "--steps", "200", "--fix", FIX,
-                    "--timeout", str(TIMEOUT_S))
+                    "--timeout", str(TIMEOUT_S), "--dtype", "bf16")
     try:
         deadline = time.monotonic() + 240  # start-up (4 processes importing torch) on a loaded machine
         while procs[VICTIM].poll() is None and time.monotonic() < deadline:
@@ -69,6 +69,7 @@ def test_failed_rank_ends_job_within_twice_the_timeout_and_is_named(how, victim_
         assert p.returncode == EXIT_PEER_FAILED, f"rank {rank}: exit {p.returncode}\n{err[-2000:]}"
         assert re.search(rf"rank {rank}: peer rank {VICTIM} failed during \S+; exiting", err), err[-2000:]
     assert "step   2/200" in outs[0][0] and "step   3/200" not in outs[0][0]  # died inside step 3
+    assert re.search(r"^plan: .* bf16: ", outs[0][0], re.M), outs[0][0][:500]  # train --dtype reached the plan
     if how == "raise":
         assert re.search(rf"rank {VICTIM}: failed during \S+; exiting \(InjectedFault", outs[VICTIM][1])
 

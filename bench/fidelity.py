@@ -64,6 +64,7 @@ class Case:
     zero: int = 0
     checkpointing: str = "none"
     offload: str = "none"
+    dtype: str = "fp32"  # bf16: the model captured in bf16, fp32 master weights (runtime.mixed_precision)
 
     def knobs(self) -> dict:
         return dict(dp=self.dp, tp=self.tp, pp=self.pp, virtual_pp=self.virtual_pp,
@@ -83,6 +84,10 @@ CASES = (
     Case("dp2-pp2-ckpt-full", 2, 1, 2, "1f1b", 1, 2, checkpointing="full"),
     Case("dp2-pp2-offload", 2, 1, 2, "1f1b", 1, 2, offload="activations"),
     Case("dp2-pp2-ckpt-offload", 2, 1, 2, "1f1b", 1, 2, checkpointing="full", offload="activations"),
+    Case("dp2-pp2-bf16", 2, 1, 2, "1f1b", 1, 2, dtype="bf16"),
+    Case("tp2-pp2-bf16", 1, 2, 2, "1f1b", 1, 2, dtype="bf16"),
+    Case("dp4-zero2-bf16", 4, 1, 1, "1f1b", 1, 2, zero=2, dtype="bf16"),
+    Case("dp2-pp2-zero1-ckpt-bf16", 2, 1, 2, "1f1b", 1, 2, zero=1, checkpointing="full", dtype="bf16"),
 )
 ONE_DEVICE_CASES = (  # --world 1: the one-GPU table, with and without checkpointing/offload
     Case("1dev", 1, 1, 1, "1f1b", 1, 2),
@@ -91,6 +96,7 @@ ONE_DEVICE_CASES = (  # --world 1: the one-GPU table, with and without checkpoin
     Case("1dev-ckpt-offload", 1, 1, 1, "1f1b", 1, 2, checkpointing="full", offload="activations"),
 )
 CASES_BY_WORLD = {4: CASES, 1: ONE_DEVICE_CASES}
+DTYPE_OF_CASE = {c.name: c.dtype for c in (*CASES, *ONE_DEVICE_CASES)}
 
 
 def _rank_main(models: dict, cases: tuple, steps: int, boundaries: dict) -> list[dict]:
@@ -102,7 +108,7 @@ def _rank_main(models: dict, cases: tuple, steps: int, boundaries: dict) -> list
     from partitioner.model_spec import build_model
     from runtime.measure import StepTimer
     from partitioner.build import build_parallel_model, capture_for_pipeline
-    from passes.ir.config import ParallelConfig
+    from passes.ir.config import TORCH_DTYPES, ParallelConfig
     from runtime.mesh import Mesh, init_distributed
 
     init_distributed(timeout_s=600)
@@ -112,12 +118,17 @@ def _rank_main(models: dict, cases: tuple, steps: int, boundaries: dict) -> list
         if key not in meshes:
             meshes[key] = Mesh(c.dp, c.pp, c.tp, timeout_s=180)
     out = []
+    device = next(iter(meshes.values())).device.type
     for model, spec_str in models.items():
+        graphs = {}  # one capture per dtype (a bf16 plan runs the model captured in bf16)
+        for dtype in sorted({c.dtype for c in cases}):
+            graphs[dtype] = capture_for_pipeline(build_model(spec_str).cast(TORCH_DTYPES[dtype]), device=device)
         spec = build_model(spec_str)
-        graph = capture_for_pipeline(spec, device=next(iter(meshes.values())).device.type)
         batches = [spec.example_inputs({"batch": GLOBAL_BATCH}, seed=10 + k) for k in range(steps)]
-        batch_bytes = sum(t.untyped_storage().nbytes() for t in batches[0])
         for c in cases:
+            graph = graphs[c.dtype]
+            batch_bytes = sum(t.to(TORCH_DTYPES[c.dtype]).untyped_storage().nbytes() if t.is_floating_point()
+                              else t.untyped_storage().nbytes() for t in batches[0])
             torch.distributed.barrier()
             row = {"model": model, "case": c.name, "rank": torch.distributed.get_rank()}
             try:
@@ -125,7 +136,7 @@ def _rank_main(models: dict, cases: tuple, steps: int, boundaries: dict) -> list
                 config = ParallelConfig.for_global_batch(
                     GLOBAL_BATCH, dp=c.dp, pp=c.pp, tp=c.tp, schedule=c.schedule, num_micro_batches=c.num_micro_batches,
                     virtual_pp=c.virtual_pp, zero_stage=c.zero, checkpointing=c.checkpointing, offload=c.offload,
-                    stage_boundaries=boundaries.get((model, c.name)))
+                    dtype=c.dtype, stage_boundaries=boundaries.get((model, c.name)))
                 pm = build_parallel_model(graph, config, meshes[(c.dp, c.pp, c.tp)], adamw=ADAMW)
                 dims = {**dict(pm.micro_batches(batches[0])[1])}
                 t0 = time.perf_counter()
@@ -189,12 +200,12 @@ def _cross_validate(models: dict, run_dirs: dict, plans: dict, cluster) -> None:
     print("\nleave-one-plan-out (refit on the model's other plans): step time |err| median over ranks")
     errs = []
     for model in models:
-        profile = profile_model(models[model], dtype="fp32")
         cases = [c for (m, c) in run_dirs if m == model]
         runs = {c: load_run(run_dirs[(model, c)]) for c in cases}
         line = []
         for case in cases:
             result = refit([runs[c] for c in cases if c != case], cluster)
+            profile = profile_model(models[model], dtype=DTYPE_OF_CASE[case])
             pred = predict_step_time(profile, result.cluster, dict(plans[(model, case)].knobs()),
                                      global_batch=GLOBAL_BATCH).predicted.step_time_s
             per_rank = [abs(_pct(pred, w)) for w in runs[case].step_s]
@@ -230,6 +241,7 @@ def main(argv=None) -> int:
     from partitioner.build import capture_for_pipeline
     from partitioner.fidelity import predict_step_time
     from partitioner.memory_check import replay_check
+    from passes.ir.config import TORCH_DTYPES
     from partitioner.model_spec import build_model
     from partitioner.profile import profile_model
     from partitioner.refit import load_run, refit
@@ -240,11 +252,13 @@ def main(argv=None) -> int:
     t0 = time.time()
     plans = {}
     for model, spec in models.items():
-        profile = profile_model(spec, dtype="fp32")
-        check = replay_check(capture_for_pipeline(build_model(spec)), cluster)  # the planner's own memory numbers
-        for c in cases:
-            plans[(model, c.name)] = predict_step_time(profile, cluster, c.knobs(), global_batch=GLOBAL_BATCH,
-                                                       check=check)
+        for dtype in sorted({c.dtype for c in cases}):
+            profile = profile_model(spec, dtype=dtype)
+            graph = capture_for_pipeline(build_model(spec).cast(TORCH_DTYPES[dtype]))
+            check = replay_check(graph, cluster)  # the planner's own memory numbers
+            for c in (c for c in cases if c.dtype == dtype):
+                plans[(model, c.name)] = predict_step_time(profile, cluster, c.knobs(), global_batch=GLOBAL_BATCH,
+                                                           check=check)
     print(f"planned {len(plans)} cases in {time.time() - t0:.1f} s; spawning {WORLD} ranks", flush=True)
     raw = out / "results.json"
     if args.reuse and raw.is_file():  # re-tabulate (and refit) a previous spawn's results
@@ -288,9 +302,9 @@ def main(argv=None) -> int:
             continue
         result = fits[model] = refit([load_run(d) for d in fit], cluster)
         result.cluster.to_file(out / model / "refit-cluster.yaml")
-        profile = profile_model(models[model], dtype="fp32")
         for (m, case) in run_dirs:
             if m == model:
+                profile = profile_model(models[model], dtype=DTYPE_OF_CASE[case])
                 refitted[(m, case)] = predict_step_time(profile, result.cluster, dict(plans[(m, case)].knobs()),
                                                         global_batch=GLOBAL_BATCH).predicted.step_time_s
 

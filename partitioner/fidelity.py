@@ -434,7 +434,7 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
     grads_made: set[int] = set()
     sent: list[Hashable] = []
     bucket_launched = False
-    zero2 = _Zero2Buckets(live, buckets, params, chunk_bytes) if zero == 2 else None
+    zero2 = _Zero2Buckets(live, buckets, params, dp) if zero == 2 else None
     for k, a in enumerate(actions):
         where = f"{a}"
         s, i = a.stage, a.microbatch
@@ -530,18 +530,21 @@ def _own(numel: int, params) -> int:
 
 class _Zero2Buckets:
     """ZeRO-2 in the replay, as :class:`runtime.grad_sync.BucketedGradSync` runs it: gradients
-    made by a backward fill the current bucket; a full bucket is launched (its fp32 flat copy
-    made, its gradients freed); at most ``MAX_IN_FLIGHT`` stay in flight, and a bucket's last
-    launch is waited for when its next round begins; this rank's summed chunks stay from the
-    first launch to the step."""
+    made by a backward fill the current bucket; a full bucket is launched: its fp32 flat copy is
+    made while its gradients still exist, then they are freed and the reduce-scatter's output
+    chunk is made. At most ``MAX_IN_FLIGHT`` launches stay in flight, and a bucket's last launch
+    is retired when its next round begins; a retired launch frees its flat copy, and its chunk
+    becomes the bucket's summed chunk (the first time) or is added into it and freed."""
 
-    def __init__(self, live: _Live, buckets: list[int], params, chunk_bytes: int) -> None:
-        self.live, self.params, self.chunk_bytes = live, params, chunk_bytes
+    def __init__(self, live: _Live, buckets: list[int], params, dp: int) -> None:
+        self.live, self.params = live, params
         self.caps = [_own(b, params) for b in buckets] or [0]
+        self.chunks = [4 * b // dp for b in buckets] or [0]  # bytes of one bucket's fp32 chunk
         self.pending: list[Hashable] = []
         self.filled = 0
         self.index = 0
-        self.in_flight: list[tuple[int, Hashable]] = []  # (bucket index, key of its flat copy)
+        self.in_flight: list[tuple[int, Hashable, Hashable]] = []  # (bucket, its flat copy, its chunk)
+        self.summed: set[int] = set()  # buckets whose summed chunk exists
         self.launches = 0
 
     def grad(self, e: Event, key: Hashable, where: str) -> None:
@@ -553,15 +556,17 @@ class _Zero2Buckets:
                 self.filled -= self.live.size[key][0]
                 self.live.free(key)
             return
-        if not self.pending:  # a new round of this bucket: its last launch is waited for
-            for index, flat in [f for f in self.in_flight if f[0] == self.index]:
-                self.live.free(flat)
-                self.in_flight.remove((index, flat))
+        if not self.pending:  # a new round of this bucket: its last launch is retired
+            for f in [f for f in self.in_flight if f[0] == self._bucket()]:
+                self._retire(f)
         self.live.alloc(key, e.bytes, "grads", where)
         self.pending.append(key)
         self.filled += e.bytes
-        if self.filled >= self.caps[self.index % len(self.caps)]:
+        if self.filled >= self.caps[self._bucket()]:
             self._launch(where)
+
+    def _bucket(self) -> int:
+        return self.index % len(self.caps)
 
     def flush(self, where: str) -> None:
         if self.pending:
@@ -569,24 +574,33 @@ class _Zero2Buckets:
         self.index = 0
 
     def _launch(self, where: str) -> None:
-        if not self.launches:
-            self.live.alloc("zero_chunks", self.chunk_bytes, "grads", where)
         self.launches += 1
+        b = self._bucket()
         flat = 4 * self.filled // (self.params[0].element_size() if self.params else 4)
-        if len(self.in_flight) >= MAX_IN_FLIGHT:
-            self.live.free(self.in_flight.pop(0)[1])
         key = ("zero2_flat", self.launches)
         self.live.alloc(key, flat, "grads", where)
-        self.in_flight.append((self.index, key))
         for k in self.pending:
             self.live.free(k)
+        chunk = ("zero2_chunk", self.launches)
+        self.live.alloc(chunk, self.chunks[b], "grads", where)
+        while len(self.in_flight) >= MAX_IN_FLIGHT:  # the oldest is waited for after this one started
+            self._retire(self.in_flight[0])
+        self.in_flight.append((b, key, chunk))
         self.pending, self.filled = [], 0
         self.index += 1
 
+    def _retire(self, f: tuple[int, Hashable, Hashable]) -> None:
+        b, flat, chunk = f
+        self.in_flight.remove(f)
+        self.live.free(flat)
+        if b in self.summed:
+            self.live.free(chunk)  # added into the bucket's summed chunk
+        else:
+            self.summed.add(b)  # the first chunk is the summed chunk (kept to the step)
+
     def finish(self, where: str) -> None:
-        for _, key in self.in_flight:
-            self.live.free(key)
-        self.in_flight = []
+        while self.in_flight:
+            self._retire(self.in_flight[0])
 
 
 def _apply(live: _Live, e: Event, tag: tuple, kind: str, where: str) -> None:

@@ -247,7 +247,8 @@ def _with_offload_copies(gm: fx.GraphModule, events: list, offloaded: list, *, d
     which is what offload does. What it does not see, per offloaded storage (views share one):
 
     * the reloaded device copy, made by the first unpack (the backward of its LAST saver in
-      forward order) and dropped after the backward of its FIRST saver (the last unpack; the
+      forward order; on CUDA earlier when prefetched: at the first unpack of the host copy made
+      after it) and dropped after the backward of its FIRST saver (the last unpack; the
       unpacked views keep it alive until that backward is over);
     * on CPU, the "host" copy too (a clone in the same memory): made by the pack in its first
       saver's forward (after the saver's outputs, before the saver's inputs die) and kept by
@@ -270,14 +271,22 @@ def _with_offload_copies(gm: fx.GraphModule, events: list, offloaded: list, *, d
     before: dict[tuple[str, str], list[Event]] = {}  # (phase, node) -> events after its allocations
     after: dict[tuple[str, str], list[Event]] = {}  # (phase, node) -> events at the end of its block
     start: dict[tuple[str, str], list[Event]] = {}  # (phase, node) -> events right after its marker
-    for n, (ref, (nbytes, names)) in enumerate(savers.items()):
-        names = sorted(names, key=lambda x: fwd_order.get(x, 0))
+    bwd_order = {e.key: k for k, e in enumerate(events) if e.op == "@" and e.phase == "backward"}
+    ordered = [(nbytes, sorted(names, key=lambda x: fwd_order.get(x, 0))) for nbytes, names in savers.values()]
+    unpacked_at = [next((x for x in reversed(names) if x in bwd_seen), None) for _, names in ordered]
+    for n, (nbytes, names) in enumerate(ordered):
         first = names[0]
         running = [x for x in names if x in bwd_seen]
         if device != "cuda":
             before.setdefault(("forward", first), []).append(Event("forward", "+", ("offload_host", n), nbytes))
         if running:
-            start.setdefault(("backward", running[-1]), []).append(
+            at = running[-1]
+            # CUDA prefetch (runtime/kernels/offload.py): the first unpack of the next host copy
+            # made starts this one's reload, when that comes first in backward
+            nxt = unpacked_at[n + 1] if device == "cuda" and n + 1 < len(ordered) else None
+            if nxt is not None and bwd_order.get(nxt, 1 << 30) < bwd_order.get(at, 1 << 30):
+                at = nxt
+            start.setdefault(("backward", at), []).append(
                 Event("backward", "+", ("offload_reload", n), nbytes))
             end = [Event("backward", "-", ("offload_reload", n), 0)]
             if device != "cuda":

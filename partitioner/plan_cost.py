@@ -57,7 +57,9 @@ buckets for dp, send/recv buffers for pp, one all-reduce buffer for tp). Activat
   computing and one being copied); the copies out and back cost ``2·bytes`` at the slower of the
   host-to-device link and the device's share of host-memory bandwidth
   (:data:`HOST_MEMORY_BYTES_PER_S`) plus two messages per saved tensor (α and
-  ``Device.offload_call_s`` each), hidden behind the stage's compute when shorter.
+  ``Device.offload_call_s`` each); on a GPU the copies out are hidden behind the stage's forward
+  and the reloads, each prefetched while the layers after it run backward, behind its backward
+  (and recompute): only what is longer is charged.
 
 Stage boundaries (non-interleaved): the chain ``embedding, blocks, head`` is split into ``pp``
 contiguous stages minimising the slowest stage's time subject to each stage's memory limit
@@ -441,8 +443,9 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
             if ctx.on_host:  # copies and saved-tensor hooks run inside forward/backward: stage time
                 t_mb += copy
                 t_off = c.num_micro_batches * copy
-            else:
-                t_off = c.num_micro_batches * max(0.0, copy - t_mb)
+            else:  # copies out behind the forward (side stream); each reload prefetched behind the
+                # backward of the layers after it (runtime/kernels/offload.py)
+                t_off = c.num_micro_batches * (max(0.0, copy / 2 - f) + max(0.0, copy / 2 - (b + rc)))
             host = act * in_flight_microbatches(c.schedule, s, c.pp, c.num_micro_batches, c.virtual_pp)
         if host > ctx.host_cap:
             feasible = False

@@ -14,6 +14,14 @@ Sharing
     A storage saved by several savers (views of one storage) is copied once: live host copies
     are found by the storage's weak reference. The reloaded device copy is shared by all savers
     of the storage and dropped after the last of them unpacked.
+Prefetch
+    Backward unpacks in reverse forward order, so when it first unpacks a host copy it next
+    needs the copy made just before it in the same forward (a lower or equal region). On CUDA
+    that reload is started then, on the side stream, and the compute stream waits for it only
+    when it is unpacked: each reload is hidden behind the backward of the savers after it (the
+    first one of a backward, with nothing after it, is not). On CPU nothing can overlap (the
+    copy runs on the rank's thread, into the same memory), so there is no prefetch: the reload
+    happens at the unpack (``PREFETCH_ON_CPU`` turns it on, for tests of the order only).
 
 Counters: :func:`offload_counters` (bytes and storages moved each way, per region); reset with
 :func:`reset_offload_counters`.
@@ -34,6 +42,9 @@ from passes.ir.ops import qualname
 __all__ = ["OffloadCounters", "offload_counters", "reset_offload_counters"]
 
 
+PREFETCH_ON_CPU = False
+"""Prefetch reloads on a CPU device too (no overlap there; tests use it to check the order)."""
+
 SOURCES_KEPT = 65536
 """Most recent offloaded storages whose weak references the counters keep."""
 
@@ -46,6 +57,7 @@ class OffloadCounters:
     reloaded_bytes: int = 0
     offloaded_storages: int = 0
     reloaded_storages: int = 0
+    prefetched_storages: int = 0  # reloads started ahead of their unpack
     kept_tensors: int = 0  # saved tensors inside a region left on the device (weights, not chosen)
     by_region: dict[int, int] = field(default_factory=dict)  # region -> bytes offloaded
     # Weak references to the last device storages that were offloaded: expired once autograd and
@@ -82,6 +94,9 @@ class _HostStorage:
         self.users = 0  # packed views not yet unpacked
         self._reloaded: torch.UntypedStorage | None = None
         self._event = None
+        self._ready = None  # CUDA: the reload's event, waited for by the unpack
+        self.prev: weakref.ref | None = None  # the host copy made just before this one (same forward)
+        self._chained = False  # whether an unpack of this copy has started the previous one's reload
         src = bytes_view(storage, device)
         if device.type == "cuda":
             self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
@@ -100,21 +115,35 @@ class _HostStorage:
         _COUNTERS.by_region[region] = _COUNTERS.by_region.get(region, 0) + self.nbytes
         _COUNTERS.sources.append(StorageWeakRef(storage))
 
+    def _start_reload(self) -> None:
+        """Copy the host copy back to the device (CUDA: issued on the side stream, not waited)."""
+        if self.device.type == "cuda":
+            stream = _side_stream(self.device)
+            with torch.cuda.stream(stream):
+                stream.wait_event(self._event)
+                back = self.host.to(self.device, non_blocking=True)
+            back.record_stream(torch.cuda.current_stream(self.device))  # freed only after its users
+            self._ready = torch.cuda.Event()
+            self._ready.record(stream)
+        else:
+            back = self.host.clone()
+        self._reloaded = back.untyped_storage()
+        _COUNTERS.reloaded_bytes += self.nbytes
+        _COUNTERS.reloaded_storages += 1
+
     def reload(self) -> torch.UntypedStorage:
-        """The storage back on its device (copied once for all savers still to unpack)."""
+        """The storage back on its device (copied once for all savers still to unpack); starts
+        the reload of the host copy backward needs next (see Prefetch in the module docstring)."""
         if self._reloaded is None:
-            if self.device.type == "cuda":
-                stream = _side_stream(self.device)
-                with torch.cuda.stream(stream):
-                    stream.wait_event(self._event)
-                    back = self.host.to(self.device, non_blocking=True)
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                back.record_stream(torch.cuda.current_stream(self.device))
-            else:
-                back = self.host.clone()
-            self._reloaded = back.untyped_storage()
-            _COUNTERS.reloaded_bytes += self.nbytes
-            _COUNTERS.reloaded_storages += 1
+            self._start_reload()
+        if self._ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._ready)
+        if not self._chained and (self.device.type == "cuda" or PREFETCH_ON_CPU):
+            self._chained = True  # its first unpack (prefetched or not) starts the next reload
+            before = self.prev() if self.prev is not None else None
+            if before is not None and before._reloaded is None and before.users > 0:
+                before._start_reload()
+                _COUNTERS.prefetched_storages += 1
         return self._reloaded
 
     def release(self) -> None:
@@ -148,7 +177,14 @@ def _host_copy(t: torch.Tensor, ref: StorageWeakRef, region: int) -> _HostStorag
         if host is None:
             host = _HostStorage(t.untyped_storage(), t.device, region)
             _LIVE[ref] = weakref.ref(host)
+            last = _LAST[0]() if _LAST[0] is not None else None
+            if last is not None and last.region <= region:  # the same forward, in order
+                host.prev = weakref.ref(last)
+            _LAST[0] = weakref.ref(host)
         return host
+
+
+_LAST: list = [None]  # weak reference to the host copy made last (a one-slot box)
 
 
 class _CountingRegion(OffloadRegion):

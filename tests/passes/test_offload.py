@@ -69,6 +69,39 @@ def _assert_exact(a, b):
         assert torch.equal(ga[k], gb[k]), k
 
 
+def test_backward_prefetches_the_reload_it_needs_next(annotated, inputs, monkeypatch):
+    """With prefetch on (what CUDA does; on CPU only for this test), the first unpack of a host
+    copy starts the reload of the one made before it in forward: most reloads are started ahead
+    of their unpack, each storage is still reloaded exactly once, and the step stays exact."""
+    ref = copy.deepcopy(annotated)
+    gm = apply_offload(offload_policy(copy.deepcopy(annotated), cost=LOCAL, selection="all"))
+    expected = _step(ref, inputs)
+    starts = []
+    real_start = offload_ops._HostStorage._start_reload
+
+    def start(self):
+        starts.append((id(self), self._reloaded is None))
+        real_start(self)
+
+    monkeypatch.setattr(offload_ops._HostStorage, "_start_reload", start)
+    for prefetch in (False, True):
+        monkeypatch.setattr(offload_ops, "PREFETCH_ON_CPU", prefetch)
+        starts.clear()
+        offload_ops.reset_offload_counters()
+        torch.manual_seed(1234)
+        gm.zero_grad(set_to_none=True)
+        loss = gm(*inputs)
+        loss.backward()
+        counters = offload_ops.offload_counters()
+        assert counters.reloaded_storages == counters.offloaded_storages > 2
+        if prefetch:  # most reloads start ahead of their unpack (a chain breaks where regions restart)
+            assert counters.prefetched_storages >= counters.reloaded_storages // 2 > 0
+        else:
+            assert counters.prefetched_storages == 0
+        _assert_exact(expected, (loss.detach(), {k: p.grad.clone() for k, p in gm.named_parameters()}))
+        assert len(starts) == counters.reloaded_storages and all(fresh for _, fresh in starts)  # once each
+
+
 def test_offload_all_is_exact_and_moves_the_predicted_bytes(annotated, inputs):
     ref = copy.deepcopy(annotated)
     gm = offload_policy(copy.deepcopy(annotated), cost=LOCAL, selection="all")

@@ -344,7 +344,7 @@ def main(argv=None) -> int:
     print(f"step time |err| with the calibration only: median {_median(time_err):.1f}%")
     for model, result in fits.items():
         print(f"\n{model}: refit on the plans but {HELD_OUT}: peak FLOP/s x{result.flops_scale:.3g}, "
-              f"memory bandwidth x{result.bandwidth_scale:.3g}, link latency x{result.latency_scale:.3g}, "
+              f"optimizer stream x{result.bandwidth_scale:.3g}, link latency x{result.latency_scale:.3g}, "
               f"per-op overhead {result.kernel_overhead_s * 1e6:.0f} us, pipeline message "
               f"{(result.p2p_latency_s or 0) * 1e3:.2f} ms, step overhead {result.step_overhead_s * 1e3:.2f} ms, "
               f"offload call {result.offload_call_s * 1e6:.0f} us; median measured/predicted compute "

@@ -137,7 +137,7 @@ def _cmd_refit(args: argparse.Namespace) -> int:
 
     out = args.out or local_cache_file(args.world_size)
     result = refit_from_runs(args.from_run, Cluster.local(args.world_size), out)
-    print(f"refit from {result.runs} run(s): peak FLOP/s x{result.flops_scale:.3g}, memory bandwidth "
+    print(f"refit from {result.runs} run(s): peak FLOP/s x{result.flops_scale:.3g}, optimizer stream "
           f"x{result.bandwidth_scale:.3g}, link latency x{result.latency_scale:.3g}; median measured/predicted "
           f"compute {result.compute_ratio_before:.3g} -> {result.compute_ratio_after:.3g}")
     print(f"  per-op overhead {result.kernel_overhead_s * 1e6:.3g} us, step overhead "

@@ -230,6 +230,11 @@ class Device:
     """Seconds per offloaded saved tensor per copy, beyond moving its bytes (the saved-tensor hook,
     the offload op's dispatch, the copy's launch); 0 for the presets, fitted by
     ``partitioner.refit`` from runs with activation offload."""
+    optimizer_bytes_per_s: float = 0.0
+    """Bytes/s the optimizer step streams (moments, masters, gradients, parameters); 0: the memory
+    bandwidth (the presets). Fitted by ``partitioner.refit`` from measured optimizer seconds: a
+    CPU rank's single-tensor AdamW is dispatch-bound, far below its memcpy rate, which still
+    times the graph's memory-bound nodes."""
 
     def __post_init__(self) -> None:
         _normalize(self, "memory_bytes", "bytes", "give the device memory, e.g. '80GiB'")
@@ -239,7 +244,7 @@ class Device:
             object.__setattr__(self, "peak_flops", PeakFlops.from_dict(self.peak_flops, "Device.peak_flops"))
         if not isinstance(self.peak_flops, PeakFlops):
             raise ClusterSpecError(f"Device.peak_flops must be a mapping of dtype to FLOP/s, got {self.peak_flops!r}")
-        for name in ("kernel_overhead_s", "step_overhead_s", "offload_call_s"):
+        for name in ("kernel_overhead_s", "step_overhead_s", "offload_call_s", "optimizer_bytes_per_s"):
             if not getattr(self, name) >= 0:
                 raise ClusterSpecError(f"Device.{name} must be >= 0 seconds, got {getattr(self, name)!r}; "
                                        f"leave it out (0) or give a measured overhead")
@@ -252,8 +257,8 @@ class Device:
         return {"name": self.name, "memory_bytes": self.memory_bytes,
                 "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
                 "peak_flops": self.peak_flops.to_dict(),
-                **{name: getattr(self, name) for name in ("kernel_overhead_s", "step_overhead_s", "offload_call_s")
-                   if getattr(self, name)}}
+                **{name: getattr(self, name) for name in ("kernel_overhead_s", "step_overhead_s", "offload_call_s",
+                                                          "optimizer_bytes_per_s") if getattr(self, name)}}
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -431,9 +431,9 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
             h2d = ctx.cluster.host_to_device.bandwidth_bytes_per_s
             t_opt = (updated * 2 * ctx.itemsize) / h2d + 2 * opt_bytes / ctx.host_rate
         else:
-            t_opt = memory_bound_time(2 * opt_bytes + updated * 2 * ctx.itemsize, dev)
+            t_opt = memory_bound_time(2 * opt_bytes + updated * 2 * ctx.itemsize, dev.optimizer_bytes_per_s or dev)
         if c.zero_stage >= 1:  # flatten the stage's grads into the bucket, copy the gathered params back
-            t_opt += memory_bound_time(4 * grads, dev)
+            t_opt += memory_bound_time(4 * grads, dev.optimizer_bytes_per_s or dev)
         t_off = 0.0
         host = opt_bytes if c.offload == "optimizer" else 0.0
         if c.offload == "activations":

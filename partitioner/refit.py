@@ -12,8 +12,9 @@ per-rank, per-step compute / p2p / optimizer seconds). After the warm-up step, i
   micro-batch (runs without tensor parallelism when there are any: the runtime's compute
   seconds include tp collectives). At small sizes ``o`` (framework dispatch) dominates, which
   one FLOP/s number cannot carry across micro-batch sizes and stage depths.
-* **memory bandwidth** (the optimizer step is memory bound in the planner): median measured
-  ``optimizer_s`` over the plan's ``optimizer`` term.
+* **optimizer stream rate** (``Device.optimizer_bytes_per_s``; the optimizer step is memory
+  bound in the planner): median measured ``optimizer_s`` over the plan's ``optimizer`` term.
+  The memory bandwidth itself (memory-bound nodes of forward and backward) stays measured.
 * **offload call seconds** (``Device.offload_call_s``), from runs with activation offload
   (without checkpointing when there are such): their measured forward+backward seconds per
   micro-batch less the planner's stage time without the per-call cost, over the stage's copies
@@ -74,7 +75,7 @@ class Refit:
     flops_scale: float
     """New peak FLOP/s over old."""
     bandwidth_scale: float
-    """New memory bandwidth over old."""
+    """New optimizer stream rate (``Device.optimizer_bytes_per_s``) over old."""
     latency_scale: float
     """New link latency (intra- and inter-node) over old."""
     compute_ratio_before: float
@@ -134,7 +135,7 @@ def _reevaluate(plan: Plan, cluster: Cluster, profiles: dict) -> Plan:
 
 
 def _dtype(plan: Plan) -> str:
-    return "fp32"  # the runtime trains fp32 weights; mixed precision is a separate knob there
+    return plan.config.dtype  # a 16-bit plan ran the model captured in that dtype
 
 
 def _compute_ratio(runs: Sequence[RunData], plans: Sequence[Plan]) -> float:
@@ -249,7 +250,30 @@ def _fit_compute(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> t
     kept = [row for row, r in zip(rows, res) if r <= cut]
     if len(kept) >= 2 and len(kept) < len(rows):
         x, o = _nnls(kept)
-    return max(x, 1e-3), o  # x -> 0 would mean infinite FLOP/s: keep the FLOP term alive
+    return _refine_compute(pure, base, profiles, max(x, 1e-3), o)
+
+
+def _refine_compute(runs: Sequence[RunData], base: Cluster, profiles: dict, x: float, o: float) -> tuple[float, float]:
+    """(x, o) refined on the planner itself: its stage times are a roofline per kernel (the larger
+    of FLOP and byte time), which the linear split above only approximates (a kernel at the
+    bandwidth roof does not speed up with peak FLOP/s). Robust least squares of the relative
+    errors, from the linear solution, with ``o >= 0`` (scipy)."""
+    from scipy.optimize import least_squares
+
+    samples = [(k, _pp_index(run.plan, rank), measured) for k, run in enumerate(runs)
+               for rank, measured in enumerate(run.compute_per_mb_s) if measured > 0]
+
+    def residuals(z) -> list[float]:
+        cluster = _with_overheads(_scaled(base, math.exp(-z[0]), 1.0), z[1] * 1e-6)
+        plans = [_reevaluate(run.plan, cluster, profiles) for run in runs]
+        return [plans[k].stages[i].time_s / measured - 1 for k, i, measured in samples]
+
+    start = [math.log(x), o * 1e6]
+    fit = least_squares(residuals, start, bounds=([math.log(1e-3), 0.0], [math.log(1e4), math.inf]),
+                        loss="soft_l1", f_scale=0.1, diff_step=1e-3)
+    if not fit.success:  # keep the linear solution (least squares never ends above its start)
+        return x, o
+    return math.exp(float(fit.x[0])), float(fit.x[1]) * 1e-6
 
 
 def refit(runs: Sequence[RunData], cluster: Cluster) -> Refit:
@@ -272,7 +296,10 @@ def refit(runs: Sequence[RunData], cluster: Cluster) -> Refit:
         if predicted > 0:
             opt_ratios += [m / predicted for m in run.optimizer_s if m > 0]
     bandwidth = 1 / statistics.median(opt_ratios) if opt_ratios else 1.0
-    fitted = _with_overheads(_scaled(cluster, flops, bandwidth), kernel_s)
+    # the optimizer's stream rate, not the memory bandwidth the graph's memory-bound nodes run at
+    dev = fitted.device
+    fitted = _with_device(fitted, optimizer_bytes_per_s=(dev.optimizer_bytes_per_s or dev.memory_bandwidth_bytes_per_s)
+                          * bandwidth)
     fitted = _with_device(fitted, offload_call_s=_fit_device_seconds(_offloaded(runs), fitted, profiles, "offload_call_s"))
     p2p_s = _fit_p2p(runs, fitted, profiles)
     fitted = _with_overheads(fitted, p2p_s=p2p_s)

@@ -121,7 +121,10 @@ def test_refit_moves_efficiency_towards_measurements(tmp_path):
     assert result.compute_ratio_before == pytest.approx(3.0, rel=1e-6)
     assert result.compute_ratio_after == pytest.approx(1.0, abs=0.02)
     assert result.flops_scale < 1 / 3 + 1e-9  # slower than predicted: lower effective FLOP/s
-    assert result.bandwidth_scale == pytest.approx(2.0, rel=0.01)  # faster optimizer: more bandwidth
+    assert result.bandwidth_scale == pytest.approx(2.0, rel=0.01)  # faster optimizer: a faster stream
+    dev = result.cluster.device  # ... for the optimizer alone: memory-bound nodes keep the measured bandwidth
+    assert dev.memory_bandwidth_bytes_per_s == cluster.device.memory_bandwidth_bytes_per_s
+    assert dev.optimizer_bytes_per_s == pytest.approx(2.0 * cluster.device.memory_bandwidth_bytes_per_s, rel=0.01)
     assert result.cluster.device.peak_flops.fp32 == pytest.approx(cluster.device.peak_flops.fp32 * result.flops_scale)
     out = tmp_path / "refit.yaml"
     again = refit_from_runs([tmp_path], cluster, out)

@@ -33,8 +33,6 @@ What happens, in order (every rank, unless said):
 from __future__ import annotations
 
 import copy
-import dataclasses
-import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -64,7 +62,7 @@ from passes.manager import PassContext
 from runtime import comm
 from runtime.checkpoint_io import load_checkpoint, save_checkpoint
 from runtime.faults import arm_from_env, gather_pids
-from runtime.measure import RunMeasurements, StepTimer
+from runtime.measure import PhaseClock, RunMeasurements, StepTimer
 from runtime.mesh import Mesh, default_backend, init_distributed
 from runtime.parallel_model import ParallelModel
 
@@ -311,7 +309,10 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
                           "the runtime builds AdamW (or ZeRO-1 AdamW) over each rank's parameters itself")
     if dtype not in RUNTIME_DTYPES:
         raise ConfigError(f"auto_parallelize: dtype {dtype!r}; the runtime trains in {', '.join(RUNTIME_DTYPES)}")
-    clock = _Clock()
+    if plan is not None and plan.config.dtype != dtype:  # its byte counts and rank programs are another dtype's
+        raise ConfigError(f"auto_parallelize: the plan trains in {plan.config.dtype}, not {dtype}; "
+                          f"pass dtype={plan.config.dtype!r} or re-plan for {dtype}")
+    clock = PhaseClock()
     init_distributed(timeout_s=max(timeout_s, START_TIMEOUT_S))
     clock.lap("join")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -349,8 +350,6 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     if chosen.global_batch != global_batch_size:
         raise ConfigError(f"auto_parallelize: the plan is for global batch {chosen.global_batch}, "
                           f"not {global_batch_size}; re-plan or pass the plan's batch size")
-    if chosen.config.dtype != dtype:
-        chosen = dataclasses.replace(chosen, config=chosen.config.replace(dtype=dtype))
     clock.lap("plan")
 
     mesh = Mesh(chosen.dp, chosen.pp, chosen.tp, timeout_s=timeout_s)
@@ -366,20 +365,7 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     pm = ParallelModel(program, mesh, adamw=optimizer)
     trainer = AutoParallel(pm, chosen, cluster, spec, dump_dir=out_dir, track_memory=track_memory)
     clock.lap("runtime")
-    trainer.build_seconds = dict(clock.laps)
+    trainer.build_seconds = dict(clock.seconds)
     if writer is not None:
         trainer._graph = dumps.lowering.graph
     return trainer
-
-
-class _Clock:
-    """Wall seconds of each phase of a build, in order."""
-
-    def __init__(self):
-        self.laps: dict[str, float] = {}
-        self._t = time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.laps[name] = now - self._t
-        self._t = now

@@ -47,6 +47,7 @@ from partitioner.cluster import Cluster, Device, Link, PeakFlops
 from partitioner.cost_model import EfficiencyCurve, all_reduce_time, send_recv_time
 from passes.ir.errors import ConfigError
 from runtime.launch import spawn
+from runtime.measure import PhaseClock
 
 KiB, MiB = 2**10, 2**20
 
@@ -689,43 +690,31 @@ def run_calibration(world_size: int = 4, out: str | Path | None = None, quick: b
     recipe = _with_reference_override(recipe or (QUICK_RECIPE if quick else FULL_RECIPE), reference_runs)
     path = Path(out).expanduser() if out is not None else _default_out(world_size)
     start = time.perf_counter()
-    lap = _Laps()
+    clock = PhaseClock()
     threads = rank_threads(world_size)
     matmul = measure_matmul(dtypes, recipe.matmul_sizes, threads=threads, effort=recipe.effort)
     efficiency = {d: fit_efficiency([(s.flops, s.seconds) for s in matmul if s.dtype == d]) for d in dtypes}
-    lap("matmul")
+    clock.lap("matmul")
     memcpy = measure_memcpy(recipe.memcpy_bytes, threads=threads, effort=recipe.effort)
-    lap("memcpy")
+    clock.lap("memcpy")
     if recipe.reference_steps and world_size >= 2:
         # one spawn for the gloo timings and the reference runs: starting processes is the slow part
         gloo, reference = _gloo_and_reference(world_size, recipe, efficiency, memcpy, threads)
-        lap("gloo + reference runs")
+        clock.lap("gloo + reference runs")
     else:
         gloo, reference = measure_gloo(max(world_size, 2), recipe.comm_sizes, effort=recipe.effort), None
-        lap("gloo")
+        clock.lap("gloo")
     cluster = build_cluster(world_size, efficiency, memcpy, gloo, threads_per_rank=threads)
     cal = Calibration(cluster=cluster, world_size=world_size, threads_per_rank=threads, matmul=tuple(matmul),
                       efficiency=efficiency, memcpy=memcpy, gloo=gloo, recipe=recipe.name)
     if recipe.reference_steps:
         cal = _with_reference_runs(cal, path, recipe, reference)
-        lap("reference runs + refit" if reference is None else "refit")
-    cal = replace(cal, elapsed_s=time.perf_counter() - start, phases=lap.seconds)
+        clock.lap("reference runs + refit" if reference is None else "refit")
+    cal = replace(cal, elapsed_s=time.perf_counter() - start, phases=clock.seconds)
     if write:
         cal = replace(cal, path=write_calibration(cal, path))
     return cal
 
-
-class _Laps:
-    """Seconds of each named phase, measured from the previous call (or construction)."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def __call__(self, name: str) -> None:
-        now = time.perf_counter()
-        self.seconds[name] = now - self._last
-        self._last = now
 
 
 def _default_out(world_size: int) -> Path:

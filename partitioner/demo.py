@@ -201,11 +201,7 @@ def reference_losses(model: str, steps: int, global_batch: int, dtype: str = "fp
             opt.step()
             continue
         (loss.float() * scaler.scale).backward()
-        grads = opt.prepare_grads()
-        with torch.no_grad():
-            for g in grads:
-                g.mul_(1.0 / scaler.scale)
-        overflow = not all(bool(torch.isfinite(g).all()) for g in grads)
+        overflow = bool(scaler.unscale_local(opt.prepare_grads(), torch.device("cpu")))
         scaler.update(overflow)
         if not overflow:
             opt.apply()

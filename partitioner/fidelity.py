@@ -391,7 +391,7 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
     for one step (see the module docstring).
 
     ``dims``: named dims of ONE micro-batch; ``global_batch_bytes``: storage bytes of the global
-    batch tensors every rank slices its micro-batches from; ``zero``: 0 or 1 (ZeRO-1 AdamW).
+    batch tensors every rank slices its micro-batches from; ``zero``: 0, 1 or 2 (ZeRO-1/2 AdamW).
     ``events``: precomputed :func:`stage_events` per stage (computed here otherwise).
     """
 

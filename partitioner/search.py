@@ -74,6 +74,10 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
             return [fix[name]]
         return values
 
+    # CPU ranks (a loopback host link): their "host" memory is their own, so offloading to it
+    # frees nothing and adds copies; offered only when pinned
+    offloads = ["none"] if cluster.host_to_device.kind == "loopback" else list(OFFLOAD)
+
     out = []
     refused: dict[str, None] = {}  # why configs were left out, in order, each once
     for tp in opts("tp", [t for t in _divisors(world)
@@ -108,7 +112,7 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
                             has_scores = any(layer.attention_score_bytes for layer in profile.layers)
                             ckpts = ["none", "selective", "full"] if has_scores else ["none", "full"]
                             for ckpt in opts("checkpointing", ckpts):
-                                for off in opts("offload", list(OFFLOAD)):
+                                for off in opts("offload", offloads):
                                     try:  # only configs the lowering and the runtime carry out are offered
                                         out.append(ParallelConfig(
                                             dp=dp, tp=tp, pp=pp, virtual_pp=v, micro_batch_size=mbs,
@@ -177,7 +181,7 @@ def plan(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: dic
     if global_batch < 1:
         raise ConfigError(f"global_batch must be >= 1, got {global_batch}")
     ctx = PlanContext(profile, cluster, global_batch, optimizer)
-    cands = _offload_only_off_host(candidates(profile, cluster, global_batch, fix), cluster, fix)
+    cands = candidates(profile, cluster, global_batch, fix)
     if not cands:
         raise ConfigError(f"no candidate plan for world size {cluster.world_size}, global batch {global_batch}, "
                           f"{profile.heads} heads, {ctx.L} layers, fix={fix}: dp must divide the global batch, tp "
@@ -217,14 +221,6 @@ def plan(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: dic
     alts += [Alternative(knobs=e.config.knobs(), step_time_s=e.step_time, peak_memory_bytes=e.peak,
                          reason=_memory_reason(ctx, e)) for e in faster[:2]]
     return dataclasses.replace(chosen, alternatives=tuple(alts))
-
-
-def _offload_only_off_host(cands: list[ParallelConfig], cluster: Cluster, fix: dict | None) -> list[ParallelConfig]:
-    """``cands`` without offload on CPU ranks (a loopback host link) unless ``fix`` pins it: their
-    "host" memory is the ranks' own memory, so offloading to it frees nothing and adds copies."""
-    if cluster.host_to_device.kind != "loopback" or "offload" in (fix or {}):
-        return cands
-    return [c for c in cands if c.offload == "none"]
 
 
 def _first_that_fits(ctx: PlanContext, feasible: list[Evaluated], check: Callable[[Plan], Plan] | None):

@@ -593,7 +593,7 @@ def load_checkpoint(pm, directory: str | os.PathLike, *, optimizer: bool = True)
     opt = pm.optimizer
     if isinstance(opt, MasterWeightAdamW):
         opt.publish()  # the loaded masters into the parameters
-    elif _is_zero(opt) and _zero_masters_are_weights(pm):
+    elif _zero_masters_are_weights(pm):
         opt.publish()  # the loaded master chunks, all-gathered into the parameters
     elif _is_zero(opt):
         _refresh_zero_master(opt)
@@ -603,7 +603,7 @@ def load_checkpoint(pm, directory: str | os.PathLike, *, optimizer: bool = True)
 def _zero_masters_are_weights(pm) -> bool:
     """A 16-bit plan under ZeRO: the fp32 master chunks, not the 16-bit parameters, are saved and
     loaded as the weights."""
-    return _is_zero(pm.optimizer) and any(p.dtype != torch.float32 for p in pm.params)
+    return _is_zero(pm.optimizer) and pm.config.mixed_precision
 
 
 def _weight_entries(pm, local, *, write: bool) -> dict[str, Entry]:

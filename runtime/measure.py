@@ -104,6 +104,19 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
+class PhaseClock:
+    """Wall seconds of each named phase, each measured from the previous ``lap`` (or construction)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = now - self._last
+        self._last = now
+
+
 def tensor_bytes(tensors) -> int:
     """Bytes of the distinct storages of ``tensors`` (parameters, grads, optimizer state)."""
     seen, total = set(), 0

@@ -167,13 +167,19 @@ class DynamicLossScaler:
     skipped: int = 0
 
     @torch.no_grad()
-    def unscale(self, grads: Sequence[torch.Tensor], group: dist.ProcessGroup | None, device: torch.device) -> bool:
-        """Divide the fp32 ``grads`` by the scale in place; ``True`` when any rank of ``group``
-        found a non-finite value (every rank of the job must skip the same step)."""
+    def unscale_local(self, grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """Divide the fp32 ``grads`` by the scale in place; 1.0 (a 0-dim tensor on ``device``)
+        when one of them holds a non-finite value, else 0.0."""
         bad = torch.zeros((), dtype=torch.float32, device=device)
         for g in grads:
             g.mul_(1.0 / self.scale)
             bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
+        return bad
+
+    def unscale(self, grads: Sequence[torch.Tensor], group: dist.ProcessGroup | None, device: torch.device) -> bool:
+        """:meth:`unscale_local`, then ``True`` when any rank of ``group`` found a non-finite value
+        (every rank of the job must skip the same step)."""
+        bad = self.unscale_local(grads, device)
         comm.all_reduce(bad, group, op="max")
         return bool(bad.item())
 

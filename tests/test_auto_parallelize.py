@@ -162,14 +162,19 @@ def test_the_search_offers_only_what_runs():
 
     profile = profile_model(GPT, dtype="fp32")
     cands = candidates(profile, Cluster.local(4), GLOBAL_BATCH)
-    assert {c.zero_stage for c in cands} == {0, 1, 2} and "optimizer" in {c.offload for c in cands}
-    assert not [c for c in cands if c.offload == "optimizer" and c.zero_stage]  # host AdamW is unsharded
+    # CPU ranks: offload (to the ranks' own memory) only when pinned
+    assert {c.zero_stage for c in cands} == {0, 1, 2} and {c.offload for c in cands} == {"none"}
+    pinned = candidates(profile, Cluster.local(4), GLOBAL_BATCH, fix={"offload": "optimizer"})
+    assert pinned and {c.offload for c in pinned} == {"optimizer"}
+    assert not [c for c in pinned if c.zero_stage]  # host AdamW is unsharded
     with pytest.raises(ConfigError, match="no candidate plan.*offload='optimizer'.*zero_stage=1"):
         candidates(profile, Cluster.local(4), GLOBAL_BATCH, fix={"offload": "optimizer", "zero_stage": 1, "dp": 4})
     with pytest.raises(ConfigError, match="dtype 'fp8'.*fp32, bf16, fp16"):
         auto_parallelize(GPT, global_batch_size=GLOBAL_BATCH, dtype="fp8")
     plan = choose_plan(GPT, Cluster.local(4), world_size=4, global_batch_size=GLOBAL_BATCH, fix=FIX)
     check_world_size(plan, 4)
+    with pytest.raises(ConfigError, match="the plan trains in fp32, not bf16"):  # before any process work
+        auto_parallelize(GPT, global_batch_size=GLOBAL_BATCH, plan=plan, dtype="bf16")
 
 
 def test_live_bytes_counts_storages_once_and_frees_them():

@@ -18,7 +18,7 @@ and left out of the times (its peak is lower: no gradients or optimizer state ex
   seconds, link latency) is fitted on every case but the HELD-OUT plan, and the held-out plan's
   step time is predicted with the cluster before and after the refit.
 
-ZeRO-1/2: :class:`runtime.measure.StepTimer` counts :class:`runtime.grad_sync.ShardedAdamW`'s
+ZeRO-1/2: :class:`runtime.measure.StepTimer` counts :class:`runtime.grad_sync.ShardedOptimizer`'s
 fp32 master chunk, its gradient and its AdamW state in the persistent baseline.
 """
 from __future__ import annotations
@@ -137,7 +137,7 @@ def _rank_main(models: dict, cases: tuple, steps: int, boundaries: dict) -> list
                     GLOBAL_BATCH, dp=c.dp, pp=c.pp, tp=c.tp, schedule=c.schedule, num_micro_batches=c.num_micro_batches,
                     virtual_pp=c.virtual_pp, zero_stage=c.zero, checkpointing=c.checkpointing, offload=c.offload,
                     dtype=c.dtype, stage_boundaries=boundaries.get((model, c.name)))
-                pm = build_parallel_model(graph, config, meshes[(c.dp, c.pp, c.tp)], adamw=ADAMW)
+                pm = build_parallel_model(graph, config, meshes[(c.dp, c.pp, c.tp)], optimizer=ADAMW)
                 dims = {**dict(pm.micro_batches(batches[0])[1])}
                 t0 = time.perf_counter()
                 try:  # a failed prediction must not skip training: the other ranks would wait

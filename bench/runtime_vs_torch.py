@@ -183,7 +183,7 @@ def _ours(spec, graph, mesh, config: BenchConfig, *, dp=1, pp=1, tp=1, schedule=
 
     parallel = ParallelConfig.for_global_batch(config.global_batch, dp=dp, pp=pp, tp=tp, schedule=schedule,
                                                num_micro_batches=m)
-    return build_parallel_model(graph, parallel, mesh, adamw=ADAMW).train_step
+    return build_parallel_model(graph, parallel, mesh, optimizer=ADAMW).train_step
 
 
 def _torch_pipeline(spec, config: BenchConfig, schedule: str, ends_group):

@@ -59,12 +59,16 @@ from passes.ir.plan import Plan
 from passes.ir.schedule.actions import Kind
 from passes.lower import lower_rank
 from passes.manager import PassContext
-from runtime import comm
-from runtime.checkpoint_io import load_checkpoint, save_checkpoint
+from runtime import checkpoint_dir, comm
+from runtime.checkpoint_dir import TrainState
+from runtime.data import RankLoader, ShardedSampler
 from runtime.faults import arm_from_env, gather_pids
-from runtime.measure import PhaseClock, RunMeasurements, StepTimer
+from runtime.measure import PhaseClock, RunMeasurements, StepMeasurement, StepTimer
+from runtime.metrics import MetricsLogger, StepMetrics, dim_sizes, gather_step_metrics, step_tokens
 from runtime.mesh import Mesh, default_backend, init_distributed
+from runtime.optimizers import OptimizerFactory, as_factory, planner_optimizer
 from runtime.parallel_model import ParallelModel
+from runtime.schedules import SchedulerFactory
 
 START_TIMEOUT_S = 600.0
 """Seconds the default process group waits (start-up, plan broadcast): planning on a loaded
@@ -183,6 +187,11 @@ class AutoParallel:
         self.identities = gather_pids(model.mesh.group)
         self._fault = arm_from_env(model.executor, self.rank)
         self._step = 0
+        self.last_metrics: StepMetrics | None = None
+        """The last step's :class:`runtime.metrics.StepMetrics` (every rank), set by :meth:`record_step`."""
+        self._metrics_logger: MetricsLogger | None = None
+        self.sampler = None
+        """The data sampler of :meth:`fit` (its ``state_dict()`` goes into a checkpoint's ``extra``)."""
 
     @property
     def last_action(self):
@@ -192,11 +201,71 @@ class AutoParallel:
     def train_step(self, batch: Sequence[torch.Tensor]) -> float:
         """One optimizer step on the *global* batch (the same tensors on every rank); returns the
         batch's mean loss, the same float on every rank. Measured (:mod:`runtime.measure`)."""
+        return self._measured_step(lambda: self.model.train_step(batch),
+                                   tokens=step_tokens(dim_sizes(self.model.inputs, batch))).loss
+
+    def _measured_step(self, run: Callable[[], float], *, tokens: int) -> StepMeasurement:
+        """One step: the fault-injection hook, the measurement, the step count, the metrics."""
         if self._fault is not None:
             self._fault.begin_step(self._step)
-        m = self.timer.measure(self._step, lambda: self.model.train_step(batch))
+        skipped_before = self.model.skipped_steps
+        m = self.timer.measure(self._step, run)
         self._step += 1
-        return m.loss
+        self.record_step(m, tokens=tokens, skipped=self.model.skipped_steps > skipped_before)
+        return m
+
+    def attach_metrics(self, logger: MetricsLogger | None) -> None:
+        """Log every step's metrics to ``logger`` from now on (``None`` detaches). Make the
+        logger on rank 0 only and pass ``None`` on the others: every rank computes the metrics
+        (a collective), only the one with a logger writes them."""
+        self._metrics_logger = logger
+
+    def record_step(self, measurement: StepMeasurement, *, tokens: int, skipped: bool = False) -> StepMetrics:
+        """The :class:`runtime.metrics.StepMetrics` of the step just measured, on every rank (a
+        collective over the mesh: one small all-gather of each rank's peak memory and wall
+        time); stored on ``last_metrics`` and logged to the attached logger. ``tokens``: tokens
+        of the global batch (batch x seq for token models, else samples); ``skipped``: the
+        optimizer skipped the step. :meth:`train_step` and :meth:`fit` call it; a loop that
+        measures steps itself calls it after each one."""
+        metrics = gather_step_metrics(self.model, measurement, tokens=tokens, predicted=self.plan.predicted,
+                                      skipped=skipped)
+        self.last_metrics = metrics
+        if self._metrics_logger is not None:
+            self._metrics_logger.log(metrics)
+        return metrics
+
+    def fit(self, dataset: Any, *, steps: int, seed: int = 0, sampler_state: dict | None = None,
+            on_step: Callable[[int, float], None] | None = None) -> list[float]:
+        """Train ``steps`` optimizer steps on ``dataset`` (any ``torch.utils.data.Dataset`` of
+        fixed-shape samples: dicts name -> tensor, or tuples in input order), each rank loading
+        only the fields its stages read of its dp shard (:mod:`runtime.data`). Returns the losses
+        (the same on every rank).
+
+        The sample order is a function of ``seed`` and the epoch only; ``sampler_state`` (a
+        ``self.sampler.state_dict()``, e.g. saved with a checkpoint) continues that sequence,
+        its seed winning over ``seed``. A later call on a dataset of the same length with the
+        same seed continues where the last one stopped. ``on_step(step, loss)`` is called after
+        each step with the number of steps done so far. Steps are measured as by
+        :meth:`train_step` (data loading is outside the measurement)."""
+        pm = self.model
+        sampler = self.sampler
+        if (sampler_state is not None or sampler is None or sampler.num_samples != len(dataset)
+                or sampler.seed != seed):
+            sampler = ShardedSampler(len(dataset), pm.config.global_batch, dp=pm.mesh.dp,
+                                     dp_index=pm.mesh.dp_index, seed=seed)
+            if sampler_state is not None:
+                sampler.load_state_dict(sampler_state)
+        self.sampler = sampler
+        self.loader = loader = RankLoader(dataset, sampler, pm.consumed_inputs, pm.inputs)
+        losses = []
+        for _ in range(steps):
+            rows, dims = loader.next()
+            m = self._measured_step(lambda: pm.train_local(rows, dims),
+                                    tokens=pm.config.global_batch * int(dims.get("seq", 1)))
+            losses.append(m.loss)
+            if on_step is not None:
+                on_step(self._step, m.loss)
+        return losses
 
     def eval_step(self, batch: Sequence[torch.Tensor]) -> float:
         """The mean loss of the global ``batch`` without gradients or an optimizer step.
@@ -218,17 +287,25 @@ class AutoParallel:
         comm.all_reduce(total, pm.mesh.group)
         return float(total)
 
-    def save(self, directory: str | Path) -> None:
-        """Checkpoint parameters and optimizer state under the original parameter names
-        (:mod:`runtime.checkpoint_io`); loadable under any other plan or into the plain model."""
+    def save(self, root: str | Path, *, keep: int | None = None, extra: dict | None = None) -> Path:
+        """Checkpoint parameters, optimizer state and train state (RNG per rank, lr scheduler,
+        loss scaler, ``extra``: e.g. the data sampler's position) atomically into
+        ``root/step_<step>`` (:mod:`runtime.checkpoint_dir`: a save killed midway leaves the
+        earlier checkpoints loadable); keeps the last ``keep`` (``None``: all). Returns the
+        checkpoint's directory. Loadable under any other plan, or into the plain model
+        (``runtime.checkpoint_io.load_into_module(module, path)``). Every rank calls it."""
 
-        save_checkpoint(self.model, directory, step=self._step)
+        return checkpoint_dir.save(self.model, root, step=self._step, keep=keep, extra=extra,
+                                   plan=self.plan.summary())
 
-    def load(self, directory: str | Path) -> int:
-        """Load a checkpoint written under any plan; training continues from its step."""
+    def load(self, path: str | Path) -> TrainState:
+        """Load a checkpoint written under any plan: ``path`` is a root (its latest complete
+        checkpoint) or one checkpoint directory; training continues from its step. Returns the
+        :class:`runtime.checkpoint_dir.TrainState` (``step``, ``extra``, ``path``)."""
 
-        self._step = load_checkpoint(self.model, directory)
-        return self._step
+        state = checkpoint_dir.load(self.model, path)
+        self._step = state.step
+        return state
 
     def gather_measurements(self):
         """Every rank's step measurements with the plan's predictions (a collective over the
@@ -286,7 +363,9 @@ def _broadcast_weights(graph: torch.fx.GraphModule, device: torch.device) -> Non
 
 def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str | None = None, *,
                      inputs: Sequence[InputSpec] | None = None, loss_fn: Callable[..., torch.Tensor] | None = None,
-                     dims: dict[str, int] | None = None, optimizer: dict | None = None, global_batch_size: int,
+                     dims: dict[str, int] | None = None, optimizer: dict | OptimizerFactory | None = None,
+                     lr_scheduler: SchedulerFactory | None = None, clip_grad_norm: float | None = None,
+                     nonfinite: str = "stop", global_batch_size: int,
                      dump_dir: str | Path | None = None, fix: dict | str | None = None, plan: Plan | None = None,
                      dtype: str = "fp32", timeout_s: float = 60.0, track_memory: bool | int = 2) -> AutoParallel:
     """Plan ``model`` for this job and build this rank's trainer (call on every rank).
@@ -295,7 +374,14 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     ``nn.Module`` with ``inputs`` (InputSpecs with named dims, e.g. ``("batch", "seq")``),
     ``loss_fn(module, *inputs) -> scalar`` and ``dims`` (default sizes of the named dims other
     than batch). ``cluster``: a Cluster or preset name (default ``Cluster.local(world_size)``).
-    ``optimizer``: keyword arguments of AdamW (the runtime's optimizer), e.g. ``{"lr": 1e-3}``.
+    ``optimizer``: None (AdamW, no weight decay on norms, biases and embeddings), AdamW's keyword
+    arguments (``{"lr": 1e-3}``), or a factory ``f(param_groups) -> torch.optim.Optimizer``
+    (:mod:`runtime.optimizers`; under ZeRO an elementwise one); the planner costs the state of the
+    optimizer it makes. ``lr_scheduler``: ``f(optimizer) -> LRScheduler``
+    (``runtime.schedules.warmup_cosine(warmup, total)``), stepped with each optimizer step.
+    ``clip_grad_norm``: clip the global gradient norm (over every rank) to this. ``nonfinite``:
+    a NaN/inf gradient ``"stop"`` s the run (:class:`NonFiniteError` naming the step) or is
+    ``"skip"`` ped.
     ``fix``: knobs to pin (``"dp=2,pp=2"`` or a dict). ``plan``: skip the search and run this
     plan (still checked against the world size). ``dtype``: ``fp32``, ``bf16`` or ``fp16``: a 16-bit
     dtype casts the module (in place) and its floating inputs to it before capture, so the model
@@ -304,9 +390,8 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     before the job fails. See the module docstring for what is written to ``dump_dir``.
     """
 
-    if optimizer is not None and not isinstance(optimizer, dict):
-        raise ConfigError("auto_parallelize: optimizer= takes AdamW keyword arguments (a dict, e.g. {'lr': 1e-3}); "
-                          "the runtime builds AdamW (or ZeRO-1 AdamW) over each rank's parameters itself")
+    factory = as_factory(optimizer)
+    planned_optimizer = planner_optimizer(factory)  # what the planner counts state bytes for
     if dtype not in RUNTIME_DTYPES:
         raise ConfigError(f"auto_parallelize: dtype {dtype!r}; the runtime trains in {', '.join(RUNTIME_DTYPES)}")
     if plan is not None and plan.config.dtype != dtype:  # its byte counts and rank programs are another dtype's
@@ -332,7 +417,7 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     def capture_and_analyse():
         captured = capture_training_step(spec, device=device.type)
         clock.lap("capture")
-        analyse(captured, mixed_precision=dtype != "fp32", writer=writer, memory_batch=1)
+        analyse(captured, optimizer=planned_optimizer, mixed_precision=dtype != "fp32", writer=writer, memory_batch=1)
         clock.lap("analysis")
         return pack_graph(captured, spec.module)
 
@@ -343,6 +428,7 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     if plan is None:
         chosen = Plan.from_json(_from_rank0(lambda: choose_plan(
             spec, cluster, world_size=world, global_batch_size=global_batch_size, fix=fix, dtype=dtype,
+            optimizer=planned_optimizer,
             profile=profile_graph(graph, dtype=dtype, name=spec.name), graph=graph).to_json()))
     else:
         check_world_size(plan, world)
@@ -360,9 +446,10 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
         clock.lap("lower+dumps")
     else:
         program = lower_rank(graph, chosen.config, rank, cost=cost_hooks(cluster),
-                             ctx=PassContext(mixed_precision=chosen.config.mixed_precision))
+                             ctx=PassContext(optimizer=planned_optimizer, mixed_precision=chosen.config.mixed_precision))
         clock.lap("lower")
-    pm = ParallelModel(program, mesh, adamw=optimizer)
+    pm = ParallelModel(program, mesh, optimizer=factory, lr_scheduler=lr_scheduler, clip_grad_norm=clip_grad_norm,
+                       nonfinite=nonfinite)
     trainer = AutoParallel(pm, chosen, cluster, spec, dump_dir=out_dir, track_memory=track_memory)
     clock.lap("runtime")
     trainer.build_seconds = dict(clock.seconds)

@@ -61,21 +61,22 @@ def capture_for_pipeline(spec: ModelSpec, symbolic: Sequence[str] | None = None,
 
 
 def build_parallel_model(graph: fx.GraphModule, config: ParallelConfig, mesh: Mesh, *,
-                         cluster: Cluster | None = None, adamw: dict | None = None, overlap_grad_sync: bool = True,
-                         bucket_bytes: int | None = None, tp_group: str = "tp") -> ParallelModel:
+                         cluster: Cluster | None = None, optimizer=None, overlap_grad_sync: bool = True,
+                         bucket_bytes: int | None = None, tp_group: str = "tp", **runtime) -> ParallelModel:
     """Lower ``graph`` (from :func:`capture_for_pipeline`) for this rank of ``mesh`` under
     ``config`` and return the runtime's :class:`ParallelModel` executing it.
 
     ``cluster``: what the policy passes cost against (default ``Cluster.local`` of the mesh's
     size: this machine). ``tp_group``: the name the programs look their tp group up by (give
-    models that live side by side in one process different names).
+    models that live side by side in one process different names). ``optimizer`` and ``runtime``
+    (``lr_scheduler``, ``clip_grad_norm``, ``nonfinite``): as :class:`ParallelModel` takes them.
     """
 
     cluster = cluster or Cluster.local(mesh.size)
     program = lower_rank(graph, config, mesh.rank, cost=cost_hooks(cluster), first=mesh.first, tp_group=tp_group,
                          ctx=PassContext(mixed_precision=config.mixed_precision))
     kwargs = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
-    return ParallelModel(program, mesh, adamw=adamw, overlap_grad_sync=overlap_grad_sync, **kwargs)
+    return ParallelModel(program, mesh, optimizer=optimizer, overlap_grad_sync=overlap_grad_sync, **kwargs, **runtime)
 
 
 def lower_all(graph: fx.GraphModule, config: ParallelConfig, *, cluster: Cluster, tp_group: str = "tp", writer=None):

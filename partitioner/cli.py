@@ -218,8 +218,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from partitioner.demo import run_train
 
+    if args.save_every is not None and args.save_dir is None:
+        raise ConfigError("train: --save-every needs --save-dir DIR (where the checkpoints go)")
+    if args.nodes is not None and args.cluster is None:
+        raise ConfigError("train: --nodes needs --cluster PRESET (the node type the job runs on)")
     return run_train(model=args.model, global_batch=args.global_batch, steps=args.steps, fix=args.fix,
-                     dump_dir=args.dump_dir, cluster=args.cluster, timeout_s=args.timeout, lr=args.lr, dtype=args.dtype)
+                     dump_dir=args.dump_dir, cluster=args.cluster, timeout_s=args.timeout, lr=args.lr, dtype=args.dtype,
+                     data=args.data, tokenizer=args.tokenizer, seed=args.seed, metrics=args.metrics,
+                     save_dir=args.save_dir, save_every=args.save_every, keep=args.keep, resume=args.resume,
+                     clip_grad_norm=args.clip_grad_norm, warmup=args.warmup, nodes=args.nodes)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -301,6 +308,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
                    help="training precision: fp32, or bf16/fp16 weights, gradients and activations with fp32 "
                         "master weights (fp16 with dynamic loss scaling)")
+    p.add_argument("--data", metavar="FILE", help="train on this text file, each rank reading only its share "
+                                                  "(windows of the model's seq + 1 tokens; default: the stdlib corpus)")
+    p.add_argument("--tokenizer", metavar="NAME", help="Hugging Face tokenizer for --data (a local directory or a "
+                                                       "cached hub name; default: byte-level, vocab 256)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the --data sample order (default 0)")
+    p.add_argument("--metrics", metavar="FILE.jsonl", help="append one JSON line of metrics per step (rank 0)")
+    p.add_argument("--save-dir", metavar="DIR", help="checkpoint root: a checkpoint after the last step, and every "
+                                                     "--save-every steps")
+    p.add_argument("--save-every", type=int, metavar="N", help="checkpoint every N steps (needs --save-dir)")
+    p.add_argument("--keep", type=int, metavar="K", help="keep only the last K checkpoints (default: all)")
+    p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint root (its latest) or directory; "
+                                                   "--steps counts from the start of the run")
+    p.add_argument("--clip-grad-norm", type=float, metavar="X", help="clip the global gradient norm to X")
+    p.add_argument("--warmup", type=int, metavar="N", help="learning rate: linear warm-up over N steps, then cosine "
+                                                           "decay to 0.1x at --steps (default: constant)")
+    p.add_argument("--nodes", type=int, metavar="N", help="the job spans N nodes of --cluster (torchrun --nnodes)")
     p.set_defaults(fn=_cmd_train)
     return parser
 

@@ -13,6 +13,10 @@ training of the same model, and leaves in ``--dump-dir`` the plan's dump tree
 torchrun (or any env:// launcher) started. A rank that fails (an exception, or a peer that
 died: gloo raises on the survivors, every group has a timeout) prints
 ``rank R: peer rank K failed during <action>; exiting`` and exits with :data:`EXIT_PEER_FAILED`.
+``train --data FILE`` trains on a text file instead (:func:`token_dataset`), each rank reading only
+the fields of its own dp shard that its stages consume (``AutoParallel.fit``, :mod:`runtime.data`);
+``--metrics`` writes per-step JSON lines, ``--save-dir``/``--resume`` checkpoint and continue
+(weights, optimizer, and the data order's position).
 """
 from __future__ import annotations
 
@@ -79,23 +83,65 @@ def progress(step: int, steps: int, loss: float, seconds: float, width: int = 24
 
 
 def train_loop(trainer, steps: int, batch: Callable[[int], Sequence[torch.Tensor]], *,
-               echo: bool) -> list[float]:
-    """``steps`` train steps; on rank 0 (``echo``) prints a progress line per step. Any failure is
-    re-raised as :class:`RankFailure` naming the failed peer and this rank's last action."""
+               echo: bool, start: int = 0, on_step: Callable[[int, float], None] | None = None) -> list[float]:
+    """Train steps ``start .. steps-1`` (``batch(k)``: the global batch of step ``k``); on rank 0
+    (``echo``) prints a progress line per step; ``on_step(steps_done, loss)`` after each. Any
+    failure is re-raised as :class:`RankFailure` naming the failed peer and this rank's last action."""
     losses = []
     try:
-        for step in range(steps):
-            start = time.perf_counter()
+        for step in range(start, steps):
+            begin = time.perf_counter()
             losses.append(trainer.train_step(batch(step)))
             if echo:
-                print(progress(step + 1, steps, losses[-1], time.perf_counter() - start), flush=True)
+                print(progress(step + 1, steps, losses[-1], time.perf_counter() - begin), flush=True)
+            if on_step is not None:
+                on_step(step + 1, losses[-1])
     except Exception as exc:  # noqa: BLE001 - a peer's death shows up as any of gloo's errors
-        mesh = trainer.model.mesh
-        raise RankFailure(describe_failure(exc, rank=trainer.rank, last_action=trainer.last_action,
-                                           identities=trainer.identities, pp_ranks=mesh.pp_ranks,
-                                           group_ranks=range(mesh.first, mesh.first + mesh.size)),
-                          own=not is_communication_error(exc)) from exc
+        raise _rank_failure(trainer, exc) from exc
     return losses
+
+
+def fit_loop(trainer, dataset, steps: int, *, echo: bool, start: int = 0, seed: int = 0,
+             sampler_state: dict | None = None, on_step: Callable[[int, float], None] | None = None) -> list[float]:
+    """As :func:`train_loop`, each rank loading its own share of ``dataset`` (``AutoParallel.fit``,
+    :mod:`runtime.data`); the progress line's seconds include loading the step's data."""
+    last = [time.perf_counter()]
+
+    def done(step: int, loss: float) -> None:
+        if echo:
+            print(progress(step, steps, loss, time.perf_counter() - last[0]), flush=True)
+        if on_step is not None:
+            on_step(step, loss)
+        last[0] = time.perf_counter()
+
+    try:
+        return trainer.fit(dataset, steps=max(0, steps - start), seed=seed, sampler_state=sampler_state,
+                           on_step=done)
+    except Exception as exc:  # noqa: BLE001 - as train_loop
+        raise _rank_failure(trainer, exc) from exc
+
+
+def _rank_failure(trainer, exc: Exception) -> RankFailure:
+    mesh = trainer.model.mesh
+    return RankFailure(describe_failure(exc, rank=trainer.rank, last_action=trainer.last_action,
+                                        identities=trainer.identities, pp_ranks=mesh.pp_ranks,
+                                        group_ranks=range(mesh.first, mesh.first + mesh.size)),
+                       own=not is_communication_error(exc))
+
+
+def token_dataset(spec, path: str, tokenizer: str | None = None):
+    """``path`` as a :class:`runtime.data.TokenFileDataset` for a language model ``spec`` (two
+    integer inputs over ``("batch", "seq")``: token ids and next-token targets), windows of the
+    model's ``seq``. Raises :class:`ConfigError` for other models."""
+    from passes.ir.errors import ConfigError
+    from runtime.data import TokenFileDataset
+
+    ins = spec.inputs
+    if len(ins) != 2 or any(i.dtype.is_floating_point or tuple(i.shape) != ("batch", "seq") for i in ins):
+        raise ConfigError(f"train --data: a text file trains a language model taking (token ids, targets) of dims "
+                          f"(batch, seq), e.g. gpt or llama; {spec.name} takes "
+                          f"{[(i.name, i.shape) for i in ins]}: train it without --data")
+    return TokenFileDataset(path, int(spec.dims["seq"]), tokenizer=tokenizer, names=(ins[0].name, ins[1].name))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,14 +228,18 @@ def reference_losses(model: str, steps: int, global_batch: int, dtype: str = "fp
 
     from partitioner.model_spec import build_model
     from passes.ir.config import TORCH_DTYPES
-    from runtime.mixed_precision import DynamicLossScaler, MasterWeightAdamW
+    from runtime.mixed_precision import DynamicLossScaler, MasterWeightOptimizer
+    from runtime.optimizers import module_param_groups
 
     spec = build_model(model, device="cpu", seed=0)  # auto_parallelize builds with seed 0 too
     if dtype == "fp32":
-        opt = torch.optim.AdamW(spec.module.parameters())
+        opt = torch.optim.AdamW(module_param_groups(spec.module))
     else:
         spec = spec.cast(TORCH_DTYPES[dtype])
-        opt = MasterWeightAdamW(spec.module.parameters())
+        groups = module_param_groups(spec.module)
+        no_decay = {id(p) for p in groups[1]["params"]}
+        params = groups[0]["params"] + groups[1]["params"]
+        opt = MasterWeightOptimizer(params, no_decay=[id(p) in no_decay for p in params])
     scaler = DynamicLossScaler() if dtype == "fp16" else None
     out = []
     for step in range(steps):
@@ -275,24 +325,83 @@ def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str | None = DEMO
 
 
 def run_train(*, model: str, global_batch: int, steps: int, fix: str | None, dump_dir: str | None,
-              cluster: str | None, timeout_s: float, lr: float | None, dtype: str = "fp32") -> int:
-    """``partitioner train`` on this rank (env:// rendezvous); returns the exit code."""
+              cluster: str | None, timeout_s: float, lr: float | None, dtype: str = "fp32", data: str | None = None,
+              tokenizer: str | None = None, seed: int = 0, metrics: str | None = None, save_dir: str | None = None,
+              save_every: int | None = None, keep: int | None = None, resume: str | None = None,
+              clip_grad_norm: float | None = None, warmup: int | None = None, nodes: int | None = None) -> int:
+    """``partitioner train`` on this rank (env:// rendezvous); returns the exit code.
+
+    ``data``: a text file (:func:`token_dataset`; ``tokenizer``: a Hugging Face tokenizer name,
+    default byte-level) that every rank reads its own share of, in an order fixed by ``seed``
+    (:mod:`runtime.data`); without it, the corpus batches of :func:`batch_for`. ``metrics``: a
+    JSONL file of per-step metrics (rank 0). ``save_dir``: checkpoint every ``save_every``
+    steps (and after the last), keeping the last ``keep``; ``resume``: a checkpoint root or
+    directory to continue from. ``steps`` counts from the start of the run, so a resumed run
+    trains the steps after the checkpoint's up to ``steps``. ``clip_grad_norm``: the global
+    norm's clip; ``warmup``: warm-up steps of a warm-up + cosine schedule over ``steps``;
+    ``nodes``: the job spans that many nodes of ``cluster``."""
     import torch.distributed as dist
 
     from partitioner.auto import auto_parallelize
+    from runtime.data import probe_dataset
 
-    trainer = auto_parallelize(model, cluster, global_batch_size=global_batch, fix=fix, dump_dir=dump_dir,
-                               timeout_s=timeout_s, optimizer={"lr": lr} if lr is not None else None, dtype=dtype)
+    from partitioner.cluster import Cluster
+    from runtime.schedules import warmup_cosine
+
+    job_cluster = Cluster.load(cluster, nodes=nodes) if nodes is not None else cluster
+    trainer = auto_parallelize(model, job_cluster, global_batch_size=global_batch, fix=fix, dump_dir=dump_dir,
+                               timeout_s=timeout_s, optimizer={"lr": lr} if lr is not None else None, dtype=dtype,
+                               clip_grad_norm=clip_grad_norm,
+                               lr_scheduler=warmup_cosine(warmup, steps) if warmup is not None else None)
     rank0 = dist.get_rank() == 0
+    dataset = token_dataset(trainer.spec, data, tokenizer) if data is not None else None
+    if dataset is not None:  # refused here on every rank alike, before any step
+        probe_dataset(dataset, trainer.model.inputs)
+    start, sampler_state = 0, None
+    if resume is not None:
+        state = trainer.load(resume)
+        start, sampler_state = state.step, (state.extra or {}).get("sampler")
+        if dataset is not None and sampler_state is None:  # saved by a run without --data: data from its step
+            sampler_state = {"seed": seed, "step": start, "global_batch": global_batch, "num_samples": len(dataset)}
     if rank0:
         print(f"plan: {trainer.plan.summary()}", flush=True)
+        if dataset is not None:
+            print(f"data: {data}, {len(dataset)} windows of {dataset.seq + 1} tokens "
+                  f"({tokenizer or 'byte-level'}, vocab {dataset.vocab_size})", flush=True)
+        if resume is not None:
+            print(f"resumed from {state.path} at step {start}", flush=True)
+    logger = None
+    if metrics is not None:
+        from runtime.metrics import MetricsLogger
+
+        logger = MetricsLogger(jsonl=metrics, echo=False, total_steps=steps) if rank0 else None
+        trainer.attach_metrics(logger)
+
+    def save(step: int) -> None:
+        sampler = getattr(trainer, "sampler", None)
+        extra = {"sampler": sampler.state_dict()} if sampler is not None else {}
+        path = trainer.save(save_dir, keep=keep, extra=extra)
+        if rank0:
+            print(f"saved {path}", flush=True)
+
+    def on_step(step: int, loss: float) -> None:
+        if save_dir is not None and (step == steps or (save_every and step % save_every == 0)):
+            save(step)
+
     try:
-        train_loop(trainer, steps, lambda k: batch_for(trainer.spec, k, global_batch), echo=rank0)
+        if dataset is not None:
+            fit_loop(trainer, dataset, steps, echo=rank0, start=start, seed=seed, sampler_state=sampler_state,
+                     on_step=on_step)
+        else:
+            train_loop(trainer, steps, lambda k: batch_for(trainer.spec, k, global_batch), echo=rank0, start=start,
+                       on_step=on_step)
     except RankFailure as exc:
         print(str(exc), file=sys.stderr, flush=True)
         # Skip the process-group teardown: it may wait on the dead peer.
         sys.stdout.flush()
         os._exit(EXIT_RANK_FAILED if exc.own else EXIT_PEER_FAILED)
+    if logger is not None:
+        logger.close()
     trainer.finish()
     if rank0 and dump_dir:
         print(f"wrote {dump_dir}/: every pass, stage<s>_tp<r>/program.txt (+ .onnx), plan.json, report.html, "

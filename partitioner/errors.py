@@ -3,6 +3,6 @@
 They are defined in :mod:`passes.ir.errors`, the leaf every package may import.
 """
 from passes.ir.errors import (  # noqa: F401
-    AnalysisError, CaptureError, ClusterSpecError, ConfigError, InfeasiblePlanError, ModelSpecError,
-    PartitionerError, PassError,
+    AnalysisError, CaptureError, CheckpointError, ClusterSpecError, ConfigError, InfeasiblePlanError, ModelSpecError,
+    NonFiniteError, PartitionerError, PassError,
 )

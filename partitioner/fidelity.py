@@ -427,9 +427,9 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
     live = _Live()
     live.alloc("params", param_bytes, "state", "(start)")
     # offload="optimizer": the fp32 masters and AdamW's moments live in host memory, not on the device
-    if zero and not host_optimizer:  # fp32 master chunk, exp_avg, exp_avg_sq (runtime.grad_sync.ShardedAdamW)
+    if zero and not host_optimizer:  # fp32 master chunk, exp_avg, exp_avg_sq (runtime.grad_sync.ShardedOptimizer)
         live.alloc("zero_state", 3 * chunk_bytes + _STEP_BYTES, "state", "(start)")
-    elif not host_optimizer:  # AdamW's fp32 moments (and MasterWeightAdamW's fp32 masters)
+    elif not host_optimizer:  # AdamW's fp32 moments (and MasterWeightOptimizer's fp32 masters)
         live.alloc("opt_state", (12 if masters else 8) * numel + _STEP_BYTES * n_tensors, "state", "(start)")
     state_bytes = live.total
     live.alloc("batch", global_batch_bytes, "buffers", "(start)")

@@ -249,7 +249,7 @@ def _state_per_param(ctx: PlanContext, c: ParallelConfig) -> tuple[float, float,
     ms = model_state_bytes(1.0, c.dp, c.zero_stage, ctx.precision, ctx.optimizer)
     opt = 0.0 if c.offload == "optimizer" else ms.optimizer
     if c.zero_stage and ctx.precision == "fp32" and opt:
-        opt += 4.0 / c.dp  # runtime.grad_sync.ShardedAdamW steps an fp32 copy of its chunk
+        opt += 4.0 / c.dp  # runtime.grad_sync.ShardedOptimizer steps an fp32 copy of its chunk
     grads = ms.grads
     if c.zero_stage >= 2 and ctx.precision != "fp32":
         grads = 4.0 / c.dp  # the sharded accumulator sums in fp32 (runtime.grad_sync)

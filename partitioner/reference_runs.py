@@ -140,7 +140,7 @@ def _rank_main(plans: tuple[ReferencePlan, ...], steps: int, cluster: Cluster,
         config = ParallelConfig.for_global_batch(
             p.global_batch, dp=p.dp, pp=p.pp, tp=p.tp, schedule=p.schedule, num_micro_batches=p.num_micro_batches,
             virtual_pp=p.virtual_pp, zero_stage=p.zero_stage, checkpointing=p.checkpointing, offload=p.offload)
-        pm = build_parallel_model(graph, config, meshes[(p.dp, p.pp, p.tp)], cluster=cluster, adamw=ADAMW)
+        pm = build_parallel_model(graph, config, meshes[(p.dp, p.pp, p.tp)], cluster=cluster, optimizer=ADAMW)
         timer = StepTimer(pm, track_memory=False)
         for k, b in enumerate(batches):
             timer.measure(k + 1, lambda b=b: pm.train_step(b))

@@ -45,6 +45,7 @@ from passes.ir.schedule import build as build_schedule
 from passes.manager import Instrument, PassContext, pipeline_text
 from passes.pipeline_split import chain_starts, split_pipeline_stages
 from passes.pipelines import manager, stage_passes, whole_graph_passes
+from passes.weight_decay import no_weight_decay_names
 
 # graph-level decisions of the whole graph that each stage program inherits
 _INHERITED = (TENSOR_PARALLEL_PLAN, CHECKPOINT_PLAN, OFFLOAD_PLAN, LAYER_CHAIN)
@@ -97,7 +98,13 @@ class Lowering:
             modules=modules, io=self.split.io, tied=self._tied(plan), canonical_names=canonical, tp_plan=plan,
             tp_group=self.tp_group,
             comms=tuple(_comms(self.split, modules, mine, c, pp_index, dp_index, tp_index, first, self.tp_group)),
-            actions=tuple(actions), inputs=info.inputs, sp_grad_params=tuple(sp_grads))
+            actions=tuple(actions), inputs=info.inputs, sp_grad_params=tuple(sp_grads),
+            no_weight_decay=self._no_weight_decay(canonical))
+
+    def _no_weight_decay(self, canonical: Mapping[str, str]) -> frozenset[str]:
+        names = no_weight_decay_names(self.graph)
+        canon = {canonical.get(n, n) for n in names}
+        return frozenset(names | {a for a, c in canonical.items() if c in canon})
 
     def _tied(self, plan) -> dict[str, TiedParam]:
         out = {}

@@ -50,7 +50,7 @@ class OptimizerModel:
 OPTIMIZERS: dict[str, OptimizerModel] = {
     # "sgd" is SGD without momentum (torch's default): no state, in-place update, no temporaries.
     "sgd": OptimizerModel(name="sgd", state_tensors=0, step_tensor=False, sqrt_temporaries=False),
-    "sgd-momentum": OptimizerModel(name="sgd-momentum", state_tensors=1, step_tensor=False, sqrt_temporaries=False),
+    "sgd_momentum": OptimizerModel(name="sgd_momentum", state_tensors=1, step_tensor=False, sqrt_temporaries=False),
     "adam": OptimizerModel(name="adam", state_tensors=2, step_tensor=True, sqrt_temporaries=True),
     "adamw": OptimizerModel(name="adamw", state_tensors=2, step_tensor=True, sqrt_temporaries=True),
 }

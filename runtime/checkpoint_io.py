@@ -4,10 +4,10 @@ Built on ``torch.distributed.checkpoint`` (DCP). The checkpoint is one DCP direc
 entries are keyed by the ORIGINAL model's names, whatever plan wrote it::
 
     <param name>                          e.g. "blocks.0.attn.qkv.weight"   full shape
-    optim.state.<param name>.exp_avg      AdamW first moment                full shape
-    optim.state.<param name>.exp_avg_sq   AdamW second moment               full shape
-    optim.state.<param name>.step         AdamW step count                  0-d float32
-    optim.state.<param name>.max_exp_avg_sq   (amsgrad only)
+    optim.state.<param name>.<key>        the optimizer's per-parameter state, torch's keys
+                                          (runtime.optimizers.state_keys): AdamW's exp_avg,
+                                          exp_avg_sq (full shape) and step (0-d float32);
+                                          SGD's momentum_buffer; ...
     train.step                            the caller's step                 0-d int64
 
 **Tied weights** (``wte.weight`` / ``lm_head.weight``) are saved once, under the name
@@ -20,7 +20,7 @@ owns, so the chunks of every entry tile the full tensor exactly once (DCP checks
 builds the global plan, and fails the save otherwise):
 
 * pipeline ranks hold disjoint layers; a tied weight is written by the lowest stage holding it;
-* data-parallel replicas are copies: dp index 0 writes parameters (and plain AdamW state);
+* data-parallel replicas are copies: dp index 0 writes parameters (and unsharded optimizer state);
   under ZeRO-1/2 each dp rank writes the slices of optimizer state its chunk of every gradient
   bucket holds, each a contiguous run of a parameter's row-major elements cut into at most
   ``2 * ndim - 1`` boxes;
@@ -48,7 +48,7 @@ import contextlib
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -63,8 +63,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from passes.ir.errors import ConfigError
 from passes.ir.meta import TENSOR_PARALLEL_PLAN, ParamSharding, TensorParallelPlan
-from runtime.mixed_precision import ADAMW_MOMENT_KEYS as MOMENT_KEYS
-from runtime.mixed_precision import MasterWeightAdamW, init_adamw_state
+from runtime.mixed_precision import MasterWeightOptimizer
+from runtime.optimizers import init_state, state_keys
 
 TRAIN_STEP_KEY = "train.step"
 OPTIM_PREFIX = "optim.state."
@@ -338,10 +338,11 @@ def _whole(t: torch.Tensor) -> list[Piece]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Optimizer state (torch.optim.AdamW layout)
+# Optimizer state (torch.optim's layouts, runtime.optimizers.state_keys)
 # ----------------------------------------------------------------------------------------------
-def _moment_keys(group: Mapping) -> tuple[str, ...]:
-    return MOMENT_KEYS if group.get("amsgrad", False) else MOMENT_KEYS[:2]
+def _has_optimizer_state(directory: str | os.PathLike) -> bool:
+    """Whether the checkpoint holds optimizer state (one saved before the first step has none)."""
+    return any(k.startswith(OPTIM_PREFIX) for k in checkpoint_keys(directory))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -459,8 +460,10 @@ def _plain_optim_entries(optimizer: torch.optim.Optimizer, local: Sequence[_Loca
             copy = masters[id(copy)] if masters is not None else copy
             state = optimizer.state[copy]
             prefix = f"{OPTIM_PREFIX}{lp.name}."
-            _add(entries, prefix + "step", (), _whole(state["step"]))
-            for key in _moment_keys(group_of[id(copy)]):
+            scalars, tensors = state_keys(optimizer, group_of[id(copy)])
+            for key in scalars:
+                _add(entries, prefix + key, (), _whole(state[key]))
+            for key in tensors:
                 _add(entries, prefix + key, lp.layout.shape, pieces_of(state[key], lp.layout))
     return entries
 
@@ -477,7 +480,7 @@ class _OwnedRange:
 
 
 def _owned_ranges(zero) -> list[_OwnedRange]:
-    """ZeRO-1/2 (``runtime.grad_sync.ShardedAdamW``): one flat group per gradient bucket (padded
+    """ZeRO-1/2 (``runtime.grad_sync.ShardedOptimizer``): one flat group per gradient bucket (padded
     to a multiple of dp), this rank's chunk of each, the chunks back to back in its state."""
     out, offset = [], 0
     for b in zero.sync.buckets:
@@ -492,15 +495,16 @@ def _zero_state_param(zero) -> nn.Parameter:
     return zero.master
 
 
-def _zero_optim_entries(zero, local: Sequence[_LocalParam], *, write: bool, state: bool = True,
+def _zero_optim_entries(zero, local: Sequence[_LocalParam], *, write: bool, flat_state: Mapping | None = None,
                         params: bool = False) -> dict[str, Entry]:
-    """ZeRO-1/2: the slices of each parameter's AdamW ``state`` that this rank's flat state holds
-    and, with ``params``, of its fp32 master (saved and loaded as the parameter: a 16-bit plan's
-    checkpoint holds the fp32 weights)."""
+    """ZeRO-1/2: the slices of each parameter's optimizer state that this rank's flat state
+    (``flat_state``, :meth:`ShardedOptimizer.flat_state`'s layout) holds and, with ``params``, of
+    its fp32 master (saved and loaded as the parameter: a 16-bit plan's checkpoint holds the fp32
+    weights)."""
     by_id = {id(c): (lp, i) for lp in local for i, c in enumerate(lp.copies)}
-    adam = zero.optimizer.state[_zero_state_param(zero)] if state else {}
-    group = zero.optimizer.param_groups[0]
-    flats: list[tuple[str | None, torch.Tensor]] = [(k, adam[k]) for k in _moment_keys(group)] if state else []
+    state = flat_state is not None
+    scalars, tensors = zero.state_layout() if state else ((), ())
+    flats: list[tuple[str | None, torch.Tensor]] = [(k, flat_state[k]) for k in tensors] if state else []
     if params:
         flats.append((None, _zero_state_param(zero).detach()))
     entries: dict[str, Entry] = {}
@@ -515,7 +519,8 @@ def _zero_optim_entries(zero, local: Sequence[_LocalParam], *, write: bool, stat
             prefix = f"{OPTIM_PREFIX}{lp.name}."
             # Every dp rank steps the same count: the dp-0 replica writes it, every rank reads it.
             if state and (not write or lp.writer):
-                _add(entries, prefix + "step", (), _whole(adam["step"]))
+                for key in scalars:
+                    _add(entries, prefix + key, (), _whole(flat_state[key]))
             a, b = max(start, owned.lo) - start, min(stop, owned.hi) - start  # the param's elements here
             base = owned.state_offset + start - owned.lo
             for key, flat in flats:
@@ -537,42 +542,48 @@ def _is_zero(optimizer) -> bool:
     return hasattr(optimizer, "optimizer") and hasattr(optimizer, "sync")
 
 
-def _ensure_zero_state(zero) -> None:
-    flat = _zero_state_param(zero)
-    state = zero.optimizer.state[flat]
-    if not state:
-        state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
-        for key in _moment_keys(zero.optimizer.param_groups[0]):
-            state[key] = torch.zeros_like(flat)
+def _zero_load_buffers(zero) -> dict[str, torch.Tensor]:
+    """Zeros in :meth:`ShardedOptimizer.flat_state`'s layout, for a load to read into."""
+    scalars, tensors = zero.state_layout()
+    out = {key: torch.zeros((), dtype=torch.get_default_dtype()) for key in scalars}
+    out.update({key: torch.zeros_like(zero.master.detach()) for key in tensors})
+    return out
 
 
-def _optim_entries(pm, local, *, write: bool) -> dict[str, Entry]:
-    if isinstance(pm.optimizer, MasterWeightAdamW):  # its state exists from the start
-        keys = {id(p): m for p, m in zip(pm.optimizer.params, pm.optimizer.masters)}  # AdamW's state keys
-        return _plain_optim_entries(pm.optimizer.optimizer, local, write=write, masters=keys)
-    if not hasattr(pm.optimizer, "state") and not _is_zero(pm.optimizer):
-        raise ConfigError(f"checkpoints of optimizer {type(pm.optimizer).__name__} are not supported; "
-                          f"use AdamW (zero=0, 1 or 2), or pass optimizer=False to load parameters only")
-    if _is_zero(pm.optimizer):
+def _optim_entries(pm, local, *, write: bool) -> tuple[dict[str, Entry], Callable[[], None] | None]:
+    """The optimizer state's entries and, for a load, what installs the loaded values after it."""
+    if isinstance(pm.optimizer, MasterWeightOptimizer):
+        keys = {id(p): m for p, m in zip(pm.optimizer.params, pm.optimizer.masters)}  # the inner optimizer's keys
+        inner = pm.optimizer.optimizer
+        if write and not inner.state:
+            return {}, None
         if not write:
-            _ensure_zero_state(pm.optimizer)
-        elif not pm.optimizer.optimizer.state:
-            return {}
-        return _zero_optim_entries(pm.optimizer, local, write=write)
+            init_state(inner)
+        return _plain_optim_entries(inner, local, write=write, masters=keys), None
+    if _is_zero(pm.optimizer):
+        zero = pm.optimizer
+        if write:
+            flat = zero.flat_state()
+            return (_zero_optim_entries(zero, local, write=True, flat_state=flat) if flat else {}), None
+        flat = _zero_load_buffers(zero)
+        return _zero_optim_entries(zero, local, write=False, flat_state=flat), lambda: zero.load_flat_state(flat)
+    if not isinstance(pm.optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"checkpoints of optimizer {type(pm.optimizer).__name__} are not supported; "
+                          f"pass optimizer=False to load parameters only")
     if not write:
-        init_adamw_state(pm.optimizer)
+        init_state(pm.optimizer)
     elif not pm.optimizer.state:
-        return {}
-    return _plain_optim_entries(pm.optimizer, local, write=write)
+        return {}, None
+    return _plain_optim_entries(pm.optimizer, local, write=write), None
 
 
 def save_checkpoint(pm, directory: str | os.PathLike, *, step: int) -> None:
-    """Save ``pm``'s parameters and AdamW state (plain, ZeRO-1 or ZeRO-2) and ``step`` to ``directory``
+    """Save ``pm``'s parameters and optimizer state (plain, ZeRO-1 or ZeRO-2) and ``step`` to ``directory``
     under the original parameter names; every rank of ``pm.mesh`` calls it (collective over the
     mesh's group). Before the first optimizer step no optimizer state is saved."""
     local = _local_params(pm)
     entries = _weight_entries(pm, local, write=True)
-    optim = _optim_entries(pm, local, write=True)
+    optim, _ = _optim_entries(pm, local, write=True)
     entries.update(optim)
     if pm.mesh.rank == pm.mesh.first:
         entries[TRAIN_STEP_KEY] = Entry((), _whole(torch.tensor(int(step), dtype=torch.int64)))
@@ -581,17 +592,22 @@ def save_checkpoint(pm, directory: str | os.PathLike, *, step: int) -> None:
 
 def load_checkpoint(pm, directory: str | os.PathLike, *, optimizer: bool = True) -> int:
     """Load a checkpoint written by :func:`save_checkpoint` under any plan into ``pm`` (its
-    parameters and, with ``optimizer``, its AdamW state); returns the saved step. Every rank of
-    ``pm.mesh`` calls it."""
+    parameters and, with ``optimizer``, its optimizer state, when the checkpoint has any: one
+    saved before the first step has none); returns the saved step. Every rank of ``pm.mesh``
+    calls it."""
     local = _local_params(pm)
     entries = _weight_entries(pm, local, write=False)
-    if optimizer:
-        entries.update(_optim_entries(pm, local, write=False))
+    install = None
+    if optimizer and _has_optimizer_state(directory):
+        optim, install = _optim_entries(pm, local, write=False)
+        entries.update(optim)
     step = torch.zeros((), dtype=torch.int64)
     entries[TRAIN_STEP_KEY] = Entry((), _whole(step))
     load_entries(entries, directory, process_group=pm.mesh.group)
+    if install is not None:
+        install()
     opt = pm.optimizer
-    if isinstance(opt, MasterWeightAdamW):
+    if isinstance(opt, MasterWeightOptimizer):
         opt.publish()  # the loaded masters into the parameters
     elif _zero_masters_are_weights(pm):
         opt.publish()  # the loaded master chunks, all-gathered into the parameters
@@ -610,10 +626,10 @@ def _weight_entries(pm, local, *, write: bool) -> dict[str, Entry]:
     """The weights' entries: the parameters, or (16-bit plans, host offload) the fp32 masters the
     optimizer steps, so that a checkpoint holds the fp32 weights and a resumed run continues
     exactly."""
-    if isinstance(pm.optimizer, MasterWeightAdamW):
+    if isinstance(pm.optimizer, MasterWeightOptimizer):
         return _model_entries(local, write=write, masters=pm.optimizer.master_of())
     if _zero_masters_are_weights(pm):
-        return _zero_optim_entries(pm.optimizer, local, write=write, state=False, params=True)
+        return _zero_optim_entries(pm.optimizer, local, write=write, params=True)
     return _model_entries(local, write=write)
 
 
@@ -665,12 +681,12 @@ def load_into_module(module: nn.Module, directory: str | os.PathLike) -> int:
 
 def load_optimizer_state_into(optimizer: torch.optim.Optimizer, module: nn.Module,
                               directory: str | os.PathLike) -> None:
-    """Load a checkpoint's AdamW state into a plain ``torch.optim.AdamW`` over ``module``'s
+    """Load a checkpoint's optimizer state into a plain torch optimizer over ``module``'s
     parameters (no process group needed)."""
     saved = checkpoint_keys(directory)
     names = _module_names(module, {k[len(OPTIM_PREFIX):].rsplit(".", 1)[0]: v for k, v in saved.items()
                                    if k.startswith(OPTIM_PREFIX)})
-    init_adamw_state(optimizer)
+    init_state(optimizer)
     entries: dict[str, Entry] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -679,15 +695,13 @@ def load_optimizer_state_into(optimizer: torch.optim.Optimizer, module: nn.Modul
                                   "pass the module the optimizer was built over")
             name = names[id(p)][0]
             state = optimizer.state[p]
-            _add(entries, f"{OPTIM_PREFIX}{name}.step", (), _whole(state["step"]))
-            for key in _moment_keys(group):
-                _add(entries, f"{OPTIM_PREFIX}{name}.{key}", p.shape, _whole(state[key]))
+            _add_state(entries, f"{OPTIM_PREFIX}{name}.", optimizer, group, state, p.shape)
     load_entries(entries, directory, no_dist=True)
 
 
 def save_module(module: nn.Module, directory: str | os.PathLike, *, step: int,
                 optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Save a plain single-device ``module`` (and its AdamW state) in the same format, so a
+    """Save a plain single-device ``module`` (and its optimizer state) in the same format, so a
     single-device run can be resumed under a parallel plan."""
     entries: dict[str, Entry] = {}
     names = {id(p): n for n, p in module.named_parameters()}
@@ -699,9 +713,16 @@ def save_module(module: nn.Module, directory: str | os.PathLike, *, step: int,
                 state = optimizer.state.get(p)
                 if not state:
                     continue
-                name = names[id(p)]
-                _add(entries, f"{OPTIM_PREFIX}{name}.step", (), _whole(state["step"]))
-                for key in _moment_keys(group):
-                    _add(entries, f"{OPTIM_PREFIX}{name}.{key}", p.shape, _whole(state[key]))
+                _add_state(entries, f"{OPTIM_PREFIX}{names[id(p)]}.", optimizer, group, state, p.shape)
     entries[TRAIN_STEP_KEY] = Entry((), _whole(torch.tensor(int(step), dtype=torch.int64)))
     save_entries(entries, directory, no_dist=True)
+
+
+def _add_state(entries: dict[str, Entry], prefix: str, optimizer: torch.optim.Optimizer, group: Mapping,
+               state: Mapping, shape: Sequence[int]) -> None:
+    """One plain parameter's optimizer state (every key :func:`state_keys` names), whole."""
+    scalars, tensors = state_keys(optimizer, group)
+    for key in scalars:
+        _add(entries, prefix + key, (), _whole(state[key]))
+    for key in tensors:
+        _add(entries, prefix + key, shape, _whole(state[key]))

@@ -26,10 +26,10 @@
   sequence-parallel partial gradients) sit in buckets of their own that start after
   :class:`TiedSync` (their sum must be complete first), so they stay full-size until then.
   Buckets are filled in reverse parameter order, the order backward produces gradients.
-* :class:`ShardedAdamW`: ZeRO-1 and ZeRO-2: each dp rank keeps an fp32 master copy of its chunk of
-  every bucket and the AdamW state of that chunk, steps it with the averaged gradient chunk, and
+* :class:`ShardedOptimizer`: ZeRO-1 and ZeRO-2: each dp rank keeps an fp32 master copy of its chunk of
+  every bucket and the optimizer state of that chunk, steps it with the averaged gradient chunk, and
   all-gathers the updated chunks (in the parameters' dtype: 16 bits under bf16/fp16) into the
-  parameters. AdamW is elementwise, so this gives the same parameters as an unsharded AdamW.
+  parameters. An elementwise optimizer (AdamW, Adam, SGD, ...) gives the same parameters as unsharded.
 """
 from __future__ import annotations
 
@@ -43,6 +43,9 @@ from torch import nn
 
 from passes.ir.errors import ConfigError
 from runtime import comm
+from runtime.optimizers import (
+    OptimizerFactory, as_factory, build, check_shardable, init_state_exact, param_groups, state_keys,
+)
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 # As DDP: the first bucket (the last layers' gradients, ready first) is small, so that
@@ -377,19 +380,38 @@ class _Done:
 _DONE = _Done()
 
 
-class ShardedAdamW:
-    """ZeRO-1/2 AdamW over the dp group of ``sync`` (a sharded :class:`BucketedGradSync`): this
-    rank's fp32 master weights, AdamW state and gradients cover only its chunk of every bucket
-    (1/dp of the padded flat parameters); same results as ``torch.optim.AdamW``.
+@dataclass(frozen=True)
+class Segment:
+    """A run of this rank's flat chunk that one optimizer tensor steps: elements
+    ``[start, stop)`` of the concatenated chunks, all of one parameter group."""
+
+    start: int
+    stop: int
+    group: int
+    weight: float = 1.0
+    """How much the segment's elements count in the global gradient norm (see ParallelModel)."""
+
+
+class ShardedOptimizer:
+    """ZeRO-1/2 over the dp group of ``sync`` (a sharded :class:`BucketedGradSync`): this rank's
+    fp32 master weights, optimizer state and gradients cover only its chunk of every bucket (1/dp
+    of the padded flat parameters); same results as the unsharded optimizer for an elementwise
+    one (:data:`runtime.optimizers.ELEMENTWISE`; others are refused).
+
+    The chunk is cut into :class:`Segment` s at every parameter whose group (decay / no decay) or
+    norm weight differs from the one before; each segment is a leaf tensor sharing the master chunk's storage,
+    so the torch optimizer (``factory``) steps the chunk in place with per-group settings. The
+    padding past a bucket's last parameter belongs to no segment and never changes.
 
     The step: ``sync.finish`` (called by the gradient-sync action) hands over the averaged chunk;
-    :meth:`step` steps the chunk and all-gathers every bucket's updated chunks into the params
+    :meth:`step` steps the segments and all-gathers every bucket's updated chunks into the params
     (at most ``MAX_IN_FLIGHT`` buckets' gathers at once, so the gathered copies stay small).
     """
 
-    def __init__(self, sync: BucketedGradSync, **adamw_kwargs):
+    def __init__(self, sync: BucketedGradSync, *, factory: OptimizerFactory | None = None,
+                 no_decay: Mapping[int, bool] | None = None, norm_weight: Mapping[int, float] | None = None):
         if not sync.shard:
-            raise ConfigError("grad_sync: ShardedAdamW needs a BucketedGradSync in a reduce_scatter mode")
+            raise ConfigError("grad_sync: ShardedOptimizer needs a BucketedGradSync in a reduce_scatter mode")
         self.sync = sync
         self.params = sync.params
         self.rank, self.size, self.group = sync.rank, sync.size, sync.group
@@ -397,7 +419,85 @@ class ShardedAdamW:
             chunks = [self._flat(b, [p.detach().float() for p in b.params]).chunk(self.size)[self.rank]
                       for b in sync.buckets]
         self.master = nn.Parameter(torch.cat(chunks).clone())
-        self.optimizer = torch.optim.AdamW([self.master], **adamw_kwargs)
+        flags = no_decay if no_decay is not None else {id(p): p.dim() < 2 for p in self.params}
+        weights = norm_weight or {}
+        self.segments = self._segments(lambda p: (int(bool(flags[id(p)])), float(weights.get(id(p), 1.0))))
+        self.pieces = [nn.Parameter(self.master.detach()[s.start:s.stop]) for s in self.segments]  # views
+        groups = [[pc for pc, s in zip(self.pieces, self.segments) if s.group == g] for g in (0, 1)]
+        self.optimizer = build(factory or as_factory(None),
+                               param_groups(groups[0] + groups[1], [False] * len(groups[0]) + [True] * len(groups[1])))
+        check_shardable(self.optimizer, 2 if sync.mode == "reduce_scatter_each" else 1)
+        init_state_exact(self.optimizer)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The inner optimizer's groups (what a learning-rate scheduler steps)."""
+        return self.optimizer.param_groups
+
+    def _segments(self, group_of) -> list[Segment]:
+        out: list[Segment] = []
+        offset = 0
+        for b in self.sync.buckets:
+            n = b.numel // self.size
+            lo, hi = self.rank * n, (self.rank + 1) * n
+            pos = 0
+            for p in b.params:
+                a, z = max(pos, lo), min(pos + p.numel(), hi)
+                pos += p.numel()
+                if a >= z:
+                    continue
+                start, stop, (g, w) = offset + a - lo, offset + z - lo, group_of(p)
+                if out and out[-1].stop == start and (out[-1].group, out[-1].weight) == (g, w):
+                    out[-1] = Segment(out[-1].start, stop, g, w)
+                else:
+                    out.append(Segment(start, stop, g, w))
+            offset += n
+        return out
+
+    def flat_state(self) -> dict[str, torch.Tensor]:
+        """The optimizer state as tensors over the whole chunk (segments back in place, zeros in
+        the padding) plus the scalar entries (``step``: the same in every segment); empty before
+        the first step of an optimizer with lazy state."""
+        out: dict[str, torch.Tensor] = {}
+        for group in self.optimizer.param_groups:
+            scalars, tensors = state_keys(self.optimizer, group)
+            for piece in group["params"]:
+                state = self.optimizer.state.get(piece)
+                if not state:
+                    continue
+                seg = self.segments[self._index[id(piece)]]
+                for key in scalars:
+                    out.setdefault(key, state[key].detach().clone())
+                for key in tensors:
+                    flat = out.setdefault(key, torch.zeros_like(self.master.detach()))
+                    flat[seg.start:seg.stop].copy_(state[key])
+        return out
+
+    def state_layout(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(scalar keys, tensor keys) of the state every segment holds once stepped."""
+        scalars, tensors = set(), set()
+        for group in self.optimizer.param_groups:
+            sc, te = state_keys(self.optimizer, group)
+            scalars.update(sc)
+            tensors.update(te)
+        return tuple(sorted(scalars)), tuple(sorted(tensors))
+
+    @torch.no_grad()
+    def load_flat_state(self, flat: Mapping[str, torch.Tensor]) -> None:
+        """Install state given as :meth:`flat_state` returns it (a checkpoint's)."""
+        for group in self.optimizer.param_groups:
+            scalars, tensors = state_keys(self.optimizer, group)
+            for piece in group["params"]:
+                seg = self.segments[self._index[id(piece)]]
+                state = self.optimizer.state[piece]
+                for key in scalars:
+                    state[key] = flat[key].detach().clone()
+                for key in tensors:
+                    state[key] = flat[key][seg.start:seg.stop].detach().clone()
+
+    @property
+    def _index(self) -> dict[int, int]:
+        return {id(pc): k for k, pc in enumerate(self.pieces)}
 
     @staticmethod
     def _flat(b: GradBucket, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -405,8 +505,11 @@ class ShardedAdamW:
         return torch.nn.functional.pad(flat, (0, b.numel - flat.numel()))
 
     def set_grad(self, chunk: torch.Tensor) -> None:
-        """The averaged gradient chunk from :meth:`BucketedGradSync.finish`."""
+        """The averaged gradient chunk from :meth:`BucketedGradSync.finish` (each segment's
+        gradient a view of it)."""
         self.master.grad = chunk
+        for pc, seg in zip(self.pieces, self.segments):
+            pc.grad = chunk[seg.start:seg.stop]
 
     def _chunks(self, flat: torch.Tensor) -> Iterator[tuple[GradBucket, torch.Tensor]]:
         offset = 0
@@ -494,9 +597,11 @@ class ShardedAdamW:
         for p in self.params:
             p.grad = None
         self.master.grad = None
+        for pc in self.pieces:
+            pc.grad = None
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (exp_avg and exp_avg_sq of its chunk)."""
+        """Bytes of optimizer state this rank holds (e.g. AdamW's exp_avg and exp_avg_sq of its chunk)."""
         return sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
                    for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
 

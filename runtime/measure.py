@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from passes.ir.schedule.actions import Action
-from runtime.mixed_precision import MasterWeightAdamW
+from runtime.mixed_precision import MasterWeightOptimizer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,7 +222,7 @@ class StepTimer:
         """offload="optimizer": the masters, moments and gradient buffers in host memory (on a
         CPU device the same memory, but not the device's share the plan counts)."""
         opt = self.model.optimizer
-        if isinstance(opt, MasterWeightAdamW) and opt.on_host:
+        if isinstance(opt, MasterWeightOptimizer) and opt.on_host:
             yield from opt.state_tensors()
 
     def _persistent(self) -> Iterator[torch.Tensor]:
@@ -231,11 +231,11 @@ class StepTimer:
             if p.grad is not None:
                 yield p.grad
         opt = self.model.optimizer
-        if isinstance(opt, MasterWeightAdamW):
+        if isinstance(opt, MasterWeightOptimizer):
             if not opt.on_host:
                 yield from opt.state_tensors()
             return
-        # ZeRO (runtime.grad_sync.ShardedAdamW) has no ``.state``: it holds a flat fp32 master
+        # ZeRO (runtime.grad_sync.ShardedOptimizer) has no ``.state``: it holds a flat fp32 master
         # chunk (with its gradient) and an inner AdamW over that chunk, whose state is the chunk's.
         master = getattr(opt, "master", None)
         if isinstance(master, torch.Tensor):

@@ -7,8 +7,9 @@ parameter, 1/dp of that under ZeRO), as Micikevicius et al. 2018 and ZeRO (Rajbh
 2020, 16 bytes per parameter) count. One step: each gradient to fp32, AdamW on the masters,
 each master cast back into its 16-bit parameter.
 
-* :class:`MasterWeightAdamW`: that optimizer, with the masters and the AdamW state on the device
-  or (``on_host``: ZeRO-Offload style, :mod:`runtime.optimizer_offload`) in host memory. For fp32
+* :class:`MasterWeightOptimizer`: that optimizer (AdamW or any torch optimizer,
+  :mod:`runtime.optimizers`), with the masters and the optimizer state on the device or
+  (``on_host``: ZeRO-Offload style, :mod:`runtime.optimizer_offload`) in host memory. For fp32
   parameters with ``on_host`` the masters are plain host copies.
 * :class:`DynamicLossScaler`: fp16 has 5 exponent bits, so small gradients underflow. The loss
   is multiplied by ``scale`` before backward (:class:`runtime.stage_executor.StageExecutor`'s
@@ -27,40 +28,27 @@ import torch.distributed as dist
 
 from passes.ir.errors import ConfigError
 from runtime import comm
+from runtime.optimizers import OptimizerFactory, as_factory, build, init_state_exact, param_groups
 
 
-ADAMW_MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+class MasterWeightOptimizer:
+    """A torch optimizer stepping fp32 master copies of ``params`` (on the device, or in host
+    memory with ``on_host``) and writing each result back into its parameter, cast to the
+    parameter's dtype.
 
-
-def init_adamw_state(optimizer: torch.optim.Optimizer) -> None:
-    """Allocate AdamW state (zeros, step 0) where the optimizer has not stepped yet, exactly what
-    its first step would allocate (the step then proceeds as from a fresh state): a load has
-    tensors to read into, and the state exists from the start rather than appearing in step 0."""
-    for group in optimizer.param_groups:
-        keys = ADAMW_MOMENT_KEYS if group.get("amsgrad", False) else ADAMW_MOMENT_KEYS[:2]
-        for p in group["params"]:
-            state = optimizer.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
-                for key in keys:
-                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
-class MasterWeightAdamW:
-    """AdamW stepping fp32 master copies of ``params`` (on the device, or in host memory with
-    ``on_host``) and writing each result back into its parameter, cast to the parameter's dtype.
-
-    Takes ``torch.optim.AdamW``'s hyper-parameters. :meth:`prepare_grads` makes the masters'
-    fp32 gradients from the parameters' (what :meth:`step` does first; a loss scaler unscales
-    them in between), :meth:`apply` steps and writes back.
+    ``factory``: builds the optimizer from parameter groups (:mod:`runtime.optimizers`; default
+    AdamW); ``no_decay[i]``: parameter i goes to the ``no_decay`` group. :meth:`prepare_grads`
+    makes the masters' fp32 gradients from the parameters' (what :meth:`step` does first; a loss
+    scaler unscales and clipping scales them in between), :meth:`apply` steps and writes back.
     """
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], *, on_host: bool = False, **adamw_kwargs):
+    def __init__(self, params: Iterable[torch.nn.Parameter], *, factory: OptimizerFactory | None = None,
+                 no_decay: Sequence[bool] | None = None, on_host: bool = False):
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
-            raise ConfigError("MasterWeightAdamW got no parameters that require grad")
+            raise ConfigError("MasterWeightOptimizer got no parameters that require grad")
         if len({id(p) for p in self.params}) != len(self.params):
-            raise ConfigError("MasterWeightAdamW got a parameter twice (tied weights): pass each once")
+            raise ConfigError("MasterWeightOptimizer got a parameter twice (tied weights): pass each once")
         self.on_host = on_host
         self._pin = on_host and any(p.is_cuda for p in self.params) and torch.cuda.is_available()
         # fp32 masters; always a separate storage, so a parameter never aliases its master
@@ -68,11 +56,17 @@ class MasterWeightAdamW:
         # on the host the fp32 gradients have buffers of their own for the whole run (as
         # ZeRO-Offload keeps them); on the device they are made for the step and freed after it
         self.host_grads = [self._empty(p) for p in self.params] if on_host else None
-        self.optimizer = torch.optim.AdamW(self.masters, **adamw_kwargs)
-        init_adamw_state(self.optimizer)  # all the state from the start (host memory stays put)
+        flags = list(no_decay) if no_decay is not None else [p.dim() < 2 for p in self.params]
+        self.optimizer = build(factory or as_factory(None), param_groups(self.masters, flags))
+        init_state_exact(self.optimizer)  # the Adam family's state from the start (host memory stays put)
         self.bytes_to_host = 0  # gradients moved device -> host (on_host), bytes
         self.bytes_to_device = 0  # parameters moved host -> device (on_host), bytes
         self._prepared = False
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The inner optimizer's groups (what a learning-rate scheduler steps)."""
+        return self.optimizer.param_groups
 
     def _empty(self, p: torch.Tensor) -> torch.Tensor:
         if self.on_host:
@@ -81,12 +75,12 @@ class MasterWeightAdamW:
 
     @property
     def state_bytes(self) -> int:
-        """Bytes of optimizer state: fp32 masters plus every AdamW state tensor."""
+        """Bytes of optimizer state: fp32 masters plus every state tensor of the optimizer."""
         return sum(t.numel() * t.element_size() for t in self.state_tensors(grads=False))
 
     def state_tensors(self, *, grads: bool = True):
-        """Every tensor this optimizer keeps across steps: the masters, AdamW's state and (with
-        ``grads``) the host gradient buffers."""
+        """Every tensor this optimizer keeps across steps: the masters, the optimizer's state and
+        (with ``grads``) the host gradient buffers."""
         yield from self.masters
         for state in self.optimizer.state.values():
             yield from (t for t in state.values() if isinstance(t, torch.Tensor))
@@ -106,11 +100,14 @@ class MasterWeightAdamW:
 
     @torch.no_grad()
     def prepare_grads(self) -> list[torch.Tensor]:
-        """Each parameter's gradient as its master's fp32 gradient; returns those gradients."""
+        """Each parameter's gradient as its master's fp32 gradient; returns those gradients
+        (idempotent until :meth:`apply`)."""
+        if self._prepared:
+            return [m.grad for m in self.masters if m.grad is not None]
         moved = 0
         for k, (p, m) in enumerate(zip(self.params, self.masters)):
             if p.grad is None:
-                m.grad = None  # AdamW skips parameters without a gradient
+                m.grad = None  # the optimizer skips parameters without a gradient
                 continue
             g = self.host_grads[k] if self.host_grads is not None else self._empty(p)
             g.copy_(p.grad, non_blocking=self._pin)
@@ -125,7 +122,8 @@ class MasterWeightAdamW:
 
     @torch.no_grad()
     def apply(self) -> None:
-        """AdamW on the masters, then each master into its parameter; frees the fp32 gradients."""
+        """The optimizer on the masters, then each master into its parameter; frees the fp32
+        gradients."""
         self.optimizer.step()
         for p, m in zip(self.params, self.masters):
             if m.grad is None:
@@ -144,9 +142,8 @@ class MasterWeightAdamW:
             p.copy_(m)
 
     def step(self) -> None:
-        """Gradients to fp32 masters, AdamW, masters back into the parameters."""
-        if not self._prepared:
-            self.prepare_grads()
+        """Gradients to fp32 masters, the optimizer, masters back into the parameters."""
+        self.prepare_grads()
         self.apply()
 
     def master_of(self) -> dict[int, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""Optimizer-state offload: AdamW whose state and step live in host memory (ZeRO-Offload style).
+"""Optimizer-state offload: an optimizer (AdamW by default) whose state and step live in host
+memory (ZeRO-Offload style).
 
 Per parameter the host keeps an fp32 master copy and AdamW's ``exp_avg``/``exp_avg_sq`` (and
 ``step``); the device keeps only the parameter (fp32, or 16-bit under a bf16/fp16 plan) and,
@@ -13,7 +14,7 @@ On CUDA the host buffers are pinned and the copies ``non_blocking``, with one sy
 before the host step reads the gradients and none after (the copies back are ordered on the
 compute stream). On CPU the copies are real copies into separate storages, so the path runs.
 ``bytes_to_host``/``bytes_to_device`` count what crossed the link. It is
-:class:`runtime.mixed_precision.MasterWeightAdamW` with its masters on the host.
+:class:`runtime.mixed_precision.MasterWeightOptimizer` with its masters on the host.
 """
 from __future__ import annotations
 
@@ -21,12 +22,14 @@ from typing import Iterable
 
 import torch
 
-from runtime.mixed_precision import MasterWeightAdamW
+from runtime.mixed_precision import MasterWeightOptimizer
+from runtime.optimizers import OptimizerFactory
 
 
-class HostOffloadedAdamW(MasterWeightAdamW):
-    """AdamW with its fp32 masters, state and update on the host; the device parameters are
-    updated in place. Takes ``torch.optim.AdamW``'s hyper-parameters."""
+class HostOffloadedOptimizer(MasterWeightOptimizer):
+    """An optimizer with its fp32 masters, state and update on the host; the device parameters
+    are updated in place. ``factory``/``no_decay`` as for :class:`MasterWeightOptimizer`."""
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], **adamw_kwargs):
-        super().__init__(params, on_host=True, **adamw_kwargs)
+    def __init__(self, params: Iterable[torch.nn.Parameter], *, factory: OptimizerFactory | None = None,
+                 no_decay=None):
+        super().__init__(params, factory=factory, no_decay=no_decay, on_host=True)

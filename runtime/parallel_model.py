@@ -28,22 +28,27 @@ the loss dynamically and skips a step whose gradients overflowed (on every rank)
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Literal, Mapping, Sequence
+
+import math
 
 import torch
 from torch import fx
 
-from passes.ir.errors import ConfigError
+from passes.ir.errors import ConfigError, NonFiniteError
 from passes.ir.program import RankProgram, unshard_tensor
 from runtime import comm
 from runtime.grad_sync import (
-    DEFAULT_BUCKET_BYTES, MODE_OF_ZERO_STAGE, BucketedGradSync, ShardedAdamW, TiedCopies, TiedSync, expected_accumulations,
-    fill_missing_grads, unique_params,
+    DEFAULT_BUCKET_BYTES, MODE_OF_ZERO_STAGE, BucketedGradSync, ShardedOptimizer, TiedCopies, TiedSync,
+    expected_accumulations, fill_missing_grads, unique_params,
 )
 from runtime.kernels.collectives import DistGroup, all_reduce_grads, register_group
 from runtime.mesh import Mesh
-from runtime.mixed_precision import DynamicLossScaler, MasterWeightAdamW
-from runtime.optimizer_offload import HostOffloadedAdamW
+from runtime.grad_norm import global_grad_norm, scale_grads
+from runtime.mixed_precision import DynamicLossScaler, MasterWeightOptimizer
+from runtime.optimizer_offload import HostOffloadedOptimizer
+from runtime.optimizers import OptimizerFactory, as_factory, build, param_groups
+from runtime.schedules import SchedulerFactory
 from runtime.stage_executor import LocalStage, StageExecutor, backward_counts
 
 STAGE_SEED_STRIDE = 1009
@@ -63,8 +68,10 @@ class ParallelModel:
     dropout masks; tp peers and dp replicas keep equal streams).
     """
 
-    def __init__(self, program: RankProgram, mesh: Mesh, *, adamw: dict | None = None,
-                 overlap_grad_sync: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(self, program: RankProgram, mesh: Mesh, *, optimizer: dict | OptimizerFactory | None = None,
+                 lr_scheduler: SchedulerFactory | None = None, clip_grad_norm: float | None = None,
+                 nonfinite: Literal["stop", "skip"] = "stop", overlap_grad_sync: bool = True,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         c = program.config
         if (mesh.dp, mesh.pp, mesh.tp) != (c.dp, c.pp, c.tp):
             raise ConfigError(f"parallel_model: mesh has dp={mesh.dp}, pp={mesh.pp}, tp={mesh.tp} but the program was "
@@ -94,18 +101,37 @@ class ParallelModel:
         self.params = unique_params([st.module for st in self.stages.values()])
         # sequence parallelism: replicated params read on sequence chunks; grads summed over tp first
         self.sp_params = [self.named_parameters()[n] for n in program.sp_grad_params]
-        kwargs = dict(adamw or {})
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ConfigError(f"parallel_model: clip_grad_norm={clip_grad_norm}; give a max norm > 0, or None")
+        if nonfinite not in ("stop", "skip"):
+            raise ConfigError(f"parallel_model: nonfinite={nonfinite!r}; choose 'stop' or 'skip'")
+        factory = as_factory(optimizer)
         self.zero = c.zero_stage
         self.grad_buckets = self._grad_buckets(overlap_grad_sync)
+        no_decay = self._no_decay()
+        flags = [no_decay[id(p)] for p in self.params]
+        weights = self._param_norm_weights()
         if c.offload == "optimizer":
-            self.optimizer = HostOffloadedAdamW(self.params, **kwargs)
+            self.optimizer = HostOffloadedOptimizer(self.params, factory=factory, no_decay=flags)
         elif self.zero:
-            self.optimizer = ShardedAdamW(self.grad_buckets, **kwargs)
+            self.optimizer = ShardedOptimizer(self.grad_buckets, factory=factory, no_decay=no_decay, norm_weight=weights)
         elif c.mixed_precision:
-            self.optimizer = MasterWeightAdamW(self.params, **kwargs)
+            self.optimizer = MasterWeightOptimizer(self.params, factory=factory, no_decay=flags)
         else:
-            self.optimizer = torch.optim.AdamW(self.params, **kwargs)
+            self.optimizer = build(factory, param_groups(self.params, flags))
+        self.torch_optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        """The torch optimizer that steps (the inner one of a master-weight or ZeRO optimizer)."""
+        self.lr_scheduler = lr_scheduler(self.torch_optimizer) if lr_scheduler is not None else None
+        self.clip_grad_norm, self.nonfinite = clip_grad_norm, nonfinite
         self.loss_scaler = DynamicLossScaler() if c.dtype == "fp16" else None
+        self.norm_weights = ([seg.weight for seg in self.optimizer.segments] if isinstance(self.optimizer, ShardedOptimizer)
+                             else [weights[id(p)] / self.dp for p in self.params])
+        """How much each gradient of :meth:`_fp32_grads` counts in the global norm (see
+        :meth:`_param_norm_weights`; dp replicas 1/dp, disjoint ZeRO chunks 1)."""
+        self.step_count = 0
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+        self.last_lr: float | None = None
 
     @property
     def inputs(self):
@@ -170,49 +196,196 @@ class ParallelModel:
             self.optimizer.set_grad(chunk)  # ZeRO: this rank's averaged chunk
 
     def _step(self) -> None:
+        """The OPTIMIZER_STEP action: (fp16) unscale; the global gradient norm; stop, skip or
+        clip; the optimizer; the learning-rate scheduler. Every decision is the same on every
+        rank: the overflow flag and the norm are reduced over the whole mesh."""
         # Gradients are zeroed at the start of the next step, not here, so that after a step
         # they can still be read (tests compare them with single-device training).
+        grads = self._fp32_grads()
         if self.loss_scaler is not None:
-            overflow = self.loss_scaler.unscale(self._fp32_grads(), self.mesh.group, self.mesh.device)
+            overflow = self.loss_scaler.unscale(grads, self.mesh.group, self.mesh.device)
             self.loss_scaler.update(overflow)
             if overflow:  # every rank skips this step (the flag was reduced over the mesh)
+                self.skipped_steps += 1
+                self.last_grad_norm = float("inf")
                 return
+        norm = global_grad_norm(self._norm_terms(grads), self.mesh.group, self.mesh.device)
+        self.last_grad_norm = norm
+        if not math.isfinite(norm):
+            if self.nonfinite == "stop":
+                raise NonFiniteError(f"step {self.step_count}: the global gradient norm is {norm} (a NaN or inf "
+                                     f"loss or gradient); lower the learning rate, clip, use bf16 instead of fp16, "
+                                     f"or pass nonfinite='skip' to skip such steps")
+            self.skipped_steps += 1
+            return
+        if self.clip_grad_norm is not None:
+            # torch.nn.utils.clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6), never up
+            coef = self.clip_grad_norm / (norm + 1e-6)
+            if coef < 1.0:
+                scale_grads(grads, coef)
+        self.last_lr = float(self.torch_optimizer.param_groups[0]["lr"])
         self.optimizer.step()
+        self.step_count += 1
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
 
     def _fp32_grads(self) -> list[torch.Tensor]:
-        """The fp32 gradients the optimizer is about to step with (a 16-bit plan's master grads)."""
-        if isinstance(self.optimizer, ShardedAdamW):
-            return [self.optimizer.master.grad] if self.optimizer.master.grad is not None else []
-        return self.optimizer.prepare_grads()
+        """The gradients the optimizer is about to step with, in the order of
+        :attr:`norm_weights`: a ZeRO chunk's segments, a master-weight optimizer's fp32 master
+        gradients, else the parameters' own."""
+        if isinstance(self.optimizer, ShardedOptimizer):
+            return [pc.grad for pc in self.optimizer.pieces]
+        if isinstance(self.optimizer, MasterWeightOptimizer):
+            self.optimizer.prepare_grads()
+            return [m.grad for m in self.optimizer.masters]
+        return [p.grad for p in self.params]
+
+    def _norm_terms(self, grads: Sequence[torch.Tensor | None]) -> list[tuple[torch.Tensor, float]]:
+        return [(g, w) for g, w in zip(grads, self.norm_weights) if g is not None and w > 0]
+
+    def _no_decay(self) -> dict[int, bool]:
+        """Per parameter (by id): it takes no weight decay (the lowering's record, by name)."""
+        names = self.program.no_weight_decay
+        out: dict[int, bool] = {}
+        for name, p in self.named_parameters().items():
+            out[id(p)] = out.get(id(p), False) or name in names
+        return {id(p): out.get(id(p), p.dim() < 2) for p in self.params}
+
+    def _param_norm_weights(self) -> dict[int, float]:
+        """Per parameter (by id), how much its gradient counts in the global norm's sum of
+        squares, so that the sum over the ranks of one dp replica counts each element of the
+        model's gradient once: tp-replicated parameters 1/tp (every tp rank holds the same
+        gradient), each copy of a tied weight 1/copies; tp shards and everything else 1."""
+        plan = self.program.tp_plan
+        names: dict[int, str] = {}
+        for name, p in self.named_parameters().items():
+            names.setdefault(id(p), name)
+        copies = {alias: len(tied.stages) for tied in self.program.tied.values() for alias in tied.aliases}
+
+        def weight(p) -> float:
+            name = names[id(p)]
+            sharding = plan.params.get(name) if plan is not None else None
+            sharded = sharding is not None and sharding.dim is not None
+            return (1.0 if sharded else 1.0 / self.tp) / copies.get(name, 1)
+
+        return {id(p): weight(p) for p in self.params}
 
     # ------------------------------------------------------------------------------------------
     def micro_batches(self, batch: Sequence[torch.Tensor]) -> tuple[list[dict[str, torch.Tensor]], dict[str, int]]:
-        """This dp rank's micro-batches (graph inputs by name) and the named dims of one micro-batch."""
+        """This dp rank's micro-batches (graph inputs by name) and the named dims of one micro-batch,
+        from the *global* ``batch`` (every graph input, in order)."""
         if len(batch) != len(self.inputs):
             raise ConfigError(f"parallel_model: train_step got {len(batch)} tensors; the model takes "
                               f"{[i.name for i in self.inputs]}")
-        dims: dict[str, int] = {}
-        for spec, t in zip(self.inputs, batch):
-            for d, size in zip(spec.shape, t.shape):
-                if isinstance(d, str):
-                    dims[d] = int(size)
+        dims = self._named_dims(zip(self.inputs, batch))
         if dims.get("batch") != self.global_batch:
             raise ConfigError(f"parallel_model: batch has {dims.get('batch')} samples, global_batch is "
                               f"{self.global_batch}; pass the whole global batch on every rank")
+        rows = self.global_batch // self.dp
+        mine = {}
+        for spec, t in zip(self.inputs, batch):
+            if spec.name in self.consumed_inputs:
+                axis = list(spec.shape).index("batch")
+                mine[spec.name] = t.narrow(axis, self.mesh.dp_index * rows, rows)
+        micro, dims = self._split(mine), {**dims, "batch": rows // self.m}
+        self._placeholders(micro, dims)
+        return micro, dims
+
+    @property
+    def consumed_inputs(self) -> tuple[str, ...]:
+        """The graph inputs whose values this rank's stages read (first stage: the model inputs;
+        last stage: the labels; middle stages: none), in the model's input order. An input a
+        stage reads only the size of (export may take a dim from any input) is not among them:
+        it gets a placeholder of the right shape that holds no data (:meth:`_placeholders`)."""
+        read = {name for name, shape_only in self._graph_inputs().items() if not shape_only}
+        return tuple(i.name for i in self.inputs if i.name in read)
+
+    def _graph_inputs(self) -> dict[str, bool]:
+        """Each graph input a local stage takes -> whether every stage reads only its size."""
+        out: dict[str, bool] = {}
+        for st in self.stages.values():
+            placeholders = [n for n in st.module.graph.nodes if n.op == "placeholder"]
+            for node, inp in zip(placeholders, st.io.inputs):
+                if inp.kind == "graph_input":
+                    sizes_only = bool(node.users) and all(_reads_size_only(u) for u in node.users)
+                    out[inp.name] = out.get(inp.name, True) and sizes_only
+        return out
+
+    def _placeholders(self, micro: list[dict[str, torch.Tensor]], dims: Mapping[str, int]) -> None:
+        """Give each micro-batch a zero-stride tensor of the micro-batch's shape for every input
+        a stage reads only the size of (no memory, no data loaded)."""
+        specs = {i.name: i for i in self.inputs}
+        for name, shape_only in self._graph_inputs().items():
+            if shape_only:
+                shape = [dims[d] if isinstance(d, str) else int(d) for d in specs[name].shape]
+                empty = torch.zeros((), dtype=specs[name].dtype, device=self.mesh.device).expand(shape)
+                for mb in micro:
+                    mb.setdefault(name, empty)
+
+    def _named_dims(self, pairs) -> dict[str, int]:
+        dims: dict[str, int] = {}
+        for spec, t in pairs:
+            if t.dim() != len(spec.shape):
+                raise ConfigError(f"parallel_model: input {spec.name!r} has {t.dim()} dims, the model takes "
+                                  f"{len(spec.shape)} {tuple(spec.shape)}")
+            for d, size in zip(spec.shape, t.shape):
+                if isinstance(d, str):
+                    if dims.setdefault(d, int(size)) != int(size):
+                        raise ConfigError(f"parallel_model: dim {d!r} is {dims[d]} in one input and {int(size)} in "
+                                          f"{spec.name!r}; every input must agree")
+        return dims
+
+    def _split(self, rows: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """This dp rank's rows of each consumed input, on the device, in ``m`` micro-batches."""
         mb = self.global_batch // (self.dp * self.m)
         micro = [dict() for _ in range(self.m)]
-        for spec, t in zip(self.inputs, batch):
+        specs = {i.name: i for i in self.inputs}
+        for name, t in rows.items():
+            spec = specs[name]
             axis = list(spec.shape).index("batch")
-            mine = t.narrow(axis, self.mesh.dp_index * mb * self.m, mb * self.m).to(self.mesh.device)
-            if mine.is_floating_point() and spec.dtype.is_floating_point:
-                mine = mine.to(spec.dtype)  # a bf16/fp16 plan takes its floating inputs in that dtype
-            for i, chunk in enumerate(mine.split(mb, dim=axis)):
-                micro[i][spec.name] = chunk
-        return micro, {**dims, "batch": mb}
+            t = t.to(self.mesh.device)
+            if t.is_floating_point() and spec.dtype.is_floating_point:
+                t = t.to(spec.dtype)  # a bf16/fp16 plan takes its floating inputs in that dtype
+            for i, chunk in enumerate(t.split(mb, dim=axis)):
+                micro[i][name] = chunk
+        return micro
 
     def train_step(self, batch: Sequence[torch.Tensor]) -> float:
         """One optimizer step on the global ``batch``; returns its mean loss (same on every rank)."""
         micro, dims = self.micro_batches(batch)
+        return self._run_step(micro, dims)
+
+    def train_local(self, rows: Mapping[str, torch.Tensor], dims: Mapping[str, int]) -> float:
+        """One optimizer step from this dp rank's rows only (per-rank data loading).
+
+        ``rows[name]``: for each of :attr:`consumed_inputs`, this dp rank's contiguous share of
+        the global batch along its ``batch`` dim (``global_batch // dp`` samples: rows
+        ``[dp_index * n, (dp_index + 1) * n)`` of the global batch, so the step equals
+        ``train_step`` on that batch). ``dims``: the named dims other than ``batch`` (e.g.
+        ``{"seq": 64}``): a middle stage has no rows and needs them for its receive shapes.
+        Returns the global batch's mean loss, the same float on every rank."""
+        want, got = set(self.consumed_inputs), set(rows)
+        if want != got:
+            raise ConfigError(f"parallel_model: train_local got inputs {sorted(got)}; this rank (stage "
+                              f"{sorted(self.stages)}) reads {sorted(want)}: load exactly those")
+        n = self.global_batch // self.dp
+        specs = {i.name: i for i in self.inputs}
+        named = self._named_dims((specs[k], v) for k, v in rows.items())
+        if rows and named.get("batch") != n:
+            raise ConfigError(f"parallel_model: train_local got {named.get('batch')} samples; a dp rank takes "
+                              f"global_batch // dp = {n}")
+        for k, v in dims.items():
+            if k != "batch" and named.get(k, v) != v:
+                raise ConfigError(f"parallel_model: dims say {k}={v} but the rows have {k}={named[k]}")
+        need = {d for i in self.inputs for d in i.shape if isinstance(d, str)} - {"batch"}
+        missing = sorted(need - set(dims) - set(named))
+        if missing:
+            raise ConfigError(f"parallel_model: train_local needs the size of {missing} in dims")
+        micro, dims = self._split(dict(rows)), {**named, **dims, "batch": n // self.m}
+        self._placeholders(micro, dims)
+        return self._run_step(micro, dims)
+
+    def _run_step(self, micro: list[dict[str, torch.Tensor]], dims: dict[str, int]) -> float:
         self.optimizer.zero_grad()
         if self.grad_buckets is not None:
             self.grad_buckets.reset()
@@ -246,9 +419,9 @@ class ParallelModel:
         """As :meth:`full_parameters`, for the weights the optimizer steps: a 16-bit plan's fp32
         master copies (under ZeRO all-gathered over dp first), else the parameters themselves."""
         named = self.named_parameters()
-        if isinstance(self.optimizer, ShardedAdamW):
+        if isinstance(self.optimizer, ShardedOptimizer):
             masters = self.optimizer.full_masters()
-        elif isinstance(self.optimizer, MasterWeightAdamW):
+        elif isinstance(self.optimizer, MasterWeightOptimizer):
             masters = self.optimizer.master_of()
         else:
             masters = {id(p): p.detach() for p in named.values()}
@@ -264,7 +437,7 @@ class ParallelModel:
         are). Under ZeRO, where a rank keeps only its chunk, the chunks are all-gathered over dp
         (collective: every dp rank must call it)."""
         named = self.named_parameters()
-        if isinstance(self.optimizer, ShardedAdamW):
+        if isinstance(self.optimizer, ShardedOptimizer):
             full = self.optimizer.full_gradients()
             return {n: full[id(p)] for n, p in named.items() if id(p) in full}
         return {n: p.grad for n, p in named.items()}
@@ -281,3 +454,10 @@ class ParallelModel:
             comm.all_gather(shards, t, self.mesh.tp_group)
             out[name] = unshard_tensor(shards, sharding)
         return out
+
+
+def _reads_size_only(node: fx.Node) -> bool:
+    """Whether ``node`` uses its input for its shape alone (``sym_size``, ``size``, ``dim``)."""
+    target = node.target
+    return (target in (torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_size.default)
+            or getattr(target, "__name__", "") in ("sym_size", "size", "dim"))

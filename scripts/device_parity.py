@@ -49,7 +49,7 @@ def _rank(steps: int) -> list[tuple[str, list[float], list[float], int | None]]:
     out = []
     for ckpt, offload in CONFIGS:
         config = ParallelConfig.for_global_batch(GLOBAL_BATCH, num_micro_batches=2, checkpointing=ckpt, offload=offload)
-        pm = build_parallel_model(graph, config, mesh, adamw=ADAMW)
+        pm = build_parallel_model(graph, config, mesh, optimizer=ADAMW)
         timer = StepTimer(pm)
         losses = [timer.measure(k + 1, lambda b=b: pm.train_step(b)).loss for k, b in enumerate(batches)]
         out.append((f"checkpointing={ckpt} offload={offload} on {device}", losses, ref,

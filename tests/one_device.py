@@ -1,22 +1,41 @@
-"""The single-process reference every multi-rank parity test compares against."""
+"""The single-process reference every multi-rank parity test compares against: plain eager
+PyTorch, the optimizer built over torch's own parameter groups of the module
+(:func:`runtime.optimizers.module_param_groups`: no weight decay on norms, biases, embeddings)."""
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
+from runtime.optimizers import as_factory, module_param_groups
 
-def train_one_device(spec, batches: Iterable[Sequence[torch.Tensor]], *, adamw: dict) -> tuple[list[float], nn.Module]:
-    """Plain AdamW training of ``spec.module`` on ``batches``: (per-step losses, trained module)."""
+
+def train_one_device(spec, batches: Iterable[Sequence[torch.Tensor]], *, adamw: dict | None = None,
+                     optimizer: Callable | None = None, lr_scheduler: Callable | None = None,
+                     clip_grad_norm: float | None = None, norms: list | None = None,
+                     lrs: list | None = None) -> tuple[list[float], nn.Module]:
+    """Plain training of ``spec.module`` on ``batches``: (per-step losses, trained module).
+    ``adamw``: AdamW's keyword arguments, or ``optimizer``: a factory of param groups;
+    ``lr_scheduler``: a factory stepped after each step; ``clip_grad_norm``: torch's
+    ``clip_grad_norm_`` before each step. ``norms``/``lrs``: lists to append each step's
+    gradient norm (before clipping) and learning rate to."""
     module = spec.module
-    optimizer = torch.optim.AdamW(module.parameters(), **adamw)
+    opt = (optimizer or as_factory(adamw))(module_param_groups(module))
+    scheduler = lr_scheduler(opt) if lr_scheduler is not None else None
     losses = []
     for batch in batches:
-        optimizer.zero_grad()
+        opt.zero_grad()
         loss = spec.loss(module, *batch)
         loss.backward()
-        optimizer.step()
+        norm = torch.nn.utils.clip_grad_norm_(module.parameters(), clip_grad_norm or float("inf"))
+        if norms is not None:
+            norms.append(float(norm))
+        if lrs is not None:
+            lrs.append(float(opt.param_groups[0]["lr"]))
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
         losses.append(loss.item())
     return losses, module
 
@@ -30,7 +49,9 @@ def train_one_device_16bit(spec, batches: Iterable[Sequence[torch.Tensor]], *, a
     module = spec.module.to(dtype)
     params = dict(module.named_parameters())
     masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in params.items()}
-    optimizer = torch.optim.AdamW(list(masters.values()), **adamw)
+    by_id = {id(p): masters[n] for n, p in params.items()}
+    groups = [{**g, "params": [by_id[id(p)] for p in g["params"]]} for g in module_param_groups(module)]
+    optimizer = torch.optim.AdamW(groups, **adamw)
     scale = loss_scale or 1.0
     losses = []
     for batch in batches:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from partitioner.model_spec import build_model
 from passes.ir.config import ParallelConfig
+from runtime.schedules import warmup_cosine
 from tests.one_device import train_one_device
 
 # Dropout 0 everywhere: parity must be exact, and pipelining or micro-batching change the order
@@ -31,6 +32,12 @@ WORLD, STEPS = 8, 3
 # eps=1e-6, not AdamW's 1e-8: the attention key bias has a gradient that is zero in exact arithmetic
 # and ~1e-10 of rounding noise in practice, which eps=1e-8 turns into order-dependent updates.
 ADAMW = {"lr": 1e-3, "eps": 1e-6}
+# Every plan clips the global gradient norm and follows a warm-up + cosine schedule, as a real run
+# does. CLIP is far below the models' gradient norms (0.5-3 at these sizes), so every step clips:
+# the gradients compared after the step are the clipped ones, and a wrong global norm (a tp
+# shard, dp replica, ZeRO chunk or tied copy counted twice or not at all) scales them wrongly.
+CLIP = 0.05
+SCHEDULE = warmup_cosine(1, STEPS, min_ratio=0.1)  # lr factors 0.5, 1, 0.55 over the 3 steps
 TIMEOUT_S = 60.0  # seconds, of every mesh group: a rank that fails turns its peers' waits into errors
 
 
@@ -75,9 +82,13 @@ def batches(spec, global_batch: int) -> list[tuple[torch.Tensor, ...]]:
 
 
 def reference(model: str, global_batch: int):
-    """Single-process AdamW training: (per-step losses, trained module)."""
+    """Single-process AdamW training, clipped and scheduled: (per-step losses, trained module,
+    per-step gradient norms before clipping, per-step learning rates)."""
     spec = build_model(MODELS[model])
-    return train_one_device(spec, batches(spec, global_batch), adamw=ADAMW)
+    norms, lrs = [], []
+    losses, module = train_one_device(spec, batches(spec, global_batch), adamw=ADAMW, lr_scheduler=SCHEDULE,
+                                      clip_grad_norm=CLIP, norms=norms, lrs=lrs)
+    return losses, module, norms, lrs
 
 
 def train_plans(plans: list[Plan]) -> dict:
@@ -110,10 +121,15 @@ def train_plans(plans: list[Plan]) -> dict:
             continue
         t0 = time.perf_counter()
         try:
-            pm = build_parallel_model(graphs[plan.model], plan.config(), mesh, adamw=ADAMW)
-            losses = [pm.train_step(b) for b in batches(specs[plan.model], plan.global_batch)]
+            pm = build_parallel_model(graphs[plan.model], plan.config(), mesh, optimizer=ADAMW,
+                                      lr_scheduler=SCHEDULE, clip_grad_norm=CLIP)
+            losses, norms, lrs = [], [], []
+            for b in batches(specs[plan.model], plan.global_batch):
+                losses.append(pm.train_step(b))
+                norms.append(pm.last_grad_norm)
+                lrs.append(pm.last_lr)
             out[plan.id] = {"losses": losses, "params": pm.full_parameters(), "grads": pm.full_gradients(),
-                            "seconds": time.perf_counter() - t0}
+                            "norms": norms, "lrs": lrs, "seconds": time.perf_counter() - t0}
         except Exception as exc:  # noqa: BLE001 - reported per plan by the test
             import traceback
             out[plan.id] = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-12)}",

@@ -11,6 +11,8 @@ import time
 import pytest
 import torch
 
+from runtime.optimizers import module_param_groups
+
 from partitioner.auto import check_world_size, choose_plan
 from partitioner.cluster import Cluster
 from partitioner.errors import ConfigError, InfeasiblePlanError
@@ -65,7 +67,7 @@ def distributed():
 @pytest.fixture(scope="module")
 def reference():
     spec = build_model(GPT)
-    opt = torch.optim.AdamW(spec.module.parameters(), **ADAMW)
+    opt = torch.optim.AdamW(module_param_groups(spec.module), **ADAMW)
     batches = _batches(spec)
     losses = []
     for b in batches[:STEPS]:

@@ -12,6 +12,8 @@ import time
 import pytest
 import torch
 
+from runtime.optimizers import module_param_groups
+
 from partitioner.errors import ConfigError
 from partitioner.model_spec import build_model
 from runtime.checkpoint_io import (
@@ -59,7 +61,7 @@ def _run_cases(root: str):
             continue
         config = ParallelConfig.for_global_batch(GLOBAL_BATCH, dp=dp, pp=pp, tp=tp, num_micro_batches=m,
                                                  zero_stage=int(zero))
-        model = build_parallel_model(graph, config, mesh, adamw=ADAMW)
+        model = build_parallel_model(graph, config, mesh, optimizer=ADAMW)
         if kind == "save":
             losses = [model.train_step(b) for b in batches[:SAVE_AT]]
             save_checkpoint(model, f"{root}/{name}", step=SAVE_AT)
@@ -86,7 +88,7 @@ def reference():
     after SAVE_AT steps."""
     spec = build_model(GPT)
     model = spec.module
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    optimizer = torch.optim.AdamW(module_param_groups(model), **ADAMW)
     losses, at_save = [], None
     for k, batch in enumerate(_batches(spec)):
         optimizer.zero_grad()
@@ -142,7 +144,7 @@ def test_plain_module_loads_and_continues(checkpoints, reference, name):
     assert module.lm_head.weight is module.wte.weight
     for n, p in module.named_parameters():
         torch.testing.assert_close(p.detach(), ref_params[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
-    optimizer = torch.optim.AdamW(module.parameters(), **ADAMW)
+    optimizer = torch.optim.AdamW(module_param_groups(module), **ADAMW)
     load_optimizer_state_into(optimizer, module, f"{root}/{name}")
     for n, p in module.named_parameters():
         for key, value in ref_state[n].items():

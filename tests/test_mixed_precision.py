@@ -204,13 +204,14 @@ def test_16bit_checkpoint_holds_the_fp32_masters(distributed, checkpoint):
     """A bf16 plan's checkpoint holds its fp32 master weights under the original names: loaded
     under another bf16 plan (dp=2 x tp=2, ZeRO-2: the masters are dp chunks there) and into the
     plain fp32 model, every weight is the saving plan's master, bit for bit."""
+    from runtime.checkpoint_dir import latest_checkpoint
     from runtime.checkpoint_io import load_into_module
 
     saved = {}
     for result in distributed:
         saved.update(result[CASES[0].id]["masters"])
     module = build_model(GPT).module
-    load_into_module(module, checkpoint)
+    load_into_module(module, latest_checkpoint(checkpoint))
     plain = dict(module.named_parameters())
     for name, master in saved.items():
         if name in plain:

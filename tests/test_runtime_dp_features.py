@@ -85,7 +85,7 @@ def _train_cases(cases):
             continue
         config = ParallelConfig.for_global_batch(GLOBAL_BATCH, dp=case.dp, pp=case.pp, schedule="1f1b",
                                                  num_micro_batches=case.m, zero_stage=case.zero)
-        model = build_parallel_model(graph, config, mesh, adamw=ADAMW, bucket_bytes=BUCKET_BYTES,
+        model = build_parallel_model(graph, config, mesh, optimizer=ADAMW, bucket_bytes=BUCKET_BYTES,
                                      overlap_grad_sync=case.overlap)
         held_after_backward = _record_gradient_bytes(model)
         start = time.perf_counter()

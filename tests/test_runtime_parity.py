@@ -75,7 +75,7 @@ def _train_cases(cases):
         start = time.perf_counter()
         config = ParallelConfig.for_global_batch(GLOBAL_BATCH, dp=dp, pp=pp, schedule=schedule, num_micro_batches=m,
                                                  virtual_pp=v, zero_stage=int(zero))
-        model = build_parallel_model(graph, config, mesh, adamw=ADAMW)
+        model = build_parallel_model(graph, config, mesh, optimizer=ADAMW)
         built = time.perf_counter()
         losses = [model.train_step(b) for b in batches]
         params = {name: p.detach().clone() for name, p in model.named_parameters().items()}

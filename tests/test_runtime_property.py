@@ -3,7 +3,9 @@
 Hypothesis draws feasible plans (``plans`` below: tiny zoo GPT and tiny HF GPT-2,
 dp*tp*pp in {1, 2, 4, 8}, tp | heads, gpipe / 1f1b / interleaved with virtual_pp=2, micro-batches,
 ZeRO-1 or ZeRO-2, full checkpointing or activation offload) and each one must give the per-step losses,
-final parameters and last-step gradients of single-process AdamW training at rtol 1e-5. Fixed
+global gradient norms and learning rates, final parameters and last-step (clipped) gradients of
+single-process AdamW training with global-norm clipping (every step clips) and a warm-up + cosine
+schedule at rtol 1e-5. Fixed
 HF GPT-2 1F1B plans add pipeline coverage of a model we did not write.
 
 Spawning gloo ranks is the slow part on this machine (every rank exports the models), so the
@@ -25,7 +27,7 @@ from hypothesis import strategies as st
 
 from partitioner.model_spec import build_model
 from runtime.launch import spawn
-from tests.runtime_cases import HEADS, LAYERS, MODELS, WORLD, Plan, reference, train_plans
+from tests.runtime_cases import CLIP, HEADS, LAYERS, MODELS, WORLD, Plan, reference, train_plans
 
 pytestmark = pytest.mark.slow  # one spawn of 8 gloo ranks, each exporting both models
 
@@ -126,10 +128,14 @@ def _check(plan: Plan, results: list[dict]) -> None:
     ranks = [r[plan.id] for r in results[:plan.size]]
     errors = [f"rank {i}: {r['error']}" for i, r in enumerate(ranks) if "error" in r]
     assert not errors, f"{plan} raised:\n" + "\n".join(errors)
-    ref_losses, ref_model = _reference(plan.model, plan.global_batch)
+    ref_losses, ref_model, ref_norms, ref_lrs = _reference(plan.model, plan.global_batch)
+    assert min(ref_norms) > 2 * CLIP, ref_norms  # every step clips
+    assert len(set(ref_lrs)) == len(ref_lrs), ref_lrs  # the schedule moves the learning rate
     for i, r in enumerate(ranks):
         assert r["losses"] == pytest.approx(ref_losses, rel=1e-5), f"{plan.id} rank {i}"
         assert r["losses"] == ranks[0]["losses"], f"{plan.id}: every rank must return the same loss"
+        assert r["norms"] == pytest.approx(ref_norms, rel=1e-5), f"{plan.id} rank {i}: global gradient norm"
+        assert r["lrs"] == pytest.approx(ref_lrs, rel=1e-12), f"{plan.id} rank {i}: learning rate"
     initial = _initial(plan.model)
     moved = max((p - initial.get_parameter(n)).abs().max().item() for n, p in ref_model.named_parameters())
     assert moved > 1e-3  # training moved the weights: parity of untouched weights proves nothing

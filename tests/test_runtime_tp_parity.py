@@ -87,7 +87,7 @@ def _train_cases(cases):
         config = ParallelConfig.for_global_batch(GLOBAL_BATCH, dp=dp, tp=tp, pp=pp, schedule="1f1b",
                                                  num_micro_batches=m, zero_stage=int(zero), checkpointing=ckpt,
                                                  offload=offload)
-        pm = build_parallel_model(graphs[model], config, mesh, adamw=ADAMW)
+        pm = build_parallel_model(graphs[model], config, mesh, optimizer=ADAMW)
         built = time.perf_counter()
         losses = [pm.train_step(b) for b in _batches(specs[model])]
         trained = time.perf_counter()

@@ -34,3 +34,12 @@ class ClusterSpecError(ConfigError):
 
 class InfeasiblePlanError(PartitionerError):
     """No parallel plan fits the devices' memory; the message says the smallest need and the knobs tried."""
+
+
+class CheckpointError(PartitionerError):
+    """A checkpoint directory is missing, incomplete (no completion marker: its save was killed) or
+    could not be written; the message names the directory and what to load or do instead."""
+
+
+class NonFiniteError(PartitionerError, FloatingPointError):
+    """A training step produced a NaN or inf loss or gradient (the message names the step)."""

@@ -86,6 +86,8 @@ class RankProgram:
     ``actions``: this rank's schedule. ``inputs``: the graph inputs with their named dims.
     ``sp_grad_params``: with sequence parallelism, the replicated parameters whose gradients are
     partial per tp rank and are summed over the tp group before the data-parallel sync.
+    ``no_weight_decay``: names (every alias) of the parameters the default optimizer groups
+    leave without weight decay (:mod:`passes.weight_decay`).
     """
 
     rank: int
@@ -105,6 +107,7 @@ class RankProgram:
     actions: tuple[Action, ...] = field(repr=False, default=())
     inputs: tuple[InputSpec, ...] = ()
     sp_grad_params: tuple[str, ...] = ()
+    no_weight_decay: frozenset[str] = frozenset()
 
     # knobs of the config, read through
     @property

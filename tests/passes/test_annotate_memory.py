@@ -118,7 +118,7 @@ N_TWO_LAYER = 8 * 16 + 16 + 16 * 4 + 4  # 212 parameter elements in 4 tensors
 
 @pytest.mark.parametrize("optimizer, opt_bytes", [
     ("sgd", 0),  # no momentum: no state
-    ("sgd-momentum", 4 * N_TWO_LAYER),  # momentum_buffer
+    ("sgd_momentum", 4 * N_TWO_LAYER),  # momentum_buffer
     ("adam", 8 * N_TWO_LAYER + 4 * 4),  # exp_avg + exp_avg_sq, and a 4-byte step per tensor
     ("adamw", 8 * N_TWO_LAYER + 4 * 4),
 ])
@@ -188,5 +188,5 @@ def test_unknown_optimizer_names_choices():
                        loss=_sum_loss)
     with pytest.raises(ConfigError, match="adamw.*|sgd"):
         annotate_memory(gm, optimizer="lion")
-    with pytest.raises(ConfigError, match="sgd-momentum"):
+    with pytest.raises(ConfigError, match="sgd_momentum"):
         annotate_memory(gm, optimizer="lion")

@@ -146,7 +146,7 @@ def _train(cases):
             continue
         config = ParallelConfig.for_global_batch(GLOBAL_BATCH, dp=dp, tp=tp, pp=pp, schedule="1f1b",
                                                  num_micro_batches=m, sequence_parallel=True)
-        pm = build_parallel_model(graph, config, mesh, adamw=ADAMW)
+        pm = build_parallel_model(graph, config, mesh, optimizer=ADAMW)
         losses = [pm.train_step(b) for b in _batches(spec)]
         code = "".join(st.module.code for st in pm.stages.values())
         out[(dp, tp, pp, m)] = {"losses": losses, "params": pm.full_parameters(), "grads": pm.full_gradients(),

@@ -7,15 +7,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Sequence
 
 import sympy
 import torch
-from torch import fx
+from torch import fx, nn
 
 from passes.ir.errors import ConfigError
-from partitioner.model_spec import ModelSpec, build_model
+from partitioner.model_spec import ModelSpec, as_spec, build_model
 from passes.capture import capture_spec, module_path
 from passes.ir.meta import (
+    InputSpec,
     BLOCK,
     FLOP_SUMMARY,
     FLOPS,
@@ -77,9 +79,13 @@ def json_number(expr: sympy.Expr) -> int | str:
     return int(expr) if expr.is_Integer else str(expr)
 
 
-def analyze(model: ModelSpec | str, *, batch: int | str | None = None, seq: int | str | None = None,
-            dtype: str = "fp32", optimizer: str = "adamw", dump_dir: str | Path | None = None) -> Analysis:
-    """Capture ``model`` (a ModelSpec or a spec string, built on the meta device) and analyze it.
+def analyze(model: ModelSpec | str | nn.Module, *, batch: int | str | None = None, seq: int | str | None = None,
+            dtype: str = "fp32", optimizer: str = "adamw", dump_dir: str | Path | None = None,
+            inputs: Sequence[InputSpec] | None = None, loss_fn: Callable[..., torch.Tensor] | None = None,
+            dims: dict[str, int] | None = None) -> Analysis:
+    """Capture ``model`` and analyze it: a spec string (a zoo spec built on the meta device, or
+    ``path/to/file.py:factory``), a ModelSpec, or an ``nn.Module`` with ``inputs`` (named dims),
+    ``loss_fn(module, *inputs)`` and ``dims`` (read as :func:`partitioner.model_spec.as_spec` does).
 
     ``batch``/``seq``: a number fixes the dim; a name keeps it symbolic under that name.
     ``dtype``: fp32, or bf16/fp16 meaning mixed precision with fp32 master weights.
@@ -88,7 +94,10 @@ def analyze(model: ModelSpec | str, *, batch: int | str | None = None, seq: int 
         raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
-    spec = build_model(model, device="meta", dtype=DTYPES[dtype]) if isinstance(model, str) else model
+    if isinstance(model, str) and not model.partition(":")[0].strip().endswith(".py"):
+        spec = build_model(model, device="meta", dtype=DTYPES[dtype])
+    else:
+        spec = as_spec(model, inputs=inputs, loss_fn=loss_fn, dims=dims, device="meta")
     dims, symbolic, rename = _resolve_dims(spec, {"batch": batch, "seq": seq})
     gm = capture_spec(spec, dims=dims, symbolic=symbolic)
 

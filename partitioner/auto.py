@@ -32,7 +32,6 @@ What happens, in order (every rank, unless said):
 """
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -47,8 +46,10 @@ from partitioner.cluster import Cluster
 from partitioner.cost_model import cost_hooks
 from partitioner.dumps import write_plan_dumps
 from partitioner.memory_check import replay_check
-from partitioner.model_spec import ModelSpec, build_model
+from partitioner.model_spec import ModelSpec, as_spec, build_model, meta_copy  # noqa: F401 (re-exported)
+from partitioner.knobs import check_fix
 from partitioner.planning import parse_fix
+from partitioner.run_options import check_option
 from partitioner.profile import ModelProfile, profile_graph, profile_model, profile_spec
 from partitioner.search import plan as search
 from passes.ir.config import TORCH_DTYPES
@@ -77,46 +78,6 @@ machine may take a while; training traffic uses the mesh's groups and ``timeout_
 
 # ---------------------------------------------------------------------------------------------
 # Planning (no process group needed: testable on its own)
-
-def as_spec(model: str | ModelSpec | nn.Module, *, inputs: Sequence[InputSpec] | None = None,
-            loss_fn: Callable[..., torch.Tensor] | None = None, dims: dict[str, int] | None = None,
-            name: str | None = None, seed: int = 0) -> ModelSpec:
-    """A :class:`ModelSpec` from a spec string (built on CPU with ``seed``), a ModelSpec, or a
-    module with ``inputs`` (named dims) and ``loss_fn(module, *inputs)``."""
-    if isinstance(model, str):
-        return build_model(model, device="cpu", seed=seed)
-    if isinstance(model, ModelSpec):
-        return model
-    if isinstance(model, nn.Module):
-        if inputs is None or loss_fn is None:
-            raise ConfigError("auto_parallelize: a bare nn.Module needs inputs=(InputSpec(...), ...) with named "
-                              "dims and loss_fn(module, *inputs) -> scalar")
-        values = {"batch": 2, **(dims or {})}  # capture traces with example sizes; batch is symbolic anyway
-        missing = sorted({d for i in inputs for d in i.shape if isinstance(d, str)} - set(values))
-        if missing:
-            raise ConfigError(f"auto_parallelize: give a size for the named dim(s) {missing} of the inputs, "
-                              f"e.g. dims={{{missing[0]!r}: 128}}")
-        return ModelSpec(name=name or type(model).__name__, module=model, inputs=tuple(inputs), loss=loss_fn,
-                         dims=values)
-    raise ConfigError(f"auto_parallelize: model must be a spec string, a ModelSpec or an nn.Module, "
-                      f"got {type(model).__name__}")
-
-
-def meta_copy(spec: ModelSpec) -> ModelSpec:
-    """The same model on the meta device (no weights): what analysis and profiling read. Tied
-    weights stay tied (one parameter under several names), so they are counted once."""
-    module = copy.deepcopy(spec.module)  # deepcopy keeps ties; ``.to("meta")`` below does not
-    aliases: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
-    module = module.to("meta")  # one new meta parameter per owning module: the ties break here
-    for names in aliases.values():
-        shared = module.get_parameter(names[0])
-        for alias in names[1:]:
-            owner, _, leaf = alias.rpartition(".")
-            setattr(module.get_submodule(owner), leaf, shared)
-    return ModelSpec(name=spec.name, module=module, inputs=spec.inputs, loss=spec.loss, dims=dict(spec.dims))
-
 
 def choose_plan(model: str | ModelSpec, cluster: Cluster, *, world_size: int, global_batch_size: int,
                 fix: dict | str | None = None, dtype: str = "fp32", optimizer: str = "adamw",
@@ -390,6 +351,14 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     before the job fails. See the module docstring for what is written to ``dump_dir``.
     """
 
+    # Scalar arguments and the pinned knobs are refused here, before any rank joins the job.
+    check_option("global_batch", global_batch_size, spelled="auto_parallelize: global_batch_size")
+    check_option("timeout", timeout_s, spelled="auto_parallelize: timeout_s")
+    if clip_grad_norm is not None:
+        check_option("clip_grad_norm", clip_grad_norm, spelled="auto_parallelize: clip_grad_norm")
+    if nonfinite not in ("stop", "skip"):
+        raise ConfigError(f"auto_parallelize: nonfinite={nonfinite!r}; choose 'stop' or 'skip'")
+    fix = check_fix(fix, where="auto_parallelize: fix")
     factory = as_factory(optimizer)
     planned_optimizer = planner_optimizer(factory)  # what the planner counts state bytes for
     if dtype not in RUNTIME_DTYPES:

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+import traceback
 
 import sympy
 
@@ -148,10 +150,15 @@ def _cmd_refit(args: argparse.Namespace) -> int:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from partitioner.model_spec import known_models
+    from partitioner.model_spec import key_rules, known_models
 
     rows = [("name", "keys")] + [(name, help) for name, help in known_models().items()]
     print(_table(rows))
+    print("\nwhat each key takes (checked before the model is built):")
+    for name in known_models():
+        rules = key_rules(name)
+        if rules is not None:
+            print(f"  {name}: {rules}")
     print("\nor path/to/file.py:factory (a function returning partitioner.model_spec.ModelSpec)")
     return 0
 
@@ -215,6 +222,35 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_run_options(args: argparse.Namespace) -> None:
+    """Refuse out-of-range options (``--timeout 0``, ``--steps 0``, ...) before any work, and for
+    train a --global-batch that the pinned knobs cannot split (:mod:`partitioner.run_options`)."""
+    from partitioner.knobs import check_fix
+    from partitioner.model_spec import check_dim
+    from partitioner.run_options import OPTIONS, check_option
+
+    for name in OPTIONS:
+        value = getattr(args, name, None)
+        if isinstance(value, str):  # analyze's --batch/--seq: a number, or a name kept symbolic
+            if not value.lstrip("+-").isdigit():
+                continue
+            value = int(value)
+        if value is not None:
+            check_option(name, value, spelled="--" + name.replace("_", "-"))
+            if name == "seq" and isinstance(getattr(args, "model", None), str):
+                check_dim(args.model, "seq", value, spelled="--seq")
+    if getattr(args, "fix", None) is not None and args.command in ("train", "demo"):
+        pinned = check_fix(args.fix, where="--fix")
+        split = {k: pinned[k] for k in ("dp", "num_micro_batches", "micro_batch_size") if k in pinned}
+        parts = 1
+        for v in split.values():
+            parts *= v
+        if split and args.global_batch % parts:
+            raise ConfigError(f"--global-batch {args.global_batch} is not divisible by "
+                              f"{'*'.join(f'{k}={v}' for k, v in split.items())} = {parts} (pinned by --fix); "
+                              f"use a multiple of {parts}")
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from partitioner.demo import run_train
 
@@ -226,7 +262,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                      dump_dir=args.dump_dir, cluster=args.cluster, timeout_s=args.timeout, lr=args.lr, dtype=args.dtype,
                      data=args.data, tokenizer=args.tokenizer, seed=args.seed, metrics=args.metrics,
                      save_dir=args.save_dir, save_every=args.save_every, keep=args.keep, resume=args.resume,
-                     clip_grad_norm=args.clip_grad_norm, warmup=args.warmup, nodes=args.nodes)
+                     clip_grad_norm=args.clip_grad_norm, warmup=args.warmup, nodes=args.nodes, debug=args.debug)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -294,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-dir", default="demo_out", help="the dump tree, plan.json, report.html, measurements.json")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
                    help="training precision (16-bit: fp32 master weights; checked against one process in that dtype)")
+    p.add_argument("--debug", action="store_true", help="on a failure, print the full traceback of each failed rank")
     p.set_defaults(fn=_cmd_demo)
 
     p = sub.add_parser("train", help="train a model spec on every rank of a torchrun (env://) job")
@@ -324,17 +361,53 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, metavar="N", help="learning rate: linear warm-up over N steps, then cosine "
                                                            "decay to 0.1x at --steps (default: constant)")
     p.add_argument("--nodes", type=int, metavar="N", help="the job spans N nodes of --cluster (torchrun --nnodes)")
+    p.add_argument("--debug", action="store_true", help="on a failure, print the full traceback (default: one line)")
     p.set_defaults(fn=_cmd_train)
     return parser
 
 
+def _failure_lines(exc: Exception) -> list[str]:
+    """One line per failed rank of a spawned job (``runtime.launch.LaunchError.failures``): its
+    error and the frame it came from."""
+    by_text: dict[str, list[int]] = {}
+    lines = []
+    for f in getattr(exc, "failures", ()):
+        message = f.line.split(": ", 1)[-1]
+        if message.startswith(f"rank {f.rank}: "):  # a RankFailure's message names its rank already
+            lines.append(message)
+        else:  # the same refusal on several ranks: one line naming them all
+            by_text.setdefault(f.line, []).append(f.rank)
+    for text, ranks in by_text.items():
+        lines.append(f"rank {ranks[0]}: {text}" if len(ranks) == 1
+                     else f"ranks {', '.join(map(str, sorted(ranks)))}: {text}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    debug = getattr(args, "debug", None)  # only train and demo have --debug
     try:
+        _check_run_options(args)
         return args.fn(args)
     except PartitionerError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        lines = _failure_lines(exc)
+        if debug:
+            if lines:
+                for f in exc.failures:
+                    print(f"rank {f.rank}: {f.traceback}", file=sys.stderr)
+            else:
+                traceback.print_exc()
+        for line in lines or [str(exc)]:
+            print(f"error: {line}", file=sys.stderr)
         return 2
+    except Exception as exc:  # noqa: BLE001 - train/demo: one line, not a traceback, unless --debug
+        if debug is None or debug:
+            raise
+        from runtime.faults import error_line
+
+        rank = f"rank {os.environ.get('RANK', '?')}: " if os.environ.get("WORLD_SIZE", "1") not in ("", "1") else ""
+        print(f"error: {rank}{error_line(exc)}; run with --debug for the full traceback", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import multiprocessing
 import os
 import re
@@ -91,6 +92,8 @@ def parse_quantity(value: Any, kind: str, where: str) -> float:
         raise ClusterSpecError(f"{where}: {value!r} is a string without a unit; write a plain number "
                                f"(not quoted) or add a unit, e.g. {example}")
     m = pattern.match(text)
+    if m is None and text.startswith("-") and pattern.match(text[1:].strip()):
+        raise ClusterSpecError(f"{where} cannot be negative, got {value!r}; write e.g. {example}")
     if m is None:
         raise ClusterSpecError(f"{where}: cannot read {value!r}; write a plain number or e.g. {example}")
     number = float(m.group(1))
@@ -105,6 +108,8 @@ def parse_quantity(value: Any, kind: str, where: str) -> float:
 
 
 def _positive(where: str, value: float, fix: str, *, allow_zero: bool = False) -> None:
+    if not math.isfinite(value):  # YAML's .nan / .inf would pass every comparison below or poison the costs
+        raise ClusterSpecError(f"{where} must be a finite number, got {value!r}; {fix}")
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ClusterSpecError(f"{where} must be {bound}, got {value!r}; {fix}")
@@ -140,7 +145,9 @@ def _choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
 def _from_dict(cls: type, data: Any, where: str, nested: dict[str, type] | None = None):
     """Build ``cls`` from a mapping, refusing unknown keys and converting nested mappings."""
     if not isinstance(data, dict):
-        raise ClusterSpecError(f"{where}: expected a mapping of {cls.__name__} fields, got {data!r}")
+        shown = repr(data) if len(repr(data)) <= 80 else repr(data)[:77] + "..."
+        raise ClusterSpecError(f"{where}: expected a mapping of {cls.__name__} fields, got {shown} "
+                               f"({type(data).__name__}); write one 'field: value' per line")
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(data) - set(names))
     if unknown:
@@ -245,7 +252,11 @@ class Device:
         if not isinstance(self.peak_flops, PeakFlops):
             raise ClusterSpecError(f"Device.peak_flops must be a mapping of dtype to FLOP/s, got {self.peak_flops!r}")
         for name in ("kernel_overhead_s", "step_overhead_s", "offload_call_s", "optimizer_bytes_per_s"):
-            if not getattr(self, name) >= 0:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ClusterSpecError(f"Device.{name} must be a plain number, got {value!r} of type "
+                                       f"{type(value).__name__}; leave it out (0) or give a measured value")
+            if not (value >= 0 and math.isfinite(value)):
                 raise ClusterSpecError(f"Device.{name} must be >= 0 seconds, got {getattr(self, name)!r}; "
                                        f"leave it out (0) or give a measured overhead")
 
@@ -333,7 +344,9 @@ class Cluster:
         _count(self, "devices_per_node", "a node has at least 1 device")
         _normalize(self, "host_memory_bytes", "bytes", "give the CPU memory of one node, e.g. '2TiB'")
         _choice(self, "backend", BACKENDS)
-        if self.p2p_latency_s is not None and not self.p2p_latency_s >= 0:
+        if self.p2p_latency_s is not None and (isinstance(self.p2p_latency_s, bool)
+                                               or not isinstance(self.p2p_latency_s, (int, float))
+                                               or not (self.p2p_latency_s >= 0 and math.isfinite(self.p2p_latency_s))):
             raise ClusterSpecError(f"Cluster.p2p_latency_s must be >= 0 seconds or None, got {self.p2p_latency_s!r}")
         if isinstance(self.device, dict):
             object.__setattr__(self, "device", Device.from_dict(self.device, "Cluster.device"))
@@ -389,13 +402,20 @@ class Cluster:
         """Read a ``.yaml``/``.yml`` or ``.json`` cluster file."""
         path = Path(path).expanduser()
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except OSError as e:
             raise ClusterSpecError(f"cannot read cluster file {path}: {e.strerror}") from e
+        except UnicodeDecodeError as e:
+            raise ClusterSpecError(f"cluster file {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                                   f"{e.start}); give a YAML or JSON cluster file, e.g. a copy of "
+                                   f"{PRESET_DIR / 'dgx-a100-80gb.yaml'}") from None
         try:
             data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=_Loader)
         except (yaml.YAMLError, json.JSONDecodeError) as e:
-            raise ClusterSpecError(f"cluster file {path} is not valid {path.suffix[1:] or 'YAML'}: {e}") from e
+            mark = getattr(e, "problem_mark", None)  # one line: the problem and where, not PyYAML's excerpt
+            what = f"{e.problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None and \
+                getattr(e, "problem", None) else str(e).splitlines()[0]
+            raise ClusterSpecError(f"cluster file {path} is not valid {path.suffix[1:] or 'YAML'}: {what}") from e
         try:
             return cls.from_dict(data)
         except ClusterSpecError as e:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -122,10 +123,16 @@ def fit_loop(trainer, dataset, steps: int, *, echo: bool, start: int = 0, seed: 
 
 
 def _rank_failure(trainer, exc: Exception) -> RankFailure:
+    from runtime.heartbeat import STALE_AFTER_S
+
     mesh = trainer.model.mesh
+    # A stopped peer's heartbeat is about one timeout old when a wait on it gives up: a short
+    # timeout needs a shorter staleness bound (never below three beats).
+    stale_s = min(STALE_AFTER_S, max(3.0, mesh.timeout.total_seconds() / 2))
     return RankFailure(describe_failure(exc, rank=trainer.rank, last_action=trainer.last_action,
                                         identities=trainer.identities, pp_ranks=mesh.pp_ranks,
-                                        group_ranks=range(mesh.first, mesh.first + mesh.size)),
+                                        group_ranks=range(mesh.first, mesh.first + mesh.size),
+                                        stale_after_s=stale_s),
                        own=not is_communication_error(exc))
 
 
@@ -328,7 +335,8 @@ def run_train(*, model: str, global_batch: int, steps: int, fix: str | None, dum
               cluster: str | None, timeout_s: float, lr: float | None, dtype: str = "fp32", data: str | None = None,
               tokenizer: str | None = None, seed: int = 0, metrics: str | None = None, save_dir: str | None = None,
               save_every: int | None = None, keep: int | None = None, resume: str | None = None,
-              clip_grad_norm: float | None = None, warmup: int | None = None, nodes: int | None = None) -> int:
+              clip_grad_norm: float | None = None, warmup: int | None = None, nodes: int | None = None,
+              debug: bool = False) -> int:
     """``partitioner train`` on this rank (env:// rendezvous); returns the exit code.
 
     ``data``: a text file (:func:`token_dataset`; ``tokenizer``: a Hugging Face tokenizer name,
@@ -339,7 +347,8 @@ def run_train(*, model: str, global_batch: int, steps: int, fix: str | None, dum
     directory to continue from. ``steps`` counts from the start of the run, so a resumed run
     trains the steps after the checkpoint's up to ``steps``. ``clip_grad_norm``: the global
     norm's clip; ``warmup``: warm-up steps of a warm-up + cosine schedule over ``steps``;
-    ``nodes``: the job spans that many nodes of ``cluster``."""
+    ``nodes``: the job spans that many nodes of ``cluster``. A failed step prints one line
+    (:class:`RankFailure` and the frame it came from; ``debug``: the whole traceback first)."""
     import torch.distributed as dist
 
     from partitioner.auto import auto_parallelize
@@ -348,6 +357,7 @@ def run_train(*, model: str, global_batch: int, steps: int, fix: str | None, dum
     from partitioner.cluster import Cluster
     from runtime.schedules import warmup_cosine
 
+    _report_before_sigterm(timeout_s + 5.0)
     job_cluster = Cluster.load(cluster, nodes=nodes) if nodes is not None else cluster
     trainer = auto_parallelize(model, job_cluster, global_batch_size=global_batch, fix=fix, dump_dir=dump_dir,
                                timeout_s=timeout_s, optimizer={"lr": lr} if lr is not None else None, dtype=dtype,
@@ -396,7 +406,12 @@ def run_train(*, model: str, global_batch: int, steps: int, fix: str | None, dum
             train_loop(trainer, steps, lambda k: batch_for(trainer.spec, k, global_batch), echo=rank0, start=start,
                        on_step=on_step)
     except RankFailure as exc:
-        print(str(exc), file=sys.stderr, flush=True)
+        from runtime.faults import frame_text
+
+        if debug:
+            traceback.print_exception(exc, file=sys.stderr)
+        where = frame_text(exc)
+        print(f"{exc} ({where})" if where else str(exc), file=sys.stderr, flush=True)
         # Skip the process-group teardown: it may wait on the dead peer.
         sys.stdout.flush()
         os._exit(EXIT_RANK_FAILED if exc.own else EXIT_PEER_FAILED)
@@ -406,5 +421,36 @@ def run_train(*, model: str, global_batch: int, steps: int, fix: str | None, dum
     if rank0 and dump_dir:
         print(f"wrote {dump_dir}/: every pass, stage<s>_tp<r>/program.txt (+ .onnx), plan.json, report.html, "
               f"measurements.json", flush=True)
+    from runtime import heartbeat
+
+    heartbeat.stop()
     dist.destroy_process_group()
     return 0
+
+
+def _report_before_sigterm(grace_s: float) -> None:
+    """Under a torchrun agent, keep running for up to ``grace_s`` seconds after a SIGTERM.
+
+    The agent answers the first rank that exits by sending SIGTERM to all the others at once,
+    so the ranks still waiting on a stopped or dead peer would die without saying which one it
+    was. With this, their waits time out (within the timeout), they print the failure and exit
+    as usual; one that is still running after ``grace_s`` exits then (a second SIGTERM: at once).
+    """
+    import signal
+    import threading
+
+    if "TORCHELASTIC_RUN_ID" not in os.environ or threading.current_thread() is not threading.main_thread():
+        return
+
+    def leave() -> None:
+        print(f"rank {os.environ.get('RANK', '?')}: terminated by the launcher (SIGTERM); exiting", file=sys.stderr,
+              flush=True)
+        os._exit(128 + signal.SIGTERM)
+
+    def on_sigterm(signum, frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        timer = threading.Timer(grace_s, leave)
+        timer.daemon = True
+        timer.start()
+
+    signal.signal(signal.SIGTERM, on_sigterm)

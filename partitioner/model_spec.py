@@ -6,19 +6,21 @@ that capture sees one training step: ``loss = spec.loss(module, *inputs)``.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import importlib.util
 import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
-from passes.ir.errors import ModelSpecError
+from passes.ir.errors import ConfigError, ModelSpecError
 from passes.ir.meta import InputSpec
+from partitioner.spec_keys import SpecTable, check_values, describe_table
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -72,16 +74,62 @@ class ModelSpec:
 
 Builder = Callable[..., ModelSpec]
 _REGISTRY: dict[str, tuple[Builder, str]] = {}
+_TABLES: dict[str, tuple[SpecTable, dict[str, object]]] = {}  # name -> (rules of its keys, their defaults)
 
 
-def register(name: str, help: str) -> Callable[[Builder], Builder]:
-    """Register a zoo builder under ``name``; its keyword arguments are the spec keys."""
+def register(name: str, help: str, *, keys: SpecTable | None = None,
+             defaults: dict[str, object] | None = None) -> Callable[[Builder], Builder]:
+    """Register a zoo builder under ``name``; its keyword arguments are the spec keys.
+
+    ``keys``: the type and range of every key (:mod:`partitioner.spec_keys`), checked before the
+    builder runs; ``defaults``: the keys' defaults when the builder's signature does not give
+    them (builders taking ``**kwargs``)."""
 
     def deco(fn: Builder) -> Builder:
         _REGISTRY[name] = (fn, help)
+        if keys is not None:
+            params = inspect.signature(fn).parameters.values()
+            found = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+            _TABLES[name] = (keys, {**found, **(defaults or {})})
         return fn
 
     return deco
+
+
+def key_rules(name: str) -> str | None:
+    """The keys of zoo model ``name`` with their rules and defaults, in one line (None: no table)."""
+    _load_zoo()
+    if name not in _TABLES:
+        return None
+    table, defaults = _TABLES[name]
+    return describe_table(table, defaults)
+
+
+def check_dim(spec: str, dim: str, value: int, *, spelled: str) -> None:
+    """Raise :class:`ModelSpecError` when named dim ``dim`` = ``value`` exceeds what zoo spec
+    ``spec`` was built for (``--seq 64`` on ``gpt:seq=32``, which has 32 learned positions).
+    Specs of files and models without a bound pass."""
+    if not isinstance(spec, str) or spec.partition(":")[0].endswith(".py"):
+        return
+    name, kwargs = parse_spec(spec)
+    _load_zoo()
+    if name not in _TABLES:
+        return
+    table, defaults = _TABLES[name]
+    key = table.limits.get(dim)
+    bound = kwargs.get(key, defaults.get(key)) if key is not None else None
+    if isinstance(bound, int) and isinstance(value, int) and value > bound:
+        raise ModelSpecError(f"{spelled} {value} is longer than the {bound} positions of {spec!r} ({key}={bound}); "
+                             f"use {spelled} <= {bound} or build the model with {key}={value}")
+
+
+def check_spec_values(name: str, kwargs: dict[str, object]) -> None:
+    """Raise :class:`ModelSpecError` when a value of ``kwargs`` breaks the key table of ``name``
+    (type, range, choices, or a rule across keys such as ``hidden`` divisible by ``heads``)."""
+    _load_zoo()
+    if name in _TABLES:
+        table, defaults = _TABLES[name]
+        check_values(name, table, kwargs, defaults)
 
 
 def known_models() -> dict[str, str]:
@@ -176,6 +224,7 @@ def build_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.d
             f"or path/to/file.py:factory")
     builder, _ = _REGISTRY[name]
     _check_keys(name, builder, kwargs)
+    check_spec_values(name, kwargs)
     torch.manual_seed(seed)
     with torch.device(device):
         model = builder(**kwargs)
@@ -204,3 +253,46 @@ def _build_from_file(spec: str) -> ModelSpec:
                              f"partitioner.model_spec.ModelSpec(module=..., inputs=..., loss=...)")
     result.name = spec
     return result
+
+
+def as_spec(model: str | ModelSpec | nn.Module, *, inputs: Sequence[InputSpec] | None = None,
+            loss_fn: LossFn | None = None, dims: dict[str, int] | None = None,
+            name: str | None = None, seed: int = 0, device: str | torch.device = "cpu") -> ModelSpec:
+    """A :class:`ModelSpec` from any form a user gives a model: a spec string (a zoo spec or
+    ``path/to/file.py:factory``, built on ``device`` with ``seed``), a ModelSpec (as it is), or a
+    module with ``inputs`` (named dims), ``loss_fn(module, *inputs)`` and ``dims`` (sizes of the
+    named dims other than batch). Every entry point (``plan``, ``analyze``, ``auto_parallelize``,
+    the CLI) reads models through this one function."""
+    if isinstance(model, str):
+        return build_model(model, device=device, seed=seed)
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, nn.Module):
+        if inputs is None or loss_fn is None:
+            raise ConfigError(f"a bare nn.Module ({type(model).__name__}) needs inputs=(InputSpec(...), ...) with "
+                              f"named dims and loss_fn(module, *inputs) -> scalar")
+        values = {"batch": 2, **(dims or {})}  # capture traces with example sizes; batch is symbolic anyway
+        missing = sorted({d for i in inputs for d in i.shape if isinstance(d, str)} - set(values))
+        if missing:
+            raise ConfigError(f"give a size for the named dim(s) {missing} of the inputs, "
+                              f"e.g. dims={{{missing[0]!r}: 128}}")
+        return ModelSpec(name=name or type(model).__name__, module=model, inputs=tuple(inputs), loss=loss_fn,
+                         dims=values)
+    raise ConfigError(f"model must be a spec string (NAME:key=value,... or path/to/file.py:factory), a ModelSpec "
+                      f"or an nn.Module, got {type(model).__name__}")
+
+
+def meta_copy(spec: ModelSpec) -> ModelSpec:
+    """The same model on the meta device (no weights): what analysis and profiling read. Tied
+    weights stay tied (one parameter under several names), so they are counted once."""
+    module = copy.deepcopy(spec.module)  # deepcopy keeps ties; ``.to("meta")`` below does not
+    aliases: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    module = module.to("meta")  # one new meta parameter per owning module: the ties break here
+    for names in aliases.values():
+        shared = module.get_parameter(names[0])
+        for alias in names[1:]:
+            owner, _, leaf = alias.rpartition(".")
+            setattr(module.get_submodule(owner), leaf, shared)
+    return ModelSpec(name=spec.name, module=module, inputs=spec.inputs, loss=spec.loss, dims=dict(spec.dims))

@@ -210,7 +210,7 @@ def profile_model(spec: str, *, seq: int | None = None, dtype: str = "bf16",
         raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     model = build_model(small, device="meta", dtype=DTYPES[dtype])
     analysis = analyze(model, batch=1, seq=seq, dtype=dtype, optimizer=optimizer)
-    seq_len = int(analysis.dims["seq"])
+    seq_len = int(analysis.dims.get("seq", 0) or 0)  # 0: a model without a sequence dim (mlp, resnet)
     shared = _shared_params(model.module)
     embedding, blocks, head, hidden, heads = _chain(analysis.graph, seq_len, shared)
     if len(blocks) != captured:

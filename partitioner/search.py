@@ -23,6 +23,7 @@ from typing import Callable
 
 from partitioner.cluster import Cluster
 from partitioner.cost_model import bubble_fraction
+from partitioner.knobs import check_fix, fix_text
 from partitioner.plan_cost import Evaluated, PlanContext, evaluate, lower_bound
 from partitioner.profile import ModelProfile
 from passes.ir.config import CHECKPOINTING, KNOBS, OFFLOAD, SCHEDULES, ParallelConfig
@@ -56,18 +57,116 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _check_fix(fix: dict) -> None:
-    unknown = sorted(set(fix) - set(KNOBS))
-    if unknown:
-        raise ConfigError(f"fix: unknown knob(s) {', '.join(unknown)}; choose from {', '.join(KNOBS)}")
+class _Refusals:
+    """Why candidates were left out, each rule once, with how deep in the enumeration it struck:
+    when nothing is left, the deepest rules are the ones that removed the last candidates."""
+
+    def __init__(self) -> None:
+        self.found: dict[str, int] = {}
+
+    def add(self, depth: int, text: str) -> None:
+        self.found[text] = max(depth, self.found.get(text, depth))
+
+    def deepest(self, n: int = 3) -> list[str]:
+        order = sorted(self.found.items(), key=lambda kv: -kv[1])  # stable: first seen first among equals
+        return [text for text, _ in order[:n]]
+
+
+def _pinned_problems(fix: dict, world: int, L: int, heads: int, global_batch: int) -> list[str]:
+    """The rules that pinned knobs break whatever the other knobs are (each names the rule and the values)."""
+    out = []
+    dp, tp, pp, v = fix.get("dp"), fix.get("tp"), fix.get("pp"), fix.get("virtual_pp")
+    sched, m, mbs = fix.get("schedule"), fix.get("num_micro_batches"), fix.get("micro_batch_size")
+    if pp is not None and pp > L:
+        out.append(f"pp={pp} needs at least {pp} blocks, the model has {L}; use pp <= {L}")
+    elif pp is not None and v is not None and v > 1 and sched in (None, "interleaved") and L % (pp * v):
+        out.append(f"the interleaved schedule with pp={pp}, virtual_pp={v} needs the model's blocks ({L}) divisible "
+                   f"by pp*virtual_pp = {pp * v}; pick virtual_pp so that pp*virtual_pp divides {L}")
+    if tp is not None and heads and heads % tp:
+        out.append(f"tp={tp} must divide the model's {heads} attention heads; use tp among "
+                   f"{', '.join(map(str, _divisors(heads)))}")
+    axes = {k: fix[k] for k in ("tp", "pp", "dp") if k in fix}
+    used = 1
+    for value in axes.values():
+        used *= value
+    if len(axes) == 3 and used != world:
+        out.append(f"dp*tp*pp = {dp}*{tp}*{pp} = {used} but the cluster has {world} devices; choose knobs whose "
+                   f"product is {world}")
+    elif axes and used > world:
+        out.append(f"{' with '.join(f'{k}={x}' for k, x in axes.items())} needs {used} devices, the cluster has "
+                   f"{world}; pin fewer or smaller axes")
+    elif axes and world % used:
+        out.append(f"{' with '.join(f'{k}={x}' for k, x in axes.items())} uses {used} devices, which does not divide "
+                   f"the cluster's {world}; the devices must split evenly into dp*tp*pp")
+    if dp is not None and global_batch % dp:
+        out.append(f"dp={dp} does not divide the global batch {global_batch}; use a global batch that is a "
+                   f"multiple of {dp}")
+    per_sample = (dp or 1) * (m or 1) * (mbs or 1)
+    if dp is not None and m is not None and mbs is not None and per_sample != global_batch:
+        out.append(f"dp*num_micro_batches*micro_batch_size = {dp}*{m}*{mbs} = {per_sample} but the global batch "
+                   f"is {global_batch}; leave one of them out or change the batch")
+    elif (m is not None or mbs is not None) and global_batch % per_sample:
+        pinned = "*".join(k for k in ("dp", "num_micro_batches", "micro_batch_size") if k in fix)
+        out.append(f"the global batch {global_batch} is not divisible by {pinned} = {per_sample}; use a multiple "
+                   f"of {per_sample}")
+    if v is not None and v > 1 and sched is not None and sched != "interleaved":
+        out.append(f"{sched} does not take virtual_pp > 1 (virtual_pp={v}; only interleaved runs several model "
+                   f"chunks per rank): set schedule=interleaved or virtual_pp=1")
+    if sched == "interleaved" and v == 1:
+        out.append("interleaved needs virtual_pp >= 2 (one chunk per rank is 1f1b): set virtual_pp=2 or more, "
+                   "or schedule=1f1b")
+    if v is not None and v > MAX_VIRTUAL_PP:
+        out.append(f"virtual_pp={v} is above the {MAX_VIRTUAL_PP} chunks per rank the search tries; use at most "
+                   f"{MAX_VIRTUAL_PP}")
+    if sched in ("gpipe", "interleaved") and pp == 1:
+        out.append(f"schedule {sched} needs pp >= 2 (one stage runs 1f1b): set pp=2 or more, or schedule=1f1b")
+    if fix.get("sequence_parallel") and tp == 1:
+        out.append("sequence_parallel=true needs tp > 1 (it shards what tensor parallelism replicates): set tp >= 2 "
+                   "or sequence_parallel=false")
+    if fix.get("offload") == "optimizer" and fix.get("zero_stage"):
+        out.append(f"offload='optimizer' keeps the whole optimizer state on the host, zero_stage="
+                   f"{fix['zero_stage']} shards it over dp: choose one (zero_stage=0 or offload='none')")
+    return out
+
+
+def _schedules(fix: dict, pp: int, L: int, m: int, why: _Refusals) -> list[tuple[str, int]]:
+    """The (schedule, virtual_pp) pairs the search tries for ``pp`` stages and ``m`` micro-batches;
+    a pinned pair that breaks a rule is recorded in ``why``."""
+    if pp == 1:
+        pairs = [("1f1b", 1)]
+    else:
+        pairs = [("gpipe", 1), ("1f1b", 1)] + [("interleaved", v) for v in range(2, MAX_VIRTUAL_PP + 1)]
+    pinned = [(s, v) for s, v in pairs if fix.get("schedule", s) == s and fix.get("virtual_pp", v) == v]
+    out = []
+    for sched, v in pinned:
+        if sched == "interleaved" and L % (pp * v):
+            why.add(6, f"the interleaved schedule with pp={pp}, virtual_pp={v} needs the model's blocks ({L}) "
+                       f"divisible by pp*virtual_pp = {pp * v}")
+        elif sched == "interleaved" and m % pp:
+            why.add(6, f"the interleaved schedule needs num_micro_batches ({m}) divisible by pp ({pp}); use a "
+                       f"multiple of {pp} micro-batches")
+        else:
+            out.append((sched, v))
+    if not pinned and pp == 1:  # (other empty pins are refused before the enumeration)
+        asked = fix_text({k: fix[k] for k in ("schedule", "virtual_pp") if k in fix})
+        why.add(5, f"{asked} needs pp >= 2 (a single stage runs 1f1b, one chunk per rank)")
+    return out
 
 
 def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
                fix: dict | None = None) -> list[ParallelConfig]:
-    """Every candidate plan the search considers (after pruning), in a stable order."""
-    fix = dict(fix or {})
-    _check_fix(fix)
+    """Every candidate plan the search considers (after pruning), in a stable order.
+
+    ``fix`` is checked first (:func:`partitioner.knobs.check_fix`). Raises :class:`ConfigError`
+    naming the rule when the pinned knobs leave no candidate (``dp*tp*pp = 4 but the cluster has
+    8 devices``, ``pp=8 needs at least 8 blocks, the model has 2``, ...)."""
+    fix = check_fix(fix)
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ConfigError(f"global_batch must be an integer >= 1 (samples per step), got {global_batch!r}")
     world, L = cluster.world_size, len(profile.blocks)
+    problems = _pinned_problems(fix, world, L, profile.heads, global_batch)
+    if problems:
+        raise ConfigError(f"no candidate plan for fix {fix_text(fix)} on {world} devices: {'; '.join(problems)}")
 
     def opts(name, values):
         if name in fix:
@@ -79,34 +178,40 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
     offloads = ["none"] if cluster.host_to_device.kind == "loopback" else list(OFFLOAD)
 
     out = []
-    refused: dict[str, None] = {}  # why configs were left out, in order, each once
+    why = _Refusals()  # why configs were left out, with the depth of the rule
     for tp in opts("tp", [t for t in _divisors(world)
                           if profile.heads % t == 0 and cluster.devices_per_node % t == 0]):
-        if world % tp:
-            continue
         for pp in opts("pp", [p for p in _divisors(world // tp) if p <= L]):
             if world % (tp * pp):
+                why.add(1, f"tp*pp = {tp}*{pp} = {tp * pp} does not divide the cluster's {world} devices")
                 continue
             dp = world // (tp * pp)
             if "dp" in fix and fix["dp"] != dp:
+                why.add(2, f"dp*tp*pp = {fix['dp']}*{tp}*{pp} = {fix['dp'] * tp * pp} but the cluster has {world} "
+                           f"devices")
                 continue
             if global_batch % dp:
+                why.add(3, f"dp={dp} (the devices left by tp={tp}, pp={pp}) does not divide the global batch "
+                           f"{global_batch}")
                 continue
             per_replica = global_batch // dp
             mbs_values = [b for b in _divisors(per_replica) if b <= MAX_MICRO_BATCH]
             if "num_micro_batches" in fix and "micro_batch_size" not in fix:
                 mbs_values = [per_replica // fix["num_micro_batches"]] if per_replica % fix["num_micro_batches"] == 0 else []
+                if not mbs_values:
+                    why.add(4, f"num_micro_batches={fix['num_micro_batches']} does not divide the {per_replica} "
+                               f"samples of each of dp={dp} replicas (global batch {global_batch})")
             for mbs in opts("micro_batch_size", mbs_values):
-                if mbs < 1 or per_replica % mbs:
+                if per_replica % mbs:
+                    why.add(4, f"micro_batch_size={mbs} does not divide the {per_replica} samples of each of dp={dp} "
+                               f"replicas (global batch {global_batch})")
                     continue
                 m = per_replica // mbs
                 if "num_micro_batches" in fix and fix["num_micro_batches"] != m:
+                    why.add(4, f"micro_batch_size={mbs} * num_micro_batches={fix['num_micro_batches']} != the "
+                               f"{per_replica} samples of each of dp={dp} replicas (global batch {global_batch})")
                     continue
-                scheds = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1)] + [
-                    ("interleaved", v) for v in range(2, MAX_VIRTUAL_PP + 1) if L % (pp * v) == 0 and m % pp == 0]
-                for sched, v in scheds:
-                    if fix.get("schedule", sched) != sched or fix.get("virtual_pp", v) != v:
-                        continue
+                for sched, v in _schedules(fix, pp, L, m, why):
                     for zero in opts("zero_stage", [0, 1, 2] if dp > 1 else [0]):
                         for sp in opts("sequence_parallel", [False, True] if tp > 1 else [False]):
                             has_scores = any(layer.attention_score_bytes for layer in profile.layers)
@@ -120,15 +225,13 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
                                             sequence_parallel=sp, checkpointing=ckpt, offload=off,
                                             dtype=profile.dtype))
                                     except ConfigError as exc:
-                                        refused.setdefault(str(exc), None)
-    if not out and refused:
-        raise ConfigError(f"no candidate plan: every combination of the pinned knobs breaks a rule: "
-                          f"{'; '.join(list(refused)[:3])}")
-    # Pinned interleaved plans that break the divisibility rules: say why rather than return nothing.
-    if not out and fix.get("schedule") == "interleaved" and "pp" in fix and "virtual_pp" in fix:
-        if L % (fix["pp"] * fix["virtual_pp"]):
-            raise ConfigError(f"interleaved schedule needs layers ({L}) divisible by pp*virtual_pp "
-                              f"({fix['pp']}*{fix['virtual_pp']})")
+                                        why.add(7, str(exc).removeprefix("invalid parallel config: "))
+    if not out:
+        reasons = why.deepest() or [(f"dp must divide the global batch, tp the heads ({profile.heads}) and fit in a "
+                                     f"node of {cluster.devices_per_node} unless pinned")]
+        raise ConfigError(f"no candidate plan for fix {fix_text(fix)} on {world} devices, global batch "
+                          f"{global_batch}, {profile.heads} heads, {L} blocks: {'; '.join(reasons)}; "
+                          f"change or unpin these knobs")
     return out
 
 
@@ -178,14 +281,10 @@ def plan(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: dic
     is returned with the checked numbers; a candidate that does not fit is dropped.
     Raises :class:`InfeasiblePlanError` when no candidate fits.
     """
-    if global_batch < 1:
-        raise ConfigError(f"global_batch must be >= 1, got {global_batch}")
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ConfigError(f"global_batch must be an integer >= 1 (samples per step), got {global_batch!r}")
     ctx = PlanContext(profile, cluster, global_batch, optimizer)
-    cands = candidates(profile, cluster, global_batch, fix)
-    if not cands:
-        raise ConfigError(f"no candidate plan for world size {cluster.world_size}, global batch {global_batch}, "
-                          f"{profile.heads} heads, {ctx.L} layers, fix={fix}: dp must divide the global batch, tp "
-                          f"the heads (and fit in a node of {cluster.devices_per_node} unless fixed); relax fix")
+    cands = candidates(profile, cluster, global_batch, fix)  # never empty: it names the rule instead
     ordered = sorted(((lower_bound(ctx, c), _key(c), c) for c in cands), key=lambda t: t[:2])
     feasible: list[Evaluated] = []
     infeasible: list[Evaluated] = []
@@ -244,8 +343,6 @@ def min_memory(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fi
     split, memory ignored) and the candidate that needs it; ``fix`` restricts the candidates."""
     ctx = PlanContext(profile, cluster, global_batch, optimizer)
     cands = candidates(profile, cluster, global_batch, fix)
-    if not cands:
-        raise ConfigError(f"no candidate plan for fix={fix}")
     return _min_memory(ctx, cands)
 
 

@@ -25,6 +25,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 from torch import fx, nn
 
+from passes.input_bounds import input_bounds
 from passes.ir.errors import CaptureError
 from passes.ir.meta import CAPTURE, CAPTURE_WRAPPER, EXPORT_MODULE_STACK, CaptureInfo, InputSpec, module_path  # noqa: F401
 
@@ -97,6 +98,7 @@ def capture_model(
         device=run_device,
         dtype=dtype,
         tied=_tied_names(module),
+        bounds=input_bounds(gm, inputs, dims=dims, symbolic=symbolic),
     )
     global _CAPTURES
     _CAPTURES += 1

@@ -30,7 +30,14 @@ exactly; one of another size gets valid but different streams (dropout masks dif
 uninterrupted run; dropout-free runs are exact either way).
 
 The root must be on a filesystem every rank sees (DCP requires that too), and one job saves into
-a root at a time. Train-state files are pickles, trusted as DCP's own ``.metadata`` is.
+a root at a time.
+
+**Nothing in a checkpoint runs code on load.** The train-state files hold only tensors, numbers,
+strings and builtin containers (RNG states as tensors and ints) and are read with
+``torch.load(weights_only=True)``; ``extra`` and an lr scheduler's state must be of those types
+(a save refuses others). DCP's ``.metadata`` is read by a restricted unpickler
+(:mod:`runtime.checkpoint_metadata`). A missing, truncated or altered file is a
+:class:`CheckpointError` naming it.
 
 **Fault injection** (tests): ``PARTITIONER_CHECKPOINT_FAULT="rank=1,point=written"`` SIGKILLs
 global rank 1 at ``point``: ``written`` (its DCP part and RNG file written, before the gather),
@@ -61,7 +68,8 @@ from runtime import comm
 from runtime.checkpoint_io import load_checkpoint, save_checkpoint
 
 MARKER = "COMPLETE"
-FORMAT = 1
+FORMAT = 2
+"""Layout version: 2 stores the train state in ``torch.load(weights_only=True)``'s types (1: pickles)."""
 STATE_DIR = "train_state"
 SHARED_FILE = "shared.pt"
 TMP_PREFIX = ".tmp-"
@@ -203,6 +211,10 @@ def save(pm, root: str | os.PathLike, *, step: int, keep: int | None = None, ext
     if extra is not None and not isinstance(extra, Mapping):
         raise ConfigError(f"checkpoint: extra must be a dict (e.g. the data sampler's position), got "
                           f"{type(extra).__name__}")
+    bad = _not_plain(dict(extra or {}), "extra")
+    if bad is not None:
+        raise ConfigError(f"checkpoint: {bad}; a checkpoint's train state holds only tensors, numbers, strings, "
+                          f"None and lists/tuples/dicts of them (it is loaded without running code): convert it")
     mesh = pm.mesh
     local_rank = mesh.rank - mesh.first
     rng = _rng_state()  # first: nothing below may move a generator before it is recorded
@@ -215,9 +227,9 @@ def save(pm, root: str | os.PathLike, *, step: int, keep: int | None = None, ext
     try:
         state_dir = tmp / STATE_DIR
         state_dir.mkdir(exist_ok=True)
-        _write_pickle(state_dir / _rank_file(local_rank), rng)
+        _write_state(state_dir / _rank_file(local_rank), rng)
         if local_rank == 0:
-            _write_pickle(state_dir / SHARED_FILE, _shared_state(pm, step, extra))
+            _write_state(state_dir / SHARED_FILE, _shared_state(pm, step, extra))
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
         errors = f"rank {mesh.rank}: {type(exc).__name__}: {exc}"
     _fault_point("written")
@@ -331,7 +343,34 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_pickle(path: Path, obj: Any) -> None:
+_PLAIN = (str, int, float, bool, type(None), torch.Tensor)
+
+
+def _not_plain(obj: Any, where: str) -> str | None:
+    """``None`` if ``obj`` is made only of what ``torch.load(weights_only=True)`` reads back
+    (tensors, numbers, strings, None, lists, tuples, dicts); else which part is not."""
+    if isinstance(obj, _PLAIN):
+        return None
+    if isinstance(obj, (list, tuple)):
+        return next((bad for i, v in enumerate(obj) if (bad := _not_plain(v, f"{where}[{i}]")) is not None), None)
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, (str, int)):
+                return f"{where} has a key of type {type(k).__name__}"
+            bad = _not_plain(v, f"{where}[{k!r}]")
+            if bad is not None:
+                return bad
+        return None
+    return f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _write_state(path: Path, obj: Any) -> None:
+    """Write a train-state file (only :func:`_not_plain`-free content: it is read back with
+    ``torch.load(weights_only=True)``)."""
+    bad = _not_plain(obj, path.name)
+    if bad is not None:
+        raise ConfigError(f"checkpoint: {bad}; the train state holds only tensors, numbers, strings, None and "
+                          f"lists/tuples/dicts of them")
     with open(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
@@ -347,8 +386,10 @@ def _rank_file(local_rank: int) -> str:
 # ----------------------------------------------------------------------------------------------
 def _rng_state() -> dict[str, Any]:
     """This process's generator states: torch CPU, every CUDA device (when available), python
-    ``random``, numpy's global generator (when installed)."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    ``random``, numpy's global generator (when installed); as tensors, ints and floats."""
+    version, key, gauss = random.getstate()
+    state: dict[str, Any] = {"torch": torch.get_rng_state(),
+                             "python": {"version": version, "key": list(key), "gauss": gauss}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     try:
@@ -356,13 +397,16 @@ def _rng_state() -> dict[str, Any]:
     except ImportError:
         pass
     else:
-        state["numpy"] = np.random.get_state()
+        kind, words, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = {"kind": str(kind), "key": torch.from_numpy(words.astype(np.int64)), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
     return state
 
 
 def _set_rng_state(state: Mapping[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["key"]), py["gauss"]))
     cuda = state.get("cuda")
     if cuda and torch.cuda.is_available():
         for device, s in enumerate(cuda[:torch.cuda.device_count()]):
@@ -372,7 +416,9 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
             import numpy as np
         except ImportError:
             return
-        np.random.set_state(state["numpy"])
+        s = state["numpy"]
+        np.random.set_state((s["kind"], s["key"].numpy().astype(np.uint32), s["pos"], s["has_gauss"],
+                             s["cached_gaussian"]))
 
 
 def _shared_state(pm, step: int, extra: Mapping | None) -> dict[str, Any]:
@@ -427,19 +473,38 @@ def load(pm, path: str | os.PathLike, *, optimizer: bool = True) -> TrainState:
         raise CheckpointError(f"checkpoint {chosen}: its marker says step {info.step} but its tensors step "
                               f"{dcp_step}; the directory was altered after its save")
     state_dir = chosen / STATE_DIR
-    shared = _read_pickle(state_dir / SHARED_FILE)
+    shared = _read_state(state_dir / SHARED_FILE, info)
     _restore_shared(pm, shared, chosen)
-    _set_rng_state(_read_pickle(state_dir / _rank_file((mesh.rank - mesh.first) % info.world_size)))
+    rng_file = state_dir / _rank_file((mesh.rank - mesh.first) % info.world_size)
+    try:
+        _set_rng_state(_read_state(rng_file, info))
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
+        raise CheckpointError(f"checkpoint {chosen}: {rng_file.relative_to(chosen)} does not hold RNG states "
+                              f"({type(exc).__name__}: {exc}); the file was altered: load an older checkpoint") from None
     return TrainState(step=info.step, extra=dict(shared.get("extra") or {}), path=chosen)
 
 
-def _read_pickle(path: Path) -> Any:
+def _read_state(path: Path, info: CheckpointInfo) -> dict:
+    """A train-state file, read with ``torch.load(weights_only=True)`` (tensors, numbers, strings,
+    builtin containers: nothing in it can run code)."""
+    where = f"checkpoint {path.parent.parent}: {path.relative_to(path.parent.parent)}"
     try:
         with open(path, "rb") as f:
-            # Our own files of numpy/python generator states and a scheduler's state: plain
-            # pickles, trusted like DCP's .metadata (itself a pickle).
-            return torch.load(f, weights_only=False)
+            state = torch.load(f, weights_only=True)
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path.parent.parent}: {path.relative_to(path.parent.parent)} is "
-                              f"missing although the save completed; the directory was altered, load an "
-                              f"older checkpoint") from None
+        raise CheckpointError(f"{where} is missing although the save completed; the directory was altered, load "
+                              f"an older checkpoint") from None
+    except Exception as exc:  # noqa: BLE001 - truncated, damaged, or holding more than data
+        lines = str(exc).strip().splitlines() or [""]
+        # torch's refusal starts with advice on weights_only; the line naming the global is the cause
+        first = next((ln.strip() for ln in lines if "GLOBAL" in ln or "Unsupported global" in ln), lines[0])[:200]
+        if info.format < 2:
+            raise CheckpointError(f"{where}: written in train-state format {info.format} (plain pickles, which are "
+                                  f"not loaded: they could run code); load its weights and optimizer state with "
+                                  f"runtime.checkpoint_io.load_checkpoint, or re-save it") from None
+        raise CheckpointError(f"{where} is truncated, damaged or holds more than tensors and numbers "
+                              f"({type(exc).__name__}: {first}); load an older checkpoint") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{where} holds a {type(state).__name__}, not a train state; the file was altered: "
+                              f"load an older checkpoint")
+    return state

@@ -41,6 +41,12 @@ of the full tensor, and explicit boxes need no DeviceMesh, so they run unchanged
 
 Not saved: optimizer hyperparameters (lr, betas, eps, weight decay: the caller constructs the
 optimizer) and RNG state (exactness across plans assumes dropout 0).
+
+**Loading is for untrusted input too**: the ``.metadata`` pickle is read by a restricted
+unpickler (:mod:`runtime.checkpoint_metadata`) and the data files by ``torch.load(weights_only=True)``,
+so a checkpoint cannot run code; every failure of a load (a missing or truncated file, another
+model's or another optimizer's checkpoint) is a :class:`CheckpointError` naming the file or key,
+the cause and what to do.
 """
 from __future__ import annotations
 
@@ -48,6 +54,7 @@ import contextlib
 import os
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -61,8 +68,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from passes.ir.errors import ConfigError
+from passes.ir.errors import CheckpointError, ConfigError
 from passes.ir.meta import TENSOR_PARALLEL_PLAN, ParamSharding, TensorParallelPlan
+from runtime.checkpoint_metadata import METADATA_FILE, SafeFileSystemReader, read_metadata_file
 from runtime.mixed_precision import MasterWeightOptimizer
 from runtime.optimizers import init_state, state_keys
 
@@ -277,17 +285,20 @@ def save_entries(entries: Mapping[str, Entry], directory: str | os.PathLike, *, 
 def load_entries(entries: Mapping[str, Entry], directory: str | os.PathLike, *, process_group=None,
                  no_dist: bool = False) -> None:
     """Fill every piece of ``entries`` from a DCP checkpoint, whatever chunks it was saved in.
-    Raises :class:`ConfigError` (before any collective) if a key is missing or has another shape."""
-    _check_against(entries, _read_metadata(directory))
-    with _quiet(no_dist):
+    Raises :class:`CheckpointError` (before any collective) if a key is missing or has another
+    shape, and for any failure of the read (naming the file)."""
+    _check_against(entries, _read_metadata(directory), directory)
+    with _quiet(no_dist, loading=directory):
         dcp.load(dict(entries), checkpoint_id=os.fspath(directory), planner=_PieceLoadPlanner(),
-                 process_group=process_group, no_dist=no_dist)
+                 storage_reader=SafeFileSystemReader(os.fspath(directory)), process_group=process_group,
+                 no_dist=no_dist)
 
 
 @contextlib.contextmanager
-def _quiet(no_dist: bool):
+def _quiet(no_dist: bool, *, loading: str | os.PathLike | None = None):
     """DCP with readable errors: its CheckpointException is a BaseException (``except Exception``
-    misses it) whose message names only the ranks; re-raise the first rank's error as ours."""
+    misses it) whose message names only the ranks; re-raise the first rank's error as ours
+    (a save's as :class:`ConfigError`; ``loading`` a directory: as :class:`CheckpointError`)."""
     # DCP warns that it "assumes a single process" whenever no process group exists: that is
     # exactly what no_dist asks for.
     with warnings.catch_warnings():
@@ -298,28 +309,68 @@ def _quiet(no_dist: bool):
         except CheckpointException as exc:
             rank, failure = next(iter(sorted(exc.failures.items())), (None, exc))
             cause = failure[0] if isinstance(failure, tuple) else failure  # (exception, stack)
-            raise ConfigError(f"checkpoint_io: torch.distributed.checkpoint failed on rank(s) "
-                              f"{sorted(exc.failures)}; rank {rank}: {type(cause).__name__}: {cause}") from cause
+            if loading is None:
+                raise ConfigError(f"checkpoint_io: torch.distributed.checkpoint failed on rank(s) "
+                                  f"{sorted(exc.failures)}; rank {rank}: {type(cause).__name__}: {cause}") from cause
+            if isinstance(cause, CheckpointError):  # ours, from the reader: it names the file already
+                raise CheckpointError(str(cause)) from cause
+            raise _load_failure(loading, cause) from cause
+        except (CheckpointError, ConfigError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a load must fail as ours, whatever DCP raised
+            if loading is None:
+                raise
+            raise _load_failure(loading, exc) from exc
+
+
+def _load_failure(directory: str | os.PathLike, cause: BaseException) -> CheckpointError:
+    if isinstance(cause, FileNotFoundError):
+        return CheckpointError(f"checkpoint {os.fspath(directory)}: {Path(cause.filename or '?').name} is missing "
+                               f"({cause.strerror}); the directory is incomplete: copy it whole, or load an older "
+                               f"checkpoint")
+    first = (str(cause).strip().splitlines() or [""])[0][:300]
+    return CheckpointError(f"checkpoint {os.fspath(directory)}: reading its data failed ({type(cause).__name__}: "
+                           f"{first}); a data file is damaged or does not match its {METADATA_FILE}: load an older "
+                           f"checkpoint")
 
 
 def _read_metadata(directory: str | os.PathLike) -> Metadata:
+    """The checkpoint's metadata, read without running code (:mod:`runtime.checkpoint_metadata`)."""
     if not os.path.isdir(directory):
-        raise ConfigError(f"checkpoint_io: no checkpoint directory {os.fspath(directory)!r}")
-    return dcp.FileSystemReader(os.fspath(directory)).read_metadata()
+        raise CheckpointError(f"checkpoint {os.fspath(directory)}: no such directory; pass the directory a save "
+                              f"wrote (runtime.checkpoint_io.save_checkpoint / save_module)")
+    return read_metadata_file(Path(directory) / METADATA_FILE)
 
 
-def _check_against(entries: Mapping[str, Entry], metadata: Metadata) -> None:
+def _state_names(keys) -> list[str]:
+    """The optimizer state names (``exp_avg``, ``momentum_buffer``, ...) among checkpoint keys."""
+    return sorted({k.rsplit(".", 1)[1] for k in keys if k.startswith(OPTIM_PREFIX)})
+
+
+def _check_against(entries: Mapping[str, Entry], metadata: Metadata, directory: str | os.PathLike) -> None:
     # Checked here, not in the planner: DCP wraps planner errors into a CheckpointException.
     saved = metadata.state_dict_metadata
+    where = f"checkpoint {os.fspath(directory)}"
     missing = [k for k in entries if k not in saved]
+    optim_missing = [k for k in missing if k.startswith(OPTIM_PREFIX)]
+    if optim_missing and len(optim_missing) == len(missing):
+        has, needs = _state_names(saved), _state_names(optim_missing)
+        if has:
+            raise CheckpointError(f"{where}: its optimizer state holds {has} per parameter but this optimizer needs "
+                                  f"{needs} (e.g. {optim_missing[0]}): it was saved by another optimizer; build the "
+                                  f"optimizer it was saved with, or load the weights only (optimizer=False)")
+        raise CheckpointError(f"{where}: it holds no optimizer state (saved before the first step), this load "
+                              f"needs {needs}; load the weights only (optimizer=False)")
     if missing:
-        raise ConfigError(f"checkpoint_io: the checkpoint has no {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
-                          f"it was written for another model (or before the optimizer's first step)")
+        raise CheckpointError(f"{where}: it has no {missing[:5]}{' ...' if len(missing) > 5 else ''}; it was written "
+                              f"for another model: load it into the model that saved it (its keys include "
+                              f"{sorted(k for k in saved if not k.startswith(OPTIM_PREFIX))[:3]})")
     for fqn, entry in entries.items():
         md = saved[fqn]
         if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != tuple(entry.shape):
-            raise ConfigError(f"checkpoint_io: {fqn} has shape {tuple(getattr(md, 'size', ()))} in the "
-                              f"checkpoint but {tuple(entry.shape)} here; it was written for another model")
+            raise CheckpointError(f"{where}: {fqn} has shape {tuple(getattr(md, 'size', ()))} in the "
+                                  f"checkpoint but {tuple(entry.shape)} here; it was written for another model "
+                                  f"(or another optimizer's state): load it into the model that saved it")
 
 
 def checkpoint_keys(directory: str | os.PathLike) -> dict[str, tuple[int, ...]]:
@@ -647,8 +698,8 @@ def _refresh_zero_master(zero) -> None:
 # ----------------------------------------------------------------------------------------------
 # The plain single-device module
 # ----------------------------------------------------------------------------------------------
-def _module_names(module: nn.Module, saved: Mapping[str, tuple[int, ...]], *,
-                  prefix: str = "") -> dict[int, tuple[str, nn.Parameter]]:
+def _module_names(module: nn.Module, saved: Mapping[str, tuple[int, ...]], *, prefix: str = "",
+                  directory: str | os.PathLike = "") -> dict[int, tuple[str, nn.Parameter]]:
     """id(param) -> (its name in the checkpoint, param): the first alias the checkpoint has."""
     aliases: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
@@ -659,8 +710,9 @@ def _module_names(module: nn.Module, saved: Mapping[str, tuple[int, ...]], *,
     for pid, names in aliases.items():
         key = next((n for n in names if prefix + n in saved), None)
         if key is None:
-            raise ConfigError(f"checkpoint_io: the checkpoint has no {prefix}{names[0]} (aliases {names}); "
-                              f"it was written for another model")
+            raise CheckpointError(f"checkpoint {os.fspath(directory)}: it has no {prefix}{names[0]} (aliases "
+                                  f"{names}); it was written for another model: load it into the model that saved "
+                                  f"it (its keys include {sorted(saved)[:3]})")
         out[pid] = (key, params[pid])
     return out
 
@@ -670,7 +722,7 @@ def load_into_module(module: nn.Module, directory: str | os.PathLike) -> int:
     no process group needed); returns the saved step (0 if the checkpoint has none)."""
     saved = checkpoint_keys(directory)
     entries = {}
-    for key, p in _module_names(module, saved).values():
+    for key, p in _module_names(module, saved, directory=directory).values():
         _add(entries, key, p.shape, _whole(p.detach()))
     step = torch.zeros((), dtype=torch.int64)
     if TRAIN_STEP_KEY in saved:
@@ -684,8 +736,11 @@ def load_optimizer_state_into(optimizer: torch.optim.Optimizer, module: nn.Modul
     """Load a checkpoint's optimizer state into a plain torch optimizer over ``module``'s
     parameters (no process group needed)."""
     saved = checkpoint_keys(directory)
+    if not _state_names(saved):
+        raise CheckpointError(f"checkpoint {os.fspath(directory)}: it holds no optimizer state (saved before the "
+                              f"first step, or without an optimizer); load the weights only (load_into_module)")
     names = _module_names(module, {k[len(OPTIM_PREFIX):].rsplit(".", 1)[0]: v for k, v in saved.items()
-                                   if k.startswith(OPTIM_PREFIX)})
+                                   if k.startswith(OPTIM_PREFIX)}, directory=directory)
     init_state(optimizer)
     entries: dict[str, Entry] = {}
     for group in optimizer.param_groups:

@@ -8,6 +8,15 @@ failed rank(s): the ranks whose process is gone (pids are exchanged at start wit
 :func:`gather_pids`; only checkable for ranks on this host), else the peer of the action that
 failed (a pipeline send/receive), else the ranks of the group of the failed collective.
 
+A rank that *stopped* (SIGSTOP, a frozen host) closes nothing: its peers only time out. So
+:func:`gather_pids` also starts this process's heartbeat (:mod:`runtime.heartbeat`, through the
+rendezvous store), and :func:`describe_failure` names the ranks whose heartbeat went stale
+("peer rank 2 stopped answering: no heartbeat for 14.2 s (node3, pid 1234)"); it also leaves
+this rank's last words there (``exiting`` on purpose, or ``failed`` with its error), so peers on
+other hosts can tell the rank that failed from those that left because of it.
+:func:`error_line` is the one-line form of any error for the command line: its type, first line
+and the frame it was raised in.
+
 :func:`arm_from_env` injects a fault for tests: ``PARTITIONER_FAULT="rank=2,step=1,action=3"``
 kills rank 2 with SIGKILL when it starts its 4th instrumented action of step 1; with ``,raise=1``
 the action raises :class:`InjectedFault` instead (a rank's own bug rather than a crash).
@@ -17,8 +26,11 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
+import sysconfig
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -26,7 +38,7 @@ from typing import Any, Sequence
 import torch.distributed as dist
 
 from passes.ir.schedule.actions import Action
-from runtime import comm
+from runtime import comm, heartbeat
 
 FAULT_ENV = "PARTITIONER_FAULT"
 
@@ -41,9 +53,16 @@ class RankIdentity:
 
 
 def gather_pids(group: Any = None) -> list[RankIdentity]:
-    """Every rank's host and pid (a collective over ``group``; call it on every rank)."""
+    """Every rank's host and pid (a collective over ``group``; call it on every rank); starts this
+    process's heartbeat (:mod:`runtime.heartbeat`) for the job, named by the first rank's host
+    and pid."""
     me = RankIdentity(rank=dist.get_rank(), host=socket.gethostname(), pid=os.getpid())
-    return sorted(comm.all_gather_object(me, group), key=lambda r: r.rank)
+    identities = sorted(comm.all_gather_object(me, group), key=lambda r: r.rank)
+    try:
+        heartbeat.start(me.rank, f"{identities[0].host}-{identities[0].pid}")
+    except Exception:  # noqa: BLE001 - without a heartbeat a stopped peer is only named less precisely
+        pass
+    return identities
 
 
 def dead_ranks(ranks: Sequence[RankIdentity]) -> list[int]:
@@ -81,6 +100,9 @@ def mark_exiting(identities: Sequence[RankIdentity], rank: int, *, own: bool = F
     itself; nothing is recorded, so peers will name it."""
     if not identities or own:
         return
+    hb = heartbeat.current()
+    if hb is not None:
+        hb.set_state("exiting", stop=True)
     d = _marker_dir(identities)
     try:
         d.mkdir(parents=True, exist_ok=True)
@@ -101,36 +123,119 @@ def failed_ranks(identities: Sequence[RankIdentity]) -> list[int]:
 
 def describe_failure(exc: BaseException, *, rank: int, last_action: Action | str | None,
                      identities: Sequence[RankIdentity], pp_ranks: Sequence[int] = (),
-                     group_ranks: Sequence[int] = (), settle_s: float = 2.0) -> str:
+                     group_ranks: Sequence[int] = (), settle_s: float = 2.0,
+                     stale_after_s: float = heartbeat.STALE_AFTER_S) -> str:
     """One line for the log: which peer failed, during which action of this rank, and why.
 
-    Also marks this rank as exiting on purpose (:func:`mark_exiting`): call it once, on the way out.
+    Looks, for up to ``settle_s`` seconds, for peers whose process is gone (this host), that
+    recorded their own failure, or whose heartbeat is older than ``stale_after_s`` seconds
+    (stopped); else names the other end of the failed action, else the group. Also marks this
+    rank as exiting on purpose (:func:`mark_exiting`): call it once, on the way out.
     """
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     why = f"({type(exc).__name__}: {first[:200]})"
     where = last_action or "start-up"
+    hb = heartbeat.current()
     if not is_communication_error(exc):  # this rank's own bug: its peers will name it
         mark_exiting(identities, rank, own=True)
+        if hb is not None:
+            hb.set_state("failed", f"{type(exc).__name__}: {first[:200]}", stop=True)
         return f"rank {rank}: failed during {where}; exiting {why}"
     # A killed peer's sockets close while its process is still being torn down: look again for
     # a moment before falling back to guessing from the action.
+    ranks = [r.rank for r in identities] or list(group_ranks)
     dead: list[int] = []
+    silent: list[heartbeat.Silent] = []
+    unreachable = False
     deadline = time.monotonic() + (settle_s if identities else 0.0)
+    next_read = time.monotonic()
     while True:
         dead = failed_ranks(identities) if identities else []
-        if dead or time.monotonic() >= deadline:
+        if hb is not None and time.monotonic() >= next_read:
+            try:
+                beats = hb.read(ranks)
+            except heartbeat.StoreUnreachable:
+                unreachable, hb = True, None
+            else:
+                dead = sorted(set(dead) | {r for r, b in beats.items() if b.state == "failed" and r != rank})
+                silent = heartbeat.silent_ranks(beats, me=rank, stale_after_s=stale_after_s)
+            next_read = time.monotonic() + 0.5
+        if dead or silent or time.monotonic() >= deadline:
             break
         time.sleep(0.05)
     mark_exiting(identities, rank)
     if dead:
         who = "peer rank " + ", ".join(map(str, dead)) if len(dead) == 1 else f"peer ranks {dead}"
-    elif isinstance(last_action, Action) and last_action.peer is not None and pp_ranks:
+        return f"rank {rank}: {who} failed during {where}; exiting {why}"
+    if silent:
+        return f"rank {rank}: {'; '.join(s.text() for s in silent)}; noticed during {where}; exiting {why}"
+    if unreachable and rank != 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        # Without a launcher's agent, global rank 0 hosts the rendezvous store in its process.
+        return (f"rank {rank}: peer rank 0 stopped answering: the rendezvous store it hosts does not answer; "
+                f"noticed during {where}; exiting {why}")
+    if isinstance(last_action, Action) and last_action.peer is not None and pp_ranks:
         who = f"peer rank {pp_ranks[last_action.peer]} (the other end of {last_action})"
     elif group_ranks:
         who = f"a peer among ranks {list(group_ranks)}"
     else:
         who = "a peer"
     return f"rank {rank}: {who} failed during {where}; exiting {why}"
+
+
+def _library_dirs() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    dirs = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")} | {sys.prefix, sys.base_prefix}
+    return tuple(os.path.realpath(d) + os.sep for d in dirs if d)
+
+
+_PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def last_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The frame ``exc`` (or, for a wrapping error, the error it was raised from) came from: the
+    innermost frame outside the Python and site-packages libraries (this project's or the
+    user's own code), else the innermost frame."""
+    chain = [exc]
+    while True:
+        e = chain[-1]
+        nxt = e.__cause__ if e.__cause__ is not None else (None if e.__suppress_context__ else e.__context__)
+        if nxt is None or nxt in chain:
+            break
+        chain.append(nxt)
+    libs = _library_dirs()
+    fallback = None
+    for e in reversed(chain):  # the original error first
+        frames = traceback.extract_tb(e.__traceback__)
+        own = [f for f in frames if not os.path.realpath(f.filename).startswith(libs)
+               or os.path.realpath(f.filename).startswith(str(_PROJECT_ROOT) + os.sep)]
+        if own:
+            return own[-1]
+        fallback = fallback or (frames[-1] if frames else None)
+    return fallback
+
+
+def frame_text(exc: BaseException) -> str:
+    """``partitioner/foo.py:123 in bar``: :func:`last_frame` of ``exc``, its path relative to the
+    project when inside it (``""`` when ``exc`` has no traceback)."""
+    frame = last_frame(exc)
+    if frame is None:
+        return ""
+    path = Path(frame.filename)
+    try:
+        path = path.resolve().relative_to(_PROJECT_ROOT)
+    except (ValueError, OSError):
+        pass
+    return f"{path}:{frame.lineno} in {frame.name}"
+
+
+def error_line(exc: BaseException) -> str:
+    """``ConfigError: <first line of the message> (partitioner/foo.py:123 in bar)``: an error in
+    one line, with the frame it came from (:func:`frame_text`)."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    line = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    where = frame_text(exc)
+    return f"{line} ({where})" if where else line
 
 
 _COMM_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "socket", "peer")

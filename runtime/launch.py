@@ -9,8 +9,9 @@ picklable. ``fn`` initialises torch.distributed itself (e.g. by building a
 
 If a rank raises, the job stops at once (the other ranks are killed: they would otherwise wait
 in a collective until their timeout) and :class:`LaunchError` names the rank and carries its
-traceback; likewise for a rank that dies without reporting, or ranks still running after
-``timeout_s`` seconds.
+traceback (``LaunchError.failures``: each failed rank's one-line error and its traceback, for a
+command line that prints one line per rank); likewise for a rank that dies without reporting, or
+ranks still running after ``timeout_s`` seconds.
 """
 from __future__ import annotations
 
@@ -21,13 +22,29 @@ import queue
 import socket
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from passes.ir.errors import PartitionerError
 
 
+@dataclass(frozen=True, kw_only=True)
+class RankError:
+    """What a spawned rank raised: ``line`` (``runtime.faults.error_line``: type, first line,
+    the frame it came from) and the full ``traceback`` text."""
+
+    rank: int
+    line: str
+    traceback: str
+
+
 class LaunchError(PartitionerError, RuntimeError):
-    """A spawned rank raised, died, or did not finish in time; the message names the rank(s)."""
+    """A spawned rank raised, died, or did not finish in time; the message names the rank(s).
+    ``failures``: the ranks that raised (those reported by the time the job was stopped)."""
+
+    def __init__(self, message: str, failures: tuple[RankError, ...] = ()):
+        super().__init__(message)
+        self.failures = failures
 
 
 def free_port() -> int:
@@ -47,11 +64,22 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args:
         # parent can no longer open once this process has exited.
         results.put((rank, "ok", pickle.dumps(fn(*args))))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
-        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        results.put((rank, "error", (f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", _line(exc))))
     finally:
         import torch.distributed as dist
         if dist.is_initialized():
+            from runtime import heartbeat
+            heartbeat.stop()  # "done": a finished rank is not one that stopped answering
             dist.destroy_process_group()
+
+
+def _line(exc: BaseException) -> str:
+    try:
+        from runtime.faults import error_line
+        return error_line(exc)
+    except Exception:  # noqa: BLE001 - the report must reach the parent whatever happens here
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return f"{type(exc).__name__}: {first}"
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
@@ -91,7 +119,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
                                       f"(a hang: waiting in a collective or a receive?); killed them") from None
                 continue
             if status == "error":
-                raise LaunchError(f"spawn: rank {rank} of {world_size} raised {value}")
+                failures = (RankError(rank=rank, line=value[1], traceback=value[0]),) + _more_errors(results)
+                raise LaunchError(f"spawn: rank {rank} of {world_size} raised {value[0]}", failures)
             done[rank] = pickle.loads(value)
         ok = True
     finally:
@@ -106,8 +135,24 @@ def _drain(results, done: dict[int, Any]) -> None:
         except queue.Empty:
             return
         if status == "error":
-            raise LaunchError(f"spawn: rank {rank} raised {value}")
+            failures = (RankError(rank=rank, line=value[1], traceback=value[0]),) + _more_errors(results)
+            raise LaunchError(f"spawn: rank {rank} raised {value[0]}", failures)
         done[rank] = pickle.loads(value)
+
+
+def _more_errors(results, settle_s: float = 1.0) -> tuple[RankError, ...]:
+    """Errors other ranks report within ``settle_s`` seconds of the first (often the same
+    refusal on every rank, or their peers' view of the failure)."""
+    out = []
+    deadline = time.monotonic() + settle_s
+    while time.monotonic() < deadline:
+        try:
+            rank, status, value = results.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if status == "error":
+            out.append(RankError(rank=rank, line=value[1], traceback=value[0]))
+    return tuple(out)
 
 
 def _stop(procs, *, graceful: bool) -> None:

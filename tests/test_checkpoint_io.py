@@ -14,7 +14,7 @@ import torch
 
 from runtime.optimizers import module_param_groups
 
-from partitioner.errors import ConfigError
+from partitioner.errors import CheckpointError, ConfigError
 from partitioner.model_spec import build_model
 from runtime.checkpoint_io import (
     OPTIM_PREFIX, TRAIN_STEP_KEY, Entry, ParamLayout, checkpoint_keys, flat_range_boxes, load_entries,
@@ -165,7 +165,7 @@ def test_plain_module_loads_and_continues(checkpoints, reference, name):
 def test_wrong_model_is_refused(checkpoints):
     root, _ = checkpoints
     other = build_model("gpt:layers=4,hidden=16,heads=2,vocab=64,seq=8,dropout=0.0").module
-    with pytest.raises(ConfigError, match=r"wte.weight has shape \(64, 32\) in the checkpoint but \(64, 16\)"):
+    with pytest.raises(CheckpointError, match=r"wte.weight has shape \(64, 32\) in the checkpoint but \(64, 16\)"):
         load_into_module(other, f"{root}/pp2")
 
 

@@ -1,11 +1,11 @@
 """``partitioner train``: a run killed mid-training and resumed with ``--resume`` gives the losses of
-the uninterrupted run, under the same plan and under another one; every step's metrics are in the
-JSONL.
+the uninterrupted run, under the same plan, another plan and another world size; every step's
+metrics are in the JSONL.
 
-Four launches of 2 local ranks, each a real ``partitioner train`` process per rank (env://):
+Five launches of local ranks, each a real ``partitioner train`` process per rank (env://):
 uninterrupted (dp=2, 16 steps, warm-up + cosine, clipping that is active); the same with
 checkpoints every 5 steps and rank 1 SIGKILLed in step 12 (``$PARTITIONER_FAULT``); a resume of
-that under dp=2 and one under pp=2. The resumed runs continue from step 10 (the latest complete
+that under dp=2, one under pp=2 and one on a single rank. The resumed runs continue from step 10 (the latest complete
 checkpoint: model, optimizer, scheduler, sampler position, RNG) and must reproduce steps 11-16.
 """
 from __future__ import annotations
@@ -66,8 +66,9 @@ def test_killed_run_resumes_with_the_uninterrupted_losses_under_the_same_and_ano
     assert any(code != 0 for code, _, _ in killed), "the fault must stop the run"
     assert [p.name for p in complete_checkpoints(ckpt)] == [step_dir_name(5), step_dir_name(10)]
 
-    for fix, name, rel in (("dp=2", "same", 1e-6), ("pp=2", "other", 1e-5)):
-        out = _ok(launch_train(2, [*common, "--fix", fix, "--resume", str(ckpt), "--metrics", str(tmp_path / f"{name}.jsonl")]))
+    for world, fix, name, rel in ((2, "dp=2", "same", 1e-6), (2, "pp=2", "other", 1e-5), (1, "dp=1", "one", 1e-5)):
+        out = _ok(launch_train(world, [*common, "--fix", fix, "--resume", str(ckpt),
+                                       "--metrics", str(tmp_path / f"{name}.jsonl")]))
         assert "at step 10" in out, out
         resumed = _jsonl(tmp_path / f"{name}.jsonl")
         assert [m["step"] for m in resumed] == list(range(10, STEPS))

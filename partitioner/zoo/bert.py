@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from passes.ir.errors import ModelSpecError
 from partitioner.model_spec import ModelSpec, register
-from partitioner.zoo.gpt import init_weights
+from partitioner.zoo.gpt import DECODER_KEYS, init_weights
 from passes.ir.meta import InputSpec
 
 TOKEN_TYPES = 2  # segment A / segment B, as in BERT pre-training
@@ -93,11 +92,10 @@ def mlm_loss(model: nn.Module, idx: torch.Tensor, token_types: torch.Tensor, lab
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
 
 
-@register("bert", "BERT encoder with MLM head: layers, hidden, heads, vocab, seq (max positions), dropout, batch")
+@register("bert", "BERT encoder with MLM head: layers, hidden, heads, vocab, seq (max positions), dropout, batch",
+          keys=DECODER_KEYS)
 def build_bert(layers: int = 2, hidden: int = 128, heads: int = 4, vocab: int = 1000, seq: int = 64,
                dropout: float = 0.1, batch: int = 2) -> ModelSpec:
-    if hidden % heads:
-        raise ModelSpecError(f"bert: hidden={hidden} must be divisible by heads={heads}")
     module = Bert(layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=seq, dropout=dropout)
     inputs = (
         InputSpec(name="idx", shape=("batch", "seq"), dtype=torch.long, high=vocab),

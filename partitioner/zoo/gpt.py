@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from passes.ir.errors import ModelSpecError
 from partitioner.model_spec import ModelSpec, register
+from partitioner.spec_keys import COUNT, DROPOUT, Divisible, SpecTable
 from passes.ir.meta import InputSpec
 
 
@@ -88,11 +88,16 @@ def lm_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
 
 
-@register("gpt", "GPT decoder: layers, hidden, heads, vocab, seq (max positions), dropout, batch")
+DECODER_KEYS = SpecTable(
+    keys={"layers": COUNT, "hidden": COUNT, "heads": COUNT, "vocab": COUNT, "seq": COUNT, "dropout": DROPOUT,
+          "batch": COUNT},
+    rules=(Divisible("hidden", "heads"),), limits={"seq": "seq"})
+"""The keys of the GPT decoder (and the BERT encoder, which takes the same)."""
+
+
+@register("gpt", "GPT decoder: layers, hidden, heads, vocab, seq (max positions), dropout, batch", keys=DECODER_KEYS)
 def build_gpt(layers: int = 2, hidden: int = 128, heads: int = 4, vocab: int = 1000, seq: int = 64,
               dropout: float = 0.1, batch: int = 2) -> ModelSpec:
-    if hidden % heads:
-        raise ModelSpecError(f"gpt: hidden={hidden} must be divisible by heads={heads}")
     module = GPT(layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=seq, dropout=dropout)
     inputs = (
         InputSpec(name="idx", shape=("batch", "seq"), dtype=torch.long, high=vocab),

@@ -18,6 +18,7 @@ from torch import nn
 from passes.ir.errors import ModelSpecError
 from partitioner.model_spec import ModelSpec, register
 from passes.ir.meta import InputSpec
+from partitioner.spec_keys import COUNT, Divisible, SpecTable
 
 _DIM_KEYS = ("batch", "seq")
 
@@ -33,20 +34,26 @@ class _HFModel:
     vocab_key: str
     positions_key: str
     token_types: bool  # BERT takes token_type_ids
+    rules: tuple[Divisible, ...] = ()
+    """Rules across the config's keys (checked before the config is made, with its names)."""
 
 
 _MODELS = {
     "hf-gpt2": _HFModel("hf-gpt2", "GPT2Config", "GPT2LMHeadModel",
                         dict(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=64),
-                        vocab_key="vocab_size", positions_key="n_positions", token_types=False),
+                        vocab_key="vocab_size", positions_key="n_positions", token_types=False,
+                        rules=(Divisible("n_embd", "n_head"),)),
     "hf-llama": _HFModel("hf-llama", "LlamaConfig", "LlamaForCausalLM",
                          dict(num_hidden_layers=2, hidden_size=64, intermediate_size=176, num_attention_heads=4,
                               num_key_value_heads=2, vocab_size=128, max_position_embeddings=64),
-                         vocab_key="vocab_size", positions_key="max_position_embeddings", token_types=False),
+                         vocab_key="vocab_size", positions_key="max_position_embeddings", token_types=False,
+                         rules=(Divisible("hidden_size", "num_attention_heads"),
+                                Divisible("num_attention_heads", "num_key_value_heads", says="a multiple of"))),
     "hf-bert": _HFModel("hf-bert", "BertConfig", "BertForMaskedLM",
                         dict(num_hidden_layers=2, hidden_size=64, intermediate_size=256, num_attention_heads=2,
                              vocab_size=128, max_position_embeddings=64),
-                        vocab_key="vocab_size", positions_key="max_position_embeddings", token_types=True),
+                        vocab_key="vocab_size", positions_key="max_position_embeddings", token_types=True,
+                        rules=(Divisible("hidden_size", "num_attention_heads"),)),
 }
 
 
@@ -57,6 +64,16 @@ def _import_transformers():
         raise ModelSpecError("hf-* models need Hugging Face transformers; install it with "
                              "`pip install 'transformers>=5,<6'` (or `pip install -e '.[test]'`)") from None
     return transformers
+
+
+def _config_errors() -> tuple[type[Exception], ...]:
+    """What a config raises for a bad field: ValueError/TypeError, or huggingface_hub's strict
+    dataclass validation (transformers 5 configs), which derives from neither."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return (TypeError, ValueError)
+    return (TypeError, ValueError, StrictDataclassError)
 
 
 def _config_keys(config_cls: type) -> set[str]:
@@ -85,7 +102,12 @@ def _build(kind: _HFModel, kwargs: dict[str, Any]) -> ModelSpec:
         default = params[tok].default if tok in params else None
         if tok not in values and isinstance(default, int) and default >= values[kind.vocab_key]:
             values[tok] = values[kind.vocab_key] - 1
-    config = config_cls(**values)
+    try:
+        config = config_cls(**values)
+    except _config_errors() as exc:  # the config's own field checks (types, ranges)
+        given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        raise ModelSpecError(f"{kind.spec_name}: {kind.config_class} refuses {given or 'its defaults'}: "
+                             f"{str(exc).strip().splitlines()[-1].strip()}; fix that key") from None
     vocab = getattr(config, kind.vocab_key)
     config.use_cache = False
     # SDPA exports with torch.export and keeps seq symbolic; eager would too, but is slower.
@@ -127,5 +149,9 @@ def _builder(kind: _HFModel) -> Callable[..., ModelSpec]:
 
 for _kind in _MODELS.values():
     _defaults = ",".join(f"{k}={v}" for k, v in _kind.defaults.items())
+    # The small defaults' keys are counts; any other config field goes to the config, which checks it.
+    _table = SpecTable(keys={**{k: COUNT for k in _kind.defaults}, "batch": COUNT, "seq": COUNT},
+                       rules=_kind.rules, open=True, limits={"seq": _kind.positions_key})
     register(_kind.spec_name, f"Hugging Face {_kind.model_class} (keys: {_kind.config_class} fields, batch, "
-                              f"seq; default {_defaults})")(_builder(_kind))
+                              f"seq; default {_defaults})", keys=_table,
+             defaults={**_kind.defaults, "batch": 2})(_builder(_kind))

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from passes.ir.errors import ModelSpecError
 from partitioner.model_spec import ModelSpec, register
+from partitioner.spec_keys import COUNT, Divisible, EvenQuotient, Key, SpecTable
 from partitioner.zoo.gpt import init_weights, lm_loss
 from passes.ir.meta import InputSpec
 
@@ -122,15 +122,15 @@ def swiglu_intermediate(hidden: int, multiple_of: int = 32) -> int:
 
 
 @register("llama", "Llama decoder (RMSNorm, RoPE, GQA, SwiGLU): layers, hidden, heads, kv_heads, vocab, "
-                   "seq, intermediate (default ~8/3*hidden), theta, batch")
+                   "seq, intermediate (default ~8/3*hidden), theta, batch",
+          keys=SpecTable(
+              keys={"layers": COUNT, "hidden": COUNT, "heads": COUNT, "kv_heads": COUNT, "vocab": COUNT, "seq": COUNT,
+                    "intermediate": Key(kind="int", ge=0), "theta": Key(kind="float", gt=0), "batch": COUNT},
+              rules=(Divisible("hidden", "heads"),
+                     EvenQuotient("hidden", "heads", what="head dim", why="for RoPE (it rotates pairs)"),
+                     Divisible("heads", "kv_heads", says="a multiple of"))))
 def build_llama(layers: int = 2, hidden: int = 128, heads: int = 4, kv_heads: int = 2, vocab: int = 1000,
                 seq: int = 64, intermediate: int = 0, theta: float = 10000.0, batch: int = 2) -> ModelSpec:
-    if hidden % heads:
-        raise ModelSpecError(f"llama: hidden={hidden} must be divisible by heads={heads}")
-    if (hidden // heads) % 2:
-        raise ModelSpecError(f"llama: head dim hidden/heads={hidden // heads} must be even for RoPE")
-    if kv_heads < 1 or heads % kv_heads:
-        raise ModelSpecError(f"llama: heads={heads} must be a multiple of kv_heads={kv_heads}")
     module = Llama(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
                    intermediate=intermediate or swiglu_intermediate(hidden), theta=theta)
     inputs = (

@@ -9,6 +9,7 @@ from torch import nn
 
 from passes.ir.errors import ModelSpecError
 from partitioner.model_spec import ModelSpec, register
+from partitioner.spec_keys import COUNT, Key, SpecTable
 from partitioner.zoo.gpt import init_weights
 from passes.ir.meta import InputSpec
 
@@ -35,11 +36,11 @@ def ce_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(model(x), y)
 
 
-@register("mlp", "multi-layer perceptron: layers, hidden, in_features, out_features, loss (mse|ce), batch")
+@register("mlp", "multi-layer perceptron: layers, hidden, in_features, out_features, loss (mse|ce), batch",
+          keys=SpecTable(keys={"layers": Key(kind="int", ge=0), "hidden": COUNT, "in_features": COUNT,
+                               "out_features": COUNT, "loss": Key(kind="str", choices=("mse", "ce")), "batch": COUNT}))
 def build_mlp(layers: int = 2, hidden: int = 256, in_features: int = 64, out_features: int = 10,
               loss: str = "mse", batch: int = 8) -> ModelSpec:
-    if layers < 0:
-        raise ModelSpecError(f"mlp: layers={layers} must be 0 or more")
     module = MLP(layers=layers, hidden=hidden, in_features=in_features, out_features=out_features)
     x = InputSpec(name="x", shape=("batch", in_features), dtype=torch.float32)
     if loss == "mse":

@@ -13,6 +13,7 @@ from torch import nn
 from passes.ir.errors import ModelSpecError
 from partitioner.model_spec import ModelSpec, register
 from passes.ir.meta import InputSpec
+from partitioner.spec_keys import COUNT, Key, SpecTable
 
 
 class BasicBlock(nn.Module):
@@ -71,7 +72,9 @@ def _int_list(value: int | str, key: str) -> list[int]:
     return out
 
 
-@register("resnet", "ResNet-style CNN: blocks (per stage, e.g. 2-2-2), widths (e.g. 16-32-64), image, classes, batch")
+@register("resnet", "ResNet-style CNN: blocks (per stage, e.g. 2-2-2), widths (e.g. 16-32-64), image, classes, batch",
+          keys=SpecTable(keys={"blocks": Key(kind="ints", ge=1), "widths": Key(kind="ints", ge=1), "image": COUNT,
+                               "classes": COUNT, "batch": COUNT}))
 def build_resnet(blocks: int | str = "2-2", widths: int | str = "16-32", image: int = 32, classes: int = 10,
                  batch: int = 2) -> ModelSpec:
     block_list, width_list = _int_list(blocks, "blocks"), _int_list(widths, "widths")

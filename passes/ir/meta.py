@@ -105,6 +105,45 @@ class InputSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DimBound:
+    """A named dim's allowed sizes, ``low <= size <= high`` (``high`` None: unbounded), and what
+    bounds it (``reason``: an export guard, or the table a position index reads)."""
+
+    name: str
+    low: int = 1
+    high: int | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValueBound:
+    """An integer input's allowed values, ``low <= v < high`` (``allowed``: values also accepted,
+    e.g. a loss's ``ignore_index``), and what bounds them (``reason``: the embedding table the ids
+    index, or the loss's number of classes)."""
+
+    name: str
+    low: int = 0
+    high: int
+    allowed: tuple[int, ...] = ()
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class InputBounds:
+    """What a batch must satisfy beyond the inputs' shapes and dtypes, read from the captured
+    graph (:mod:`passes.input_bounds`): the named dims' ranges and the integer inputs' values."""
+
+    dims: tuple[DimBound, ...] = ()
+    values: tuple[ValueBound, ...] = ()
+
+    def dim(self, name: str) -> DimBound | None:
+        return next((b for b in self.dims if b.name == name), None)
+
+    def value(self, name: str) -> ValueBound | None:
+        return next((b for b in self.values if b.name == name), None)
+
+
+@dataclass(frozen=True, kw_only=True)
 class CaptureInfo:
     """How a graph was captured: ``gm.meta[CAPTURE]``.
 
@@ -119,6 +158,7 @@ class CaptureInfo:
     device: str  # device type the graph's programs run on ("cpu", "cuda")
     dtype: torch.dtype  # floating dtype of parameters and activations
     tied: tuple[tuple[str, ...], ...] = ()  # names of each parameter the module lists under several names
+    bounds: InputBounds = InputBounds()  # the batches the graph takes (named dims' ranges, token id ranges)
 
     def canonical_names(self) -> dict[str, str]:
         """Alias -> canonical (first) name of every tied parameter's names."""

@@ -46,9 +46,8 @@ from partitioner.cluster import Cluster
 from partitioner.cost_model import cost_hooks
 from partitioner.dumps import write_plan_dumps
 from partitioner.memory_check import replay_check
-from partitioner.model_spec import ModelSpec, as_spec, build_model, meta_copy  # noqa: F401 (re-exported)
+from partitioner.model_spec import ModelSpec, as_spec, meta_copy
 from partitioner.knobs import check_fix
-from partitioner.planning import parse_fix
 from partitioner.run_options import check_option
 from partitioner.profile import ModelProfile, profile_graph, profile_model, profile_spec
 from partitioner.search import plan as search
@@ -92,7 +91,7 @@ def choose_plan(model: str | ModelSpec, cluster: Cluster, *, world_size: int, gl
     the job has.
     """
 
-    pinned = parse_fix(fix) if isinstance(fix, str) else dict(fix or {})
+    pinned = check_fix(fix, where="choose_plan: fix")
     axes = {k: int(pinned[k]) for k in ("dp", "tp", "pp") if k in pinned}
     ranks = axes.get("dp", 1) * axes.get("tp", 1) * axes.get("pp", 1)
     if axes and (world_size % ranks or (len(axes) == 3 and ranks != world_size)):

@@ -17,6 +17,7 @@ from torch import fx
 from partitioner.cluster import Cluster
 from partitioner.cost_model import cost_hooks
 from passes.capture import capture_spec
+from passes.training_step_checks import check_loss, check_trainable, watch_side_effects
 from passes.ir.config import ParallelConfig
 from passes.lower import lower, lower_rank
 from passes.manager import PassContext
@@ -32,10 +33,16 @@ if TYPE_CHECKING:
 def capture_training_step(spec: ModelSpec, *, symbolic: Sequence[str] | None = None,
                           device: str | None = None) -> fx.GraphModule:
     """The training step of ``spec`` captured once, every named dim symbolic by default (a plan
-    picks the micro-batch later). ``device``: the device type the programs will run on."""
+    picks the micro-batch later). ``device``: the device type the programs will run on. Refuses a
+    model without trainable parameters and a loss that is not a scalar; warns of Python side
+    effects in ``forward`` (:mod:`passes.training_step_checks`)."""
     if symbolic is None:
         symbolic = sorted({d for inp in spec.inputs for d in inp.shape if isinstance(d, str)})
-    return capture_spec(spec, symbolic=tuple(symbolic), device=device)
+    check_trainable(spec.module, spec.name)
+    with watch_side_effects(spec.module, spec.name):
+        gm = capture_spec(spec, symbolic=tuple(symbolic), device=device)
+    check_loss(gm, spec.name)
+    return gm
 
 
 def analyse(gm: fx.GraphModule, *, optimizer: str = "adamw", mixed_precision: bool = False, writer=None,

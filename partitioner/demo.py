@@ -12,7 +12,10 @@ training of the same model, and leaves in ``--dump-dir`` the plan's dump tree
 ``partitioner train`` is the same loop for any model spec, run by every rank of a job that
 torchrun (or any env:// launcher) started. A rank that fails (an exception, or a peer that
 died: gloo raises on the survivors, every group has a timeout) prints
-``rank R: peer rank K failed during <action>; exiting`` and exits with :data:`EXIT_PEER_FAILED`.
+``rank R: peer rank K failed during <action>; exiting`` (a peer that stopped answering: ``rank R:
+peer rank K stopped answering: no heartbeat for T s (host, pid P); ...``, :mod:`runtime.heartbeat`)
+and the frame it came from, and exits with :data:`EXIT_PEER_FAILED`; ``--debug`` prints the
+traceback first.
 ``train --data FILE`` trains on a text file instead (:func:`token_dataset`), each rank reading only
 the fields of its own dp shard that its stages consume (``AutoParallel.fit``, :mod:`runtime.data`);
 ``--metrics`` writes per-step JSON lines, ``--save-dir``/``--resume`` checkpoint and continue

@@ -105,6 +105,23 @@ def key_rules(name: str) -> str | None:
     return describe_table(table, defaults)
 
 
+def check_spec(spec: str) -> None:
+    """Refuse a zoo spec string before any work: malformed items, an unknown model or key, and
+    values that break the model's key table (:func:`check_spec_values`). File specs pass."""
+    if not isinstance(spec, str) or spec.partition(":")[0].strip().endswith(".py"):
+        return
+    _load_zoo()
+    name, kwargs = parse_spec(spec)
+    if name not in _REGISTRY:
+        close = difflib.get_close_matches(name, sorted(_REGISTRY), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ModelSpecError(
+            f"unknown model {name!r} in spec {spec!r}; {hint}known models: {', '.join(sorted(_REGISTRY))}, "
+            f"or path/to/file.py:factory")
+    _check_keys(name, _REGISTRY[name][0], kwargs)
+    check_spec_values(name, kwargs)
+
+
 def check_dim(spec: str, dim: str, value: int, *, spelled: str) -> None:
     """Raise :class:`ModelSpecError` when named dim ``dim`` = ``value`` exceeds what zoo spec
     ``spec`` was built for (``--seq 64`` on ``gpt:seq=32``, which has 32 learned positions).
@@ -208,23 +225,16 @@ def build_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.d
                 seed: int = 0) -> ModelSpec:
     """Build the model a spec string names, on ``device`` (``"meta"`` allocates no weights).
 
-    ``path/to/file.py:factory`` calls ``factory()`` from that file; it must return a
-    :class:`ModelSpec`.
+    ``path/to/file.py:factory`` calls ``factory()`` from that file (``device`` and ``dtype``
+    are the factory's own); it must return a :class:`ModelSpec` or a dict of ``module``,
+    ``inputs``, ``loss_fn`` and ``dims``.
     """
     head = spec.partition(":")[0]
     if head.endswith(".py"):
-        return _build_from_file(spec)
-    _load_zoo()
+        return _build_from_file(spec, seed)
+    check_spec(spec)
     name, kwargs = parse_spec(spec)
-    if name not in _REGISTRY:
-        close = difflib.get_close_matches(name, sorted(_REGISTRY), n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ModelSpecError(
-            f"unknown model {name!r} in spec {spec!r}; {hint}known models: {', '.join(sorted(_REGISTRY))}, "
-            f"or path/to/file.py:factory")
     builder, _ = _REGISTRY[name]
-    _check_keys(name, builder, kwargs)
-    check_spec_values(name, kwargs)
     torch.manual_seed(seed)
     with torch.device(device):
         model = builder(**kwargs)
@@ -233,7 +243,9 @@ def build_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.d
     return model
 
 
-def _build_from_file(spec: str) -> ModelSpec:
+def _build_from_file(spec: str, seed: int = 0) -> ModelSpec:
+    """``factory()`` of a user's file (seeded with ``seed``): a ModelSpec, or a dict with
+    ``module``, ``inputs``, ``loss_fn`` and ``dims`` (read by :func:`as_spec`)."""
     path_str, _, factory = spec.partition(".py:")
     path = Path(path_str + ".py")
     if not factory:
@@ -247,10 +259,20 @@ def _build_from_file(spec: str) -> ModelSpec:
     fn = getattr(module, factory, None)
     if fn is None:
         raise ModelSpecError(f"{path} has no function {factory!r}")
+    torch.manual_seed(seed)
     result = fn()
+    if isinstance(result, dict) and isinstance(result.get("module"), nn.Module):
+        unknown = sorted(set(result) - {"module", "inputs", "loss_fn", "dims"})
+        if unknown:
+            raise ModelSpecError(f"{path}:{factory}() returned a dict with unknown key(s) {unknown}; its keys are "
+                                 f"module, inputs, loss_fn, dims")
+        result = as_spec(result["module"], inputs=result.get("inputs"), loss_fn=result.get("loss_fn"),
+                         dims=result.get("dims"), name=spec)
     if not isinstance(result, ModelSpec):
         raise ModelSpecError(f"{path}:{factory}() returned {type(result).__name__}; it must return a "
-                             f"partitioner.model_spec.ModelSpec(module=..., inputs=..., loss=...)")
+                             f"partitioner.model_spec.ModelSpec(module=..., inputs=..., loss=...) or a dict "
+                             f"{{'module': nn.Module, 'inputs': (InputSpec, ...), 'loss_fn': f(module, *inputs), "
+                             f"'dims': {{'seq': N}}}}")
     result.name = spec
     return result
 

@@ -17,7 +17,7 @@ from partitioner.search import plan as search
 from ir_dumps.writer import DumpWriter
 from partitioner.build import analyse, capture_training_step
 from partitioner.dumps import write_plan_dumps
-from partitioner.model_spec import ModelSpec, as_spec, build_model, check_dim, meta_copy
+from partitioner.model_spec import ModelSpec, as_spec, build_model, check_dim, check_spec, meta_copy
 from passes.ir.errors import ConfigError
 from passes.ir.meta import InputSpec
 from partitioner.run_options import check_option
@@ -43,6 +43,7 @@ def plan(model: str | ModelSpec | nn.Module, cluster: Cluster | str, *, global_b
         cluster = Cluster.load(cluster, nodes=nodes)
     elif nodes is not None:
         cluster = cluster.with_nodes(nodes)
+    check_spec(model)
     pinned = check_fix(fix)
     if seq is not None:
         check_option("seq", seq, spelled="seq")

@@ -86,8 +86,9 @@ def input_bounds(gm: fx.GraphModule, inputs: Sequence[InputSpec], *, dims: dict[
             if source is not None and source.op == "placeholder" and source.name in specs:
                 values.setdefault(source.name, []).append(ValueBound(
                     name=source.name, high=rows, reason=f"it indexes the embedding {table} of {rows} rows"))
-            elif source is not None and _op_name(source) == "arange":
-                bound = _position_bound(source, rows, table, specs)
+            else:
+                arange, offset = _arange_source(node.args[1])
+                bound = _position_bound(arange, offset, rows, table, specs) if arange is not None else None
                 if bound is not None:
                     tighten(bound)
         elif op in _LOSSES and len(node.args) >= 2:
@@ -128,6 +129,22 @@ def _source(node):
     return node if isinstance(node, fx.Node) else None
 
 
+def _arange_source(node) -> tuple[fx.Node | None, int]:
+    """The ``arange`` an index comes from through pass-through ops and additions of constants
+    (``arange(n) + past_length``, Hugging Face's position ids), and the constant added."""
+    offset = 0
+    while isinstance(node, fx.Node):
+        op = _op_name(node)
+        if op == "arange":
+            return node, offset
+        if op == "add" and len(node.args) == 2 and isinstance(node.args[1], int):
+            offset += node.args[1]
+        elif op not in _PASS_THROUGH or not node.args:
+            break
+        node = node.args[0]
+    return None, 0
+
+
 def _export_range(node: fx.Node, axis: int, name: str) -> DimBound | None:
     """Export's range of ``node``'s size along ``axis`` (None when it has no bound of its own)."""
     val = node.meta.get(EXPORT_VAL)
@@ -145,13 +162,17 @@ def _export_range(node: fx.Node, axis: int, name: str) -> DimBound | None:
     high = int(vr.upper) if vr.upper.is_Integer else None
     if low == 1 and high is None:
         return None
-    return DimBound(name=name, low=low, high=high, reason=f"torch.export guards {name} to [{low}, {high or 'inf'}]")
+    return DimBound(name=name, low=low, high=high, reason="a torch.export guard of the model")
 
 
-def _position_bound(arange: fx.Node, rows: int, table: str, specs: dict[str, InputSpec]) -> DimBound | None:
-    """``dim <= rows - start`` for an embedding indexed by ``arange([start,] size(input, axis))``."""
+def _position_bound(arange: fx.Node, offset: int, rows: int, table: str,
+                    specs: dict[str, InputSpec]) -> DimBound | None:
+    """``dim <= rows - start`` for an embedding indexed by ``arange([start,] size(input, axis))
+    + offset``."""
     args = list(arange.args)
     start, end = (0, args[0]) if len(args) == 1 else (args[0], args[1])
+    if isinstance(start, int):
+        start += offset
     if not isinstance(start, int) or not isinstance(end, fx.Node) or _op_name(end) != "sym_size":
         return None
     source, axis = end.args[0], end.args[1] if len(end.args) > 1 else None

@@ -151,7 +151,7 @@ def describe_failure(exc: BaseException, *, rank: int, last_action: Action | str
     next_read = time.monotonic()
     while True:
         dead = failed_ranks(identities) if identities else []
-        if hb is not None and time.monotonic() >= next_read:
+        if not dead and hb is not None and time.monotonic() >= next_read:
             try:
                 beats = hb.read(ranks)
             except heartbeat.StoreUnreachable:

@@ -69,18 +69,18 @@ class StoreUnreachable(RuntimeError):
 
 
 def _connect(timeout_s: float) -> Any:
-    """A new client of the default process group's store (its own connection), else of the
-    env:// store at MASTER_ADDR:MASTER_PORT."""
+    """A new client of the job's store (a connection of its own, every call bounded by
+    ``timeout_s``): the env:// store at MASTER_ADDR:MASTER_PORT, else a clone of the default
+    process group's store."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    try:
-        store = dist.distributed_c10d._get_default_store().clone()
-        store.set_timeout(timeout)
-        return store
-    except Exception:  # noqa: BLE001 - an older torch or another init method: reach the store by address
-        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-        if not addr or not port:
-            raise
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if addr and port:
         return dist.TCPStore(addr, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+    # clone() connects with the original store's timeout (minutes when its host is gone): only
+    # where no address is known.
+    store = dist.distributed_c10d._get_default_store().clone()
+    store.set_timeout(timeout)
+    return store
 
 
 class Heartbeat:
@@ -95,6 +95,7 @@ class Heartbeat:
         self._group = dist.group.WORLD  # beat while this process group lives
         self._stop = threading.Event()
         self._side: Any = None  # the main thread's own connection (reads, last words)
+        self._unreachable = False
         self._thread = threading.Thread(target=self._run, name=f"partitioner-heartbeat-{rank}", daemon=True)
 
     def key(self, rank: int) -> str:
@@ -125,11 +126,15 @@ class Heartbeat:
             self._stop.wait(self.interval_s)
 
     def _side_store(self) -> Any:
+        if self._unreachable:  # once is enough: every further try would wait its timeout again
+            raise StoreUnreachable("rendezvous store did not answer before")
         if self._side is None:
             try:
                 self._side = _connect(STORE_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - any failure to reach it means the same
-                raise StoreUnreachable(f"rendezvous store did not answer ({type(exc).__name__}: {exc})") from exc
+                self._unreachable = True
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                raise StoreUnreachable(f"rendezvous store did not answer ({type(exc).__name__}: {first})") from exc
         return self._side
 
     def set_state(self, state: State, why: str = "", *, stop: bool = False) -> None:
@@ -154,7 +159,7 @@ class Heartbeat:
                     continue
                 raw = store.get(key)
             except Exception as exc:  # noqa: BLE001 - a timeout or a closed connection
-                self._side = None
+                self._side, self._unreachable = None, True
                 first = str(exc).splitlines()[0] if str(exc) else ""
                 raise StoreUnreachable(f"rendezvous store did not answer ({type(exc).__name__}: {first})") from exc
             try:

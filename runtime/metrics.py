@@ -80,10 +80,13 @@ class StepMetrics:
 # ---------------------------------------------------------------------------------------------
 # Building a step's metrics
 
-def dim_sizes(inputs: Sequence[InputSpec], batch: Sequence[torch.Tensor]) -> dict[str, int]:
+def dim_sizes(inputs: Sequence[InputSpec], batch: Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
+              ) -> dict[str, int]:
     """Size of every named dim (``"batch"``, ``"seq"``, ...) as ``batch``'s tensors have it; the
-    tensors are the graph inputs in ``inputs`` order."""
+    tensors are the graph inputs in ``inputs`` order, or a mapping from their names."""
     sizes: dict[str, int] = {}
+    if isinstance(batch, Mapping):
+        batch = [batch.get(spec.name) for spec in inputs]
     for spec, t in zip(inputs, batch):
         shape = getattr(t, "shape", ())
         for axis, d in enumerate(spec.shape):
@@ -95,7 +98,7 @@ def dim_sizes(inputs: Sequence[InputSpec], batch: Sequence[torch.Tensor]) -> dic
 def step_tokens(sizes: Mapping[str, int]) -> int:
     """Tokens of one global batch from its named dim sizes: ``batch x seq`` when there is a
     ``seq`` dim, else ``batch`` (samples)."""
-    return int(sizes["batch"]) * int(sizes.get("seq", 1))
+    return int(sizes.get("batch", 0)) * int(sizes.get("seq", 1))  # a malformed batch is refused by the step
 
 
 def measured_mfu(predicted: Prediction, step_time_s: float) -> float | None:

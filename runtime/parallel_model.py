@@ -36,8 +36,10 @@ import torch
 from torch import fx
 
 from passes.ir.errors import ConfigError, NonFiniteError
+from passes.ir.meta import CAPTURE, InputBounds
 from passes.ir.program import RankProgram, unshard_tensor
 from runtime import comm
+from runtime.batch_check import check_batch
 from runtime.grad_sync import (
     DEFAULT_BUCKET_BYTES, MODE_OF_ZERO_STAGE, BucketedGradSync, ShardedOptimizer, TiedCopies, TiedSync,
     expected_accumulations, fill_missing_grads, unique_params,
@@ -271,9 +273,15 @@ class ParallelModel:
         return {id(p): weight(p) for p in self.params}
 
     # ------------------------------------------------------------------------------------------
-    def micro_batches(self, batch: Sequence[torch.Tensor]) -> tuple[list[dict[str, torch.Tensor]], dict[str, int]]:
+    def micro_batches(self, batch: Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
+                      ) -> tuple[list[dict[str, torch.Tensor]], dict[str, int]]:
         """This dp rank's micro-batches (graph inputs by name) and the named dims of one micro-batch,
-        from the *global* ``batch`` (every graph input, in order)."""
+        from the *global* ``batch``: every graph input in order, or a mapping from the inputs' names
+        (the Hugging Face habit). The batch is checked against the captured contract first
+        (:func:`runtime.batch_check.check_batch`: shapes, dtypes, token id ranges, the graph's dim
+        ranges), before any collective, so a bad batch fails alike on every rank."""
+        batch = tuple(check_batch(self.inputs, batch, batch_size=self.global_batch, bounds=self._input_bounds(),
+                                  where="train_step/eval_step").values())
         if len(batch) != len(self.inputs):
             raise ConfigError(f"parallel_model: train_step got {len(batch)} tensors; the model takes "
                               f"{[i.name for i in self.inputs]}")
@@ -290,6 +298,14 @@ class ParallelModel:
         micro, dims = self._split(mine), {**dims, "batch": rows // self.m}
         self._placeholders(micro, dims)
         return micro, dims
+
+    def _input_bounds(self) -> InputBounds:
+        """The captured graph's :class:`InputBounds` (every stage program carries its capture's)."""
+        for st in self.stages.values():
+            info = st.module.meta.get(CAPTURE)
+            if info is not None:
+                return getattr(info, "bounds", InputBounds())  # a graph captured before bounds were recorded
+        return InputBounds()
 
     @property
     def consumed_inputs(self) -> tuple[str, ...]:
@@ -364,6 +380,7 @@ class ParallelModel:
         ``train_step`` on that batch). ``dims``: the named dims other than ``batch`` (e.g.
         ``{"seq": 64}``): a middle stage has no rows and needs them for its receive shapes.
         Returns the global batch's mean loss, the same float on every rank."""
+        check_batch(self.inputs, rows, batch_size=self.global_batch // self.dp, bounds=self._input_bounds(), names=self.consumed_inputs, dims={k: v for k, v in dims.items() if k != "batch"}, where="train_local", batch_rule="global_batch // dp")  # noqa: E501
         want, got = set(self.consumed_inputs), set(rows)
         if want != got:
             raise ConfigError(f"parallel_model: train_local got inputs {sorted(got)}; this rank (stage "

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from runtime.optimizers import module_param_groups
+from tests.one_device import train_one_device
 
 from partitioner.auto import check_world_size, choose_plan
 from partitioner.cluster import Cluster
@@ -67,17 +67,10 @@ def distributed():
 @pytest.fixture(scope="module")
 def reference():
     spec = build_model(GPT)
-    opt = torch.optim.AdamW(module_param_groups(spec.module), **ADAMW)
     batches = _batches(spec)
-    losses = []
-    for b in batches[:STEPS]:
-        opt.zero_grad()
-        loss = spec.loss(spec.module, *b)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses, module = train_one_device(spec, batches[:STEPS], adamw=ADAMW)
     with torch.no_grad():
-        evaluated = spec.loss(spec.module, *batches[STEPS]).item()
+        evaluated = spec.loss(module, *batches[STEPS]).item()
     return losses, evaluated
 
 
@@ -214,7 +207,7 @@ def test_returned_plan_memory_is_the_replay_and_matches_each_rank_measured(distr
 def test_planner_counts_tied_weights_once(spec):
     """The embedding and the LM head share one tensor: the plan's parameter count and model-state
     bytes are the module's own (not the untied copy's, +13% on these models)."""
-    from partitioner.auto import meta_copy
+    from partitioner.model_spec import meta_copy
     from partitioner.profile import profile_spec
 
     model = build_model(spec)

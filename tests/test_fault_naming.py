@@ -120,3 +120,58 @@ def test_error_line_names_the_error_and_the_frame_it_came_from():
     except RuntimeError as exc:
         line = error_line(exc)
     assert re.fullmatch(r"RuntimeError: wrapped \(tests/test_fault_naming\.py:\d+ in refuse\)", line), line
+
+
+def _refuse_on_odd_ranks():
+    import torch.distributed as dist
+
+    from passes.ir.errors import ConfigError
+    from runtime.mesh import init_distributed
+
+    init_distributed(backend="gloo", timeout_s=30)
+    if dist.get_rank() % 2:
+        raise ConfigError(f"refused on rank {dist.get_rank() % 2}; pin something else")
+    dist.barrier()  # ranks 0 and 2 wait here until the job is stopped
+    return "never"
+
+
+def test_demo_failure_prints_one_line_per_failed_rank(monkeypatch, capsys):
+    """A spawned job's failure (``partitioner demo``): one line per failure (the same refusal on
+    ranks 1 and 3 in one line), naming the error and its frame; ``--debug``: the tracebacks too."""
+    import partitioner.demo
+    from partitioner.cli import main
+    from runtime.launch import spawn
+
+    monkeypatch.setattr(partitioner.demo, "run_demo", lambda **kw: spawn(_refuse_on_odd_ranks, 4, timeout_s=120))
+    assert main(["demo"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = err.splitlines()
+    # the refusal first; then, if they reported in time, ranks 0 and 2 (their peers went away)
+    assert re.fullmatch(r"error: ranks 1, 3: ConfigError: refused on rank 1; pin something else "
+                        r"\(tests/test_fault_naming\.py:\d+ in _refuse_on_odd_ranks\)", lines[0]), err
+    assert all(re.match(r"error: rank [02]: RuntimeError: .* \(tests/test_fault_naming\.py:\d+ in "
+                        r"_refuse_on_odd_ranks\)$", line) for line in lines[1:]) and len(lines) <= 3, err
+    assert main(["demo", "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("Traceback") >= 2 and err.count("error: ranks 1, 3: ConfigError") == 1, err
+    assert 'in _refuse_on_odd_ranks\n    raise ConfigError(f"refused on rank' in err, err
+
+
+def test_train_error_is_one_line_unless_debug(monkeypatch, capsys):
+    import partitioner.demo
+    from partitioner.cli import main
+
+    def broken(**kwargs):
+        raise TypeError("'NoneType' object is not iterable")
+
+    monkeypatch.setattr(partitioner.demo, "run_train", broken)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "1")
+    args = ["train", "--model", MODEL, "--global-batch", "8"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"error: rank 1: TypeError: 'NoneType' object is not iterable \(tests/test_fault_naming\.py:"
+                        r"\d+ in broken\); run with --debug for the full traceback\n", err), err
+    with pytest.raises(TypeError):  # --debug: the exception itself, with Python's traceback
+        main(args + ["--debug"])

@@ -1,0 +1,80 @@
+"""A user's model and loss are checked at capture: a loss that is not a scalar and a model with
+nothing to train are refused; Python side effects in forward (which run only while capturing)
+are warned about once; the zoo's models capture without a warning."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from partitioner.build import capture_training_step
+from partitioner.model_spec import ModelSpec, build_model
+from passes.ir.errors import CaptureError, ConfigError
+from passes.ir.meta import InputSpec
+from passes.training_step_checks import SideEffectWarning
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.calls = 0
+        self.seen: list = []
+        self.mode = "quiet"
+
+    def forward(self, x):
+        if self.mode == "print":
+            print("forward")
+        elif self.mode == "count":
+            self.calls += 1
+        elif self.mode == "append":
+            self.seen.append(x.shape)
+        return self.fc(x)
+
+
+def _spec(net: nn.Module, loss) -> ModelSpec:
+    return ModelSpec(name="net", module=net, inputs=(InputSpec(name="x", shape=("batch", 8)),), loss=loss,
+                     dims={"batch": 2})
+
+
+def _mean(m, x):
+    return m(x).square().mean()
+
+
+def test_a_loss_that_is_not_a_scalar_is_refused_with_its_shape():
+    with pytest.raises(CaptureError, match=r"the loss has shape \(batch, 4\), not a scalar; reduce it"):
+        capture_training_step(_spec(Net(), lambda m, x: m(x)))
+    with pytest.raises(CaptureError, match="returned 2 values"):
+        capture_training_step(_spec(Net(), lambda m, x: (m(x).mean(), m(x).sum())))
+
+
+def test_a_model_with_nothing_to_train_is_refused():
+    net = Net().requires_grad_(False)
+    with pytest.raises(ConfigError, match="no trainable parameters.*requires_grad_"):
+        capture_training_step(_spec(net, _mean))
+
+
+@pytest.mark.parametrize("mode, what", [("print", r"print\(\) ran \d+ time"), ("count", "changed: calls"),
+                                        ("append", "changed: seen")])
+def test_side_effects_in_forward_are_warned_about_once(mode, what):
+    net = Net()
+    net.mode = mode
+    with pytest.warns(SideEffectWarning, match=f"only while the model is captured.*{what}") as record:
+        capture_training_step(_spec(net, _mean))
+    assert len([w for w in record if issubclass(w.category, SideEffectWarning)]) == 1
+
+
+@pytest.mark.parametrize("model", ["gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0",
+                                   "hf-gpt2:n_layer=2,n_embd=32,n_head=2,vocab_size=64,n_positions=16,seq=8",
+                                   "mlp"])
+def test_the_zoo_captures_without_a_side_effect_warning(model):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SideEffectWarning)
+        capture_training_step(build_model(model))
+    quiet = Net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SideEffectWarning)
+        capture_training_step(_spec(quiet, _mean))
+    assert torch.is_tensor(quiet.fc.weight)

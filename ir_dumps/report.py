@@ -21,10 +21,11 @@ No network: CSS and SVG are inline, there is no script. Output is deterministic 
 from __future__ import annotations
 
 import html
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from passes.ir.plan import MEMORY_TERMS, Plan, format_bytes
 from passes.ir import schedule as sched
@@ -73,23 +74,27 @@ class Interval:
 
 
 def write_report(path: str | Path, *, plan: Plan, cluster: Any, schedule: Mapping[int, list] | None = None,
-                 measured: Mapping[Any, Mapping[str, float]] | None = None, graph: Any = None) -> Path:
+                 measured: Mapping[Any, Mapping[str, float]] | None = None, graph: Any = None,
+                 measured_step: Any = None) -> Path:
     """Write ``report.html`` for ``plan`` on ``cluster`` (a :class:`partitioner.cluster.Cluster`).
 
     ``schedule``: per-rank action lists (default: generated from the plan's pp, num_micro_batches,
     schedule and virtual_pp by :mod:`passes.ir.schedule`). ``measured``: per rank
     ``{"step_time_s": seconds, "peak_memory_bytes": bytes}`` shown beside the prediction.
-    ``graph``: an fx.GraphModule whose nodes carry pass annotations. Returns the path written.
+    ``graph``: an fx.GraphModule whose nodes carry pass annotations. ``measured_step``: one step's
+    :class:`runtime.measure.StepMeasurement` of every rank (a list by rank), drawn as the measured
+    timeline under the simulated one. Returns the path written.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_report(plan=plan, cluster=cluster, schedule=schedule, measured=measured, graph=graph),
-                    encoding="utf-8")
+    path.write_text(render_report(plan=plan, cluster=cluster, schedule=schedule, measured=measured, graph=graph,
+                                  measured_step=measured_step), encoding="utf-8")
     return path
 
 
 def render_report(*, plan: Plan, cluster: Any, schedule: Mapping[int, list] | None = None,
-                  measured: Mapping[Any, Mapping[str, float]] | None = None, graph: Any = None) -> str:
+                  measured: Mapping[Any, Mapping[str, float]] | None = None, graph: Any = None,
+                  measured_step: Any = None) -> str:
     """The HTML text of :func:`write_report`."""
     if schedule is None:
         schedule = plan_schedule(plan)
@@ -100,7 +105,8 @@ def render_report(*, plan: Plan, cluster: Any, schedule: Mapping[int, list] | No
         _section("terms", "Step time by cause", _terms_bar(plan)),
         _section("memory", "Peak memory per device, by stage", _memory_chart(plan, capacity)),
         _section("schedule", f"Pipeline schedule ({plan.schedule}, p={plan.pp}, m={plan.num_micro_batches}"
-                 + (f", v={plan.virtual_pp}" if plan.virtual_pp > 1 else "") + ")", _timeline(plan, schedule)),
+                 + (f", v={plan.virtual_pp}" if plan.virtual_pp > 1 else "") + ")",
+                 _timeline(plan, schedule, _measured_timelines(measured_step))),
         _section("alternatives-section", "Candidates that lost", _alternatives(plan)),
     ]
     if measured:
@@ -176,12 +182,92 @@ def timeline_intervals(plan: Plan, schedule: Mapping[int, list]) -> tuple[dict[i
     return out, result.makespan
 
 
-def _timeline(plan: Plan, schedule: Mapping[int, list]) -> str:
+def measured_intervals(timelines: Mapping[int, Sequence[Sequence]],
+                       started_at: Mapping[int, float] | None = None) -> tuple[dict[int, list[Interval]], float]:
+    """The intervals of one measured step per rank (:attr:`runtime.measure.StepMeasurement.timeline`:
+    (action, start, end) seconds from the rank's step start), shifted by each rank's wall-clock
+    start (``started_at``) so the ranks line up; a receive waited on inside a compute action, and
+    every gap between actions, is idle. Returns the rows and the makespan in seconds."""
+    first = min(started_at.values()) if started_at else 0.0
+    rows: dict[int, list[Interval]] = {}
+    for rank, timed in sorted(timelines.items()):
+        shift = (started_at or {}).get(rank, first) - first
+        actions = sorted(((str(label), float(a) + shift, float(b) + shift) for label, a, b in timed),
+                         key=lambda t: t[1])
+        waits = [(a, b) for label, a, b in actions if label == "wait"]
+        pieces: list[Interval] = []
+        clock = 0.0
+        for label, a, b in actions:
+            if label == "wait":
+                continue
+            kind = _kind_of(label)
+            if a > clock + 1e-9:
+                pieces.append(Interval(start=clock, end=a, kind="idle", label="idle"))
+            cuts = sorted((max(a, wa), min(b, wb)) for wa, wb in waits if wa < b and wb > a)
+            cursor = a
+            for wa, wb in cuts:  # the receives this action waited on, drawn as idle inside it
+                if wa > cursor:
+                    pieces.append(Interval(start=cursor, end=wa, kind=kind, label=label))
+                pieces.append(Interval(start=wa, end=wb, kind="idle", label=f"{label}: waiting for a receive"))
+                cursor = max(cursor, wb)
+            if b > cursor:
+                pieces.append(Interval(start=cursor, end=b, kind=kind, label=label))
+            clock = max(clock, b)
+        rows[rank] = pieces
+    makespan = max((p.end for pieces in rows.values() for p in pieces), default=0.0)
+    for pieces in rows.values():
+        end = pieces[-1].end if pieces else 0.0
+        if makespan > end + 1e-9:
+            pieces.append(Interval(start=end, end=makespan, kind="idle", label="idle"))
+    return rows, makespan
+
+
+def _measured_timelines(steps: Any) -> tuple[dict[int, Sequence], dict[int, float], int] | None:
+    """(timeline by rank, wall-clock start by rank, step) of one step's measurements, if timed."""
+    if not steps or not all(getattr(m, "timeline", None) for m in steps):
+        return None
+    return ({m.rank: m.timeline for m in steps}, {m.rank: m.started_at for m in steps}, steps[0].step)
+
+
+def _kind_of(label: str) -> str:
+    """The drawing class of an action's text (``2F0``, ``1SEND_B3->0``, ``ALL_REDUCE``)."""
+    if label in ACTION_CLASSES:
+        return ACTION_CLASSES[label]
+    match = _ACTION_KIND.match(label)
+    return ACTION_CLASSES.get(match.group(1), "comm") if match else "comm"
+
+
+_ACTION_KIND = re.compile(r"\d+(SEND_F|RECV_F|SEND_B|RECV_B|F|B)\d+")
+
+
+def idle_fraction(rows: Mapping[int, Sequence[Interval]], makespan: float) -> float:
+    """Idle rank-time over all rank-time (the bubble, with every other wait)."""
+    idle = sum(p.end - p.start for pieces in rows.values() for p in pieces if p.kind == "idle")
+    return idle / (makespan * len(rows)) if makespan > 0 and rows else 0.0
+
+
+def _timeline(plan: Plan, schedule: Mapping[int, list],
+              measured: tuple[Mapping[int, Sequence], Mapping[int, float], int] | None = None) -> str:
     rows, makespan = timeline_intervals(plan, schedule)
+    out = _timeline_svg(rows, makespan, "timeline", plan)
+    if measured is not None:
+        timelines, started, step = measured
+        m_rows, m_span = measured_intervals(timelines, started)
+        if m_span > 0:
+            out += (f'<h3>Measured (step {step})</h3>' + _timeline_svg(m_rows, m_span, "timeline-measured", None)
+                    + f'<p class="note" id="timeline-measured-note">Measured makespan {_ms(m_span)} (simulated '
+                      f'{_ms(makespan)}); idle {idle_fraction(m_rows, m_span):.1%} of rank-time (simulated '
+                      f'{idle_fraction(rows, makespan):.1%}): every action as the runtime timed it on each rank '
+                      f'(<code>runtime.measure.StepTimer</code>), aligned by the ranks\' wall clocks; a receive '
+                      f'waited on inside a forward or backward is drawn idle.</p>')
+    return out
+
+
+def _timeline_svg(rows: Mapping[int, list[Interval]], makespan: float, svg_id: str, plan: Plan | None) -> str:
     left, width, row_h, top = 70, 1180, 30, 24
     scale = width / makespan if makespan > 0 else 0.0
     height = top + row_h * len(rows) + 34
-    svg = [f'<svg id="timeline" xmlns="http://www.w3.org/2000/svg" width="{left + width + 20}" height="{height}" '
+    svg = [f'<svg id="{svg_id}" xmlns="http://www.w3.org/2000/svg" width="{left + width + 20}" height="{height}" '
            f'role="img" aria-label="pipeline timeline">',
            '<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" '
            'patternTransform="rotate(45)"><rect width="6" height="6" fill="#f3f3f3"/>'
@@ -218,6 +304,8 @@ def _timeline(plan: Plan, schedule: Mapping[int, list]) -> str:
     bubble = idle_total / (makespan * len(rows)) if makespan > 0 and rows else 0.0
     legend = _legend([("forward", "#4e79a7"), ("backward", "#59a14f"), ("send/recv in transit", "#f28e2b"),
                       ("grad all-reduce", "#b07aa1"), ("optimizer step", "#9c755f"), ("idle (bubble)", "#e0e0e0")])
+    if plan is None:
+        return "\n".join(svg)
     times = [s.time_s for s in plan.stages]
     imbalance = (f" Stages differ in time ({_ms(min(times))} to {_ms(max(times))} per micro-batch), so "
                  f"faster ranks also wait on the slowest one." if times and max(times) > 1.01 * min(times) else "")

@@ -285,7 +285,8 @@ class AutoParallel:
 
             run.write(self.dump_dir / "measurements.json")
             write_report(self.dump_dir / "report.html", plan=self.plan, cluster=self.cluster,
-                         measured=run.summary_by_rank(), graph=getattr(self, "_graph", None))
+                         measured=run.summary_by_rank(), graph=getattr(self, "_graph", None),
+                         measured_step=[steps[-1] for steps in run.steps] if all(run.steps) else None)
         return run
 
 

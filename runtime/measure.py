@@ -58,6 +58,13 @@ class StepMeasurement:
     other_s: float
     peak_memory_bytes: int | None
     """``None`` when memory was not tracked this step."""
+    started_at: float = 0.0
+    """Wall-clock time (``time.time()``, seconds) at which the step started: aligns the ranks'
+    timelines (one host's clock; across hosts only as well as their clocks agree)."""
+    timeline: tuple[tuple[str, float, float], ...] = ()
+    """Every schedule action of the step as (action text, start, end) in seconds from the step's
+    start: compute (``F``/``B``), posts (``RECV_F``/``SEND_F``/...), ``wait`` (a receive waited
+    on inside a compute action), ``ALL_REDUCE`` and ``STEP``."""
 
 
 class LiveBytes(TorchDispatchMode):
@@ -147,6 +154,7 @@ class StepTimer:
         self.last_action: Action | str | None = None
         self._t: dict[str, float] = {}
         self._stage: dict[int, float] = {}
+        self._timeline: list[tuple[str, float, float]] = []
         ex = model.executor
         for name, kind in (("_forward", "compute"), ("_backward", "compute"), ("_recv_f", "post"),
                            ("_recv_b", "post"), ("_send_f", "post"), ("_send_b", "post")):
@@ -170,8 +178,15 @@ class StepTimer:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self._add(key, time.perf_counter() - start)
+                end = time.perf_counter()
+                self._add(key, end - start)
+                if label is not None or key == "recv_wait":
+                    self._record(label or "wait", start, end)
         return run
+
+    def _record(self, label: str, start: float, end: float) -> None:
+        # perf_counter stamps (cheap); made relative to the step start in ``measure``
+        self._timeline.append((label, start, end))
 
     def _wrap_action(self, fn: Callable, key: str) -> Callable:
         def run(action: Action):
@@ -181,7 +196,9 @@ class StepTimer:
             try:
                 return fn(action)
             finally:
-                dt = time.perf_counter() - start
+                end = time.perf_counter()
+                self._record(str(action), start, end)
+                dt = end - start
                 if key == "compute":
                     dt -= self._t.get("recv_wait", 0.0) - waited  # waits inside F/B are not compute
                     self._stage[action.stage] = self._stage.get(action.stage, 0.0) + dt
@@ -190,7 +207,7 @@ class StepTimer:
 
     def measure(self, step: int, fn: Callable[[], float]) -> StepMeasurement:
         """Run ``fn`` (one ``train_step``) and record its measurement."""
-        self._t, self._stage = {}, {}
+        self._t, self._stage, self._timeline = {}, {}, []
         cuda = self.model.mesh.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -198,7 +215,7 @@ class StepTimer:
         limit = None if self.track_memory is True else int(self.track_memory)
         if not cuda and (limit is None or len(self.steps) < limit):
             mode = LiveBytes(self._persistent(), host=self._host_resident())
-        start = time.perf_counter()
+        started_at, start = time.time(), time.perf_counter()
         if mode is not None:
             with mode:
                 loss = fn()
@@ -214,7 +231,8 @@ class StepTimer:
             compute_by_stage_s=dict(sorted(self._stage.items())), recv_wait_s=t.get("recv_wait", 0.0),
             send_wait_s=t.get("send_wait", 0.0), p2p_post_s=t.get("post", 0.0),
             collective_s=t.get("collective", 0.0), optimizer_s=t.get("optimizer", 0.0),
-            other_s=max(0.0, wall - parts), peak_memory_bytes=peak)
+            other_s=max(0.0, wall - parts), peak_memory_bytes=peak, started_at=started_at,
+            timeline=tuple((label, a - start, b - start) for label, a, b in self._timeline))
         self.steps.append(m)
         return m
 

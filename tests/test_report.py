@@ -239,3 +239,29 @@ def test_explain_unknown_node_is_a_usage_error(dumped, capsys):
     _, out = dumped
     assert main(["explain", str(out), "--node", "no_such_node"]) == 2
     assert "no node 'no_such_node'" in capsys.readouterr().err
+
+
+def test_measured_timeline_aligns_ranks_and_draws_waits_as_idle():
+    from types import SimpleNamespace
+
+    from ir_dumps.report import idle_fraction, measured_intervals
+
+    # rank 1 starts 10 ms later (wall clock); its forward waits 5 ms for rank 0's activations
+    timelines = {0: [("0F0", 0.000, 0.010), ("0SEND_F0->1", 0.010, 0.011), ("0B0", 0.030, 0.050)],
+                 1: [("1RECV_F0<-0", 0.000, 0.001), ("1F0", 0.001, 0.016), ("wait", 0.001, 0.006),
+                     ("1B0", 0.016, 0.030), ("1SEND_B0->0", 0.030, 0.031)]}
+    rows, makespan = measured_intervals(timelines, {0: 100.000, 1: 100.010})
+    assert makespan == pytest.approx(0.050)
+    r1 = [(p.kind, round(p.start, 3), round(p.end, 3)) for p in rows[1]]
+    assert r1[:4] == [("idle", 0.0, 0.01), ("comm", 0.01, 0.011), ("idle", 0.011, 0.016), ("fwd", 0.016, 0.026)]
+    assert ("bwd", 0.026, 0.04) in r1 and r1[-1] == ("idle", 0.041, 0.05)
+    busy = sum(p.end - p.start for p in rows[0] if p.kind in ("fwd", "bwd"))
+    assert busy == pytest.approx(0.030)
+    assert 0 < idle_fraction(rows, makespan) < 1
+    steps = [SimpleNamespace(rank=r, step=7, timeline=tuple(t), started_at=100.0 + 0.01 * r)
+             for r, t in sorted(timelines.items())]
+    html_text = render_report(plan=synthetic_plan(pp=2, m=1), cluster=Cluster.load("local-cpu"), measured_step=steps)
+    doc = Elements()
+    doc.feed(html_text)
+    assert len(doc.find("svg", id="timeline-measured")) == 1 and "Measured (step 7)" in html_text
+    assert "timeline-measured" not in render_report(plan=synthetic_plan(pp=2, m=1), cluster=Cluster.load("local-cpu"))

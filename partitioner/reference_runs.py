@@ -78,6 +78,10 @@ def reference_plans(world_size: int) -> tuple[ReferencePlan, ...]:
         raise ConfigError(f"reference runs need a world size >= 1, got {w}")
     gb = global_batch(w)
     plans = [ReferencePlan(name=f"dp{w}" + ("-zero1" if w > 1 else ""), global_batch=gb, dp=w,
+                           zero_stage=1 if w > 1 else 0),
+             # the same plan at 4x the micro-batch: 4x the FLOPs through the same operators, so the
+             # refit can tell the FLOP rate from the per-operator overhead
+             ReferencePlan(name=f"dp{w}-large" + ("-zero1" if w > 1 else ""), global_batch=4 * gb, dp=w,
                            zero_stage=1 if w > 1 else 0)]
     if w % 2 == 0:
         half = w // 2
@@ -133,9 +137,11 @@ def _rank_main(plans: tuple[ReferencePlan, ...], steps: int, cluster: Cluster,
             meshes[(p.dp, p.pp, p.tp)] = Mesh(p.dp, p.pp, p.tp, timeout_s=120)
     spec = build_model(REFERENCE_MODEL)
     graph = _shared_graph(spec)
-    batches = [spec.example_inputs({"batch": plans[0].global_batch}, seed=10 + k) for k in range(steps)]
+    batches_of = {gb: [spec.example_inputs({"batch": gb}, seed=10 + k) for k in range(steps)]
+                  for gb in sorted({p.global_batch for p in plans})}
     out = []
     for p in plans:
+        batches = batches_of[p.global_batch]
         torch.distributed.barrier()
         config = ParallelConfig.for_global_batch(
             p.global_batch, dp=p.dp, pp=p.pp, tp=p.tp, schedule=p.schedule, num_micro_batches=p.num_micro_batches,

@@ -423,6 +423,7 @@ class ShardedOptimizer:
         weights = norm_weight or {}
         self.segments = self._segments(lambda p: (int(bool(flags[id(p)])), float(weights.get(id(p), 1.0))))
         self.pieces = [nn.Parameter(self.master.detach()[s.start:s.stop]) for s in self.segments]  # views
+        self._index = {id(pc): k for k, pc in enumerate(self.pieces)}  # piece -> its segment
         groups = [[pc for pc, s in zip(self.pieces, self.segments) if s.group == g] for g in (0, 1)]
         self.optimizer = build(factory or as_factory(None),
                                param_groups(groups[0] + groups[1], [False] * len(groups[0]) + [True] * len(groups[1])))
@@ -494,10 +495,6 @@ class ShardedOptimizer:
                     state[key] = flat[key].detach().clone()
                 for key in tensors:
                     state[key] = flat[key][seg.start:seg.stop].detach().clone()
-
-    @property
-    def _index(self) -> dict[int, int]:
-        return {id(pc): k for k, pc in enumerate(self.pieces)}
 
     @staticmethod
     def _flat(b: GradBucket, tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,236 @@
+"""Analysis view: an analysed fx training graph as a ``networkx.DiGraph``, and the graph algorithms
+the planner needs on it (cut points by dominators, topological generations).
+
+One DiGraph node per fx node, named by the fx node's name; an edge ``u -> v`` for every fx input
+``u`` of ``v`` (data flow, parameters and graph inputs included). Node attributes, all at the
+dims' hint values (plain ints):
+
+==================  ==============================================================================
+``op``              ``"placeholder"``, ``"get_attr"``, ``"output"`` or the call's target
+                    (``"aten.conv2d.default"``)
+``kind``            ``"input"``, ``"param"``, ``"buffer"``, ``"compute"`` or ``"output"``
+``is_param``,       booleans: a parameter (or buffer) read, a graph input, the graph's output node
+``is_input``,
+``is_output``
+``activation``      a compute node whose value lives on an activation storage (its own or, for a
+                    view, an earlier node's); parameters' views and sizes are not activations
+``out_bytes``       bytes of the new output storages the node allocates (0 for views)
+``internal_bytes``  bytes of storages the op makes inside itself for its backward (dropout noise,
+                    layer-norm mean/rstd, attention logsumexp), never any node's output
+``kept_bytes``      bytes of the node's own storages (outputs and internals) that autograd keeps
+``flops``,          forward and backward FLOPs (``annotate_flops``: matmul-class work only)
+``bwd_flops``
+``owns``            :class:`StorageFacts` of every activation/internal storage the node owns
+``reads``           names of the activation/internal storages the node reads (views resolved to
+                    the storage they view; graph inputs, parameters and buffers left out)
+``recomputable``    the node can run again in backward with the same result and no side effect:
+                    a call that mutates nothing (no in-place op writes its storages) and is not
+                    a graph input, parameter or output
+``random``          the op draws random numbers (dropout): recomputing it needs the RNG state
+``block``           ``node.meta[BLOCK].name`` when ``annotate_blocks`` ran, else ``None``
+==================  ==============================================================================
+
+Graph attributes: ``loss`` (name of the node the output's first element is), ``fixed_bytes``
+(bytes of graph inputs autograd keeps: token ids, targets; always on device), ``fwd_flops`` and
+``bwd_flops`` (whole graph).
+
+Storages and their savers come from one forward run on fake tensors
+(:func:`passes.saved_tensors.observe_saved_tensors`, the observation ``annotate_memory`` makes),
+so views count once and an op's internal saves are seen; FLOPs come from ``node.meta[FLOPS]``.
+The graph must not hold checkpointed regions yet (the view is of the plain forward).
+
+Cut points
+    A *cut point* is an activation every forward path from the inputs to the loss passes
+    through. Paths start at the *trunk*'s roots: the activations that read a graph input
+    directly (an embedding lookup, the first conv); with a virtual source feeding them, the cut
+    points are the dominators of the loss (:func:`networkx.immediate_dominators`). Parameters
+    and *side* activations (made from sizes and parameters alone: ``arange`` positions, RoPE
+    tables, a constant causal mask) start no path, as they could be made anywhere. This depends
+    on the graph only, not on its node order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import networkx as nx
+import sympy
+import torch
+from torch import fx
+from torch.utils._pytree import tree_leaves
+
+from passes.ir.errors import PassError
+from passes.ir.meta import BLOCK, CAPTURE, FLOPS
+from passes.saved_tensors import observe_saved_tensors
+
+StorageKind = Literal["activation", "internal"]
+NodeKind = Literal["input", "param", "buffer", "compute", "output"]
+SOURCE = "__source__"
+"""Name of the virtual source node :func:`forward_cut_points` adds (never an fx node name)."""
+
+_CALLS = ("call_function", "call_method", "call_module")
+_RANDOM_OPS = ("dropout", "bernoulli", "rand", "randn", "randint", "randperm", "multinomial", "normal",
+               "uniform", "native_dropout", "feature_dropout", "alpha_dropout")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StorageFacts:
+    """One activation or internal storage of the forward: ``name`` (``"<owner>:<k>"``, the owner's
+    k-th storage), ``owner`` (node whose op allocates it), ``nbytes`` (bytes at the dims' hints),
+    ``kept`` (autograd keeps it for backward), ``kind`` (a node output or an op-internal save)."""
+
+    name: str
+    owner: str
+    nbytes: int
+    kept: bool
+    kind: StorageKind
+
+
+def to_networkx(gm_or_graph: fx.GraphModule | fx.Graph) -> nx.DiGraph:
+    """The DiGraph view of an analysed training graph (attributes in the module docstring; bytes
+    and FLOPs at the dims' hints). Needs ``annotate_shapes`` and ``annotate_flops`` to have run
+    and ``gm.meta[CAPTURE]``; a bare ``fx.Graph`` is read through its owning module."""
+    gm = gm_or_graph.owning_module if isinstance(gm_or_graph, fx.Graph) else gm_or_graph
+    if not isinstance(gm, fx.GraphModule):
+        raise PassError("to_networkx: the graph has no owning GraphModule; pass the captured GraphModule "
+                        "(its capture info and parameters are needed for the fake forward run)")
+    missing = [n.name for n in gm.graph.nodes if n.op in _CALLS and FLOPS not in n.meta]
+    if missing:
+        raise PassError(f"to_networkx: node {missing[0]!r} has no node.meta[{FLOPS!r}]; run annotate_shapes and "
+                        f"annotate_flops first")
+    run = observe_saved_tensors(gm)
+    if run.regions:
+        raise PassError("to_networkx: the graph holds checkpointed regions; build the view from the graph before "
+                        "apply_checkpoint (the view describes the plain forward)")
+    hints = gm.meta[CAPTURE].symbols() if CAPTURE in gm.meta else {}
+
+    def at_hints(expr) -> int:
+        return int(sympy.sympify(expr).subs(hints))
+
+    name_of: dict = {}  # _Storage -> its name
+    owned: dict[fx.Node, list] = {}
+    for st in run.storages.values():
+        if st.kind in ("activation", "internal") and st.owner is not None:
+            owned.setdefault(st.owner, []).append(st)
+    for node, sts in owned.items():
+        sts.sort(key=lambda s: (s.kind != "activation", s.index))
+        for k, st in enumerate(sts):
+            name_of[st] = f"{node.name}:{k}"
+    mutated = _mutated_owners(gm, run)
+
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = [a for a in tree_leaves(out_node.args) if isinstance(a, fx.Node)]
+    G = nx.DiGraph(loss=outs[0].name if outs else None,
+                   fixed_bytes=sum(st.hint for st in run.storages.values() if st.kind == "input" and st.kept))
+    fwd = bwd = 0
+    for node in gm.graph.nodes:
+        sts = run.node_storages.get(node, [])
+        kind = _kind(node, sts)
+        flops = node.meta.get(FLOPS)
+        f, b = (at_hints(flops.fwd), at_hints(flops.bwd)) if flops is not None else (0, 0)
+        fwd, bwd = fwd + f, bwd + b
+        own = tuple(StorageFacts(name=name_of[st], owner=node.name, nbytes=st.hint, kept=st.kept, kind=st.kind)
+                    for st in owned.get(node, ()))
+        reads: dict[str, None] = {}
+        for src in node.all_input_nodes:
+            for st in run.node_storages.get(src, ()):
+                if st in name_of:
+                    reads[name_of[st]] = None
+        target = str(node.target) if node.op in _CALLS else node.op
+        G.add_node(node.name, op=target, kind=kind, is_param=kind in ("param", "buffer"), is_input=kind == "input",
+                   is_output=kind == "output",
+                   activation=kind == "compute" and any(st in name_of for st in sts),
+                   out_bytes=sum(s.nbytes for s in own if s.kind == "activation"),
+                   internal_bytes=sum(s.nbytes for s in own if s.kind == "internal"),
+                   kept_bytes=sum(s.nbytes for s in own if s.kept), flops=f, bwd_flops=b, owns=own,
+                   reads=tuple(reads), random=_is_random(node),
+                   recomputable=kind == "compute" and not _mutates(node) and node not in mutated,
+                   block=node.meta[BLOCK].name if BLOCK in node.meta else None)
+    for node in gm.graph.nodes:
+        for src in node.all_input_nodes:
+            G.add_edge(src.name, node.name)
+    G.graph.update(fwd_flops=fwd, bwd_flops=bwd)
+    return G
+
+
+def forward_cut_points(G: nx.DiGraph) -> tuple[str, ...]:
+    """The cut points of the forward (module docstring): trunk nodes every path from the inputs
+    to the loss passes through, in forward order; the loss itself is left out. Empty when the
+    graph has no loss or no trunk reaches it."""
+    H = trunk(G)
+    loss = G.graph.get("loss")
+    if loss not in H:
+        return ()
+    H = H.subgraph(nx.ancestors(H, loss) | {loss}).copy()
+    H.add_edges_from((SOURCE, r) for r in [n for n in H if H.in_degree(n) == 0])
+    idom = nx.immediate_dominators(H, SOURCE)
+    chain = []
+    node = idom.get(loss)
+    while node is not None and node != SOURCE:
+        chain.append(node)
+        node = idom.get(node)
+    return tuple(reversed(chain))
+
+
+def activation_graph(G: nx.DiGraph) -> nx.DiGraph:
+    """The subgraph of activation nodes (the forward's data flow without inputs, parameters,
+    sizes and the output node)."""
+    return G.subgraph([n for n, d in G.nodes(data=True) if d["activation"]])
+
+
+def trunk(G: nx.DiGraph) -> nx.DiGraph:
+    """The activations that depend on a graph input: those reachable from an activation that
+    reads a graph input directly (an embedding lookup, the first conv). The others (*side*
+    activations: ``arange`` positions, RoPE tables, constant masks) are computed from sizes and
+    parameters alone and could be made anywhere, as parameters are read anywhere."""
+    A = activation_graph(G)
+    starts = [n for n in A if any(G.nodes[p]["is_input"] for p in G.predecessors(n))]
+    reached = set(starts).union(*(nx.descendants(A, s) for s in starts)) if starts else set()
+    return A.subgraph(reached)
+
+
+def generations(G: nx.DiGraph) -> tuple[tuple[str, ...], ...]:
+    """Topological generations of the activation graph: each holds nodes that only read
+    activations of earlier generations (nodes of one generation could run at the same time)."""
+    return tuple(tuple(g) for g in nx.topological_generations(activation_graph(G)))
+
+
+def _kind(node: fx.Node, storages) -> NodeKind:
+    if node.op == "placeholder":
+        return "input"
+    if node.op == "output":
+        return "output"
+    if node.op == "get_attr":
+        return "buffer" if storages and all(st.kind == "buffer" for st in storages) else "param"
+    return "compute"
+
+
+def _schema(node: fx.Node):
+    return getattr(node.target, "_schema", None) if node.op == "call_function" else None
+
+
+def _mutates(node: fx.Node) -> bool:
+    """An op that writes one of its arguments (``add_``, ``copy_``, ``index_put_``)."""
+    schema = _schema(node)
+    return bool(schema is not None and schema.is_mutable)
+
+
+def _mutated_owners(gm: fx.GraphModule, run) -> set[fx.Node]:
+    """Owners of activation storages that some in-place op writes: recomputing them would give
+    the value before the write."""
+    out = set()
+    for node in gm.graph.nodes:
+        if _mutates(node):
+            for src in node.all_input_nodes:
+                for st in run.node_storages.get(src, ()):
+                    if st.kind == "activation" and st.owner is not None:
+                        out.add(st.owner)
+    return out
+
+
+def _is_random(node: fx.Node) -> bool:
+    schema = _schema(node)
+    if schema is not None and getattr(torch.Tag, "nondeterministic_seeded", None) in getattr(node.target, "tags", ()):
+        return True
+    name = schema.name.split("::")[-1] if schema is not None else str(node.target)
+    return name in _RANDOM_OPS

@@ -1,0 +1,503 @@
+"""Rematerialization on a DAG: which activations backward finds saved on device, offloaded to host,
+or recomputed, under a budget of saved bytes.
+
+The model (:class:`RematProblem`, built from :func:`passes.graph_view.to_networkx`)
+    *Nodes* are the forward's compute nodes that allocate activation storage (views and
+    getitems allocate none: they read their base's storage). A node *owns* storages: its new
+    outputs and the tensors its op makes inside itself for backward (dropout noise, layer-norm
+    mean/rstd). A storage is *kept* when autograd saves it for backward (observed on a fake
+    forward, so views count once). A node *reads* the activation storages of its inputs; graph
+    inputs and parameters are always available and are not part of the problem.
+
+    A decision gives every node one action: ``recompute`` (run it again in backward: FLOPs
+    ``f_v``; it needs every storage it reads available), or else its storages that are needed
+    (kept, or read by a recomputed node) stay on device (``save``) or go to host after forward
+    and come back before backward (``offload``); ``none`` when nothing of it is needed.
+    Recomputation is single (AOTAutograd-style): a recomputed node runs once in backward, before
+    its first use, and its outputs serve every backward use and every later recompute; a
+    recomputed node's outputs that backward keeps are the recomputed copies.
+
+What the budget bounds, exactly
+    ``saved_bytes`` = bytes on device, after the forward and before the backward starts, that
+    backward reads: the needed storages of saved nodes plus ``fixed_bytes`` (graph inputs
+    autograd keeps: token ids, targets). This is the saved-activation term of the step's peak
+    (the same quantity as ``CheckpointPlan.saved_bytes_after`` and
+    ``MemorySummary.activation_bytes + input_bytes`` with nothing recomputed), and its maximum
+    over the step: saved storages only accumulate during forward and are only freed during
+    backward. Not bounded: recomputed tensors while they are alive in backward, the buffers
+    offloaded tensors come back into, forward transients, gradients, parameters and optimizer
+    state (the liveness simulation of ``annotate_memory`` prices those).
+
+Costs (:class:`RematCosts`)
+    Added seconds = recompute FLOPs / ``device_flops_per_s`` + 2 x offloaded bytes /
+    ``host_bytes_per_s`` (to host after forward and back for backward, not hidden behind compute:
+    an upper bound on the exposed time). FLOPs are matmul-class only (``annotate_flops``), so
+    recomputing elementwise ops is free in this model.
+
+Solvers
+    * :func:`solve_min_cut`: save versus recompute, as AOTAutograd's min-cut partitioner
+      (``torch/_functorch/partitioners.py``) frames it: a flow graph where a node's *recompute*
+      vertex hangs from the source by an edge of its FLOPs, each storage vertex hangs from its
+      owner's by an edge of lambda x its bytes, kept storages feed the sink and readers depend
+      on what they read by infinite edges. A minimum cut minimises FLOPs + lambda x saved bytes
+      (the Lagrangian of the budget); lambda is moved over the breakpoints of that parametric
+      cut (each new lambda where the two bracketing solutions cost the same) until the two
+      hull vertices around the budget are found; then, among all minimum cuts at that lambda
+      (the edge between them), one as close to the budget as a best-fit walk over the residual
+      graph's components finds. Exact integers (fractions for lambda). Within budget always;
+      optimal at hull vertices, possibly above the optimum between them (the Lagrangian gap).
+    * :func:`solve_milp`: the joint save / recompute / offload choice as a MILP (a Checkmate
+      formulation restricted to one forward and one recompute per node; HiGHS through
+      ``scipy.optimize.milp``), minimising added seconds. Variables: ``r_v`` (recompute), and
+      per storage ``d_s`` (on device) and ``h_s`` (on host), per node ``o_v`` (its storages go to
+      host). Constraints: kept ``s``: ``r_owner + d_s + h_s >= 1``; ``v`` reads ``s``:
+      ``r_v <= r_owner + d_s + h_s``; ``d_s + h_s + r_owner <= 1``; ``d_s <= 1 - o_owner``,
+      ``h_s <= o_owner``; ``sum_s bytes_s d_s <= budget - fixed``; ``r_v = 0`` for nodes that
+      cannot be recomputed (in-place writes).
+    * :func:`solve_brute_force`: every action of every node; the reference for tiny graphs.
+    * :func:`from_checkpoint_plan`: today's block-level checkpointing expressed as a decision.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Iterable, Literal
+
+import networkx as nx
+import numpy as np
+from scipy import sparse
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+from passes.ir.errors import ConfigError, PassError
+from passes.ir.meta import CheckpointPlan
+
+Action = Literal["save", "recompute", "offload", "none"]
+Method = Literal["min-cut", "milp", "brute-force", "given"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RematCosts:
+    """Rates that turn the decision into seconds: recompute at ``device_flops_per_s`` (FLOP/s),
+    offload over the host link at ``host_bytes_per_s`` (bytes/s each way; ``None``: no offload)."""
+
+    device_flops_per_s: float
+    host_bytes_per_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.device_flops_per_s > 0 or (self.host_bytes_per_s is not None and not self.host_bytes_per_s > 0):
+            raise ConfigError(f"remat costs need positive rates, got device_flops_per_s={self.device_flops_per_s}, "
+                              f"host_bytes_per_s={self.host_bytes_per_s}; pass FLOP/s and bytes/s (or None: no offload)")
+
+    @property
+    def offload(self) -> bool:
+        return self.host_bytes_per_s is not None
+
+    def recompute_s(self, flops: int) -> float:
+        """Seconds to recompute ``flops`` FLOPs."""
+        return flops / self.device_flops_per_s
+
+    def offload_s(self, nbytes: int) -> float:
+        """Seconds to move ``nbytes`` bytes to host and back (0 without a host link)."""
+        return 2 * nbytes / self.host_bytes_per_s if self.host_bytes_per_s else 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Storage:
+    """One activation storage of the problem: its owner (index into ``RematProblem.nodes``),
+    bytes, whether autograd keeps it, and the nodes that read it (indices)."""
+
+    name: str
+    owner: int
+    nbytes: int
+    kept: bool
+    readers: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RematProblem:
+    """The rematerialization problem of one forward (module docstring): ``nodes`` in forward
+    order with their forward FLOPs and whether they can run again, ``storages`` with owners,
+    bytes (at the dims' hints) and readers, and ``fixed_bytes`` always kept on device."""
+
+    nodes: tuple[str, ...]
+    flops: tuple[int, ...]
+    recomputable: tuple[bool, ...]
+    storages: tuple[Storage, ...]
+    fixed_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        n = len(self.nodes)
+        if len(self.flops) != n or len(self.recomputable) != n:
+            raise ConfigError(f"remat problem: {n} nodes but {len(self.flops)} FLOP counts and "
+                              f"{len(self.recomputable)} recomputable flags; give one of each per node")
+        for s in self.storages:
+            if not 0 <= s.owner < n or any(not 0 <= r < n or r == s.owner for r in s.readers):
+                raise ConfigError(f"remat problem: storage {s.name!r} has owner {s.owner} or readers {s.readers} "
+                                  f"outside the {n} nodes (or reads itself); indices are positions in nodes")
+            if s.nbytes < 0:
+                raise ConfigError(f"remat problem: storage {s.name!r} has {s.nbytes} bytes; bytes are >= 0")
+        if min(self.flops, default=0) < 0:
+            raise ConfigError("remat problem: FLOPs are >= 0")
+
+    @property
+    def base_bytes(self) -> int:
+        """Bytes kept on device when nothing is recomputed or offloaded (``fixed_bytes`` included)."""
+        return self.fixed_bytes + sum(s.nbytes for s in self.storages if s.kept)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeDecision:
+    """What one node does: its action, the bytes of its storages kept on device and moved to
+    host, and the FLOPs it runs again in backward."""
+
+    node: str
+    action: Action
+    saved_bytes: int = 0
+    offload_bytes: int = 0
+    recompute_flops: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RematDecision:
+    """A decision for every node and its totals: ``saved_bytes`` (device bytes backward reads,
+    ``fixed_bytes`` included; what ``budget_bytes`` bounds), ``offload_bytes`` (bytes moved to
+    host and back), ``recompute_flops``, ``added_s`` (seconds the decision adds to the step).
+    ``feasible``: ``saved_bytes <= budget_bytes``; ``optimal``: proven optimal for the budget
+    (MILP and brute force when they finish; the min cut only when the budget does not bind)."""
+
+    method: Method
+    budget_bytes: int
+    nodes: tuple[NodeDecision, ...]
+    saved_bytes: int
+    offload_bytes: int
+    recompute_flops: int
+    fixed_bytes: int
+    added_s: float
+    feasible: bool
+    optimal: bool = False
+
+    def action(self, node: str) -> Action:
+        """The action of the node named ``node``."""
+        for d in self.nodes:
+            if d.node == node:
+                return d.action
+        raise KeyError(f"node {node!r} is not part of the remat problem")
+
+    def named(self, action: Action) -> tuple[str, ...]:
+        """Names of the nodes whose action is ``action``, in forward order."""
+        return tuple(d.node for d in self.nodes if d.action == action)
+
+
+# ---------------------------------------------------------------------------------------------
+# The problem from a graph view, and the exact cost of any decision.
+
+def problem_from_view(G: nx.DiGraph) -> RematProblem:
+    """The :class:`RematProblem` of a :func:`passes.graph_view.to_networkx` view: nodes that own
+    activation storages, in forward (graph) order."""
+    names = [n for n, d in G.nodes(data=True) if d["kind"] == "compute" and d["owns"]]
+    index = {n: i for i, n in enumerate(names)}
+    readers: dict[str, list[int]] = {}
+    for n, d in G.nodes(data=True):
+        if n in index:
+            for s in d["reads"]:
+                readers.setdefault(s, []).append(index[n])
+    storages = []
+    for n in names:
+        for s in G.nodes[n]["owns"]:
+            storages.append(Storage(name=s.name, owner=index[n], nbytes=s.nbytes, kept=s.kept,
+                                    readers=tuple(r for r in readers.get(s.name, ()) if r != index[n])))
+    return RematProblem(nodes=tuple(names), flops=tuple(G.nodes[n]["flops"] for n in names),
+                        recomputable=tuple(G.nodes[n]["recomputable"] for n in names), storages=tuple(storages),
+                        fixed_bytes=G.graph.get("fixed_bytes", 0))
+
+
+def evaluate(problem: RematProblem, recompute: Iterable[str], offload: Iterable[str] = (), *, budget_bytes: int,
+             costs: RematCosts, method: Method = "given", optimal: bool = False) -> RematDecision:
+    """The exact cost of recomputing the nodes named in ``recompute`` and offloading the needed
+    storages of those in ``offload`` (every other needed storage stays on device)."""
+    index = {n: i for i, n in enumerate(problem.nodes)}
+    unknown = [n for n in [*recompute, *offload] if n not in index]
+    if unknown:
+        raise ConfigError(f"remat decision names {unknown[0]!r}, which is not a node of the problem")
+    r = [False] * len(problem.nodes)
+    for n in recompute:
+        if not problem.recomputable[index[n]]:
+            raise ConfigError(f"node {n!r} cannot be recomputed (an in-place op writes its storage, or it is not a "
+                              f"call); save or offload it")
+        r[index[n]] = True
+    host = {index[n] for n in offload}
+    if host and not costs.offload:
+        raise ConfigError("remat decision offloads nodes but the costs have no host link; set host_bytes_per_s")
+    return _decision(problem, r, host, budget_bytes=budget_bytes, costs=costs, method=method, optimal=optimal)
+
+
+def _needed(problem: RematProblem, r: list[bool]) -> list[int]:
+    """Bytes each node must keep (device or host): its storages kept by autograd or read by a
+    recomputed node, for nodes not recomputed."""
+    need = [0] * len(problem.nodes)
+    for s in problem.storages:
+        if not r[s.owner] and (s.kept or any(r[k] for k in s.readers)):
+            need[s.owner] += s.nbytes
+    return need
+
+
+def _decision(problem: RematProblem, r: list[bool], host: set[int], *, budget_bytes: int, costs: RematCosts,
+              method: Method, optimal: bool) -> RematDecision:
+    need = _needed(problem, r)
+    nodes = []
+    for i, name in enumerate(problem.nodes):
+        if r[i]:
+            nodes.append(NodeDecision(node=name, action="recompute", recompute_flops=problem.flops[i]))
+        elif need[i] and i in host:
+            nodes.append(NodeDecision(node=name, action="offload", offload_bytes=need[i]))
+        elif need[i]:
+            nodes.append(NodeDecision(node=name, action="save", saved_bytes=need[i]))
+        else:
+            nodes.append(NodeDecision(node=name, action="none"))
+    saved = problem.fixed_bytes + sum(d.saved_bytes for d in nodes)
+    off = sum(d.offload_bytes for d in nodes)
+    flops = sum(d.recompute_flops for d in nodes)
+    return RematDecision(method=method, budget_bytes=budget_bytes, nodes=tuple(nodes), saved_bytes=saved,
+                         offload_bytes=off, recompute_flops=flops, fixed_bytes=problem.fixed_bytes,
+                         added_s=costs.recompute_s(flops) + costs.offload_s(off), feasible=saved <= budget_bytes,
+                         optimal=optimal)
+
+
+# ---------------------------------------------------------------------------------------------
+# Min cut (save versus recompute).
+
+_SRC, _SNK = ("source",), ("sink",)
+
+
+def _flow_graph(problem: RematProblem, lam: Fraction) -> nx.DiGraph:
+    """The flow graph whose minimum cuts minimise FLOPs + ``lam`` x saved bytes (capacities
+    scaled by ``lam``'s denominator to stay integers; an edge without capacity is infinite)."""
+    p, q = lam.numerator, lam.denominator
+    F = nx.DiGraph()
+    F.add_nodes_from((_SRC, _SNK))
+    for i, f in enumerate(problem.flops):
+        if not problem.recomputable[i]:
+            F.add_edge(_SRC, ("n", i))  # infinite: never recomputed
+        elif f:
+            F.add_edge(_SRC, ("n", i), capacity=f * q)
+        else:
+            F.add_node(("n", i))
+    for j, s in enumerate(problem.storages):
+        F.add_edge(("n", s.owner), ("s", j), capacity=s.nbytes * p)
+        if s.kept:
+            F.add_edge(("s", j), _SNK)
+        for k in s.readers:
+            F.add_edge(("s", j), ("n", k))
+    return F
+
+
+def _flags(problem: RematProblem, source_side) -> list[bool]:
+    """Recompute flags of a cut: a node is recomputed when its vertex is on the sink side."""
+    return [("n", i) not in source_side for i in range(len(problem.nodes))]
+
+
+def _cut(problem: RematProblem, lam: Fraction) -> list[bool]:
+    """The recompute flags minimising FLOPs + ``lam`` x saved bytes (one minimum s-t cut)."""
+    _, (source_side, _) = nx.minimum_cut(_flow_graph(problem, lam), _SRC, _SNK, flow_func=_FLOW)
+    return _flags(problem, source_side)
+
+
+def _on_edge(problem: RematProblem, lam: Fraction, budget_bytes: int) -> list[bool] | None:
+    """Among the minimum cuts at ``lam`` (all cost the same FLOPs + ``lam`` x bytes), one with as
+    many bytes as fit ``budget_bytes``, hence as few FLOPs: the minimum cuts are the source sets
+    closed under residual arcs (Picard and Queyranne 1980); start from the smallest (most
+    recomputed) and add, one at a time, the strongly connected component of the residual graph
+    (all its successors already in) that keeps the most bytes still within budget. None when
+    even the smallest does not fit."""
+    R = _FLOW(_flow_graph(problem, lam), _SRC, _SNK)
+    residual = nx.DiGraph()
+    residual.add_nodes_from(R)
+    residual.add_edges_from((u, v) for u, v, d in R.edges(data=True) if d["capacity"] - d["flow"] > 0)
+    source = nx.descendants(residual, _SRC) | {_SRC}
+    sink = nx.ancestors(residual, _SNK) | {_SNK}
+    middle = residual.subgraph(set(residual) - source - sink)
+
+    def kept(side) -> int:
+        return problem.fixed_bytes + sum(_needed(problem, _flags(problem, side)))
+
+    if kept(source) > budget_bytes:
+        return None
+    dag = nx.condensation(middle)
+    side = set(source)
+    taken: set[int] = set()
+    while True:  # best fit: the addable component that keeps the most bytes within budget
+        best = None
+        for c in dag:
+            if c not in taken and all(s in taken for s in dag.successors(c)):  # keeps the set closed
+                size = kept(side | dag.nodes[c]["members"])
+                if size <= budget_bytes and (best is None or size > best[0]):
+                    best = (size, c)
+        if best is None:
+            return _flags(problem, side)
+        side |= dag.nodes[best[1]]["members"]
+        taken.add(best[1])
+
+
+_FLOW = nx.algorithms.flow.boykov_kolmogorov
+
+
+def solve_min_cut(problem: RematProblem, budget_bytes: int, *, costs: RematCosts) -> RematDecision:
+    """The fewest recompute FLOPs keeping at most ``budget_bytes`` saved (no offload), by a
+    parametric minimum cut (module docstring). When no decision fits, the one keeping the fewest
+    bytes (``feasible=False``)."""
+    total_bytes = sum(s.nbytes for s in problem.storages)
+    total_flops = sum(problem.flops)
+
+    def solve(lam: Fraction) -> RematDecision:
+        return _decision(problem, _cut(problem, lam), set(), budget_bytes=budget_bytes, costs=costs,
+                         method="min-cut", optimal=False)
+
+    # lam below 1/total_bytes: fewest FLOPs first (FLOPs are integers), then fewest bytes.
+    lo = solve(Fraction(1, total_bytes + 1))
+    if lo.feasible:
+        return dataclasses.replace(lo, optimal=True)  # the fewest FLOPs of all fit: optimal
+    # lam above total_flops: fewest bytes first, then fewest FLOPs.
+    hi = solve(Fraction(total_flops + 1))
+    if not hi.feasible:
+        return hi
+    while True:
+        lam = Fraction(hi.recompute_flops - lo.recompute_flops, lo.saved_bytes - hi.saved_bytes)
+        mid = solve(lam)
+        if mid.recompute_flops + lam * mid.saved_bytes >= lo.recompute_flops + lam * lo.saved_bytes:
+            # No hull vertex between lo and hi; other minimum cuts at lam lie on the edge between.
+            r = _on_edge(problem, lam, budget_bytes)
+            edge = _decision(problem, r, set(), budget_bytes=budget_bytes, costs=costs, method="min-cut",
+                             optimal=False) if r is not None else hi
+            return edge if edge.recompute_flops < hi.recompute_flops else hi
+        if mid.feasible:
+            hi = mid
+        else:
+            lo = mid
+
+
+def _fewest_bytes(problem: RematProblem, budget_bytes: int, costs: RematCosts, method: Method) -> RematDecision:
+    """The decision keeping the fewest bytes on device without offload (then the fewest FLOPs):
+    what the solvers return, marked infeasible, when nothing fits the budget."""
+    r = _cut(problem, Fraction(sum(problem.flops) + 1))
+    return _decision(problem, r, set(), budget_bytes=budget_bytes, costs=costs, method=method, optimal=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# MILP (save / recompute / offload).
+
+def solve_milp(problem: RematProblem, budget_bytes: int, *, costs: RematCosts,
+               time_limit_s: float = 60.0) -> RematDecision:
+    """The decision with the fewest added seconds keeping at most ``budget_bytes`` saved on
+    device, recomputing, saving or offloading (offload only when ``costs`` has a host link), by
+    the MILP of the module docstring (HiGHS, zero optimality gap, ``time_limit_s`` seconds).
+    When no decision fits, the min-cut decision keeping the fewest bytes (``feasible=False``)."""
+    n, m = len(problem.nodes), len(problem.storages)
+    off = costs.offload
+    # Columns: r (n), d (m), then h (m) and o (n) with offload.
+    r0, d0, h0, o0 = 0, n, n + m, n + 2 * m
+    width = n + m + (m + n if off else 0)
+    c = np.zeros(width)
+    c[r0:r0 + n] = [costs.recompute_s(f) for f in problem.flops]
+    if off:
+        c[h0:h0 + m] = [costs.offload_s(s.nbytes) for s in problem.storages]
+    scale = float(np.max(np.abs(c))) or 1.0
+    upper = np.ones(width)
+    upper[r0:r0 + n] = [1.0 if ok else 0.0 for ok in problem.recomputable]
+
+    rows, lb, ub = [], [], []
+
+    def row(coefs: dict[int, float], low: float, high: float) -> None:
+        rows.append(coefs)
+        lb.append(low)
+        ub.append(high)
+
+    for j, s in enumerate(problem.storages):
+        have = {r0 + s.owner: 1.0, d0 + j: 1.0, **({h0 + j: 1.0} if off else {})}
+        if s.kept:
+            row(have, 1.0, np.inf)
+        for k in s.readers:
+            row({r0 + k: 1.0, **{col: -v for col, v in have.items()}}, -np.inf, 0.0)
+        row(have, -np.inf, 1.0)
+        if off:
+            row({d0 + j: 1.0, o0 + s.owner: 1.0}, -np.inf, 1.0)
+            row({h0 + j: 1.0, o0 + s.owner: -1.0}, -np.inf, 0.0)
+    big = max((s.nbytes for s in problem.storages), default=1) or 1
+    room = budget_bytes - problem.fixed_bytes
+    row({d0 + j: s.nbytes / big for j, s in enumerate(problem.storages)}, -np.inf, room / big)
+
+    entries = [(i, col, v) for i, coefs in enumerate(rows) for col, v in coefs.items()]
+    ii, jj, vv = zip(*entries)
+    A = sparse.csr_matrix((vv, (ii, jj)), shape=(len(rows), width))
+    res = None
+    if room >= 0:
+        res = milp(c / scale, integrality=np.ones(width), bounds=Bounds(np.zeros(width), upper),
+                   constraints=LinearConstraint(A, lb, ub),
+                   options={"mip_rel_gap": 0.0, "time_limit": time_limit_s})
+    if res is None or res.x is None:
+        return _fewest_bytes(problem, budget_bytes, costs, "milp")
+    x = np.round(res.x).astype(bool)
+    r = list(x[r0:r0 + n])
+    host = {i for i in range(n) if off and x[o0 + i]}
+    return _decision(problem, r, host, budget_bytes=budget_bytes, costs=costs, method="milp",
+                     optimal=bool(res.status == 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Brute force (the reference on tiny problems) and today's block-level policy.
+
+BRUTE_FORCE_MAX_NODES = 12
+
+
+def solve_brute_force(problem: RematProblem, budget_bytes: int, *, costs: RematCosts) -> RematDecision:
+    """The optimum by trying every recompute set and, for each, every choice of nodes to
+    offload (at most :data:`BRUTE_FORCE_MAX_NODES` nodes: 3**n decisions). Ties go to the
+    decision found first (fewer recomputes, then fewer offloads)."""
+    n = len(problem.nodes)
+    if n > BRUTE_FORCE_MAX_NODES:
+        raise ConfigError(f"brute force over {n} nodes is 3**{n} decisions; use solve_milp (at most "
+                          f"{BRUTE_FORCE_MAX_NODES} nodes here)")
+    free = [i for i in range(n) if problem.recomputable[i]]
+    best: tuple[float, list[bool], set[int]] | None = None
+    for k in range(len(free) + 1):
+        for chosen in itertools.combinations(free, k):
+            r = [False] * n
+            for i in chosen:
+                r[i] = True
+            need = _needed(problem, r)
+            base = problem.fixed_bytes + sum(need)
+            cost_r = costs.recompute_s(sum(problem.flops[i] for i in chosen))
+            movable = [i for i in range(n) if need[i]] if costs.offload else []
+            for size in range(len(movable) + 1):
+                for host in itertools.combinations(movable, size):
+                    moved = sum(need[i] for i in host)
+                    if base - moved > budget_bytes:
+                        continue
+                    cost = cost_r + costs.offload_s(moved)
+                    if best is None or cost < best[0]:
+                        best = (cost, r, set(host))
+    if best is None:
+        return _fewest_bytes(problem, budget_bytes, costs, "brute-force")
+    return _decision(problem, best[1], best[2], budget_bytes=budget_bytes, costs=costs, method="brute-force",
+                     optimal=True)
+
+
+def from_checkpoint_plan(problem: RematProblem, plan: CheckpointPlan, *, budget_bytes: int,
+                         costs: RematCosts) -> RematDecision:
+    """Block-level checkpointing (``checkpoint_policy``'s plan) as a decision: every node of a
+    recomputed region is recomputed, everything else saved as needed, costed by this model."""
+    names = set(problem.nodes)
+    chosen = [n for region in plan.regions if region.recompute for n in region.nodes if n in names]
+    index = {n: i for i, n in enumerate(problem.nodes)}
+    fixed = [n for n in chosen if not problem.recomputable[index[n]]]
+    if fixed:
+        raise PassError(f"from_checkpoint_plan: region node {fixed[0]!r} cannot be recomputed in this model "
+                        f"(an in-place op writes its storage)")
+    return evaluate(problem, chosen, budget_bytes=budget_bytes, costs=costs)
+
+
+def overhead_percent(decision: RematDecision, step_flops: int) -> float:
+    """Recompute FLOPs as a percentage of ``step_flops`` (one forward and backward)."""
+    return 100.0 * decision.recompute_flops / step_flops if step_flops else math.nan

@@ -8,6 +8,9 @@ Pairs (same zoo GPT, same initial weights, same global batches, same AdamW, same
   boundaries as ours; the tied embedding / LM head gradient is summed over the two pipeline ends
   as our runtime does; pipelining's default ``scale_grads=True`` makes the gradient the mean over
   micro-batches, which is what our mean loss gives).
+* ``pp-zb1p``: ``ParallelModel`` with the zero-bubble ZB-H1 schedule (backward split into input
+  and weight halves) vs ``ScheduleInterleavedZeroBubble`` over the same one stage per rank (its
+  ZB-H1: the same action lists, tests/test_schedule_vs_torch.py).
 * ``dp``: ``ParallelModel`` with dp=4 vs ``DistributedDataParallel`` on the eager model.
 * ``tp``: ``ParallelModel`` with tp=4 vs ``parallelize_module`` with
   Colwise/Rowwise plans over a gloo ``DeviceMesh``. The fused QKV projection is column-sharded
@@ -45,7 +48,7 @@ if __package__ in (None, ""):  # run as a script: make the repo importable witho
 from partitioner.model_spec import build_model  # noqa: E402
 
 WORLD = 4
-PAIRS = ("pp-1f1b", "pp-gpipe", "dp", "tp")
+PAIRS = ("pp-1f1b", "pp-gpipe", "pp-zb1p", "dp", "tp")
 # eps=1e-6 as in tests/test_runtime_parity.py: with 1e-8 Adam amplifies rounding noise in the
 # (exactly zero) gradient of the attention key bias into order-lr updates of random sign.
 ADAMW = {"lr": 1e-3, "eps": 1e-6}
@@ -187,7 +190,8 @@ def _ours(spec, graph, mesh, config: BenchConfig, *, dp=1, pp=1, tp=1, schedule=
 
 
 def _torch_pipeline(spec, config: BenchConfig, schedule: str, ends_group):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleavedZeroBubble)
     from passes.pipeline_split import balanced_boundaries
 
     rank, pp = torch.distributed.get_rank(), WORLD
@@ -195,8 +199,11 @@ def _torch_pipeline(spec, config: BenchConfig, schedule: str, ends_group):
     cuts = (0, *balanced_boundaries(len(model.blocks), pp), len(model.blocks))  # as ParallelModel
     stage_module = GPTStage(model, cuts[rank], cuts[rank + 1], is_first=rank == 0, is_last=rank == pp - 1)
     stage = PipelineStage(stage_module, rank, pp, torch.device("cpu"))
-    cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
-    sched = cls(stage, config.micro_batches, loss_fn=_lm_loss)  # scale_grads=True: mean over micro-batches
+    if schedule == "zb1p":  # torch's zero-bubble schedule with one stage per rank is ZB-H1
+        sched = ScheduleInterleavedZeroBubble([stage], config.micro_batches, loss_fn=_lm_loss)
+    else:
+        cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
+        sched = cls(stage, config.micro_batches, loss_fn=_lm_loss)  # scale_grads=True: mean over micro-batches
     optimizer = torch.optim.AdamW(stage_module.parameters(), **ADAMW)
     tied = (stage_module.wte.weight if rank == 0 else stage_module.lm_head.weight if rank == pp - 1 else None)
 

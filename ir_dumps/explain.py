@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ir_dumps.reader import DumpDir, DumpError, GraphDump, NodeDump, load_dump_dir, sympy_value
+from passes.ir.config import ParallelConfig
 from passes.ir.plan import format_bytes
 from passes.ir.meta import dim_symbol
 
@@ -117,7 +118,9 @@ def _decision(key: str, value: Any, node: NodeDump, graph: GraphDump, plan: dict
         if plan is not None:
             stages = plan.get("stages") or []
             pp = int(plan.get("pp", 1))
-            rank = value % pp if pp else value
+            placement = ParallelConfig(pp=max(pp, 1), virtual_pp=int(plan.get("virtual_pp", 1)),
+                                       schedule=plan.get("schedule") or "1f1b")
+            rank = placement.stage_rank(value)
             st = next((s for s in stages if s.get("index") == rank), None)
             out.append(f"plan: pp={pp} virtual_pp={plan.get('virtual_pp', 1)} schedule={plan.get('schedule')}; "
                        f"stage {value} runs on pipeline rank {rank}")

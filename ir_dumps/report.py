@@ -40,7 +40,7 @@ MEMORY_COLOURS = {"parameters": "#4e79a7", "gradients": "#f28e2b", "optimizer": 
                   "activations": "#76b7b2", "buffers": "#b07aa1"}
 TERM_COLOURS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
                 "#9c755f", "#bab0ac"]
-ACTION_CLASSES = {"F": "fwd", "B": "bwd", "SEND_F": "comm", "RECV_F": "comm", "SEND_B": "comm",
+ACTION_CLASSES = {"F": "fwd", "B": "bwd", "I": "bwd", "W": "wgt", "SEND_F": "comm", "RECV_F": "comm", "SEND_B": "comm",
                   "RECV_B": "comm", "ALL_REDUCE": "sync", "STEP": "step"}
 
 _CSS = """
@@ -56,7 +56,7 @@ th { background: #f4f4f4; } td.num { text-align: right; font-variant-numeric: ta
 .legend { font-size: 12px; margin: 4px 0; } .legend span.sw { display: inline-block; width: 11px; height: 11px;
        margin: 0 4px 0 12px; vertical-align: -1px; border: 1px solid #888; }
 svg text { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; }
-.fwd { fill: #4e79a7; } .bwd { fill: #59a14f; } .comm { fill: #f28e2b; } .sync { fill: #b07aa1; }
+.fwd { fill: #4e79a7; } .bwd { fill: #59a14f; } .wgt { fill: #8cd17d; } .comm { fill: #f28e2b; } .sync { fill: #b07aa1; }
 .step { fill: #9c755f; } .idle { fill: url(#hatch); }
 .note { font-size: 12px; color: #555; max-width: 1200px; }
 .lost { color: #a33; white-space: nowrap; } .won { color: #292; font-weight: bold; }
@@ -121,25 +121,21 @@ def render_report(*, plan: Plan, cluster: Any, schedule: Mapping[int, list] | No
 # --------------------------------------------------------------------------------------- schedule
 def plan_schedule(plan: Plan) -> dict[int, list]:
     """The per-rank action lists the runtime executes for ``plan`` (see :mod:`passes.ir.schedule`)."""
-    p, m, v = plan.pp, plan.num_micro_batches, plan.virtual_pp
-    if plan.schedule == "gpipe":
-        return sched.gpipe(p, m)
-    if plan.schedule == "interleaved" and v > 1:
-        return sched.interleaved_1f1b(p, m, v)
-    return sched.one_f_one_b(p, m)
+    return sched.build(plan.schedule, plan.pp, plan.num_micro_batches, max(plan.virtual_pp, 1))
 
 
 def stage_times(plan: Plan) -> tuple[dict[int, float], dict[int, float]]:
     """Forward and backward seconds per global (virtual) stage and micro-batch.
 
     ``StagePlan.time_s`` is a rank's fwd+bwd time over all its chunks; each of the ``v`` chunks
-    (global stage ``c * pp + r``) gets an equal share, split :data:`FWD_SHARE` forward.
+    (the schedule's placement: global stage ``c * pp + r``, or ZBV's V) gets an equal share, split
+    :data:`FWD_SHARE` forward.
     """
     v = max(plan.virtual_pp, 1)
     fwd, bwd = {}, {}
     for st in plan.stages:
         for c in range(v):
-            g = c * plan.pp + st.index
+            g = plan.config.rank_stages(st.index)[c]
             fwd[g] = st.time_s / v * FWD_SHARE
             bwd[g] = st.time_s / v * (1 - FWD_SHARE)
     return fwd, bwd
@@ -281,16 +277,17 @@ def _timeline_svg(rows: Mapping[int, list[Interval]], makespan: float, svg_id: s
             x0, w = left + piece.start * scale, max((piece.end - piece.start) * scale, 0.0)
             if piece.kind == "idle":
                 idle_total += piece.end - piece.start
-            elif piece.kind in ("fwd", "bwd"):
+            elif piece.kind in ("fwd", "bwd", "wgt"):
                 busy_total += piece.end - piece.start
             svg.append(f'<rect class="act {piece.kind}" x="{x0:.2f}" y="{y + 3}" width="{max(w, 0.6):.2f}" '
                        f'height="{row_h - 6}" stroke="#fff" stroke-width="0.5"><title>{_e(piece.label)}: '
                        f'{_ms(piece.start)} - {_ms(piece.end)}</title></rect>')
-            if piece.kind in ("fwd", "bwd") and w >= 16:
-                # "F3" / "B3" (chunk-local stage in the tooltip); micro-batch number is what people scan for.
-                mb = piece.label.split("F" if piece.kind == "fwd" else "B", 1)[-1]
+            short = re.fullmatch(r"\d+([FBIW])(\d+)", piece.label)
+            if piece.kind in ("fwd", "bwd", "wgt") and w >= 16 and short:
+                # "F3" / "B3" / "I3" / "W3" (the stage is in the tooltip); the micro-batch is what
+                # people scan for.
                 svg.append(f'<text x="{x0 + w / 2:.2f}" y="{y + row_h / 2 + 4}" text-anchor="middle" '
-                           f'font-size="10" fill="#fff">{"F" if piece.kind == "fwd" else "B"}{_e(mb)}</text>')
+                           f'font-size="10" fill="#fff">{short.group(1)}{_e(short.group(2))}</text>')
         svg.append("</g>")
     axis_y = top + row_h * len(rows) + 4
     svg.append(f'<line x1="{left}" y1="{axis_y}" x2="{left + width}" y2="{axis_y}" stroke="#444"/>')

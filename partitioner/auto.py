@@ -23,9 +23,10 @@ What happens, in order (every rank, unless said):
 4. the plan must use exactly the job's ranks (``dp * tp * pp == world_size``), else
    :class:`ConfigError` with the numbers; a plan that fits no device raises
    :class:`InfeasiblePlanError` from the search;
-5. each rank lowers its own rank program from the graph (:func:`passes.lower.lower`); with
-   ``dump_dir``, rank 0 lowers every program instead, dumping every pass
-   (:func:`partitioner.dumps.write_plan_dumps`), and runs its own from that same lowering;
+5. each rank lowers every rank program from the graph (:func:`passes.lower.lower`) and checks
+   that their communication matches (:mod:`passes.communication_check`: no collective, the same
+   verdict on every rank, before any collective of training), then runs its own; with
+   ``dump_dir``, rank 0's lowering also dumps every pass (:func:`partitioner.dumps.write_plan_dumps`);
 6. a :class:`runtime.parallel_model.ParallelModel` executes the program (its process groups
    have ``timeout_s``); :meth:`AutoParallel.finish` writes ``measurements.json`` and the report
    again with the measured numbers.
@@ -41,9 +42,8 @@ from torch import fx, nn
 
 from ir_dumps.report import write_report
 from ir_dumps.writer import DumpWriter
-from partitioner.build import analyse, capture_training_step
+from partitioner.build import analyse, capture_training_step, lower_checked
 from partitioner.cluster import Cluster
-from partitioner.cost_model import cost_hooks
 from partitioner.dumps import write_plan_dumps
 from partitioner.memory_check import replay_check
 from partitioner.model_spec import ModelSpec, as_spec, meta_copy
@@ -57,7 +57,8 @@ from passes.ir.graph_transfer import pack_graph, unpack_graph
 from passes.ir.meta import InputSpec
 from passes.ir.plan import Plan
 from passes.ir.schedule.actions import Kind
-from passes.lower import lower_rank
+from passes.ir.schedule.validate import stream_count
+from passes.communication_check import check_lowering
 from passes.manager import PassContext
 from runtime import checkpoint_dir, comm
 from runtime.checkpoint_dir import TrainState
@@ -407,15 +408,16 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
                           f"not {global_batch_size}; re-plan or pass the plan's batch size")
     clock.lap("plan")
 
-    mesh = Mesh(chosen.dp, chosen.pp, chosen.tp, timeout_s=timeout_s)
+    mesh = Mesh(chosen.dp, chosen.pp, chosen.tp, timeout_s=timeout_s, pp_streams=stream_count(chosen.schedule))
     clock.lap("mesh")
     if writer is not None:
         dumps = write_plan_dumps(out_dir, graph=graph, plan=chosen, cluster=cluster, writer=writer)
+        check_lowering(dumps.lowering)  # the other ranks check the same programs in lower_checked
         program = dumps.lowering.rank_program(rank)
         clock.lap("lower+dumps")
     else:
-        program = lower_rank(graph, chosen.config, rank, cost=cost_hooks(cluster),
-                             ctx=PassContext(optimizer=planned_optimizer, mixed_precision=chosen.config.mixed_precision))
+        program = lower_checked(graph, chosen.config, rank, cluster=cluster,
+                                ctx=PassContext(optimizer=planned_optimizer, mixed_precision=chosen.config.mixed_precision))
         clock.lap("lower")
     pm = ParallelModel(program, mesh, optimizer=factory, lr_scheduler=lr_scheduler, clip_grad_norm=clip_grad_norm,
                        nonfinite=nonfinite)

@@ -17,8 +17,11 @@ from torch import fx
 from partitioner.cluster import Cluster
 from partitioner.cost_model import cost_hooks
 from passes.capture import capture_spec
+from passes.communication_check import check_lowering
 from passes.training_step_checks import check_loss, check_trainable, watch_side_effects
 from passes.ir.config import ParallelConfig
+from passes.ir.grad_buckets import DEFAULT_BUCKET_BYTES
+from passes.ir.program import RankProgram
 from passes.lower import lower, lower_rank
 from passes.manager import PassContext
 from passes.pipelines import analysis_passes, manager
@@ -80,10 +83,24 @@ def build_parallel_model(graph: fx.GraphModule, config: ParallelConfig, mesh: Me
     """
 
     cluster = cluster or Cluster.local(mesh.size)
-    program = lower_rank(graph, config, mesh.rank, cost=cost_hooks(cluster), first=mesh.first, tp_group=tp_group,
-                         ctx=PassContext(mixed_precision=config.mixed_precision))
+    program = lower_checked(graph, config, mesh.rank, cluster=cluster, first=mesh.first, tp_group=tp_group,
+                            bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES, overlap_grad_sync=overlap_grad_sync)
     kwargs = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
     return ParallelModel(program, mesh, optimizer=optimizer, overlap_grad_sync=overlap_grad_sync, **kwargs, **runtime)
+
+
+def lower_checked(graph: fx.GraphModule, config: ParallelConfig, rank: int, *, cluster: Cluster, first: int = 0,
+                  tp_group: str = "tp", ctx: PassContext | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                  overlap_grad_sync: bool = True) -> RankProgram:
+    """The program of global ``rank``, taken from a lowering of every rank's program whose
+    communication is checked first (:func:`passes.communication_check.check_lowering`; raises
+    :class:`CommunicationMismatchError`). Every process checks the whole plan itself: no
+    collective is needed, and every rank reaches the same verdict before its first collective.
+    ``bucket_bytes`` (bytes) and ``overlap_grad_sync``: as the ParallelModel that runs it takes them."""
+    lowering = lower(graph, config, cost=cost_hooks(cluster), tp_group=tp_group,
+                     ctx=ctx or PassContext(mixed_precision=config.mixed_precision))
+    check_lowering(lowering, first=first, bucket_bytes=bucket_bytes, overlap_grad_sync=overlap_grad_sync)
+    return lowering.rank_program(rank, first=first)
 
 
 def lower_all(graph: fx.GraphModule, config: ParallelConfig, *, cluster: Cluster, tp_group: str = "tp", writer=None):

@@ -16,6 +16,7 @@ combines these primitives with the facts the analysis passes wrote.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -272,14 +273,42 @@ def _check_pipeline(schedule: str, p: int, m: int, v: int) -> None:
     if p < 1 or m < 1 or v < 1:
         raise ConfigError(f"pipeline needs p >= 1 stages, m >= 1 micro-batches, v >= 1 chunks; "
                           f"got p={p}, m={m}, v={v}")
-    if schedule != "interleaved" and v != 1:
+    if schedule == "zbv" and v != 2:
+        raise ConfigError(f"schedule 'zbv' runs two model chunks per stage (v=2), got v={v}")
+    if schedule not in ("interleaved", "zbv") and v != 1:
         raise ConfigError(f"schedule {schedule!r} has one model chunk per stage (v=1), got v={v}; "
                           f"use schedule='interleaved' for v > 1")
 
 
-def _bubble_slots(schedule: str, p: int, m: int, v: int) -> float:
+ZERO_BUBBLE_SCHEDULES = ("zb1p", "zbv")
+
+WEIGHT_GRAD_SHARE = 0.5
+"""Share of a stage's backward that is the weight half (W) of a split backward: a matmul's
+weight gradient costs what its input gradient costs, and matmuls with a weight dominate a
+transformer layer's backward."""
+
+FWD_BWD_RATIO = 2.0
+"""Backward over forward time assumed when a schedule's bubble is simulated (matmul backward:
+two matmuls per forward one)."""
+
+
+@functools.lru_cache(maxsize=1024)
+def _simulated_bubble_slots(schedule: str, p: int, m: int, v: int, weight_share: float) -> float:
+    """Idle time per stage of a zero-bubble schedule, in forward+backward units: the action lists
+    simulated with balanced stages (one chunk's forward 1/v, backward FWD_BWD_RATIO/v)."""
+    from passes.ir.schedule import build, simulate
+
+    f, b = 1.0 / v, FWD_BWD_RATIO / v
+    result = simulate(build(schedule, p, m, v), f, b, weight_time=b * weight_share)
+    work = m * v * (f + b)
+    return (result.makespan - work) / (work / m)
+
+
+def _bubble_slots(schedule: str, p: int, m: int, v: int, weight_share: float = WEIGHT_GRAD_SHARE) -> float:
     """Idle time of a stage in units of one micro-batch's forward+backward on that stage."""
     _check_pipeline(schedule, p, m, v)
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        return _simulated_bubble_slots(schedule, p, m, v, round(weight_share, 3))
     return (p - 1) / v
 
 
@@ -287,8 +316,11 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
     """Fraction of the pipeline step spent idle (bubble / total time).
 
     GPipe and 1F1B: (p−1)/(m+p−1). Interleaved with v chunks per stage (Narayanan et al. 2021):
-    the bubble time shrinks by v, so ((p−1)/v)/(m+(p−1)/v). Assumes forward and backward of a
-    micro-batch take the same time on every stage and ignores communication.
+    the bubble time shrinks by v, so ((p−1)/v)/(m+(p−1)/v). Zero-bubble ZB-H1 and ZB-V (Qi et al.
+    2023): the schedule's action lists simulated with the backward split into input and weight
+    halves (:data:`WEIGHT_GRAD_SHARE`); ZB-H1's bubble is (p−1)(F + I − W), a third of 1F1B's
+    when F = I = W. Assumes forward and backward of a micro-batch take the same time on every
+    stage and ignores communication.
     """
     bubble = _bubble_slots(schedule, p, m, v)
     return bubble / (m + bubble)
@@ -318,6 +350,8 @@ def in_flight_chunks(schedule: str, stage: int, p: int, m: int, v: int = 1) -> i
     _check_pipeline(schedule, p, m, v)
     if not 0 <= stage < p:
         raise ConfigError(f"stage must be in [0, {p}), got {stage}")
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        return _zero_bubble_in_flight(schedule, stage, p, m, v)
     if schedule == "gpipe":
         return m
     if schedule == "1f1b":
@@ -325,6 +359,14 @@ def in_flight_chunks(schedule: str, stage: int, p: int, m: int, v: int = 1) -> i
     if m == p:
         return m * v
     return min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
+
+
+@functools.lru_cache(maxsize=1024)
+def _zero_bubble_in_flight(schedule: str, stage: int, p: int, m: int, v: int) -> int:
+    # Read off the action list: a micro-batch's graph lives from its F until its W.
+    from passes.ir.schedule import build, peak_in_flight
+
+    return peak_in_flight(build(schedule, p, m, v), stage)
 
 
 def in_flight_microbatches(schedule: str, stage: int, p: int, m: int, v: int = 1) -> float:

@@ -66,6 +66,7 @@ from passes.ir.offload_ops import OFFLOAD_BEGIN
 from passes.ir.meta import dim_symbol
 from passes.ir.schedule import build as build_schedule
 from passes.ir.schedule.actions import Kind
+from passes.split_backward import held_gradient_meta
 from partitioner.search import plan
 from runtime.grad_sync import MAX_IN_FLIGHT, bucket_groups
 from partitioner.build import rank_program
@@ -438,8 +439,13 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
 
     last_backward = {}
     for k, a in enumerate(actions):
-        if a.kind == Kind.BACKWARD:
+        if a.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
             last_backward[a.stage] = k
+    # a split backward's input half keeps the micro-batch's graph (every saved activation) and
+    # leaves the parameters' gradients to the weight half: those events wait here
+    deferred: dict[tuple[int, int], list] = {}
+    held_grads = ({s: sum(_tensor_bytes(meta, sym) for meta in held_gradient_meta(program.modules[s]))
+                   for s in program.stages} if program.config.split_backward else {})
     grads_made: set[int] = set()
     sent: list[Hashable] = []
     bucket_launched = False
@@ -455,10 +461,26 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
                 _apply(live, e, (s, i), "activations", where)
         elif a.kind == Kind.SEND_F:
             sent.append(("out", s, i))
-        elif a.kind == Kind.BACKWARD:
+        elif a.kind == Kind.BACKWARD_INPUT:
+            later = deferred.setdefault((s, i), [])
+            held = {key for key in live.size if _of(key, s, i)}  # what the forward left: kept until W
+            for e in ev[s].backward:
+                if e.key in ev[s].param_grads or (e.op == "-" and (s, i, e.key) in held):
+                    later.append(e)
+                else:
+                    _apply(live, e, (s, i), "activations", where)
+            # the output gradients of the ops that read a weight, captured for W
+            live.alloc((s, i, "held_grads"), held_grads[s], "activations", where)
+            if s > 0:
+                for inp in boundary[s - 1]:
+                    if inp.meta.requires_grad:
+                        live.alloc(("igrad", s, i, inp.name), _tensor_bytes(inp.meta, sym), "activations", where)
+                        sent.append(("igrad", s, i, inp.name))
+        elif a.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
             first = s not in grads_made
             grads_made.add(s)
-            for e in ev[s].backward:
+            weight_half = a.kind == Kind.BACKWARD_WEIGHT
+            for e in (deferred.pop((s, i)) if weight_half else ev[s].backward):
                 key = (s, i, e.key)
                 if e.key in ev[s].param_grads:
                     if zero2 is not None:  # every backward's gradients, reduced bucket by bucket
@@ -471,7 +493,7 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
                 _apply(live, e, (s, i), "activations", where)
             if zero2 is not None:
                 zero2.flush(where)  # the last (partial) bucket completes at the end of backward
-            if s > 0:  # the gradient of each received input, held until its send completes
+            if s > 0 and not weight_half:  # the gradient of each received input, held until its send completes
                 for inp in boundary[s - 1]:
                     if inp.meta.requires_grad:
                         live.alloc(("igrad", s, i, inp.name), _tensor_bytes(inp.meta, sym), "activations", where)

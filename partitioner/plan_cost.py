@@ -82,6 +82,7 @@ from partitioner.cost_model import (
     compute_time,
     group_link,
     in_flight_microbatches,
+    _bubble_slots,
     memory_bound_time,
     model_state_bytes,
     op_overhead_time,
@@ -280,7 +281,7 @@ def _buffers(ctx: PlanContext, c: ParallelConfig, grads: float | None = None) ->
 def _assignment(ctx: PlanContext, c: ParallelConfig, costs, limit: float | None) -> list[list[tuple[int, int]]] | None:
     """Chain ranges per stage; ``limit`` bytes per device (None: ignore memory)."""
     L, p, v = ctx.L, c.pp, c.virtual_pp
-    if c.schedule == "interleaved":
+    if v > 1:  # interleaved, zbv: equal chunks, placed as the schedule places its stages
         per = L // (p * v)
         chunks = [[] for _ in range(p)]
         for j in range(p * v):
@@ -289,7 +290,7 @@ def _assignment(ctx: PlanContext, c: ParallelConfig, costs, limit: float | None)
                 start = 0
             if j == p * v - 1:
                 stop = L + 2
-            chunks[j % p].append((start, stop))
+            chunks[c.stage_rank(j)].append((start, stop))
         return chunks
     emb, blk, head = costs
     times = [emb.time, blk.time, head.time]
@@ -466,9 +467,11 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
         t_p2p = send_recv_time(ctx.profile.blocks[0].boundary_bytes * c.micro_batch_size / c.tp, pp_link)
     tail = max(range(p), key=lambda i: (sum(per_stage[i][4:]), -i))
     terms = StepTimeTerms(
-        compute=m * comp, tp_comm=m * tpc, recompute=m * rc,
+        # a split backward recomputes a checkpointed region for its input half and again for its
+        # weight half (runtime.split_backward)
+        compute=m * comp, tp_comm=m * tpc, recompute=m * rc * (2 if c.split_backward else 1),
         pp_comm=2 * t_p2p * m * v if p > 1 else 0.0,
-        bubble=(p - 1) / v * t_max,
+        bubble=_bubble_slots(c.schedule, p, m, v) * t_max,
         dp_comm=per_stage[tail][4], optimizer=per_stage[tail][5], offload=per_stage[tail][6],
         tied_comm=_tied_sync_time(ctx, c), framework=_framework_time(ctx))
     peak = max(s.peak_memory_bytes for s in stages)
@@ -513,5 +516,5 @@ def lower_bound(ctx: PlanContext, c: ParallelConfig) -> float:
     """A step time no partition of ``c`` beats: perfect balance, bubble, no dp/optimizer cost."""
     emb, blk, head = ctx.layer_costs(c)
     total = emb.time + ctx.L * blk.time + head.time
-    per_stage = max(total / c.pp, blk.time * math.ceil(ctx.L / c.pp) if c.schedule == "interleaved" else 0.0)
-    return (c.num_micro_batches + (c.pp - 1) / c.virtual_pp) * per_stage
+    per_stage = max(total / c.pp, blk.time * math.ceil(ctx.L / c.pp) if c.virtual_pp > 1 else 0.0)
+    return (c.num_micro_batches + _bubble_slots(c.schedule, c.pp, c.num_micro_batches, c.virtual_pp)) * per_stage

@@ -109,16 +109,18 @@ def _pinned_problems(fix: dict, world: int, L: int, heads: int, global_batch: in
         pinned = "*".join(k for k in ("dp", "num_micro_batches", "micro_batch_size") if k in fix)
         out.append(f"the global batch {global_batch} is not divisible by {pinned} = {per_sample}; use a multiple "
                    f"of {per_sample}")
-    if v is not None and v > 1 and sched is not None and sched != "interleaved":
-        out.append(f"{sched} does not take virtual_pp > 1 (virtual_pp={v}; only interleaved runs several model "
-                   f"chunks per rank): set schedule=interleaved or virtual_pp=1")
+    if sched == "zbv" and v is not None and v != 2:
+        out.append(f"zbv runs exactly two model chunks per rank (a V), got virtual_pp={v}: set virtual_pp=2")
+    elif v is not None and v > 1 and sched is not None and sched not in ("interleaved", "zbv"):
+        out.append(f"{sched} does not take virtual_pp > 1 (virtual_pp={v}; only interleaved and zbv run several "
+                   f"model chunks per rank): set schedule=interleaved or virtual_pp=1")
     if sched == "interleaved" and v == 1:
         out.append("interleaved needs virtual_pp >= 2 (one chunk per rank is 1f1b): set virtual_pp=2 or more, "
                    "or schedule=1f1b")
     if v is not None and v > MAX_VIRTUAL_PP:
         out.append(f"virtual_pp={v} is above the {MAX_VIRTUAL_PP} chunks per rank the search tries; use at most "
                    f"{MAX_VIRTUAL_PP}")
-    if sched in ("gpipe", "interleaved") and pp == 1:
+    if sched in ("gpipe", "interleaved", "zb1p", "zbv") and pp == 1:
         out.append(f"schedule {sched} needs pp >= 2 (one stage runs 1f1b): set pp=2 or more, or schedule=1f1b")
     if fix.get("sequence_parallel") and tp == 1:
         out.append("sequence_parallel=true needs tp > 1 (it shards what tensor parallelism replicates): set tp >= 2 "
@@ -135,13 +137,16 @@ def _schedules(fix: dict, pp: int, L: int, m: int, why: _Refusals) -> list[tuple
     if pp == 1:
         pairs = [("1f1b", 1)]
     else:
-        pairs = [("gpipe", 1), ("1f1b", 1)] + [("interleaved", v) for v in range(2, MAX_VIRTUAL_PP + 1)]
+        pairs = ([("gpipe", 1), ("1f1b", 1)] + [("interleaved", v) for v in range(2, MAX_VIRTUAL_PP + 1)]
+                 + [("zb1p", 1), ("zbv", 2)])
     pinned = [(s, v) for s, v in pairs if fix.get("schedule", s) == s and fix.get("virtual_pp", v) == v]
     out = []
     for sched, v in pinned:
         if sched == "interleaved" and L % (pp * v):
             why.add(6, f"the interleaved schedule with pp={pp}, virtual_pp={v} needs the model's blocks ({L}) "
                        f"divisible by pp*virtual_pp = {pp * v}")
+        elif sched == "zbv" and L % (pp * v):
+            why.add(6, f"the zbv schedule with pp={pp} needs the model's blocks ({L}) divisible by 2*pp = {pp * v}")
         elif sched == "interleaved" and m % pp:
             why.add(6, f"the interleaved schedule needs num_micro_batches ({m}) divisible by pp ({pp}); use a "
                        f"multiple of {pp} micro-batches")
@@ -384,7 +389,23 @@ def _to_plan(ctx: PlanContext, e: Evaluated, alts: tuple[Alternative, ...]) -> P
                       bubble_fraction=bubble_fraction(c.schedule, c.pp, c.num_micro_batches, c.virtual_pp),
                       terms=e.terms.to_dict())
     # the plan's stage split travels in its config: chunk k of pipeline rank s is virtual stage k*pp + s
-    starts = {k * c.pp + st.index: r[0] for st in e.stages for k, r in enumerate(st.layers)}
+    starts = {c.rank_stages(st.index)[k]: r[0] for st in e.stages for k, r in enumerate(st.layers)}
     config = c.replace(stage_boundaries=tuple(starts[vs] for vs in range(1, c.n_stages)))
     return Plan(model=ctx.profile.model, cluster=f"{ctx.cluster.name} x {ctx.cluster.nodes}",
                 global_batch=ctx.global_batch, config=config, stages=e.stages, predicted=pred, alternatives=alts)
+
+
+def feasible_plans(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: dict | None = None,
+                   optimizer: str = "adamw") -> list[Plan]:
+    """Every candidate of :func:`candidates` that fits every device's memory under the cost
+    model's estimate, as a :class:`Plan` (stage split, predicted seconds per step, peak bytes),
+    fastest predicted step first, ties broken as :func:`plan` breaks them.
+
+    Unlike :func:`plan` there is no branch and bound (every candidate is evaluated) and no exact
+    memory replay, so without a ``check`` the first plan is the one :func:`plan` returns (its
+    ``alternatives`` aside). Meant for judging the search against measurements of many plans.
+    Raises :class:`ConfigError` as :func:`candidates` does; an empty list when nothing fits."""
+    ctx = PlanContext(profile, cluster, global_batch, optimizer)
+    evaluated = [e for e in (evaluate(ctx, c) for c in candidates(profile, cluster, global_batch, fix)) if e.feasible]
+    evaluated.sort(key=lambda e: (e.step_time, _key(e.config)))
+    return [_to_plan(ctx, e, ()) for e in evaluated]

@@ -78,7 +78,7 @@ class Lowering:
             raise ConfigError(f"rank {rank} is outside the mesh ranks {first}..{first + c.world_size - 1} of "
                               f"dp*tp*pp = {c.world_size}")
         pp_index, dp_index, tp_index = mesh_coords(rank, dp=c.dp, tp=c.tp, first=first)
-        mine = tuple(s for s in range(c.n_stages) if s % c.pp == pp_index)
+        mine = c.rank_stages(pp_index)
         missing = [s for s in mine if (s, tp_index) not in self.programs]
         if missing:
             raise ConfigError(f"rank {rank} runs stages {list(mine)} on tp rank {tp_index}, but the lowering made "
@@ -172,7 +172,9 @@ def lower(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
         stage.meta[CAPTURE] = stage_capture(gm, split.io[s])
         stage.meta.update({k: gm.meta[k] for k in _INHERITED if k in gm.meta})
         name = f"stage{s}_tp{t}"
-        pm = manager(stage_passes(config, stage=s, tp_rank=t, tp_group=tp_group, cost=cost, ctx=ctx),
+        grad_inputs = tuple(inp.name for inp in split.io[s].inputs if inp.kind == "recv" and inp.meta.requires_grad)
+        pm = manager(stage_passes(config, stage=s, tp_rank=t, tp_group=tp_group, cost=cost, ctx=ctx,
+                                  grad_inputs=grad_inputs),
                      instrument=instrument_for(name))
         made[(s, t)] = pm.run(stage, ctx)
         records.append(PipelineRecord(name=name, text=pm.text()))
@@ -183,7 +185,7 @@ def lower_rank(gm: fx.GraphModule, config: ParallelConfig, rank: int, *, cost: C
                tp_group: str = "tp", ctx: PassContext | None = None) -> RankProgram:
     """The program of global ``rank`` only (what one process of a job lowers for itself)."""
     pp_index, _, tp_index = mesh_coords(rank, dp=config.dp, tp=config.tp, first=first)
-    own = [(s, tp_index) for s in range(config.n_stages) if s % config.pp == pp_index]
+    own = [(s, tp_index) for s in config.rank_stages(pp_index)]
     lowering = lower(gm, config, cost=cost, programs=own, tp_group=tp_group, ctx=ctx)
     return lowering.rank_program(rank, first=first)
 
@@ -217,7 +219,7 @@ def stage_capture(gm: fx.GraphModule, io: StageIO):
 
 def _comms(split: PipelineSplit, modules: Mapping[int, fx.GraphModule], mine, c: ParallelConfig, pp_index: int,
            dp_index: int, tp_index: int, first: int, tp_group: str) -> list[Comm]:
-    pp, dp, tp = c.pp, c.dp, c.tp
+    dp, tp = c.dp, c.tp
 
     def rank_of(p, d=dp_index, t=tp_index):
         return global_rank(p, d, t, dp=dp, tp=tp, first=first)
@@ -230,15 +232,15 @@ def _comms(split: PipelineSplit, modules: Mapping[int, fx.GraphModule], mine, c:
             if inp.kind == "recv":
                 recv.setdefault(inp.source, []).append(inp.name)
         for src, names in sorted(recv.items()):
-            if src % pp != pp_index:  # a neighbour on this rank hands over in memory
-                out.append(Comm("recv", (rank_of(src % pp),), stage=s, peer_stage=src, tensors=tuple(names)))
+            if c.stage_rank(src) != pp_index:  # a neighbour on this rank hands over in memory
+                out.append(Comm("recv", (rank_of(c.stage_rank(src)),), stage=s, peer_stage=src, tensors=tuple(names)))
         sends: dict[int, list[str]] = {}
         for o in io.outputs:
             for d in o.dests:
                 sends.setdefault(d, []).append(o.name)
         for dst, names in sorted(sends.items()):
-            if dst % pp != pp_index:
-                out.append(Comm("send", (rank_of(dst % pp),), stage=s, peer_stage=dst, tensors=tuple(names)))
+            if c.stage_rank(dst) != pp_index:
+                out.append(Comm("send", (rank_of(c.stage_rank(dst)),), stage=s, peer_stage=dst, tensors=tuple(names)))
         tp_ranks = tuple(rank_of(pp_index, dp_index, t) for t in range(tp))
         # the stage's graph and its checkpointed regions' (collectives recomputed there too)
         for sub in modules[s].modules():
@@ -251,7 +253,7 @@ def _comms(split: PipelineSplit, modules: Mapping[int, fx.GraphModule], mine, c:
     if dp > 1:
         out.append(Comm("dp_all_reduce", tuple(rank_of(pp_index, d) for d in range(dp))))
     for name in sorted(split.tied):
-        holders = sorted({st % pp for st in split.tied[name]})
+        holders = sorted({c.stage_rank(st) for st in split.tied[name]})
         if pp_index in holders and len(holders) > 1:
             out.append(Comm("tied_all_reduce", tuple(rank_of(h) for h in holders), tensors=split.aliases[name]))
     return out

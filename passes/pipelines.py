@@ -44,6 +44,7 @@ from passes.manager import Pass, PassContext, PassManager, PassOrder, adapt
 from passes.offload_policy import offload_policy
 from passes.pipeline_split import tag_pipeline_stages_by_chain
 from passes.specialize_dims import specialize_dims
+from passes.split_backward import split_backward
 from passes.tensor_parallel_patterns import tag_tensor_parallel
 
 ORDER = (
@@ -60,6 +61,10 @@ ORDER = (
     PassOrder(first="apply_tensor_parallel", then="apply_offload",
               why="offload brackets the savers of the sharded program"),
     PassOrder(first="apply_checkpoint", then="apply_offload",
+              why="apply_offload runs last: its begin/saver/end triples must stay adjacent"),
+    PassOrder(first="apply_checkpoint", then="split_backward",
+              why="the aliases of a parameter read in a region and outside are placed in both graphs"),
+    PassOrder(first="split_backward", then="apply_offload",
               why="apply_offload runs last: its begin/saver/end triples must stay adjacent"),
 )
 """Every ordering rule between passes (checked by every manager this module builds)."""
@@ -113,6 +118,8 @@ REGISTRY: dict[str, PassDef] = {d.name: d for d in (
     PassDef(name="apply_offload", make=_plain(apply_offload), requires=(OFFLOAD_PLAN,), provides=(OFFLOAD_PLAN,)),
     PassDef(name="specialize_dims", make=_plain(specialize_dims), requires=(CAPTURE,), provides=(CAPTURE,),
             options=("batch",)),
+    PassDef(name="split_backward", make=_plain(split_backward), requires=(CAPTURE,), provides=(),
+            options=("grad_inputs",)),
 )}
 
 
@@ -165,11 +172,12 @@ def whole_graph_passes(config: ParallelConfig, *, cost: CostHooks | None, starts
 
 
 def stage_passes(config: ParallelConfig, *, stage: int, tp_rank: int, tp_group: str, cost: CostHooks | None,
-                 ctx: PassContext | None = None) -> list[Pass]:
+                 ctx: PassContext | None = None, grad_inputs: tuple[str, ...] = ()) -> list[Pass]:
     """The passes that make the program of ``stage`` on tp rank ``tp_rank`` from its split module.
 
     After the tp rewrite (which reads the split's symbolic shapes) the program is described at
     the plan's micro-batch (``specialize_dims``): every later analysis is of what runs.
+    ``grad_inputs``: the stage's received inputs that carry a gradient (split backward needs them).
     """
     out = []
     if config.tp > 1:
@@ -184,6 +192,8 @@ def stage_passes(config: ParallelConfig, *, stage: int, tp_rank: int, tp_group: 
             # the regions' calls save their inputs for the recompute: offload decides on this graph
             out += [make_pass("annotate_shapes"), make_pass("annotate_flops"),
                     make_pass("offload_policy", selection="all", optimizer_on_host=False, cost=_need(cost))]
+    if config.split_backward:
+        out.append(make_pass("split_backward", grad_inputs=tuple(grad_inputs)))
     if config.offload == "activations":
         out.append(make_pass("apply_offload"))
     return out + reanalysis_passes(ctx)

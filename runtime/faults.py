@@ -297,6 +297,6 @@ def arm_from_env(executor: Any, rank: int) -> _Fault | None:
     if spec["rank"] != rank:
         return None
     fault = _Fault(spec["step"], spec["action"], bool(spec["raise"]))
-    for name in ("_forward", "_backward", "_recv_f", "_recv_b", "_send_f", "_send_b"):
+    for name in ("_forward", "_backward", "_backward_weight", "_recv_f", "_recv_b", "_send_f", "_send_b"):
         setattr(executor, name, fault.wrap(getattr(executor, name)))
     return fault

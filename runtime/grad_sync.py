@@ -42,15 +42,12 @@ import torch.distributed as dist
 from torch import nn
 
 from passes.ir.errors import ConfigError
+# the bucket layout is one pure function of the leaf, shared with the pre-launch communication check
+from passes.ir.grad_buckets import DEFAULT_BUCKET_BYTES, GradSlot, bucket_layout, group_by_bytes
 from runtime import comm
 from runtime.optimizers import (
     OptimizerFactory, as_factory, build, check_shardable, init_state_exact, param_groups, state_keys,
 )
-
-DEFAULT_BUCKET_BYTES = 25 * 2**20
-# As DDP: the first bucket (the last layers' gradients, ready first) is small, so that
-# communication starts early in backward instead of after 25 MiB of gradients.
-FIRST_BUCKET_BYTES = 2**20
 
 
 def unique_params(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
@@ -121,19 +118,11 @@ def bucket_groups(params: Sequence[nn.Parameter], bucket_bytes: int = DEFAULT_BU
                   first_small: bool = True) -> list[list[nn.Parameter]]:
     """``params`` (in the order backward makes their gradients) cut into buckets of at most
     ``bucket_bytes`` (the first at most ``FIRST_BUCKET_BYTES`` when ``first_small``), one dtype
-    per bucket. :class:`BucketedGradSync` fills its buckets so, and the memory replay
-    (:mod:`partitioner.fidelity`) sizes them so."""
-    groups: list[list[nn.Parameter]] = []
-    filled = 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        cap = min(bucket_bytes, FIRST_BUCKET_BYTES) if len(groups) == 1 and first_small else bucket_bytes
-        if not groups or filled + nbytes > cap or p.dtype != groups[-1][0].dtype:
-            groups.append([])
-            filled = 0
-        groups[-1].append(p)
-        filled += nbytes
-    return groups
+    per bucket (:func:`passes.ir.grad_buckets.group_by_bytes`). :class:`BucketedGradSync` fills
+    its buckets so, and the memory replay (:mod:`partitioner.fidelity`) sizes them so."""
+    slots = [GradSlot(p.numel(), p.dtype) for p in params]
+    return [[params[i] for i in g] for g in group_by_bytes(slots, range(len(params)), bucket_bytes,
+                                                             first_small=first_small)]
 
 
 SyncMode = Literal["all_reduce", "reduce_scatter", "reduce_scatter_each"]
@@ -203,9 +192,10 @@ class BucketedGradSync:
         self.each_backward = mode == "reduce_scatter_each"
         late_ids = {id(p) for p in late}
         self.params = list(params)
-        early = [p for p in reversed(self.params) if id(p) not in late_ids]
-        tail = [p for p in reversed(self.params) if id(p) in late_ids]
-        self.buckets = self._fill(early, bucket_bytes, False) + self._fill(tail, bucket_bytes, True)
+        layout = bucket_layout([GradSlot(p.numel(), p.dtype, id(p) in late_ids) for p in self.params],
+                               size=size, shard=self.shard, bucket_bytes=bucket_bytes)
+        self.buckets = [GradBucket([self.params[i] for i in b.members], b.numel, b.late) for b in layout]
+        early = [p for b in self.buckets if not b.late for p in b.params]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._index = {id(b): k for k, b in enumerate(self.buckets)}
         self.accumulations = dict(accumulations or {})
@@ -217,13 +207,6 @@ class BucketedGradSync:
         hooked = self.overlap or self.each_backward
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in early] if hooked else []
         self.reset()
-
-    def _fill(self, params: Sequence[nn.Parameter], bucket_bytes: int, late: bool) -> list[GradBucket]:
-        out = []
-        for ps in bucket_groups(params, bucket_bytes, first_small=not late):
-            n = sum(p.numel() for p in ps)
-            out.append(GradBucket(ps, -(-n // self.size) * self.size if self.shard else n, late))
-        return out
 
     def reset(self) -> None:
         """Forget the current step's progress (called by :meth:`finish` and before each step)."""

@@ -156,7 +156,8 @@ class StepTimer:
         self._stage: dict[int, float] = {}
         self._timeline: list[tuple[str, float, float]] = []
         ex = model.executor
-        for name, kind in (("_forward", "compute"), ("_backward", "compute"), ("_recv_f", "post"),
+        for name, kind in (("_forward", "compute"), ("_backward", "compute"), ("_backward_weight", "compute"),
+                           ("_recv_f", "post"),
                            ("_recv_b", "post"), ("_send_f", "post"), ("_send_b", "post")):
             setattr(ex, name, self._wrap_action(getattr(ex, name), kind))
         ex._flush = self._wrap(ex._flush, "post")  # a schedule step's messages, posted as one batch

@@ -66,7 +66,7 @@ class Mesh:
     """
 
     def __init__(self, dp: int, pp: int, tp: int = 1, *, first: int = 0, backend: str | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, pp_streams: int = 2):
         for name, value in (("dp", dp), ("pp", pp), ("tp", tp)):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"mesh: {name} must be an int >= 1, got {value!r}")
@@ -103,6 +103,17 @@ class Mesh:
             group = self.new_group(ranks) if pp > 1 else None
             if self.active and self.rank in ranks:
                 self.pp_reverse_group = group
+        # pp_streams=4 (the ZBV schedule): activations and gradients each get a communicator per
+        # direction (passes.ir.schedule.validate.message_stream_by_kind)
+        self.pp_stream_groups: dict[str, dist.ProcessGroup] = {}
+        if pp_streams not in (2, 4):
+            raise ConfigError(f"mesh: pp_streams must be 2 or 4, got {pp_streams!r}")
+        if pp_streams == 4 and pp > 1:
+            for ranks in self.axis_ranks("pp"):
+                f_down, b_up = self.new_group(ranks), self.new_group(ranks)
+                if self.active and self.rank in ranks:
+                    self.pp_stream_groups = {"F-up": self.pp_group, "F-down": f_down, "B-up": b_up,
+                                             "B-down": self.pp_reverse_group}
         # The first and last pipeline ranks of each pipeline hold the tied embedding / LM head.
         # Groups are made here, by every rank: new_group(use_local_synchronization=True) names a
         # group by its ranks, so a second mesh over the same ranks would collide with the first.
@@ -118,7 +129,7 @@ class Mesh:
         if self.active and self.backend == "nccl" and pp > 1:
             # NCCL: a batch_isend_irecv that is a group's first operation must involve every rank of
             # the group; one collective on each pipeline group at start-up makes that hold.
-            for group in (self.pp_group, self.pp_reverse_group):
+            for group in dict.fromkeys([self.pp_group, self.pp_reverse_group, *self.pp_stream_groups.values()]):
                 comm.all_reduce(torch.zeros(1, device=self.device), group)
 
     def global_rank(self, pp_index: int, dp_index: int, tp_index: int = 0) -> int:

@@ -36,6 +36,7 @@ import torch
 from torch import fx
 
 from passes.ir.errors import ConfigError, NonFiniteError
+from passes.ir.schedule.validate import stream_count
 from passes.ir.meta import CAPTURE, InputBounds
 from passes.ir.program import RankProgram, unshard_tensor
 from runtime import comm
@@ -83,6 +84,10 @@ class ParallelModel:
         if program.rank != mesh.rank or program.first != mesh.first:
             raise ConfigError(f"parallel_model: the program is rank {program.rank}'s (mesh from {program.first}), this "
                               f"process is rank {mesh.rank} (mesh from {mesh.first}); lower the program of this rank")
+        if c.pp > 1 and stream_count(c.schedule) != (4 if getattr(mesh, "pp_stream_groups", None) else 2):
+            raise ConfigError(f"parallel_model: schedule {c.schedule!r} sends its pipeline messages over "
+                              f"{stream_count(c.schedule)} communicators per rank pair; build the mesh with "
+                              f"Mesh(..., pp_streams={stream_count(c.schedule)})")
         self.program, self.mesh, self.config = program, mesh, c
         self.dp, self.pp, self.tp, self.m, self.v = c.dp, c.pp, c.tp, c.num_micro_batches, c.virtual_pp
         self.global_batch, self.bucket_bytes = c.global_batch, bucket_bytes
@@ -98,7 +103,8 @@ class ParallelModel:
         self.stages = {s: LocalStage(s, module.to(mesh.device), program.io[s]) for s, module in program.modules.items()}
         self.executor = StageExecutor(self.stages, program.io, pp_ranks=mesh.pp_ranks, pp_group=mesh.pp_group,
                                       pp_reverse_group=mesh.pp_reverse_group, pp_index=mesh.pp_index,
-                                      num_micro_batches=c.num_micro_batches, device=mesh.device)
+                                      num_micro_batches=c.num_micro_batches, device=mesh.device,
+                                      stream_groups=getattr(mesh, "pp_stream_groups", None))
         self.tied_sync = TiedSync(self._tied_copies(), mesh.device)
         self.params = unique_params([st.module for st in self.stages.values()])
         # sequence parallelism: replicated params read on sequence chunks; grads summed over tp first
@@ -145,7 +151,7 @@ class ParallelModel:
         """Every tied weight this rank takes part in syncing: its local copies and the group."""
         out = []
         for name, tied in sorted(self.program.tied.items()):
-            holders = sorted({s % self.pp for s in tied.stages})
+            holders = sorted({self.config.stage_rank(s) for s in tied.stages})
             copies: dict[int, torch.nn.Parameter] = {}
             for s in tied.stages:
                 if s in self.stages:

@@ -10,6 +10,9 @@ What each action does on this rank::
     SEND_F s,i   isend stage s's outputs read by stage s+1
     RECV_B s,i   post irecv of the gradients of those outputs
     B s,i        wait them; autograd.backward(outputs, grads), the loss scaled by 1/m
+    I s,i        the same inputs as B; only the gradient of the received inputs (and of the data's
+                 entry points), keeping what W needs (:mod:`runtime.split_backward`)
+    W s,i        the parameters' gradients of that backward
     SEND_B s,i   isend the gradients of stage s's received inputs to stage s-1
     ALL_REDUCE   ``grad_sync()`` callback (data-parallel and tied-weight gradients)
     STEP         ``step()`` callback (optimizer)
@@ -51,6 +54,7 @@ from passes.ir.errors import ConfigError
 from passes.ir.meta import StageIO, dim_symbol
 from passes.ir.schedule.actions import Action, Kind
 from runtime import comm
+from runtime.split_backward import PendingWeights, backward_input, backward_weight
 
 _COMM = (Kind.RECV_F, Kind.SEND_F, Kind.RECV_B, Kind.SEND_B)
 
@@ -74,12 +78,15 @@ class StageExecutor:
 
     def __init__(self, stages: Mapping[int, LocalStage], io: Sequence[StageIO], *, pp_ranks: Sequence[int],
                  pp_group: dist.ProcessGroup | None, num_micro_batches: int, device: torch.device,
-                 pp_reverse_group: dist.ProcessGroup | None = None, pp_index: int | None = None):
+                 pp_reverse_group: dist.ProcessGroup | None = None, pp_index: int | None = None,
+                 stream_groups: Mapping[str, dist.ProcessGroup] | None = None):
         self.stages = dict(stages)
         self.io = tuple(io)
         self.pp_ranks = tuple(pp_ranks)
         self.pp_group = pp_group
         self.pp_reverse_group = pp_reverse_group if pp_reverse_group is not None else pp_group
+        # ZBV: one group per (what the message carries, direction); see message_stream_by_kind
+        self.stream_groups = dict(stream_groups or {})
         self.pp_index = pp_index
         self.m = num_micro_batches
         self.device = device
@@ -119,8 +126,10 @@ class StageExecutor:
         self._sends: list[list] = []  # [tensor, work] of each posted send
         self._pending: list[tuple[comm.P2P, list]] = []  # messages of the current schedule step, not yet posted
         self._losses: list[torch.Tensor] = []
+        self._weights: dict[tuple[int, int], PendingWeights] = {}
         handlers = {Kind.RECV_F: self._recv_f, Kind.FORWARD: self._forward, Kind.SEND_F: self._send_f,
-                    Kind.RECV_B: self._recv_b, Kind.BACKWARD: self._backward, Kind.SEND_B: self._send_b}
+                    Kind.RECV_B: self._recv_b, Kind.BACKWARD: self._backward, Kind.SEND_B: self._send_b,
+                    Kind.BACKWARD_INPUT: self._backward, Kind.BACKWARD_WEIGHT: self._backward_weight}
         for action in actions:
             if action.kind not in _COMM:
                 self._flush()  # the step's sends and receives go out together
@@ -135,6 +144,7 @@ class StageExecutor:
         self._wait_sends()
         losses, self._losses = self._losses, []
         self._leaves.clear()
+        self._weights.clear()
         self._outputs.clear()
         return losses
 
@@ -164,7 +174,7 @@ class StageExecutor:
             buf = torch.empty(self._shape(meta), dtype=meta.dtype, device=self.device)
             entry = [buf, None]
             self._pending.append((comm.P2P("recv", buf, self.pp_ranks[peer], self._tag(direction, sender, key[2], j),
-                                           self._group(peer, sending=False)), entry))
+                                           self._group(peer, sending=False, direction=direction)), entry))
             buffers.append(entry)
         self._recv[key] = buffers
 
@@ -221,7 +231,7 @@ class StageExecutor:
     def _send_f(self, a: Action) -> None:
         outputs = self._outputs[(a.stage, a.microbatch)]
         for j, name in enumerate(self.boundary[a.stage]):
-            self._isend(outputs[name].detach().contiguous(), a.peer, self._tag("F", a.stage, a.microbatch, j))
+            self._isend(outputs[name].detach().contiguous(), a.peer, "F", self._tag("F", a.stage, a.microbatch, j))
 
     def _backward(self, a: Action) -> None:
         s, i = a.stage, a.microbatch
@@ -242,26 +252,36 @@ class StageExecutor:
             elif out.name in grads and value.requires_grad:
                 tensors.append(value)
                 grad_tensors.append(grads[out.name])
+        if a.kind == Kind.BACKWARD_INPUT:
+            self._weights[(s, i)] = backward_input(tensors, grad_tensors, list(self._leaves.get((s, i), {}).values()))
+            return
         if tensors:
             torch.autograd.backward(tensors, grad_tensors)
         self.backward_done_s[(s, i)] = time.perf_counter()
 
+    def _backward_weight(self, a: Action) -> None:
+        backward_weight(self._weights.pop((a.stage, a.microbatch)))
+        self.backward_done_s[(a.stage, a.microbatch)] = time.perf_counter()
+
     def _send_b(self, a: Action) -> None:
         leaves = self._leaves.pop((a.stage, a.microbatch))
         for j, name in enumerate(self._grad_names(a.stage - 1)):
-            self._isend(_grad_or_zeros(leaves[name]), a.peer, self._tag("B", a.stage, a.microbatch, j))
+            self._isend(_grad_or_zeros(leaves[name]), a.peer, "B", self._tag("B", a.stage, a.microbatch, j))
 
-    def _isend(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+    def _isend(self, tensor: torch.Tensor, peer: int, direction: str, tag: int) -> None:
         entry = [tensor, None]  # the tensor must live until the send completes
-        self._pending.append((comm.P2P("send", tensor, self.pp_ranks[peer], tag, self._group(peer, sending=True)),
-                              entry))
+        self._pending.append((comm.P2P("send", tensor, self.pp_ranks[peer], tag,
+                                       self._group(peer, sending=True, direction=direction)), entry))
         self._sends.append(entry)
 
-    def _group(self, peer: int, *, sending: bool):
+    def _group(self, peer: int, *, sending: bool, direction: str):
         """The group of a message with pipeline index ``peer``: ``pp_group`` towards higher
-        indexes (sends to, receives from lower), ``pp_reverse_group`` the other way."""
+        indexes (sends to, receives from lower), ``pp_reverse_group`` the other way; with
+        ``stream_groups`` (ZBV), the group of ``"{direction}-up"`` / ``"{direction}-down"``."""
         me = self.pp_index if self.pp_index is not None else peer
         up = peer > me if sending else peer < me
+        if self.stream_groups:
+            return self.stream_groups[f"{direction}-{'up' if up else 'down'}"]
         return self.pp_group if up else self.pp_reverse_group
 
     def _wait_sends(self) -> None:
@@ -272,10 +292,11 @@ class StageExecutor:
 
 
 def backward_counts(actions: Sequence[Action]) -> dict[int, int]:
-    """Backward actions per stage in one rank's action list (gradient accumulations per step)."""
+    """Backward actions per stage in one rank's action list (gradient accumulations per step:
+    full backwards, or the weight halves of split ones)."""
     out: dict[int, int] = {}
     for a in actions:
-        if a.kind == Kind.BACKWARD:
+        if a.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
             out[a.stage] = out.get(a.stage, 0) + 1
     return out
 

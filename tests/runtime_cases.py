@@ -26,8 +26,10 @@ MODELS = {
     "gpt": "gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0",
     "hf-gpt2": ("hf-gpt2:n_layer=4,n_embd=32,n_head=2,vocab_size=64,n_positions=16,resid_pdrop=0.0,"
                 "embd_pdrop=0.0,attn_pdrop=0.0,seq=8"),
+    # eight layers: ZBV on four pipeline ranks has eight stages
+    "gpt8": "gpt:layers=8,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0",
 }
-LAYERS, HEADS = 4, 2  # of both models above
+LAYERS, HEADS = 4, 2  # of the first two models above (what the property test draws from)
 WORLD, STEPS = 8, 3
 # eps=1e-6, not AdamW's 1e-8: the attention key bias has a gradient that is zero in exact arithmetic
 # and ~1e-10 of rounding noise in practice, which eps=1e-8 turns into order-dependent updates.
@@ -101,6 +103,7 @@ def train_plans(plans: list[Plan]) -> dict:
     one runtime bug does not hide the verdict on the other plans.
     """
     from partitioner.build import build_parallel_model, capture_for_pipeline
+    from passes.ir.schedule.validate import stream_count
     from runtime.mesh import Mesh, init_distributed
 
     started, start = time.time(), time.perf_counter()
@@ -110,12 +113,12 @@ def train_plans(plans: list[Plan]) -> dict:
     specs = {k: build_model(MODELS[k]) for k in sorted(used)}
     graphs = {k: capture_for_pipeline(specs[k]) for k in sorted(used)}
     captured = time.perf_counter()
-    shapes = sorted({(p.dp, p.tp, p.pp) for p in plans})
-    meshes = {sh: Mesh(sh[0], sh[2], sh[1], timeout_s=TIMEOUT_S) for sh in shapes}
+    shapes = sorted({(p.dp, p.tp, p.pp, stream_count(p.schedule)) for p in plans})
+    meshes = {sh: Mesh(sh[0], sh[2], sh[1], timeout_s=TIMEOUT_S, pp_streams=sh[3]) for sh in shapes}
     meshed = time.perf_counter()
     out = {"setup": {"started": started, "capture_s": captured - start, "meshes_s": meshed - captured}}
     for plan in plans:
-        mesh = meshes[(plan.dp, plan.tp, plan.pp)]
+        mesh = meshes[(plan.dp, plan.tp, plan.pp, stream_count(plan.schedule))]
         torch.distributed.barrier()
         if not mesh.active:
             continue

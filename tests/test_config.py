@@ -20,7 +20,7 @@ def test_defaults_are_one_device_and_derived_sizes():
 @pytest.mark.parametrize("knobs,needle", [
     (dict(tp=0), "tp must be an integer >= 1, got 0"),
     (dict(dp=True), "dp must be an integer >= 1, got True"),
-    (dict(schedule="zigzag"), "schedule must be one of gpipe, 1f1b, interleaved, got 'zigzag'"),
+    (dict(schedule="zigzag"), "schedule must be one of gpipe, 1f1b, interleaved, zb1p, zbv, got 'zigzag'"),
     (dict(checkpointing="sometimes"), "checkpointing must be one of none, selective, full"),
     (dict(zero_stage=3), "zero_stage must be one of 0, 1, 2"),
     (dict(virtual_pp=2), "virtual_pp=2 needs schedule='interleaved'"),
@@ -56,5 +56,5 @@ def test_round_trip_and_global_batch_constructor():
 
 
 def test_the_choices_are_spelled_here():
-    assert SCHEDULES == ("gpipe", "1f1b", "interleaved")
+    assert SCHEDULES == ("gpipe", "1f1b", "interleaved", "zb1p", "zbv")
     assert CHECKPOINTING == ("none", "selective", "full") and OFFLOAD == ("none", "activations", "optimizer")

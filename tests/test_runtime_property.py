@@ -1,7 +1,8 @@
 """Property: every feasible dp x tp x pp plan trains like one device.
 
 Hypothesis draws feasible plans (``plans`` below: tiny zoo GPT and tiny HF GPT-2,
-dp*tp*pp in {1, 2, 4, 8}, tp | heads, gpipe / 1f1b / interleaved with virtual_pp=2, micro-batches,
+dp*tp*pp in {1, 2, 4, 8}, tp | heads, gpipe / 1f1b / zero-bubble zb1p, interleaved or ZBV with virtual_pp=2,
+micro-batches,
 ZeRO-1 or ZeRO-2, full checkpointing or activation offload) and each one must give the per-step losses,
 global gradient norms and learning rates, final parameters and last-step (clipped) gradients of
 single-process AdamW training with global-norm clipping (every step clips) and a warm-up + cosine
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.slow  # one spawn of 8 gloo ranks, each exporting both 
 
 
 @st.composite
-def plans(draw, models=tuple(MODELS), max_ranks: int = WORLD) -> Plan:
+def plans(draw, models=("gpt", "hf-gpt2"), max_ranks: int = WORLD) -> Plan:
     """A feasible plan (see tests/runtime_cases.py's docstring) on at most ``max_ranks`` ranks."""
     model = draw(st.sampled_from(models))
     size = draw(st.sampled_from([s for s in (1, 2, 4, 8) if s <= max_ranks]))
@@ -41,8 +42,9 @@ def plans(draw, models=tuple(MODELS), max_ranks: int = WORLD) -> Plan:
     pp = draw(st.sampled_from([p for p in (1, 2, 4, 8) if (size // tp) % p == 0 and p <= LAYERS]))
     dp = size // (tp * pp)
     interleavable = LAYERS % (pp * 2) == 0
-    schedule = draw(st.sampled_from(["gpipe", "1f1b"] + (["interleaved"] if interleavable else [])))
-    v = 2 if schedule == "interleaved" else 1
+    schedule = draw(st.sampled_from(["gpipe", "1f1b"] + (["interleaved"] if interleavable else [])
+                                    + (["zb1p"] if pp > 1 else []) + (["zbv"] if pp > 1 and interleavable else [])))
+    v = 2 if schedule in ("interleaved", "zbv") else 1
     m = draw(st.sampled_from([k for k in (1, 2, 4) if schedule != "interleaved" or k % pp == 0]))
     per_micro_batch = draw(st.sampled_from([1, 2]))
     # checkpointing + offload together: a fixed case in test_runtime_tp_parity.py
@@ -180,8 +182,8 @@ def test_draw_covers_every_axis_and_option():
         "dp>1": {p.dp > 1 for p in DRAWN}, "schedule": {p.schedule for p in DRAWN}, "zero": {p.zero for p in DRAWN},
         "memory": {(p.checkpointing, p.offload) for p in DRAWN},
     }
-    want = {"model": set(MODELS), "tp>1": {True, False}, "pp>1": {True, False}, "dp>1": {True, False},
-            "schedule": {"gpipe", "1f1b", "interleaved"}, "zero": {0, 1, 2},
+    want = {"model": {"gpt", "hf-gpt2"}, "tp>1": {True, False}, "pp>1": {True, False}, "dp>1": {True, False},
+            "schedule": {"gpipe", "1f1b", "interleaved", "zb1p", "zbv"}, "zero": {0, 1, 2},
             "memory": {("none", "none"), ("full", "none"), ("none", "activations")}}
     assert seen == want, [p.id for p in DRAWN]
     assert len(DRAWN) == len(set(DRAWN)) == N_DRAWN

@@ -311,3 +311,98 @@ def test_messages_posted_in_another_order_than_received_are_refused():
     schedule[0][i], schedule[0][j] = schedule[0][j], schedule[0][i]
     with pytest.raises(ScheduleError, match="rank 0 sends rank 1 its messages in another order"):
         check_message_order(schedule)
+
+
+# --------------------------------------------------------------------------------------------
+# Zero-bubble schedules: the backward split into I (input gradient) and W (weight gradients).
+
+ZB_CASES = [(p, m) for p in (2, 3, 4, 8) for m in (1, 2, 3, 4, 8, 16)]
+
+
+def test_split_backward_actions_round_trip_through_text():
+    from passes.ir.schedule import format_schedule, parse_schedule, zb1p
+
+    schedule = zb1p(2, 3)
+    assert "0I0" in format_schedule(schedule) and "1W2" in format_schedule(schedule)
+    assert parse_schedule(format_schedule(schedule)) == schedule
+
+
+@pytest.mark.parametrize("name, v", [("zb1p", 1), ("zbv", 2)])
+@pytest.mark.parametrize("p, m", ZB_CASES)
+def test_zero_bubble_schedules_complete_and_split_every_backward(name, v, p, m):
+    from passes.ir.schedule import build
+    from passes.ir.schedule.actions import Kind
+
+    schedule = build(name, p, m, v)  # validated and checked under NCCL batching
+    for rank, actions in schedule.items():
+        kinds = [a.kind for a in actions]
+        assert Kind.BACKWARD not in kinds
+        halves = {(a.kind, a.stage, a.microbatch) for a in actions if a.kind in (Kind.BACKWARD_INPUT,
+                                                                                   Kind.BACKWARD_WEIGHT)}
+        stages = {a.stage for a in actions if a.kind == Kind.FORWARD}
+        assert len(stages) == v
+        assert halves == {(k, s, i) for k in (Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT) for s in stages
+                          for i in range(m)}
+
+
+@pytest.mark.parametrize("p, m", [(p, m) for p, m in ZB_CASES if m >= p])
+def test_zb1p_bubble_is_p_minus_1_times_f_plus_i_minus_w(p, m):
+    """Qi et al. 2023: ZB-H1's bubble is (p-1)(F + I - W); with F = I = W that is a third of 1F1B's
+    (p-1)(F + B). Balanced stages, no communication."""
+    from passes.ir.schedule import one_f_one_b, simulate, zb1p
+
+    f, i, w = 1.0, 1.0, 1.0
+    zb = simulate(zb1p(p, m), f, i + w, weight_time=w)
+    base = simulate(one_f_one_b(p, m), f, i + w)
+    assert zb.makespan == pytest.approx(m * (f + i + w) + (p - 1) * (f + i - w))
+    assert base.makespan == pytest.approx((m + p - 1) * (f + i + w))
+
+
+@pytest.mark.parametrize("p, m", [(p, m) for p, m in ZB_CASES if m >= p])
+def test_zb1p_holds_at_most_p_micro_batches_on_every_rank(p, m):
+    """ZB-H1 keeps 1F1B's peak (p on rank 0) on every rank: W frees a micro-batch's graph."""
+    from passes.ir.schedule import peak_in_flight, zb1p
+
+    assert [peak_in_flight(zb1p(p, m), r) for r in range(p)] == [p] * p
+
+
+def test_zbv_places_the_first_and_last_stage_on_rank_0():
+    from passes.ir.schedule import stage_placement
+
+    assert stage_placement(3, 2, shape="v") == {0: 0, 1: 1, 2: 2, 3: 2, 4: 1, 5: 0}
+
+
+@pytest.mark.parametrize("p, m", [(2, 8), (4, 8), (4, 16)])
+def test_zbv_bubble_below_zb1p_below_1f1b(p, m):
+    from passes.ir.schedule import build, simulate
+
+    def bubble(name, v):
+        return simulate(build(name, p, m, v), 1.0 / v, 2.0 / v).bubble_fraction()
+
+    assert bubble("zbv", 2) < bubble("zb1p", 1) < bubble("1f1b", 1)
+
+
+def test_validation_catches_broken_split_backwards():
+    from passes.ir.schedule import ScheduleError, validate, zb1p
+    from passes.ir.schedule.actions import Kind, B
+
+    good = zb1p(2, 2)
+    # W before its I
+    broken = dict(good)
+    acts = list(broken[1])
+    wi = next(k for k, a in enumerate(acts) if a.kind == Kind.BACKWARD_WEIGHT)
+    ii = next(k for k, a in enumerate(acts) if a.kind == Kind.BACKWARD_INPUT and a.microbatch == acts[wi].microbatch)
+    acts[wi], acts[ii] = acts[ii], acts[wi]
+    broken[1] = acts
+    with pytest.raises(ScheduleError, match="before its input half"):
+        validate(broken)
+    # a W missing
+    missing = dict(good)
+    missing[0] = [a for a in good[0] if not (a.kind == Kind.BACKWARD_WEIGHT and a.microbatch == 1)]
+    with pytest.raises(ScheduleError, match="missing \\[1\\]"):
+        validate(missing)
+    # a full B mixed into a split stage
+    mixed = dict(good)
+    mixed[0] = [B(0, 1) if a.kind == Kind.BACKWARD_WEIGHT and a.microbatch == 1 else a for a in good[0]]
+    with pytest.raises(ScheduleError, match="both full backwards"):
+        validate(mixed)

@@ -19,7 +19,7 @@ import torch
 
 from passes.ir.errors import ConfigError
 
-Schedule = Literal["gpipe", "1f1b", "interleaved"]
+Schedule = Literal["gpipe", "1f1b", "interleaved", "zb1p", "zbv"]
 ZeroStage = Literal[0, 1, 2]
 Checkpointing = Literal["none", "selective", "full"]
 Offload = Literal["none", "activations", "optimizer"]
@@ -127,6 +127,22 @@ class ParallelConfig:
         """Virtual pipeline stages: ``pp * virtual_pp``."""
         return self.pp * self.virtual_pp
 
+    def stage_rank(self, stage: int) -> int:
+        """Pipeline index of the rank that runs virtual stage ``stage``: ``stage % pp``, or for
+        ZBV's V placement ``stage`` on the way down and ``2 * pp - 1 - stage`` on the way back."""
+        if self.schedule == "zbv":
+            return stage if stage < self.pp else 2 * self.pp - 1 - stage
+        return stage % self.pp
+
+    def rank_stages(self, pp_index: int) -> tuple[int, ...]:
+        """The virtual stages pipeline rank ``pp_index`` runs, in increasing order."""
+        return tuple(s for s in range(self.n_stages) if self.stage_rank(s) == pp_index)
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether the schedule runs each backward as an input half and a weight half."""
+        return self.schedule in ("zb1p", "zbv")
+
     @property
     def mixed_precision(self) -> bool:
         """Low-precision compute with fp32 master weights."""
@@ -153,9 +169,18 @@ class ParallelConfig:
             out.append(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
         if out:
             return out  # the rules below compare values that must be well typed first
-        if self.virtual_pp > 1 and self.schedule != "interleaved":
-            out.append(f"virtual_pp={self.virtual_pp} needs schedule='interleaved' (gpipe and 1f1b run one chunk "
-                       f"per rank), got schedule={self.schedule!r}; set schedule=interleaved or virtual_pp=1")
+        if self.schedule == "zbv":
+            if self.virtual_pp != 2 or self.pp < 2:
+                out.append(f"schedule='zbv' runs two chunks on each of at least 2 pipeline ranks (a V: rank r holds "
+                           f"stages r and 2*pp-1-r), got pp={self.pp}, virtual_pp={self.virtual_pp}; set pp >= 2 and "
+                           f"virtual_pp=2")
+        elif self.virtual_pp > 1 and self.schedule != "interleaved":
+            out.append(f"virtual_pp={self.virtual_pp} needs schedule='interleaved' or 'zbv' (gpipe, 1f1b and zb1p run "
+                       f"one chunk per rank), got schedule={self.schedule!r}; set schedule=interleaved or "
+                       f"virtual_pp=1")
+        if self.schedule == "zb1p" and self.pp < 2:
+            out.append("schedule='zb1p' splits the backward to fill pipeline bubbles and needs pp >= 2; use "
+                       "schedule=1f1b with pp=1")
         if self.schedule == "interleaved" and self.num_micro_batches % self.pp:
             out.append(f"the interleaved schedule needs num_micro_batches ({self.num_micro_batches}) divisible by "
                        f"pp ({self.pp}); use a multiple of {self.pp} micro-batches")

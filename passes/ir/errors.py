@@ -43,3 +43,9 @@ class CheckpointError(PartitionerError):
 
 class NonFiniteError(PartitionerError, FloatingPointError):
     """A training step produced a NaN or inf loss or gradient (the message names the step)."""
+
+
+class CommunicationMismatchError(PartitionerError):
+    """The rank programs of a plan would issue collectives or point-to-point messages that do not
+    match (a hang or silently mixed tensors at run time); found before anything runs, the message
+    names the group, the ranks and the calls that disagree, with a call x rank grid."""

@@ -37,6 +37,11 @@ returns ``(loss [N], softmax [N, V/tp])``; its backward is local (softmax minus 
 shard with the mask one device draws for the whole tensor (:mod:`passes.sharded_dropout`);
 backward ``grad * mask / (1 - p)``.
 
+``split_point(x)`` is an identity (a copy) that marks where a stage's parameters first meet its
+data (after an embedding lookup) for split-backward schedules: :mod:`passes.split_backward`
+inserts it, :mod:`runtime.split_backward` finds its autograd node. Its kernel is here, not in the
+runtime: it computes nothing process-specific.
+
 The offload ops (``offload_begin``/``offload_end``) are in :mod:`passes.ir.offload_ops`.
 """
 from __future__ import annotations
@@ -58,6 +63,7 @@ SCHEMAS = {
     "scatter_to_seq": "(Tensor x, int dim, int tp, str group) -> Tensor",
     "gather_from_seq": "(Tensor x, int dim, int tp, str group) -> Tensor",
     "sharded_dropout": "(Tensor x, float p, int dim, int rank, int degree, int[] sections) -> (Tensor, Tensor)",
+    "split_point": "(Tensor x) -> Tensor",
 }
 """Op name -> schema (without the name), as ``torch.library.define`` takes it."""
 
@@ -113,6 +119,20 @@ for _name, _up in (("reduce_scatter_seq", False), ("all_gather_seq", True), ("sc
 @torch.library.register_fake(qualname("sharded_dropout"), lib=_LIB)
 def _(x, p, dim, rank, degree, sections):
     return torch.empty_like(x), torch.empty_like(x, dtype=torch.bool)
+
+
+@torch.library.register_fake(qualname("split_point"), lib=_LIB)
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.impl(qualname("split_point"), "CompositeExplicitAutograd", lib=_LIB)
+def _(x):
+    return x.clone()  # a custom op may not return a view of its input
+
+
+SPLIT_POINT_AUTOGRAD_NAME = f"{NAMESPACE}_split_point"
+"""What the name of ``split_point``'s autograd node contains."""
 
 
 # --- autograd formulas -----------------------------------------------------------------------------
@@ -188,6 +208,7 @@ def _dropout_backward(ctx, grad, _grad_mask):
 
 torch.library.register_autograd(qualname("sharded_dropout"), _dropout_backward, setup_context=_dropout_setup,
                                 lib=_LIB)
+torch.library.register_autograd(qualname("split_point"), lambda ctx, grad: grad, lib=_LIB)
 
 
 def op_name(target: object) -> str | None:

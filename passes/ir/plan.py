@@ -59,7 +59,8 @@ class Prediction:
     peak_memory_bytes: float
     """Largest per-device peak over the stages, bytes."""
     bubble_fraction: float
-    """Pipeline idle fraction of the schedule: (p−1)/v / (m + (p−1)/v)."""
+    """Pipeline idle fraction of the schedule: (p−1)/v / (m + (p−1)/v), or for the zero-bubble
+    schedules their action lists simulated (``partitioner.cost_model.bubble_fraction``)."""
     terms: dict[str, float]
     """``StepTimeTerms.to_dict()``: seconds by cause, and ``total``."""
     rank_peak_memory_bytes: tuple[float, ...] = ()

@@ -5,6 +5,8 @@ Text form of one action (the same spirit as torch.distributed.pipelining)::
 
     2F0            stage 2, forward, microbatch 0
     1B3            stage 1, backward (full: input and weight grads), microbatch 3
+    1I3            stage 1, backward of the input gradient only, microbatch 3 (zero-bubble split)
+    1W3            stage 1, backward of the weight gradients only, microbatch 3 (after 1I3)
     2SEND_F0->3    stage 2 sends its forward output of microbatch 0 to rank 3
     3RECV_F0<-2    stage 3 receives its forward input of microbatch 0 from rank 2
     1SEND_B3->0    stage 1 sends the grad of its input, microbatch 3, to rank 0
@@ -36,6 +38,8 @@ class Kind(str, Enum):
 
     FORWARD = "F"
     BACKWARD = "B"
+    BACKWARD_INPUT = "I"
+    BACKWARD_WEIGHT = "W"
     SEND_F = "SEND_F"
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
@@ -44,7 +48,10 @@ class Kind(str, Enum):
     OPTIMIZER_STEP = "STEP"
 
 
-COMPUTE_KINDS = frozenset({Kind.FORWARD, Kind.BACKWARD})
+COMPUTE_KINDS = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT})
+# The backward that produces the input gradient the previous stage waits for (receives RECV_B,
+# sends SEND_B): the full backward, or the input half of a split one.
+GRAD_KINDS = frozenset({Kind.BACKWARD, Kind.BACKWARD_INPUT})
 SEND_KINDS = frozenset({Kind.SEND_F, Kind.SEND_B})
 RECV_KINDS = frozenset({Kind.RECV_F, Kind.RECV_B})
 COMM_KINDS = SEND_KINDS | RECV_KINDS
@@ -107,8 +114,9 @@ class Action:
 
 
 # Longer alternatives first so that "SEND_F" is not read as a stray "F".
-_ACTION_RE = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)(?:(->|<-)(\d+))?")
-_ACTION_FORM = "STAGE KIND MICROBATCH [->PEER | <-PEER], e.g. 2F0, 1B3, 2SEND_F0->3, 3RECV_F0<-2, ALL_REDUCE, STEP"
+_ACTION_RE = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)(?:(->|<-)(\d+))?")
+_ACTION_FORM = ("STAGE KIND MICROBATCH [->PEER | <-PEER], e.g. 2F0, 1B3, 1I3, 1W3, 2SEND_F0->3, 3RECV_F0<-2, "
+                "ALL_REDUCE, STEP")
 
 
 def F(stage: int, microbatch: int) -> Action:
@@ -119,6 +127,16 @@ def F(stage: int, microbatch: int) -> Action:
 def B(stage: int, microbatch: int) -> Action:
     """Full backward (input and weight grads) of ``stage`` on ``microbatch``."""
     return Action(Kind.BACKWARD, stage, microbatch)
+
+
+def I(stage: int, microbatch: int) -> Action:
+    """Input-gradient half of the backward of ``stage`` on ``microbatch``."""
+    return Action(Kind.BACKWARD_INPUT, stage, microbatch)
+
+
+def W(stage: int, microbatch: int) -> Action:
+    """Weight-gradient half of the backward of ``stage`` on ``microbatch`` (after its I)."""
+    return Action(Kind.BACKWARD_WEIGHT, stage, microbatch)
 
 
 def parse_action(text: str) -> Action:

@@ -6,11 +6,14 @@ from collections.abc import Callable
 
 from passes.ir.schedule.actions import (
     COMPUTE_KINDS,
+    GRAD_KINDS,
     Action,
     B,
     F,
+    I,
     Kind,
     ScheduleError,
+    W,
 )
 
 
@@ -23,9 +26,20 @@ def _check_sizes(p: int, m: int, v: int = 1) -> None:
             raise ScheduleError(f"{name} must be an int >= 1, got {value!r}")
 
 
-def stage_placement(p: int, v: int = 1) -> dict[int, int]:
-    """Global stage -> rank for p ranks with v chunks each: stage ``c * p + r`` is on rank ``r``."""
+def stage_placement(p: int, v: int = 1, *, shape: str = "loop") -> dict[int, int]:
+    """Global stage -> rank for p ranks with v chunks each.
+
+    ``shape="loop"`` (GPipe, 1F1B, interleaved): stage ``c * p + r`` is on rank ``r``.
+    ``shape="v"`` (ZBV, two chunks): rank ``r`` holds stages ``r`` and ``2p - 1 - r``, so the
+    first and the last stage share rank 0 and the turn of the V (stages p-1, p) is in memory.
+    """
     _check_sizes(p, 1, v)
+    if shape == "v":
+        if v != 2:
+            raise ScheduleError(f"the V placement has exactly 2 chunks per rank, got v={v}")
+        return {**{r: r for r in range(p)}, **{2 * p - 1 - r: r for r in range(p)}}
+    if shape != "loop":
+        raise ScheduleError(f"no stage placement {shape!r}; use 'loop' or 'v'")
     return {c * p + r: r for c in range(v) for r in range(p)}
 
 
@@ -103,13 +117,98 @@ def interleaved_1f1b_compute(p: int, m: int, v: int) -> Schedule:
     return {r: rank_ops(r) for r in range(p)}
 
 
+def zb1p_compute(p: int, m: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B with each backward split
+    into the input gradient (I, what the previous stage waits for) and the weight gradients (W),
+    and rank r running its W ``r`` micro-batches late, so the W passes fill the cool-down bubble.
+
+    Rank r warms up with ``min(p - r, m)`` forwards, then for each micro-batch k: ``I k``, then
+    ``W (k - r)`` once k >= r, then the next forward; the deferred W passes close the list. Rank r
+    holds at most p micro-batches between F and W (1F1B's rank 0 holds p): the same peak as 1F1B.
+    The order is ``torch.distributed.pipelining``'s ``ScheduleInterleavedZeroBubble`` with one
+    stage per rank.
+    """
+    _check_sizes(p, m)
+
+    def rank_ops(r: int) -> list[Action]:
+        warmup = min(p - r, m)
+        actions = [F(r, k) for k in range(warmup)]
+        for k in range(m):
+            actions.append(I(r, k))
+            if k >= r:
+                actions.append(W(r, k - r))
+            if warmup + k < m:
+                actions.append(F(r, warmup + k))
+        actions += [W(r, k) for k in range(max(m - r, 0), m)]
+        return actions
+
+    return {r: rank_ops(r) for r in range(p)}
+
+
+def zbv_compute(p: int, m: int) -> Schedule:
+    """ZB-V (Qi et al. 2023): two chunks per rank in the V placement (rank r holds stages r and
+    2p - 1 - r, see :func:`stage_placement`), backward split into I and W.
+
+    Per rank: ``2 (p - r) - 1`` chunk-0 forwards; r pairs (chunk-1 forward, chunk-0 forward);
+    p - r triples (chunk-1 F, I, W); then the steady state (chunk-0 F while any is left, chunk-0
+    I and W, chunk-1 F, I, W) until every forward ran; the cool-down runs r pairs of I (chunk 0,
+    chunk 1), then p - r pairs (chunk-0 I, the oldest deferred chunk-0 W), then the deferred W
+    passes, chunk 1 first. The phases need ``2p - 1`` micro-batches; with fewer, the lists are
+    built for ``2p - 1`` and the actions of micro-batches that do not exist are dropped, as
+    ``torch.distributed.pipelining``'s ``ScheduleZBVZeroBubble`` does.
+    """
+    _check_sizes(p, m)
+    n = max(m, 2 * p - 1)
+
+    def rank_ops(r: int) -> list[Action]:
+        c0, c1 = r, 2 * p - 1 - r
+        count = {"f0": 0, "f1": 0, "b0": 0, "b1": 0}
+        out: list[Action] = []
+
+        def emit(make, stage: int, key: str) -> None:
+            out.append(make(stage, count[key]))
+            count[key] += 1
+
+        for _ in range(2 * (p - r) - 1):
+            emit(F, c0, "f0")
+        for _ in range(r):
+            emit(F, c1, "f1")
+            emit(F, c0, "f0")
+        for _ in range(p - r):
+            emit(F, c1, "f1")
+            out += [I(c1, count["b1"]), W(c1, count["b1"])]
+            count["b1"] += 1
+        while count["f1"] < count["f0"] or count["f0"] < n:
+            if count["f0"] < n:
+                emit(F, c0, "f0")
+            out += [I(c0, count["b0"]), W(c0, count["b0"])]
+            count["b0"] += 1
+            emit(F, c1, "f1")
+            out += [I(c1, count["b1"]), W(c1, count["b1"])]
+            count["b1"] += 1
+        w0, w1 = count["b0"], count["b1"]
+        for _ in range(r):
+            emit(I, c0, "b0")
+            emit(I, c1, "b1")
+        for _ in range(p - r):
+            emit(I, c0, "b0")
+            out.append(W(c0, w0))
+            w0 += 1
+        out += [W(c1, k) for k in range(w1, count["b1"])]
+        out += [W(c0, k) for k in range(w0, count["b0"])]
+        return [a for a in out if a.microbatch < m]
+
+    return {r: rank_ops(r) for r in range(p)}
+
+
 # ---------------------------------------------------------------------------------------------
 # Lowering (pure list -> list functions).
 
 
 def add_communication(compute: Schedule, stage_to_rank: dict[int, int]) -> Schedule:
     """Insert a RECV right before and a SEND right after each compute action whose neighbouring
-    stage lives on another rank (forward: from stage s-1, to s+1; backward: from s+1, to s-1).
+    stage lives on another rank (forward: from stage s-1, to s+1; backward and the input half of
+    a split backward: from s+1, to s-1; the weight half W exchanges nothing).
 
     Input lists must hold compute actions only. Returns new lists; the input is not changed.
     """
@@ -128,7 +227,11 @@ def add_communication(compute: Schedule, stage_to_rank: dict[int, int]) -> Sched
             if stage_to_rank.get(s) != rank:
                 raise ScheduleError(f"rank {rank} step {step} computes {a}, but stage_to_rank puts stage {s} on "
                                     f"rank {stage_to_rank.get(s)}")
+            if a.kind == Kind.BACKWARD_WEIGHT:
+                out.append(a)
+                continue
             fwd = a.kind == Kind.FORWARD
+            assert fwd or a.kind in GRAD_KINDS
             src, dst = (s - 1, s + 1) if fwd else (s + 1, s - 1)
             if 0 <= src < n_stages and stage_to_rank[src] != rank:
                 out.append(Action(Kind.RECV_F if fwd else Kind.RECV_B, s, i, stage_to_rank[src]))
@@ -173,11 +276,21 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
     return lower(interleaved_1f1b_compute(p, m, v), stage_placement(p, v))
 
 
+def zb1p(p: int, m: int) -> Schedule:
+    """ZB-H1 for p ranks and m microbatches, lowered (SEND/RECV, ALL_REDUCE, STEP)."""
+    return lower(zb1p_compute(p, m), stage_placement(p))
+
+
+def zbv(p: int, m: int) -> Schedule:
+    """ZB-V for p ranks (two chunks each, V placement) and m microbatches, lowered."""
+    return lower(zbv_compute(p, m), stage_placement(p, 2, shape="v"))
+
+
 def build(schedule: str, p: int, m: int, v: int = 1) -> Schedule:
-    """The full schedule named ``schedule`` (``gpipe``, ``1f1b`` or ``interleaved``), checked to
-    complete as the runtime posts it on NCCL (:func:`passes.ir.schedule.validate.check_batches`,
-    which also validates it)."""
-    from passes.ir.schedule.validate import check_batches
+    """The full schedule named ``schedule`` (``gpipe``, ``1f1b``, ``interleaved``, ``zb1p`` or
+    ``zbv``), checked to complete as the runtime posts it on NCCL
+    (:func:`passes.ir.schedule.validate.check_batches`, which also validates it)."""
+    from passes.ir.schedule.validate import check_batches, stream_for
 
     if schedule == "gpipe" and v == 1:
         full = gpipe(p, m)
@@ -185,8 +298,12 @@ def build(schedule: str, p: int, m: int, v: int = 1) -> Schedule:
         full = one_f_one_b(p, m)
     elif schedule == "interleaved":
         full = interleaved_1f1b(p, m, v)
+    elif schedule == "zb1p" and v == 1:
+        full = zb1p(p, m)
+    elif schedule == "zbv" and v == 2:
+        full = zbv(p, m)
     else:
-        raise ScheduleError(f"no schedule {schedule!r} with {v} chunks per rank; use gpipe or 1f1b with one chunk, "
-                            f"interleaved with any")
-    check_batches(full)
+        raise ScheduleError(f"no schedule {schedule!r} with {v} chunks per rank; use gpipe, 1f1b or zb1p with one "
+                            f"chunk, zbv with two, interleaved with any")
+    check_batches(full, stream=stream_for(schedule))
     return full

@@ -8,7 +8,9 @@ Execution model (what :func:`validate` proves deadlock-free and :func:`simulate`
   (rendezvous, like a large ``dist.send`` on gloo), and both complete together;
 * a RECV waits until the matching SEND is posted (plus ``comm_time`` seconds in transit);
 * forward ``sF i`` needs ``(s-1)F i`` when stage s-1 is on the same rank, else its ``RECV_F``;
-  backward ``sB i`` needs ``sF i`` and ``(s+1)B i`` (same rank) or its ``RECV_B``;
+  backward ``sB i`` needs ``sF i`` and ``(s+1)B i`` (same rank) or its ``RECV_B``; a split
+  backward's input half ``sI i`` needs what ``sB i`` needs (``(s+1)I i`` stands for ``(s+1)B i``)
+  and its weight half ``sW i`` needs ``sI i`` only;
 * ALL_REDUCE and STEP are local to the rank (the data-parallel peers are not in the schedule).
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from passes.ir.schedule.actions import (
     COMM_KINDS,
     COMPUTE_KINDS,
+    GRAD_KINDS,
     RECV_KINDS,
     SEND_KINDS,
     Action,
@@ -92,13 +95,19 @@ def _static_problems(schedule: Schedule, placement: dict[int, int]) -> list[tupl
             elif a.stage is not None and placement[a.stage] != rank:
                 problems.append((rank, step, f"{a} runs on rank {rank}, but stage {a.stage} lives on rank {placement[a.stage]}"))
 
-    # Every stage runs F and B once for the same microbatches 0..m-1 (those of stage 0's forward).
+    # Every stage runs F and B (or I and W) once for the same microbatches 0..m-1 (those of
+    # stage 0's forward).
     expected = microbatches.get((Kind.FORWARD, 0), set())
     m = len(expected)
     if expected != set(range(m)):
         problems.append((placement[0], 0, f"stage 0 forwards microbatches {sorted(expected)}; expected 0..{m - 1}"))
     for s in range(n_stages):
-        for kind in (Kind.FORWARD, Kind.BACKWARD):
+        split = bool(microbatches.get((Kind.BACKWARD_INPUT, s)) or microbatches.get((Kind.BACKWARD_WEIGHT, s)))
+        if split and microbatches.get((Kind.BACKWARD, s)):
+            problems.append((placement[s], 0, f"stage {s} runs both full backwards (B) and split ones (I/W); "
+                             f"give each stage one kind"))
+        kinds = (Kind.FORWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT) if split else (Kind.FORWARD, Kind.BACKWARD)
+        for kind in kinds:
             got = microbatches.get((kind, s), set())
             if got != expected:
                 missing, extra = sorted(expected - got), sorted(got - expected)
@@ -112,11 +121,15 @@ def _static_problems(schedule: Schedule, placement: dict[int, int]) -> list[tupl
     for rank, actions in schedule.items():
         for step, a in enumerate(actions):
             s, i = a.stage, a.microbatch
-            if a.kind == Kind.BACKWARD:
+            if a.kind in GRAD_KINDS:
                 f = pos(rank, Kind.FORWARD, s, i)
                 if f is not None and f > step:
                     problems.append((rank, step, f"{a} comes before its forward {s}F{i} (step {f})"))
-            if a.kind in COMPUTE_KINDS:
+            if a.kind == Kind.BACKWARD_WEIGHT:
+                b = pos(rank, Kind.BACKWARD_INPUT, s, i)
+                if b is not None and b > step:
+                    problems.append((rank, step, f"{a} comes before its input half {s}I{i} (step {b})"))
+            if a.kind in COMPUTE_KINDS and a.kind != Kind.BACKWARD_WEIGHT:
                 assert s is not None
                 # The neighbour this compute action takes its input from.
                 src = s - 1 if a.kind == Kind.FORWARD else s + 1
@@ -139,14 +152,18 @@ def _static_problems(schedule: Schedule, placement: dict[int, int]) -> list[tupl
             if a.kind in SEND_KINDS:
                 compute = Kind.FORWARD if a.kind == Kind.SEND_F else Kind.BACKWARD
                 c = pos(rank, compute, s, i)
+                if c is None and a.kind == Kind.SEND_B:
+                    compute = Kind.BACKWARD_INPUT
+                    c = pos(rank, compute, s, i)
                 if c is not None and c > step:
                     problems.append((rank, step, f"{a} sends before {s}{compute.value}{i} (step {c}) computes it"))
             if a.kind == Kind.ALL_REDUCE:
-                late = [str(b) for b in actions[step + 1:] if b.kind == Kind.BACKWARD]
+                late = [str(b) for b in actions[step + 1:] if b.kind in COMPUTE_KINDS and b.kind != Kind.FORWARD]
                 if late:
                     problems.append((rank, step, f"ALL_REDUCE before backward {', '.join(late[:3])}: the grads are not complete"))
             if a.kind == Kind.OPTIMIZER_STEP:
-                late = [str(b) for b in actions[step + 1:] if b.kind in (Kind.BACKWARD, Kind.ALL_REDUCE)]
+                late = [str(b) for b in actions[step + 1:]
+                        if b.kind == Kind.ALL_REDUCE or (b.kind in COMPUTE_KINDS and b.kind != Kind.FORWARD)]
                 if late:
                     problems.append((rank, step, f"STEP before {', '.join(late[:3])}: the step would use partial grads"))
 
@@ -239,7 +256,8 @@ def _execute(
     ranks = sorted(schedule)
     pc = {r: 0 for r in ranks}          # next step per rank
     free = {r: 0.0 for r in ranks}      # time each rank is next idle
-    done: dict[tuple[Kind, int, int], float] = {}  # (F|B, stage, mb) -> end time
+    # (F|B|W, stage, mb) -> end time; an I is recorded as B (its input gradient is what B's is).
+    done: dict[tuple[Kind, int, int], float] = {}
     received: dict[tuple[int, _Msg], float] = {}   # (rank, message) -> end time of its RECV
     posted: dict[_Msg, float] = {}                 # message -> time its SEND was posted
     timelines: dict[int, list[TimedAction]] = {r: [] for r in ranks}
@@ -251,15 +269,18 @@ def _execute(
         assert s is not None and i is not None
         if a.kind in SEND_KINDS:
             return done.get((Kind.FORWARD if a.kind == Kind.SEND_F else Kind.BACKWARD, s, i))
+        if a.kind == Kind.BACKWARD_WEIGHT:
+            return done.get((Kind.BACKWARD, s, i))
+        kind = Kind.FORWARD if a.kind == Kind.FORWARD else Kind.BACKWARD
         deps: list[float | None] = []
-        if a.kind == Kind.BACKWARD:
+        if kind == Kind.BACKWARD:
             deps.append(done.get((Kind.FORWARD, s, i)))
-        src = s - 1 if a.kind == Kind.FORWARD else s + 1
+        src = s - 1 if kind == Kind.FORWARD else s + 1
         if 0 <= src < n_stages:
             if placement[src] == rank:
-                deps.append(done.get((a.kind, src, i)))
+                deps.append(done.get((kind, src, i)))
             else:
-                direction = "F" if a.kind == Kind.FORWARD else "B"
+                direction = "F" if kind == Kind.FORWARD else "B"
                 deps.append(received.get((rank, (direction, src, i))))
         if any(d is None for d in deps):
             return None
@@ -270,7 +291,8 @@ def _execute(
         free[rank] = end
         pc[rank] += 1
         if a.kind in COMPUTE_KINDS:
-            done[(a.kind, a.stage, a.microbatch)] = end  # type: ignore[index]
+            kind = Kind.BACKWARD if a.kind == Kind.BACKWARD_INPUT else a.kind
+            done[(kind, a.stage, a.microbatch)] = end  # type: ignore[index]
         elif a.kind in SEND_KINDS:
             posted[_message(a)] = start
         elif a.kind in RECV_KINDS:
@@ -347,8 +369,10 @@ def _waiting_for(schedule: Schedule, placement: dict[int, int], rank: int, step:
         return f"waits for {a.stage}{compute}{a.microbatch}"
     s, i = a.stage, a.microbatch
     assert s is not None
+    if a.kind == Kind.BACKWARD_WEIGHT:
+        return f"waits for {s}I{i}"
     src = s - 1 if a.kind == Kind.FORWARD else s + 1
-    needs = [f"{s}F{i}"] if a.kind == Kind.BACKWARD else []
+    needs = [f"{s}F{i}"] if a.kind in GRAD_KINDS else []
     if 0 <= src < len(placement):
         needs.append(f"{src}{a.kind.value}{i}" if placement[src] == rank else f"its receive from stage {src}")
     return "waits for " + " and ".join(needs)
@@ -414,6 +438,7 @@ def simulate(
     grad_sync_time: float = 0.0,
     step_time: float = 0.0,
     blocking_sends: bool = False,
+    weight_time: PerStage | None = None,
 ) -> SimResult:
     """Time a schedule: validate it, then run every rank's list with the given durations.
 
@@ -422,16 +447,23 @@ def simulate(
     comm_time: seconds a message spends in transit between ranks (SEND costs the sender nothing
         with posted sends; a RECV ends when the message arrives).
     grad_sync_time / step_time: seconds of ALL_REDUCE / STEP on each rank.
+    weight_time: seconds of the weight half (W) of a split backward, per stage; its input half (I)
+        takes ``bwd_time - weight_time``. Default: half the backward each.
     """
     validate(schedule, blocking_sends=blocking_sends)
     placement = stage_to_rank_of(schedule)
     fwd, bwd = _per_stage(fwd_time, "fwd_time"), _per_stage(bwd_time, "bwd_time")
+    wgt = _per_stage(weight_time, "weight_time") if weight_time is not None else (lambda stage: bwd(stage) / 2)
 
     def duration(a: Action) -> float:
         if a.kind == Kind.FORWARD:
             return fwd(a.stage)  # type: ignore[arg-type]
         if a.kind == Kind.BACKWARD:
             return bwd(a.stage)  # type: ignore[arg-type]
+        if a.kind == Kind.BACKWARD_INPUT:
+            return bwd(a.stage) - wgt(a.stage)  # type: ignore[arg-type]
+        if a.kind == Kind.BACKWARD_WEIGHT:
+            return wgt(a.stage)  # type: ignore[arg-type]
         return grad_sync_time if a.kind == Kind.ALL_REDUCE else step_time
 
     timelines, stuck = _execute(schedule, placement, duration, comm_time, blocking_sends)
@@ -441,10 +473,12 @@ def simulate(
 
 
 def peak_in_flight(schedule: Schedule, rank: int) -> int:
-    """Most (stage, microbatch) activation sets rank ``rank`` holds at once: forward ran, backward not yet.
+    """Most (stage, microbatch) activation sets rank ``rank`` holds at once: forward ran, backward
+    (or, split, its weight half W, which still reads the saved inputs of the weight ops) not yet.
 
     For one stage per rank this is the number of microbatches in flight (1F1B: stage i of p holds
-    p - i; GPipe: m). With v chunks per rank each set is one chunk's activations (1/v of a rank's).
+    p - i; GPipe: m; ZB-H1: p on every rank). With v chunks per rank each set is one chunk's
+    activations (1/v of a rank's).
     """
     live: set[tuple[int | None, int | None]] = set()
     peak = 0
@@ -452,7 +486,7 @@ def peak_in_flight(schedule: Schedule, rank: int) -> int:
         if a.kind == Kind.FORWARD:
             live.add((a.stage, a.microbatch))
             peak = max(peak, len(live))
-        elif a.kind == Kind.BACKWARD:
+        elif a.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
             live.discard((a.stage, a.microbatch))
     return peak
 
@@ -468,6 +502,25 @@ def message_stream(rank: int, a: Action) -> str:
     message never waits behind one going the other way."""
     to_higher = a.peer > rank if a.kind in SEND_KINDS else a.peer < rank  # type: ignore[operator]
     return "up" if to_higher else "down"
+
+
+def message_stream_by_kind(rank: int, a: Action) -> str:
+    """:func:`message_stream` split once more by what the message carries: ``"F-up"``,
+    ``"F-down"``, ``"B-up"``, ``"B-down"`` (four communicators). The V placement needs it: rank 0
+    sends rank 1 both stage 0's activations and stage 2p-1's gradients, and rank 1 takes them in
+    another order than rank 0 makes them; NCCL pairs the messages of one communicator in order."""
+    kind = "F" if a.kind in (Kind.SEND_F, Kind.RECV_F) else "B"
+    return f"{kind}-{message_stream(rank, a)}"
+
+
+def stream_count(schedule: str) -> int:
+    """How many communicators per pipeline rank pair schedule ``schedule`` uses (2, or 4 for ZBV)."""
+    return 4 if schedule == "zbv" else 2
+
+
+def stream_for(schedule: str) -> Callable[[int, Action], str]:
+    """The stream function the runtime uses for schedule ``schedule`` (ZBV: by kind)."""
+    return message_stream_by_kind if schedule == "zbv" else message_stream
 
 
 def comm_batches(actions: list[Action]) -> list[tuple[int, list[Action]]]:
@@ -489,24 +542,27 @@ def comm_batches(actions: list[Action]) -> list[tuple[int, list[Action]]]:
     return out
 
 
-def check_message_order(schedule: Schedule) -> None:
-    """Check that between every ordered pair of ranks the sends (in the sender's list order) and
-    the receives (in the receiver's) carry the same messages in the same order: NCCL pairs the
-    messages between two ranks in posting order, with no tags."""
+def check_message_order(schedule: Schedule, *, stream: Callable[[int, Action], str] | None = None) -> None:
+    """Check that between every ordered pair of ranks, on each stream, the sends (in the sender's
+    list order) and the receives (in the receiver's) carry the same messages in the same order:
+    NCCL pairs the messages of one communicator between two ranks in posting order, with no tags.
+    ``stream``: which stream a message travels on (default: one per ordered pair)."""
     placement = stage_to_rank_of(schedule)
-    sent: dict[tuple[int, int], list[_Msg]] = {}
-    got: dict[tuple[int, int], list[_Msg]] = {}
+    stream = stream or (lambda rank, a: "")
+    sent: dict[tuple[int, int, str], list[_Msg]] = {}
+    got: dict[tuple[int, int, str], list[_Msg]] = {}
     for rank, actions in schedule.items():
         for a in actions:
             if a.kind in SEND_KINDS:
-                sent.setdefault((rank, a.peer), []).append(_message(a))  # type: ignore[arg-type]
+                sent.setdefault((rank, a.peer, stream(rank, a)), []).append(_message(a))  # type: ignore[arg-type]
             elif a.kind in RECV_KINDS:
-                got.setdefault((a.peer, rank), []).append(_message(a))  # type: ignore[arg-type]
+                got.setdefault((a.peer, rank, stream(rank, a)), []).append(_message(a))  # type: ignore[arg-type]
     for pair in sorted(set(sent) | set(got)):
         a, b = sent.get(pair, []), got.get(pair, [])
         if a != b:
             k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            raise ScheduleError(f"rank {pair[0]} sends rank {pair[1]} its messages in another order than rank "
+            on = f" on stream {pair[2]}" if pair[2] else ""
+            raise ScheduleError(f"rank {pair[0]} sends rank {pair[1]} its messages{on} in another order than rank "
                                 f"{pair[1]} receives them (first difference at message {k}: sent "
                                 f"{a[k] if k < len(a) else None}, received {b[k] if k < len(b) else None}); NCCL "
                                 f"matches them in posting order (stages on ranks: {placement})")
@@ -523,8 +579,8 @@ def check_batches(schedule: Schedule, *, stream: Callable[[int, Action], str] | 
     Raises :class:`ScheduleError` with the ranks' stuck steps marked on the grid. ``stream``:
     which stream a message of a rank travels on (default :func:`message_stream`)."""
     validate(schedule)
-    check_message_order(schedule)
     stream = stream or message_stream
+    check_message_order(schedule, stream=stream)
     placement = stage_to_rank_of(schedule)
     ranks = sorted(schedule)
     runs = {r: dict(comm_batches(schedule[r])) for r in ranks}  # rank -> first step -> run
@@ -552,16 +608,22 @@ def check_batches(schedule: Schedule, *, stream: Callable[[int, Action], str] | 
             pc[rank] += 1
             return True
         s, i = a.stage, a.microbatch
-        src = s - 1 if a.kind == Kind.FORWARD else s + 1
-        if a.kind == Kind.BACKWARD and (Kind.FORWARD, s, i) not in done:
+        if a.kind == Kind.BACKWARD_WEIGHT:
+            if (Kind.BACKWARD, s, i) not in done:
+                return False
+            pc[rank] += 1
+            return True
+        kind = Kind.FORWARD if a.kind == Kind.FORWARD else Kind.BACKWARD  # an I stands for its B
+        src = s - 1 if kind == Kind.FORWARD else s + 1
+        if kind == Kind.BACKWARD and (Kind.FORWARD, s, i) not in done:
             return False
         if 0 <= src < n_stages:
             if placement[src] == rank:
-                if (a.kind, src, i) not in done:
+                if (kind, src, i) not in done:
                     return False
-            elif (rank, ("F" if a.kind == Kind.FORWARD else "B", src, i)) not in finished:
+            elif (rank, ("F" if kind == Kind.FORWARD else "B", src, i)) not in finished:
                 return False
-        done.add((a.kind, s, i))
+        done.add((kind, s, i))
         pc[rank] += 1
         return True
 

@@ -1,0 +1,93 @@
+"""Smoke test of bench/plan_quality.py: its quick mode (one model, 4 plans, one step each in one
+spawn of 4 gloo ranks) runs the planner's pick and its competitors and tabulates them; and the
+sample of plans it runs covers what it claims to. Checks correctness only, never speed."""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))  # bench/ is scripts, not a package; spawned ranks inherit sys.path
+
+import plan_quality as bench  # noqa: E402
+
+from partitioner.profile import profile_model  # noqa: E402
+from partitioner.search import candidates, feasible_plans, plan  # noqa: E402
+from passes.ir.config import KNOBS  # noqa: E402
+
+SPEC = bench.MODELS["gpt"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    return bench.load_cluster("local-cpu")
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return profile_model(SPEC, dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def ranked(cluster, profile):
+    return feasible_plans(profile, cluster, global_batch=bench.GLOBAL_BATCH)
+
+
+@pytest.fixture(scope="module")
+def report():
+    (r,) = bench.run(bench.QUICK)
+    return r
+
+
+def test_feasible_plans_are_every_candidate_fastest_first_with_the_pick_first(cluster, profile, ranked):
+    assert len(ranked) == len(candidates(profile, cluster, bench.GLOBAL_BATCH))  # 8 GiB: all fit
+    times = [p.predicted.step_time_s for p in ranked]
+    assert times == sorted(times)
+    assert ranked[0].config == plan(profile, cluster, global_batch=bench.GLOBAL_BATCH).config
+
+
+def test_the_sample_has_the_pick_the_fastest_and_every_value_of_every_knob(ranked):
+    pick = ranked[7]  # any plan can be a pick (another cluster's, or after the memory replay)
+    sample = bench.sample_plans(ranked, [pick], 24)
+    configs = [p.config for p in sample]
+    assert len(sample) >= 24 and pick.config in configs
+    assert [p.config for p in ranked[:bench.TOP]] == configs[:bench.TOP]
+    for knob in KNOBS:
+        assert {getattr(c, knob) for c in configs} == {getattr(p.config, knob) for p in ranked}, knob
+    assert {(c.dp, c.tp, c.pp) for c in configs} == {(p.config.dp, p.config.tp, p.config.pp) for p in ranked}
+    assert configs[-1] == ranked[-1].config  # spread to the slowest predicted
+
+
+def test_a_few_plans_are_all_run(ranked):
+    assert [p.config for p in bench.sample_plans(ranked[:10], [ranked[3]], 24)] == [p.config for p in ranked[:10]]
+
+
+@pytest.mark.slow
+def test_quick_run_measures_the_pick_and_every_plan_computes_the_eager_loss(report, cluster, profile, ranked):
+    # at least QUICK.plans: one more per schedule the search offers beyond the plans asked for
+    assert len(report.plans) >= bench.QUICK.plans and len(report.ok) == len(report.plans)
+    pick = report.pick("local-cpu")
+    assert pick.config.knobs() == plan(profile, cluster, global_batch=bench.GLOBAL_BATCH).config.knobs()
+    assert pick.predicted_rank["local-cpu"] == 1
+    assert {p.config.schedule for p in report.plans} == {p.config.schedule for p in ranked}
+    for p in report.plans:
+        assert len(p.step_s) == bench.QUICK.steps and all(0 < s < 60 for s in p.step_s)
+        assert p.first_loss == pytest.approx(report.eager_loss, rel=1e-5)
+        same = ranked[p.predicted_rank["local-cpu"] - 1]
+        assert same.config.knobs() == p.config.knobs()
+        assert p.predicted_s["local-cpu"] == pytest.approx(same.predicted.step_time_s)
+    assert sorted(report.measured_rank(p) for p in report.plans) == list(range(1, len(report.plans) + 1))
+    assert -1 <= report.spearman("local-cpu") <= 1 and report.gap("local-cpu") >= 0
+
+
+@pytest.mark.slow
+def test_the_table_has_a_row_per_plan_and_the_verdict(report):
+    text = bench.format_report(report, ("local-cpu",))
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert len(rows) == len(report.plans)
+    assert sum(line.rstrip().endswith("| local-cpu |") for line in rows) == 1
+    assert "Spearman rho" in text and "measured rank" in text
+    assert not math.isnan(report.spearman("local-cpu"))

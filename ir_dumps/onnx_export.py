@@ -1,9 +1,15 @@
 """ONNX per pipeline stage: ``stage<s>_tp<r>.onnx`` for each stage of a :class:`PipelineSplit`.
 
-Each stage program is exported with the TorchScript exporter (``torch.onnx.export(...,
-dynamo=False)``, no constant folding, so parameters stay initializers under their original
-names such as ``blocks.0.attn.qkv.weight``; identical tensors the exporter deduplicates appear
-as ``Identity`` nodes whose output keeps the name). Our decisions travel along:
+Each stage program is exported with the dynamo exporter (``torch.onnx.export(..., dynamo=True)``
+of ``torch.export.export(strict=False)``, no graph optimisation, so parameters stay initializers
+under their original names such as ``blocks.0.attn.qkv.weight``), our ops through its
+``custom_translation_table`` (:mod:`ir_dumps.onnx_translations`). Where the dynamo exporter
+fails (or onnxscript, which it needs, is not installed), the TorchScript exporter
+(``dynamo=False``, no constant folding; identical tensors it deduplicates appear as ``Identity``
+nodes whose output keeps the name) writes the file instead, with a ``RuntimeWarning`` naming the
+failure; ``exporter=`` (:data:`EXPORTERS`) picks one. Metadata ``partitioner.exporter``
+(``dynamo`` / ``torchscript``) says which wrote a file, and ``partitioner.exporter_fallback`` why
+the dynamo exporter did not. Our decisions travel along:
 
 * ``model.metadata_props``: ``partitioner.stage``, ``partitioner.n_stages``, ``partitioner.tp_rank``,
   ``partitioner.tp_degree``, ``partitioner.tied`` and ``partitioner.annotations`` (JSON: per fx
@@ -24,8 +30,9 @@ rank 0); :func:`export_rank_programs` writes the programs of given
 that rank's slices under their original names). Tracing runs the programs, so their custom ops
 need real kernels, which the runtime owns: the caller passes ``tracing``, a context in which
 they run on one process (:func:`runtime.kernels.collectives.trace_groups`). The tensor-parallel
-collectives (``torch.ops.partitioner.*``, :mod:`passes.ir.ops`) become custom-domain nodes
-through ONNX symbolic functions registered for the TorchScript exporter::
+collectives (``torch.ops.partitioner.*``, :mod:`passes.ir.ops`) become custom-domain nodes, the
+same under both exporters (the translation table of the dynamo one, ONNX symbolic functions
+registered for the TorchScript one)::
 
     partitioner.CopyToTP(x) -> y                  identity forward, all-reduce of the gradient
     partitioner.ReduceFromTP(x) -> y              all-reduce (sum) forward
@@ -46,7 +53,7 @@ import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Literal, Mapping, Sequence
 
 import sympy
 import torch
@@ -62,7 +69,11 @@ from passes.ir.program import RankProgram
 import passes.ir.ops  # noqa: F401  (the ops must exist before their symbolics)
 
 DOMAIN = "partitioner"
-OPSET = 17
+OPSET = 18
+Exporter = Literal["dynamo", "torchscript"]
+ExporterChoice = Literal["auto", "dynamo", "torchscript"]
+EXPORTERS: tuple[ExporterChoice, ...] = ("auto", "dynamo", "torchscript")
+"""``auto``: the dynamo exporter, the TorchScript one where it fails; the others: that one only."""
 _ANNOTATION_KEYS = (PIPELINE_STAGE, CHECKPOINT, TENSOR_PARALLEL, "offload")
 
 
@@ -84,13 +95,17 @@ def stage_example_inputs(split: PipelineSplit | Sequence[StageIO], stage: int,
 
 
 def export_stage(split: PipelineSplit, stage: int, path: str | Path, *, dims: Mapping[str, int],
-                 tp_rank: int = 0, with_comm: bool = True, opset: int = OPSET) -> Path:
-    """Export stage ``stage`` of ``split`` to ``path``; returns the path. See the module docstring."""
+                 tp_rank: int = 0, with_comm: bool = True, opset: int = OPSET,
+                 exporter: ExporterChoice = "auto") -> Path:
+    """Export stage ``stage`` of ``split`` to ``path``; returns the path. See the module docstring
+    (``exporter``: :data:`EXPORTERS`)."""
     import onnx
 
     path = Path(path)
-    model = _trace(split.modules[stage], split.io, stage, path, dims=dims, opset=opset)
+    traced = _trace(split.modules[stage], split.io, stage, path, dims=dims, opset=opset, exporter=exporter)
+    model = traced.model
     _annotate(model, split.modules[stage], _split_facts(split), stage, tp_rank)
+    _record_exporter(model, traced)
     if with_comm:
         _add_comm_nodes(model, split.io[stage], stage)
     onnx.checker.check_model(model)
@@ -99,24 +114,26 @@ def export_stage(split: PipelineSplit, stage: int, path: str | Path, *, dims: Ma
 
 
 def export_split(split: PipelineSplit, out_dir: str | Path, *, dims: Mapping[str, int], with_comm: bool = True,
-                 opset: int = OPSET) -> list[Path]:
+                 opset: int = OPSET, exporter: ExporterChoice = "auto") -> list[Path]:
     """``stage<s>_tp<r>.onnx`` for every stage (tp rank 0; see the module docstring)."""
     out_dir = Path(out_dir)
     tp_rank = 0
     return [export_stage(split, s, out_dir / f"stage{s}_tp{tp_rank}.onnx", dims=dims, tp_rank=tp_rank,
-                         with_comm=with_comm, opset=opset) for s in range(split.n_stages)]
+                         with_comm=with_comm, opset=opset, exporter=exporter) for s in range(split.n_stages)]
 
 
 def export_rank_programs(programs: Sequence[RankProgram], out_dir: str | Path, *, dims: Mapping[str, int] | None = None,
                          with_comm: bool = True, opset: int = OPSET,
-                         tracing: Callable[[RankProgram], ContextManager] | None = None) -> list[Path]:
+                         tracing: Callable[[RankProgram], ContextManager] | None = None,
+                         exporter: ExporterChoice = "auto") -> list[Path]:
     """``stage<s>_tp<r>.onnx`` in ``out_dir`` for every stage ``s`` of every program (tp rank
     ``r`` its ``tp_index``): the program as that rank runs it. Returns the paths, in order.
 
     ``dims``: named dim -> int for the example inputs (default: the capture's hints);
     ``tracing(program)``: the context the program's custom ops run in while traced (see the
     module docstring; without one, a program with tp collectives cannot be traced).
-    ``with_comm=False`` leaves out Send/Recv (the tp collectives are the program itself and always stay).
+    ``with_comm=False`` leaves out Send/Recv (the tp collectives are the program itself and always stay);
+    ``exporter``: :data:`EXPORTERS`.
     """
     import onnx
 
@@ -127,8 +144,10 @@ def export_rank_programs(programs: Sequence[RankProgram], out_dir: str | Path, *
             module, path = program.modules[stage], out_dir / f"stage{stage}_tp{program.tp_index}.onnx"
             stage_dims = dims if dims is not None else _dims_of(module)
             with (tracing(program) if tracing is not None else contextlib.nullcontext()):
-                model = _trace(module, program.io, stage, path, dims=stage_dims, opset=opset)
+                traced = _trace(module, program.io, stage, path, dims=stage_dims, opset=opset, exporter=exporter)
+            model = traced.model
             _annotate(model, module, _program_facts(program), stage, program.tp_index)
+            _record_exporter(model, traced)
             _annotate_rank(model, program, stage)
             if with_comm:
                 peers = {(c.kind, c.peer_stage): c.ranks[0] for c in program.comms if c.kind in ("send", "recv")}
@@ -165,7 +184,9 @@ def _program_facts(program: RankProgram) -> _Facts:
 
 
 # --------------------------------------------------------------------------------------------------
-# Tensor-parallel collectives: ONNX symbolic functions for the TorchScript exporter.
+# Tensor-parallel collectives: ONNX symbolic functions for the TorchScript exporter (the
+# dynamo exporter's translations, with the same node types and attributes, are in
+# ir_dumps.onnx_translations).
 # torch op name -> ONNX op type of the custom domain
 TP_OP_TYPES = {"copy_to_tp": "CopyToTP", "reduce_from_tp": "ReduceFromTP", "all_reduce": "AllReduce",
                "vocab_parallel_cross_entropy": "VocabParallelCrossEntropy", "sharded_dropout": "ShardedDropout",
@@ -237,7 +258,8 @@ _SYMBOLICS = {"reduce_scatter_seq": _sym_seq("ReduceScatterSeq", False), "all_ga
               "scatter_to_seq": _sym_seq("ScatterToSeq", False), "gather_from_seq": _sym_seq("GatherFromSeq", True),
               "copy_to_tp": _sym_copy_to_tp, "reduce_from_tp": _sym_reduce_from_tp, "all_reduce": _sym_all_reduce,
               "vocab_parallel_cross_entropy": _sym_vocab_parallel_cross_entropy,
-              "sharded_dropout": _sym_sharded_dropout}
+              "sharded_dropout": _sym_sharded_dropout,
+              "split_point": lambda g, x: g.op("Identity", x)}  # a marker for the runtime's autograd
 
 
 def register_tp_symbolics(opset: int = OPSET) -> None:
@@ -246,19 +268,157 @@ def register_tp_symbolics(opset: int = OPSET) -> None:
         torch.onnx.register_custom_op_symbolic(f"{DOMAIN}::{name}", fn, opset)
 
 
-def _trace(module: fx.GraphModule, ios: Sequence[StageIO], stage: int, path: Path, *, dims: Mapping[str, int],
-           opset: int) -> Any:
-    """Export ``module`` (stage ``stage`` of the contracts ``ios``) with the TorchScript exporter
-    and load it back."""
-    import onnx
+@dataclass(frozen=True, kw_only=True)
+class Traced:
+    """An exported stage, before our annotations."""
 
+    model: Any
+    """The ``onnx.ModelProto``."""
+    exporter: Exporter
+    """Which exporter wrote it (metadata ``partitioner.exporter``)."""
+    fallback_reason: str | None = None
+    """Why the dynamo exporter's file is not the one (``exporter="auto"`` fell back), else ``None``."""
+
+
+def _trace(module: fx.GraphModule, ios: Sequence[StageIO], stage: int, path: Path, *, dims: Mapping[str, int],
+           opset: int, exporter: ExporterChoice = "auto") -> Traced:
+    """Export ``module`` (stage ``stage`` of the contracts ``ios``): the dynamo exporter, and the
+    TorchScript exporter where it fails (``exporter="auto"``; a ``RuntimeWarning`` names why)."""
+    if exporter not in EXPORTERS:
+        raise PassError(f"onnx_export: exporter {exporter!r} is not one of {EXPORTERS}")
     path.parent.mkdir(parents=True, exist_ok=True)
     io = ios[stage]
     args = stage_example_inputs(ios, stage, dims)
+    reason = None
+    if exporter != "torchscript":
+        try:
+            with _closing_offload_regions():
+                return Traced(model=_export_dynamo(module, args, io, opset), exporter="dynamo")
+        except Exception as exc:  # noqa: BLE001 - any failure of the dynamo exporter falls back (or is named)
+            reason = _first_line(exc)
+            if exporter == "dynamo":
+                raise PassError(f"onnx_export: stage {stage}: the dynamo exporter failed ({reason}); "
+                                f"export with exporter='auto' to fall back to the TorchScript exporter") from exc
+            warnings.warn(f"onnx_export: stage {stage}: the dynamo exporter failed ({reason}); "
+                          f"{path.name} is the TorchScript exporter's (metadata partitioner.exporter=torchscript)",
+                          RuntimeWarning, stacklevel=3)
+    with _closing_offload_regions():
+        model = _export_torchscript(module, args, io, stage, path, opset)
+    return Traced(model=model, exporter="torchscript", fallback_reason=reason)
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: first line`` of the innermost cause of ``exc`` (the exporter wraps the real error
+    in a long report), after the outer types: ``ConversionError <- DispatchError: No ONNX ...``."""
+    chain = [exc]
+    while chain[-1].__cause__ is not None and len(chain) < 8:
+        chain.append(chain[-1].__cause__)
+    root = chain[-1]
+    lines = str(root).strip().splitlines()
+    text = " <- ".join(type(e).__name__ for e in chain) + (f": {lines[0]}" if lines else "")
+    return text[:500]
+
+
+def _export_dynamo(module: fx.GraphModule, args: tuple[Any, ...], io: StageIO, opset: int) -> Any:
+    """``torch.onnx.export(..., dynamo=True)`` with our ops as custom-domain nodes
+    (:mod:`ir_dumps.onnx_translations`); the model, in memory (nothing written)."""
+    from ir_dumps.onnx_translations import custom_translation_table, drop_bracket_nodes  # imports onnxscript
+
+    with warnings.catch_warnings(), _quiet_exporter_logs():
+        # training-mode and pytree deprecation warnings say nothing about this stage
+        warnings.simplefilter("ignore")
+        exported = torch.export.export(module, args, strict=False)
+        drop_bracket_nodes(exported)
+        program = torch.onnx.export(
+            exported, args, dynamo=True, opset_version=opset, verbose=False, report=False,
+            # no graph optimisation: it folds constant expressions of parameters (a transposed
+            # weight) into new initializers, and the parameters must keep their names
+            optimize=False, custom_translation_table=custom_translation_table())
+    _name_boundary(program.model.graph, [i.name for i in io.inputs if i.kind != "size"], [o.name for o in io.outputs])
+    return program.model_proto
+
+
+def _name_boundary(graph: Any, inputs: Sequence[str], outputs: Sequence[str]) -> None:
+    """Give the graph's inputs and outputs (an ``onnx_ir`` graph) the stage contract's names.
+
+    The dynamo exporter names values after the nodes of its own re-trace, so a contract name
+    (an fx node name of the whole graph) may already be another value's: that value is renamed
+    first (``<name>__<k>``). An output that is a graph input or an earlier output gets an
+    ``Identity``, so every name is produced once."""
+    import onnx_ir as ir
+
+    taken = {v.name: v for v in _values(graph)}
+    claimed: set[int] = set()
+
+    def claim(value: Any, name: str) -> None:
+        other = taken.get(name)
+        if other is not None and other is not value:
+            k = 1
+            while f"{name}__{k}" in taken:
+                k += 1
+            other.name = f"{name}__{k}"
+            taken[other.name] = other
+        taken.pop(value.name, None)
+        value.name = name
+        taken[name] = value
+        claimed.add(id(value))
+
+    for value, name in zip(graph.inputs, inputs):
+        claim(value, name)
+    for index, (value, name) in enumerate(zip(list(graph.outputs), outputs)):
+        if id(value) in claimed or value.is_graph_input():
+            node = ir.Node("", "Identity", [value], num_outputs=1, name=f"identity_{name}")
+            graph.append(node)
+            node.outputs[0].type, node.outputs[0].shape = value.type, value.shape
+            graph.outputs[index] = value = node.outputs[0]
+        claim(value, name)
+
+
+def _values(graph: Any) -> Iterator[Any]:
+    yield from graph.inputs
+    yield from graph.initializers.values()
+    for node in graph:
+        yield from node.outputs
+
+
+@contextlib.contextmanager
+def _closing_offload_regions() -> Iterator[None]:
+    """Close the offload regions (their saved-tensor hooks) a trace opened and, failing between
+    an ``offload_begin`` and its ``offload_end``, left open: the process trains on afterwards."""
+    from passes.ir.offload_ops import end_region, open_regions
+
+    depth = len(open_regions())
+    try:
+        yield
+    finally:
+        while len(open_regions()) > depth:
+            end_region(open_regions()[-1].region)
+
+
+@contextlib.contextmanager
+def _quiet_exporter_logs() -> Iterator[None]:
+    """The exporter logs a warning for each torchvision op it cannot register (torchvision is not
+    ours to need); raised to errors only while it runs."""
+    import logging
+
+    logger = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _export_torchscript(module: fx.GraphModule, args: tuple[Any, ...], io: StageIO, stage: int, path: Path,
+                        opset: int) -> Any:
+    """The TorchScript exporter (``dynamo=False``, no constant folding, so parameters stay
+    initializers under their names), written to ``path`` and loaded back."""
+    import onnx
+
     register_tp_symbolics(opset)
     with warnings.catch_warnings():
-        # The legacy exporter is the one that keeps parameter names; its deprecation and
-        # training-mode dropout warnings say nothing about this stage.
+        # its deprecation and training-mode dropout warnings say nothing about this stage
         warnings.simplefilter("ignore")
         try:
             torch.onnx.export(module, args, str(path), dynamo=False, do_constant_folding=False, opset_version=opset,
@@ -267,6 +427,17 @@ def _trace(module: fx.GraphModule, ios: Sequence[StageIO], stage: int, path: Pat
             raise PassError(f"onnx_export: stage {stage} did not export ({type(exc).__name__}: {exc}); "
                             f"try with_comm=False or a smaller opset, or inspect the stage module's .code") from exc
     return onnx.load(str(path))
+
+
+def _record_exporter(model: Any, traced: Traced) -> None:
+    """``partitioner.exporter`` (and ``partitioner.exporter_fallback``, the dynamo exporter's
+    failure, when the TorchScript exporter stood in) in the model's metadata."""
+    props = {"partitioner.exporter": traced.exporter}
+    if traced.fallback_reason is not None:
+        props["partitioner.exporter_fallback"] = traced.fallback_reason
+    for key, value in props.items():
+        entry = model.metadata_props.add()
+        entry.key, entry.value = key, value
 
 
 # --------------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ import datetime
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -681,7 +682,8 @@ def run_calibration(world_size: int = 4, out: str | Path | None = None, quick: b
     ``world_size`` of 1 times gloo on 2. ``reference_runs``: override the recipe's (False: none;
     True: at least :data:`FULL_RECIPE`'s steps); the reference plans train a small GPT on the
     ranks (:mod:`partitioner.reference_runs`) and the cluster's framework overheads are refitted
-    to them (:func:`partitioner.refit.refit`); the runs are kept in ``<out>.runs/``.
+    to them (:func:`partitioner.refit.refit`); the runs are kept in ``<out>.runs/``. A tqdm bar
+    of the phases goes to stderr when it is a terminal.
     """
     if world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
@@ -692,29 +694,51 @@ def run_calibration(world_size: int = 4, out: str | Path | None = None, quick: b
     start = time.perf_counter()
     clock = PhaseClock()
     threads = rank_threads(world_size)
-    matmul = measure_matmul(dtypes, recipe.matmul_sizes, threads=threads, effort=recipe.effort)
-    efficiency = {d: fit_efficiency([(s.flops, s.seconds) for s in matmul if s.dtype == d]) for d in dtypes}
-    clock.lap("matmul")
-    memcpy = measure_memcpy(recipe.memcpy_bytes, threads=threads, effort=recipe.effort)
-    clock.lap("memcpy")
-    if recipe.reference_steps and world_size >= 2:
-        # one spawn for the gloo timings and the reference runs: starting processes is the slow part
-        gloo, reference = _gloo_and_reference(world_size, recipe, efficiency, memcpy, threads)
-        clock.lap("gloo + reference runs")
-    else:
-        gloo, reference = measure_gloo(max(world_size, 2), recipe.comm_sizes, effort=recipe.effort), None
-        clock.lap("gloo")
-    cluster = build_cluster(world_size, efficiency, memcpy, gloo, threads_per_rank=threads)
-    cal = Calibration(cluster=cluster, world_size=world_size, threads_per_rank=threads, matmul=tuple(matmul),
-                      efficiency=efficiency, memcpy=memcpy, gloo=gloo, recipe=recipe.name)
+    together = bool(recipe.reference_steps) and world_size >= 2
+    phases = ["matmul", "memcpy", "gloo + reference runs" if together else "gloo"]
     if recipe.reference_steps:
-        cal = _with_reference_runs(cal, path, recipe, reference)
-        clock.lap("reference runs + refit" if reference is None else "refit")
+        phases.append("refit" if together else "reference runs + refit")
+    with _phase_bar(phases) as bar:
+        matmul = measure_matmul(dtypes, recipe.matmul_sizes, threads=threads, effort=recipe.effort)
+        efficiency = {d: fit_efficiency([(s.flops, s.seconds) for s in matmul if s.dtype == d]) for d in dtypes}
+        _lap(clock, bar, phases)
+        memcpy = measure_memcpy(recipe.memcpy_bytes, threads=threads, effort=recipe.effort)
+        _lap(clock, bar, phases)
+        if together:
+            # one spawn for the gloo timings and the reference runs: starting processes is the slow part
+            gloo, reference = _gloo_and_reference(world_size, recipe, efficiency, memcpy, threads)
+        else:
+            gloo, reference = measure_gloo(max(world_size, 2), recipe.comm_sizes, effort=recipe.effort), None
+        _lap(clock, bar, phases)
+        cluster = build_cluster(world_size, efficiency, memcpy, gloo, threads_per_rank=threads)
+        cal = Calibration(cluster=cluster, world_size=world_size, threads_per_rank=threads, matmul=tuple(matmul),
+                          efficiency=efficiency, memcpy=memcpy, gloo=gloo, recipe=recipe.name)
+        if recipe.reference_steps:
+            cal = _with_reference_runs(cal, path, recipe, reference)
+            _lap(clock, bar, phases)
     cal = replace(cal, elapsed_s=time.perf_counter() - start, phases=clock.seconds)
     if write:
         cal = replace(cal, path=write_calibration(cal, path))
     return cal
 
+
+
+def _phase_bar(phases: Sequence[str]):
+    """A tqdm bar over the calibration's phases on stderr, drawn only when stderr is a terminal
+    (``disable=None``): logs and tests stay clean. Its description names the phase under way."""
+    from tqdm import tqdm
+
+    return tqdm(total=len(phases), desc=f"calibrate: {phases[0]}", unit="phase", file=sys.stderr,
+                dynamic_ncols=True, disable=None)
+
+
+def _lap(clock: PhaseClock, bar, phases: Sequence[str]) -> None:
+    """End phase ``phases[bar.n]``: its seconds on ``clock``, the bar one on, naming the next."""
+    done = phases[bar.n]
+    clock.lap(done)
+    if bar.n + 1 < len(phases):
+        bar.set_description_str(f"calibrate: {phases[bar.n + 1]}", refresh=False)
+    bar.update(1)
 
 
 def _default_out(world_size: int) -> Path:

@@ -4,8 +4,8 @@
 ``Cluster.local(4)`` (this machine, calibrated the first time), letting the search choose every
 knob (``--fix`` pins some), prints the chosen plan and the runner-up with how much it lost, spawns the 4 ranks
 (:func:`runtime.launch.spawn`), trains on the byte-level stdlib corpus (:mod:`partitioner.corpus`),
-prints the loss per step with a progress bar, checks the first steps against single-process
-training of the same model, and leaves in ``--dump-dir`` the plan's dump tree
+prints the loss per step (and a tqdm bar when stderr is a terminal), checks the first steps
+against single-process training of the same model, and leaves in ``--dump-dir`` the plan's dump tree
 (:mod:`partitioner.dumps`: every pass of the lowering, each rank program as text and ONNX),
 ``plan.json``, ``report.html`` and ``measurements.json``.
 
@@ -80,26 +80,46 @@ def batch_for(spec, step: int, global_batch: int) -> tuple[torch.Tensor, ...]:
     return spec.example_inputs({"batch": global_batch}, seed=1000 + step)
 
 
-def progress(step: int, steps: int, loss: float, seconds: float, width: int = 24) -> str:
-    """``step  3/30 [###.........]  loss 5.5412  0.31 s/step``."""
-    done = int(width * step / max(steps, 1))
-    return f"step {step:>3}/{steps} [{'#' * done}{'.' * (width - done)}]  loss {loss:.4f}  {seconds:.2f} s/step"
+def progress(step: int, steps: int, loss: float, seconds: float) -> str:
+    """``step   3/30  loss 5.5412  0.31 s/step``: the log line of a step."""
+    return f"step {step:>3}/{steps}  loss {loss:.4f}  {seconds:.2f} s/step"
+
+
+def step_bar(steps: int, *, start: int = 0, echo: bool = True):
+    """A tqdm bar over ``steps`` steps (``start`` done) on stderr: drawn only on the echoing rank
+    and only when stderr is a terminal (``disable=None``), so logs and captured output get the
+    per-step lines alone."""
+    from tqdm import tqdm
+
+    return tqdm(total=steps, initial=start, unit="step", file=sys.stderr, dynamic_ncols=True,
+                disable=None if echo else True)
+
+
+def echo_step(bar, step: int, steps: int, loss: float, seconds: float) -> None:
+    """Print the step's :func:`progress` line on stdout (above the bar, which it redraws) and
+    advance the bar."""
+    bar.write(progress(step, steps, loss, seconds), file=sys.stdout)
+    sys.stdout.flush()
+    bar.set_postfix_str(f"loss {loss:.4f}", refresh=False)
+    bar.update(1)
 
 
 def train_loop(trainer, steps: int, batch: Callable[[int], Sequence[torch.Tensor]], *,
                echo: bool, start: int = 0, on_step: Callable[[int, float], None] | None = None) -> list[float]:
     """Train steps ``start .. steps-1`` (``batch(k)``: the global batch of step ``k``); on rank 0
-    (``echo``) prints a progress line per step; ``on_step(steps_done, loss)`` after each. Any
-    failure is re-raised as :class:`RankFailure` naming the failed peer and this rank's last action."""
+    (``echo``) prints a progress line per step (and a :func:`step_bar` on a terminal);
+    ``on_step(steps_done, loss)`` after each. Any failure is re-raised as :class:`RankFailure`
+    naming the failed peer and this rank's last action."""
     losses = []
     try:
-        for step in range(start, steps):
-            begin = time.perf_counter()
-            losses.append(trainer.train_step(batch(step)))
-            if echo:
-                print(progress(step + 1, steps, losses[-1], time.perf_counter() - begin), flush=True)
-            if on_step is not None:
-                on_step(step + 1, losses[-1])
+        with step_bar(steps, start=start, echo=echo) as bar:
+            for step in range(start, steps):
+                begin = time.perf_counter()
+                losses.append(trainer.train_step(batch(step)))
+                if echo:
+                    echo_step(bar, step + 1, steps, losses[-1], time.perf_counter() - begin)
+                if on_step is not None:
+                    on_step(step + 1, losses[-1])
     except Exception as exc:  # noqa: BLE001 - a peer's death shows up as any of gloo's errors
         raise _rank_failure(trainer, exc) from exc
     return losses
@@ -111,16 +131,17 @@ def fit_loop(trainer, dataset, steps: int, *, echo: bool, start: int = 0, seed: 
     :mod:`runtime.data`); the progress line's seconds include loading the step's data."""
     last = [time.perf_counter()]
 
-    def done(step: int, loss: float) -> None:
-        if echo:
-            print(progress(step, steps, loss, time.perf_counter() - last[0]), flush=True)
-        if on_step is not None:
-            on_step(step, loss)
-        last[0] = time.perf_counter()
-
     try:
-        return trainer.fit(dataset, steps=max(0, steps - start), seed=seed, sampler_state=sampler_state,
-                           on_step=done)
+        with step_bar(steps, start=start, echo=echo) as bar:
+            def done(step: int, loss: float) -> None:
+                if echo:
+                    echo_step(bar, step, steps, loss, time.perf_counter() - last[0])
+                if on_step is not None:
+                    on_step(step, loss)
+                last[0] = time.perf_counter()
+
+            return trainer.fit(dataset, steps=max(0, steps - start), seed=seed, sampler_state=sampler_state,
+                               on_step=done)
     except Exception as exc:  # noqa: BLE001 - as train_loop
         raise _rank_failure(trainer, exc) from exc
 

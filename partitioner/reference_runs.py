@@ -140,7 +140,7 @@ def _rank_main(plans: tuple[ReferencePlan, ...], steps: int, cluster: Cluster,
     batches_of = {gb: [spec.example_inputs({"batch": gb}, seed=10 + k) for k in range(steps)]
                   for gb in sorted({p.global_batch for p in plans})}
     out = []
-    for p in plans:
+    for p in _plan_bar(plans, steps):
         batches = batches_of[p.global_batch]
         torch.distributed.barrier()
         config = ParallelConfig.for_global_batch(
@@ -153,6 +153,18 @@ def _rank_main(plans: tuple[ReferencePlan, ...], steps: int, cluster: Cluster,
         out.append([dataclasses.asdict(s) for s in timer.steps])
     torch.distributed.barrier()
     return comm, out
+
+
+def _plan_bar(plans: tuple[ReferencePlan, ...], steps: int):
+    """``plans`` under a tqdm bar on rank 0's stderr, drawn only when that is a terminal
+    (``disable=None``) and cleared when done (the calibration's own bar takes the line back)."""
+    import sys
+
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    return tqdm(plans, desc=f"reference runs ({steps} steps each)", unit="plan", file=sys.stderr, leave=False,
+                dynamic_ncols=True, disable=None if dist.get_rank() == 0 else True)
 
 
 def measure_reference(world_size: int, cluster: Cluster, *, steps: int = 6, comm_sizes: tuple[int, ...] = (),

@@ -184,38 +184,56 @@ def _with_overheads(cluster: Cluster, kernel_s: float | None = None, p2p_s=_KEEP
 
 def _nnls(rows: Sequence[tuple[float, ...]]) -> tuple[float, ...]:
     """Least squares ``Σ_j a_j·x_j ≈ t`` over ``rows`` of ``(a_1, .., a_n, t)`` with every
-    ``x_j >= 0``, by trying each set of free unknowns (n is small; the others held at 0):
-    the feasible solution with the smallest squared error (ties go to the earlier, smaller set
-    of unknowns). A set whose columns cannot be told apart (nearly collinear: one micro-batch
-    size, one stage depth) or that the rows never exercise is skipped: its split would be noise.
-    The first unknown alone is the fallback."""
-    import itertools
+    ``x_j >= 0`` (``scipy.optimize.nnls``), among the solutions whose free (non-zero) unknowns
+    the rows can tell apart (:func:`_separable`): a split between nearly collinear columns (one
+    micro-batch size, one stage depth) would be noise. Of equally good solutions the one with
+    more free unknowns, then the earlier ones (a fit that one FLOP rate explains keeps ``x_1``).
+    Without any such solution, all zeros."""
+    import numpy as np
 
-    import torch
-
-    m = torch.tensor(rows, dtype=torch.float64)
+    m = np.asarray(rows, dtype=np.float64)
     a, t = m[:, :-1], m[:, -1]
-    n = a.shape[1]
-    best, best_err = torch.zeros(n, dtype=torch.float64), float("inf")
-    for k in range(n, 0, -1):
-        for free in itertools.combinations(range(n), k):
-            sub = a[:, list(free)]
-            gram = sub.T @ sub
-            scale = float(torch.prod(torch.diagonal(gram)))
-            if scale <= 0 or float(torch.linalg.det(gram)) <= 1e-6 * scale:
-                continue
-            sol = torch.linalg.solve(gram, sub.T @ t)
-            if bool((sol < 0).any()):
-                continue
-            x = torch.zeros(n, dtype=torch.float64)
-            x[list(free)] = sol
-            err = float(((a @ x - t) ** 2).sum())
-            if err < best_err - 1e-15:
-                best, best_err = x, err
-    if best_err == float("inf"):
-        saa = float(a[:, 0] @ a[:, 0])
-        best[0] = max(float(a[:, 0] @ t) / saa, 0.0) if saa else 0.0
-    return tuple(float(v) for v in best)
+    x, _, _ = _nnls_separable(a, t, tuple(range(a.shape[1])), {})
+    return tuple(float(v) for v in x)
+
+
+def _nnls_separable(a, t, cols: tuple[int, ...], memo: dict):
+    """(x, squared error, free unknowns): the best separable non-negative least squares over
+    columns ``cols`` of ``a`` (the others held at 0). scipy's solution is the answer when
+    ``cols`` are separable (it is then unique). Otherwise every separable support lies in
+    ``cols`` less one column (separable sets are closed under taking subsets: Fischer's
+    inequality), so the best of scipy's solution (when its support is separable) and of those
+    smaller problems is."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    if cols in memo:
+        return memo[cols]
+    x = np.zeros(a.shape[1])
+    if cols:
+        x[list(cols)] = nnls(a[:, list(cols)], t)[0]
+    support = tuple(c for c in cols if x[c] > 0)
+    found = [(x, float(((a @ x - t) ** 2).sum()), support)] if _separable(a[:, list(support)]) else []
+    if not (found and _separable(a[:, list(cols)])):
+        found += [_nnls_separable(a, t, tuple(c for c in cols if c != drop), memo) for drop in cols]
+    best = found[0]
+    for cand in found[1:]:
+        tie = abs(cand[1] - best[1]) <= 1e-12 * max(cand[1], best[1]) + 1e-15
+        if cand[1] < best[1] and not tie or tie and (-len(cand[2]), cand[2]) < (-len(best[2]), best[2]):
+            best = cand
+    memo[cols] = best
+    return best
+
+
+def _separable(cols) -> bool:
+    """Whether columns ``cols`` (of the rows) can be told apart: their Gram determinant above
+    1e-6 of the product of its diagonal (1 for orthogonal columns, 0 for dependent ones); a column
+    of zeros (an unknown the rows never exercise) cannot."""
+    import numpy as np
+
+    gram = cols.T @ cols
+    scale = float(np.prod(np.diagonal(gram)))
+    return cols.shape[1] == 0 or (scale > 0 and float(np.linalg.det(gram)) > 1e-6 * scale)
 
 
 def _fit_compute(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> tuple[float, float]:

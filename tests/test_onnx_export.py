@@ -1,10 +1,13 @@
 """ONNX per pipeline stage: valid under onnx.checker, parameters under their original names,
 send/recv as custom-domain nodes, annotations in metadata, and onnxruntime matching torch; per
 (stage, tp rank) rank programs with the tp collectives as custom-domain nodes and each rank's
-parameter shards; the text/JSON dumps of a stage module whose graph meta holds a plain int."""
+parameter shards; the text/JSON dumps of a stage module whose graph meta holds a plain int; the
+dynamo exporter writing the files (our ops through its translation table, the same nodes as the
+TorchScript exporter's), and the TorchScript exporter standing in, with a warning, where it fails."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import onnx
@@ -273,3 +276,101 @@ def test_dropout_on_tp_shards_exports_as_a_custom_node(tmp_path):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
         assert (attrs["rank"], attrs["degree"], attrs["dim"]) == (rank, 2, 1)
         assert attrs["ratio"] == pytest.approx(0.1)
+        assert _props(model)["partitioner.exporter"] == "dynamo"
+
+
+# ---------------------------------------------------------------------------------- exporters
+def test_every_op_of_ours_has_a_dynamo_translation_or_is_dropped():
+    from ir_dumps.onnx_translations import DROPPED_OPS, IDENTITY_OPS, NODE_SPECS
+    from passes.ir.ops import SCHEMAS
+
+    assert set(NODE_SPECS) | set(IDENTITY_OPS) == set(SCHEMAS) and not set(NODE_SPECS) & set(IDENTITY_OPS)
+    assert set(DROPPED_OPS) == {"offload_begin", "offload_end"}
+    assert {spec.op_type for spec in NODE_SPECS.values()} >= TP_OPS | {"ShardedDropout"}
+
+
+def test_demo_model_exports_with_dynamo_and_custom_domain_nodes(tmp_path):
+    from partitioner.demo import DEMO_MODEL
+
+    spec = build_model(DEMO_MODEL)
+    gm = annotate_flops(annotate_blocks(annotate_shapes(capture_spec(spec))))
+    programs = _programs(gm, tp=2, sequence_parallel=True, offload="activations")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a fallback to the TorchScript exporter warns
+        paths = _export(programs, tmp_path)
+    for path, program in zip(paths, programs):
+        model = onnx.load(str(path))
+        onnx.checker.check_model(model)
+        props = _props(model)
+        assert props["partitioner.exporter"] == "dynamo" and "partitioner.exporter_fallback" not in props
+        ops = [n.op_type for n in model.graph.node if n.domain == DOMAIN]
+        assert {"ReduceScatterSeq", "AllGatherSeq", "VocabParallelCrossEntropy"} <= set(ops)
+        assert len(ops) == len(program.comms_of("tp"))  # the offload brackets leave no node
+        assert "blocks.3.mlp.fc.weight" in {i.name for i in model.graph.initializer}
+
+
+def test_rank_files_of_the_small_gpt_come_from_the_dynamo_exporter(rank_files, two_stages):
+    _, split_paths = two_stages
+    for model in [*rank_files.values(), *(onnx.load(str(p)) for p in split_paths)]:
+        assert _props(model)["partitioner.exporter"] == "dynamo"
+
+
+def _custom_nodes(model):
+    return [(n.op_type, _attrs(n)) for n in model.graph.node if n.domain == DOMAIN]
+
+
+def test_both_exporters_write_the_same_custom_nodes(tmp_path):
+    spec = build_model("gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.1")
+    gm = annotate_flops(annotate_blocks(annotate_shapes(capture_spec(spec))))
+    programs = _programs(gm, tp=2, sequence_parallel=True)[1:]  # tp rank 1: attributes differ from rank 0's
+    files = {}
+    for exporter in ("dynamo", "torchscript"):
+        (path,) = export_rank_programs(programs, tmp_path / exporter, exporter=exporter,
+                                       tracing=lambda p: trace_groups(p.tp_group, p.tp_index, p.tp))
+        files[exporter] = onnx.load(str(path))
+        assert _props(files[exporter])["partitioner.exporter"] == exporter
+    dynamo, torchscript = (_custom_nodes(files[e]) for e in ("dynamo", "torchscript"))
+    assert {op for op, _ in dynamo} >= {"ShardedDropout", "ScatterToSeq", "AllGatherSeq", "ReduceScatterSeq"}
+    assert dynamo == torchscript
+    dropout = next(attrs for op, attrs in dynamo if op == "ShardedDropout")
+    assert (dropout["rank"], dropout["degree"]) == (1, 2) and dropout["ratio"] == pytest.approx(0.1)
+
+
+def test_a_failing_dynamo_export_falls_back_to_torchscript_and_says_why(gpt, tmp_path, monkeypatch):
+    import ir_dumps.onnx_translations as translations
+    from passes.ir.errors import PassError
+
+    _, gm = gpt
+    programs = _programs(gm, tp=TP)[:1]
+    monkeypatch.setattr(translations, "custom_translation_table", lambda: {})  # our ops: no ONNX function
+    with pytest.warns(RuntimeWarning, match=r"stage 0: the dynamo exporter failed \(.*No ONNX function found for "
+                                            r".*partitioner\.(copy_to_tp|reduce_from_tp)"):
+        (path,) = _export(programs, tmp_path)
+    model = onnx.load(str(path))
+    props = _props(model)
+    assert props["partitioner.exporter"] == "torchscript"
+    assert "DispatchError: No ONNX function found" in props["partitioner.exporter_fallback"]
+    assert {"CopyToTP", "ReduceFromTP"} <= {n.op_type for n in model.graph.node if n.domain == DOMAIN}
+    with pytest.raises(PassError, match="the dynamo exporter failed"):
+        export_rank_programs(programs, tmp_path / "strict", exporter="dynamo",
+                             tracing=lambda p: trace_groups(p.tp_group, p.tp_index, p.tp))
+
+
+def test_export_of_checkpointed_offload_leaves_no_offload_region_open(gpt, tmp_path):
+    from passes.ir.offload_ops import open_regions
+
+    _, gm = gpt
+    # (the dynamo exporter's trace of this combination stops inside an offload region on torch 2.13)
+    programs = _programs(gm, tp=TP, sequence_parallel=True, checkpointing="full", offload="activations")[:1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (path,) = _export(programs, tmp_path)
+    # a trace that stops between an offload_begin and its offload_end must not leave its
+    # saved-tensor hooks on this thread (training in this process would go through them)
+    assert open_regions() == []
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model)
+    props = _props(model)
+    fell_back = [w for w in caught if "the dynamo exporter failed" in str(w.message)]
+    assert (props["partitioner.exporter"] == "torchscript") == bool(fell_back)
+    assert ("partitioner.exporter_fallback" in props) == bool(fell_back)

@@ -101,17 +101,19 @@ def test_report_text_names_why_alternatives_lost():
     assert "slower by 10.0%" in text and "needs 90.00 GiB of 80.00 GiB" in text
 
 
-@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1p", 1), ("zbv", 2)])
 def test_timeline_draws_the_runtime_schedule(schedule, v):
     plan = synthetic_plan(schedule=schedule, v=v)
     actions = compute_only(plan_schedule(plan))
     rows, _ = timeline_intervals(plan, plan_schedule(plan))
     for rank, pieces in rows.items():
-        drawn = [p.label for p in pieces if p.kind in ("fwd", "bwd")]
+        drawn = [p.label for p in pieces if p.kind in ("fwd", "bwd", "wgt")]
         assert drawn == [str(a) for a in actions[rank]]  # same actions, same order
     doc = parse(render_report(plan=plan, cluster=CLUSTER))
     assert len(doc.with_class("fwd")) == plan.pp * plan.num_micro_batches * v
-    assert len(doc.with_class("bwd")) == plan.pp * plan.num_micro_batches * v
+    assert len(doc.with_class("bwd")) == plan.pp * plan.num_micro_batches * v  # B, or the I halves
+    # the weight halves of a split backward, drawn apart
+    assert len(doc.with_class("wgt")) == (plan.pp * plan.num_micro_batches * v if schedule.startswith("zb") else 0)
 
 
 @pytest.mark.parametrize("pp,m", [(4, 8), (2, 6), (1, 4)])

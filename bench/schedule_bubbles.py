@@ -9,8 +9,11 @@ machine load hits them alike. For each schedule the last rounds' per-action time
   share of rank-time not spent in forward / backward / weight-gradient actions (averaged over
   ranks; the gradient sync and the optimizer step come after the span);
 * theory: the schedule's own action lists simulated (:func:`passes.ir.schedule.simulate`) with
-  the measured mean seconds of one chunk's F, B (or I and W) on this run, no communication time;
-  and, for GPipe / 1F1B / interleaved, the closed form ``(p-1)/v / (m + (p-1)/v)``.
+  the measured mean seconds of one chunk's F, B (or I and W) on this run and the measured hop
+  time of one boundary message: from the end of the sending action to the end of the receiver's
+  wait for it, median over the waits that really waited (posting, the transfer and the host work
+  around it; a bare ping-pong of the tensor is printed too, for comparison); also without
+  communication, and, for GPipe / 1F1B / interleaved, the closed form ``(p-1)/v / (m + (p-1)/v)``.
 
 Run: ``python bench/schedule_bubbles.py [--pp 2] [--m 8] [--steps 4]``. Prints a table; asserts
 nothing. The stages are balanced by construction: 8 equal blocks, a small vocabulary so that the
@@ -59,12 +62,61 @@ def _rank(pp: int, m: int, steps: int, warmup: int) -> dict:
         timers[name] = StepTimer(models[name], track_memory=False)
     batch = spec.example_inputs({"batch": 2 * m}, seed=1)
     out: dict = {name: [] for name, _ in SCHEDULES}
+    out["message_s"] = _one_way_message_s(spec)
     for k in range(warmup + steps):
         for name, _ in SCHEDULES:
             torch.distributed.barrier()
             meas = timers[name].measure(k, lambda: models[name].train_step(batch))
             if k >= warmup:
                 out[name].append((meas.started_at, meas.timeline))
+    return out
+
+
+def _one_way_message_s(spec, trips: int = 50) -> float:
+    """Median one-way seconds of a boundary tensor (one micro-batch of 2 samples' hidden states)
+    between ranks 0 and 1, by ping-pong over isend/irecv as the executor posts them."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    x = torch.zeros(2, spec.dims["seq"], 128)
+    times = []
+    for _ in range(trips):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.isend(x, 1).wait()
+            dist.irecv(x, 1).wait()
+        elif rank == 1:
+            dist.irecv(x, 0).wait()
+            dist.isend(x, 0).wait()
+        times.append((time.perf_counter() - start) / 2)
+    return statistics.median(times)
+
+
+def _hops(rows: list[tuple[float, tuple]]) -> list[float]:
+    """Seconds from a sending action's end to the end of the receiver's wait, for every receive
+    that waited (rows: per rank (wall start, timeline) of one step)."""
+    first = min(start for start, _ in rows)
+    ends, waits = {}, []
+    for start, timeline in rows:
+        shift = start - first
+        inner = [(a + shift, b + shift) for label, a, b in timeline if label == "wait"]
+        for label, a, b in timeline:
+            kind = _kind(label)
+            if kind is None:
+                continue
+            stage, mb = (int(x) for x in label.split(kind))
+            ends[(stage, kind, mb)] = b + shift
+            if kind in ("F", "B", "I"):
+                got = [(wa, wb) for wa, wb in inner if a + shift <= wa and wb <= b + shift and wb - wa > 5e-5]
+                if got:
+                    src = (stage - 1, ("F",), mb) if kind == "F" else (stage + 1, ("B", "I"), mb)
+                    waits.append((src, got[0][1]))
+    out = []
+    for (stage, kinds, mb), arrived in waits:
+        sent = [ends[(stage, k, mb)] for k in kinds if (stage, k, mb) in ends]
+        if sent and arrived > sent[0]:
+            out.append(arrived - sent[0])
     return out
 
 
@@ -101,19 +153,26 @@ def main() -> None:
     results = spawn(_rank, args.pp, args.pp, args.m, args.steps, 2, timeout_s=1800)
     p, m = args.pp, args.m
     print(f"{MODEL}, pp={p}, m={m}, {args.steps} timed rounds ({time.perf_counter() - t0:.0f} s)\n")
-    print("| schedule | measured bubble | theory (simulated, measured F/B/I/W) | closed form | "
-          "measured - theory (points) | F ms | B ms | I ms | W ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    ping = results[0]["message_s"]
+    hops = [h for name, _ in SCHEDULES for k in range(args.steps) for h in _hops([results[r][name][k] for r in range(p)])]
+    message_s = statistics.median(hops) if hops else ping
+    print(f"one boundary message: {message_s * 1e3:.2f} ms from the sender's action end to the receiver's wait end "
+          f"(median of {len(hops)}); a bare ping-pong of the tensor: {ping * 1e3:.2f} ms one way\n")
+    print("| schedule | measured bubble | theory: simulated, measured F/B/I/W and messages | measured - theory "
+          "(points) | simulated without messages | closed form | F ms | B ms | I ms | W ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, v in SCHEDULES:
         per_step = [_bubble([results[r][name][k] for r in range(p)]) for k in range(args.steps)]
         measured = statistics.median(b for b, _ in per_step)
         secs = {k: statistics.mean(s[k] for _, s in per_step if k in s) for k in COMPUTE if k in per_step[0][1]}
         f = secs["F"]
         b = secs.get("B", secs.get("I", 0.0) + secs.get("W", 0.0))
-        theory = simulate(build(name, p, m, v), f, b, weight_time=secs.get("W")).bubble_fraction()
+        schedule = build(name, p, m, v)
+        theory = simulate(schedule, f, b, message_s, weight_time=secs.get("W")).bubble_fraction()
+        bare = simulate(schedule, f, b, weight_time=secs.get("W")).bubble_fraction()
         closed = "" if name.startswith("zb") else f"{((p - 1) / v) / (m + (p - 1) / v):.3f}"
         cells = [f"{secs[k] * 1e3:.1f}" if k in secs else "" for k in COMPUTE]
-        print(f"| {name} | {measured:.3f} | {theory:.3f} | {closed} | {100 * (measured - theory):+.1f} | "
+        print(f"| {name} | {measured:.3f} | {theory:.3f} | {100 * (measured - theory):+.1f} | {bare:.3f} | {closed} | "
               + " | ".join(cells) + " |")
 
 

@@ -162,16 +162,16 @@ class PlanContext:
 
     def layer_costs(self, c: ParallelConfig) -> tuple[_LayerCost, _LayerCost, _LayerCost]:
         """Costs of (embedding, a block, head) for ``c``'s tp, micro-batch, sp, checkpointing."""
-        key = (c.tp, c.micro_batch_size, c.sequence_parallel, c.checkpointing)
+        key = (c.tp, c.micro_batch_size, c.sequence_parallel, c.checkpointing, c.split_backward)
         if key not in self._costs:
             p = self.profile
             # checkpoint regions are blocks (passes.lower): embedding and head keep theirs
-            ends = (c.tp, c.micro_batch_size, c.sequence_parallel, "none")
+            ends = (c.tp, c.micro_batch_size, c.sequence_parallel, "none", c.split_backward)
             self._costs[key] = (self._layer_cost(p.embedding, *ends), self._layer_cost(p.blocks[0], *key),
                                 self._layer_cost(p.head, *ends))
         return self._costs[key]
 
-    def _layer_cost(self, layer: LayerProfile, tp: int, b: int, sp: bool, ckpt: str) -> _LayerCost:
+    def _layer_cost(self, layer: LayerProfile, tp: int, b: int, sp: bool, ckpt: str, split: bool) -> _LayerCost:
         dev = self.cluster.device
         fwd, bwd = self._matmul_times(layer, tp, b)
         mem_fwd = memory_bound_time(self._memory_bound_bytes(layer, tp, b, sp), dev)
@@ -183,6 +183,8 @@ class PlanContext:
         ops = layer.ops or layer.matmuls  # profiles made before op counting: the matmul kernels
         fwd += op_overhead_time(ops, dev)
         bwd += op_overhead_time(2 * ops, dev)
+        if split:  # a split backward runs every weight-reading op's backward a second time (W)
+            bwd += op_overhead_time(SPLIT_OPS_PER_MATMUL * layer.matmuls, dev)
         msg = layer.boundary_bytes * b
         link = self.link(tp, 1)
         one = (reduce_scatter_time(msg, tp, link) + all_gather_time(msg, tp, link)) if sp else all_reduce_time(msg, tp, link)
@@ -477,6 +479,14 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
     peak = max(s.peak_memory_bytes for s in stages)
     feasible = feasible and peak <= ctx.cap
     return Evaluated(config=c, feasible=feasible, step_time=terms.total, peak=peak, stages=tuple(stages), terms=terms)
+
+
+SPLIT_OPS_PER_MATMUL = 12
+"""Framework overhead of a split backward (zero-bubble schedules), in dispatched ops per matmul
+of the layer: W runs the autograd engine once more per weight-reading op, I walks the graph and
+captures each such op's output gradient. Measured with bench/schedule_bubbles.py on the 2-core
+development machine: I + W took 8.5 ms more than B per micro-batch through 2 GPT blocks (12
+matmuls) at 59 us per dispatched op (its calibrated ``kernel_overhead_s``)."""
 
 
 def _saved_tensors(ctx: PlanContext, c: ParallelConfig, ranges) -> int:

@@ -453,7 +453,7 @@ def format_report(r: ModelReport, clusters: Sequence[str]) -> str:
                      f"{100 * GOAL_GAP:.0f}%, rho >= {GOAL_RHO}): {verdict}")
         if pick is not best:
             terms = [k for k in pick.terms[n] if pick.terms[n][k] or best.terms[n][k]]
-            lines.append(f"  - predicted terms ms, pick / fastest: " + ", ".join(
+            lines.append("  - predicted terms ms, pick / fastest: " + ", ".join(
                 f"{k} {1e3 * pick.terms[n][k]:.2f}/{1e3 * best.terms[n][k]:.2f}" for k in terms))
     pick0 = r.pick(clusters[0])
     for p in (pick0, best) if pick0 is not best else (best,):

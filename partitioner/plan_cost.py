@@ -171,7 +171,7 @@ class PlanContext:
                                 self._layer_cost(p.head, *ends))
         return self._costs[key]
 
-    def _layer_cost(self, layer: LayerProfile, tp: int, b: int, sp: bool, ckpt: str, split: bool) -> _LayerCost:
+    def _layer_cost(self, layer: LayerProfile, tp: int, b: int, sp: bool, ckpt: str, split: bool = False) -> _LayerCost:
         dev = self.cluster.device
         fwd, bwd = self._matmul_times(layer, tp, b)
         mem_fwd = memory_bound_time(self._memory_bound_bytes(layer, tp, b, sp), dev)

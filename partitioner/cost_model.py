@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 
 from partitioner.cluster import Cluster, Device, Link
+from passes.ir.schedule import build, peak_in_flight, simulate
 from passes.ir.config import SCHEDULES
 from passes.ir.errors import ConfigError
 
@@ -296,8 +297,6 @@ two matmuls per forward one)."""
 def _simulated_bubble_slots(schedule: str, p: int, m: int, v: int, weight_share: float) -> float:
     """Idle time per stage of a zero-bubble schedule, in forward+backward units: the action lists
     simulated with balanced stages (one chunk's forward 1/v, backward FWD_BWD_RATIO/v)."""
-    from passes.ir.schedule import build, simulate
-
     f, b = 1.0 / v, FWD_BWD_RATIO / v
     result = simulate(build(schedule, p, m, v), f, b, weight_time=b * weight_share)
     work = m * v * (f + b)
@@ -364,8 +363,6 @@ def in_flight_chunks(schedule: str, stage: int, p: int, m: int, v: int = 1) -> i
 @functools.lru_cache(maxsize=1024)
 def _zero_bubble_in_flight(schedule: str, stage: int, p: int, m: int, v: int) -> int:
     # Read off the action list: a micro-batch's graph lives from its F until its W.
-    from passes.ir.schedule import build, peak_in_flight
-
     return peak_in_flight(build(schedule, p, m, v), stage)
 
 

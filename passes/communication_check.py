@@ -64,6 +64,7 @@ from passes.ir.grad_buckets import (
     BucketSpec,
     GradSlot,
     bucket_layout,
+    unique_params,
 )
 from passes.ir.meta import CAPTURE, MEMORY, SHAPE, TensorMeta, dim_symbol
 from passes.ir.ops import SCHEMAS, TP_OPS, op_name
@@ -442,7 +443,7 @@ class _GradSync:
     def __init__(self, rank: _RankModel):
         self.r = rank
         p, c = rank.p, rank.c
-        self.params = _unique_params(p.modules.values())
+        self.params = unique_params(p.modules.values())
         named = _named_parameters(p.modules.values())
         self.tied = _tied_syncs(rank, p)
         self.sp = [named[n] for n in p.sp_grad_params]
@@ -551,17 +552,6 @@ class _GradSync:
             out += [CommCall(self.r.dp_group, "all_gather", b.numel, b.dtype, f"dp bucket {k} updated chunks", "dp")
                     for k, b in enumerate(self.buckets)]
         return out
-
-
-def _unique_params(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
-    """runtime.grad_sync.unique_params: trainable parameters, each once, in module order."""
-    seen, out = set(), []
-    for module in modules:
-        for q in module.parameters():
-            if q.requires_grad and id(q) not in seen:
-                seen.add(id(q))
-                out.append(q)
-    return out
 
 
 def _named_parameters(modules: Iterable[fx.GraphModule]) -> dict[str, nn.Parameter]:

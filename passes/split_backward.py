@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from passes.ir.meta import SHAPE
 from passes.ir.ops import ops
 
 _ALIAS = torch.ops.aten.alias.default
@@ -137,8 +138,6 @@ def held_gradient_meta(gm: fx.GraphModule) -> list:
     """The TensorMetas of the gradients a split backward holds from I to W, per micro-batch: the
     output gradient of every node that reads a parameter and the data (what I captures at each
     mixing node, :mod:`runtime.split_backward`), in ``gm`` and its checkpointed regions."""
-    from passes.ir.meta import SHAPE
-
     out = []
     for g in (m for m in gm.modules() if isinstance(m, fx.GraphModule)):
         trainable = {id(p) for p in g.parameters() if p.requires_grad}

@@ -50,17 +50,6 @@ from runtime.optimizers import (
 )
 
 
-def unique_params(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
-    """Trainable parameters of ``modules``, each once, in a deterministic order."""
-    seen, out = set(), []
-    for module in modules:
-        for p in module.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out
-
-
 def fill_missing_grads(params: Sequence[nn.Parameter]) -> None:
     """Zero gradients for parameters backward did not reach, so every rank sends the same buckets."""
     for p in params:

@@ -37,13 +37,14 @@ from torch import fx
 
 from passes.ir.errors import ConfigError, NonFiniteError
 from passes.ir.schedule.validate import stream_count
+from passes.ir.grad_buckets import unique_params
 from passes.ir.meta import CAPTURE, InputBounds
 from passes.ir.program import RankProgram, unshard_tensor
 from runtime import comm
 from runtime.batch_check import check_batch
 from runtime.grad_sync import (
     DEFAULT_BUCKET_BYTES, MODE_OF_ZERO_STAGE, BucketedGradSync, ShardedOptimizer, TiedCopies, TiedSync,
-    expected_accumulations, fill_missing_grads, unique_params,
+    expected_accumulations, fill_missing_grads,
 )
 from runtime.kernels.collectives import DistGroup, all_reduce_grads, register_group
 from runtime.mesh import Mesh

@@ -15,9 +15,10 @@ a multiple of the group size, since a reduce-scatter needs equal chunks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
+from torch import nn
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 """Bytes of gradients per bucket (DDP's default)."""
@@ -80,3 +81,15 @@ def bucket_layout(slots: Sequence[GradSlot], *, size: int, shard: bool,
             out.append(BucketSpec(members=tuple(members), numel=-(-n // size) * size if shard else n,
                                   dtype=slots[members[0]].dtype, late=late))
     return tuple(out)
+
+
+def unique_params(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
+    """Trainable parameters of ``modules``, each once, in a deterministic order (what the
+    gradient buckets are laid out over)."""
+    seen, out = set(), []
+    for module in modules:
+        for p in module.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out

@@ -3,6 +3,8 @@
 
 * :mod:`runtime.kernels.collectives` — the tp collectives and the tp group registry;
 * :mod:`runtime.kernels.dropout` — dropout on a tp shard with one device's mask;
-* :mod:`runtime.kernels.offload` — host copies of offloaded activations.
+* :mod:`runtime.kernels.offload` — host copies of offloaded activations;
+* :mod:`runtime.kernels.context_parallel` — ring attention and Ulysses over the cp group.
 """
 from runtime.kernels import collectives, dropout, offload  # noqa: F401  (registers the kernels)
+from runtime.kernels import context_parallel  # noqa: F401  (ring attention and Ulysses kernels)

@@ -1,0 +1,306 @@
+"""Rewrite: context parallelism (cp) — this rank's program when the sequence is cut over ``degree`` ranks.
+
+Every activation holds this rank's share of the sequence under the load-balanced layout of
+:mod:`passes.ir.cp_ops` (chunks ``r`` and ``2*cp-1-r`` of ``2*cp``); per-token ops (embeddings,
+norms, MLPs, the LM head) run unchanged on it, and only attention and what depends on positions
+or on the whole sequence is rewritten. Graph patterns (ops of :mod:`passes.ir.cp_ops`, ``g`` the
+cp group's name)::
+
+    ring:     sdpa(q, k, v, is_causal=c, scale=s)
+                  -> getitem(partitioner.ring_attention(q, k, v, c, s, rank, cp, g), 0)
+    ulysses:  sdpa(q, k, v, ...) -> partitioner.heads_to_seq(sdpa(seq_to_heads(q), seq_to_heads(k),
+                  seq_to_heads(v), ...))                       (H/cp heads over the whole sequence)
+    GQA:      k = reshape(expand(unsqueeze(k_kv, 2), ...))   (repeat_kv before sdpa)
+                  -> the op reads k_kv (ring always; Ulysses when the kv heads divide by cp):
+                  kv heads travel, not their copies
+    positions: arange(S_local) -> partitioner.load_balanced_positions(arange(S_local), rank, cp)
+              buffer[:S_local] along d -> index_select(buffer, d, <those positions>)
+    loss:     cross_entropy_loss(x, t) (mean)
+                  -> reduce_from_cp(cross_entropy_loss(x, t, reduction=sum)) / reduce_from_cp(count(t != ignore))
+
+The graph's inputs that carry the named sequence dim (token ids, targets, position ids) become
+this rank's shards: the runtime feeds ``shard_sequence(x, dim, rank, cp)`` for each input listed
+in :class:`~passes.ir.cp_ops.ContextParallelPlan` ``.sharded_inputs``. Sizes read from those
+inputs (``sym_size``) are then local, so views follow; positions computed from them
+(``arange``) are mapped to the TRUE positions of the rank's chunks, so position embeddings and
+rotary tables are those of one device.
+
+**Loss.** The mean cross-entropy becomes the sum over this rank's tokens divided by the number of
+counted tokens over all cp ranks; the sum is all-reduced in forward with an identity backward.
+So every rank's loss *value* is the single-device mean, and each rank's parameter gradients are
+its tokens' share of the single-device gradient: **the runtime sums gradients over the cp group**
+(with dp, average over dp only, e.g. all-reduce over dp x cp and divide by dp).
+
+Requires: ``gm.meta[CAPTURE]`` with the sequence dim ``seq_dim`` kept symbolic (sizes come from
+the inputs; a specialized length would leave the global length baked into views) and its hint
+divisible by ``2 * degree``; attention as ``aten.scaled_dot_product_attention`` without an
+explicit mask or dropout. Provides: ``gm.meta[CONTEXT_PARALLEL]`` (a ``ContextParallelPlan``);
+``gm.meta[CAPTURE]`` with the sequence dim's hint and bound divided by ``degree``. Node analysis
+meta (shapes, FLOPs, memory) is dropped: rerun the analysis passes on the result. Parameters are
+shared with ``gm`` (not copied).
+
+Not rewritten (left as they are, so a graph that has them is wrong under cp): other losses or
+reductions over the sequence, masks built from positions, ops that mix tokens other than
+attention (sequence convolutions).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import operator
+from typing import Any
+
+import torch
+from torch import fx
+
+import passes.ir.cp_ops  # noqa: F401  (defines torch.ops.partitioner.ring_attention etc.)
+from passes.ir.cp_ops import (
+    CONTEXT_PARALLEL,
+    CP_MODES,
+    ContextParallelPlan,
+    CPMode,
+    check_heads,
+    check_layout,
+)
+from passes.ir.errors import ConfigError, PassError
+from passes.ir.meta import (
+    CAPTURE,
+    EXPORT_VAL,
+    FLOP_SUMMARY,
+    FLOPS,
+    MEMORY,
+    MEMORY_SUMMARY,
+    SHAPE,
+    CaptureInfo,
+)
+
+aten = torch.ops.aten
+cp_ops = torch.ops.partitioner
+_SDPA = aten.scaled_dot_product_attention.default
+_ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+_RESHAPES = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
+_MEAN, _SUM = 1, 2  # aten reduction enum
+_STALE = (SHAPE, FLOPS, MEMORY)
+_STALE_GRAPH = (FLOP_SUMMARY, MEMORY_SUMMARY)
+
+
+def apply_context_parallel(gm: fx.GraphModule, ctx: Any = None, *, rank: int, degree: int, group: str,
+                           mode: CPMode = "ring", seq_dim: str = "seq") -> fx.GraphModule:
+    """The program of cp rank ``rank`` of ``degree``, attention exchanging over the cp group
+    registered as ``group``; ``mode``: ``"ring"`` (K/V blocks travel the ring) or ``"ulysses"``
+    (all-to-all to head shards). Returns a new GraphModule (``gm`` is left as it was).
+
+    Raises ConfigError for a bad rank/degree/mode, a sequence hint not divisible by
+    ``2 * degree``, or (Ulysses) heads not divisible by ``degree``; PassError for a graph it
+    cannot rewrite (no capture info, specialized sequence dim, attention with a mask or dropout).
+    """
+    if mode not in CP_MODES:
+        raise ConfigError(f"apply_context_parallel: mode={mode!r}; use one of {CP_MODES}")
+    if not 0 <= rank < degree:
+        raise ConfigError(f"apply_context_parallel: rank={rank} outside 0..{degree - 1} (cp degree {degree})")
+    info: CaptureInfo | None = gm.meta.get(CAPTURE)
+    if info is None:
+        raise PassError("apply_context_parallel needs gm.meta['capture']; capture the graph with "
+                        "passes.capture.capture_model / capture_spec")
+    dims = dict(info.dims)
+    if seq_dim not in dims:
+        raise PassError(f"apply_context_parallel: no dim named {seq_dim!r} in the capture (dims: {sorted(dims)}); "
+                        f"name the sequence dim in the InputSpec shapes or pass seq_dim=")
+    if seq_dim not in info.symbolic:
+        raise PassError(f"apply_context_parallel: the sequence dim {seq_dim!r} was specialized to {dims[seq_dim]} "
+                        f"at capture, so the global length is baked into the graph's views; capture with "
+                        f"symbolic=(..., {seq_dim!r})")
+    check_layout(dims[seq_dim], degree, f"{seq_dim}")
+    if any(getattr(n.target, "namespace", None) == "partitioner" and n.target._opname in ("ring_attention",
+           "seq_to_heads") for n in gm.graph.nodes):
+        raise PassError("apply_context_parallel: the graph already has context-parallel attention; run the pass once")
+
+    graph = copy.deepcopy(gm.graph)
+    for node in graph.nodes:
+        for key in _STALE:
+            node.meta.pop(key, None)
+    rw = _Rewriter(graph, info, rank=rank, degree=degree, group=group, mode=mode, seq_dim=seq_dim)
+    rw.run()
+    graph.eliminate_dead_code()
+    graph.lint()
+    graph._tracer_cls, graph._tracer_extras = None, {}  # a plain program (picklable), as the tp rewrite leaves it
+    out = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    out.meta.update({k: v for k, v in gm.meta.items() if k not in _STALE_GRAPH})
+    out.meta[CAPTURE] = _local_capture(info, seq_dim, degree)
+    out.meta[CONTEXT_PARALLEL] = ContextParallelPlan(
+        mode=mode, rank=rank, degree=degree, group=group, seq_dim=seq_dim, seq_len=dims[seq_dim],
+        sharded_inputs=tuple(rw.sharded), attention=rw.attention, positions=rw.positions, losses=rw.losses)
+    return out
+
+
+def _local_capture(info: CaptureInfo, seq_dim: str, degree: int) -> CaptureInfo:
+    """The capture info as this rank's inputs see it: the sequence hint and bound per rank."""
+    dims = tuple((n, v // degree if n == seq_dim else v) for n, v in info.dims)
+    bounds = info.bounds
+    new_dims = tuple(dataclasses.replace(b, high=None if b.high is None else b.high // degree)
+                     if b.name == seq_dim else b for b in bounds.dims)
+    return dataclasses.replace(info, dims=dims, bounds=dataclasses.replace(bounds, dims=new_dims))
+
+
+def _val_shape(node: Any) -> tuple | None:
+    val = node.meta.get(EXPORT_VAL) if isinstance(node, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+class _Rewriter:
+    def __init__(self, graph: fx.Graph, info: CaptureInfo, *, rank: int, degree: int, group: str, mode: CPMode,
+                 seq_dim: str):
+        self.graph, self.info = graph, info
+        self.rank, self.degree, self.group, self.mode = rank, degree, group, mode
+        self.seq_dim = seq_dim
+        self.sharded: list[tuple[str, int]] = []
+        self.seq_sizes: set[fx.Node] = set()  # nodes whose value is the (now local) sequence length
+        self.attention = self.positions = self.losses = 0
+
+    def run(self) -> None:
+        seq_of = {spec.name: spec.shape.index(self.seq_dim) for spec in self.info.inputs if self.seq_dim in spec.shape}
+        for node in self.graph.nodes:
+            if node.op == "placeholder" and node.target in seq_of:
+                self.sharded.append((node.target, seq_of[node.target]))
+        sharded = dict(self.sharded)
+        for node in list(self.graph.nodes):
+            if node.target is aten.sym_size.int and node.args[0].op == "placeholder" \
+                    and sharded.get(node.args[0].target) == node.args[1]:
+                self.seq_sizes.add(node)
+            elif node.target in _ARANGES:
+                self._arange(node)
+            elif node.target is aten.slice.Tensor:
+                self._buffer_slice(node)
+            elif node.target is _SDPA:
+                self._attention(node)
+            elif node.target is aten.cross_entropy_loss.default:
+                self._loss(node)
+
+    # --- positions ---------------------------------------------------------------------------------
+    def _arange(self, node: fx.Node) -> None:
+        args = list(node.args)
+        if node.target is aten.arange.default:
+            start, end, step = 0, args[0], 1
+        else:
+            start, end = args[0], args[1]
+            step = args[2] if len(args) > 2 else 1
+        if start != 0 or step != 1 or end not in self.seq_sizes:
+            return
+        users = list(node.users)
+        with self.graph.inserting_after(node):
+            pos = self.graph.call_function(cp_ops.load_balanced_positions.default, (node, self.rank, self.degree))
+        for user in users:
+            user.replace_input_with(node, pos)
+        self.positions += 1
+
+    def _buffer_slice(self, node: fx.Node) -> None:
+        x, dim, *rest = node.args
+        start = rest[0] if rest else None
+        end = rest[1] if len(rest) > 1 else None
+        step = rest[2] if len(rest) > 2 else 1
+        if x.op != "get_attr" or start not in (0, None) or step != 1 or end not in self.seq_sizes:
+            return
+        with self.graph.inserting_before(node):
+            index = self.graph.call_function(aten.arange.default, (end,),
+                                             {"dtype": torch.long, "device": torch.device(self.info.device)})
+            pos = self.graph.call_function(cp_ops.load_balanced_positions.default, (index, self.rank, self.degree))
+            new = self.graph.call_function(aten.index_select.default, (x, dim, pos))
+        node.replace_all_uses_with(new)
+        self.graph.erase_node(node)
+        self.positions += 1
+
+    # --- attention ------------------------------------------------------------------------------------
+    def _attention(self, node: fx.Node) -> None:
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+        a = {**dict(zip(names, (None, None, None, None, 0.0, False))), **dict(zip(names, node.args)), **node.kwargs}
+        if a["attn_mask"] is not None:
+            raise PassError(f"apply_context_parallel: attention {node.name!r} has an explicit attn_mask, which "
+                            f"context parallelism cannot cut; use is_causal=True or no mask")
+        if a["dropout_p"]:
+            raise PassError(f"apply_context_parallel: attention {node.name!r} has dropout_p={a['dropout_p']}; "
+                            f"context-parallel attention has no attention dropout: set it to 0")
+        q, k, v = a["query"], a["key"], a["value"]
+        causal, scale, gqa = bool(a["is_causal"]), a.get("scale"), bool(a.get("enable_gqa", False))
+        q_shape = _val_shape(q)
+        if self.mode == "ulysses" and q_shape is not None and isinstance(q_shape[1], int):
+            check_heads(q_shape[1], self.degree, "heads")
+        k_src, v_src = _repeat_kv_source(k), _repeat_kv_source(v)
+        # Ulysses reads the kv heads only when they divide by cp (else the repeated heads, exact too)
+        if k_src is not None and v_src is not None and k_src[1] == v_src[1] \
+                and (self.mode == "ring" or k_src[1] % self.degree == 0):
+            k, v, gqa = k_src[0], v_src[0], True
+        if self.mode == "ulysses" and gqa:
+            kv_shape = _val_shape(k)
+            if kv_shape is not None and isinstance(kv_shape[1], int):
+                check_heads(kv_shape[1], self.degree, "kv heads")
+        with self.graph.inserting_before(node):
+            if self.mode == "ring":
+                ring = self.graph.call_function(cp_ops.ring_attention.default,
+                                                (q, k, v, causal, scale, self.rank, self.degree, self.group))
+                new = self.graph.call_function(operator.getitem, (ring, 0))
+            else:
+                heads = [self.graph.call_function(cp_ops.seq_to_heads.default, (t, self.rank, self.degree, self.group))
+                         for t in (q, k, v)]
+                kwargs = {"scale": scale, "enable_gqa": gqa} if gqa else {"scale": scale}
+                attn = self.graph.call_function(_SDPA, (*heads, None, 0.0, causal), kwargs)
+                new = self.graph.call_function(cp_ops.heads_to_seq.default, (attn, self.rank, self.degree, self.group))
+        new.meta.update({k_: v_ for k_, v_ in node.meta.items() if k_ not in _STALE and k_ != EXPORT_VAL})
+        node.replace_all_uses_with(new)
+        self.graph.erase_node(node)
+        self.attention += 1
+
+    # --- loss -----------------------------------------------------------------------------------------
+    def _loss(self, node: fx.Node) -> None:
+        names = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+        a = {**dict(zip(names, (None, None, None, _MEAN, -100, 0.0))), **dict(zip(names, node.args)), **node.kwargs}
+        if a["reduction"] not in (_MEAN, _SUM):
+            return  # per-token losses stay this rank's tokens
+        if a["weight"] is not None and a["reduction"] == _MEAN:
+            raise PassError(f"apply_context_parallel: class-weighted mean cross-entropy {node.name!r} is not "
+                            f"supported under context parallelism; use reduction='sum' or no weight")
+        g = self.group
+        with self.graph.inserting_before(node):
+            local = self.graph.call_function(aten.cross_entropy_loss.default,
+                                             (a["input"], a["target"], a["weight"], _SUM, a["ignore_index"],
+                                              a["label_smoothing"]))
+            total = self.graph.call_function(cp_ops.reduce_from_cp.default, (local, g))
+            if a["reduction"] == _SUM:
+                new = total
+            else:
+                kept = self.graph.call_function(aten.ne.Scalar, (a["target"], a["ignore_index"]))
+                dtype = _loss_dtype(node)
+                count = self.graph.call_function(aten.sum.default, (kept,), {"dtype": dtype})
+                count = self.graph.call_function(cp_ops.reduce_from_cp.default, (count, g))
+                new = self.graph.call_function(aten.div.Tensor, (total, count))
+        node.replace_all_uses_with(new)
+        self.graph.erase_node(node)
+        self.losses += 1
+
+
+def _loss_dtype(node: fx.Node) -> torch.dtype:
+    val = node.meta.get(EXPORT_VAL)
+    return val.dtype if isinstance(val, torch.Tensor) else torch.float32
+
+
+def _repeat_kv_source(node: Any) -> tuple[fx.Node, int] | None:
+    """``(k_kv, kv heads)`` when ``node`` is ``reshape(expand(unsqueeze(k_kv, 2), [b, kvh, rep, s, d]))``
+    (the repeat_kv of grouped-query attention, an identity slice allowed before the unsqueeze), else None."""
+    if not isinstance(node, fx.Node) or node.target not in _RESHAPES:
+        return None
+    e = node.args[0]
+    if not isinstance(e, fx.Node) or e.target is not aten.expand.default:
+        return None
+    u = e.args[0]
+    if not isinstance(u, fx.Node) or u.target is not aten.unsqueeze.default or u.args[1] != 2:
+        return None
+    src = u.args[0]
+    while isinstance(src, fx.Node) and src.target is aten.slice.Tensor and tuple(src.args[1:3]) == (0, 0) \
+            and (len(src.args) < 4 or src.args[3] >= 2**62):
+        src = src.args[0]
+    kvh = e.args[1][1]
+    if not isinstance(src, fx.Node) or not isinstance(kvh, int):
+        return None
+    shape = _val_shape(src)
+    if shape is not None and shape[1] != kvh:
+        return None
+    return src, kvh

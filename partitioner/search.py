@@ -128,6 +128,10 @@ def _pinned_problems(fix: dict, world: int, L: int, heads: int, global_batch: in
     if fix.get("offload") == "optimizer" and fix.get("zero_stage"):
         out.append(f"offload='optimizer' keeps the whole optimizer state on the host, zero_stage="
                    f"{fix['zero_stage']} shards it over dp: choose one (zero_stage=0 or offload='none')")
+    if fix.get("checkpointing") == "dag":
+        out.append("checkpointing='dag' (per-tensor rematerialization) is not in the planner's cost model yet, so no "
+                   "plan could say what it costs: pin none, selective or full, or lower a config with "
+                   "checkpointing='dag' directly (partitioner.build.build_parallel_model)")
     return out
 
 

@@ -17,6 +17,14 @@ the model's parameters and ``gm.parameters()`` lists each once). The parent call
 graph is edited in place and never re-traced (re-tracing drops the checkpoint call), and
 ``torch.fx.wrap`` is not used on checkpoint (it breaks later ``symbolic_trace`` calls).
 
+Under the ``dag`` policy the call also gets ``context_fn=SelectiveRecompute.CONTEXTS``: torch's
+selective activation checkpointing, with a policy that keeps (``MUST_SAVE``) the outputs of the
+ops of the region's nodes that ``node.meta[REMAT]`` marks cached (ops whose outputs alias an
+input, in-place ops and random ops excepted) and recomputes every other op. The running node is
+found from the region's generated code (its line), so the policy needs no state of its own and
+survives copies of the module. Random ops always run again under the restored RNG state, so
+dropout replays exactly; cached ops are not run again at all.
+
 A region with several outputs returns a tuple, read back with ``getitem``. Parameter
 ``get_attr`` nodes left without users in the parent are removed. Each region's ``submodule``
 is filled in the plan; its ``recompute_flops`` and ``bytes_saved`` stay as the policy computed.
@@ -25,8 +33,11 @@ Note that ``state_dict()`` then also lists each moved parameter under its submod
 from __future__ import annotations
 
 import dataclasses
+import enum
 import operator
 import re
+import sys
+import weakref
 from typing import Any
 
 import torch.utils.checkpoint
@@ -34,7 +45,7 @@ from torch import fx
 
 from passes.ir.errors import PassError
 from passes.checkpoint_policy import region_io
-from passes.ir.meta import CHECKPOINT, CHECKPOINT_PLAN, CheckpointMeta, CheckpointRegion
+from passes.ir.meta import CHECKPOINT, CHECKPOINT_PLAN, REMAT, CheckpointMeta, CheckpointRegion
 
 
 def apply_checkpoint(gm: fx.GraphModule, ctx: Any = None) -> fx.GraphModule:
@@ -97,7 +108,10 @@ def _outline(gm: fx.GraphModule, nodes: list[fx.Node], name: str, region: Checkp
     graph = gm.graph
     with graph.inserting_before(nodes[0]):
         attr = graph.get_attr(name)
-        call = graph.call_function(torch.utils.checkpoint.checkpoint, (attr, *inputs), {"use_reentrant": False})
+        kwargs: dict[str, Any] = {"use_reentrant": False}
+        if policy == "dag":
+            kwargs["context_fn"] = SelectiveRecompute.CONTEXTS
+        call = graph.call_function(torch.utils.checkpoint.checkpoint, (attr, *inputs), kwargs)
         call.meta[CHECKPOINT] = tag
         if len(outputs) == 1:
             results = [call]
@@ -117,3 +131,64 @@ def _free_name(gm: fx.GraphModule, base: str) -> str:
     while hasattr(gm, name):
         name, k = f"{base}_{k}", k + 1
     return name
+
+
+# ---------------------------------------------------------------------------------------------
+# Selective recompute (the dag policy): which op outputs a region keeps.
+
+class SelectiveRecompute(enum.Enum):
+    """``SelectiveRecompute.CONTEXTS`` is the ``context_fn`` of a ``dag`` region's checkpoint call:
+    calling it gives torch's selective checkpoint contexts under :func:`op_policy`. An enum
+    member, because fx writes enum members into generated code by name (a function it cannot)."""
+
+    CONTEXTS = "contexts"
+
+    def __call__(self):
+        return torch.utils.checkpoint.create_selective_checkpoint_contexts(_sac_policy)
+
+
+def op_policy(node: fx.Node | None, op: Any, args: tuple, out: Any) -> bool:
+    """Whether the op ``op`` run by ``node`` keeps its output ``out`` for backward: ``node`` is
+    cached (``node.meta[REMAT]``), the op writes nothing in place, draws no random numbers and
+    its outputs are new storages (a view of an input would keep the input alive)."""
+    meta = node.meta.get(REMAT) if node is not None else None
+    if meta is None or not meta.cached:
+        return False
+    schema = getattr(op, "_schema", None)
+    if schema is None or schema.is_mutable or torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
+        return False
+    inputs = {t.untyped_storage()._cdata for t in _tensors(args)}
+    outs = _tensors(out)
+    return bool(outs) and not any(t.untyped_storage()._cdata in inputs for t in outs)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _sac_policy(ctx, op, *args, **kwargs):
+    keep = op_policy(running_node(), op, args, ctx.op_output)
+    return torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE if keep \
+        else torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# module -> (its generated forward's code, line -> node), rebuilt when the code changes
+_LINES: "weakref.WeakKeyDictionary[fx.GraphModule, tuple[Any, dict[int, fx.Node]]]" = weakref.WeakKeyDictionary()
+
+
+def running_node() -> fx.Node | None:
+    """The node of the innermost ``fx.GraphModule`` forward on the Python stack, from the line
+    its generated code is at (``GraphModule._lineno_map``); None outside any."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        gm = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
+        if isinstance(gm, fx.GraphModule) and frame.f_code is type(gm).forward.__code__:
+            code, lines = _LINES.get(gm, (None, {}))
+            if code is not frame.f_code:  # first call, or the module was recompiled
+                nodes = list(gm.graph.nodes)
+                lines = {line: nodes[i] for line, i in (gm._lineno_map or {}).items() if i is not None}
+                _LINES[gm] = (frame.f_code, lines)
+            return lines.get(frame.f_lineno - gm._prologue_start)
+        frame = frame.f_back
+    return None

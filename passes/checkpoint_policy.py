@@ -18,6 +18,12 @@ Policies
       projections), as Korthikanti et al. 2022.
     * ``solver``: the blocks to recompute are chosen by :func:`passes.checkpoint_solver.solve_chain`
       to fit ``budget_bytes`` of saved activations with the fewest recompute FLOPs.
+    * ``dag``: per op output inside the regions (any DAG: skip connections stay inside a region),
+      :func:`_solve_dag` chooses which regions are checkpointed and, in each, which
+      nodes keep their outputs (``node.meta[REMAT]``) and which run again in backward, with the
+      fewest recompute FLOPs under ``budget_bytes`` (default :func:`dag_default_budget`:
+      halfway between block-level full checkpointing's saved bytes and none's); never more FLOPs
+      than ``solver`` at the same budget. Carried out with selective activation checkpointing.
 
 Bytes: the graph runs forward once on fake tensors under ``saved_tensors_hooks`` (the
 observation ``annotate_memory`` makes), so each storage autograd keeps is known with its savers. After
@@ -36,18 +42,20 @@ import sympy
 import torch
 from torch import fx
 
-from passes.ir.config import CHECKPOINT_POLICIES
+from passes.ir.config import CHECKPOINT_POLICIES, CHECKPOINTING
 from passes.ir.errors import ConfigError, PassError
 from passes.ir.meta import module_path
 # annotate_memory's forward observation (storages, owners, savers); private there, shared here.
 from passes.annotate_memory import observe_saved_tensors as _observe_saved
 from passes.checkpoint_solver import ChainSegment, solve_chain
-from passes.ir.meta import (BLOCK, CAPTURE, CHECKPOINT, CHECKPOINT_PLAN, EXPORT_VAL, FLOPS, LAYER_CHAIN,
-                            PIPELINE_STAGE, SHAPE,
-                         CheckpointMeta, CheckpointPlan, CheckpointRegion)
+from passes.ir.meta import (BLOCK, CAPTURE, CHECKPOINT, CHECKPOINT_PLAN, DAG_CHECKPOINT_PLAN, EXPORT_VAL, FLOPS,
+                            LAYER_CHAIN, PIPELINE_STAGE, REMAT, SHAPE, CheckpointMeta, CheckpointPlan,
+                            CheckpointRegion, DagCheckpointPlan, RematNodeMeta)
+from passes.graph_view import _is_random
+from passes.remat_solver import RematCosts, RematProblem, Storage, solve_milp
 
 aten = torch.ops.aten
-POLICIES = CHECKPOINT_POLICIES
+POLICIES = tuple(dict.fromkeys(CHECKPOINT_POLICIES + CHECKPOINTING))
 _ZERO = sympy.Integer(0)
 _ATTENTION_ANCHORS = {aten.scaled_dot_product_attention.default, aten._softmax.default, aten.softmax.int}
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")
@@ -190,6 +198,8 @@ class _Saved:
     savers: dict[int, set[fx.Node]]
     storages: dict[fx.Node, tuple[int, ...]]  # storages a node's tensors live on (not parameters)
     all_sizes: dict[int, sympy.Expr]  # bytes of every storage (a checkpoint input may be unsaved)
+    # storages each node's own ops make (new outputs, internal saves): what it keeps when cached
+    owned: dict[fx.Node, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     def kept(self, recompute: Iterable[Region]) -> set[int]:
         """Storages kept after forward when ``recompute``'s regions are checkpointed: those a node
@@ -221,7 +231,16 @@ def _saved_model(gm: fx.GraphModule) -> _Saved:
                   savers={ids[st]: set(st.savers) for st in kept},
                   storages={n: tuple(ids[st] for st in sts if st.kind in ("activation", "input"))
                             for n, sts in run.node_storages.items()},
-                  all_sizes={ids[st]: st.size for st in run.storages.values()})
+                  all_sizes={ids[st]: st.size for st in run.storages.values()},
+                  owned=_owned(run, ids))
+
+
+def _owned(run, ids) -> dict[fx.Node, tuple[int, ...]]:
+    out: dict[fx.Node, list[int]] = {}
+    for st in run.storages.values():
+        if st.owner is not None and st.kind in ("activation", "internal"):
+            out.setdefault(st.owner, []).append(ids[st])
+    return {n: tuple(k) for n, k in out.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,7 +252,8 @@ def checkpoint_policy(gm: fx.GraphModule, ctx: Any = None, *, policy: str = "ful
     :class:`CheckpointPlan` (FLOPs, bytes) under ``gm.meta[CHECKPOINT_PLAN]``; returns ``gm``.
 
     ``policy`` is one of :data:`POLICIES`; ``budget_bytes`` (bytes of saved activations after one
-    forward, at the dims' hints) is required by ``solver`` and only used there. Needs
+    forward, at the dims' hints) is required by ``solver``; ``dag`` uses it when given (else
+    :func:`dag_default_budget`); the other policies ignore it. Needs
     ``annotate_shapes``, ``annotate_blocks`` and ``annotate_flops`` to have run.
     """
     if policy not in POLICIES:
@@ -254,22 +274,38 @@ def checkpoint_policy(gm: fx.GraphModule, ctx: Any = None, *, policy: str = "ful
     hints = gm.meta[CAPTURE].symbols() if CAPTURE in gm.meta else {}
     flops = [sympy.expand(sympy.Add(*[n.meta[FLOPS].fwd for n in r.nodes])) for r in regions]
 
+    cached: set[fx.Node] = set()
+    dag: DagChoice | None = None
     if policy == "none":
         recompute = [False] * len(regions)
     elif policy in ("full", "selective"):
         recompute = [True] * len(regions)
-    else:
+    elif policy == "solver":
         recompute = _solve(regions, saved, flops, hints, budget_bytes)
+    else:
+        if budget_bytes is None:
+            budget_bytes = dag_default_budget(regions, saved, hints)
+        block = _solve(regions, saved, flops, hints, budget_bytes)
+        dag = _solve_dag(regions, saved, hints, budget_bytes, block)
+        recompute, cached = list(dag.checkpointed), set(dag.cached)
+        # a region's recompute is its nodes that do not keep their outputs
+        flops = [sympy.expand(sympy.Add(*[n.meta[FLOPS].fwd for n in r.nodes if n not in cached]))
+                 for r in regions]
 
     chosen = [r for r, flag in zip(regions, recompute) if flag]
+
+    def kept(regs: list[Region]) -> set[int]:
+        keys = saved.kept(regs)
+        inside = {n for r in regs for n in r.nodes}
+        return keys | {k for n in cached & inside for k in saved.owned.get(n, ())}
+
     before = saved.bytes(saved.kept([]))
-    after_keys = saved.kept(chosen)
-    after = saved.bytes(after_keys)
+    after = saved.bytes(kept(chosen))
     entries = []
     for k, (region, flag) in enumerate(zip(regions, recompute)):
         others = [r for r in chosen if r is not region]
-        without = saved.bytes(saved.kept(others))
-        with_it = saved.bytes(saved.kept(others + [region]))
+        without = saved.bytes(kept(others))
+        with_it = saved.bytes(kept(others + [region]))
         inputs, outputs = region.io()
         entries.append(CheckpointRegion(
             index=k, name=region.name, nodes=tuple(n.name for n in region.nodes),
@@ -280,11 +316,22 @@ def checkpoint_policy(gm: fx.GraphModule, ctx: Any = None, *, policy: str = "ful
     for node in gm.graph.nodes:
         k = region_of.get(node)
         node.meta[CHECKPOINT] = CheckpointMeta(region=k, recompute=k is not None and recompute[k], policy=policy)
+        if policy == "dag" and k is not None and recompute[k]:
+            node.meta[REMAT] = RematNodeMeta(region=k, cached=node in cached)
+        else:
+            node.meta.pop(REMAT, None)
     gm.meta[CHECKPOINT_PLAN] = CheckpointPlan(
         policy=policy, regions=tuple(entries),
         recompute_flops=sympy.expand(sympy.Add(*[f for f, flag in zip(flops, recompute) if flag])),
         saved_bytes_before=before, saved_bytes_after=after,
-        budget_bytes=budget_bytes if policy == "solver" else None)
+        budget_bytes=budget_bytes if policy in ("solver", "dag") else None)
+    if dag is not None:
+        gm.meta[DAG_CHECKPOINT_PLAN] = DagCheckpointPlan(
+            budget_bytes=budget_bytes, saved_bytes=dag.saved_bytes, recompute_flops=dag.recompute_flops,
+            block_recompute_flops=dag.block_recompute_flops, block_saved_bytes=dag.block_saved_bytes,
+            cached=tuple(n.name for n in gm.graph.nodes if n in cached), method=dag.method)
+    else:
+        gm.meta.pop(DAG_CHECKPOINT_PLAN, None)
     return gm
 
 
@@ -303,22 +350,145 @@ def _solve(regions: list[Region], saved: _Saved, flops: list[sympy.Expr], hints:
     for r, f in zip(regions, flops):
         nodes = set(r.nodes)
         freed = [k for k, s in saved.savers.items() if s <= nodes]
-        boundary = {k for n in r.io()[0] for k in saved.storages.get(n, ()) if k not in base_keys}
+        # The checkpoint keeps its inputs: those nobody else keeps once the region stops saving
+        # them (not kept at all, or kept only by the region's own nodes) cost it their bytes.
+        boundary = {k for n in r.io()[0] for k in saved.storages.get(n, ())
+                    if k not in base_keys or k in freed}
         chain.append(ChainSegment(flops=_at_hints(f, hints), saved_bytes=_at_hints(saved.bytes(freed), hints),
                                   boundary_bytes=_at_hints(saved.bytes(boundary), hints)))
     target = budget
-    for _ in range(len(regions) + 1):
+    for _ in range(4 * len(regions) + 8):
         sol = solve_chain(chain, target, base)
         if not sol.feasible:
             break
         exact = _at_hints(saved.bytes(saved.kept([r for r, x in zip(regions, sol.recompute) if x])), hints)
         if exact <= budget:
             return list(sol.recompute)
-        target -= exact - budget
+        # Tighten by the excess, and below this solution's own chain estimate: each round then
+        # gets a different (smaller) choice, so the loop cannot stall on one choice.
+        target = min(target - (exact - budget), sol.kept_bytes - 1)
     every = _at_hints(saved.bytes(saved.kept(regions)), hints)
+    if every <= budget:  # the chain model mispredicts interactions; recomputing everything fits
+        return [True] * len(regions)
     raise PassError(f"checkpoint_policy: no choice of the {len(regions)} regions keeps at most {budget} bytes of "
                     f"saved activations (nothing recomputed: {base} bytes; every region recomputed: {every} bytes); "
                     f"raise budget_bytes, lower the micro-batch size, or split the model over more pipeline stages")
+
+
+# ---------------------------------------------------------------------------------------------
+# The dag policy: which regions run under selective checkpointing, and which of their nodes keep
+# their outputs.
+#
+# Under torch's selective activation checkpointing a checkpointed region keeps its inputs and the
+# outputs of the ops of its *cached* nodes; in backward its forward is replayed from those, every
+# other node running again. So the bytes kept after forward are the vanilla checkpoint's
+# (``_Saved.kept``) plus the storages the cached nodes own, and the recompute FLOPs are those of
+# the region's other nodes. Caching a node without FLOPs saves nothing (FLOPs are matmul-class),
+# and random nodes must run again so the replay draws the same numbers: the candidates are the
+# nodes with FLOPs that draw none. For a set of checkpointed regions the choice of cached nodes
+# is a rematerialization problem (one kept storage per candidate: keep it or recompute its
+# owner) solved exactly by :func:`passes.remat_solver.solve_milp`; the sets of regions are
+# enumerated (few regions) or improved one region at a time from block-level checkpointing's
+# choice, which is itself a candidate (nothing cached): the result never costs more FLOPs.
+
+DAG_DEFAULT_BUDGET_FRACTION = 0.5
+"""Default ``dag`` budget: this fraction of the way from block-level full checkpointing's saved
+bytes to those of no checkpointing."""
+_ENUMERATE_REGIONS = 6  # up to this many regions every subset is tried (2**6 small MILPs)
+
+
+@dataclass(frozen=True)
+class DagChoice:
+    """The dag policy's choice: regions checkpointed, nodes cached, and totals at the hints."""
+
+    checkpointed: tuple[bool, ...]
+    cached: frozenset
+    recompute_flops: int
+    saved_bytes: int
+    block_recompute_flops: int
+    block_saved_bytes: int
+    method: str
+
+
+def dag_default_budget(regions: list[Region], saved: _Saved, hints: dict) -> int:
+    """Bytes (at the hints): :data:`DAG_DEFAULT_BUDGET_FRACTION` of the way from the saved bytes
+    of checkpointing every region to those of checkpointing none."""
+    full = _at_hints(saved.bytes(saved.kept(regions)), hints)
+    none = _at_hints(saved.bytes(saved.kept([])), hints)
+    return int(full + DAG_DEFAULT_BUDGET_FRACTION * (none - full))
+
+
+def _is_random_node(node: fx.Node) -> bool:
+    if _is_random(node):
+        return True
+    if node.target is aten.scaled_dot_product_attention.default:  # dropout_p > 0 draws numbers
+        p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+        return not (isinstance(p, (int, float)) and p == 0)
+    return False
+
+
+def _solve_dag(regions: list[Region], saved: _Saved, hints: dict, budget: int,
+               block: list[bool]) -> DagChoice:
+    node_flops = {n: _at_hints(n.meta[FLOPS].fwd, hints) for r in regions for n in r.nodes}
+    candidates = [[n for n in r.nodes if node_flops[n] > 0 and not _is_random_node(n)] for r in regions]
+
+    def evaluate(subset: tuple[int, ...]):
+        regs = [regions[i] for i in subset]
+        base_keys = saved.kept(regs)
+        fixed = _at_hints(saved.bytes(base_keys), hints)
+        if fixed > budget:
+            return None
+        nodes = [n for i in subset for n in candidates[i]]
+        total = sum(node_flops[n] for i in subset for n in regions[i].nodes)
+        if not nodes:
+            return total, fixed, frozenset(), "milp"
+        extra = [[k for k in saved.owned.get(n, ()) if k not in base_keys] for n in nodes]
+        problem = RematProblem(
+            nodes=tuple(n.name for n in nodes), flops=tuple(node_flops[n] for n in nodes),
+            recomputable=(True,) * len(nodes), fixed_bytes=fixed,
+            storages=tuple(Storage(name=n.name, owner=j, kept=True,
+                                   nbytes=_at_hints(saved.bytes(keys), hints))
+                           for j, (n, keys) in enumerate(zip(nodes, extra))))
+        decision = solve_milp(problem, budget, costs=RematCosts(device_flops_per_s=1.0))
+        if not decision.feasible:
+            return None
+        chosen = frozenset(n for n in nodes if decision.action(n.name) == "save")
+        keys = base_keys | {k for n in chosen for k in saved.owned.get(n, ())}
+        exact = _at_hints(saved.bytes(keys), hints)
+        return total - sum(node_flops[n] for n in chosen), exact, chosen, decision.method
+
+    block_subset = tuple(i for i, x in enumerate(block) if x)
+    results: dict[tuple[int, ...], Any] = {}
+
+    def score(subset):
+        subset = tuple(sorted(subset))
+        if subset not in results:
+            results[subset] = evaluate(subset)
+        res = results[subset]
+        return (res[0], res[1]) if res is not None else (float("inf"), float("inf"))
+
+    if len(regions) <= _ENUMERATE_REGIONS:
+        for mask in range(1 << len(regions)):
+            score(tuple(i for i in range(len(regions)) if mask >> i & 1))
+    else:  # local search from block-level's choice and from every region checkpointed
+        for start in (block_subset, tuple(range(len(regions)))):
+            current = set(start)
+            improved = True
+            while improved:
+                improved = False
+                for i in range(len(regions)):
+                    trial = current ^ {i}
+                    if score(trial) < score(current):
+                        current, improved = trial, True
+    best = min((s for s in results if results[s] is not None), key=lambda s: score(s))
+    flops, nbytes, chosen, method = results[best]
+    block_flops = sum(node_flops[n] for i in block_subset for n in regions[i].nodes)
+    block_bytes = _at_hints(saved.bytes(saved.kept([regions[i] for i in block_subset])), hints)
+    if (block_flops, block_bytes) <= (flops, nbytes):  # ties go to plain block-level checkpointing
+        best, flops, nbytes, chosen = block_subset, block_flops, block_bytes, frozenset()
+    return DagChoice(checkpointed=tuple(i in best for i in range(len(regions))), cached=chosen,
+                     recompute_flops=flops, saved_bytes=nbytes, block_recompute_flops=block_flops,
+                     block_saved_bytes=block_bytes, method=method)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ every packed tensor is attributed to the node running at that moment (its *saver
 deduplicated (views count once) and each is charged to its *owner*: the node whose output first
 had the storage, or the saver itself for tensors made inside an op (dropout mask, layer-norm
 mean/rstd, attention logsumexp). Checkpointed regions (``checkpoint(%submodule, *inputs)``) are
-interpreted node by node, so their saves are seen too. :func:`observe_saved_tensors` returns
+interpreted node by node, so their saves are seen too; under selective checkpointing (the ``dag``
+policy) the storages of a region's cached nodes are marked ``cached``: kept after forward. :func:`observe_saved_tensors` returns
 the run (:class:`ForwardRun`); the passes read storage identities that ``MemoryMeta`` only sums.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from passes.annotate_flops import checkpoint_submodule
+from passes.ir.meta import REMAT
 from passes.fake_execution import FakeContext, FakeInterpreter, capture_info, fake_attrs, fake_context, fake_inputs
 
 aten = torch.ops.aten
@@ -49,10 +51,13 @@ class _Storage:
     # For internal tensors that require grad (e.g. the log-softmax inside a cross entropy): the
     # bytes of the gradient the op's backward computes for it on the way to its inputs.
     inner_grad: tuple[sympy.Expr, int] | None = None
+    # Made by a cached node of a selectively checkpointed region (``node.meta[REMAT]``): the
+    # checkpoint holds it from forward until the region's replay hands it to the recompute.
+    cached: bool = False
 
     @property
     def kept(self) -> bool:
-        return bool(self.savers)
+        return bool(self.savers) or self.cached
 
 
 class _RegionInterpreter(FakeInterpreter):
@@ -236,6 +241,13 @@ def observe_saved_tensors(gm: fx.GraphModule) -> _ForwardRun:
             for st in run.node_storages.get(arg, ()) if first is not None and isinstance(arg, fx.Node) else ():
                 if st.kind in ("activation", "input", "internal") and first not in st.savers:
                     st.savers.append(first)
+
+    # Selective checkpointing keeps the outputs of a cached node's ops (its own storages).
+    for nodes in regions.values():
+        cached = {n for n in nodes if getattr(n.meta.get(REMAT), "cached", False)}
+        for st in run.storages.values():
+            if st.owner in cached and st.kind in ("activation", "internal"):
+                st.cached = True
 
     _reach_backward(run)
     for st in run.storages.values():

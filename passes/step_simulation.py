@@ -187,7 +187,8 @@ def _simulate_step(run: _ForwardRun, state: _ModelState, opt: OptimizerModel, *,
     # Forward: allocate each node's new storages; free unsaved ones after their last use.
     dies_at: dict[int, list[_Storage]] = {}
     for st in run.storages.values():
-        if st.kind in ("activation", "internal") and st.release_at is None and not st.graph_output:
+        if st.kind in ("activation", "internal") and st.release_at is None and not st.graph_output \
+                and not st.cached:  # a selective checkpoint holds it until the region's replay
             dies_at.setdefault(max(st.last_use, st.index), []).append(st)
     born: dict[fx.Node, list[_Storage]] = {}
     for st in run.storages.values():
@@ -195,7 +196,7 @@ def _simulate_step(run: _ForwardRun, state: _ModelState, opt: OptimizerModel, *,
             born.setdefault(st.owner, []).append(st)
     release: dict[fx.Node, list[Any]] = {}  # node -> timeline keys freed after its backward
     for st in run.storages.values():
-        if st.release_at is not None and st.kind in ("activation", "internal"):
+        if st.release_at is not None and st.kind in ("activation", "internal") and not st.cached:
             release.setdefault(st.release_at, []).append(st)  # graph inputs stay with the caller
         if st.re_release_at is not None:
             release.setdefault(st.re_release_at, []).append(("re", st))
@@ -225,12 +226,22 @@ def _simulate_step(run: _ForwardRun, state: _ModelState, opt: OptimizerModel, *,
             for (_, idx), key in zip(mine, outs):
                 out = run.region_outputs[node][idx]
                 grads.add((out, 0), key, _tensor_bytes(run, run.values[out]))
-            for inner in run.regions[node]:
+            # torch.utils.checkpoint stops the replay once the last node that saves a tensor
+            # has run again; what the replay made that nobody saves dies with it.
+            inner_nodes = run.regions[node]
+            stop = max((k + 1 for k, n in enumerate(inner_nodes) if run.saved_by.get(n)), default=0)
+            for inner in inner_nodes[:stop]:
                 tl.at("backward", f"{inner.name} (recompute)")
                 for st in born.get(inner, ()):
+                    if st.cached:  # the forward's tensor itself serves the recompute
+                        tl.free(st)
                     tl.alloc(("re", st), st.size, st.hint)
                 for st in recompute_dies.get(inner, ()):
                     tl.free(("re", st))
+            for inner in inner_nodes[:stop]:
+                for st in born.get(inner, ()):
+                    if st.re_release_at is None and tl.is_live(("re", st)):
+                        tl.free(("re", st))
             continue
         if _is_getitem(node):
             parent, idx = node.args[0], node.args[1]

@@ -21,7 +21,7 @@ from passes.ir.errors import ConfigError
 
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb1p", "zbv"]
 ZeroStage = Literal[0, 1, 2]
-Checkpointing = Literal["none", "selective", "full"]
+Checkpointing = Literal["none", "selective", "full", "dag"]
 Offload = Literal["none", "activations", "optimizer"]
 DType = Literal["fp32", "bf16", "fp16"]
 

@@ -580,3 +580,45 @@ class OffloadPlan:
     optimizer_state_bytes: sympy.Expr
     optimizer_reason: str
     regions: int | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# DAG rematerialization under checkpointing="dag" (passes/checkpoint_policy.py decides per op
+# output which are kept and which recomputed; passes/apply_checkpoint.py carries it out with
+# torch's selective activation checkpointing).
+REMAT = "remat"
+DAG_CHECKPOINT_PLAN = "dag_checkpoint_plan"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RematNodeMeta:
+    """``node.meta[REMAT]`` on the nodes of a region checkpointed under the ``dag`` policy:
+    ``cached`` nodes keep the outputs of their ops (views excluded) from forward to backward;
+    the others run again when the region's forward is replayed in backward."""
+
+    region: int
+    cached: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class DagCheckpointPlan:
+    """``gm.meta[DAG_CHECKPOINT_PLAN]``: the ``dag`` policy's decision and what it is compared with.
+
+    * ``budget_bytes``: bound on the bytes kept for backward after one forward (at the dims'
+      hints); ``saved_bytes``: what the decision keeps (same count as
+      ``CheckpointPlan.saved_bytes_after``).
+    * ``cached``: names of the nodes whose op outputs are kept inside checkpointed regions.
+    * ``recompute_flops``: FLOPs run again in backward (matmul-class, at the hints);
+      ``block_recompute_flops`` / ``block_saved_bytes``: block-level checkpointing's
+      (``checkpoint_solver``'s choice of whole regions) at the same budget, the baseline the
+      decision never exceeds.
+    * ``method``: the remat solver that chose the kept outputs (``milp`` or ``min-cut``).
+    """
+
+    budget_bytes: int
+    saved_bytes: int
+    recompute_flops: int
+    block_recompute_flops: int
+    block_saved_bytes: int
+    cached: tuple[str, ...]
+    method: str

@@ -1,0 +1,191 @@
+"""The ``dag`` checkpoint policy: per-op-output save/recompute inside regions that span skip
+connections, carried out with selective activation checkpointing.
+
+On a ResNet-style CNN, the U-Net and Hugging Face BERT, at budgets between block-level full
+checkpointing's saved bytes and none's: one training step gives bit-identical losses and
+gradients to the uncheckpointed graph (fp32, dropout replayed), the recompute FLOPs never exceed
+block-level checkpointing's at the same budget, and the predicted peak of the rewritten graph is
+within 3% of MemTracker's measured peak on CPU.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch import fx
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from partitioner.model_spec import build_model
+from passes.annotate_blocks import annotate_blocks
+from passes.annotate_flops import annotate_flops
+from passes.annotate_memory import annotate_memory
+from passes.annotate_shapes import annotate_shapes
+from passes.apply_checkpoint import SelectiveRecompute, apply_checkpoint, op_policy, running_node
+from passes.capture import capture_spec
+from passes.checkpoint_policy import checkpoint_policy, dag_default_budget, block_regions, _saved_model
+from passes.ir.meta import CAPTURE, CHECKPOINT_PLAN, DAG_CHECKPOINT_PLAN, MEMORY_SUMMARY, REMAT
+
+PEAK_TOLERANCE = 0.03
+MODELS = {
+    "resnet": "resnet:blocks=1-1,widths=8-16,image=16,classes=10,batch=8",
+    "unet": "unet:batch=4",
+    # Attention dropout off for the peak: the memory model of the math attention path with
+    # dropout is a few percent high in backward with or without this policy (see the report).
+    "hf-bert": "hf-bert:batch=4,attention_probs_dropout_prob=0.0",
+    "hf-bert-dropout": "hf-bert:batch=4",
+}
+# (model, fraction of the way from full checkpointing's saved bytes to none's)
+CASES = [("resnet", 0.25), ("resnet", 0.5), ("resnet", 0.75), ("unet", 0.5), ("unet", 0.75),
+         ("hf-bert", 0.25), ("hf-bert", 0.5)]
+
+
+@functools.lru_cache(maxsize=None)
+def _captured(name: str):
+    spec = build_model(MODELS[name])
+    gm = annotate_flops(annotate_blocks(annotate_shapes(capture_spec(spec))))
+    full = checkpoint_policy(copy.deepcopy(gm), policy="full").meta[CHECKPOINT_PLAN]
+    return spec.example_inputs(), gm, int(full.saved_bytes_after), int(full.saved_bytes_before)
+
+
+def _budget(name: str, fraction: float) -> int:
+    _, _, full, none = _captured(name)
+    return int(full + fraction * (none - full))
+
+
+@functools.lru_cache(maxsize=None)
+def _rewritten(name: str, fraction: float) -> fx.GraphModule:
+    _, gm, _, _ = _captured(name)
+    return apply_checkpoint(checkpoint_policy(copy.deepcopy(gm), policy="dag", budget_bytes=_budget(name, fraction)))
+
+
+def _step(gm: fx.GraphModule, inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)  # the same dropout masks in both graphs' forwards
+    loss = gm(*inputs)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in gm.named_parameters() if p.grad is not None}
+    for p in gm.parameters():
+        p.grad = None
+    return loss.detach(), grads
+
+
+def _measured_peak(gm: fx.GraphModule, inputs) -> int:
+    """MemTracker's peak (bytes) of one steady-state AdamW step of ``gm`` on CPU."""
+    opt = torch.optim.AdamW(gm.parameters())
+    gm(*inputs).backward()  # the first step creates the optimizer state
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    tracker = MemTracker()
+    tracker.track_external(gm, opt, *inputs)
+    with tracker:
+        gm(*inputs).backward()
+        opt.step()
+    tracker.reset_mod_stats()
+    (peak,) = tracker.get_tracker_snapshot("peak").values()
+    return peak[next(k for k in peak if getattr(k, "name", str(k)) == "Total")]
+
+
+def _assert_exact(reference: fx.GraphModule, rewritten: fx.GraphModule, inputs) -> None:
+    loss0, grads0 = _step(reference, inputs)
+    loss1, grads1 = _step(rewritten, inputs)
+    assert torch.equal(loss0, loss1)
+    assert grads0.keys() == grads1.keys() and grads0
+    for name in grads0:
+        assert torch.equal(grads0[name], grads1[name]), name
+
+
+@pytest.mark.parametrize("name,fraction", CASES)
+def test_dag_policy_is_exact_cheaper_and_predicted(name, fraction):
+    inputs, original, _, _ = _captured(name)
+    gm = _rewritten(name, fraction)
+    plan, dag = gm.meta[CHECKPOINT_PLAN], gm.meta[DAG_CHECKPOINT_PLAN]
+    assert dag.saved_bytes <= dag.budget_bytes == _budget(name, fraction)
+    assert dag.recompute_flops <= dag.block_recompute_flops
+    assert int(plan.recompute_flops) == dag.recompute_flops
+    calls = [n for n in gm.graph.nodes if n.kwargs.get("context_fn") is SelectiveRecompute.CONTEXTS]
+    assert len(calls) == sum(r.recompute for r in plan.regions) > 0
+
+    _assert_exact(original, gm, inputs)
+
+    analysed = annotate_memory(annotate_flops(annotate_blocks(annotate_shapes(copy.deepcopy(gm)))))
+    s = analysed.meta[MEMORY_SUMMARY]
+    assert s.activation_bytes + s.input_bytes == plan.saved_bytes_after  # what the policy counted
+    measured = _measured_peak(gm, inputs)
+    error = (int(s.peak_bytes) - measured) / measured
+    print(f"{name} budget {dag.budget_bytes}: recompute {dag.recompute_flops} FLOPs (block-level "
+          f"{dag.block_recompute_flops}), predicted peak {s.peak_bytes}, measured {measured} ({error:+.3%})")
+    assert abs(error) <= PEAK_TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["resnet", "unet", "hf-bert"])
+def test_dag_beats_block_level_somewhere(name):
+    """Where the budget lies between the two extremes, keeping op outputs inside regions must
+    cost strictly fewer FLOPs than recomputing whole regions (else the policy proves nothing)."""
+    gm = _rewritten(name, 0.5)
+    dag = gm.meta[DAG_CHECKPOINT_PLAN]
+    assert dag.recompute_flops < dag.block_recompute_flops
+    assert dag.cached and all(gm.get_submodule(n.args[0].target) for n in gm.graph.nodes
+                              if n.kwargs.get("context_fn") is SelectiveRecompute.CONTEXTS)
+
+
+def test_dropout_replays_exactly():
+    """BERT with dropout (attention and hidden): the replay draws the same numbers."""
+    inputs, original, _, _ = _captured("hf-bert-dropout")
+    gm = apply_checkpoint(checkpoint_policy(copy.deepcopy(original), policy="dag",
+                                            budget_bytes=_budget("hf-bert-dropout", 0.5)))
+    assert gm.meta[DAG_CHECKPOINT_PLAN].cached
+    _assert_exact(original, gm, inputs)
+
+
+def test_policy_keeps_cached_op_outputs_only():
+    """The selective policy keeps exactly the new outputs of cached nodes' ops: counted while a
+    checkpointed region's forward runs."""
+    inputs, _, _, _ = _captured("resnet")
+    gm = _rewritten("resnet", 0.5)
+    kept, seen = [], []
+
+    def spy(ctx, op, *args, **kwargs):
+        node = running_node()
+        seen.append(node)
+        keep = op_policy(node, op, args, ctx.op_output)
+        kept.append(node.name if keep else None)
+        return torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE if keep \
+            else torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+    import passes.apply_checkpoint as ac
+    original = ac._sac_policy
+    ac._sac_policy = spy
+    try:
+        gm(*inputs).backward()
+    finally:
+        ac._sac_policy = original
+    assert all(n is not None for n in seen)
+    cached = {n for n in gm.meta[DAG_CHECKPOINT_PLAN].cached}
+    assert {k for k in kept if k} == cached
+    assert all(n.meta[REMAT].cached == (n.name in cached) for n in seen if REMAT in n.meta)
+
+
+def test_default_budget_is_between_full_and_none():
+    _, gm, full, none = _captured("unet")
+    out = checkpoint_policy(copy.deepcopy(gm), policy="dag").meta
+    budget = out[DAG_CHECKPOINT_PLAN].budget_bytes
+    hints = gm.meta[CAPTURE].symbols()
+    assert budget == dag_default_budget(block_regions(gm), _saved_model(gm), hints)
+    assert full < budget < none
+    assert out[CHECKPOINT_PLAN].budget_bytes == budget
+
+
+def test_block_solver_fits_a_budget_between_block_counts():
+    """Four equal blocks: a budget just below three blocks' kept bytes needs all four recomputed.
+    The chain model used to leave a recomputed region's input out of what the checkpoint keeps
+    (it counted it as already kept, though only the region's own first node saved it), so every
+    tightening round picked three blocks and the solver gave up."""
+    gm = annotate_flops(annotate_blocks(annotate_shapes(capture_spec(
+        build_model("gpt:layers=4,hidden=64,heads=4,vocab=128,seq=32")))))
+    plan = checkpoint_policy(copy.deepcopy(gm), policy="solver", budget_bytes=424534).meta[CHECKPOINT_PLAN]
+    assert int(plan.saved_bytes_after) <= 424534
+    assert sum(r.recompute for r in plan.regions) == 4
+    # and a budget three blocks fit is met with three, not four
+    three = checkpoint_policy(copy.deepcopy(gm), policy="solver", budget_bytes=429828).meta[CHECKPOINT_PLAN]
+    assert sum(r.recompute for r in three.regions) == 3 and int(three.saved_bytes_after) <= 429828

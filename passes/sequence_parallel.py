@@ -37,7 +37,7 @@ from torch import fx
 import passes.ir.ops  # noqa: F401  (defines torch.ops.partitioner.*)
 from passes.ir.errors import ConfigError
 from passes.ir.meta import CAPTURE, TENSOR_PARALLEL, ShapeMeta, TPMeta, dim_symbol
-from passes.tensor_parallel_patterns import _PASSTHROUGH, _VIEWS, _groups
+from passes.tensor_parallel_patterns import _PASSTHROUGH, _VIEWS, _groups, _same_size
 
 aten = torch.ops.aten
 tp_ops = torch.ops.partitioner
@@ -105,7 +105,7 @@ class _SeqRewriter:
         shape = self.shape(node)
         if not shape or len(shape) < 2:
             return None
-        hits = [i for i, s in enumerate(shape[:-1]) if sympy.simplify(sympy.sympify(s) - self.seq) == 0]
+        hits = [i for i, s in enumerate(shape[:-1]) if _same_size(sympy.sympify(s), self.seq)]
         return hits[-1] if hits else None
 
     # --- helpers --------------------------------------------------------------------------
@@ -258,7 +258,7 @@ class _SeqRewriter:
             shape = self.shape(a)
             pos = None if d is None or shape is None else d - (nd - len(shape))
             if shape is not None and pos is not None and 0 <= pos < len(shape) and shape[pos] != 1:
-                if sympy.simplify(sympy.sympify(shape[pos]) - self.seq) != 0:
+                if not _same_size(sympy.sympify(shape[pos]), self.seq):
                     return False
                 plan.append((a, pos))
             else:
@@ -279,7 +279,7 @@ class _SeqRewriter:
             if d not in ins:
                 continue
             real_in = [i for i in ins if i == d or self.shape(x)[i] != 1]
-            real_out = [o for o in outs if sympy.simplify(sympy.sympify(out_shape[o]) - self.seq) == 0]
+            real_out = [o for o in outs if _same_size(sympy.sympify(out_shape[o]), self.seq)]
             if real_in != [d] or len(real_out) != 1:
                 return None  # the sequence dim is merged with or split into other dims
             o = real_out[0]

@@ -11,11 +11,13 @@ by a fixed case in tests/test_runtime_tp_parity.py.)
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
 import torch
 from partitioner.model_spec import build_model
+from passes.ir.graph_transfer import GraphPayload, pack_graph, unpack_graph
 from passes.ir.config import ParallelConfig
 from runtime.schedules import warmup_cosine
 from tests.one_device import train_one_device
@@ -93,14 +95,38 @@ def reference(model: str, global_batch: int):
     return losses, module, norms, lrs
 
 
-def train_plans(plans: list[Plan]) -> dict:
+@functools.cache
+def packed_graph(model: str) -> GraphPayload:
+    """``capture_for_pipeline`` of model spec ``model``, captured and analysed once in this (the
+    test) process and packed (:mod:`passes.ir.graph_transfer`, as a job's rank 0 ships its
+    capture): spawned ranks unpack it instead of each exporting the model, the slow part of their
+    start-up on a shared machine. Cached for the session: every test file of the same spec shares it."""
+    from partitioner.build import capture_for_pipeline
+    spec = build_model(model)
+    return pack_graph(capture_for_pipeline(spec), spec.module)
+
+
+def payloads_for(plans: list[Plan]) -> dict[str, GraphPayload]:
+    """The :func:`packed_graph` of every model ``plans`` train, by MODELS key (``train_plans``' second argument)."""
+    return {k: packed_graph(MODELS[k]) for k in sorted({p.model for p in plans})}
+
+
+def unpacked_graph(model: str, payload: GraphPayload):
+    """On a rank: (the spec of ``model``, the analysed graph of ``payload`` around that spec's own
+    module), what ``capture_for_pipeline(build_model(model))`` would give."""
+    spec = build_model(model)
+    return spec, unpack_graph(payload, spec.module)
+
+
+def train_plans(plans: list[Plan], payloads: dict[str, GraphPayload] | None = None) -> dict:
     """On each rank of a spawned world: every plan's per-step losses and this rank's full
     (tp-gathered) parameters and last-step gradients, or the error it raised.
 
     Every rank builds the mesh of every (dp, tp, pp) shape first, in the same order (group creation
     is collective over the world); then each plan runs on the first ``plan.size`` ranks while the
     others wait at the next world barrier. A plan that raises is recorded and the job goes on, so
-    one runtime bug does not hide the verdict on the other plans.
+    one runtime bug does not hide the verdict on the other plans. ``payloads``: the
+    :func:`packed_graph` of each model the plans train (by MODELS key); without, each rank captures.
     """
     from partitioner.build import build_parallel_model, capture_for_pipeline
     from passes.ir.schedule.validate import stream_count
@@ -109,9 +135,14 @@ def train_plans(plans: list[Plan]) -> dict:
     started, start = time.time(), time.perf_counter()
     init_distributed(timeout_s=600)  # the world group only paces the plans; it may wait long
     rank = torch.distributed.get_rank()
-    used = {p.model for p in plans if rank < p.size}  # export is the slow part: only what we train
-    specs = {k: build_model(MODELS[k]) for k in sorted(used)}
-    graphs = {k: capture_for_pipeline(specs[k]) for k in sorted(used)}
+    used = {p.model for p in plans if rank < p.size}  # only what this rank trains
+    if payloads is None:
+        specs = {k: build_model(MODELS[k]) for k in sorted(used)}
+        graphs = {k: capture_for_pipeline(specs[k]) for k in sorted(used)}
+    else:
+        specs, graphs = {}, {}
+        for k in sorted(used):
+            specs[k], graphs[k] = unpacked_graph(MODELS[k], payloads[k])
     captured = time.perf_counter()
     shapes = sorted({(p.dp, p.tp, p.pp, stream_count(p.schedule)) for p in plans})
     meshes = {sh: Mesh(sh[0], sh[2], sh[1], timeout_s=TIMEOUT_S, pp_streams=sh[3]) for sh in shapes}

@@ -21,6 +21,7 @@ from runtime.checkpoint_io import (
     load_into_module, load_optimizer_state_into, pieces_of, save_entries,
 )
 from runtime.launch import spawn
+from tests.runtime_cases import packed_graph, unpacked_graph
 
 GPT = "gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 GLOBAL_BATCH, SAVE_AT, STEPS, WORLD = 16, 3, 5, 4
@@ -41,16 +42,16 @@ def _batches(spec):
     return [spec.example_inputs({"batch": GLOBAL_BATCH}, seed=100 + k) for k in range(STEPS)]
 
 
-def _run_cases(root: str):
-    """On each rank: the losses of every save case (steps 1..SAVE_AT) and load case (the rest)."""
+def _run_cases(root: str, payload):
+    """On each rank: the losses of every save case (steps 1..SAVE_AT) and load case (the rest).
+    ``payload``: the model's graph, captured once by the test process (``packed_graph``)."""
     from runtime.checkpoint_io import load_checkpoint, save_checkpoint
-    from partitioner.build import build_parallel_model, capture_for_pipeline
+    from partitioner.build import build_parallel_model
     from passes.ir.config import ParallelConfig
     from runtime.mesh import Mesh, init_distributed
 
     init_distributed(timeout_s=200)  # the world group only paces the cases
-    spec = build_model(GPT)
-    graph = capture_for_pipeline(spec)
+    spec, graph = unpacked_graph(GPT, payload)
     batches = _batches(spec)
     cases = [("save", *c) for c in SAVES] + [("load", *c) for c in LOADS]
     meshes = [Mesh(c[2], c[3], c[4], timeout_s=TIMEOUT_S) for c in cases]
@@ -77,7 +78,7 @@ def _run_cases(root: str):
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     start = time.perf_counter()
-    results = spawn(_run_cases, WORLD, str(root), timeout_s=300)
+    results = spawn(_run_cases, WORLD, str(root), packed_graph(GPT), timeout_s=300)
     print(f"\nspawn of {WORLD} ranks, {len(SAVES)} saves + {len(LOADS)} loads: {time.perf_counter() - start:.1f} s")
     return str(root), results
 
@@ -193,8 +194,7 @@ def test_flat_ranges_become_contiguous_boxes(shape):
 def _tp_plans(*degrees):
     from passes.ir.meta import TENSOR_PARALLEL_PLAN
     from passes.tensor_parallel_patterns import tag_tensor_parallel
-    from partitioner.build import capture_for_pipeline
-    gm = capture_for_pipeline(build_model(GPT))  # once: capture is the slow part
+    gm = unpacked_graph(GPT, packed_graph(GPT))[1]  # captured once per session: capture is the slow part
     return [tag_tensor_parallel(gm, degree=d).meta[TENSOR_PARALLEL_PLAN] for d in degrees]
 
 

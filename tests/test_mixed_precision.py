@@ -76,8 +76,10 @@ def _rank(checkpoint: str):
         if k == 1:  # the first plan's checkpoint, loaded under another plan (ZeRO-2, tp=2)
             trainer.load(checkpoint)
             out["loaded"] = pm.full_master_parameters()
+            # a fresh trainer of the same plan (the search already ran for it: no second one)
             trainer = auto_parallelize(GPT, Cluster.local(WORLD), optimizer={**ADAMW, "lr": case.lr},
-                                       global_batch_size=GLOBAL_BATCH, fix=case.fix, dtype=case.dtype, timeout_s=60)
+                                       global_batch_size=GLOBAL_BATCH, plan=trainer.plan, dtype=case.dtype,
+                                       timeout_s=60)
             pm = trainer.model
         initial = {n: p.detach().float().clone() for n, p in pm.full_master_parameters().items()}
         losses = [trainer.train_step(b) for b in _batches(spec)]

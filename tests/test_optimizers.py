@@ -26,6 +26,7 @@ from runtime.optimizers import (
 )
 from runtime.schedules import warmup_cosine, warmup_cosine_factor
 from tests.one_device import train_one_device
+from tests.runtime_cases import packed_graph, unpacked_graph
 
 GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 WORLD, STEPS, GLOBAL_BATCH, CLIP = 4, 3, 8, 0.05
@@ -72,15 +73,15 @@ def _batches(spec):
     return [spec.example_inputs({"batch": GLOBAL_BATCH}, seed=100 + k) for k in range(STEPS)]
 
 
-def _run_cases(cases):
-    from partitioner.build import build_parallel_model, capture_for_pipeline
+def _run_cases(cases, payload):
+    """On each rank: every case's results. ``payload``: the model's graph, captured once by the test process."""
+    from partitioner.build import build_parallel_model
     from passes.ir.config import ParallelConfig
     from passes.ir.errors import NonFiniteError
     from runtime.mesh import Mesh, init_distributed
 
     init_distributed(timeout_s=200)
-    spec = build_model(GPT)
-    graph = capture_for_pipeline(spec)
+    spec, graph = unpacked_graph(GPT, payload)
     batches = _batches(spec)
     meshes = {(c.dp, c.pp): None for c in cases}
     meshes = {k: Mesh(k[0], k[1], timeout_s=TIMEOUT_S) for k in sorted(meshes)}
@@ -125,7 +126,7 @@ def _run_cases(cases):
 @pytest.fixture(scope="module")
 def distributed():
     start = time.perf_counter()
-    results = spawn(_run_cases, WORLD, PARITY + [REFUSED] + NONFINITE, timeout_s=400)
+    results = spawn(_run_cases, WORLD, PARITY + [REFUSED] + NONFINITE, packed_graph(GPT), timeout_s=400)
     print(f"\nspawn of {WORLD} ranks: {time.perf_counter() - start:.1f} s")
     return results
 
@@ -197,20 +198,19 @@ def test_default_groups_leave_norms_biases_and_embeddings_without_decay():
 
 
 def test_lowering_records_the_same_groups_on_every_rank():
-    from partitioner.build import capture_for_pipeline
     from partitioner.cluster import Cluster
     from partitioner.cost_model import cost_hooks
     from passes.ir.config import ParallelConfig
     from passes.lower import lower
 
-    spec = build_model(GPT)
+    spec, graph = unpacked_graph(GPT, packed_graph(GPT))
     groups = module_param_groups(spec.module)
     aliases = {}
     for n, p in spec.module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), set()).add(n)
     expected = {a for p in groups[1]["params"] for a in aliases[id(p)]}
     config = ParallelConfig.for_global_batch(4, dp=1, pp=2, num_micro_batches=2)
-    lowering = lower(capture_for_pipeline(spec), config, cost=cost_hooks(Cluster.local(2)))
+    lowering = lower(graph, config, cost=cost_hooks(Cluster.local(2)))
     for rank in range(2):
         program = lowering.rank_program(rank)
         held = {n for m in program.modules.values() for n, _ in m.named_parameters(remove_duplicate=False)}

@@ -20,6 +20,7 @@ import torch
 from partitioner.model_spec import build_model
 from runtime.launch import spawn
 from tests.one_device import train_one_device
+from tests.runtime_cases import packed_graph, unpacked_graph
 
 GPT = "gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 GLOBAL_BATCH, STEPS, WORLD = 16, 3, 4
@@ -68,14 +69,14 @@ def _batches(spec):
     return [spec.example_inputs({"batch": GLOBAL_BATCH}, seed=100 + k) for k in range(STEPS)]
 
 
-def _train_cases(cases):
-    from partitioner.build import build_parallel_model, capture_for_pipeline
+def _train_cases(cases, payload):
+    """On each rank: every case's results. ``payload``: the model's graph, captured once by the test process."""
+    from partitioner.build import build_parallel_model
     from passes.ir.config import ParallelConfig
     from runtime.mesh import Mesh, init_distributed
 
     init_distributed(timeout_s=200)
-    spec = build_model(GPT)
-    graph = capture_for_pipeline(spec)
+    spec, graph = unpacked_graph(GPT, payload)
     batches = _batches(spec)
     meshes = [Mesh(c.dp, c.pp, timeout_s=TIMEOUT_S) for c in cases]
     out = {}
@@ -112,7 +113,7 @@ def _train_cases(cases):
 @pytest.fixture(scope="module")
 def distributed():
     start = time.perf_counter()
-    results = spawn(_train_cases, WORLD, CASES, timeout_s=240)
+    results = spawn(_train_cases, WORLD, CASES, packed_graph(GPT), timeout_s=240)
     print(f"\nspawn of {WORLD} ranks, {len(CASES)} cases: {time.perf_counter() - start:.1f} s")
     return results
 

@@ -15,6 +15,7 @@ import torch
 from partitioner.model_spec import build_model
 from runtime.launch import LaunchError, spawn
 from tests.one_device import train_one_device
+from tests.runtime_cases import packed_graph, unpacked_graph
 
 GPT = "gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 GLOBAL_BATCH, STEPS, WORLD = 16, 3, 4
@@ -50,9 +51,10 @@ def _batches(spec):
     return [spec.example_inputs({"batch": GLOBAL_BATCH}, seed=100 + k) for k in range(STEPS)]
 
 
-def _train_cases(cases):
-    """On each rank: every case's per-step losses and this rank's final parameters."""
-    from partitioner.build import build_parallel_model, capture_for_pipeline
+def _train_cases(cases, payload):
+    """On each rank: every case's per-step losses and this rank's final parameters. ``payload``:
+    the model's graph, captured once by the test process (``packed_graph``)."""
+    from partitioner.build import build_parallel_model
     from passes.ir.config import ParallelConfig
     from runtime.mesh import Mesh, init_distributed
 
@@ -60,8 +62,7 @@ def _train_cases(cases):
     # machine; the meshes' groups, where training happens, keep the short timeout.
     init_distributed(timeout_s=200)
 
-    spec = build_model(GPT)
-    graph = capture_for_pipeline(spec)  # once per process; each case deep-copies it
+    spec, graph = unpacked_graph(GPT, payload)  # each case deep-copies it
     batches = _batches(spec)
     # Every rank builds every case's groups first: a rank outside a case's mesh would otherwise
     # wait in the next case's group creation while the others train, and time out.
@@ -91,7 +92,7 @@ def _train_cases(cases):
 @pytest.fixture(scope="module")
 def distributed():
     start = time.perf_counter()
-    results = spawn(_train_cases, WORLD, CASES, timeout_s=240)
+    results = spawn(_train_cases, WORLD, CASES, packed_graph(GPT), timeout_s=240)
     print(f"\nspawn of {WORLD} ranks, {len(CASES)} cases: {time.perf_counter() - start:.1f} s")
     return results
 

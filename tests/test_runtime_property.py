@@ -9,7 +9,8 @@ single-process AdamW training with global-norm clipping (every step clips) and a
 schedule at rtol 1e-5. Fixed
 HF GPT-2 1F1B plans add pipeline coverage of a model we did not write.
 
-Spawning gloo ranks is the slow part on this machine (every rank exports the models), so the
+Spawning gloo ranks is the slow part on this machine (the test process captures each model once and
+the ranks unpack it: tests/runtime_cases.py's ``packed_graph``), so the
 examples are drawn up front (``draw_plans``: a seeded hypothesis run, then a greedy pick for
 feature coverage) and ALL of them run inside ONE spawn of 8 ranks. Hypothesis therefore cannot
 shrink a failure: the plan ids are the test ids and are printed, so rerun a failing one by its
@@ -28,9 +29,9 @@ from hypothesis import strategies as st
 
 from partitioner.model_spec import build_model
 from runtime.launch import spawn
-from tests.runtime_cases import CLIP, HEADS, LAYERS, MODELS, WORLD, Plan, reference, train_plans
+from tests.runtime_cases import CLIP, HEADS, LAYERS, MODELS, WORLD, Plan, payloads_for, reference, train_plans
 
-pytestmark = pytest.mark.slow  # one spawn of 8 gloo ranks, each exporting both models
+pytestmark = pytest.mark.slow  # one spawn of 8 gloo ranks, each lowering every plan it is part of
 
 
 @st.composite
@@ -108,7 +109,7 @@ ALL = DRAWN + [p for p in HF_PIPELINE if p not in DRAWN]
 def distributed():
     print(f"\nplans drawn with seed {SEED}: " + ", ".join(p.id for p in DRAWN))
     start, wall = time.perf_counter(), time.time()
-    results = spawn(train_plans, WORLD, ALL, timeout_s=560)
+    results = spawn(train_plans, WORLD, ALL, payloads_for(ALL), timeout_s=560)
     setup = results[0]["setup"]
     print(f"spawn of {WORLD} ranks, {len(ALL)} plans: {time.perf_counter() - start:.1f} s (rank 0: started after "
           f"{setup['started'] - wall:.1f} s, capture {setup['capture_s']:.1f} s, meshes {setup['meshes_s']:.1f} s, "

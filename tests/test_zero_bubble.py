@@ -13,7 +13,7 @@ import time
 import pytest
 
 from runtime.launch import spawn
-from tests.runtime_cases import Plan, train_plans
+from tests.runtime_cases import Plan, payloads_for, train_plans
 from tests.test_runtime_property import _check
 
 
@@ -40,7 +40,7 @@ PLANS = [
 @pytest.fixture(scope="module")
 def distributed():
     start = time.perf_counter()
-    results = spawn(train_plans, 4, PLANS, timeout_s=400)
+    results = spawn(train_plans, 4, PLANS, payloads_for(PLANS), timeout_s=400)
     print(f"\nspawn of 4 ranks, {len(PLANS)} zero-bubble plans: {time.perf_counter() - start:.1f} s")
     return results
 

@@ -18,6 +18,7 @@ from passes.capture import capture_spec
 from passes.ir.meta import SHAPE, TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN, dim_symbol
 from passes.tensor_parallel_patterns import tag_tensor_parallel
 from tests.passes.tp_graphs import run_simulated_step, tagged_tp2
+from tests.runtime_cases import packed_graph, unpacked_graph
 
 RTOL = 1e-5
 SPECS = {
@@ -130,14 +131,14 @@ def _batches(spec):
     return [spec.example_inputs({"batch": GLOBAL_BATCH}, seed=100 + k) for k in range(STEPS)]
 
 
-def _train(cases):
-    from partitioner.build import build_parallel_model, capture_for_pipeline
+def _train(cases, payload):
+    """On each rank: every case's results. ``payload``: the model's graph, captured once by the test process."""
+    from partitioner.build import build_parallel_model
     from passes.ir.config import ParallelConfig
     from runtime.mesh import Mesh, init_distributed
 
     init_distributed(timeout_s=200)
-    spec = build_model(GPT)
-    graph = capture_for_pipeline(spec)
+    spec, graph = unpacked_graph(GPT, payload)
     meshes = [Mesh(dp, pp, tp, timeout_s=60) for dp, tp, pp, _ in cases]
     out = {}
     for (dp, tp, pp, m), mesh in zip(cases, meshes):
@@ -158,7 +159,7 @@ def test_parallel_model_with_sequence_parallel_matches_one_device():
     from runtime.launch import spawn
     from tests.one_device import train_one_device
 
-    results = spawn(_train, 4, CASES, timeout_s=300)
+    results = spawn(_train, 4, CASES, packed_graph(GPT), timeout_s=300)
     spec = build_model(GPT)
     ref_losses, model = train_one_device(spec, _batches(spec), adamw=ADAMW)
     for case in CASES:

@@ -408,7 +408,8 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
                           f"not {global_batch_size}; re-plan or pass the plan's batch size")
     clock.lap("plan")
 
-    mesh = Mesh(chosen.dp, chosen.pp, chosen.tp, timeout_s=timeout_s, pp_streams=stream_count(chosen.schedule))
+    mesh = Mesh(chosen.dp, chosen.pp, chosen.tp, timeout_s=timeout_s, pp_streams=stream_count(chosen.schedule),
+                dp_shard=chosen.hsdp_shard)
     clock.lap("mesh")
     if writer is not None:
         dumps = write_plan_dumps(out_dir, graph=graph, plan=chosen, cluster=cluster, writer=writer)

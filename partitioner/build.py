@@ -72,26 +72,30 @@ def capture_for_pipeline(spec: ModelSpec, symbolic: Sequence[str] | None = None,
 
 def build_parallel_model(graph: fx.GraphModule, config: ParallelConfig, mesh: Mesh, *,
                          cluster: Cluster | None = None, optimizer=None, overlap_grad_sync: bool = True,
-                         bucket_bytes: int | None = None, tp_group: str = "tp", **runtime) -> ParallelModel:
+                         bucket_bytes: int | None = None, tp_group: str = "tp", zero3_prefetch: int = 1,
+                         **runtime) -> ParallelModel:
     """Lower ``graph`` (from :func:`capture_for_pipeline`) for this rank of ``mesh`` under
     ``config`` and return the runtime's :class:`ParallelModel` executing it.
 
     ``cluster``: what the policy passes cost against (default ``Cluster.local`` of the mesh's
     size: this machine). ``tp_group``: the name the programs look their tp group up by (give
-    models that live side by side in one process different names). ``optimizer`` and ``runtime``
+    models that live side by side in one process different names). ``zero3_prefetch``: ZeRO-3
+    gather sites issued ahead of the running one. ``optimizer`` and ``runtime``
     (``lr_scheduler``, ``clip_grad_norm``, ``nonfinite``): as :class:`ParallelModel` takes them.
     """
 
     cluster = cluster or Cluster.local(mesh.size)
     program = lower_checked(graph, config, mesh.rank, cluster=cluster, first=mesh.first, tp_group=tp_group,
-                            bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES, overlap_grad_sync=overlap_grad_sync)
+                            bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES, overlap_grad_sync=overlap_grad_sync,
+                            zero3_prefetch=zero3_prefetch)
     kwargs = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
-    return ParallelModel(program, mesh, optimizer=optimizer, overlap_grad_sync=overlap_grad_sync, **kwargs, **runtime)
+    return ParallelModel(program, mesh, optimizer=optimizer, overlap_grad_sync=overlap_grad_sync,
+                         zero3_prefetch=zero3_prefetch, **kwargs, **runtime)
 
 
 def lower_checked(graph: fx.GraphModule, config: ParallelConfig, rank: int, *, cluster: Cluster, first: int = 0,
                   tp_group: str = "tp", ctx: PassContext | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                  overlap_grad_sync: bool = True) -> RankProgram:
+                  overlap_grad_sync: bool = True, zero3_prefetch: int = 1) -> RankProgram:
     """The program of global ``rank``, taken from a lowering of every rank's program whose
     communication is checked first (:func:`passes.communication_check.check_lowering`; raises
     :class:`CommunicationMismatchError`). Every process checks the whole plan itself: no
@@ -99,7 +103,8 @@ def lower_checked(graph: fx.GraphModule, config: ParallelConfig, rank: int, *, c
     ``bucket_bytes`` (bytes) and ``overlap_grad_sync``: as the ParallelModel that runs it takes them."""
     lowering = lower(graph, config, cost=cost_hooks(cluster), tp_group=tp_group,
                      ctx=ctx or PassContext(mixed_precision=config.mixed_precision))
-    check_lowering(lowering, first=first, bucket_bytes=bucket_bytes, overlap_grad_sync=overlap_grad_sync)
+    check_lowering(lowering, first=first, bucket_bytes=bucket_bytes, overlap_grad_sync=overlap_grad_sync,
+                   zero3_prefetch=zero3_prefetch)
     return lowering.rank_program(rank, first=first)
 
 

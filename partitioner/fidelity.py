@@ -667,6 +667,7 @@ def predict_step_time(profile, cluster, knobs: Mapping[str, object], *, global_b
     the search's memory check (:func:`partitioner.memory_check.replay_check`), so the plan carries
     the memory numbers the planner returns for a captured model."""
 
+    knobs = {"hsdp_shard": None, **knobs}  # off unless given (knob sets written before HSDP existed)
     missing = [k for k in KNOBS if k not in knobs]
     if missing:
         raise ConfigError(f"fidelity: pin every knob to evaluate one plan; missing {missing}")

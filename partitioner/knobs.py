@@ -22,7 +22,7 @@ class Knob:
     """The rule of one knob: a positive count, one of ``choices``, or a flag."""
 
     name: str
-    kind: Literal["count", "choice", "bool"]
+    kind: Literal["count", "optional_count", "choice", "bool"]
     choices: tuple[object, ...] = ()
     meaning: str
     """What the knob counts or picks, for messages."""
@@ -30,6 +30,8 @@ class Knob:
     def describe(self) -> str:
         if self.kind == "count":
             return "an integer >= 1"
+        if self.kind == "optional_count":
+            return "an integer >= 1 or none"
         if self.kind == "bool":
             return "true or false"
         return f"one of {', '.join(map(str, self.choices))}"
@@ -44,6 +46,7 @@ KNOB_RULES: dict[str, Knob] = {k.name: k for k in (
     Knob(name="num_micro_batches", kind="count", meaning="micro-batches per step"),
     Knob(name="schedule", kind="choice", choices=SCHEDULES, meaning="pipeline schedule"),
     Knob(name="zero_stage", kind="choice", choices=ZERO_STAGES, meaning="ZeRO stage"),
+    Knob(name="hsdp_shard", kind="optional_count", meaning="dp ranks a ZeRO-3 shard group spans (HSDP; none: all of dp)"),
     Knob(name="sequence_parallel", kind="bool", meaning="sequence parallelism"),
     Knob(name="checkpointing", kind="choice", choices=CHECKPOINTING, meaning="activation recomputation"),
     Knob(name="offload", kind="choice", choices=OFFLOAD, meaning="what waits in host memory"),
@@ -108,7 +111,9 @@ def _convert(rule: Knob, raw: str, where: str) -> object:
         if raw.lower() not in ("true", "false", "1", "0"):
             raise ConfigError(f"{where} {rule.name}={raw}: use true or false")
         return raw.lower() in ("true", "1")
-    if rule.kind == "count" or isinstance(rule.choices[0], int):
+    if rule.kind == "optional_count" and raw.lower() == "none":
+        return None
+    if rule.kind in ("count", "optional_count") or isinstance(rule.choices[0], int):
         try:
             value: object = int(raw)
         except ValueError:
@@ -124,7 +129,9 @@ def _check(rule: Knob, value: object, where: str) -> object:
             raise ConfigError(f"{where} {rule.name}={value!r}: use true or false")
         return value
     shown = value if isinstance(value, str) else repr(value)
-    if rule.kind == "count":
+    if rule.kind == "optional_count" and value is None:
+        return value
+    if rule.kind in ("count", "optional_count"):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{where} {rule.name}={value!r}: {rule.name} must be {rule.describe()} "
                               f"({rule.meaning}), got {value!r}; give a positive count or leave {rule.name} out")

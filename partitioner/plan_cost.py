@@ -249,13 +249,15 @@ class PlanContext:
 
 def _state_per_param(ctx: PlanContext, c: ParallelConfig) -> tuple[float, float, float]:
     """Device bytes per (tp-sharded) parameter: (params, grads, optimizer) under ZeRO/offload."""
-    ms = model_state_bytes(1.0, c.dp, c.zero_stage, ctx.precision, ctx.optimizer)
+    ms = model_state_bytes(1.0, c.shard_degree if c.zero_stage == 3 else c.dp, c.zero_stage, ctx.precision,
+                           ctx.optimizer)
     opt = 0.0 if c.offload == "optimizer" else ms.optimizer
-    if c.zero_stage and ctx.precision == "fp32" and opt:
+    if c.zero_stage in (1, 2) and ctx.precision == "fp32" and opt:
         opt += 4.0 / c.dp  # runtime.grad_sync.ShardedOptimizer steps an fp32 copy of its chunk
     grads = ms.grads
-    if c.zero_stage >= 2 and ctx.precision != "fp32":
+    if c.zero_stage == 2 and ctx.precision != "fp32":
         grads = 4.0 / c.dp  # the sharded accumulator sums in fp32 (runtime.grad_sync)
+    # ZeRO-3: the optimizer steps the shards themselves, whose gradients are in the parameters' dtype
     return ms.params, grads, opt
 
 
@@ -379,9 +381,11 @@ def _stage_numbers(ctx: PlanContext, c: ParallelConfig, costs, ranges: list[tupl
     L, p = ctx.L, c.pp
     f = b = tpc = rc = params = act = 0.0
     shared = ctx.profile.shared_param_count / c.tp
+    largest = 0.0  # the most parameters one layer of the stage has (ZeRO-3 gathers a layer at a time)
     for start, stop in ranges:
         for i in range(start, stop):
             cost = emb if i == 0 else head if i == L + 1 else blk
+            largest = max(largest, cost.params + (shared if (i == 0 and p > 1) or i == L + 1 else 0.0))
             f += cost.fwd
             b += cost.bwd
             tpc += cost.tp_comm
@@ -396,8 +400,10 @@ def _stage_numbers(ctx: PlanContext, c: ParallelConfig, costs, ranges: list[tupl
         "gradients": params * wg,
         "optimizer": params * wo,
         "activations": act * _inflight(c, stage) + (blk.full_act_bytes if c.checkpointing == "full" else 0.0),
-        "buffers": _buffers(ctx, c, params * ctx.itemsize),
+        "buffers": _buffers(ctx, c, None if c.zero_stage == 3 else params * ctx.itemsize),
     }
+    if c.zero_stage == 3:  # the gathered full parameters count as communication buffers
+        memory["buffers"] += zero3_gathered_bytes(largest, ctx.itemsize)
     return f, b, tpc, rc, params, act, memory
 
 
@@ -410,7 +416,8 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
     if assignment is None:  # how much it would need: the time-balanced split, memory ignored
         assignment = _assignment(ctx, c, costs, None)
     dev = ctx.cluster.device
-    ms1 = model_state_bytes(1.0, c.dp, c.zero_stage, ctx.precision, ctx.optimizer)
+    shards = c.shard_degree if c.zero_stage == 3 else c.dp  # ranks the sharded model state is spread over
+    ms1 = model_state_bytes(1.0, shards, c.zero_stage, ctx.precision, ctx.optimizer)
     stages, per_stage = [], []
     for s, ranges in enumerate(assignment):
         f, b, tpc, rc, params, act, memory = _stage_numbers(ctx, c, costs, ranges, s)
@@ -422,20 +429,26 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
         # on a host device (gloo on CPU) the bucket's collective shares the rank's one thread
         # with backward: nothing hides it
         hide = 0.0 if ctx.on_host else b
-        if c.zero_stage == 0:    # one all-reduce after the last micro-batch, hidden behind its backward
+        if c.zero_stage == 3:
+            layers = sum(stop - start for start, stop in ranges)
+            replicas = c.dp // shards  # HSDP: gathers and reduce-scatters inside a shard group, all-reduce across
+            dp_exposed = zero3_exposed_time(params * ctx.itemsize, params * 4, c, ctx.link(shards, c.tp), f, b + rc,
+                                            ctx.on_host, layers=layers,
+                                            replicas=(replicas, ctx.link(replicas, c.tp * shards)))
+        elif c.zero_stage == 0:    # one all-reduce after the last micro-batch, hidden behind its backward
             dp_exposed = max(0.0, all_reduce_time(grads, c.dp, link) - hide)
         elif c.zero_stage == 1:  # reduce-scatter hidden likewise; all-gather of new weights after the step
             dp_exposed = max(0.0, rs - hide) + ag
         else:                    # sharded grads: a reduce-scatter per micro-batch, each behind its backward
             dp_exposed = c.num_micro_batches * max(0.0, rs - hide) + ag
-        updated = params / (c.dp if c.zero_stage >= 1 else 1)  # parameters this rank updates
-        opt_bytes = updated * ms1.optimizer * (c.dp if c.zero_stage >= 1 else 1)
+        updated = params / (shards if c.zero_stage >= 1 else 1)  # parameters this rank updates
+        opt_bytes = updated * ms1.optimizer * (shards if c.zero_stage >= 1 else 1)
         if c.offload == "optimizer":
             h2d = ctx.cluster.host_to_device.bandwidth_bytes_per_s
             t_opt = (updated * 2 * ctx.itemsize) / h2d + 2 * opt_bytes / ctx.host_rate
         else:
             t_opt = memory_bound_time(2 * opt_bytes + updated * 2 * ctx.itemsize, dev.optimizer_bytes_per_s or dev)
-        if c.zero_stage >= 1:  # flatten the stage's grads into the bucket, copy the gathered params back
+        if c.zero_stage in (1, 2):  # flatten the stage's grads into the bucket, copy the gathered params back
             t_opt += memory_bound_time(4 * grads, dev.optimizer_bytes_per_s or dev)
         t_off = 0.0
         host = opt_bytes if c.offload == "optimizer" else 0.0
@@ -479,6 +492,38 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
     peak = max(s.peak_memory_bytes for s in stages)
     feasible = feasible and peak <= ctx.cap
     return Evaluated(config=c, feasible=feasible, step_time=terms.total, peak=peak, stages=tuple(stages), terms=terms)
+
+
+ZERO3_PREFETCH = 1
+"""Gather sites ZeRO-3 issues ahead of the running one (the runtime's default, ``zero3_prefetch``)."""
+
+
+def zero3_gathered_bytes(largest_layer_params: float, itemsize: int, prefetch: int = ZERO3_PREFETCH) -> float:
+    """Bytes of full parameters ZeRO-3 holds at once on a device: the running layer's and the
+    ``prefetch`` layers gathered ahead (each at most the stage's largest layer), plus, at a
+    layer's backward, its full gradients and their fp32 reduce-scatter buffer."""
+    return (1 + prefetch) * largest_layer_params * itemsize + largest_layer_params * (itemsize + 4)
+
+
+def zero3_exposed_time(param_bytes: float, grad_bytes_fp32: float, c: ParallelConfig, link, fwd: float, bwd: float,
+                       on_host: bool, *, layers: int = 1, replicas: tuple[int, object] = (1, None)) -> float:
+    """Seconds per step of ZeRO-3 communication that compute does not hide, on one stage of
+    ``layers`` layers: per micro-batch an all-gather of the stage's parameters before its forward
+    and again before its backward, and a reduce-scatter of its gradients (fp32) after it. With
+    prefetch each layer's gather overlaps the layer before it, except the first layer's of each
+    pass (a layer's share: ``1 / layers``); on a host device (gloo on CPU) the collectives share
+    the rank's thread with compute and nothing hides. ``link``: the shard group's; HSDP's
+    ``replicas``: (replica groups, their link), across which each reduce-scattered shard is
+    all-reduced."""
+    degree = c.shard_degree
+    ag = all_gather_time(param_bytes, degree, link)
+    rs = reduce_scatter_time(grad_bytes_fp32, degree, link)
+    if replicas[0] > 1:
+        rs += all_reduce_time(grad_bytes_fp32 / degree, replicas[0], replicas[1])
+    if on_host or ZERO3_PREFETCH == 0:
+        return c.num_micro_batches * (2 * ag + rs)
+    first = ag / max(layers, 1)
+    return c.num_micro_batches * (2 * first + max(0.0, ag - first - fwd) + max(0.0, ag - first + rs - bwd))
 
 
 SPLIT_OPS_PER_MATMUL = 12

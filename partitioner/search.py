@@ -135,6 +135,17 @@ def _pinned_problems(fix: dict, world: int, L: int, heads: int, global_batch: in
     return out
 
 
+def _zero_options(opts, dp: int, tp: int, devices_per_node: int) -> list[tuple[int, int | None]]:
+    """The (zero_stage, hsdp_shard) pairs tried for ``dp`` replicas of ``tp`` ranks: ZeRO 0-3, and
+    HSDP with a shard group of one node's dp ranks when dp spans several nodes."""
+    out = []
+    node = devices_per_node // tp if tp <= devices_per_node else 0
+    for zero in opts("zero_stage", [0, 1, 2, 3] if dp > 1 else [0]):
+        shards = [None] + ([node] if zero == 3 and 1 < node < dp and dp % node == 0 else [])
+        out += [(zero, h) for h in opts("hsdp_shard", shards)]
+    return out
+
+
 def _schedules(fix: dict, pp: int, L: int, m: int, why: _Refusals) -> list[tuple[str, int]]:
     """The (schedule, virtual_pp) pairs the search tries for ``pp`` stages and ``m`` micro-batches;
     a pinned pair that breaks a rule is recorded in ``why``."""
@@ -221,7 +232,7 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
                                f"{per_replica} samples of each of dp={dp} replicas (global batch {global_batch})")
                     continue
                 for sched, v in _schedules(fix, pp, L, m, why):
-                    for zero in opts("zero_stage", [0, 1, 2] if dp > 1 else [0]):
+                    for zero, hsdp in _zero_options(opts, dp, tp, cluster.devices_per_node):
                         for sp in opts("sequence_parallel", [False, True] if tp > 1 else [False]):
                             has_scores = any(layer.attention_score_bytes for layer in profile.layers)
                             ckpts = ["none", "selective", "full"] if has_scores else ["none", "full"]
@@ -230,7 +241,7 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
                                     try:  # only configs the lowering and the runtime carry out are offered
                                         out.append(ParallelConfig(
                                             dp=dp, tp=tp, pp=pp, virtual_pp=v, micro_batch_size=mbs,
-                                            num_micro_batches=m, schedule=sched, zero_stage=zero,
+                                            num_micro_batches=m, schedule=sched, zero_stage=zero, hsdp_shard=hsdp,
                                             sequence_parallel=sp, checkpointing=ckpt, offload=off,
                                             dtype=profile.dtype))
                                     except ConfigError as exc:

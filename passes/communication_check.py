@@ -69,6 +69,7 @@ from passes.ir.grad_buckets import (
 from passes.ir.meta import CAPTURE, MEMORY, SHAPE, TensorMeta, dim_symbol
 from passes.ir.ops import SCHEMAS, TP_OPS, op_name
 from passes.ir.program import RankProgram, global_rank, mesh_coords
+from passes.ir.zero3_ops import ZERO3_PLAN, GatherSchedule
 
 CallOp = Literal["all_reduce(sum)", "all_reduce(max)", "reduce_scatter(sum)", "all_gather", "send", "recv"]
 
@@ -148,17 +149,17 @@ class _Lowering(Protocol):  # passes.lower.Lowering, without importing the lower
 # One rank's calls
 
 def rank_calls(program: RankProgram, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-               overlap_grad_sync: bool = True) -> RankCalls:
+               overlap_grad_sync: bool = True, zero3_prefetch: int = 1) -> RankCalls:
     """The communication calls ``program`` issues in one training step (see the module
     docstring). ``bucket_bytes`` (bytes) and ``overlap_grad_sync``: as the
-    :class:`~runtime.parallel_model.ParallelModel` that runs it takes them."""
-    return RankCalls(program.rank, tuple(_RankModel(program, bucket_bytes, overlap_grad_sync).calls()))
+    :class:`~runtime.parallel_model.ParallelModel` that runs it takes them (``zero3_prefetch``: sites)."""
+    return RankCalls(program.rank, tuple(_RankModel(program, bucket_bytes, overlap_grad_sync, zero3_prefetch).calls()))
 
 
 class _RankModel:
     """Walks one rank's actions as the runtime runs them (see :func:`rank_calls`)."""
 
-    def __init__(self, program: RankProgram, bucket_bytes: int, overlap: bool):
+    def __init__(self, program: RankProgram, bucket_bytes: int, overlap: bool, zero3_prefetch: int = 1):
         self.p, self.c = program, program.config
         c = self.c
         self.pp_index, self.dp_index, self.tp_index = mesh_coords(program.rank, dp=c.dp, tp=c.tp, first=program.first)
@@ -168,6 +169,7 @@ class _RankModel:
         self.dims = {dim_symbol(k): v for k, v in _dims(program).items()}
         self._sizes: dict[object, int] = {}
         self.bucket_bytes, self.overlap = bucket_bytes, overlap
+        self.zero3 = _Zero3Calls(self, zero3_prefetch)
         self.stage_calls = {s: _StageCollectives(s, m, self) for s, m in program.modules.items()}
         io = program.io
         # boundary[s]: names stage s sends stage s + 1, in the receiver's input order (as the executor)
@@ -215,6 +217,7 @@ class _RankModel:
             elif kind == "ALL_REDUCE":
                 out += grads.finish()
             elif kind == "STEP":
+                self.zero3.reset()
                 out += grads.step()
             if kind in ("B", "W"):  # weight gradients accumulate: buckets may launch (overlap, ZeRO-2)
                 out += grads.accumulated(a.stage)
@@ -274,6 +277,58 @@ _TP_CALLS: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], .
                                       ("all_reduce(sum)", "rows")), ()),
 }
 _COMMUNICATING = set(TP_OPS) | {"all_reduce"}
+_ZERO3_EVENTS = ("zero3_forward", "zero3_backward", "zero3_reduce_scatter")
+
+
+class _Zero3Calls:
+    """ZeRO-3's dp collectives of one rank: the gathers :class:`GatherSchedule` issues (one
+    all-gather per site) and each site's reduce-scatter (fp32; HSDP: then an all-reduce across
+    the replica groups), as :mod:`runtime.kernels.zero3` issues them."""
+
+    def __init__(self, rank: "_RankModel", prefetch: int):
+        self.r = rank
+        plans = {s: m.meta[ZERO3_PLAN] for s, m in rank.p.modules.items() if ZERO3_PLAN in m.meta}
+        c = rank.c
+        degree = c.shard_degree
+        self.on = bool(plans) and c.dp > 1
+        first = rank.dp_index // degree * degree  # HSDP: the shard group of consecutive dp ranks, the replicas across
+        self.shard_group = tuple(rank._rank(rank.pp_index, d=d) for d in range(first, first + degree))
+        self.replica_group = tuple(rank._rank(rank.pp_index, d=d) for d in range(rank.dp_index % degree, c.dp, degree))
+        self.sites = {(site.stage, site.site): (site, plans[s]) for s, plan in plans.items() for site in plan.sites}
+        self.savers: dict[int, dict[str, list[tuple[int, int]]]] = {}
+        for (stage, _), (site, _) in sorted(self.sites.items()):
+            for name in site.savers:
+                self.savers.setdefault(stage, {}).setdefault(name, []).append((stage, site.site))
+        self.schedule = GatherSchedule([site for site, _ in self.sites.values()], prefetch)
+
+    def calls(self, event: str, key: tuple[int, int], where: str) -> list[CommCall]:
+        if event == "zero3_reduce_scatter":
+            self.schedule.released(key)
+            return self._per_site(key, "reduce_scatter(sum)", where, "grads of")
+        issue = (self.schedule.forward if event == "zero3_forward" else self.schedule.backward)(key)
+        return [c for k in issue for c in self._per_site(k, "all_gather", where, "gather of")]
+
+    def _per_site(self, key, op: str, where: str, what: str) -> list[CommCall]:
+        """One collective per site: every parameter's shard back to back (the runtime's layout)."""
+        if not self.on:
+            return []
+        site, plan = self.sites[key]
+        records = [plan.param(name) for name in site.params]
+        n = sum(r.shard_numel for r in records)
+        label = f"{where} zero3 {what} site {key[1]} ({len(records)} params)"
+        out = []
+        if op.startswith("reduce"):
+            if plan.degree > 1:
+                out.append(CommCall(self.shard_group, op, n * plan.degree, torch.float32, label, "dp"))
+            if len(self.replica_group) > 1:
+                out.append(CommCall(self.replica_group, "all_reduce(sum)", n, torch.float32,
+                                    label + " across replicas", "dp"))
+        elif plan.degree > 1:
+            out.append(CommCall(self.shard_group, op, n * plan.degree, records[0].dtype, label, "dp"))
+        return out
+
+    def reset(self) -> None:
+        self.schedule.reset()
 assert _COMMUNICATING <= set(_TP_CALLS) <= set(SCHEMAS), "every communicating op needs its calls described here"
 
 
@@ -290,10 +345,19 @@ class _StageCollectives:
         self._bwd = self._walk(module, "", flags, backward=True)
 
     def forward(self, where: str) -> list[CommCall]:
-        return [CommCall(self.rank.tp_group, op, n, dt, f"{where} {what}", "tp") for op, n, dt, what in self._fwd]
+        return self._calls(self._fwd, where)
 
     def backward(self, where: str) -> list[CommCall]:
-        return [CommCall(self.rank.tp_group, op, n, dt, f"{where} {what}", "tp") for op, n, dt, what in self._bwd]
+        return self._calls(self._bwd, where)
+
+    def _calls(self, events, where: str) -> list[CommCall]:
+        out = []
+        for op, n, dt, what in events:
+            if op in _ZERO3_EVENTS:
+                out += self.rank.zero3.calls(op, n, where)
+            else:
+                out.append(CommCall(self.rank.tp_group, op, n, dt, f"{where} {what}", "tp"))
+        return out
 
     def output_meta(self) -> dict[str, TensorMeta]:
         """Each output of the stage by its contract name: the graph's own shape meta (what is sent)
@@ -313,7 +377,10 @@ class _StageCollectives:
         """The collectives of ``gm``'s nodes: in node order (forward) or reversed (backward)."""
         nodes = _calls(gm)
         out: list[tuple[str, int, torch.dtype, str]] = []
+        savers = self.rank.zero3.savers.get(self.stage, {}) if not region else {}
         for node in (reversed(nodes) if backward else nodes):
+            if backward and node.name in savers:  # its backward unpacks a gathered parameter: gathered again
+                out += [("zero3_backward", key, None, "") for key in savers[node.name]]
             out += self._node(gm, node, region, flags, backward=backward)
         return out
 
@@ -326,6 +393,9 @@ class _StageCollectives:
                 return self._walk(sub[1], name, inner, backward=False)
             return self._region_backward(sub[1], name, inner) if flags.get(node, True) else []
         op = op_name(node.target) if node.op == "call_function" else None
+        if op == "zero3_gather":  # ZeRO-3: forward gather, or (backward) its gradients' reduce-scatter
+            key = (int(node.args[4]), int(node.args[5]))
+            return [("zero3_reduce_scatter" if backward else "zero3_forward", key, None, "")]
         if op is None or op not in _TP_CALLS or (backward and not flags.get(node, True)):
             return []
         return [self._call(node, op, collective, size, region, backward)
@@ -341,7 +411,9 @@ class _StageCollectives:
             last = len(nodes)  # no saved-tensor facts: the whole forward is recomputed first
         else:
             last = max((k for k, n in enumerate(nodes) if n.meta[MEMORY].saved), default=-1)
-        recompute = [(op, n, dt, f"recompute {what}") for node in nodes[:max(last, 0)]
+        # a gather in the recompute runs inside backward: ZeRO-3 gathers it as backward does
+        recompute = [("zero3_backward" if op == "zero3_forward" else op, n, dt, f"recompute {what}")
+                     for node in nodes[:max(last, 0)]
                      for op, n, dt, what in self._node(gm, node, region, flags, backward=False)]
         out = list(recompute) if last == len(nodes) else []
         for k in reversed(range(len(nodes))):
@@ -449,10 +521,11 @@ class _GradSync:
         self.sp = [named[n] for n in p.sp_grad_params]
         late = {id(q) for t in self.tied for q in t[3]} | {id(q) for q in self.sp}
         self.zero, self.dp = c.zero_stage, c.dp
-        self.mode = {0: "all_reduce", 1: "reduce_scatter", 2: "reduce_scatter_each"}[c.zero_stage]
-        shard = self.mode != "all_reduce"
+        # ZeRO-3 averages in backward (the gathers' reduce-scatters): no buckets
+        self.mode = {0: "all_reduce", 1: "reduce_scatter", 2: "reduce_scatter_each", 3: "none"}[c.zero_stage]
+        shard = self.mode not in ("all_reduce", "none")
         self.buckets: tuple[BucketSpec, ...] = ()
-        if self.dp > 1 or self.zero:
+        if (self.dp > 1 or self.zero) and self.mode != "none":
             slots = [GradSlot(q.numel(), q.dtype, id(q) in late) for q in self.params]
             self.buckets = bucket_layout(slots, size=self.dp, shard=shard, bucket_bytes=rank.bucket_bytes)
         # which local stages hold each parameter, and its accumulations per step (B and W actions)
@@ -548,7 +621,7 @@ class _GradSync:
             out.append(CommCall(world, "all_reduce(max)", 1, torch.float32, "fp16 overflow flag", "world"))
         if len(world) > 1:
             out.append(CommCall(world, "all_reduce(sum)", 1, torch.float64, "global gradient norm", "world"))
-        if self.zero and self.r.c.offload != "optimizer" and self.dp > 1:  # ShardedOptimizer.publish
+        if self.zero in (1, 2) and self.r.c.offload != "optimizer" and self.dp > 1:  # ShardedOptimizer.publish
             out += [CommCall(self.r.dp_group, "all_gather", b.numel, b.dtype, f"dp bucket {k} updated chunks", "dp")
                     for k, b in enumerate(self.buckets)]
         return out
@@ -607,16 +680,16 @@ class _Problem:
 
 
 def check_communication(programs: Sequence[RankProgram], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                        overlap_grad_sync: bool = True) -> CommunicationSummary:
+                        overlap_grad_sync: bool = True, zero3_prefetch: int = 1) -> CommunicationSummary:
     """Check that the rank programs of one plan (every rank of its mesh) issue matching
     communication (see the module docstring); returns what was checked, or raises
     :class:`CommunicationMismatchError`. ``bucket_bytes`` (bytes), ``overlap_grad_sync``: the
-    runtime's gradient-sync settings. Raises :class:`ConfigError` when ``programs`` is not
+    runtime's gradient-sync settings; ``zero3_prefetch``: its ZeRO-3 prefetch depth. Raises :class:`ConfigError` when ``programs`` is not
     exactly one program per rank of the mesh."""
     start = time.perf_counter()
     by_rank = _by_rank(programs)
-    calls = {r: rank_calls(p, bucket_bytes=bucket_bytes, overlap_grad_sync=overlap_grad_sync)
-             for r, p in by_rank.items()}
+    calls = {r: rank_calls(p, bucket_bytes=bucket_bytes, overlap_grad_sync=overlap_grad_sync,
+                           zero3_prefetch=zero3_prefetch) for r, p in by_rank.items()}
     any_program = next(iter(by_rank.values()))
     problems = _collective_problems(calls) + _p2p_problems(calls)
     if problems:
@@ -630,12 +703,13 @@ def check_communication(programs: Sequence[RankProgram], *, bucket_bytes: int = 
 
 
 def check_lowering(lowering: _Lowering, *, first: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                   overlap_grad_sync: bool = True) -> CommunicationSummary:
+                   overlap_grad_sync: bool = True, zero3_prefetch: int = 1) -> CommunicationSummary:
     """:func:`check_communication` of every rank program of ``lowering`` (a
     :class:`passes.lower.Lowering` of every (stage, tp rank) program), its mesh from ``first``."""
     world = lowering.config.world_size  # type: ignore[attr-defined]
     return check_communication([lowering.rank_program(r, first=first) for r in range(first, first + world)],
-                               bucket_bytes=bucket_bytes, overlap_grad_sync=overlap_grad_sync)
+                               bucket_bytes=bucket_bytes, overlap_grad_sync=overlap_grad_sync,
+                               zero3_prefetch=zero3_prefetch)
 
 
 def _by_rank(programs: Sequence[RankProgram]) -> dict[int, RankProgram]:

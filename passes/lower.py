@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
@@ -42,6 +43,7 @@ from passes.ir.meta import (CAPTURE, CHECKPOINT_PLAN, LAYER_CHAIN, OFFLOAD_PLAN,
 from passes.ir.ops import TP_OPS, op_name
 from passes.ir.program import Comm, RankProgram, TiedParam, global_rank, local_shape, mesh_coords
 from passes.ir.schedule import build as build_schedule
+from passes.ir.zero3_ops import shard_numel
 from passes.manager import Instrument, PassContext, pipeline_text
 from passes.pipeline_split import chain_starts, split_pipeline_stages
 from passes.pipelines import manager, stage_passes, whole_graph_passes
@@ -113,8 +115,11 @@ class Lowering:
             alias = next(a for a in self.split.aliases[name] if _has_param(module, a))
             full = module.get_parameter(alias)
             sharding = plan.params.get(name) if plan is not None else None
+            shape = local_shape(full.shape, sharding, self.config.tp)
+            if self.config.zero_stage == 3:  # every copy is its dp shard
+                shape = (shard_numel(math.prod(shape), self.config.shard_degree),)
             out[name] = TiedParam(name=name, stages=tuple(stages), aliases=tuple(self.split.aliases[name]),
-                                  local_shape=local_shape(full.shape, sharding, self.config.tp), dtype=full.dtype)
+                                  local_shape=shape, dtype=full.dtype)
         return out
 
 
@@ -167,8 +172,9 @@ def lower(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
     made: dict[tuple[int, int], fx.GraphModule] = {}
     for s, t in wanted:
         stage = split.modules[s]
-        if config.tp > 1 or sum(1 for w in wanted if w[0] == s) > 1:
-            stage = copy.deepcopy(stage)  # several programs start from one split module
+        if config.tp > 1 or config.zero_stage == 3 or sum(1 for w in wanted if w[0] == s) > 1:
+            # several programs start from one split module, or ZeRO-3 replaces its parameters
+            stage = copy.deepcopy(stage)
         stage.meta[CAPTURE] = stage_capture(gm, split.io[s])
         stage.meta.update({k: gm.meta[k] for k in _INHERITED if k in gm.meta})
         name = f"stage{s}_tp{t}"

@@ -40,9 +40,11 @@ from passes.ir.errors import PassError
 from passes.ir.meta import (BLOCK, CAPTURE, CHECKPOINT, CHECKPOINT_PLAN, FLOP_SUMMARY, FLOPS, LAYER_CHAIN, MEMORY,
                             MEMORY_SUMMARY, OFFLOAD_PLAN, PIPELINE_STAGE, SHAPE, TENSOR_PARALLEL,
                             TENSOR_PARALLEL_PLAN)
+from passes.ir.zero3_ops import ZERO3_PLAN
 from passes.manager import Pass, PassContext, PassManager, PassOrder, adapt
 from passes.offload_policy import offload_policy
 from passes.pipeline_split import tag_pipeline_stages_by_chain
+from passes.shard_parameters import shard_parameters
 from passes.specialize_dims import specialize_dims
 from passes.split_backward import split_backward
 from passes.tensor_parallel_patterns import tag_tensor_parallel
@@ -64,6 +66,10 @@ ORDER = (
               why="apply_offload runs last: its begin/saver/end triples must stay adjacent"),
     PassOrder(first="apply_checkpoint", then="split_backward",
               why="the aliases of a parameter read in a region and outside are placed in both graphs"),
+    PassOrder(first="apply_checkpoint", then="shard_parameters",
+              why="a checkpointed region gathers its block's parameters itself, so that its recompute gathers again"),
+    PassOrder(first="apply_tensor_parallel", then="shard_parameters",
+              why="ZeRO-3 shards this tp rank's slice of each parameter over dp"),
     PassOrder(first="split_backward", then="apply_offload",
               why="apply_offload runs last: its begin/saver/end triples must stay adjacent"),
 )
@@ -120,6 +126,8 @@ REGISTRY: dict[str, PassDef] = {d.name: d for d in (
             options=("batch",)),
     PassDef(name="split_backward", make=_plain(split_backward), requires=(CAPTURE,), provides=(),
             options=("grad_inputs",)),
+    PassDef(name="shard_parameters", make=_plain(shard_parameters), requires=(CAPTURE,), provides=(ZERO3_PLAN,),
+            options=("degree", "group", "stage")),
 )}
 
 
@@ -194,9 +202,16 @@ def stage_passes(config: ParallelConfig, *, stage: int, tp_rank: int, tp_group: 
                     make_pass("offload_policy", selection="all", optimizer_on_host=False, cost=_need(cost))]
     if config.split_backward:
         out.append(make_pass("split_backward", grad_inputs=tuple(grad_inputs)))
+    if config.zero_stage == 3:
+        out.append(make_pass("shard_parameters", degree=config.shard_degree, group=zero3_group(tp_group), stage=stage))
     if config.offload == "activations":
         out.append(make_pass("apply_offload"))
     return out + reanalysis_passes(ctx)
+
+
+def zero3_group(tp_group: str) -> str:
+    """The name ZeRO-3's gathers look their dp group up by, beside the tp group's name."""
+    return f"{tp_group}.dp"
 
 
 def _need(cost: CostHooks | None) -> CostHooks:

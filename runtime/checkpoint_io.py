@@ -51,6 +51,7 @@ the cause and what to do.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -70,6 +71,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from passes.ir.errors import CheckpointError, ConfigError
 from passes.ir.meta import TENSOR_PARALLEL_PLAN, ParamSharding, TensorParallelPlan
+from passes.ir.zero3_ops import ZERO3_PLAN, ShardedParam
 from runtime.checkpoint_metadata import METADATA_FILE, SafeFileSystemReader, read_metadata_file
 from runtime.mixed_precision import MasterWeightOptimizer
 from runtime.optimizers import init_state, state_keys
@@ -408,6 +410,8 @@ class _LocalParam:
     layout: ParamLayout
     writer: bool                   # this rank writes the parameter (and its unsharded state)
     tp_writer: bool                # ... ignoring the dp replica condition (ZeRO state)
+    flat_range: tuple[int, int] | None = None  # ZeRO-3: the local tensor's elements [lo, hi) this rank's shard holds
+    scalar_writer: bool = True     # writes the parameter's 0-d optimizer state (ZeRO-3: the dp-0 replica)
 
 
 def _tp_plan(pm) -> TensorParallelPlan | None:
@@ -448,6 +452,7 @@ def _local_params(pm) -> list[_LocalParam]:
     """This rank's parameters by canonical name, with their tp layout and whether it writes them."""
     canon_of = _canonical_names(pm)
     plan = _tp_plan(pm)
+    zero3 = _zero3_records(pm)
     tp = getattr(pm.mesh, "tp", 1)
     tp_index = getattr(pm.mesh, "tp_index", 0)
     found: dict[str, _LocalParam] = {}
@@ -467,18 +472,36 @@ def _local_params(pm) -> list[_LocalParam]:
             sharding = plan.params.get(canon) if plan is not None else None
             if plan is not None and sharding is None:
                 sharding = next((plan.params[n] for n in names if n in plan.params), None)
-            layout_shape = _full_shape(p, sharding, tp)
+            record = next((zero3[n] for n in names if n in zero3), None)
+            layout_shape = _full_shape(record.shape if record is not None else p.shape, sharding, tp)
             layout = ParamLayout.from_sharding(layout_shape, sharding, tp_index, tp)
             # A tied weight is written by the lowest stage holding a copy (one writer per box).
             tied = next((t.stages for k, t in pm.program.tied.items() if canon_of.get(k, k) == canon), ())
             lowest = min(tied, default=s)
             tp_writer = s == lowest and (layout.dim is not None or tp_index == 0)
+            if record is not None:  # ZeRO-3: every dp rank of the first shard group writes its shard's elements
+                lo = pm.mesh.dp_shard_index * record.shard_numel
+                first_group = pm.mesh.dp_index < pm.mesh.dp_shard
+                found[canon] = _LocalParam(canon, [p], layout, tp_writer and first_group, tp_writer,
+                                           flat_range=(min(lo, record.numel), min(lo + record.shard_numel, record.numel)),
+                                           scalar_writer=tp_writer and pm.mesh.dp_index == 0)
+                continue
             found[canon] = _LocalParam(canon, [p], layout, tp_writer and pm.mesh.dp_index == 0, tp_writer)
     return list(found.values())
 
 
-def _full_shape(p: torch.Tensor, sharding: ParamSharding | None, tp: int) -> tuple[int, ...]:
-    shape = list(p.shape)
+def _zero3_records(pm) -> dict[str, ShardedParam]:
+    """ZeRO-3: how each parameter of this rank's stages is sharded over dp, by name (empty otherwise)."""
+    out: dict[str, ShardedParam] = {}
+    for st in pm.stages.values():
+        plan = getattr(st.module, "meta", {}).get(ZERO3_PLAN)
+        if plan is not None:
+            out.update({r.name: r for r in plan.params})
+    return out
+
+
+def _full_shape(shape: Sequence[int], sharding: ParamSharding | None, tp: int) -> tuple[int, ...]:
+    shape = list(shape)
     if sharding is not None and sharding.dim is not None and tp > 1:
         shape[sharding.dim] *= tp
     return tuple(shape)
@@ -494,8 +517,25 @@ def _model_entries(local: Sequence[_LocalParam], *, write: bool,
             continue
         for copy in (lp.copies[:1] if write else lp.copies):
             t = masters[id(copy)] if masters is not None else copy.detach()
-            _add(entries, lp.name, lp.layout.shape, pieces_of(t, lp.layout))
+            _add(entries, lp.name, lp.layout.shape, _local_pieces(t, lp))
     return entries
+
+
+def _local_pieces(t: torch.Tensor, lp: _LocalParam) -> list[Piece]:
+    """The pieces of the full tensor ``t`` holds: its tp layout's, or for a ZeRO-3 shard (flat,
+    ``lp.flat_range`` of the tp-local tensor's row-major elements) the boxes of that range."""
+    if lp.flat_range is None:
+        return pieces_of(t, lp.layout)
+    lo, hi = lp.flat_range
+    out = []
+    for offs, sizes, flat_start in flat_range_boxes(lp.layout.local_shape, lo, hi):
+        view = t[flat_start - lo:flat_start - lo + math.prod(sizes)].view(sizes)
+        for loc, size, glob in lp.layout.boxes(offs, sizes):
+            rel = view
+            for d, (o, sz) in enumerate(zip(loc, size)):
+                rel = rel.narrow(d, o - offs[d], sz)
+            out.append(Piece(glob, rel))
+    return out
 
 
 def _plain_optim_entries(optimizer: torch.optim.Optimizer, local: Sequence[_LocalParam], *,
@@ -513,9 +553,10 @@ def _plain_optim_entries(optimizer: torch.optim.Optimizer, local: Sequence[_Loca
             prefix = f"{OPTIM_PREFIX}{lp.name}."
             scalars, tensors = state_keys(optimizer, group_of[id(copy)])
             for key in scalars:
-                _add(entries, prefix + key, (), _whole(state[key]))
+                if not write or lp.scalar_writer:
+                    _add(entries, prefix + key, (), _whole(state[key]))
             for key in tensors:
-                _add(entries, prefix + key, lp.layout.shape, pieces_of(state[key], lp.layout))
+                _add(entries, prefix + key, lp.layout.shape, _local_pieces(state[key], lp))
     return entries
 
 

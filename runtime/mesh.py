@@ -66,7 +66,7 @@ class Mesh:
     """
 
     def __init__(self, dp: int, pp: int, tp: int = 1, *, first: int = 0, backend: str | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, pp_streams: int = 2):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, pp_streams: int = 2, dp_shard: int | None = None):
         for name, value in (("dp", dp), ("pp", pp), ("tp", tp)):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"mesh: {name} must be an int >= 1, got {value!r}")
@@ -114,6 +114,23 @@ class Mesh:
                 if self.active and self.rank in ranks:
                     self.pp_stream_groups = {"F-up": self.pp_group, "F-down": f_down, "B-up": b_up,
                                              "B-down": self.pp_reverse_group}
+        # HSDP (ZeRO-3 with hsdp_shard=s): each dp group splits into shard groups of s consecutive
+        # dp ranks and replica groups of the ranks at the same place in every shard group.
+        self.dp_shard = dp_shard if dp_shard is not None else dp
+        if dp_shard is not None and (not isinstance(dp_shard, int) or not 1 < dp_shard < dp or dp % dp_shard):
+            raise ConfigError(f"mesh: dp_shard must divide dp={dp} and lie between 2 and dp-1, got {dp_shard!r}")
+        self.dp_shard_group, self.dp_replica_group = getattr(self, "dp_group", None), None
+        self.dp_shard_ranks, self.dp_replica_ranks = getattr(self, "dp_ranks", ()), ()
+        if dp_shard is not None:
+            for ranks in self.axis_ranks("dp"):
+                shards = [ranks[k:k + dp_shard] for k in range(0, dp, dp_shard)]
+                replicas = [ranks[k::dp_shard] for k in range(dp_shard)]
+                for kind, pieces in (("shard", shards), ("replica", replicas)):
+                    for piece in pieces:
+                        group = self.new_group(piece)
+                        if self.active and self.rank in piece:
+                            setattr(self, f"dp_{kind}_group", group)
+                            setattr(self, f"dp_{kind}_ranks", tuple(piece))
         # The first and last pipeline ranks of each pipeline hold the tied embedding / LM head.
         # Groups are made here, by every rank: new_group(use_local_synchronization=True) names a
         # group by its ranks, so a second mesh over the same ranks would collide with the first.
@@ -131,6 +148,11 @@ class Mesh:
             # the group; one collective on each pipeline group at start-up makes that hold.
             for group in dict.fromkeys([self.pp_group, self.pp_reverse_group, *self.pp_stream_groups.values()]):
                 comm.all_reduce(torch.zeros(1, device=self.device), group)
+
+    @property
+    def dp_shard_index(self) -> int:
+        """This rank's place in its ZeRO-3 shard group (its dp index without HSDP)."""
+        return self.dp_index % self.dp_shard
 
     def global_rank(self, pp_index: int, dp_index: int, tp_index: int = 0) -> int:
         """Global rank at mesh coordinates (see the module docstring for the layout)."""

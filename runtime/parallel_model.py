@@ -40,6 +40,7 @@ from passes.ir.schedule.validate import stream_count
 from passes.ir.grad_buckets import unique_params
 from passes.ir.meta import CAPTURE, InputBounds
 from passes.ir.program import RankProgram, unshard_tensor
+from passes.ir.zero3_ops import ZERO3_PLAN, unshard
 from runtime import comm
 from runtime.batch_check import check_batch
 from runtime.grad_sync import (
@@ -48,10 +49,11 @@ from runtime.grad_sync import (
 )
 from runtime.kernels.collectives import DistGroup, all_reduce_grads, register_group
 from runtime.mesh import Mesh
+from runtime.zero3 import zero3_gatherer
 from runtime.grad_norm import global_grad_norm, scale_grads
 from runtime.mixed_precision import DynamicLossScaler, MasterWeightOptimizer
 from runtime.optimizer_offload import HostOffloadedOptimizer
-from runtime.optimizers import OptimizerFactory, as_factory, build, param_groups
+from runtime.optimizers import OptimizerFactory, as_factory, build, check_shardable, param_groups
 from runtime.schedules import SchedulerFactory
 from runtime.stage_executor import LocalStage, StageExecutor, backward_counts
 
@@ -75,7 +77,7 @@ class ParallelModel:
     def __init__(self, program: RankProgram, mesh: Mesh, *, optimizer: dict | OptimizerFactory | None = None,
                  lr_scheduler: SchedulerFactory | None = None, clip_grad_norm: float | None = None,
                  nonfinite: Literal["stop", "skip"] = "stop", overlap_grad_sync: bool = True,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, zero3_prefetch: int = 1):
         c = program.config
         if (mesh.dp, mesh.pp, mesh.tp) != (c.dp, c.pp, c.tp):
             raise ConfigError(f"parallel_model: mesh has dp={mesh.dp}, pp={mesh.pp}, tp={mesh.tp} but the program was "
@@ -89,6 +91,10 @@ class ParallelModel:
             raise ConfigError(f"parallel_model: schedule {c.schedule!r} sends its pipeline messages over "
                               f"{stream_count(c.schedule)} communicators per rank pair; build the mesh with "
                               f"Mesh(..., pp_streams={stream_count(c.schedule)})")
+        if getattr(mesh, "dp_shard", c.dp) != (c.shard_degree if c.zero_stage == 3 else c.dp):
+            raise ConfigError(f"parallel_model: the plan shards ZeRO-3 parameters over {c.shard_degree} dp ranks "
+                              f"(hsdp_shard={c.hsdp_shard}), the mesh's shard groups have {mesh.dp_shard}; build the "
+                              f"mesh with Mesh(..., dp_shard={c.hsdp_shard})")
         self.program, self.mesh, self.config = program, mesh, c
         self.dp, self.pp, self.tp, self.m, self.v = c.dp, c.pp, c.tp, c.num_micro_batches, c.virtual_pp
         self.global_batch, self.bucket_bytes = c.global_batch, bucket_bytes
@@ -102,6 +108,9 @@ class ParallelModel:
         if c.tp > 1:
             register_group(self.tp_group_name, DistGroup(mesh.tp_group))
         self.stages = {s: LocalStage(s, module.to(mesh.device), program.io[s]) for s, module in program.modules.items()}
+        # ZeRO-3: keep this dp rank's shard of every parameter; the gathers run through this
+        self.zero3 = (zero3_gatherer({s: st.module for s, st in self.stages.items()}, mesh, prefetch=zero3_prefetch)
+                      if c.zero_stage == 3 else None)
         self.executor = StageExecutor(self.stages, program.io, pp_ranks=mesh.pp_ranks, pp_group=mesh.pp_group,
                                       pp_reverse_group=mesh.pp_reverse_group, pp_index=mesh.pp_index,
                                       num_micro_batches=c.num_micro_batches, device=mesh.device,
@@ -122,6 +131,10 @@ class ParallelModel:
         weights = self._param_norm_weights()
         if c.offload == "optimizer":
             self.optimizer = HostOffloadedOptimizer(self.params, factory=factory, no_decay=flags)
+        elif self.zero == 3:  # the parameters are the shards: any elementwise optimizer steps them as they are
+            self.optimizer = (MasterWeightOptimizer(self.params, factory=factory, no_decay=flags) if c.mixed_precision
+                              else build(factory, param_groups(self.params, flags)))
+            check_shardable(getattr(self.optimizer, "optimizer", self.optimizer), 3)
         elif self.zero:
             self.optimizer = ShardedOptimizer(self.grad_buckets, factory=factory, no_decay=no_decay, norm_weight=weights)
         elif c.mixed_precision:
@@ -134,9 +147,11 @@ class ParallelModel:
         self.clip_grad_norm, self.nonfinite = clip_grad_norm, nonfinite
         self.loss_scaler = DynamicLossScaler() if c.dtype == "fp16" else None
         self.norm_weights = ([seg.weight for seg in self.optimizer.segments] if isinstance(self.optimizer, ShardedOptimizer)
-                             else [weights[id(p)] / self.dp for p in self.params])
+                             else [weights[id(p)] / (self.dp // c.shard_degree if self.zero == 3 else self.dp)
+                                   for p in self.params])
         """How much each gradient of :meth:`_fp32_grads` counts in the global norm (see
-        :meth:`_param_norm_weights`; dp replicas 1/dp, disjoint ZeRO chunks 1)."""
+        :meth:`_param_norm_weights`; dp replicas 1/dp, disjoint ZeRO chunks and ZeRO-3 shards 1,
+        HSDP's replica groups 1/replicas)."""
         self.step_count = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
@@ -175,7 +190,7 @@ class ParallelModel:
 
     def _grad_buckets(self, overlap: bool) -> BucketedGradSync | None:
         """The dp gradient buckets (None when there is nothing to average or shard)."""
-        if self.dp == 1 and not self.zero:
+        if (self.dp == 1 and not self.zero) or self.zero == 3:  # ZeRO-3 reduce-scatters in backward
             return None
         accumulations = expected_accumulations({s: unique_params([st.module]) for s, st in self.stages.items()},
                                                backward_counts(self.actions))
@@ -210,6 +225,8 @@ class ParallelModel:
         rank: the overflow flag and the norm are reduced over the whole mesh."""
         # Gradients are zeroed at the start of the next step, not here, so that after a step
         # they can still be read (tests compare them with single-device training).
+        if self.zero3 is not None:
+            self.zero3.reset()  # nothing gathered outlives the shards it was gathered from
         grads = self._fp32_grads()
         if self.loss_scaler is not None:
             overflow = self.loss_scaler.unscale(grads, self.mesh.group, self.mesh.device)
@@ -415,7 +432,12 @@ class ParallelModel:
             self.grad_buckets.reset()
         if self.loss_scaler is not None:
             self.executor.loss_scale = self.loss_scaler.scale
-        losses = self.executor.run(self.actions, micro, dims, grad_sync=self._grad_sync, step=self._step)
+        if self.zero3 is None:
+            losses = self.executor.run(self.actions, micro, dims, grad_sync=self._grad_sync, step=self._step)
+        else:
+            self.zero3.reset()
+            with self.zero3.hooks():  # saved gathered parameters are freed and gathered again in backward
+                losses = self.executor.run(self.actions, micro, dims, grad_sync=self._grad_sync, step=self._step)
         total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         if losses:  # the last stage: mean over micro-batches, then over dp via the sum below
             # every tp rank of the last stage computed the same loss: counted once via / tp
@@ -437,7 +459,7 @@ class ParallelModel:
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters by name, tp-sharded ones all-gathered over the tp group into
         the full tensors (copies). Collective: every rank of the tp group must call it."""
-        return self._gather_full({n: p.detach() for n, p in self.named_parameters().items()})
+        return self._gather_full(self._unshard_dp({n: p.detach() for n, p in self.named_parameters().items()}))
 
     def full_master_parameters(self) -> dict[str, torch.Tensor]:
         """As :meth:`full_parameters`, for the weights the optimizer steps: a 16-bit plan's fp32
@@ -449,7 +471,7 @@ class ParallelModel:
             masters = self.optimizer.master_of()
         else:
             masters = {id(p): p.detach() for p in named.values()}
-        return self._gather_full({n: masters[id(p)] for n, p in named.items()})
+        return self._gather_full(self._unshard_dp({n: masters[id(p)] for n, p in named.items()}))
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """As :meth:`full_parameters`, for the gradients of the last step (after their sync):
@@ -464,7 +486,30 @@ class ParallelModel:
         if isinstance(self.optimizer, ShardedOptimizer):
             full = self.optimizer.full_gradients()
             return {n: full[id(p)] for n, p in named.items() if id(p) in full}
-        return {n: p.grad for n, p in named.items()}
+        return self._unshard_dp({n: p.grad for n, p in named.items()})
+
+    def _unshard_dp(self, tensors: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+        """ZeRO-3: each dp shard all-gathered over dp into this tp rank's full tensor (collective
+        over dp); other plans: ``tensors`` as they are."""
+        if self.zero3 is None:
+            return tensors
+        records = {r.name: r for st in self.stages.values() for r in st.module.meta[ZERO3_PLAN].params}
+        shapes = {alias: records[alias] for alias in tensors if alias in records}
+        out = dict(tensors)
+        for name in sorted(tensors):  # the same order on every dp rank
+            t = tensors[name]
+            record = shapes.get(name)
+            if record is None:
+                continue
+            t = t if t is not None else torch.zeros(record.shard_numel, dtype=record.dtype, device=self.mesh.device)
+            degree = self.config.shard_degree
+            pieces = [torch.empty_like(t) for _ in range(degree)]
+            if degree > 1:
+                comm.all_gather(pieces, t, self.mesh.dp_shard_group)
+            else:
+                pieces = [t]
+            out[name] = unshard(pieces, record.shape)
+        return out
 
     def _gather_full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         plan = self.program.tp_plan

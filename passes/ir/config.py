@@ -20,7 +20,7 @@ import torch
 from passes.ir.errors import ConfigError
 
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb1p", "zbv"]
-ZeroStage = Literal[0, 1, 2]
+ZeroStage = Literal[0, 1, 2, 3]
 Checkpointing = Literal["none", "selective", "full", "dag"]
 Offload = Literal["none", "activations", "optimizer"]
 DType = Literal["fp32", "bf16", "fp16"]
@@ -53,7 +53,7 @@ CHECKPOINT_POLICIES: tuple[str, ...] = get_args(CheckpointPolicy)
 OFFLOAD_SELECTIONS: tuple[str, ...] = get_args(OffloadSelection)
 
 KNOBS = ("dp", "tp", "pp", "virtual_pp", "micro_batch_size", "num_micro_batches", "schedule", "zero_stage",
-         "sequence_parallel", "checkpointing", "offload")
+         "hsdp_shard", "sequence_parallel", "checkpointing", "offload")
 """The fields the search chooses and ``fix=`` may pin (``dtype`` is the user's; ``stage_boundaries``
 follows from the others)."""
 
@@ -81,7 +81,14 @@ class ParallelConfig:
     schedule: Schedule = "1f1b"
     """Pipeline schedule."""
     zero_stage: ZeroStage = 0
-    """ZeRO over the data-parallel group: 0 none, 1 optimizer state sharded, 2 gradients too."""
+    """ZeRO over the data-parallel group: 0 none, 1 optimizer state sharded, 2 gradients too, 3
+    parameters too (gathered per block for its forward and again for its backward:
+    :mod:`passes.shard_parameters`)."""
+    hsdp_shard: int | None = None
+    """ZeRO-3's shard group: ``None`` shards the parameters over the whole dp group; a divisor
+    ``s`` of dp (``1 < s < dp``) shards them inside groups of ``s`` consecutive dp ranks (a node)
+    and replicates them across the ``dp / s`` groups (HSDP: gradients reduce-scattered inside a
+    group, then all-reduced across the replicas)."""
     sequence_parallel: bool = False
     """Shard the tensor-parallel-replicated activations (norms, dropout, residuals) along the sequence."""
     checkpointing: Checkpointing = "none"
@@ -139,6 +146,11 @@ class ParallelConfig:
         return tuple(s for s in range(self.n_stages) if self.stage_rank(s) == pp_index)
 
     @property
+    def shard_degree(self) -> int:
+        """Data-parallel ranks one ZeRO-3 parameter is sharded over (``hsdp_shard``, else dp)."""
+        return self.hsdp_shard if self.hsdp_shard is not None else self.dp
+
+    @property
     def split_backward(self) -> bool:
         """Whether the schedule runs each backward as an input half and a weight half."""
         return self.schedule in ("zb1p", "zbv")
@@ -190,6 +202,24 @@ class ParallelConfig:
         if self.offload == "optimizer" and self.zero_stage:
             out.append(f"offload='optimizer' keeps the whole optimizer state on the host, zero_stage="
                        f"{self.zero_stage} shards it over dp: choose one (zero_stage=0 or offload='none')")
+        if self.hsdp_shard is not None:
+            s = self.hsdp_shard
+            if self.zero_stage != 3:
+                out.append(f"hsdp_shard={s!r} is ZeRO-3's shard group and needs zero_stage=3, got zero_stage="
+                           f"{self.zero_stage}; set zero_stage=3 or hsdp_shard=None")
+            elif not isinstance(s, int) or isinstance(s, bool) or not 1 < s < self.dp or self.dp % s:
+                out.append(f"hsdp_shard={s!r} must be a divisor of dp={self.dp} between 2 and dp-1 (groups of "
+                           f"hsdp_shard dp ranks shard, the dp/hsdp_shard groups replicate); use None to shard "
+                           f"over all of dp")
+        if self.zero_stage == 3:
+            if self.split_backward:
+                out.append(f"zero_stage=3 gathers a block's parameters for one backward; schedule={self.schedule!r} "
+                           f"splits it in two (input and weight halves), which ZeRO-3 does not run; use "
+                           f"schedule=1f1b or interleaved, or zero_stage <= 2")
+            if self.offload == "activations":
+                out.append("zero_stage=3 with offload='activations' is not supported (the offload brackets would keep "
+                           "the gathered parameters alive until backward); use checkpointing to save activation "
+                           "memory, or zero_stage <= 2")
         if self.stage_boundaries is not None:
             b = self.stage_boundaries
             if len(b) != self.n_stages - 1:

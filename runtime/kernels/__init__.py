@@ -4,7 +4,8 @@
 * :mod:`runtime.kernels.collectives` — the tp collectives and the tp group registry;
 * :mod:`runtime.kernels.dropout` — dropout on a tp shard with one device's mask;
 * :mod:`runtime.kernels.offload` — host copies of offloaded activations;
-* :mod:`runtime.kernels.context_parallel` — ring attention and Ulysses over the cp group.
+* :mod:`runtime.kernels.zero3` — ZeRO-3's parameter gathers, prefetch and gradient reduce-scatters.
 """
 from runtime.kernels import collectives, dropout, offload  # noqa: F401  (registers the kernels)
+from runtime.kernels import zero3  # noqa: F401
 from runtime.kernels import context_parallel  # noqa: F401  (ring attention and Ulysses kernels)

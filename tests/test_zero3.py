@@ -1,0 +1,241 @@
+"""ZeRO-3 on gloo: parameters sharded over dp, gathered per block (and again in backward), their
+gradients reduce-scattered into the shards; alone, with tp=2, with pp=2, with full
+checkpointing, for a GPT, a Llama (GQA, untied) and a Hugging Face GPT-2 (tied embedding and LM
+head on the first and last stage). Every plan trains like one device: the same losses, clipped
+gradient norms, parameters and gradients after three AdamW steps (fp32, rtol 1e-5).
+
+Also, per rank: the parameters and the optimizer state it holds are its 1/dp shards; the gathers
+it issued are those the schedule says (one per site in forward, one per re-gathered site in
+backward, per micro-batch); with prefetch off the numbers are the same.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+from runtime.launch import spawn
+from tests import runtime_cases
+from tests.runtime_cases import Plan, payloads_for, reference
+
+LLAMA = "llama:layers=4,hidden=32,heads=4,kv_heads=2,vocab=64,seq=8"
+WORLD = 4
+
+
+def _plan(model, dp, tp=1, pp=1, m=2, ckpt="none", batch=8) -> Plan:
+    return Plan(model, dp, tp, pp, "1f1b", 1, m, batch, 3, ckpt, "none")
+
+
+PLANS = [
+    _plan("gpt", 2), _plan("gpt", 4, m=1), _plan("gpt", 2, tp=2, m=1), _plan("gpt", 2, pp=2),
+    _plan("gpt", 2, m=1, ckpt="full"), _plan("gpt", 2, pp=2, ckpt="full"),
+    _plan("llama", 2), _plan("llama", 2, tp=2, m=1), _plan("llama", 2, pp=2, ckpt="full"),
+    _plan("hf-gpt2", 2), _plan("hf-gpt2", 2, pp=2), _plan("hf-gpt2", 2, tp=2, m=1),
+]
+NO_PREFETCH = _plan("gpt", 2, pp=2)
+
+
+def _with_llama() -> None:
+    runtime_cases.MODELS.setdefault("llama", LLAMA)
+
+
+def _train(plans, payloads):
+    _with_llama()
+    return runtime_cases.train_plans(plans, payloads)
+
+
+def _state(plan: Plan, prefetch: int):
+    """One rank's view of a ZeRO-3 plan after one step: parameter and optimizer-state elements,
+    gathers issued, the losses."""
+    from partitioner.build import build_parallel_model
+    from runtime.mesh import Mesh, init_distributed
+
+    _with_llama()
+    init_distributed(timeout_s=300)
+    spec, graph = runtime_cases.unpacked_graph(runtime_cases.MODELS[plan.model],
+                                               runtime_cases.packed_graph(runtime_cases.MODELS[plan.model]))
+    mesh = Mesh(plan.dp, plan.pp, plan.tp, timeout_s=runtime_cases.TIMEOUT_S)
+    pm = build_parallel_model(graph, plan.config(), mesh, optimizer=runtime_cases.ADAMW, zero3_prefetch=prefetch)
+    losses = [pm.train_step(b) for b in runtime_cases.batches(spec, plan.global_batch)[:2]]
+    state = sum(t.numel() for s in pm.torch_optimizer.state.values() for t in s.values() if t.dim() > 0)
+    g = pm.zero3
+    forward = sum(len(order) for order in g.schedule.forward_order.values())
+    backward = sum(len(order) for order in g.schedule.backward_order.values())
+    return {"param_elems": sum(p.numel() for p in pm.params), "state_elems": state, "issued": g.issued,
+            "sites": (forward, backward), "losses": losses}
+
+
+@pytest.fixture(scope="module")
+def distributed():
+    _with_llama()
+    start = time.perf_counter()
+    results = spawn(_train, WORLD, PLANS, payloads_for(PLANS), timeout_s=900)
+    print(f"\nspawn of {WORLD} ranks: {time.perf_counter() - start:.1f} s")
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.id)
+def test_zero3_plan_trains_like_one_device(distributed, plan):
+    _with_llama()
+    ref_losses, ref_module, ref_norms, _ = reference(plan.model, plan.global_batch)
+    for rank in range(plan.size):
+        r = distributed[rank][plan.id]
+        assert "error" not in r, r.get("error")
+        assert r["losses"] == pytest.approx(ref_losses, rel=1e-5), f"rank {rank}"
+        assert r["norms"] == pytest.approx(ref_norms, rel=1e-5), f"rank {rank}"
+        covered = set()
+        for name, value in r["params"].items():
+            expected = ref_module.get_parameter(name)
+            torch.testing.assert_close(value, expected.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(r["grads"][name], expected.grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"grad {name}: {m}")
+            covered.add(id(expected))
+        held = {id(p) for p in ref_module.parameters()}
+        if plan.pp == 1:
+            assert covered == held
+
+
+@pytest.fixture(scope="module")
+def sharded_state():
+    def run(prefetch):
+        return spawn(_state, NO_PREFETCH.size, NO_PREFETCH, prefetch, timeout_s=300)
+    _with_llama()
+    plain = _plan("gpt", 1, pp=2)
+    return {"prefetch": run(1), "none": run(0), "zero0": spawn(_state_zero0, 2, plain, timeout_s=300)}
+
+
+def _state_zero0(plan: Plan):
+    from partitioner.build import build_parallel_model
+    from runtime.mesh import Mesh, init_distributed
+
+    init_distributed(timeout_s=300)
+    spec, graph = runtime_cases.unpacked_graph(runtime_cases.MODELS[plan.model],
+                                               runtime_cases.packed_graph(runtime_cases.MODELS[plan.model]))
+    config = plan.config().replace(zero_stage=0)
+    pm = build_parallel_model(graph, config, Mesh(1, 2, 1, timeout_s=runtime_cases.TIMEOUT_S), optimizer=runtime_cases.ADAMW)
+    pm.train_step(runtime_cases.batches(spec, plan.global_batch)[0])
+    state = sum(t.numel() for s in pm.torch_optimizer.state.values() for t in s.values() if t.dim() > 0)
+    return {"param_elems": sum(p.numel() for p in pm.params), "state_elems": state}
+
+
+@pytest.mark.slow
+def test_each_rank_holds_its_shard_of_the_parameters_and_optimizer_state(sharded_state):
+    # NO_PREFETCH is dp=2 x pp=2 on 4 ranks: ranks 0, 1 hold stage 0 (dp peers); zero0 is pp=2 on 2 ranks
+    zero3, zero0 = sharded_state["prefetch"], sharded_state["zero0"]
+    full_stage0 = zero0[0]["param_elems"]
+    for rank in (0, 1):
+        assert zero3[rank]["param_elems"] <= math.ceil(full_stage0 / 2) + 64  # padding: < dp per parameter
+        assert zero3[rank]["param_elems"] >= full_stage0 / 2
+        assert zero3[rank]["state_elems"] == 2 * zero3[rank]["param_elems"]  # AdamW: exp_avg, exp_avg_sq
+    assert zero0[0]["state_elems"] == 2 * full_stage0
+
+
+@pytest.mark.slow
+def test_gathers_follow_the_schedule_with_and_without_prefetch(sharded_state):
+    for key in ("prefetch", "none"):
+        for r in sharded_state[key][:2]:
+            forward, backward = r["sites"]
+            steps, m = 2, NO_PREFETCH.num_micro_batches
+            assert backward >= 1
+            # every site once per forward, every re-gathered site once per backward, per micro-batch
+            assert r["issued"] == steps * m * (forward + backward), key
+    assert sharded_state["prefetch"][0]["losses"] == sharded_state["none"][0]["losses"]
+
+
+def _checkpoint_round_trip(directory: str):
+    """Train a ZeRO-3 dp=2 x pp=2 plan one step and save it; load it into a tp=2 x pp=2 plan and
+    into a ZeRO-3 dp=4 plan: the parameters, and the loss of one more step (which reads the
+    optimizer state), must be the same everywhere."""
+    import os
+
+    from partitioner.build import build_parallel_model
+    from runtime.checkpoint_io import load_checkpoint, save_checkpoint
+    from runtime.mesh import Mesh, init_distributed
+
+    init_distributed(timeout_s=300)
+    model = runtime_cases.MODELS["gpt"]
+    spec, graph = runtime_cases.unpacked_graph(model, runtime_cases.packed_graph(model))
+    batches = runtime_cases.batches(spec, 8)
+    out = {}
+    for name, plan in (("zero3", _plan("gpt", 2, pp=2)), ("tp2pp2", _plan("gpt", 1, tp=2, pp=2)),
+                       ("zero3_dp4", _plan("gpt", 4, m=1))):
+        config = plan.config() if name != "tp2pp2" else plan.config().replace(zero_stage=0)
+        mesh = Mesh(plan.dp, plan.pp, plan.tp, timeout_s=runtime_cases.TIMEOUT_S)
+        pm = build_parallel_model(graph, config, mesh, optimizer=runtime_cases.ADAMW)
+        if name == "zero3":
+            pm.train_step(batches[0])
+            save_checkpoint(pm, os.path.join(directory, "ckpt"), step=1)
+        else:
+            assert load_checkpoint(pm, os.path.join(directory, "ckpt")) == 1
+        out[name] = {"params": pm.full_parameters(), "next_loss": pm.train_step(batches[1])}
+    return out
+
+
+@pytest.mark.slow
+def test_a_zero3_checkpoint_loads_under_other_plans_and_into_the_plain_module(tmp_path):
+    from runtime.checkpoint_io import load_into_module
+
+    results = spawn(_checkpoint_round_trip, WORLD, str(tmp_path), timeout_s=600)
+    saved = results[0]["zero3"]["params"]
+    module = runtime_cases.build_model(runtime_cases.MODELS["gpt"]).module
+    assert load_into_module(module, tmp_path / "ckpt") == 1
+    plain = dict(module.named_parameters(remove_duplicate=False))
+    for rank, r in enumerate(results):
+        for name in ("tp2pp2", "zero3_dp4"):
+            for key, value in r[name]["params"].items():
+                full = saved.get(key, results[2]["zero3"]["params"].get(key))  # stage 1's from its own rank
+                if full is not None:
+                    assert torch.equal(value, full), (rank, name, key)
+                assert torch.equal(value, plain[key].detach()), (rank, name, key)
+    losses = {r[name]["next_loss"] for r in results for name in ("zero3", "tp2pp2", "zero3_dp4")}
+    assert max(losses) - min(losses) < 1e-6 * max(losses), losses
+
+
+HSDP = [("gpt", 2, "none"), ("hf-gpt2", 2, "none"), ("llama", 2, "full")]  # dp=4: 2 shard groups of 2
+
+
+def _train_hsdp(cases):
+    """HSDP plans (dp=4, shard groups of 2): per case, the losses, norms, full parameters and
+    gradients, as :func:`tests.runtime_cases.train_plans` reports them."""
+    from partitioner.build import build_parallel_model
+    from runtime.mesh import Mesh, init_distributed
+
+    _with_llama()
+    init_distributed(timeout_s=600)
+    mesh = Mesh(4, 1, 1, timeout_s=runtime_cases.TIMEOUT_S, dp_shard=2)
+    out = {}
+    for model, shard, ckpt in cases:
+        spec, graph = runtime_cases.unpacked_graph(runtime_cases.MODELS[model],
+                                                   runtime_cases.packed_graph(runtime_cases.MODELS[model]))
+        config = _plan(model, 4, m=1, ckpt=ckpt).config().replace(hsdp_shard=shard)
+        pm = build_parallel_model(graph, config, mesh, optimizer=runtime_cases.ADAMW,
+                                  lr_scheduler=runtime_cases.SCHEDULE, clip_grad_norm=runtime_cases.CLIP)
+        losses, norms = [], []
+        for b in runtime_cases.batches(spec, 8):
+            losses.append(pm.train_step(b))
+            norms.append(pm.last_grad_norm)
+        out[model] = {"losses": losses, "norms": norms, "params": pm.full_parameters(), "grads": pm.full_gradients(),
+                      "param_elems": sum(p.numel() for p in pm.params)}
+    return out
+
+
+@pytest.mark.slow
+def test_hsdp_trains_like_one_device():
+    _with_llama()
+    results = spawn(_train_hsdp, 4, HSDP, timeout_s=900)
+    for model, _, _ in HSDP:
+        ref_losses, ref_module, ref_norms, _ = reference(model, 8)
+        full = sum(p.numel() for p in ref_module.parameters())
+        for rank, r in enumerate(results):
+            got = r[model]
+            assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), (model, rank)
+            assert got["norms"] == pytest.approx(ref_norms, rel=1e-5), (model, rank)
+            for name, value in got["params"].items():
+                expected = ref_module.get_parameter(name)
+                torch.testing.assert_close(value, expected.detach(), rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(got["grads"][name], expected.grad, rtol=1e-4, atol=1e-6)
+            # each rank holds half the model (its shard group has 2 ranks), not a quarter
+            assert full / 2 <= got["param_elems"] <= full / 2 + 64, (model, rank)

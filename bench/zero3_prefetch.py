@@ -41,8 +41,9 @@ def _rank(dp: int, steps: int, warmup: int, batch: int) -> dict:
     graph = capture_for_pipeline(spec)
     mesh = Mesh(dp, 1, 1, timeout_s=300)
     config = ParallelConfig.for_global_batch(batch, dp=dp, zero_stage=3, num_micro_batches=2)
-    models = {f"prefetch={k}": build_parallel_model(graph, config, mesh, optimizer={"lr": 1e-3}, zero3_prefetch=k)
-              for k in (1, 0)}
+    # two models in one process: each its own group names (the ops look their groups up by name)
+    models = {f"prefetch={k}": build_parallel_model(graph, config, mesh, optimizer={"lr": 1e-3}, zero3_prefetch=k,
+                                                    tp_group=f"tp{k}") for k in (1, 0)}
     ddp = torch.nn.parallel.DistributedDataParallel(build_model(MODEL).module)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     rows = batch // dp

@@ -33,6 +33,14 @@ around them (:mod:`runtime.stage_executor`, :mod:`runtime.grad_sync`)::
                    temporaries (counted on a CPU device only: there the host is the same memory;
                    the masters, moments and gradient buffers on the host are not device memory)
 
+ZeRO-3 (``zero=3``): the parameters are the rank's dp shards, so model state is the shards,
+their ``.grad`` and AdamW's moments of them (no bucket, chunk or master copy). annotate_memory
+sees each ``zero3_gather`` output as an activation its readers save; :func:`_with_zero3` turns
+those into gather events that :class:`_Zero3Gathers` places as the runtime does: a site's
+buffers from its gather (a prefetched site one site earlier), its parameters freed after their
+last forward reader, gathered again at the first saver's backward (or a region's recompute) and
+held until the site's reduce-scatter, whose fp32 flat, padded copies and shard it adds.
+
 Activation offload: annotate_memory does not see the saves inside an offload region, so an
 offloaded storage leaves the device after its last forward use; :func:`stage_events` adds the
 copies the offload hooks make (the reloaded copy in backward, and on CPU the "host"
@@ -63,6 +71,7 @@ import passes.ir.offload_ops as oo
 from passes.annotate_memory import annotate_memory
 from passes.ir.meta import CAPTURE, MEMORY_SUMMARY
 from passes.ir.offload_ops import OFFLOAD_BEGIN
+from passes.ir.zero3_ops import ZERO3_GATHER, ZERO3_PLAN, GatherSchedule, Zero3Plan
 from passes.ir.meta import dim_symbol
 from passes.ir.schedule import build as build_schedule
 from passes.ir.schedule.actions import Kind
@@ -208,10 +217,15 @@ def stage_events(module: fx.GraphModule, dims: Mapping[str, int], *, optimizer: 
     if missing:
         raise ConfigError(f"fidelity: dims {missing} of the stage are not given; pass dims={{...}} with them")
     gm.meta[CAPTURE] = dataclasses.replace(info, dims=tuple((n, int(dims.get(n, v))) for n, v in info.dims))
+    zero3 = gm.meta.get(ZERO3_PLAN)
+    if zero3 is not None:
+        _unique_region_names(gm)  # each region's gather is told apart from the stage's by its marker
     with _recording() as rec:
         annotate_memory(gm, optimizer=optimizer, mixed_precision=mixed_precision)
     summary = gm.meta[MEMORY_SUMMARY]
     events = _with_offload_copies(gm, rec["events"], rec["offloaded"], device=info.device)
+    if zero3 is not None:
+        events = _with_zero3(gm, events, zero3)
     fwd, bwd, opt_live, opt_peak = [], [], 0, 0
     model_state = set()
     sizes: dict = {}
@@ -232,8 +246,8 @@ def stage_events(module: fx.GraphModule, dims: Mapping[str, int], *, optimizer: 
         else:  # optimizer temporaries: only their largest live total matters
             opt_live += sizes[e.key] if e.op == "+" else -sizes[e.key]
             opt_peak = max(opt_peak, opt_live)
-    fwd = [dataclasses.replace(e, bytes=sizes[e.key]) for e in fwd]
-    bwd = [dataclasses.replace(e, bytes=sizes[e.key]) for e in bwd]
+    fwd = [dataclasses.replace(e, bytes=sizes[e.key]) if e.op in "+-" else e for e in fwd]
+    bwd = [dataclasses.replace(e, bytes=sizes[e.key]) if e.op in "+-" else e for e in bwd]
     hints = {k: v for k, v in gm.meta[CAPTURE].symbols().items()}
     return StageEvents(forward=tuple(fwd), backward=tuple(bwd), param_grads=frozenset(rec["param_grads"]),
                        optimizer_bytes=opt_peak, param_bytes=_int(summary.param_bytes, hints),
@@ -324,6 +338,143 @@ def _with_offload_copies(gm: fx.GraphModule, events: list, offloaded: list, *, d
     return out
 
 
+# ZeRO-3 events of a stage's timeline: the replay (:class:`_Zero3Gathers`) places the gathered
+# buffers, whose lifetime depends on the gathers issued before (prefetch), across micro-batches.
+Z3_FORWARD = "z3_forward"  # key (stage, site): the site's forward gather
+Z3_FREE = "z3_free"  # key ((stage, site), j): the last forward reader of parameter j is done
+Z3_USE = "z3_use"  # key (stage, site): a backward use (a saver's unpack, a region's recompute)
+Z3_RELEASE = "z3_release"  # key (stage, site): the site's reduce-scatter starts (its backward is over)
+Z3_DONE = "z3_done"  # key (stage, site): the reduce-scatter returned its shards
+Z3_OPS = (Z3_FORWARD, Z3_FREE, Z3_USE, Z3_RELEASE, Z3_DONE)
+
+
+def _unique_region_names(gm: fx.GraphModule) -> None:
+    """Give the nodes of each checkpointed region (a GraphModule child) names no node of the
+    stage graph has (``region/name``): the timeline's markers name nodes, and a region's own
+    ``zero3_gather`` is otherwise named as the stage graph's."""
+    for region, child in gm.named_children():
+        if isinstance(child, fx.GraphModule):
+            for node in child.graph.nodes:
+                node.name = f"{region}/{node.name}"
+
+
+def _with_zero3(gm: fx.GraphModule, events: list, plan: Zero3Plan) -> list:
+    """``events`` with ZeRO-3's gathered parameters as :mod:`runtime.kernels.zero3` holds them.
+
+    annotate_memory sees each ``zero3_gather`` output as an activation that its readers save
+    until their backward. The runtime packs those saves as tokens instead, so here:
+
+    * forward: the gather's allocations become one ``Z3_FORWARD`` (the replay allocates the
+      site's padded buffers there, or earlier when prefetched), and each buffer is freed
+      (``Z3_FREE``) after its parameter's last forward reader, saved or not;
+    * backward: a ``Z3_USE`` at each saver's backward (an unpack gathers the whole site again
+      unless it is held) and in place of a region's recomputed gather outputs; their own frees
+      are dropped (the held site lives until its reduce-scatter);
+    * the gather's backward (its ``zero3_reduce_scatter``): ``Z3_RELEASE`` first (the held site
+      is dropped), then, before annotate_memory's shard gradients (which are the pieces of the
+      site's one fp32 shard), the site's fp32 ``[degree, S]`` flat and each gradient's padded
+      copy (see ``copies``), freed at the end of the block, where ``Z3_DONE`` is.
+    """
+    sites: dict[str, tuple[int, int]] = {}  # gather node name -> (stage, site)
+    nodes: dict[fx.Node, tuple[int, int]] = {}
+    graphs = [gm] + [c for _, c in gm.named_children() if isinstance(c, fx.GraphModule)]
+    for g in graphs:
+        for node in g.graph.nodes:
+            if node.op == "call_function" and node.target is ZERO3_GATHER:
+                key = (int(node.args[4]), int(node.args[5]))
+                sites[node.name], nodes[node] = key, key
+    by_key = {(s.stage, s.site): s for s in plan.sites}
+    savers: dict[str, list[tuple[int, int]]] = {}
+    for site in plan.sites:
+        for name in site.savers:
+            savers.setdefault(name, []).append((site.stage, site.site))
+
+    def gathered(key):
+        st = key[1] if isinstance(key, tuple) and len(key) == 2 and key[0] == "re" else key
+        return st if getattr(st, "owner", None) in nodes and getattr(st, "kind", None) == "activation" else None
+
+    # each gathered storage: its site, its parameter's index there, the forward marker of its last reader
+    fwd_markers = [e.key for e in events if e.op == "@" and e.phase == "forward"]  # [0]: "(model state)"
+    index: dict[object, tuple[tuple[int, int], int]] = {}
+    frees: dict[int, list[tuple[tuple[int, int], int]]] = {}
+    for e in events:
+        st = gathered(e.key)
+        if e.op != "+" or st is None or st in index:
+            continue
+        key = nodes[st.owner]
+        j = sum(1 for k, _ in index.values() if k == key)
+        index[st] = (key, j)
+        if fwd_markers[st.index + 1] != st.owner.name:
+            raise ConfigError(f"fidelity: the memory analysis' forward markers do not follow its node order "
+                              f"(marker {st.index + 1} is {fwd_markers[st.index + 1]!r}, not {st.owner.name!r}); "
+                              f"the ZeRO-3 replay needs one marker per node")
+        frees.setdefault(st.last_use + 1, []).append((key, j))
+
+    def copies(key: tuple[int, int]) -> tuple[list[tuple[Hashable, int]], list[tuple[Hashable, int]]]:
+        """The fp32 buffers the site's reduce-scatter makes before its shards (bytes): the
+        ``[degree, S]`` flat (at degree 1 in fp32 it is the shard itself, i.e. the gradients)
+        and, for a 16-bit site, the fp32 shard before its pieces are cast; then each
+        gradient's zero-padded copy, one after the other (two live while the name is rebound)."""
+        params = [plan.param(n) for n in by_key[key].params]
+        d, total = plan.degree, sum(p.shard_numel for p in params)
+        half = params[0].dtype != torch.float32
+        whole = [(("z3_rs_flat", key), 4 * d * total)] if d > 1 or half else []
+        pads = [(("z3_rs_padded", key, j), 4 * d * p.shard_numel) for j, p in enumerate(params)]
+        shard = [(("z3_rs_shard", key), 4 * total)] if d > 1 and half else []
+        return whole + pads, shard
+
+    out: list[Event] = []
+    phase, marker = "forward", -1
+    scatter: list = []  # the reduce-scatter block being placed: [key, its buffers made yet, live buffers]
+    used: set = set()  # sites a region's recompute already asked for in this block
+
+    def close() -> None:
+        if phase == "forward" and marker in frees:
+            out.extend(Event("forward", Z3_FREE, kj, 0) for kj in frees[marker])
+        if scatter:
+            key, _, live = scatter
+            out.extend(Event("backward", "-", k, 0) for k in live)
+            out.append(Event("backward", Z3_DONE, key, 0))
+            scatter.clear()
+
+    for e in events:
+        if e.op == "@":
+            close()
+            phase, used = e.phase, set()
+            marker = marker + 1 if e.phase == "forward" else marker
+            out.append(e)
+            if e.phase == "forward" and e.key in sites:
+                out.append(Event("forward", Z3_FORWARD, sites[e.key], 0))
+            elif e.phase == "backward":
+                out.extend(Event("backward", Z3_USE, key, 0) for key in savers.get(e.key, ()))
+                if e.key in sites:
+                    out.append(Event("backward", Z3_RELEASE, sites[e.key], 0))
+                    scatter.extend([sites[e.key], False, []])
+            continue
+        st = gathered(e.key)
+        if st is not None:  # the gathered buffers are the replay's
+            if e.op == "+" and e.key is not st and index[st][0] not in used:  # a region's recompute
+                used.add(index[st][0])
+                out.append(Event("backward", Z3_USE, index[st][0], 0))
+            continue
+        if scatter and e.op == "+" and not scatter[1]:  # the first shard gradient: the buffers before it
+            key, _, live = scatter
+            before, shard = copies(key)
+            for k, nbytes in before:
+                out.append(Event("backward", "+", k, nbytes))
+                if k[0] == "z3_rs_padded" and k[2] > 0:  # the previous gradient's copy dies as the name is rebound
+                    out.append(Event("backward", "-", ("z3_rs_padded", key, k[2] - 1), 0))
+            out.extend(Event("backward", "+", k, nbytes) for k, nbytes in shard)
+            live.extend(k for k, _ in before if k[0] != "z3_rs_padded")
+            live.extend(k for k, _ in shard)
+            if any(k[0] == "z3_rs_padded" for k, _ in before):
+                live.append(next(k for k, _ in reversed(before) if k[0] == "z3_rs_padded"))
+            scatter[1] = True
+        out.append(e)
+    close()
+    return out
+
+
 def _is_model_state(key) -> bool:
     # annotate_memory's model-state keys: ("param", st), ("opt", st), and buffer/input storages
     # (allocated before the first forward node). Activation storages are bare _Storage objects too,
@@ -387,17 +538,25 @@ def _tensor_bytes(meta, dims_sym) -> int:
 
 def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapping[str, int],
                    global_batch_bytes: int = 0, zero: int = 0, optimizer: str = "adamw",
-                   events: Mapping[int, StageEvents] | None = None) -> MemoryPrediction:
+                   events: Mapping[int, StageEvents] | None = None, zero3_prefetch: int = 1) -> MemoryPrediction:
     """Peak live bytes of one rank running ``program`` (a :class:`passes.ir.program.RankProgram`)
     for one step (see the module docstring).
 
     ``dims``: named dims of ONE micro-batch; ``global_batch_bytes``: storage bytes of the global
-    batch tensors every rank slices its micro-batches from; ``zero``: 0, 1 or 2 (ZeRO-1/2 AdamW).
+    batch tensors every rank slices its micro-batches from; ``zero``: 0, 1 or 2 (ZeRO-1/2 AdamW),
+    or 3 (the program's parameters are dp shards, gathered per block: :class:`_Zero3Gathers`).
     ``events``: precomputed :func:`stage_events` per stage (computed here otherwise).
+    ``zero3_prefetch``: ZeRO-3 sites gathered ahead of the running one (the runtime's
+    ``zero3_prefetch``).
     """
 
-    if zero not in (0, 1, 2):
-        raise ConfigError(f"fidelity: zero={zero}; the runtime runs ZeRO stages 0, 1 and 2")
+    if zero not in (0, 1, 2, 3):
+        raise ConfigError(f"fidelity: zero={zero}; the runtime runs ZeRO stages 0, 1, 2 and 3")
+    plans = {s: program.modules[s].meta.get(ZERO3_PLAN) for s in program.stages}
+    if (zero == 3) != all(p is not None for p in plans.values()):
+        raise ConfigError(f"fidelity: zero={zero} but the stage programs were "
+                          f"{'not ' if zero == 3 else ''}lowered with zero_stage=3; replay the program "
+                          f"with the zero stage it was lowered for")
     m, pp, v, dp = num_micro_batches, program.pp, program.virtual_pp, program.dp
     actions = build_schedule(schedule, pp, m, v)[program.pp_index]
     ev = dict(events) if events is not None else {s: stage_events(program.modules[s], dims, optimizer=optimizer,
@@ -420,22 +579,26 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
     numel = sum(p.numel() for p in params)
     n_tensors = len(params)
     masters = program.config.mixed_precision  # runtime.mixed_precision: fp32 masters of 16-bit params
-    sync = dp > 1 or zero > 0  # runtime.parallel_model builds gradient buckets
-    buckets = bucket_numels(params, dp if zero else 1)
-    chunk_bytes = sum(4 * b // dp for b in buckets) if zero else 0  # this rank's fp32 chunk of every bucket
+    # ZeRO-3 has no buckets: each site's gradients are reduce-scattered in backward into the
+    # shards, which an unsharded AdamW steps (the parameters are the shards)
+    sharded_state = zero in (1, 2)
+    sync = (dp > 1 or zero > 0) and zero != 3  # runtime.parallel_model builds gradient buckets
+    buckets = bucket_numels(params, dp if sharded_state else 1) if zero != 3 else []
+    chunk_bytes = sum(4 * b // dp for b in buckets) if sharded_state else 0  # this rank's fp32 chunk of every bucket
     host_optimizer = program.config.offload == "optimizer"  # runtime.optimizer_offload: state on the host
     host_is_device = bool(params) and params[0].device.type == "cpu"
     live = _Live()
     live.alloc("params", param_bytes, "state", "(start)")
     # offload="optimizer": the fp32 masters and AdamW's moments live in host memory, not on the device
-    if zero and not host_optimizer:  # fp32 master chunk, exp_avg, exp_avg_sq (runtime.grad_sync.ShardedOptimizer)
+    if sharded_state and not host_optimizer:  # fp32 master chunk, exp_avg, exp_avg_sq (runtime.grad_sync.ShardedOptimizer)
         live.alloc("zero_state", 3 * chunk_bytes + _STEP_BYTES, "state", "(start)")
     elif not host_optimizer:  # AdamW's fp32 moments (and MasterWeightOptimizer's fp32 masters)
         live.alloc("opt_state", (12 if masters else 8) * numel + _STEP_BYTES * n_tensors, "state", "(start)")
     state_bytes = live.total
     live.alloc("batch", global_batch_bytes, "buffers", "(start)")
-    live.alloc("grads_prev", chunk_bytes if zero else param_bytes, "grads", "(start)")  # last step's, until zero_grad
+    live.alloc("grads_prev", chunk_bytes if sharded_state else param_bytes, "grads", "(start)")  # last step's, until zero_grad
     live.free("grads_prev")
+    z3 = _Zero3Gathers(live, {s: p for s, p in plans.items() if p is not None}, zero3_prefetch) if zero == 3 else None
 
     last_backward = {}
     for k, a in enumerate(actions):
@@ -458,13 +621,19 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
                 live.alloc(("recv", s, i, inp.name), _tensor_bytes(inp.meta, sym), "activations", where)
         elif a.kind == Kind.FORWARD:
             for e in ev[s].forward:
-                _apply(live, e, (s, i), "activations", where)
+                if e.op in Z3_OPS:
+                    z3.event(e, i, where)
+                else:
+                    _apply(live, e, (s, i), "activations", where)
         elif a.kind == Kind.SEND_F:
             sent.append(("out", s, i))
         elif a.kind == Kind.BACKWARD_INPUT:
             later = deferred.setdefault((s, i), [])
             held = {key for key in live.size if _of(key, s, i)}  # what the forward left: kept until W
             for e in ev[s].backward:
+                if e.op in Z3_OPS:
+                    raise ConfigError("fidelity: a split backward (zero-bubble schedules) with zero_stage=3 is not run "
+                                      "by the runtime; choose schedule=1f1b or interleaved, or zero_stage <= 2")
                 if e.key in ev[s].param_grads or (e.op == "-" and (s, i, e.key) in held):
                     later.append(e)
                 else:
@@ -482,11 +651,20 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
             weight_half = a.kind == Kind.BACKWARD_WEIGHT
             for e in (deferred.pop((s, i)) if weight_half else ev[s].backward):
                 key = (s, i, e.key)
+                if e.op in Z3_OPS:
+                    if e.op == Z3_DONE:  # the shards returned are accumulated into .grad and released
+                        for k in [k for k in live.size if isinstance(k, tuple) and k[:3] == ("z3_acc", s, i)]:
+                            live.free(k)
+                    else:
+                        z3.event(e, i, where)
+                    continue
                 if e.key in ev[s].param_grads:
                     if zero2 is not None:  # every backward's gradients, reduced bucket by bucket
                         zero2.grad(e, ("pgrad", s, i, e.key), where)
                     elif first:
                         _apply(live, e, ("pgrad", s), "grads", where)
+                    elif z3 is not None and e.op == "+":  # a site's shards live until its reduce-scatter returns
+                        live.alloc(("z3_acc", s, i, e.key), e.bytes, "grads", where)
                     elif e.op == "+":
                         live.bump(e.bytes, "grads", where)  # accumulated in place, then released
                     continue
@@ -522,15 +700,17 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
             elif bucket_launched:  # the gradients become views of the bucket (ZeRO-1: are freed)
                 for key in [key for key in live.size if isinstance(key, tuple) and key[0] == "pgrad"]:
                     live.free(key)
-            if zero:  # the chunks are concatenated into the master's gradient
+            if sharded_state:  # the chunks are concatenated into the master's gradient
                 live.bump(chunk_bytes, "grads", where)
         elif a.kind == Kind.OPTIMIZER_STEP:
+            if z3 is not None:
+                z3.reset()  # nothing gathered outlives the step (runtime: ParamGatherer.reset)
             if host_optimizer:
                 # the gradients go into host buffers of their own (not device memory); AdamW's
                 # temporaries on the host are, on a CPU "device", in the same memory
                 if host_is_device:
                     live.bump(max((e.optimizer_bytes for e in ev.values()), default=0), "state", where)
-            elif zero:
+            elif sharded_state:
                 # AdamW temporaries of the chunk; then the all-gather of the updated chunks, at most
                 # MAX_IN_FLIGHT buckets at once, each gathered into its parts and their cat
                 live.bump(2 * chunk_bytes, "state", where)
@@ -544,6 +724,96 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
                           "state", where)
     return MemoryPrediction(peak_bytes=live.peak, where=live.where, parts=live.parts, param_bytes=param_bytes,
                             state_bytes=state_bytes)
+
+
+class _Zero3Gathers:
+    """ZeRO-3's gathered parameters in the replay, as :class:`runtime.kernels.zero3.ParamGatherer`
+    holds them; when to gather is :class:`passes.ir.zero3_ops.GatherSchedule`'s rule, replayed
+    over the rank's whole step (prefetches cross blocks and stages as they do at run time).
+
+    An issued site is in flight with two buffers: this rank's shards back to back (``S``
+    elements, the collective's input) and the ``[degree, S]`` buffer it gathers into. A site
+    takes its gather by copying each parameter out of that buffer into a storage of its own (a
+    parameter's column block is not contiguous when the site has several: ``reshape`` copies it
+    first, ``degree * n`` elements), then both buffers die. In forward the parameters die one by
+    one after their last reader (``Z3_FREE``); in backward the site holds them from its first
+    use to its reduce-scatter (``Z3_RELEASE``).
+    """
+
+    def __init__(self, live: _Live, plans: Mapping[int, Zero3Plan], prefetch: int) -> None:
+        self.live = live
+        self.schedule = GatherSchedule([site for p in plans.values() for site in p.sites], prefetch)
+        self.sites = {(site.stage, site.site): (plan.degree, [plan.param(n) for n in site.params])
+                      for plan in plans.values() for site in plan.sites}
+        self.pending: dict[tuple[int, int], list[Hashable]] = {}  # issued, not yet taken: its buffers
+        self.forward: dict[tuple[tuple[int, int], int], list[Hashable | None]] = {}  # (site, micro-batch)
+        self.held: dict[tuple[int, int], list[Hashable]] = {}
+        self.count = 0
+
+    def _key(self, *parts) -> Hashable:
+        self.count += 1
+        return ("z3", *parts, self.count)
+
+    def _issue(self, keys: list[tuple[int, int]], where: str) -> None:
+        for key in keys:
+            d, params = self.sites[key]
+            total, size = sum(p.shard_numel for p in params), params[0].dtype.itemsize
+            mine, buf = self._key("shards", key), self._key("gathered", key)
+            self.live.alloc(mine, total * size, "gathered", where)
+            self.live.alloc(buf, d * total * size, "gathered", where)
+            if d == 1:  # copied into the buffer at once: no collective holds the input
+                self.live.free(mine)
+                self.pending[key] = [buf]
+            else:
+                self.pending[key] = [mine, buf]
+
+    def _take(self, key: tuple[int, int], where: str) -> list[Hashable]:
+        *mine, buf = self.pending.pop(key)
+        for k in mine:  # the finished collective drops its input
+            self.live.free(k)
+        d, params = self.sites[key]
+        out = []
+        for p in params:
+            copy = None
+            if d > 1 and len(params) > 1:
+                copy = self._key("column", key)
+                self.live.alloc(copy, d * p.shard_numel * p.dtype.itemsize, "gathered", where)
+            out.append(self._key("param", key))
+            self.live.alloc(out[-1], p.numel * p.dtype.itemsize, "gathered", where)
+            if copy is not None:
+                self.live.free(copy)
+        self.live.free(buf)
+        return out
+
+    def event(self, e: Event, microbatch: int, where: str) -> None:
+        if e.op == Z3_FORWARD:
+            self._issue(self.schedule.forward(e.key), where)
+            self.forward[(e.key, microbatch)] = list(self._take(e.key, where))
+        elif e.op == Z3_FREE:
+            key, j = e.key
+            params = self.forward[(key, microbatch)]
+            self.live.free(params[j])
+            params[j] = None
+            if not any(params):
+                del self.forward[(key, microbatch)]
+        elif e.op == Z3_USE:
+            self._issue(self.schedule.backward(e.key), where)
+            if e.key not in self.held and e.key in self.pending:
+                self.held[e.key] = self._take(e.key, where)
+        elif e.op == Z3_RELEASE:
+            self.schedule.released(e.key)
+            for k in self.held.pop(e.key, ()):
+                self.live.free(k)
+
+    def reset(self) -> None:
+        for keys in [*self.pending.values(), *self.held.values(), *self.forward.values()]:
+            for k in keys:
+                if k is not None:
+                    self.live.free(k)
+        self.pending.clear()
+        self.held.clear()
+        self.forward.clear()
+        self.schedule.reset()
 
 
 def bucket_numels(params, size: int) -> list[int]:

@@ -9,7 +9,9 @@ and optimizer the runtime adds). That replay is what the plan reports as its per
 per-stage peak, and a candidate whose replay does not fit the device is dropped.
 
 Data-parallel replicas run the same program: one replay per (pipeline stage, tp rank) serves
-every dp index.
+every dp index. Under ZeRO-3 that program holds the rank's parameter shards and its gathers;
+the replay places the gathered blocks, the reduce-scatter copies and the shards' state
+(:class:`partitioner.fidelity._Zero3Gathers`).
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from torch import fx
 
 from partitioner.build import lower_all
 from partitioner.cluster import Cluster
-from partitioner.fidelity import predict_memory
+from partitioner.fidelity import MemoryPrediction, predict_memory
+from passes.ir.config import ParallelConfig
 from passes.ir.meta import CAPTURE
 from passes.ir.plan import Plan
 from passes.ir.program import global_rank
@@ -40,22 +43,42 @@ def global_batch_bytes(graph: fx.GraphModule, global_batch: int) -> int:
 
 
 def replay_rank_peaks(graph: fx.GraphModule, plan: Plan, cluster: Cluster, *,
-                      optimizer: str = "adamw") -> tuple[int, ...]:
+                      optimizer: str = "adamw", zero3_prefetch: int = 1) -> tuple[int, ...]:
     """Peak live bytes of every global rank of ``plan`` (index = rank), by the exact replay of
-    its rank program on ``graph`` (the analysed capture :func:`partitioner.build.analyse` made)."""
-    c = plan.config
+    its rank program on ``graph`` (the analysed capture :func:`partitioner.build.analyse` made).
+    ``zero3_prefetch``: ZeRO-3 gather sites issued ahead (the runtime's ``zero3_prefetch``)."""
+    return replay_config_peaks(graph, plan.config, cluster, global_batch=plan.global_batch, optimizer=optimizer,
+                               zero3_prefetch=zero3_prefetch)
+
+
+def replay_config_peaks(graph: fx.GraphModule, config: ParallelConfig, cluster: Cluster, *,
+                        global_batch: int | None = None, optimizer: str = "adamw",
+                        zero3_prefetch: int = 1) -> tuple[int, ...]:
+    """As :func:`replay_rank_peaks`, for a bare :class:`ParallelConfig` (bytes per global rank)."""
+    return tuple(int(m.peak_bytes) for m in replay_rank_memory(graph, config, cluster, global_batch=global_batch,
+                                                                optimizer=optimizer, zero3_prefetch=zero3_prefetch))
+
+
+def replay_rank_memory(graph: fx.GraphModule, config: ParallelConfig, cluster: Cluster, *,
+                       global_batch: int | None = None, optimizer: str = "adamw",
+                       zero3_prefetch: int = 1) -> tuple[MemoryPrediction, ...]:
+    """The replay of every global rank of ``config`` (index = rank): its peak and model state
+    (bytes). ``global_batch``: samples of the batch every rank is handed (default
+    ``config.global_batch``)."""
+    c = config
     lowering = lower_all(graph, c, cluster=cluster)
     dims = {**dict(graph.meta[CAPTURE].dims), "batch": c.micro_batch_size}
-    batch_bytes = global_batch_bytes(graph, plan.global_batch)
-    peaks: dict[int, int] = {}
+    batch_bytes = global_batch_bytes(graph, c.global_batch if global_batch is None else global_batch)
+    out: dict[int, MemoryPrediction] = {}
     for s in range(c.pp):
         for t in range(c.tp):
             program = lowering.rank_program(global_rank(s, 0, t, dp=c.dp, tp=c.tp))
             mem = predict_memory(program, schedule=c.schedule, num_micro_batches=c.num_micro_batches, dims=dims,
-                                 global_batch_bytes=batch_bytes, zero=c.zero_stage, optimizer=optimizer)
-            for d in range(c.dp):
-                peaks[global_rank(s, d, t, dp=c.dp, tp=c.tp)] = int(mem.peak_bytes)
-    return tuple(peaks[r] for r in range(c.world_size))
+                                 global_batch_bytes=batch_bytes, zero=c.zero_stage, optimizer=optimizer,
+                                 zero3_prefetch=zero3_prefetch)
+            for d in range(c.dp):  # dp replicas run the same program (ZeRO-3: equal, padded shards)
+                out[global_rank(s, d, t, dp=c.dp, tp=c.tp)] = mem
+    return tuple(out[r] for r in range(c.world_size))
 
 
 def with_rank_peaks(plan: Plan, peaks: tuple[int, ...]) -> Plan:

@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from passes.ir.schedule.actions import Action
+from runtime.kernels.zero3 import MEASURED_KERNELS
 from runtime.mixed_precision import MasterWeightOptimizer
 
 
@@ -103,7 +104,12 @@ class LiveBytes(TorchDispatchMode):
         self.live -= nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        inner = MEASURED_KERNELS.get(func)
+        if inner is not None:  # a kernel whose own allocations count: run it with the mode on
+            with self:
+                out = inner(*args, **(kwargs or {}))
+        else:
+            out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._track(t)

@@ -3,7 +3,7 @@
 Hypothesis draws feasible plans (``plans`` below: tiny zoo GPT and tiny HF GPT-2,
 dp*tp*pp in {1, 2, 4, 8}, tp | heads, gpipe / 1f1b / zero-bubble zb1p, interleaved or ZBV with virtual_pp=2,
 micro-batches,
-ZeRO-1 or ZeRO-2, full checkpointing or activation offload) and each one must give the per-step losses,
+ZeRO-1, 2 or 3, full checkpointing or activation offload) and each one must give the per-step losses,
 global gradient norms and learning rates, final parameters and last-step (clipped) gradients of
 single-process AdamW training with global-norm clipping (every step clips) and a warm-up + cosine
 schedule at rtol 1e-5. Fixed
@@ -51,8 +51,11 @@ def plans(draw, models=("gpt", "hf-gpt2"), max_ranks: int = WORLD) -> Plan:
     # checkpointing + offload together: a fixed case in test_runtime_tp_parity.py
     memory = [("none", "none"), ("full", "none"), ("none", "activations")]
     ckpt, offload = draw(st.sampled_from(memory))
+    # ZeRO-3 runs neither the split backward of the zero-bubble schedules nor activation offload
+    zero3 = [3] if schedule not in ("zb1p", "zbv") and offload == "none" else []
+    zero = draw(st.sampled_from([0, 1, 2, *zero3] if dp > 1 else [0]))
     return Plan(model=model, dp=dp, tp=tp, pp=pp, schedule=schedule, virtual_pp=v, num_micro_batches=m,
-                global_batch=dp * m * per_micro_batch, zero=draw(st.sampled_from([0, 1, 2] if dp > 1 else [0])), checkpointing=ckpt, offload=offload)
+                global_batch=dp * m * per_micro_batch, zero=zero, checkpointing=ckpt, offload=offload)
 
 
 def draw_plans(strategy, n: int, *, seed_value: int, pool_size: int = 200) -> list[Plan]:
@@ -184,7 +187,7 @@ def test_draw_covers_every_axis_and_option():
         "memory": {(p.checkpointing, p.offload) for p in DRAWN},
     }
     want = {"model": {"gpt", "hf-gpt2"}, "tp>1": {True, False}, "pp>1": {True, False}, "dp>1": {True, False},
-            "schedule": {"gpipe", "1f1b", "interleaved", "zb1p", "zbv"}, "zero": {0, 1, 2},
+            "schedule": {"gpipe", "1f1b", "interleaved", "zb1p", "zbv"}, "zero": {0, 1, 2, 3},
             "memory": {("none", "none"), ("full", "none"), ("none", "activations")}}
     assert seen == want, [p.id for p in DRAWN]
     assert len(DRAWN) == len(set(DRAWN)) == N_DRAWN

@@ -148,11 +148,17 @@ class ParamGatherer:
             raise ConfigError(f"zero3: stage {key[0]} has no gather site {key[1]} on this rank; lower the program and "
                               f"build the ParallelModel from the same plan")
 
-    def gather(self, stage: int, site: int) -> list[Tensor]:
+    def gather(self, stage: int, site: int, shards: Sequence[Tensor] = ()) -> list[Tensor]:
         """The ``zero3_gather`` kernel: the site's full parameters (inside backward, a
-        checkpointed region's recompute, which gathers as backward does)."""
+        checkpointed region's recompute, which gathers as backward does). ``shards``: the op's
+        own inputs, which must be the shards this gatherer was built over."""
         key = (stage, site)
         self._check(key)
+        mine = self.sites[key][1]
+        if shards and (len(shards) != len(mine) or shards[0].data_ptr() != mine[0].data_ptr()):
+            raise ConfigError(f"zero3: a program gathered shards that are not those of the model registered under "
+                              f"its ZeRO-3 group; two models in one process need different group names: build "
+                              f"them with different tp_group= (build_parallel_model / lower)")
         if torch._C._current_autograd_node() is not None:
             # new tensor objects on the held storages: autograd sets each output's grad_fn
             return [t.detach() for t in self._for_backward(key)]
@@ -231,12 +237,23 @@ def reduce_scatter(grads: Sequence[Tensor], degree: int, group_name: str, stage:
     return [piece.to(grad.dtype) for piece, grad in zip(shard.split(sizes), grads)]
 
 
-@torch.library.register_kernel(qualname("zero3_gather"), None)
-def _gather(shards, shapes, degree, group, stage, site):
-    return gatherer(group).gather(stage, site)
+def gather_kernel(shards, shapes, degree, group, stage, site):
+    """The ``zero3_gather`` kernel (see :meth:`ParamGatherer.gather`)."""
+    return gatherer(group).gather(stage, site, shards)
 
 
-@torch.library.register_kernel(qualname("zero3_reduce_scatter"), None)
-def _reduce_scatter(grads, degree, group, stage, site):
+def reduce_scatter_kernel(grads, degree, group, stage, site):
+    """The ``zero3_reduce_scatter`` kernel (see :func:`reduce_scatter`)."""
     return reduce_scatter(grads, degree, group, stage, site)
 
+
+torch.library.register_kernel(qualname("zero3_gather"), None)(gather_kernel)
+torch.library.register_kernel(qualname("zero3_reduce_scatter"), None)(reduce_scatter_kernel)
+
+MEASURED_KERNELS = {
+    torch.ops.partitioner.zero3_gather.default: gather_kernel,
+    torch.ops.partitioner.zero3_reduce_scatter.default: reduce_scatter_kernel,
+}
+"""The ZeRO-3 kernels by op, for :class:`runtime.measure.LiveBytes`: a dispatch mode is off inside a
+custom op's kernel, and these allocate there what a device's allocator would count (prefetched
+gathers, the reduce-scatter's fp32 buffers), so the mode runs them itself to see it."""

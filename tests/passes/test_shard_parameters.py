@@ -169,3 +169,13 @@ def test_hsdp_needs_zero3_and_a_divisor_of_dp():
         ParallelConfig(dp=4, zero_stage=2, hsdp_shard=2)
     with pytest.raises(ConfigError, match="must be a divisor of dp=4 between 2 and dp-1"):
         ParallelConfig(dp=4, zero_stage=3, hsdp_shard=3)
+
+
+def test_a_gather_of_another_models_shards_is_refused():
+    from runtime.kernels.zero3 import ParamGatherer
+
+    mine, other = torch.nn.Parameter(torch.arange(4.0)), torch.nn.Parameter(torch.zeros(4))
+    g = ParamGatherer(None, 1, {(0, 0): (_site(0, 0), [mine], [(2, 2)])}, prefetch=0)
+    assert torch.equal(g.gather(0, 0, [mine])[0], torch.arange(4.0).view(2, 2))
+    with pytest.raises(ConfigError, match="two models in one process need different group names"):
+        g.gather(0, 0, [other])

@@ -23,9 +23,11 @@ number, we follow FlopCounterMode and say so at the formula:
   has no formula for ``mv``/``dot``/``mul``.
 
 Checkpointed regions (``apply_checkpoint``'s ``checkpoint(%submodule, *inputs)`` calls, kind
-``"checkpoint"``): forward = the region's forward FLOPs, backward = the region's backward plus one
-recomputed forward. The region's nodes are counted inside the submodule (their ``node.meta[FLOPS]``
-is written there), from the ``SHAPE`` facts they carried when ``apply_checkpoint`` moved them.
+``"checkpoint"``): forward = the region's forward FLOPs, backward = the region's backward plus the
+forward of the nodes that run again: every node of the region, except under the ``dag`` policy the
+nodes ``node.meta[REMAT]`` marks cached (their op outputs are kept, so the replay does not run them).
+The region's nodes are counted inside the submodule (their ``node.meta[FLOPS]`` is written there),
+from the ``SHAPE`` facts they carried when ``apply_checkpoint`` moved them.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ import torch.utils.checkpoint
 from torch import fx
 
 from passes.ir.errors import AnalysisError
-from passes.ir.meta import FLOP_SUMMARY, FLOPS, SHAPE, FlopMeta, FlopSummary, ShapeMeta, TensorMeta
+from passes.ir.meta import FLOP_SUMMARY, FLOPS, REMAT, SHAPE, FlopMeta, FlopSummary, ShapeMeta, TensorMeta
 
 aten = torch.ops.aten
 _ZERO = sympy.Integer(0)
@@ -101,7 +103,20 @@ def _checkpoint(sub: fx.GraphModule, node: fx.Node) -> FlopMeta:
                             f"has no node.meta[{SHAPE!r}]; run annotate_shapes before apply_checkpoint (it "
                             f"moves the nodes with their meta)")
     summary = _annotate(sub, region=True)
-    return FlopMeta(fwd=summary.fwd, bwd=sympy.expand(summary.bwd + summary.fwd), kind="checkpoint")
+    return FlopMeta(fwd=summary.fwd, bwd=sympy.expand(summary.bwd + recompute_flops(sub)), kind="checkpoint")
+
+
+def recompute_flops(sub: fx.GraphModule) -> sympy.Expr:
+    """Forward FLOPs a checkpointed region's replay runs in backward: those of its nodes that do
+    not keep their op outputs (``node.meta[REMAT].cached``, the ``dag`` policy's choice). Needs
+    ``node.meta[FLOPS]`` on the region's nodes (written by ``annotate_flops``)."""
+    return sympy.expand(sympy.Add(*[n.meta[FLOPS].fwd for n in sub.graph.nodes
+                                    if FLOPS in n.meta and not _cached(n)]))
+
+
+def _cached(node: fx.Node) -> bool:
+    meta = node.meta.get(REMAT)
+    return meta is not None and meta.cached
 
 
 # ---------------------------------------------------------------------------------------------

@@ -127,9 +127,10 @@ def cut_points(gm: fx.GraphModule) -> list[fx.Node]:
     return cuts
 
 
-def segments(gm: fx.GraphModule) -> list[list[fx.Node]]:
-    """The compute nodes split after every cut point: single-entry, single-exit segments."""
-    cuts = set(cut_points(gm))
+def segments(gm: fx.GraphModule, cuts: Iterable[fx.Node] | None = None) -> list[list[fx.Node]]:
+    """The compute nodes split after every cut point (``cuts``, default :func:`cut_points`):
+    single-entry, single-exit segments."""
+    cuts = set(cut_points(gm) if cuts is None else cuts)
     out: list[list[fx.Node]] = [[]]
     for node in _compute_nodes(gm):
         out[-1].append(node)
@@ -144,10 +145,11 @@ def block_of(node: fx.Node) -> str | None:
     return meta.name if meta is not None and meta.in_block else None
 
 
-def block_regions(gm: fx.GraphModule) -> list[Region]:
+def block_regions(gm: fx.GraphModule, cuts: Iterable[fx.Node] | None = None) -> list[Region]:
     """One region per transformer block (its segments merged); a graph without blocks gets one
-    region per segment ("segment.K"). Segments outside every block are in no region."""
-    segs = segments(gm)
+    region per segment ("segment.K"). Segments outside every block are in no region. ``cuts``:
+    the cut points to split at (default :func:`cut_points`)."""
+    segs = segments(gm, cuts)
     labels = []
     for seg in segs:
         blocks = list(dict.fromkeys(b for b in map(block_of, seg) if b is not None))

@@ -264,3 +264,38 @@ def test_zoo_model_matches_flop_counter(name):
     summary = annotate_flops(annotate_shapes(capture_spec(spec))).meta[FLOP_SUMMARY]
     assert expected[0] > 0
     assert (summary.fwd, summary.bwd) == expected
+
+
+# --- checkpointed regions --------------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["full", "dag"])
+def test_checkpointed_regions_charge_what_their_replay_runs(policy):
+    """A checkpointed region's backward is charged the forward its replay runs: the whole region
+    under ``full``, only the uncached nodes (``node.meta[REMAT]``) under ``dag``. The re-analysed
+    rewritten graph then gives FlopCounterMode's count of a real step, recompute included."""
+    import copy
+
+    from passes.annotate_blocks import annotate_blocks
+    from passes.annotate_flops import checkpoint_submodule, recompute_flops
+    from passes.apply_checkpoint import apply_checkpoint
+    from passes.checkpoint_policy import checkpoint_policy
+    from passes.ir.meta import CHECKPOINT_PLAN, DAG_CHECKPOINT_PLAN
+
+    spec = build_model(ZOO_SPECS["resnet"] + ",batch=8")
+    gm = annotate_flops(annotate_blocks(annotate_shapes(capture_spec(spec))))
+    plain = gm.meta[FLOP_SUMMARY]
+    full = checkpoint_policy(copy.deepcopy(gm), policy="full").meta[CHECKPOINT_PLAN]
+    budget = int(full.saved_bytes_after + 0.5 * (full.saved_bytes_before - full.saved_bytes_after))
+    rewritten = apply_checkpoint(checkpoint_policy(copy.deepcopy(gm), policy=policy, budget_bytes=budget))
+    plan = rewritten.meta[CHECKPOINT_PLAN]
+    summary = annotate_flops(annotate_shapes(rewritten)).meta[FLOP_SUMMARY]
+    calls = [n for n in rewritten.graph.nodes if checkpoint_submodule(rewritten, n) is not None]
+    region_fwd = sum(int(n.meta[FLOPS].fwd) for n in calls)
+    charged = sum(int(recompute_flops(checkpoint_submodule(rewritten, n))) for n in calls)
+    assert calls and summary.fwd == plain.fwd
+    assert summary.bwd == plain.bwd + plan.recompute_flops == plain.bwd + charged
+    if policy == "dag":
+        assert rewritten.meta[DAG_CHECKPOINT_PLAN].cached
+        assert 0 < charged < region_fwd  # cached nodes are not charged again
+    else:
+        assert charged == region_fwd
+    assert (summary.fwd, summary.bwd) == _counter(rewritten, *spec.example_inputs())

@@ -5,7 +5,8 @@ On a ResNet-style CNN, the U-Net and Hugging Face BERT, at budgets between block
 checkpointing's saved bytes and none's: one training step gives bit-identical losses and
 gradients to the uncheckpointed graph (fp32, dropout replayed), the recompute FLOPs never exceed
 block-level checkpointing's at the same budget, and the predicted peak of the rewritten graph is
-within 3% of MemTracker's measured peak on CPU.
+within 3% of MemTracker's measured peak on CPU. At five budgets per model the recompute FLOPs lie
+between the whole-graph remat MILP's optimum (a lower bound) and block-level checkpointing's.
 """
 from __future__ import annotations
 
@@ -189,3 +190,42 @@ def test_block_solver_fits_a_budget_between_block_counts():
     # and a budget three blocks fit is met with three, not four
     three = checkpoint_policy(copy.deepcopy(gm), policy="solver", budget_bytes=429828).meta[CHECKPOINT_PLAN]
     assert sum(r.recompute for r in three.regions) == 3 and int(three.saved_bytes_after) <= 429828
+
+
+BUDGET_FRACTIONS = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+@pytest.mark.parametrize("name", ["resnet", "unet", "hf-bert"])
+def test_budget_table_against_block_level_and_the_whole_graph_milp(name):
+    """At five budgets: the dag policy's recompute FLOPs never exceed block-level checkpointing's,
+    and never undercut the optimum of the whole-graph remat MILP (``remat_solver.solve_milp`` on
+    ``problem_from_view(to_networkx(gm))``), a lower bound: that model recomputes any node on its
+    own and may drop a region's boundary tensor, which ``torch.utils.checkpoint`` always keeps.
+    Prints (budget bytes, dag FLOPs, MILP optimum FLOPs, block-level FLOPs, dag / forward FLOPs)."""
+    from passes.graph_view import to_networkx
+    from passes.ir.meta import FLOP_SUMMARY
+    from passes.remat_solver import RematCosts, evaluate, problem_from_view, solve_milp
+
+    _, gm, _, _ = _captured(name)
+    problem = problem_from_view(to_networkx(gm))
+    costs = RematCosts(device_flops_per_s=1.0)
+    forward = int(gm.meta[FLOP_SUMMARY].fwd)
+    rows = []
+    for fraction in BUDGET_FRACTIONS:
+        budget = _budget(name, fraction)
+        out = checkpoint_policy(copy.deepcopy(gm), policy="dag", budget_bytes=budget)
+        dag = out.meta[DAG_CHECKPOINT_PLAN]
+        optimum = solve_milp(problem, budget, costs=costs)
+        assert optimum.feasible and optimum.optimal
+        # the dag decision is a decision of the whole-graph model too, and fits there
+        recomputed = [n.name for n in out.graph.nodes if REMAT in n.meta and not n.meta[REMAT].cached]
+        as_remat = evaluate(problem, [n for n in recomputed if n in set(problem.nodes)], budget_bytes=budget,
+                            costs=costs)
+        assert as_remat.feasible and as_remat.recompute_flops == dag.recompute_flops
+        assert optimum.recompute_flops <= dag.recompute_flops <= dag.block_recompute_flops
+        rows.append((budget, dag.recompute_flops, optimum.recompute_flops, dag.block_recompute_flops,
+                     dag.recompute_flops / forward))
+    assert rows[0][1] > 0 and rows[0][1] < rows[0][3]  # the tightest budget makes the policy work
+    print(f"\n{name} (forward {forward} FLOPs)\n{'budget B':>10} {'dag':>10} {'MILP opt':>10} {'block':>10} overhead")
+    for budget, flops, optimum, block, overhead in rows:
+        print(f"{budget:>10} {flops:>10} {optimum:>10} {block:>10} {overhead:8.3f}")

@@ -1,7 +1,8 @@
 """graph_view: the DiGraph view of an analysed training graph carries the analyses' bytes and FLOPs,
 and its dominator cut points agree with the node-order liveness walk (checkpoint_policy.cut_points)
 and with the block boundaries annotate_blocks finds, on chain-like models; on a U-Net the long skips
-leave no cut point inside the U. Also: the U-Net of the zoo captures and trains on CPU."""
+leave no cut point inside the U; split at them, checkpoint_policy's block regions are the walk's on
+the models without HF mask code. Also: the U-Net of the zoo captures and trains on CPU."""
 from __future__ import annotations
 
 import networkx as nx
@@ -201,3 +202,40 @@ def test_unet_captures_and_trains_on_cpu():
 def test_unet_spec_rejects_an_image_the_down_blocks_cannot_halve():
     with pytest.raises(ModelSpecError, match="divisible by 2\\*\\*depth"):
         build_model("unet:depth=3,image=12")
+
+
+# ---------------------------------------------------------------------------------------------
+# The checkpoint policy's block regions from either cut-point definition.
+
+REGION_MODELS = {
+    **MODELS, "unet": UNET,
+    "hf-gpt2": "hf-gpt2:n_layer=2,n_embd=32,n_head=2,vocab_size=64,n_positions=16,seq=16",
+    "hf-bert": "hf-bert:num_hidden_layers=2,hidden_size=32,intermediate_size=64,num_attention_heads=2,"
+               "vocab_size=64,max_position_embeddings=16,seq=16",
+}
+# Where the two definitions split the blocks differently (why checkpoint_policy keeps the walk):
+_REGIONS_DIFFER = {
+    # the mask and position code reads input_ids, so it is trunk and read by every layer: no
+    # dominator before the loss's shift, one region of embeddings, blocks and head; the walk
+    # gives layer 0 with layer 1's attention, then layer 1's MLP
+    "hf-gpt2": "the dominators find no cut point before the loss, one region of the whole graph",
+    # layer 0 makes the attention mask (a side activation) that layer 1 reads: two values live
+    # at the boundary, so the walk merges both layers, the dominators split them
+    "hf-bert": "the liveness walk merges both layers into one region",
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=_REGIONS_DIFFER[n], strict=True))
+                                  if n in _REGIONS_DIFFER else n for n in sorted(REGION_MODELS)])
+def test_dominator_cut_points_give_the_checkpoint_policys_block_regions(name):
+    """``checkpoint_policy.block_regions`` split at the dominator cut points equals the regions
+    from its liveness walk, node for node (the condition for replacing the walk)."""
+    from passes.checkpoint_policy import block_regions
+
+    spec = build_model(REGION_MODELS[name], device="cpu" if name.startswith("hf-") else "meta")
+    gm = annotate_flops(annotate_blocks(annotate_shapes(capture_spec(spec))))
+    names = set(forward_cut_points(to_networkx(gm)))
+    walk = [(r.name, [n.name for n in r.nodes]) for r in block_regions(gm)]
+    doms = [(r.name, [n.name for n in r.nodes]) for r in block_regions(gm, [n for n in gm.graph.nodes
+                                                                          if n.name in names])]
+    assert len(walk) >= 2 and doms == walk

@@ -156,9 +156,9 @@ class ParamGatherer:
         self._check(key)
         mine = self.sites[key][1]
         if shards and (len(shards) != len(mine) or shards[0].data_ptr() != mine[0].data_ptr()):
-            raise ConfigError(f"zero3: a program gathered shards that are not those of the model registered under "
-                              f"its ZeRO-3 group; two models in one process need different group names: build "
-                              f"them with different tp_group= (build_parallel_model / lower)")
+            raise ConfigError("zero3: a program gathered shards that are not those of the model registered under "
+                              "its ZeRO-3 group; two models in one process need different group names: build "
+                              "them with different tp_group= (build_parallel_model / lower)")
         if torch._C._current_autograd_node() is not None:
             # new tensor objects on the held storages: autograd sets each output's grad_fn
             return [t.detach() for t in self._for_backward(key)]

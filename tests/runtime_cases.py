@@ -56,9 +56,10 @@ class Plan:
     virtual_pp: int
     num_micro_batches: int
     global_batch: int  # samples per optimizer step, split over dp, then into micro-batches
-    zero: int  # ZeRO stage 0, 1 or 2
+    zero: int  # ZeRO stage 0, 1, 2 or 3
     checkpointing: str
     offload: str
+    hsdp: int | None = None  # ZeRO-3's shard group (HSDP), None: all of dp
 
     @property
     def size(self) -> int:
@@ -70,14 +71,15 @@ class Plan:
         return (f"{self.model}-dp{self.dp}-tp{self.tp}-pp{self.pp}-{self.schedule}-v{self.virtual_pp}"
                 f"-m{self.num_micro_batches}-b{self.global_batch}" + (f"-zero{self.zero}" if self.zero else "")
                 + (f"-ckpt_{self.checkpointing}" if self.checkpointing != "none" else "")
-                + (f"-offload_{self.offload}" if self.offload != "none" else ""))
+                + (f"-offload_{self.offload}" if self.offload != "none" else "")
+                + (f"-hsdp{self.hsdp}" if self.hsdp else ""))
 
     def config(self) -> ParallelConfig:
         """The :class:`ParallelConfig` the plan is lowered with."""
         return ParallelConfig.for_global_batch(
             self.global_batch, dp=self.dp, tp=self.tp, pp=self.pp, schedule=self.schedule, virtual_pp=self.virtual_pp,
             num_micro_batches=self.num_micro_batches, zero_stage=self.zero, checkpointing=self.checkpointing,
-            offload=self.offload)
+            offload=self.offload, hsdp_shard=self.hsdp)
 
 
 def batches(spec, global_batch: int) -> list[tuple[torch.Tensor, ...]]:
@@ -144,12 +146,13 @@ def train_plans(plans: list[Plan], payloads: dict[str, GraphPayload] | None = No
         for k in sorted(used):
             specs[k], graphs[k] = unpacked_graph(MODELS[k], payloads[k])
     captured = time.perf_counter()
-    shapes = sorted({(p.dp, p.tp, p.pp, stream_count(p.schedule)) for p in plans})
-    meshes = {sh: Mesh(sh[0], sh[2], sh[1], timeout_s=TIMEOUT_S, pp_streams=sh[3]) for sh in shapes}
+    shapes = sorted({(p.dp, p.tp, p.pp, stream_count(p.schedule), p.hsdp or 0) for p in plans})
+    meshes = {sh: Mesh(sh[0], sh[2], sh[1], timeout_s=TIMEOUT_S, pp_streams=sh[3], dp_shard=sh[4] or None)
+              for sh in shapes}
     meshed = time.perf_counter()
     out = {"setup": {"started": started, "capture_s": captured - start, "meshes_s": meshed - captured}}
     for plan in plans:
-        mesh = meshes[(plan.dp, plan.tp, plan.pp, stream_count(plan.schedule))]
+        mesh = meshes[(plan.dp, plan.tp, plan.pp, stream_count(plan.schedule), plan.hsdp or 0)]
         torch.distributed.barrier()
         if not mesh.active:
             continue

@@ -46,25 +46,37 @@ def _train(plans, payloads):
     return runtime_cases.train_plans(plans, payloads)
 
 
-def _state(plan: Plan, prefetch: int):
-    """One rank's view of a ZeRO-3 plan after one step: parameter and optimizer-state elements,
-    gathers issued, the losses."""
+def _states(plan: Plan, payload) -> dict:
+    """One rank's view of a ZeRO-3 plan after two steps, with prefetch and without (each model its
+    own group names), and of the same model under ZeRO-0 on pp=2 (ranks 0 and 1): parameter and
+    optimizer-state elements, gathers issued, the sites, the losses."""
     from partitioner.build import build_parallel_model
     from runtime.mesh import Mesh, init_distributed
 
-    _with_llama()
     init_distributed(timeout_s=300)
-    spec, graph = runtime_cases.unpacked_graph(runtime_cases.MODELS[plan.model],
-                                               runtime_cases.packed_graph(runtime_cases.MODELS[plan.model]))
+    spec, graph = runtime_cases.unpacked_graph(runtime_cases.MODELS[plan.model], payload)
+    batches = runtime_cases.batches(spec, plan.global_batch)
     mesh = Mesh(plan.dp, plan.pp, plan.tp, timeout_s=runtime_cases.TIMEOUT_S)
-    pm = build_parallel_model(graph, plan.config(), mesh, optimizer=runtime_cases.ADAMW, zero3_prefetch=prefetch)
-    losses = [pm.train_step(b) for b in runtime_cases.batches(spec, plan.global_batch)[:2]]
-    state = sum(t.numel() for s in pm.torch_optimizer.state.values() for t in s.values() if t.dim() > 0)
-    g = pm.zero3
-    forward = sum(len(order) for order in g.schedule.forward_order.values())
-    backward = sum(len(order) for order in g.schedule.backward_order.values())
-    return {"param_elems": sum(p.numel() for p in pm.params), "state_elems": state, "issued": g.issued,
-            "sites": (forward, backward), "losses": losses}
+    plain = Mesh(1, 2, 1, timeout_s=runtime_cases.TIMEOUT_S)
+    out = {}
+    for prefetch, key in ((1, "prefetch"), (0, "none")):
+        pm = build_parallel_model(graph, plan.config(), mesh, optimizer=runtime_cases.ADAMW, zero3_prefetch=prefetch,
+                                  tp_group=f"tp{prefetch}")
+        losses = [pm.train_step(b) for b in batches[:2]]
+        state = sum(t.numel() for s in pm.torch_optimizer.state.values() for t in s.values() if t.dim() > 0)
+        g = pm.zero3
+        forward = sum(len(order) for order in g.schedule.forward_order.values())
+        backward = sum(len(order) for order in g.schedule.backward_order.values())
+        out[key] = {"param_elems": sum(p.numel() for p in pm.params), "state_elems": state, "issued": g.issued,
+                    "sites": (forward, backward), "losses": losses}
+    torch.distributed.barrier()
+    if plain.active:
+        pm = build_parallel_model(graph, plan.config().replace(dp=1, zero_stage=0, micro_batch_size=4), plain,
+                                  optimizer=runtime_cases.ADAMW)
+        pm.train_step(batches[0])
+        state = sum(t.numel() for s in pm.torch_optimizer.state.values() for t in s.values() if t.dim() > 0)
+        out["zero0"] = {"param_elems": sum(p.numel() for p in pm.params), "state_elems": state}
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -100,25 +112,9 @@ def test_zero3_plan_trains_like_one_device(distributed, plan):
 
 @pytest.fixture(scope="module")
 def sharded_state():
-    def run(prefetch):
-        return spawn(_state, NO_PREFETCH.size, NO_PREFETCH, prefetch, timeout_s=300)
-    _with_llama()
-    plain = _plan("gpt", 1, pp=2)
-    return {"prefetch": run(1), "none": run(0), "zero0": spawn(_state_zero0, 2, plain, timeout_s=300)}
-
-
-def _state_zero0(plan: Plan):
-    from partitioner.build import build_parallel_model
-    from runtime.mesh import Mesh, init_distributed
-
-    init_distributed(timeout_s=300)
-    spec, graph = runtime_cases.unpacked_graph(runtime_cases.MODELS[plan.model],
-                                               runtime_cases.packed_graph(runtime_cases.MODELS[plan.model]))
-    config = plan.config().replace(zero_stage=0)
-    pm = build_parallel_model(graph, config, Mesh(1, 2, 1, timeout_s=runtime_cases.TIMEOUT_S), optimizer=runtime_cases.ADAMW)
-    pm.train_step(runtime_cases.batches(spec, plan.global_batch)[0])
-    state = sum(t.numel() for s in pm.torch_optimizer.state.values() for t in s.values() if t.dim() > 0)
-    return {"param_elems": sum(p.numel() for p in pm.params), "state_elems": state}
+    results = spawn(_states, NO_PREFETCH.size, NO_PREFETCH, runtime_cases.packed_graph(runtime_cases.MODELS["gpt"]),
+                    timeout_s=300)
+    return {key: [r.get(key) for r in results] for key in ("prefetch", "none", "zero0")}
 
 
 @pytest.mark.slow
@@ -145,7 +141,7 @@ def test_gathers_follow_the_schedule_with_and_without_prefetch(sharded_state):
     assert sharded_state["prefetch"][0]["losses"] == sharded_state["none"][0]["losses"]
 
 
-def _checkpoint_round_trip(directory: str):
+def _checkpoint_round_trip(directory: str, payload):
     """Train a ZeRO-3 dp=2 x pp=2 plan one step and save it; load it into a tp=2 x pp=2 plan and
     into a ZeRO-3 dp=4 plan: the parameters, and the loss of one more step (which reads the
     optimizer state), must be the same everywhere."""
@@ -157,7 +153,7 @@ def _checkpoint_round_trip(directory: str):
 
     init_distributed(timeout_s=300)
     model = runtime_cases.MODELS["gpt"]
-    spec, graph = runtime_cases.unpacked_graph(model, runtime_cases.packed_graph(model))
+    spec, graph = runtime_cases.unpacked_graph(model, payload)
     batches = runtime_cases.batches(spec, 8)
     out = {}
     for name, plan in (("zero3", _plan("gpt", 2, pp=2)), ("tp2pp2", _plan("gpt", 1, tp=2, pp=2)),
@@ -178,7 +174,8 @@ def _checkpoint_round_trip(directory: str):
 def test_a_zero3_checkpoint_loads_under_other_plans_and_into_the_plain_module(tmp_path):
     from runtime.checkpoint_io import load_into_module
 
-    results = spawn(_checkpoint_round_trip, WORLD, str(tmp_path), timeout_s=600)
+    results = spawn(_checkpoint_round_trip, WORLD, str(tmp_path), runtime_cases.packed_graph(runtime_cases.MODELS["gpt"]),
+                    timeout_s=600)
     saved = results[0]["zero3"]["params"]
     module = runtime_cases.build_model(runtime_cases.MODELS["gpt"]).module
     assert load_into_module(module, tmp_path / "ckpt") == 1
@@ -197,7 +194,7 @@ def test_a_zero3_checkpoint_loads_under_other_plans_and_into_the_plain_module(tm
 HSDP = [("gpt", 2, "none"), ("hf-gpt2", 2, "none"), ("llama", 2, "full")]  # dp=4: 2 shard groups of 2
 
 
-def _train_hsdp(cases):
+def _train_hsdp(cases, payloads):
     """HSDP plans (dp=4, shard groups of 2): per case, the losses, norms, full parameters and
     gradients, as :func:`tests.runtime_cases.train_plans` reports them."""
     from partitioner.build import build_parallel_model
@@ -208,8 +205,7 @@ def _train_hsdp(cases):
     mesh = Mesh(4, 1, 1, timeout_s=runtime_cases.TIMEOUT_S, dp_shard=2)
     out = {}
     for model, shard, ckpt in cases:
-        spec, graph = runtime_cases.unpacked_graph(runtime_cases.MODELS[model],
-                                                   runtime_cases.packed_graph(runtime_cases.MODELS[model]))
+        spec, graph = runtime_cases.unpacked_graph(runtime_cases.MODELS[model], payloads[model])
         config = _plan(model, 4, m=1, ckpt=ckpt).config().replace(hsdp_shard=shard)
         pm = build_parallel_model(graph, config, mesh, optimizer=runtime_cases.ADAMW,
                                   lr_scheduler=runtime_cases.SCHEDULE, clip_grad_norm=runtime_cases.CLIP)
@@ -225,7 +221,8 @@ def _train_hsdp(cases):
 @pytest.mark.slow
 def test_hsdp_trains_like_one_device():
     _with_llama()
-    results = spawn(_train_hsdp, 4, HSDP, timeout_s=900)
+    payloads = {model: runtime_cases.packed_graph(runtime_cases.MODELS[model]) for model, _, _ in HSDP}
+    results = spawn(_train_hsdp, 4, HSDP, payloads, timeout_s=900)
     for model, _, _ in HSDP:
         ref_losses, ref_module, ref_norms, _ = reference(model, 8)
         full = sum(p.numel() for p in ref_module.parameters())
@@ -239,3 +236,31 @@ def test_hsdp_trains_like_one_device():
                 torch.testing.assert_close(got["grads"][name], expected.grad, rtol=1e-4, atol=1e-6)
             # each rank holds half the model (its shard group has 2 ranks), not a quarter
             assert full / 2 <= got["param_elems"] <= full / 2 + 64, (model, rank)
+
+
+HSDP_COMPOSED = [Plan("gpt", 4, 2, 1, "1f1b", 1, 1, 8, 3, "none", "none", hsdp=2),
+                 Plan("llama", 4, 1, 2, "1f1b", 1, 2, 8, 3, "full", "none", hsdp=2),
+                 Plan("hf-gpt2", 4, 1, 2, "1f1b", 1, 2, 8, 3, "none", "none", hsdp=2)]
+
+
+@pytest.fixture(scope="module")
+def hsdp_composed():
+    _with_llama()
+    return spawn(_train, 8, HSDP_COMPOSED, payloads_for(HSDP_COMPOSED), timeout_s=900)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", HSDP_COMPOSED, ids=lambda p: p.id)
+def test_hsdp_with_tp_or_pp_trains_like_one_device(hsdp_composed, plan):
+    _with_llama()
+    ref_losses, ref_module, ref_norms, _ = reference(plan.model, plan.global_batch)
+    for rank in range(plan.size):
+        r = hsdp_composed[rank][plan.id]
+        assert "error" not in r, r.get("error")
+        assert r["losses"] == pytest.approx(ref_losses, rel=1e-5), f"rank {rank}"
+        assert r["norms"] == pytest.approx(ref_norms, rel=1e-5), f"rank {rank}"
+        for name, value in r["params"].items():
+            expected = ref_module.get_parameter(name)
+            torch.testing.assert_close(value, expected.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(r["grads"][name], expected.grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"grad {name}: {m}")

@@ -238,9 +238,10 @@ def test_hsdp_trains_like_one_device():
             assert full / 2 <= got["param_elems"] <= full / 2 + 64, (model, rank)
 
 
-HSDP_COMPOSED = [Plan("gpt", 4, 2, 1, "1f1b", 1, 1, 8, 3, "none", "none", hsdp=2),
-                 Plan("llama", 4, 1, 2, "1f1b", 1, 2, 8, 3, "full", "none", hsdp=2),
-                 Plan("hf-gpt2", 4, 1, 2, "1f1b", 1, 2, 8, 3, "none", "none", hsdp=2)]
+# every model with tp=2 and with pp=2 (dp=4 in shard groups of 2: 8 ranks)
+HSDP_COMPOSED = [Plan(model, 4, tp, pp, "1f1b", 1, pp, 8, 3, ckpt, "none", hsdp=2)
+                 for model in ("gpt", "llama", "hf-gpt2") for tp, pp in ((2, 1), (1, 2))
+                 for ckpt in (["full"] if (model, pp) == ("llama", 2) else ["none"])]
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from passes.ir.program import RankProgram
 from passes.lower import lower, lower_rank
 from passes.manager import PassContext
 from passes.pipelines import analysis_passes, manager
+from passes.ir.zero3_ops import ZERO3_PREFETCH
 from runtime.parallel_model import ParallelModel
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ def capture_for_pipeline(spec: ModelSpec, symbolic: Sequence[str] | None = None,
 
 def build_parallel_model(graph: fx.GraphModule, config: ParallelConfig, mesh: Mesh, *,
                          cluster: Cluster | None = None, optimizer=None, overlap_grad_sync: bool = True,
-                         bucket_bytes: int | None = None, tp_group: str = "tp", zero3_prefetch: int = 1,
+                         bucket_bytes: int | None = None, tp_group: str = "tp", zero3_prefetch: int = ZERO3_PREFETCH,
                          **runtime) -> ParallelModel:
     """Lower ``graph`` (from :func:`capture_for_pipeline`) for this rank of ``mesh`` under
     ``config`` and return the runtime's :class:`ParallelModel` executing it.
@@ -95,7 +96,7 @@ def build_parallel_model(graph: fx.GraphModule, config: ParallelConfig, mesh: Me
 
 def lower_checked(graph: fx.GraphModule, config: ParallelConfig, rank: int, *, cluster: Cluster, first: int = 0,
                   tp_group: str = "tp", ctx: PassContext | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                  overlap_grad_sync: bool = True, zero3_prefetch: int = 1) -> RankProgram:
+                  overlap_grad_sync: bool = True, zero3_prefetch: int = ZERO3_PREFETCH) -> RankProgram:
     """The program of global ``rank``, taken from a lowering of every rank's program whose
     communication is checked first (:func:`passes.communication_check.check_lowering`; raises
     :class:`CommunicationMismatchError`). Every process checks the whole plan itself: no

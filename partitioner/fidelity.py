@@ -71,7 +71,7 @@ import passes.ir.offload_ops as oo
 from passes.annotate_memory import annotate_memory
 from passes.ir.meta import CAPTURE, MEMORY_SUMMARY
 from passes.ir.offload_ops import OFFLOAD_BEGIN
-from passes.ir.zero3_ops import ZERO3_GATHER, ZERO3_PLAN, GatherSchedule, Zero3Plan
+from passes.ir.zero3_ops import ZERO3_PREFETCH, ZERO3_GATHER, ZERO3_PLAN, GatherSchedule, Zero3Plan
 from passes.ir.meta import dim_symbol
 from passes.ir.schedule import build as build_schedule
 from passes.ir.schedule.actions import Kind
@@ -538,7 +538,7 @@ def _tensor_bytes(meta, dims_sym) -> int:
 
 def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapping[str, int],
                    global_batch_bytes: int = 0, zero: int = 0, optimizer: str = "adamw",
-                   events: Mapping[int, StageEvents] | None = None, zero3_prefetch: int = 1) -> MemoryPrediction:
+                   events: Mapping[int, StageEvents] | None = None, zero3_prefetch: int = ZERO3_PREFETCH) -> MemoryPrediction:
     """Peak live bytes of one rank running ``program`` (a :class:`passes.ir.program.RankProgram`)
     for one step (see the module docstring).
 

@@ -27,6 +27,7 @@ from passes.ir.config import ParallelConfig
 from passes.ir.meta import CAPTURE
 from passes.ir.plan import Plan
 from passes.ir.program import global_rank
+from passes.ir.zero3_ops import ZERO3_PREFETCH
 
 
 def global_batch_bytes(graph: fx.GraphModule, global_batch: int) -> int:
@@ -43,7 +44,7 @@ def global_batch_bytes(graph: fx.GraphModule, global_batch: int) -> int:
 
 
 def replay_rank_peaks(graph: fx.GraphModule, plan: Plan, cluster: Cluster, *,
-                      optimizer: str = "adamw", zero3_prefetch: int = 1) -> tuple[int, ...]:
+                      optimizer: str = "adamw", zero3_prefetch: int = ZERO3_PREFETCH) -> tuple[int, ...]:
     """Peak live bytes of every global rank of ``plan`` (index = rank), by the exact replay of
     its rank program on ``graph`` (the analysed capture :func:`partitioner.build.analyse` made).
     ``zero3_prefetch``: ZeRO-3 gather sites issued ahead (the runtime's ``zero3_prefetch``)."""
@@ -53,7 +54,7 @@ def replay_rank_peaks(graph: fx.GraphModule, plan: Plan, cluster: Cluster, *,
 
 def replay_config_peaks(graph: fx.GraphModule, config: ParallelConfig, cluster: Cluster, *,
                         global_batch: int | None = None, optimizer: str = "adamw",
-                        zero3_prefetch: int = 1) -> tuple[int, ...]:
+                        zero3_prefetch: int = ZERO3_PREFETCH) -> tuple[int, ...]:
     """As :func:`replay_rank_peaks`, for a bare :class:`ParallelConfig` (bytes per global rank)."""
     return tuple(int(m.peak_bytes) for m in replay_rank_memory(graph, config, cluster, global_batch=global_batch,
                                                                 optimizer=optimizer, zero3_prefetch=zero3_prefetch))
@@ -61,7 +62,7 @@ def replay_config_peaks(graph: fx.GraphModule, config: ParallelConfig, cluster: 
 
 def replay_rank_memory(graph: fx.GraphModule, config: ParallelConfig, cluster: Cluster, *,
                        global_batch: int | None = None, optimizer: str = "adamw",
-                       zero3_prefetch: int = 1) -> tuple[MemoryPrediction, ...]:
+                       zero3_prefetch: int = ZERO3_PREFETCH) -> tuple[MemoryPrediction, ...]:
     """The replay of every global rank of ``config`` (index = rank): its peak and model state
     (bytes). ``global_batch``: samples of the batch every rank is handed (default
     ``config.global_batch``)."""

@@ -93,6 +93,7 @@ from partitioner.cost_model import (
 from partitioner.profile import LayerProfile, ModelProfile
 from passes.ir.config import ParallelConfig
 from passes.ir.plan import StagePlan
+from passes.ir.zero3_ops import ZERO3_PREFETCH
 
 GRAD_BUCKET_BYTES = 25 * 2**20
 """DDP gradient bucket; two are in flight while reducing."""
@@ -494,10 +495,6 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
     return Evaluated(config=c, feasible=feasible, step_time=terms.total, peak=peak, stages=tuple(stages), terms=terms)
 
 
-ZERO3_PREFETCH = 1
-"""Gather sites ZeRO-3 issues ahead of the running one (the runtime's default, ``zero3_prefetch``)."""
-
-
 def zero3_gathered_bytes(largest_layer_params: float, itemsize: int, prefetch: int = ZERO3_PREFETCH) -> float:
     """Bytes of full parameters ZeRO-3 holds at once on a device: the running layer's and the
     ``prefetch`` layers gathered ahead (each at most the stage's largest layer), plus, at a
@@ -510,7 +507,7 @@ def zero3_exposed_time(param_bytes: float, grad_bytes_fp32: float, c: ParallelCo
     """Seconds per step of ZeRO-3 communication that compute does not hide, on one stage of
     ``layers`` layers: per micro-batch an all-gather of the stage's parameters before its forward
     and again before its backward, and a reduce-scatter of its gradients (fp32) after it. With
-    prefetch each layer's gather overlaps the layer before it, except the first layer's of each
+    prefetch (the runtime's default, one site ahead) each layer's gather overlaps the layer before it, except the first layer's of each
     pass (a layer's share: ``1 / layers``); on a host device (gloo on CPU) the collectives share
     the rank's thread with compute and nothing hides. ``link``: the shard group's; HSDP's
     ``replicas``: (replica groups, their link), across which each reduce-scattered shard is
@@ -520,7 +517,7 @@ def zero3_exposed_time(param_bytes: float, grad_bytes_fp32: float, c: ParallelCo
     rs = reduce_scatter_time(grad_bytes_fp32, degree, link)
     if replicas[0] > 1:
         rs += all_reduce_time(grad_bytes_fp32 / degree, replicas[0], replicas[1])
-    if on_host or ZERO3_PREFETCH == 0:
+    if on_host:
         return c.num_micro_batches * (2 * ag + rs)
     first = ag / max(layers, 1)
     return c.num_micro_batches * (2 * first + max(0.0, ag - first - fwd) + max(0.0, ag - first + rs - bwd))

@@ -46,6 +46,7 @@ from torch import fx
 from passes.ir.errors import PassError
 from passes.checkpoint_policy import region_io
 from passes.ir.meta import CHECKPOINT, CHECKPOINT_PLAN, REMAT, CheckpointMeta, CheckpointRegion
+from passes.saved_tensors import tensor_leaves
 
 
 def apply_checkpoint(gm: fx.GraphModule, ctx: Any = None) -> fx.GraphModule:
@@ -157,14 +158,9 @@ def op_policy(node: fx.Node | None, op: Any, args: tuple, out: Any) -> bool:
     schema = getattr(op, "_schema", None)
     if schema is None or schema.is_mutable or torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
         return False
-    inputs = {t.untyped_storage()._cdata for t in _tensors(args)}
-    outs = _tensors(out)
+    inputs = {t.untyped_storage()._cdata for t in tensor_leaves(args)}
+    outs = tensor_leaves(out)
     return bool(outs) and not any(t.untyped_storage()._cdata in inputs for t in outs)
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_leaves
-    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def _sac_policy(ctx, op, *args, **kwargs):

@@ -69,7 +69,7 @@ from passes.ir.grad_buckets import (
 from passes.ir.meta import CAPTURE, MEMORY, SHAPE, TensorMeta, dim_symbol
 from passes.ir.ops import SCHEMAS, TP_OPS, op_name
 from passes.ir.program import RankProgram, global_rank, mesh_coords
-from passes.ir.zero3_ops import ZERO3_PLAN, GatherSchedule
+from passes.ir.zero3_ops import ZERO3_PREFETCH, ZERO3_PLAN, GatherSchedule
 
 CallOp = Literal["all_reduce(sum)", "all_reduce(max)", "reduce_scatter(sum)", "all_gather", "send", "recv"]
 
@@ -149,7 +149,7 @@ class _Lowering(Protocol):  # passes.lower.Lowering, without importing the lower
 # One rank's calls
 
 def rank_calls(program: RankProgram, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-               overlap_grad_sync: bool = True, zero3_prefetch: int = 1) -> RankCalls:
+               overlap_grad_sync: bool = True, zero3_prefetch: int = ZERO3_PREFETCH) -> RankCalls:
     """The communication calls ``program`` issues in one training step (see the module
     docstring). ``bucket_bytes`` (bytes) and ``overlap_grad_sync``: as the
     :class:`~runtime.parallel_model.ParallelModel` that runs it takes them (``zero3_prefetch``: sites)."""
@@ -159,7 +159,7 @@ def rank_calls(program: RankProgram, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 class _RankModel:
     """Walks one rank's actions as the runtime runs them (see :func:`rank_calls`)."""
 
-    def __init__(self, program: RankProgram, bucket_bytes: int, overlap: bool, zero3_prefetch: int = 1):
+    def __init__(self, program: RankProgram, bucket_bytes: int, overlap: bool, zero3_prefetch: int = ZERO3_PREFETCH):
         self.p, self.c = program, program.config
         c = self.c
         self.pp_index, self.dp_index, self.tp_index = mesh_coords(program.rank, dp=c.dp, tp=c.tp, first=program.first)
@@ -680,7 +680,7 @@ class _Problem:
 
 
 def check_communication(programs: Sequence[RankProgram], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                        overlap_grad_sync: bool = True, zero3_prefetch: int = 1) -> CommunicationSummary:
+                        overlap_grad_sync: bool = True, zero3_prefetch: int = ZERO3_PREFETCH) -> CommunicationSummary:
     """Check that the rank programs of one plan (every rank of its mesh) issue matching
     communication (see the module docstring); returns what was checked, or raises
     :class:`CommunicationMismatchError`. ``bucket_bytes`` (bytes), ``overlap_grad_sync``: the
@@ -703,7 +703,7 @@ def check_communication(programs: Sequence[RankProgram], *, bucket_bytes: int = 
 
 
 def check_lowering(lowering: _Lowering, *, first: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                   overlap_grad_sync: bool = True, zero3_prefetch: int = 1) -> CommunicationSummary:
+                   overlap_grad_sync: bool = True, zero3_prefetch: int = ZERO3_PREFETCH) -> CommunicationSummary:
     """:func:`check_communication` of every rank program of ``lowering`` (a
     :class:`passes.lower.Lowering` of every (stage, tp rank) program), its mesh from ``first``."""
     world = lowering.config.world_size  # type: ignore[attr-defined]

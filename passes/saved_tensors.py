@@ -138,7 +138,8 @@ def _hint(value: Any) -> int:
     return int(guarding_hint_or_throw(value)) if isinstance(value, torch.SymInt) else int(value)
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
+def tensor_leaves(value: Any) -> list[torch.Tensor]:
+    """The tensors in a (nested) value: an op's arguments or outputs."""
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
@@ -182,7 +183,7 @@ def observe_saved_tensors(gm: fx.GraphModule) -> _ForwardRun:
                       region_of={n: call for call, nodes in regions.items() for n in nodes})
     for node in order:
         mine: list[_Storage] = []
-        for t in _tensors(values.get(node)):
+        for t in tensor_leaves(values.get(node)):
             ref = StorageWeakRef(t.untyped_storage())
             st = run.storages.get(ref)
             if st is None:

@@ -57,21 +57,12 @@ def shard_parameters(gm: fx.GraphModule, ctx: Any = None, *, degree: int, group:
     params = _shard(gm, _top_level_names(gm, regions), degree)  # by id of the new shard Parameter
     names = {k: r.name for k, r in params.items()}
 
-    sites: list[GatherSite] = []
+    # each gather node -> (its graph: "" or the region's name, its block, the names it gathers)
     gathers: dict[fx.Node, tuple[str, int, tuple[str, ...]]] = {}
-
-    def rewrite(graph_module: fx.GraphModule, graph_name: str) -> None:
+    for graph_name, graph_module in [("", gm), *regions.items()]:
         for block, members in _groups(graph_module, names).items():
-            gathers[_insert_gather(graph_module, members, params, degree, group, stage)] = (graph_name, block,
-                                                                                   tuple(names[id(_attr(graph_module, m.target))] for m in members))
-
-    rewrite(gm, "")
-    for name, region in regions.items():
-        rewrite(region, name)
-        region.graph.lint()
-        region.recompile()
-    gm.graph.lint()
-    gm.recompile()
+            node = _insert_gather(graph_module, members, params, degree, group, stage)
+            gathers[node] = (graph_name, block, tuple(names[id(_attr(graph_module, m.target))] for m in members))
 
     # number the sites in forward order: the stage graph's nodes, a region's where it is called
     order: list[fx.Node] = []
@@ -83,16 +74,19 @@ def shard_parameters(gm: fx.GraphModule, ctx: Any = None, *, degree: int, group:
             region = regions.get(sub.target) if isinstance(sub, fx.Node) and sub.op == "get_attr" else None
             if region is not None:
                 order += [n for n in region.graph.nodes if n in gathers]
+    for k, node in enumerate(order):
+        node.update_arg(5, k)
+    for graph_module in [*regions.values(), gm]:
+        graph_module.graph.lint()
+        graph_module.recompile()
+
     saved = _saved_gathers(gm, [n for n in order if gathers[n][0] == ""])
+    sites = []
     for k, node in enumerate(order):
         graph_name, block, members = gathers[node]
-        node.update_arg(5, k)
         savers = saved.get(node, ())
         sites.append(GatherSite(stage=stage, site=k, graph=graph_name, block=block, params=members,
                                 regather=bool(graph_name) or bool(savers), savers=savers))
-    for region in regions.values():
-        region.recompile()
-    gm.recompile()
     gm.meta[ZERO3_PLAN] = Zero3Plan(degree=degree, group=group, params=tuple(params.values()), sites=tuple(sites))
     return gm
 
@@ -167,34 +161,28 @@ def _insert_gather(gm: fx.GraphModule, members: list[fx.Node], params: dict[int,
     graph = gm.graph
     position = {n: k for k, n in enumerate(graph.nodes)}
     first = min((u for m in members for u in m.users), key=position.__getitem__)
-    shapes = [list(params[id(_attr(gm, m.target))].shape) for m in members]
+    records = [params[id(_attr(gm, m.target))] for m in members]
     users = {m: list(m.users) for m in members}
     for m in members:
         if position[m] > position[first]:
             first.prepend(m)  # a get_attr has no inputs: it can move up to the gather
     with graph.inserting_before(first):
-        gather = graph.call_function(ZERO3_GATHER, (list(members), shapes, degree, group, stage, -1))
+        gather = graph.call_function(ZERO3_GATHER, (list(members), [list(r.shape) for r in records], degree, group,
+                                                    stage, -1))
         outs = [graph.call_function(operator.getitem, (gather, k)) for k in range(len(members))]
     # shape meta of the new nodes (the re-analysis does not reach inside checkpointed regions)
-    full = [TensorMeta(shape=tuple(sympy.Integer(d) for d in params[id(_attr(gm, m.target))].shape),
-                       dtype=params[id(_attr(gm, m.target))].dtype, requires_grad=True) for m in members]
+    full = [TensorMeta(shape=tuple(sympy.Integer(d) for d in r.shape), dtype=r.dtype, requires_grad=True)
+            for r in records]
     gather.meta[SHAPE] = ShapeMeta(tensors=tuple(full))
-    for m, out, meta in zip(members, outs, full):
+    for m, out, meta, r in zip(members, outs, full, records):
         out.meta[SHAPE] = ShapeMeta(tensors=(meta,))
-        record = params[id(_attr(gm, m.target))]
-        m.meta[SHAPE] = ShapeMeta(tensors=(TensorMeta(shape=(sympy.Integer(record.shard_numel),), dtype=record.dtype,
+        m.meta[SHAPE] = ShapeMeta(tensors=(TensorMeta(shape=(sympy.Integer(r.shard_numel),), dtype=r.dtype,
                                                       requires_grad=True),))
-    for m, out in zip(members, outs):
         for user in users[m]:
             user.replace_input_with(m, out)
-        meta = m.meta.get(BLOCK)
-        if meta is not None:
-            out.meta[BLOCK] = meta
-    first_meta = first.meta.get(BLOCK)
-    if first_meta is not None:
-        gather.meta[BLOCK] = first_meta
-        for out in outs:
-            out.meta.setdefault(BLOCK, first_meta)
+    if BLOCK in first.meta:  # the gather and its outputs belong to the block they feed
+        for node in (gather, *outs):
+            node.meta[BLOCK] = first.meta[BLOCK]
     return gather
 
 

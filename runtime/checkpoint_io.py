@@ -527,10 +527,16 @@ def _local_pieces(t: torch.Tensor, lp: _LocalParam) -> list[Piece]:
     if lp.flat_range is None:
         return pieces_of(t, lp.layout)
     lo, hi = lp.flat_range
+    return flat_range_pieces(t, -lo, lp.layout, lo, hi)
+
+
+def flat_range_pieces(flat: torch.Tensor, offset: int, layout: ParamLayout, start: int, stop: int) -> list[Piece]:
+    """The pieces of the full tensor held by the row-major elements ``[start, stop)`` of a local
+    tensor of ``layout``, element ``i`` stored at ``flat[offset + i]`` (a ZeRO chunk or shard)."""
     out = []
-    for offs, sizes, flat_start in flat_range_boxes(lp.layout.local_shape, lo, hi):
-        view = t[flat_start - lo:flat_start - lo + math.prod(sizes)].view(sizes)
-        for loc, size, glob in lp.layout.boxes(offs, sizes):
+    for offs, sizes, flat_start in flat_range_boxes(layout.local_shape, start, stop):
+        view = flat[offset + flat_start:offset + flat_start + math.prod(sizes)].view(sizes)
+        for loc, size, glob in layout.boxes(offs, sizes):
             rel = view
             for d, (o, sz) in enumerate(zip(loc, size)):
                 rel = rel.narrow(d, o - offs[d], sz)
@@ -617,16 +623,7 @@ def _zero_optim_entries(zero, local: Sequence[_LocalParam], *, write: bool, flat
             base = owned.state_offset + start - owned.lo
             for key, flat in flats:
                 name = lp.name if key is None else prefix + key
-                for offs, sizes, flat_start in flat_range_boxes(p.shape, a, b):
-                    n = 1
-                    for size in sizes:
-                        n *= size
-                    view = flat[base + flat_start:base + flat_start + n].view(sizes)
-                    for loc, size, glob in lp.layout.boxes(offs, sizes):
-                        rel = view
-                        for d, (o, sz) in enumerate(zip(loc, size)):
-                            rel = rel.narrow(d, o - offs[d], sz)
-                        _add(entries, name, lp.layout.shape, [Piece(glob, rel)])
+                _add(entries, name, lp.layout.shape, flat_range_pieces(flat, base, lp.layout, a, b))
     return entries
 
 

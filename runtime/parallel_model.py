@@ -28,6 +28,7 @@ the loss dynamically and skips a step whose gradients overflowed (on every rank)
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Literal, Mapping, Sequence
 
 import math
@@ -40,7 +41,7 @@ from passes.ir.schedule.validate import stream_count
 from passes.ir.grad_buckets import unique_params
 from passes.ir.meta import CAPTURE, InputBounds
 from passes.ir.program import RankProgram, unshard_tensor
-from passes.ir.zero3_ops import ZERO3_PLAN, unshard
+from passes.ir.zero3_ops import ZERO3_PREFETCH, ZERO3_PLAN, unshard
 from runtime import comm
 from runtime.batch_check import check_batch
 from runtime.grad_sync import (
@@ -77,7 +78,7 @@ class ParallelModel:
     def __init__(self, program: RankProgram, mesh: Mesh, *, optimizer: dict | OptimizerFactory | None = None,
                  lr_scheduler: SchedulerFactory | None = None, clip_grad_norm: float | None = None,
                  nonfinite: Literal["stop", "skip"] = "stop", overlap_grad_sync: bool = True,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, zero3_prefetch: int = 1):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, zero3_prefetch: int = ZERO3_PREFETCH):
         c = program.config
         if (mesh.dp, mesh.pp, mesh.tp) != (c.dp, c.pp, c.tp):
             raise ConfigError(f"parallel_model: mesh has dp={mesh.dp}, pp={mesh.pp}, tp={mesh.tp} but the program was "
@@ -432,12 +433,12 @@ class ParallelModel:
             self.grad_buckets.reset()
         if self.loss_scaler is not None:
             self.executor.loss_scale = self.loss_scaler.scale
-        if self.zero3 is None:
-            losses = self.executor.run(self.actions, micro, dims, grad_sync=self._grad_sync, step=self._step)
-        else:
+        hooks = contextlib.nullcontext()
+        if self.zero3 is not None:
             self.zero3.reset()
-            with self.zero3.hooks():  # saved gathered parameters are freed and gathered again in backward
-                losses = self.executor.run(self.actions, micro, dims, grad_sync=self._grad_sync, step=self._step)
+            hooks = self.zero3.hooks()  # saved gathered parameters are freed and gathered again in backward
+        with hooks:
+            losses = self.executor.run(self.actions, micro, dims, grad_sync=self._grad_sync, step=self._step)
         total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         if losses:  # the last stage: mean over micro-batches, then over dp via the sum below
             # every tp rank of the last stage computed the same loss: counted once via / tp

@@ -15,11 +15,11 @@ import torch
 from torch import fx
 
 from passes.ir.errors import ConfigError
-from passes.ir.zero3_ops import ZERO3_PLAN, shard_of
+from passes.ir.zero3_ops import ZERO3_PREFETCH, ZERO3_PLAN, shard_of
 from runtime.kernels.zero3 import ParamGatherer, register_gatherer
 
 
-def zero3_gatherer(modules: Mapping[int, fx.GraphModule], mesh, *, prefetch: int = 1) -> ParamGatherer:
+def zero3_gatherer(modules: Mapping[int, fx.GraphModule], mesh, *, prefetch: int = ZERO3_PREFETCH) -> ParamGatherer:
     """Shard this rank's stage programs in place and register their gatherer.
 
     ``modules``: the rank's stage programs by global stage index (each lowered with

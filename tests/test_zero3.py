@@ -92,22 +92,28 @@ def distributed():
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.id)
 def test_zero3_plan_trains_like_one_device(distributed, plan):
     _with_llama()
-    ref_losses, ref_module, ref_norms, _ = reference(plan.model, plan.global_batch)
+    ref = reference(plan.model, plan.global_batch)
     for rank in range(plan.size):
-        r = distributed[rank][plan.id]
-        assert "error" not in r, r.get("error")
-        assert r["losses"] == pytest.approx(ref_losses, rel=1e-5), f"rank {rank}"
-        assert r["norms"] == pytest.approx(ref_norms, rel=1e-5), f"rank {rank}"
-        covered = set()
-        for name, value in r["params"].items():
-            expected = ref_module.get_parameter(name)
-            torch.testing.assert_close(value, expected.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
-            torch.testing.assert_close(r["grads"][name], expected.grad, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m: f"grad {name}: {m}")
-            covered.add(id(expected))
-        held = {id(p) for p in ref_module.parameters()}
+        covered = _check_like_one_device(distributed[rank][plan.id], ref, f"rank {rank}")
         if plan.pp == 1:
-            assert covered == held
+            assert covered == {id(p) for p in ref[1].parameters()}
+
+
+def _check_like_one_device(r: dict, ref, where: str) -> set[int]:
+    """One rank's losses, clipped norms, parameters and gradients against the single-device
+    ``ref`` (:func:`tests.runtime_cases.reference`); returns the reference parameters covered."""
+    ref_losses, ref_module, ref_norms, _ = ref
+    assert "error" not in r, r.get("error")
+    assert r["losses"] == pytest.approx(ref_losses, rel=1e-5), where
+    assert r["norms"] == pytest.approx(ref_norms, rel=1e-5), where
+    covered = set()
+    for name, value in r["params"].items():
+        expected = ref_module.get_parameter(name)
+        torch.testing.assert_close(value, expected.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{where} {name}: {m}")
+        torch.testing.assert_close(r["grads"][name], expected.grad, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m: f"{where} grad {name}: {m}")
+        covered.add(id(expected))
+    return covered
 
 
 @pytest.fixture(scope="module")
@@ -224,18 +230,12 @@ def test_hsdp_trains_like_one_device():
     payloads = {model: runtime_cases.packed_graph(runtime_cases.MODELS[model]) for model, _, _ in HSDP}
     results = spawn(_train_hsdp, 4, HSDP, payloads, timeout_s=900)
     for model, _, _ in HSDP:
-        ref_losses, ref_module, ref_norms, _ = reference(model, 8)
-        full = sum(p.numel() for p in ref_module.parameters())
+        ref = reference(model, 8)
+        full = sum(p.numel() for p in ref[1].parameters())
         for rank, r in enumerate(results):
-            got = r[model]
-            assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), (model, rank)
-            assert got["norms"] == pytest.approx(ref_norms, rel=1e-5), (model, rank)
-            for name, value in got["params"].items():
-                expected = ref_module.get_parameter(name)
-                torch.testing.assert_close(value, expected.detach(), rtol=1e-5, atol=1e-6)
-                torch.testing.assert_close(got["grads"][name], expected.grad, rtol=1e-4, atol=1e-6)
+            _check_like_one_device(r[model], ref, f"{model} rank {rank}")
             # each rank holds half the model (its shard group has 2 ranks), not a quarter
-            assert full / 2 <= got["param_elems"] <= full / 2 + 64, (model, rank)
+            assert full / 2 <= r[model]["param_elems"] <= full / 2 + 64, (model, rank)
 
 
 # every model with tp=2 and with pp=2 (dp=4 in shard groups of 2: 8 ranks)
@@ -254,14 +254,6 @@ def hsdp_composed():
 @pytest.mark.parametrize("plan", HSDP_COMPOSED, ids=lambda p: p.id)
 def test_hsdp_with_tp_or_pp_trains_like_one_device(hsdp_composed, plan):
     _with_llama()
-    ref_losses, ref_module, ref_norms, _ = reference(plan.model, plan.global_batch)
+    ref = reference(plan.model, plan.global_batch)
     for rank in range(plan.size):
-        r = hsdp_composed[rank][plan.id]
-        assert "error" not in r, r.get("error")
-        assert r["losses"] == pytest.approx(ref_losses, rel=1e-5), f"rank {rank}"
-        assert r["norms"] == pytest.approx(ref_norms, rel=1e-5), f"rank {rank}"
-        for name, value in r["params"].items():
-            expected = ref_module.get_parameter(name)
-            torch.testing.assert_close(value, expected.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
-            torch.testing.assert_close(r["grads"][name], expected.grad, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m: f"grad {name}: {m}")
+        _check_like_one_device(hsdp_composed[rank][plan.id], ref, f"rank {rank}")

@@ -40,8 +40,10 @@ _LIB.define("zero3_gather(Tensor[] shards, SymInt[][] shapes, int degree, str gr
 _LIB.define("zero3_reduce_scatter(Tensor[] grads, int degree, str group, int stage, int site) -> Tensor[]")
 
 ZERO3_GATHER = torch.ops.partitioner.zero3_gather.default
-ZERO3_REDUCE_SCATTER = torch.ops.partitioner.zero3_reduce_scatter.default
-ZERO3_OPS = ("zero3_gather", "zero3_reduce_scatter")
+
+ZERO3_PREFETCH = 1
+"""Gather sites issued ahead of the one running, by default (``zero3_prefetch``): what the
+runtime does, the communication check replays and the planner and the memory replay assume."""
 
 
 def shard_numel(numel: int, degree: int) -> int:
@@ -108,15 +110,6 @@ class ShardedParam:
     shard_numel: int
     dtype: torch.dtype
 
-    @property
-    def shard_bytes(self) -> int:
-        return self.shard_numel * self.dtype.itemsize
-
-    @property
-    def full_bytes(self) -> int:
-        """Bytes of the gathered tensor (the padded buffer: ``degree`` shards)."""
-        return self.numel * self.dtype.itemsize
-
 
 @dataclass(frozen=True, kw_only=True)
 class GatherSite:
@@ -138,27 +131,15 @@ class GatherSite:
 
 @dataclass(frozen=True, kw_only=True)
 class Zero3Plan:
-    """What :mod:`passes.shard_parameters` did to one stage program (bytes per dp rank)."""
+    """What :mod:`passes.shard_parameters` did to one stage program."""
 
     degree: int
     group: str
     params: tuple[ShardedParam, ...]
     sites: tuple[GatherSite, ...]
 
-    @property
-    def shard_bytes(self) -> int:
-        """Parameter bytes this dp rank holds."""
-        return sum(p.shard_bytes for p in self.params)
-
     def param(self, name: str) -> ShardedParam:
         return next(p for p in self.params if p.name == name)
-
-    def forward_order(self) -> tuple[GatherSite, ...]:
-        return tuple(sorted(self.sites, key=lambda s: s.site))
-
-    def backward_order(self) -> tuple[GatherSite, ...]:
-        """The sites the backward gathers again, in the order it reaches them (reverse forward)."""
-        return tuple(s for s in reversed(self.forward_order()) if s.regather)
 
 
 class GatherSchedule:

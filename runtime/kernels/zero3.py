@@ -36,7 +36,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from passes.ir.errors import ConfigError
 from passes.ir.ops import qualname
-from passes.ir.zero3_ops import GatherSchedule, GatherSite, shard_numel
+from passes.ir.zero3_ops import ZERO3_PREFETCH, GatherSchedule, GatherSite, shard_numel
 from runtime import comm
 
 _GATHERERS: dict[str, "ParamGatherer"] = {}
@@ -111,7 +111,7 @@ class ParamGatherer:
 
     def __init__(self, group, degree: int,
                  sites: Mapping[tuple[int, int], tuple[GatherSite, Sequence[torch.nn.Parameter], Sequence[tuple[int, ...]]]],
-                 *, prefetch: int = 1, replica_group=None, replicas: int = 1):
+                 *, prefetch: int = ZERO3_PREFETCH, replica_group=None, replicas: int = 1):
         self.group, self.degree, self.sites = group, degree, dict(sites)
         self.replica_group, self.replicas = replica_group, replicas  # HSDP: the groups holding the same shard
         self.schedule = GatherSchedule([site for site, _, _ in self.sites.values()], prefetch)

@@ -16,7 +16,6 @@ import functools
 import pytest
 import torch
 from torch import fx
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from partitioner.model_spec import build_model
 from passes.annotate_blocks import annotate_blocks
@@ -27,6 +26,7 @@ from passes.apply_checkpoint import SelectiveRecompute, apply_checkpoint, op_pol
 from passes.capture import capture_spec
 from passes.checkpoint_policy import checkpoint_policy, dag_default_budget, block_regions, _saved_model
 from passes.ir.meta import CAPTURE, CHECKPOINT_PLAN, DAG_CHECKPOINT_PLAN, MEMORY_SUMMARY, REMAT
+from tests.passes.test_checkpoint_memory import measured_peak
 
 PEAK_TOLERANCE = 0.03
 MODELS = {
@@ -71,22 +71,6 @@ def _step(gm: fx.GraphModule, inputs) -> tuple[torch.Tensor, dict[str, torch.Ten
     return loss.detach(), grads
 
 
-def _measured_peak(gm: fx.GraphModule, inputs) -> int:
-    """MemTracker's peak (bytes) of one steady-state AdamW step of ``gm`` on CPU."""
-    opt = torch.optim.AdamW(gm.parameters())
-    gm(*inputs).backward()  # the first step creates the optimizer state
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    tracker = MemTracker()
-    tracker.track_external(gm, opt, *inputs)
-    with tracker:
-        gm(*inputs).backward()
-        opt.step()
-    tracker.reset_mod_stats()
-    (peak,) = tracker.get_tracker_snapshot("peak").values()
-    return peak[next(k for k in peak if getattr(k, "name", str(k)) == "Total")]
-
-
 def _assert_exact(reference: fx.GraphModule, rewritten: fx.GraphModule, inputs) -> None:
     loss0, grads0 = _step(reference, inputs)
     loss1, grads1 = _step(rewritten, inputs)
@@ -112,7 +96,7 @@ def test_dag_policy_is_exact_cheaper_and_predicted(name, fraction):
     analysed = annotate_memory(annotate_flops(annotate_blocks(annotate_shapes(copy.deepcopy(gm)))))
     s = analysed.meta[MEMORY_SUMMARY]
     assert s.activation_bytes + s.input_bytes == plan.saved_bytes_after  # what the policy counted
-    measured = _measured_peak(gm, inputs)
+    measured = measured_peak(gm, inputs)
     error = (int(s.peak_bytes) - measured) / measured
     print(f"{name} budget {dag.budget_bytes}: recompute {dag.recompute_flops} FLOPs (block-level "
           f"{dag.block_recompute_flops}), predicted peak {s.peak_bytes}, measured {measured} ({error:+.3%})")

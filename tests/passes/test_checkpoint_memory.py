@@ -51,7 +51,7 @@ def _checkpointed(policy: str) -> fx.GraphModule:
     return annotate_memory(annotate_flops(annotate_blocks(annotate_shapes(gm))))
 
 
-def _measured_peak(gm: fx.GraphModule, inputs) -> int:
+def measured_peak(gm: fx.GraphModule, inputs) -> int:
     """MemTracker's peak (bytes) of one steady-state AdamW step of ``gm`` on CPU."""
     opt = torch.optim.AdamW(gm.parameters())
     gm(*inputs).backward()  # the first step creates the optimizer state
@@ -78,7 +78,7 @@ def test_peak_matches_memtracker(policy):
     s = gm.meta[MEMORY_SUMMARY]
     # what stays saved between forward and backward is what the policy predicted
     assert s.activation_bytes + s.input_bytes == plan.saved_bytes_after
-    measured = _measured_peak(gm, inputs)
+    measured = measured_peak(gm, inputs)
     error = (int(s.peak_bytes) - measured) / measured
     print(f"{policy}: predicted peak {s.peak_bytes} bytes ({s.peak_phase} at {s.peak_node}), "
           f"MemTracker {measured} bytes, error {error:+.3%}")

@@ -11,6 +11,8 @@ Sections (stable ids, so tests and people can find them):
   :mod:`passes.ir.schedule` hands the runtime) timed by :func:`passes.ir.schedule.simulate` with each
   stage's predicted forward/backward time; forward, backward, communication, grad sync and
   idle time (the bubble) each have a colour and a class;
+  under a measured run, the measured timeline below it, and under ZeRO-3 each rank's gathers and
+  reduce-scatters (``#zero3-timeline``);
 * ``#alternatives`` — the candidate plans the search rejected and why;
 * ``#measured`` — measured vs predicted per rank, when measurements are given;
 * ``#graph`` — nodes per stage and the annotations passes left (checkpoint, tensor parallel,
@@ -58,6 +60,7 @@ th { background: #f4f4f4; } td.num { text-align: right; font-variant-numeric: ta
 svg text { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; }
 .fwd { fill: #4e79a7; } .bwd { fill: #59a14f; } .wgt { fill: #8cd17d; } .comm { fill: #f28e2b; } .sync { fill: #b07aa1; }
 .step { fill: #9c755f; } .idle { fill: url(#hatch); }
+.z3.inflight { fill: #d4a6c8; } .z3.exposed { fill: #a33; } .z3.reduce { fill: #76b7b2; }
 .note { font-size: 12px; color: #555; max-width: 1200px; }
 .lost { color: #a33; white-space: nowrap; } .won { color: #292; font-weight: bold; }
 """
@@ -218,11 +221,13 @@ def measured_intervals(timelines: Mapping[int, Sequence[Sequence]],
     return rows, makespan
 
 
-def _measured_timelines(steps: Any) -> tuple[dict[int, Sequence], dict[int, float], int] | None:
-    """(timeline by rank, wall-clock start by rank, step) of one step's measurements, if timed."""
+def _measured_timelines(steps: Any) -> tuple[dict[int, Sequence], dict[int, float], int, dict[int, Sequence]] | None:
+    """(timeline by rank, wall-clock start by rank, step, ZeRO-3 collectives by rank) of one
+    step's measurements, if timed."""
     if not steps or not all(getattr(m, "timeline", None) for m in steps):
         return None
-    return ({m.rank: m.timeline for m in steps}, {m.rank: m.started_at for m in steps}, steps[0].step)
+    spans = {m.rank: m.collectives for m in steps if getattr(m, "collectives", None)}
+    return ({m.rank: m.timeline for m in steps}, {m.rank: m.started_at for m in steps}, steps[0].step, spans)
 
 
 def _kind_of(label: str) -> str:
@@ -242,12 +247,11 @@ def idle_fraction(rows: Mapping[int, Sequence[Interval]], makespan: float) -> fl
     return idle / (makespan * len(rows)) if makespan > 0 and rows else 0.0
 
 
-def _timeline(plan: Plan, schedule: Mapping[int, list],
-              measured: tuple[Mapping[int, Sequence], Mapping[int, float], int] | None = None) -> str:
+def _timeline(plan: Plan, schedule: Mapping[int, list], measured: tuple | None = None) -> str:
     rows, makespan = timeline_intervals(plan, schedule)
     out = _timeline_svg(rows, makespan, "timeline", plan)
     if measured is not None:
-        timelines, started, step = measured
+        timelines, started, step = measured[:3]
         m_rows, m_span = measured_intervals(timelines, started)
         if m_span > 0:
             out += (f'<h3>Measured (step {step})</h3>' + _timeline_svg(m_rows, m_span, "timeline-measured", None)
@@ -256,7 +260,57 @@ def _timeline(plan: Plan, schedule: Mapping[int, list],
                       f'{idle_fraction(rows, makespan):.1%}): every action as the runtime timed it on each rank '
                       f'(<code>runtime.measure.StepTimer</code>), aligned by the ranks\' wall clocks; a receive '
                       f'waited on inside a forward or backward is drawn idle.</p>')
+            spans = measured[3] if len(measured) > 3 else {}
+            if spans:
+                out += _zero3_timeline(spans, started, m_span, plan)
     return out
+
+
+def _zero3_timeline(spans: Mapping[int, Sequence[Sequence]], started_at: Mapping[int, float], makespan: float,
+                    plan: Plan) -> str:
+    """ZeRO-3's measured collectives on the measured timeline's axis: per rank, each site's
+    all-gather from its issue to its end (the part compute waited on drawn dark: exposed) above,
+    its reduce-scatters below; the exposed seconds against the planner's ``dp_comm``."""
+    left, width, row_h, top = 70, 1180, 30, 8
+    scale = width / makespan if makespan > 0 else 0.0
+    first = min(started_at.values()) if started_at else 0.0
+    svg = [f'<svg id="zero3-timeline" xmlns="http://www.w3.org/2000/svg" width="{left + width + 20}" '
+           f'height="{top + row_h * len(spans) + 8}" role="img" aria-label="ZeRO-3 gathers and reduce-scatters">']
+    exposed: dict[int, float] = {}
+    reduce: dict[int, float] = {}
+    for i, (rank, rows) in enumerate(sorted(spans.items())):
+        y = top + i * row_h
+        shift = started_at.get(rank, first) - first
+        svg.append(f'<g class="rank" data-rank="{rank}"><text x="{left - 8}" y="{y + row_h / 2 + 4}" '
+                   f'text-anchor="end" font-size="12">rank {rank}</text>')
+        for label, issued, waited, done in rows:
+            issued, waited, done = (float(t) + shift for t in (issued, waited, done))
+            gather = str(label).startswith("AG")
+            parts = ([("inflight", issued, waited, y + 3), ("exposed", waited, done, y + 3)] if gather
+                     else [("reduce", issued, done, y + row_h / 2)])
+            if gather:
+                exposed[rank] = exposed.get(rank, 0.0) + done - waited
+            else:
+                reduce[rank] = reduce.get(rank, 0.0) + done - issued
+            for kind, a, b, yy in parts:
+                if b <= a:
+                    continue
+                svg.append(f'<rect class="z3 {kind}" x="{left + a * scale:.2f}" y="{yy:.1f}" '
+                           f'width="{max((b - a) * scale, 0.6):.2f}" height="{row_h / 2 - 3:.1f}" stroke="#fff" '
+                           f'stroke-width="0.3"><title>{_e(str(label))} {kind}: {_ms(a)} - {_ms(b)}</title></rect>')
+        svg.append("</g>")
+    svg.append("</svg>")
+    worst = max(exposed, key=lambda r: exposed[r] + reduce.get(r, 0.0), default=None)
+    predicted = plan.predicted.terms.get("dp_comm", 0.0)
+    note = (f'<p class="note" id="zero3-timeline-note">ZeRO-3, measured: each site\'s all-gather from its issue '
+            f'(the next site\'s goes out before the current one computes: prefetch) to its end, the part compute '
+            f'waited on dark; reduce-scatters below. Rank {worst} waited {_ms(exposed.get(worst, 0.0))} on gathers '
+            f'and spent {_ms(reduce.get(worst, 0.0))} in reduce-scatters this step; the plan predicts '
+            f'{_ms(predicted)} of data-parallel communication not hidden by compute (dp_comm).</p>'
+            if worst is not None else "")
+    legend = _legend([("gather in flight", "#d4a6c8"), ("gather waited on (exposed)", "#a33"),
+                      ("reduce-scatter", "#76b7b2")])
+    return '<h3>ZeRO-3 gathers and reduce-scatters (measured)</h3>' + legend + "\n".join(svg) + note
 
 
 def _timeline_svg(rows: Mapping[int, list[Interval]], makespan: float, svg_id: str, plan: Plan | None) -> str:

@@ -71,7 +71,7 @@ import passes.ir.offload_ops as oo
 from passes.annotate_memory import annotate_memory
 from passes.ir.meta import CAPTURE, MEMORY_SUMMARY
 from passes.ir.offload_ops import OFFLOAD_BEGIN
-from passes.ir.zero3_ops import ZERO3_PREFETCH, ZERO3_GATHER, ZERO3_PLAN, GatherSchedule, Zero3Plan
+from passes.ir.zero3_ops import ZERO3_PREFETCH, ZERO3_GATHER, ZERO3_PLAN, GatherSchedule, Zero3Plan, keeps_gathered
 from passes.ir.meta import dim_symbol
 from passes.ir.schedule import build as build_schedule
 from passes.ir.schedule.actions import Kind
@@ -737,12 +737,14 @@ class _Zero3Gathers:
     parameter's column block is not contiguous when the site has several: ``reshape`` copies it
     first, ``degree * n`` elements), then both buffers die. In forward the parameters die one by
     one after their last reader (``Z3_FREE``); in backward the site holds them from its first
-    use to its reduce-scatter (``Z3_RELEASE``).
+    use to its reduce-scatter (``Z3_RELEASE``). Under ``reshard_after_forward=False`` a
+    re-gathered site holds them from its forward gather to its reduce-scatter instead.
     """
 
     def __init__(self, live: _Live, plans: Mapping[int, Zero3Plan], prefetch: int) -> None:
         self.live = live
-        self.schedule = GatherSchedule([site for p in plans.values() for site in p.sites], prefetch)
+        self.schedule = GatherSchedule([site for p in plans.values() for site in p.sites], prefetch,
+                                       keep=keeps_gathered(plans.values()))
         self.sites = {(site.stage, site.site): (plan.degree, [plan.param(n) for n in site.params])
                       for plan in plans.values() for site in plan.sites}
         self.pending: dict[tuple[int, int], list[Hashable]] = {}  # issued, not yet taken: its buffers
@@ -787,11 +789,18 @@ class _Zero3Gathers:
 
     def event(self, e: Event, microbatch: int, where: str) -> None:
         if e.op == Z3_FORWARD:
+            kept = e.key in self.held  # reshard_after_forward=False: gathered by an earlier forward
             self._issue(self.schedule.forward(e.key), where)
-            self.forward[(e.key, microbatch)] = list(self._take(e.key, where))
+            taken = [] if kept else self._take(e.key, where)
+            if e.key in self.schedule.held and not kept:  # held from here to its reduce-scatter
+                self.held[e.key] = taken
+            if e.key not in self.held:  # what the forward's last readers free (a held site: its reduce-scatter)
+                self.forward[(e.key, microbatch)] = taken
         elif e.op == Z3_FREE:
             key, j = e.key
-            params = self.forward[(key, microbatch)]
+            params = self.forward.get((key, microbatch))
+            if params is None:  # held
+                return
             self.live.free(params[j])
             params[j] = None
             if not any(params):
@@ -937,7 +946,8 @@ def predict_step_time(profile, cluster, knobs: Mapping[str, object], *, global_b
     the search's memory check (:func:`partitioner.memory_check.replay_check`), so the plan carries
     the memory numbers the planner returns for a captured model."""
 
-    knobs = {"hsdp_shard": None, **knobs}  # off unless given (knob sets written before HSDP existed)
+    # off unless given (knob sets written before HSDP and reshard_after_forward existed)
+    knobs = {"hsdp_shard": None, "reshard_after_forward": True, **knobs}
     missing = [k for k in KNOBS if k not in knobs]
     if missing:
         raise ConfigError(f"fidelity: pin every knob to evaluate one plan; missing {missing}")

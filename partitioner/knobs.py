@@ -47,6 +47,8 @@ KNOB_RULES: dict[str, Knob] = {k.name: k for k in (
     Knob(name="schedule", kind="choice", choices=SCHEDULES, meaning="pipeline schedule"),
     Knob(name="zero_stage", kind="choice", choices=ZERO_STAGES, meaning="ZeRO stage"),
     Knob(name="hsdp_shard", kind="optional_count", meaning="dp ranks a ZeRO-3 shard group spans (HSDP; none: all of dp)"),
+    Knob(name="reshard_after_forward", kind="bool",
+         meaning="ZeRO-3 frees a block's gathered parameters after its forward (false: keeps them for its backward)"),
     Knob(name="sequence_parallel", kind="bool", meaning="sequence parallelism"),
     Knob(name="checkpointing", kind="choice", choices=CHECKPOINTING, meaning="activation recomputation"),
     Knob(name="offload", kind="choice", choices=OFFLOAD, meaning="what waits in host memory"),

@@ -383,10 +383,13 @@ def _stage_numbers(ctx: PlanContext, c: ParallelConfig, costs, ranges: list[tupl
     f = b = tpc = rc = params = act = 0.0
     shared = ctx.profile.shared_param_count / c.tp
     largest = 0.0  # the most parameters one layer of the stage has (ZeRO-3 gathers a layer at a time)
+    kept = 0.0  # parameters of the layers whose backward reads them (the embedding's reads only ids)
     for start, stop in ranges:
         for i in range(start, stop):
             cost = emb if i == 0 else head if i == L + 1 else blk
             largest = max(largest, cost.params + (shared if (i == 0 and p > 1) or i == L + 1 else 0.0))
+            if i > 0:
+                kept += cost.params + (shared if i == L + 1 else 0.0)
             f += cost.fwd
             b += cost.bwd
             tpc += cost.tp_comm
@@ -404,7 +407,8 @@ def _stage_numbers(ctx: PlanContext, c: ParallelConfig, costs, ranges: list[tupl
         "buffers": _buffers(ctx, c, None if c.zero_stage == 3 else params * ctx.itemsize),
     }
     if c.zero_stage == 3:  # the gathered full parameters count as communication buffers
-        memory["buffers"] += zero3_gathered_bytes(largest, ctx.itemsize)
+        memory["buffers"] += zero3_gathered_bytes(largest, ctx.itemsize,
+                                                  kept_params=None if c.reshard_after_forward else kept)
     return f, b, tpc, rc, params, act, memory
 
 
@@ -495,18 +499,25 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
     return Evaluated(config=c, feasible=feasible, step_time=terms.total, peak=peak, stages=tuple(stages), terms=terms)
 
 
-def zero3_gathered_bytes(largest_layer_params: float, itemsize: int, prefetch: int = ZERO3_PREFETCH) -> float:
+def zero3_gathered_bytes(largest_layer_params: float, itemsize: int, prefetch: int = ZERO3_PREFETCH, *,
+                         kept_params: float | None = None) -> float:
     """Bytes of full parameters ZeRO-3 holds at once on a device: the running layer's and the
     ``prefetch`` layers gathered ahead (each at most the stage's largest layer), plus, at a
-    layer's backward, its full gradients and their fp32 reduce-scatter buffer."""
-    return (1 + prefetch) * largest_layer_params * itemsize + largest_layer_params * (itemsize + 4)
+    layer's backward, its full gradients and their fp32 reduce-scatter buffer.
+    ``kept_params`` (``reshard_after_forward=False``): the parameters kept gathered from the
+    forward to the backward instead (every layer whose backward reads its weights)."""
+    grads = largest_layer_params * (itemsize + 4)
+    if kept_params is not None:
+        return max(kept_params, (1 + prefetch) * largest_layer_params) * itemsize + grads
+    return (1 + prefetch) * largest_layer_params * itemsize + grads
 
 
 def zero3_exposed_time(param_bytes: float, grad_bytes_fp32: float, c: ParallelConfig, link, fwd: float, bwd: float,
                        on_host: bool, *, layers: int = 1, replicas: tuple[int, object] = (1, None)) -> float:
     """Seconds per step of ZeRO-3 communication that compute does not hide, on one stage of
     ``layers`` layers: per micro-batch an all-gather of the stage's parameters before its forward
-    and again before its backward, and a reduce-scatter of its gradients (fp32) after it. With
+    and again before its backward (not again with ``reshard_after_forward=False``: the forward's
+    gather is kept), and a reduce-scatter of its gradients (fp32) after it. With
     prefetch (the runtime's default, one site ahead) each layer's gather overlaps the layer before it, except the first layer's of each
     pass (a layer's share: ``1 / layers``); on a host device (gloo on CPU) the collectives share
     the rank's thread with compute and nothing hides. ``link``: the shard group's; HSDP's
@@ -517,10 +528,12 @@ def zero3_exposed_time(param_bytes: float, grad_bytes_fp32: float, c: ParallelCo
     rs = reduce_scatter_time(grad_bytes_fp32, degree, link)
     if replicas[0] > 1:
         rs += all_reduce_time(grad_bytes_fp32 / degree, replicas[0], replicas[1])
+    again = 1 if c.reshard_after_forward else 0  # gathers of the stage's parameters in backward
     if on_host:
-        return c.num_micro_batches * (2 * ag + rs)
+        return c.num_micro_batches * ((1 + again) * ag + rs)
     first = ag / max(layers, 1)
-    return c.num_micro_batches * (2 * first + max(0.0, ag - first - fwd) + max(0.0, ag - first + rs - bwd))
+    return c.num_micro_batches * ((1 + again) * first + max(0.0, ag - first - fwd)
+                                  + max(0.0, again * (ag - first) + rs - bwd))
 
 
 SPLIT_OPS_PER_MATMUL = 12

@@ -44,7 +44,7 @@ _OFFLOAD_ORDER = ("none", "optimizer", "activations")  # the tie-break's order: 
 def _key(c: ParallelConfig) -> tuple:
     """Stable tie-break: simpler plans first (less parallelism, no offload, no recompute)."""
     return (_OFFLOAD_ORDER.index(c.offload), CHECKPOINTING.index(c.checkpointing), c.zero_stage,
-            c.sequence_parallel, c.pp, c.tp, SCHEDULES.index(c.schedule), c.virtual_pp,
+            not c.reshard_after_forward, c.sequence_parallel, c.pp, c.tp, SCHEDULES.index(c.schedule), c.virtual_pp,
             -c.micro_batch_size)
 
 
@@ -135,14 +135,16 @@ def _pinned_problems(fix: dict, world: int, L: int, heads: int, global_batch: in
     return out
 
 
-def _zero_options(opts, dp: int, tp: int, devices_per_node: int) -> list[tuple[int, int | None]]:
-    """The (zero_stage, hsdp_shard) pairs tried for ``dp`` replicas of ``tp`` ranks: ZeRO 0-3, and
-    HSDP with a shard group of one node's dp ranks when dp spans several nodes."""
+def _zero_options(opts, dp: int, tp: int, devices_per_node: int) -> list[tuple[int, int | None, bool]]:
+    """The (zero_stage, hsdp_shard, reshard_after_forward) triples tried for ``dp`` replicas of
+    ``tp`` ranks: ZeRO 0-3; under ZeRO-3, HSDP with a shard group of one node's dp ranks when dp
+    spans several nodes, and the gathered parameters freed after forward or kept for backward."""
     out = []
     node = devices_per_node // tp if tp <= devices_per_node else 0
     for zero in opts("zero_stage", [0, 1, 2, 3] if dp > 1 else [0]):
         shards = [None] + ([node] if zero == 3 and 1 < node < dp and dp % node == 0 else [])
-        out += [(zero, h) for h in opts("hsdp_shard", shards)]
+        reshard = opts("reshard_after_forward", [True, False] if zero == 3 else [True])
+        out += [(zero, h, r) for h in opts("hsdp_shard", shards) for r in reshard]
     return out
 
 
@@ -232,7 +234,7 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
                                f"{per_replica} samples of each of dp={dp} replicas (global batch {global_batch})")
                     continue
                 for sched, v in _schedules(fix, pp, L, m, why):
-                    for zero, hsdp in _zero_options(opts, dp, tp, cluster.devices_per_node):
+                    for zero, hsdp, reshard in _zero_options(opts, dp, tp, cluster.devices_per_node):
                         for sp in opts("sequence_parallel", [False, True] if tp > 1 else [False]):
                             has_scores = any(layer.attention_score_bytes for layer in profile.layers)
                             ckpts = ["none", "selective", "full"] if has_scores else ["none", "full"]
@@ -242,6 +244,7 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
                                         out.append(ParallelConfig(
                                             dp=dp, tp=tp, pp=pp, virtual_pp=v, micro_batch_size=mbs,
                                             num_micro_batches=m, schedule=sched, zero_stage=zero, hsdp_shard=hsdp,
+                                            reshard_after_forward=reshard,
                                             sequence_parallel=sp, checkpointing=ckpt, offload=off,
                                             dtype=profile.dtype))
                                     except ConfigError as exc:

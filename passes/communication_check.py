@@ -69,7 +69,7 @@ from passes.ir.grad_buckets import (
 from passes.ir.meta import CAPTURE, MEMORY, SHAPE, TensorMeta, dim_symbol
 from passes.ir.ops import SCHEMAS, TP_OPS, op_name
 from passes.ir.program import RankProgram, global_rank, mesh_coords
-from passes.ir.zero3_ops import ZERO3_PREFETCH, ZERO3_PLAN, GatherSchedule
+from passes.ir.zero3_ops import ZERO3_PREFETCH, ZERO3_PLAN, GatherSchedule, keeps_gathered
 
 CallOp = Literal["all_reduce(sum)", "all_reduce(max)", "reduce_scatter(sum)", "all_gather", "send", "recv"]
 
@@ -299,7 +299,8 @@ class _Zero3Calls:
         for (stage, _), (site, _) in sorted(self.sites.items()):
             for name in site.savers:
                 self.savers.setdefault(stage, {}).setdefault(name, []).append((stage, site.site))
-        self.schedule = GatherSchedule([site for site, _ in self.sites.values()], prefetch)
+        self.schedule = GatherSchedule([site for site, _ in self.sites.values()], prefetch,
+                                       keep=keeps_gathered(plans.values()))
 
     def calls(self, event: str, key: tuple[int, int], where: str) -> list[CommCall]:
         if event == "zero3_reduce_scatter":

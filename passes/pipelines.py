@@ -127,7 +127,7 @@ REGISTRY: dict[str, PassDef] = {d.name: d for d in (
     PassDef(name="split_backward", make=_plain(split_backward), requires=(CAPTURE,), provides=(),
             options=("grad_inputs",)),
     PassDef(name="shard_parameters", make=_plain(shard_parameters), requires=(CAPTURE,), provides=(ZERO3_PLAN,),
-            options=("degree", "group", "stage")),
+            options=("degree", "group", "stage", "reshard_after_forward")),
 )}
 
 
@@ -203,7 +203,8 @@ def stage_passes(config: ParallelConfig, *, stage: int, tp_rank: int, tp_group: 
     if config.split_backward:
         out.append(make_pass("split_backward", grad_inputs=tuple(grad_inputs)))
     if config.zero_stage == 3:
-        out.append(make_pass("shard_parameters", degree=config.shard_degree, group=zero3_group(tp_group), stage=stage))
+        out.append(make_pass("shard_parameters", degree=config.shard_degree, group=zero3_group(tp_group), stage=stage,
+                             reshard_after_forward=config.reshard_after_forward))
     if config.offload == "activations":
         out.append(make_pass("apply_offload"))
     return out + reanalysis_passes(ctx)

@@ -46,9 +46,12 @@ from passes.ir.zero3_ops import (ZERO3_GATHER, ZERO3_PLAN, GatherSite, ShardedPa
 from passes.saved_tensors import observe_saved_tensors
 
 
-def shard_parameters(gm: fx.GraphModule, ctx: Any = None, *, degree: int, group: str, stage: int) -> fx.GraphModule:
+def shard_parameters(gm: fx.GraphModule, ctx: Any = None, *, degree: int, group: str, stage: int,
+                     reshard_after_forward: bool = True) -> fx.GraphModule:
     """Shard every parameter of ``gm`` over ``degree`` dp ranks and gather each block's
-    parameters before its first reader; returns ``gm`` (edited in place)."""
+    parameters before its first reader; returns ``gm`` (edited in place).
+    ``reshard_after_forward``: recorded in the plan for the runtime (``False``: a re-gathered
+    site's parameters are kept from the forward gather to the reduce-scatter)."""
     if not isinstance(degree, int) or degree < 1:
         raise PassError(f"shard_parameters: degree must be a positive int (the dp degree), got {degree!r}")
     if ZERO3_PLAN in gm.meta:
@@ -87,7 +90,8 @@ def shard_parameters(gm: fx.GraphModule, ctx: Any = None, *, degree: int, group:
         savers = saved.get(node, ())
         sites.append(GatherSite(stage=stage, site=k, graph=graph_name, block=block, params=members,
                                 regather=bool(graph_name) or bool(savers), savers=savers))
-    gm.meta[ZERO3_PLAN] = Zero3Plan(degree=degree, group=group, params=tuple(params.values()), sites=tuple(sites))
+    gm.meta[ZERO3_PLAN] = Zero3Plan(degree=degree, group=group, params=tuple(params.values()), sites=tuple(sites),
+                                    reshard_after_forward=bool(reshard_after_forward))
     return gm
 
 

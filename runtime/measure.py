@@ -66,6 +66,11 @@ class StepMeasurement:
     """Every schedule action of the step as (action text, start, end) in seconds from the step's
     start: compute (``F``/``B``), posts (``RECV_F``/``SEND_F``/...), ``wait`` (a receive waited
     on inside a compute action), ``ALL_REDUCE`` and ``STEP``."""
+    collectives: tuple[tuple[str, float, float, float], ...] = ()
+    """ZeRO-3's collectives of the step as (``AG s.k`` / ``RS s.k`` for stage s, site k, issued,
+    waited on from, done) in seconds from the step's start: a gather from its issue (ahead, when
+    prefetched) to its end, compute waiting on it from the third number; a reduce-scatter runs
+    where it is issued."""
 
 
 class LiveBytes(TorchDispatchMode):
@@ -222,12 +227,20 @@ class StepTimer:
         limit = None if self.track_memory is True else int(self.track_memory)
         if not cuda and (limit is None or len(self.steps) < limit):
             mode = LiveBytes(self._persistent(), host=self._host_resident())
+        zero3 = getattr(self.model, "zero3", None)
+        if zero3 is not None:
+            zero3.spans = []
         started_at, start = time.time(), time.perf_counter()
-        if mode is not None:
-            with mode:
+        try:
+            if mode is not None:
+                with mode:
+                    loss = fn()
+            else:
                 loss = fn()
-        else:
-            loss = fn()
+        finally:
+            spans = zero3.spans if zero3 is not None else []
+            if zero3 is not None:
+                zero3.spans = None  # recorded only while a step is measured
         wall = time.perf_counter() - start
         peak = (int(torch.cuda.max_memory_allocated()) if cuda else (mode.peak if mode is not None else None))
         t = self._t
@@ -239,7 +252,9 @@ class StepTimer:
             send_wait_s=t.get("send_wait", 0.0), p2p_post_s=t.get("post", 0.0),
             collective_s=t.get("collective", 0.0), optimizer_s=t.get("optimizer", 0.0),
             other_s=max(0.0, wall - parts), peak_memory_bytes=peak, started_at=started_at,
-            timeline=tuple((label, a - start, b - start) for label, a, b in self._timeline))
+            timeline=tuple((label, a - start, b - start) for label, a, b in self._timeline),
+            collectives=tuple((f"{'AG' if x.kind == 'gather' else 'RS'} {x.stage}.{x.site}", x.issued_s - start,
+                               x.waited_s - start, x.done_s - start) for x in spans))
         self.steps.append(m)
         return m
 

@@ -15,7 +15,7 @@ import torch
 from torch import fx
 
 from passes.ir.errors import ConfigError
-from passes.ir.zero3_ops import ZERO3_PREFETCH, ZERO3_PLAN, shard_of
+from passes.ir.zero3_ops import ZERO3_PREFETCH, ZERO3_PLAN, keeps_gathered, shard_of
 from runtime.kernels.zero3 import ParamGatherer, register_gatherer
 
 
@@ -48,8 +48,9 @@ def zero3_gatherer(modules: Mapping[int, fx.GraphModule], mesh, *, prefetch: int
             shards = [module.get_parameter(n) for n in site.params]
             shapes = [plan.param(n).shape for n in site.params]
             sites[(stage, site.site)] = (site, shards, shapes)
+    keep = keeps_gathered(m.meta[ZERO3_PLAN] for m in modules.values())
     gatherer = ParamGatherer(mesh.dp_shard_group, mesh.dp_shard, sites, prefetch=prefetch,
-                             replica_group=mesh.dp_replica_group, replicas=mesh.dp // mesh.dp_shard)
+                             replica_group=mesh.dp_replica_group, replicas=mesh.dp // mesh.dp_shard, keep=keep)
     if group_name is not None:
         register_gatherer(group_name, gatherer)
     return gatherer

@@ -60,6 +60,7 @@ class Plan:
     checkpointing: str
     offload: str
     hsdp: int | None = None  # ZeRO-3's shard group (HSDP), None: all of dp
+    reshard: bool = True  # ZeRO-3 frees the gathered parameters after forward (False: keeps them for backward)
 
     @property
     def size(self) -> int:
@@ -72,14 +73,14 @@ class Plan:
                 f"-m{self.num_micro_batches}-b{self.global_batch}" + (f"-zero{self.zero}" if self.zero else "")
                 + (f"-ckpt_{self.checkpointing}" if self.checkpointing != "none" else "")
                 + (f"-offload_{self.offload}" if self.offload != "none" else "")
-                + (f"-hsdp{self.hsdp}" if self.hsdp else ""))
+                + (f"-hsdp{self.hsdp}" if self.hsdp else "") + ("" if self.reshard else "-keep"))
 
     def config(self) -> ParallelConfig:
         """The :class:`ParallelConfig` the plan is lowered with."""
         return ParallelConfig.for_global_batch(
             self.global_batch, dp=self.dp, tp=self.tp, pp=self.pp, schedule=self.schedule, virtual_pp=self.virtual_pp,
             num_micro_batches=self.num_micro_batches, zero_stage=self.zero, checkpointing=self.checkpointing,
-            offload=self.offload, hsdp_shard=self.hsdp)
+            offload=self.offload, hsdp_shard=self.hsdp, reshard_after_forward=self.reshard)
 
 
 def batches(spec, global_batch: int) -> list[tuple[torch.Tensor, ...]]:

@@ -56,8 +56,11 @@ def plans(draw, models=("gpt", "hf-gpt2"), max_ranks: int = WORLD) -> Plan:
     zero = draw(st.sampled_from([0, 1, 2, *zero3] if dp > 1 else [0]))
     # HSDP: ZeRO-3 sharded inside groups of dp ranks, replicated across them
     hsdp = draw(st.sampled_from([None, *[s for s in (2, 4) if s < dp and dp % s == 0]])) if zero == 3 else None
+    # ZeRO-3's gathered parameters freed after forward (gathered again in backward) or kept for it
+    reshard = draw(st.booleans()) if zero == 3 else True
     return Plan(model=model, dp=dp, tp=tp, pp=pp, schedule=schedule, virtual_pp=v, num_micro_batches=m,
-                global_batch=dp * m * per_micro_batch, zero=zero, checkpointing=ckpt, offload=offload, hsdp=hsdp)
+                global_batch=dp * m * per_micro_batch, zero=zero, checkpointing=ckpt, offload=offload, hsdp=hsdp,
+                reshard=reshard)
 
 
 def draw_plans(strategy, n: int, *, seed_value: int, pool_size: int = 200) -> list[Plan]:
@@ -93,7 +96,7 @@ def draw_plans(strategy, n: int, *, seed_value: int, pool_size: int = 200) -> li
 def _features(plan: Plan) -> set:
     single = {"model": plan.model, "size": plan.size, "tp": plan.tp > 1, "pp": plan.pp > 1, "dp": plan.dp > 1,
               "schedule": plan.schedule, "zero": plan.zero, "memory": (plan.checkpointing, plan.offload),
-              "hsdp": plan.hsdp is not None}
+              "hsdp": plan.hsdp is not None, "keep": not plan.reshard}
     items = sorted(single.items(), key=lambda kv: kv[0])
     pairs = {(a, b) for i, a in enumerate(items) for b in items[i + 1:] if a[0] != "size" and b[0] != "size"}
     return set(items) | pairs
@@ -188,10 +191,12 @@ def test_draw_covers_every_axis_and_option():
         "model": {p.model for p in DRAWN}, "tp>1": {p.tp > 1 for p in DRAWN}, "pp>1": {p.pp > 1 for p in DRAWN},
         "dp>1": {p.dp > 1 for p in DRAWN}, "schedule": {p.schedule for p in DRAWN}, "zero": {p.zero for p in DRAWN},
         "memory": {(p.checkpointing, p.offload) for p in DRAWN}, "hsdp": {p.hsdp is not None for p in DRAWN},
+        "keep": {not p.reshard for p in DRAWN},
     }
     want = {"model": {"gpt", "hf-gpt2"}, "tp>1": {True, False}, "pp>1": {True, False}, "dp>1": {True, False},
             "schedule": {"gpipe", "1f1b", "interleaved", "zb1p", "zbv"}, "zero": {0, 1, 2, 3},
-            "memory": {("none", "none"), ("full", "none"), ("none", "activations")}, "hsdp": {True, False}}
+            "memory": {("none", "none"), ("full", "none"), ("none", "activations")}, "hsdp": {True, False},
+            "keep": {True, False}}
     assert seen == want, [p.id for p in DRAWN]
     assert len(DRAWN) == len(set(DRAWN)) == N_DRAWN
     assert all(p.size in (1, 2, 4, 8) and 2 % p.tp == 0 and p.global_batch % (p.dp * p.num_micro_batches) == 0

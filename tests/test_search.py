@@ -247,3 +247,20 @@ def test_a_candidate_the_memory_check_drops_is_not_returned(profile):
     assert len(dropped) == 1 and dropped[0].reason.startswith("needs ")
     with pytest.raises(InfeasiblePlanError, match="exact memory replay of the 3 fastest plans"):
         plan(profile, cluster, global_batch=16, check=lambda p: check(dataclasses.replace(p, config=fastest.config)))
+
+
+def test_zero3_keeps_the_gathered_parameters_when_they_fit_and_frees_them_when_not():
+    # one 8-device node at dp=8: ZeRO-3 pinned, the search chooses reshard_after_forward
+    profile = profile_model("llama:layers=32,hidden=4096,heads=32,kv_heads=8,vocab=32000,seq=4096", dtype="bf16")
+    fix = {"dp": 8, "tp": 1, "pp": 1, "zero_stage": 3, "micro_batch_size": 1, "checkpointing": "full"}
+    roomy = plan(profile, _cluster(), global_batch=64, fix=fix)
+    by_keep = {a.knobs["reshard_after_forward"]: a for a in roomy.alternatives}
+    assert roomy.config.reshard_after_forward is False  # one gather per micro-batch instead of two
+    freed = by_keep[True]
+    assert freed.step_time_s > roomy.predicted.step_time_s
+    # keeping costs the whole model's parameters in full (bf16) beside the shards
+    assert roomy.predicted.peak_memory_bytes - freed.peak_memory_bytes > 0.9 * 2 * profile.param_count * 31 / 32
+    tight = plan(profile, _cluster(memory_bytes=(freed.peak_memory_bytes + roomy.predicted.peak_memory_bytes) / 2),
+                 global_batch=64, fix=fix)
+    assert tight.config.reshard_after_forward is True
+    assert tight.predicted.peak_memory_bytes == pytest.approx(freed.peak_memory_bytes)

@@ -1,6 +1,6 @@
-"""ZeRO-3 on gloo: parameters sharded over dp, gathered per block (and again in backward), their
-gradients reduce-scattered into the shards; alone, with tp=2, with pp=2, with full
-checkpointing, for a GPT, a Llama (GQA, untied) and a Hugging Face GPT-2 (tied embedding and LM
+"""ZeRO-3 on gloo: parameters sharded over dp, gathered per block (and again in backward, or kept
+from the forward with reshard_after_forward=False), their gradients reduce-scattered into the
+shards; alone, with tp=2, with pp=2, with full checkpointing, for a GPT, a Llama (GQA, untied) and a Hugging Face GPT-2 (tied embedding and LM
 head on the first and last stage). Every plan trains like one device: the same losses, clipped
 gradient norms, parameters and gradients after three AdamW steps (fp32, rtol 1e-5).
 
@@ -24,8 +24,8 @@ LLAMA = "llama:layers=4,hidden=32,heads=4,kv_heads=2,vocab=64,seq=8"
 WORLD = 4
 
 
-def _plan(model, dp, tp=1, pp=1, m=2, ckpt="none", batch=8) -> Plan:
-    return Plan(model, dp, tp, pp, "1f1b", 1, m, batch, 3, ckpt, "none")
+def _plan(model, dp, tp=1, pp=1, m=2, ckpt="none", batch=8, keep=False) -> Plan:
+    return Plan(model, dp, tp, pp, "1f1b", 1, m, batch, 3, ckpt, "none", reshard=not keep)
 
 
 PLANS = [
@@ -33,6 +33,10 @@ PLANS = [
     _plan("gpt", 2, m=1, ckpt="full"), _plan("gpt", 2, pp=2, ckpt="full"),
     _plan("llama", 2), _plan("llama", 2, tp=2, m=1), _plan("llama", 2, pp=2, ckpt="full"),
     _plan("hf-gpt2", 2), _plan("hf-gpt2", 2, pp=2), _plan("hf-gpt2", 2, tp=2, m=1),
+    # reshard_after_forward=False: the forward's gathers kept for backward (and for the next
+    # micro-batch's forward while 1F1B holds them)
+    _plan("gpt", 2, pp=2, m=4, keep=True), _plan("gpt", 2, m=1, ckpt="full", keep=True),
+    _plan("llama", 2, tp=2, m=1, keep=True), _plan("hf-gpt2", 2, pp=2, keep=True),
 ]
 NO_PREFETCH = _plan("gpt", 2, pp=2)
 
@@ -51,6 +55,7 @@ def _states(plan: Plan, payload) -> dict:
     own group names), and of the same model under ZeRO-0 on pp=2 (ranks 0 and 1): parameter and
     optimizer-state elements, gathers issued, the sites, the losses."""
     from partitioner.build import build_parallel_model
+    from runtime.measure import StepTimer
     from runtime.mesh import Mesh, init_distributed
 
     init_distributed(timeout_s=300)
@@ -67,8 +72,13 @@ def _states(plan: Plan, payload) -> dict:
         g = pm.zero3
         forward = sum(len(order) for order in g.schedule.forward_order.values())
         backward = sum(len(order) for order in g.schedule.backward_order.values())
-        out[key] = {"param_elems": sum(p.numel() for p in pm.params), "state_elems": state, "issued": g.issued,
-                    "sites": (forward, backward), "losses": losses}
+        issued = g.issued
+        # a third step, timed: the collectives each rank records for the report's ZeRO-3 timeline
+        timed = StepTimer(pm, track_memory=False).measure(2, lambda: pm.train_step(batches[2]))
+        out[key] = {"param_elems": sum(p.numel() for p in pm.params), "state_elems": state, "issued": issued,
+                    "sites": (forward, backward), "losses": losses, "step_issued": g.issued - issued,
+                    "timed": {"rank": mesh.rank, "step": 2, "timeline": timed.timeline,
+                              "started_at": timed.started_at, "collectives": timed.collectives}}
     torch.distributed.barrier()
     if plain.active:
         pm = build_parallel_model(graph, plan.config().replace(dp=1, zero_stage=0, micro_batch_size=4), plain,
@@ -145,6 +155,36 @@ def test_gathers_follow_the_schedule_with_and_without_prefetch(sharded_state):
             # every site once per forward, every re-gathered site once per backward, per micro-batch
             assert r["issued"] == steps * m * (forward + backward), key
     assert sharded_state["prefetch"][0]["losses"] == sharded_state["none"][0]["losses"]
+
+
+@pytest.mark.slow
+def test_each_rank_times_its_gathers_and_reduce_scatters_and_the_report_draws_them(sharded_state):
+    from types import SimpleNamespace
+
+    from ir_dumps.report import render_report
+    from partitioner.cluster import Cluster
+    from tests.test_report import parse, synthetic_plan
+
+    for key in ("prefetch", "none"):
+        for r in sharded_state[key]:
+            spans = r["timed"]["collectives"]
+            gathers = [x for x in spans if x[0].startswith("AG")]
+            reduces = [x for x in spans if x[0].startswith("RS")]
+            forward, backward = r["sites"]
+            assert len(gathers) == r["step_issued"]  # every gather issued this step, timed when taken
+            assert len(reduces) == NO_PREFETCH.num_micro_batches * forward  # each site's, per micro-batch
+            assert all(0 <= issued <= waited <= done for _, issued, waited, done in spans)
+            # with prefetch, a gather goes out while the site before it computes, before its wait
+            ahead = sum(1 for _, issued, waited, _ in gathers if waited - issued > 1e-4)
+            assert (ahead > len(gathers) // 2) if key == "prefetch" else ahead == 0, (key, ahead, len(gathers))
+    steps = [SimpleNamespace(**r["timed"]) for r in sharded_state["prefetch"]]
+    text = render_report(plan=synthetic_plan(pp=2, m=2), cluster=Cluster.load("local-cpu"), measured_step=steps)
+    doc = parse(text)
+    assert len(doc.find("svg", id="zero3-timeline")) == 1
+    drawn = doc.with_class("z3")
+    assert len([a for a in drawn if "reduce" in a["class"]]) == sum(
+        1 for r in sharded_state["prefetch"] for x in r["timed"]["collectives"] if x[0].startswith("RS"))
+    assert any("exposed" in a["class"] for a in drawn) and 'id="zero3-timeline-note"' in text
 
 
 def _checkpoint_round_trip(directory: str, payload):

@@ -1,7 +1,8 @@
 """The memory replay of ZeRO-3 plans (partitioner.fidelity, partitioner.memory_check) against what
 the ranks measure on gloo: the replayed per-rank peak is within 5% of each rank's measured peak
 (live tensor storages, steps with optimizer state) for a GPT at dp=2, dp=2 x pp=2, dp=2 with full
-checkpointing and a Llama at dp=2; and the model state a rank holds (parameters, gradients,
+checkpointing and a Llama at dp=2, the same GPT plans keeping the gathered parameters from forward
+to backward (reshard_after_forward=False), and HSDP (dp=4 in shard groups of 2); and the model state a rank holds (parameters, gradients,
 AdamW state) under ZeRO-3 is 1/dp of ZeRO-0's, as measured and as replayed.
 
 The measurement is :class:`runtime.measure.LiveBytes` as every measured step takes it (it also
@@ -26,11 +27,15 @@ WORLD, BATCH = 4, 8
 TOLERANCE = 0.05
 
 
-def _plan(model, dp, pp=1, m=2, ckpt="none", zero=3) -> Plan:
-    return Plan(model, dp, 1, pp, "1f1b", 1, m, BATCH, zero, ckpt, "none")
+def _plan(model, dp, pp=1, m=2, ckpt="none", zero=3, hsdp=None, keep=False) -> Plan:
+    return Plan(model, dp, 1, pp, "1f1b", 1, m, BATCH, zero, ckpt, "none", hsdp=hsdp, reshard=not keep)
 
 
-PEAK_PLANS = [_plan("gpt", 2), _plan("gpt", 2, pp=2), _plan("gpt", 2, ckpt="full"), _plan("llama", 2)]
+PEAK_PLANS = [_plan("gpt", 2), _plan("gpt", 2, pp=2), _plan("gpt", 2, ckpt="full"), _plan("llama", 2),
+              # the gathered parameters kept from forward to backward (reshard_after_forward=False)
+              _plan("gpt", 2, keep=True), _plan("gpt", 2, pp=2, m=4, keep=True), _plan("gpt", 2, ckpt="full", keep=True),
+              # HSDP: shard groups of 2 of dp=4
+              _plan("gpt", 4, m=1, hsdp=2), _plan("llama", 4, m=2, hsdp=2, keep=True)]
 STATE_PLANS = {(2, 0): _plan("gpt", 2, zero=0), (2, 3): PEAK_PLANS[0],
                (4, 0): _plan("gpt", 4, m=1, zero=0), (4, 3): _plan("gpt", 4, m=1)}
 PLANS = PEAK_PLANS + [p for p in STATE_PLANS.values() if p not in PEAK_PLANS]
@@ -58,11 +63,12 @@ def _measure(plans, payloads):
     graphs = {}
     for k in sorted({p.model for p in plans if rank < p.size}):
         graphs[k] = runtime_cases.unpacked_graph(runtime_cases.MODELS[k], payloads[k])
-    shapes = sorted({(p.dp, p.tp, p.pp, stream_count(p.schedule)) for p in plans})
-    meshes = {sh: Mesh(sh[0], sh[2], sh[1], timeout_s=runtime_cases.TIMEOUT_S, pp_streams=sh[3]) for sh in shapes}
+    shapes = sorted({(p.dp, p.tp, p.pp, stream_count(p.schedule), p.hsdp or 0) for p in plans})
+    meshes = {sh: Mesh(sh[0], sh[2], sh[1], timeout_s=runtime_cases.TIMEOUT_S, pp_streams=sh[3],
+                       dp_shard=sh[4] or None) for sh in shapes}
     out = {}
     for plan in plans:
-        mesh = meshes[(plan.dp, plan.tp, plan.pp, stream_count(plan.schedule))]
+        mesh = meshes[(plan.dp, plan.tp, plan.pp, stream_count(plan.schedule), plan.hsdp or 0)]
         torch.distributed.barrier()
         if not mesh.active:
             continue

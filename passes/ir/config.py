@@ -53,7 +53,7 @@ CHECKPOINT_POLICIES: tuple[str, ...] = get_args(CheckpointPolicy)
 OFFLOAD_SELECTIONS: tuple[str, ...] = get_args(OffloadSelection)
 
 KNOBS = ("dp", "tp", "pp", "virtual_pp", "micro_batch_size", "num_micro_batches", "schedule", "zero_stage",
-         "hsdp_shard", "sequence_parallel", "checkpointing", "offload")
+         "hsdp_shard", "reshard_after_forward", "sequence_parallel", "checkpointing", "offload")
 """The fields the search chooses and ``fix=`` may pin (``dtype`` is the user's; ``stage_boundaries``
 follows from the others)."""
 
@@ -89,6 +89,11 @@ class ParallelConfig:
     ``s`` of dp (``1 < s < dp``) shards them inside groups of ``s`` consecutive dp ranks (a node)
     and replicates them across the ``dp / s`` groups (HSDP: gradients reduce-scattered inside a
     group, then all-reduced across the replicas)."""
+    reshard_after_forward: bool = True
+    """ZeRO-3: free a block's gathered parameters after its forward and gather them again for its
+    backward (``True``, FSDP's default: the least memory), or keep them from the forward's gather
+    to the block's reduce-scatter (``False``: one gather per micro-batch instead of two, and the
+    stage's parameters held in full between a micro-batch's forward and its backward)."""
     sequence_parallel: bool = False
     """Shard the tensor-parallel-replicated activations (norms, dropout, residuals) along the sequence."""
     checkpointing: Checkpointing = "none"
@@ -177,8 +182,9 @@ class ParallelConfig:
             value = getattr(self, name)
             if value not in choices or isinstance(value, bool) != isinstance(choices[0], bool):
                 out.append(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
-        if not isinstance(self.sequence_parallel, bool):
-            out.append(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
+        for name in ("sequence_parallel", "reshard_after_forward"):
+            if not isinstance(getattr(self, name), bool):
+                out.append(f"{name} must be true or false, got {getattr(self, name)!r}")
         if out:
             return out  # the rules below compare values that must be well typed first
         if self.schedule == "zbv":
@@ -211,6 +217,9 @@ class ParallelConfig:
                 out.append(f"hsdp_shard={s!r} must be a divisor of dp={self.dp} between 2 and dp-1 (groups of "
                            f"hsdp_shard dp ranks shard, the dp/hsdp_shard groups replicate); use None to shard "
                            f"over all of dp")
+        if not self.reshard_after_forward and self.zero_stage != 3:
+            out.append(f"reshard_after_forward=false keeps ZeRO-3's gathered parameters through backward and needs "
+                       f"zero_stage=3, got zero_stage={self.zero_stage}; set zero_stage=3 or reshard_after_forward=true")
         if self.zero_stage == 3:
             if self.split_backward:
                 out.append(f"zero_stage=3 gathers a block's parameters for one backward; schedule={self.schedule!r} "

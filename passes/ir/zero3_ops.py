@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from passes.ir.errors import ConfigError
 from passes.ir.ops import _LIB, qualname
 
 _LIB.define("zero3_gather(Tensor[] shards, SymInt[][] shapes, int degree, str group, int stage, int site) -> Tensor[]")
@@ -137,28 +138,45 @@ class Zero3Plan:
     group: str
     params: tuple[ShardedParam, ...]
     sites: tuple[GatherSite, ...]
+    reshard_after_forward: bool = True
+    """``ParallelConfig.reshard_after_forward``: ``False`` keeps a re-gathered site's parameters
+    from its forward gather to its reduce-scatter (:class:`GatherSchedule`)."""
 
     def param(self, name: str) -> ShardedParam:
         return next(p for p in self.params if p.name == name)
 
 
+def keeps_gathered(plans) -> bool:
+    """Whether the stage programs ``plans`` (:class:`Zero3Plan` of one rank) keep their gathered
+    parameters through backward (``reshard_after_forward=False``); they must agree."""
+    values = {p.reshard_after_forward for p in plans}
+    if len(values) > 1:
+        raise ConfigError("zero3: this rank's stage programs disagree on reshard_after_forward; lower every stage "
+                          "from the same config")
+    return values == {False}
+
+
 class GatherSchedule:
     """Which gathers a rank issues, and when: the rule :mod:`runtime.kernels.zero3` follows and
-    :mod:`passes.communication_check` replays. Keys are ``(stage, site)``.
+    :mod:`passes.communication_check` and the memory replay replay. Keys are ``(stage, site)``.
 
-    * :meth:`forward` (a forward gather of ``key``): ``key`` unless it was prefetched, then the
-      next ``prefetch`` sites of the stage's forward order not yet in flight;
+    * :meth:`forward` (a forward gather of ``key``): ``key`` unless it was prefetched or is held,
+      then the next ``prefetch`` sites of the stage's forward order neither held nor in flight;
+      with ``keep`` (``reshard_after_forward=False``) a re-gathered site is held from its forward
+      gather on, so later micro-batches' forwards and the backward take it without a gather;
     * :meth:`backward` (the first backward use of ``key``: an unpack of a saved tensor, or a
       region's recompute): nothing while ``key`` is held from an earlier use (until its
       gradients are reduce-scattered, :meth:`released`), else ``key`` unless prefetched, then
       the next ``prefetch`` sites of the stage's backward order neither held nor in flight.
     """
 
-    def __init__(self, sites, prefetch: int):
+    def __init__(self, sites, prefetch: int, *, keep: bool = False):
         by_stage: dict[int, list[GatherSite]] = {}
         for site in sites:
             by_stage.setdefault(site.stage, []).append(site)
         self.prefetch = prefetch
+        self.keep = keep
+        self.kept = {(s.stage, s.site) for s in sites if keep and s.regather}
         self.forward_order = {s: [x.site for x in sorted(v, key=lambda x: x.site)] for s, v in by_stage.items()}
         self.backward_order = {s: [x.site for x in sorted(v, key=lambda x: -x.site) if x.regather]
                                for s, v in by_stage.items()}
@@ -180,9 +198,13 @@ class GatherSchedule:
         return out
 
     def forward(self, key: tuple[int, int]) -> list[tuple[int, int]]:
+        if key in self.held:  # kept since an earlier micro-batch's forward, not yet reduce-scattered
+            return self._ahead(key, self.forward_order, self.held)
         issue = [] if key in self.pending else [key]
         self.pending.discard(key)
-        return issue + self._ahead(key, self.forward_order, set())
+        if key in self.kept:
+            self.held.add(key)
+        return issue + self._ahead(key, self.forward_order, self.held)
 
     def backward(self, key: tuple[int, int]) -> list[tuple[int, int]]:
         if key in self.held:

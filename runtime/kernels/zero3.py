@@ -15,6 +15,9 @@ One :class:`ParamGatherer` per rank and model, registered under the program's Ze
   which runs ``zero3_gather`` inside backward) gathers the site again, or takes the prefetched
   gather, and holds it until the site's gradients are reduce-scattered (its backward is over);
   then the next ``prefetch`` sites of the stage's backward order are issued;
+* ``reshard_after_forward=False`` (``keep``): a re-gathered site is held from its forward gather
+  on instead, so the saved tensors' tokens and the recompute take it without gathering again,
+  and so do later micro-batches' forwards until its reduce-scatter;
 * ``zero3_reduce_scatter`` (the gather's backward) reduce-scatters each full gradient over the
   shard group, in fp32, (HSDP) all-reduces the shard across the replica groups, divides by dp
   (the dp average) and returns this rank's shard of it.
@@ -64,6 +67,8 @@ class _Pending:
     buf: Tensor
     shapes: Sequence[tuple[int, ...]]
     group: object
+    issued_at: float = 0.0
+    """``perf_counter`` seconds at which it was issued."""
 
     def wait(self) -> list[Tensor]:
         """The full parameters (copied out of the buffer, each its own storage)."""
@@ -76,6 +81,21 @@ class _Pending:
             outs.append(self.buf[:, offset:offset + n].reshape(-1)[:numel].clone().view(shape))
             offset += n
         return outs
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveSpan:
+    """One ZeRO-3 collective of a step as it ran on this rank (``perf_counter`` seconds): a
+    site's all-gather from its issue (prefetched: earlier) through the wait compute made for it
+    to its end, or its reduce-scatter (synchronous: issued when waited)."""
+
+    kind: str
+    """``gather`` or ``reduce_scatter``."""
+    stage: int
+    site: int
+    issued_s: float
+    waited_s: float
+    done_s: float
 
 
 @dataclass(frozen=True)
@@ -104,22 +124,25 @@ class ParamGatherer:
 
     ``sites``: every site of this rank's stages, by ``(stage, site)``, with the shard
     ``Parameter`` objects it gathers (in the site's order) and their full shapes. ``prefetch``:
-    sites gathered ahead (0: none). ``group``/``degree``: the shard group; HSDP:
+    sites gathered ahead (0: none). ``keep``: ``reshard_after_forward=False`` (a re-gathered
+    site is held from its forward gather to its reduce-scatter). ``group``/``degree``: the shard group; HSDP:
     ``replica_group`` over the ``replicas`` ranks holding the same shard, across which the
     reduce-scattered gradients are all-reduced.
     """
 
     def __init__(self, group, degree: int,
                  sites: Mapping[tuple[int, int], tuple[GatherSite, Sequence[torch.nn.Parameter], Sequence[tuple[int, ...]]]],
-                 *, prefetch: int = ZERO3_PREFETCH, replica_group=None, replicas: int = 1):
+                 *, prefetch: int = ZERO3_PREFETCH, replica_group=None, replicas: int = 1, keep: bool = False):
         self.group, self.degree, self.sites = group, degree, dict(sites)
         self.replica_group, self.replicas = replica_group, replicas  # HSDP: the groups holding the same shard
-        self.schedule = GatherSchedule([site for site, _, _ in self.sites.values()], prefetch)
+        self.schedule = GatherSchedule([site for site, _, _ in self.sites.values()], prefetch, keep=keep)
         self.pending: dict[tuple[int, int], _Pending] = {}
-        self.held: dict[tuple[int, int], list[Tensor]] = {}  # backward: gathered again, until reduce-scattered
+        # backward: gathered again (keep: since the forward gather), until reduce-scattered
+        self.held: dict[tuple[int, int], list[Tensor]] = {}
         self.gathered: dict[StorageWeakRef, _Gathered] = {}
         self.issued = 0  # site gathers issued since construction
         self.wait_s = 0.0  # seconds compute waited for gathers (the exposed part of their time)
+        self.spans: list[CollectiveSpan] | None = None  # a step timer's record of the collectives, when set
 
     # --- gathers ------------------------------------------------------------------------------
     def _issue(self, key: tuple[int, int]) -> _Pending:
@@ -133,15 +156,24 @@ class ParamGatherer:
             buf[0].copy_(mine)
         else:
             work = comm.all_gather(list(buf.unbind(0)), mine, self.group, async_op=True)
-        return _Pending(work, buf, shapes, self.group)
+        return _Pending(work, buf, shapes, self.group, time.perf_counter())
 
     def _run(self, key: tuple[int, int], issue: list[tuple[int, int]]) -> list[Tensor]:
         for k in issue:
             self.pending[k] = self._issue(k)
+        pending = self.pending.pop(key)
         start = time.perf_counter()
-        out = self.pending.pop(key).wait()
-        self.wait_s += time.perf_counter() - start
+        out = pending.wait()
+        end = time.perf_counter()
+        self.wait_s += end - start
+        self.record(CollectiveSpan(kind="gather", stage=key[0], site=key[1], issued_s=pending.issued_at,
+                                   waited_s=start, done_s=end))
         return out
+
+    def record(self, span: "CollectiveSpan") -> None:
+        """Keep ``span`` when a step timer asked for them (:attr:`spans` is a list)."""
+        if self.spans is not None:
+            self.spans.append(span)
 
     def _check(self, key: tuple[int, int]) -> None:
         if key not in self.sites:
@@ -162,7 +194,16 @@ class ParamGatherer:
         if torch._C._current_autograd_node() is not None:
             # new tensor objects on the held storages: autograd sets each output's grad_fn
             return [t.detach() for t in self._for_backward(key)]
-        outs = self._run(key, self.schedule.forward(key))
+        kept = self.held.get(key)  # reshard_after_forward=False: an earlier micro-batch's forward gathered it
+        issue = self.schedule.forward(key)
+        if kept is not None:
+            for k in issue:
+                self.pending[k] = self._issue(k)
+            outs = [t.detach() for t in kept]
+        else:
+            outs = self._run(key, issue)
+            if key in self.schedule.held:  # kept from here to the site's reduce-scatter
+                self.held[key] = [t.detach() for t in outs]
         for k, t in enumerate(outs):
             ref = StorageWeakRef(t.untyped_storage())
             self.gathered[ref] = _Gathered(ref, key, k)
@@ -217,6 +258,7 @@ def reduce_scatter(grads: Sequence[Tensor], degree: int, group_name: str, stage:
     """The ``zero3_reduce_scatter`` kernel: each gradient's dp average, this rank's shard of it."""
     g = gatherer(group_name)
     g.released(stage, site)
+    start = time.perf_counter()
     sizes = [shard_numel(grad.numel(), degree) for grad in grads]
     # one collective per site: row r holds every gradient's piece r (zero-padded), in fp32
     flat = torch.zeros(degree, sum(sizes), dtype=torch.float32, device=grads[0].device)
@@ -234,7 +276,10 @@ def reduce_scatter(grads: Sequence[Tensor], degree: int, group_name: str, stage:
     if g.replicas > 1:  # HSDP: the other shard groups' sums of the same shards
         comm.all_reduce(shard, g.replica_group)
     shard /= degree * g.replicas
-    return [piece.to(grad.dtype) for piece, grad in zip(shard.split(sizes), grads)]
+    out = [piece.to(grad.dtype) for piece, grad in zip(shard.split(sizes), grads)]
+    end = time.perf_counter()
+    g.record(CollectiveSpan(kind="reduce_scatter", stage=stage, site=site, issued_s=start, waited_s=start, done_s=end))
+    return out
 
 
 def gather_kernel(shards, shapes, degree, group, stage, site):

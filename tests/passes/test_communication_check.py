@@ -253,6 +253,8 @@ RUNTIME_CASES = [  # (model, knobs, ranks to play)
     (LLAMA, dict(dp=2, tp=1, pp=2), (2,)),
     (GPT, dict(dp=1, tp=2, pp=2, schedule="zb1p"), (0, 3)),  # I and W actions
     (GPT, dict(dp=2, tp=1, pp=2, schedule="zb1p", zero_stage=2), (1,)),
+    (GPT, dict(dp=2, tp=1, pp=2, zero_stage=3), (0, 3)),  # gathers, prefetch, re-gathers, reduce-scatters
+    (GPT, dict(dp=2, tp=1, pp=2, zero_stage=3, reshard_after_forward=False, checkpointing="full"), (0, 3)),
 ]
 
 

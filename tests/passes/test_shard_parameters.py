@@ -179,3 +179,42 @@ def test_a_gather_of_another_models_shards_is_refused():
     assert torch.equal(g.gather(0, 0, [mine])[0], torch.arange(4.0).view(2, 2))
     with pytest.raises(ConfigError, match="two models in one process need different group names"):
         g.gather(0, 0, [other])
+
+
+def test_kept_sites_are_gathered_once_per_forward_and_not_again_in_backward():
+    # reshard_after_forward=False: 1, 2, 3 are re-gathered sites, held from their forward gather
+    sched = GatherSchedule([_site(0, k, regather=k != 0) for k in range(4)], prefetch=1, keep=True)
+    assert [sched.forward((0, k)) for k in range(4)] == [[(0, 0), (0, 1)], [(0, 2)], [(0, 3)], []]
+    assert sched.held == {(0, 1), (0, 2), (0, 3)}
+    # a second micro-batch's forward takes the held sites; only site 0 (not kept) is gathered again
+    assert [sched.forward((0, k)) for k in range(4)] == [[(0, 0)], [], [], []]
+    assert [sched.backward((0, k)) for k in (3, 2, 1)] == [[], [], []]  # the backward takes them
+    for k in (3, 2, 1):
+        sched.released((0, k))
+    # once reduce-scattered, the next backward gathers again, as without keeping
+    assert sched.backward((0, 3)) == [(0, 3), (0, 2)]
+
+
+def test_keeping_the_gathered_parameters_halves_the_gathers(graph):
+    plans = {keep: _lower(graph, dp=2, zero_stage=3, num_micro_batches=2, reshard_after_forward=not keep)
+             for keep in (False, True)}
+    gm = plans[True].programs[(0, 0)]
+    plan = gm.meta[ZERO3_PLAN]
+    assert not plan.reshard_after_forward and plans[False].programs[(0, 0)].meta[ZERO3_PLAN].reshard_after_forward
+    from passes.lower import pipeline_texts
+    assert any("reshard_after_forward=false" in t for t in pipeline_texts(plans[True]).values())
+    sites = len(plan.sites)
+    counts = {}
+    for keep, low in plans.items():
+        dp = [c for c in rank_calls(low.rank_program(0)).calls if c.channel == "dp"]
+        counts[keep] = (sum(c.op == "all_gather" for c in dp), sum(c.op == "reduce_scatter(sum)" for c in dp))
+        check_lowering(low)
+    assert counts[False] == (2 * 2 * sites, 2 * sites)  # forward and backward, per micro-batch
+    assert counts[True] == (2 * sites, 2 * sites)  # forward only: the backward takes the kept copy
+
+
+def test_reshard_after_forward_false_needs_zero3():
+    with pytest.raises(ConfigError, match="reshard_after_forward=false .* needs zero_stage=3"):
+        ParallelConfig(dp=2, zero_stage=2, reshard_after_forward=False)
+    with pytest.raises(ConfigError, match="reshard_after_forward must be true or false"):
+        ParallelConfig(dp=2, zero_stage=3, reshard_after_forward="no")

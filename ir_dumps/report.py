@@ -283,7 +283,7 @@ def _zero3_timeline(spans: Mapping[int, Sequence[Sequence]], started_at: Mapping
         shift = started_at.get(rank, first) - first
         svg.append(f'<g class="rank" data-rank="{rank}"><text x="{left - 8}" y="{y + row_h / 2 + 4}" '
                    f'text-anchor="end" font-size="12">rank {rank}</text>')
-        for label, issued, waited, done in rows:
+        for label, issued, waited, done, *_ in rows:
             issued, waited, done = (float(t) + shift for t in (issued, waited, done))
             gather = str(label).startswith("AG")
             parts = ([("inflight", issued, waited, y + 3), ("exposed", waited, done, y + 3)] if gather

@@ -66,11 +66,11 @@ class StepMeasurement:
     """Every schedule action of the step as (action text, start, end) in seconds from the step's
     start: compute (``F``/``B``), posts (``RECV_F``/``SEND_F``/...), ``wait`` (a receive waited
     on inside a compute action), ``ALL_REDUCE`` and ``STEP``."""
-    collectives: tuple[tuple[str, float, float, float], ...] = ()
+    collectives: tuple[tuple[str, float, float, float, bool], ...] = ()
     """ZeRO-3's collectives of the step as (``AG s.k`` / ``RS s.k`` for stage s, site k, issued,
-    waited on from, done) in seconds from the step's start: a gather from its issue (ahead, when
-    prefetched) to its end, compute waiting on it from the third number; a reduce-scatter runs
-    where it is issued."""
+    waited on from, done, prefetched) in seconds from the step's start: a gather from its issue
+    (ahead, when prefetched) to its end, compute waiting on it from the third number; a
+    reduce-scatter runs where it is issued."""
 
 
 class LiveBytes(TorchDispatchMode):
@@ -254,7 +254,7 @@ class StepTimer:
             other_s=max(0.0, wall - parts), peak_memory_bytes=peak, started_at=started_at,
             timeline=tuple((label, a - start, b - start) for label, a, b in self._timeline),
             collectives=tuple((f"{'AG' if x.kind == 'gather' else 'RS'} {x.stage}.{x.site}", x.issued_s - start,
-                               x.waited_s - start, x.done_s - start) for x in spans))
+                               x.waited_s - start, x.done_s - start, x.prefetched) for x in spans))
         self.steps.append(m)
         return m
 

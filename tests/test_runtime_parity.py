@@ -126,8 +126,12 @@ def test_same_losses_and_parameters_as_one_device(distributed, reference, case):
                                        msg=lambda m: f"rank {rank} {name}: {m}")
             covered.add(id(expected))
             # AdamW hides a wrong gradient scale (its update is scale invariant): check the
-            # last step's synced gradients too (loss scaling, dp average, tied-weight sum).
-            torch.testing.assert_close(result["grads"][name], expected.grad, rtol=1e-5, atol=1e-7,
+            # last step's synced gradients too (loss scaling, dp average, tied-weight sum). A wrong
+            # scale is off by >= 1/(dp*m); float32 sums in another order are off by ~1e-5 of the
+            # largest entry on an element that cancels (seen: 1.2e-7 on an element of 1.4e-3 of the
+            # position table, two stages on one rank), as in tests/test_runtime_property.py.
+            g = expected.grad
+            torch.testing.assert_close(result["grads"][name], g, rtol=1e-5, atol=1e-4 * g.abs().max().item() + 1e-8,
                                        msg=lambda m: f"rank {rank} grad of {name}: {m}")
     missing = [n for n, p in ref_model.named_parameters() if id(p) not in covered]
     assert not missing, f"no rank holds {missing}"

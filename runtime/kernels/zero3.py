@@ -69,6 +69,8 @@ class _Pending:
     group: object
     issued_at: float = 0.0
     """``perf_counter`` seconds at which it was issued."""
+    ahead: bool = False
+    """Issued ahead of its use (prefetched), not by the gather that waits for it."""
 
     def wait(self) -> list[Tensor]:
         """The full parameters (copied out of the buffer, each its own storage)."""
@@ -96,6 +98,8 @@ class CollectiveSpan:
     issued_s: float
     waited_s: float
     done_s: float
+    prefetched: bool = False
+    """A gather issued ahead of the site that waits for it (by the site before it)."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +149,7 @@ class ParamGatherer:
         self.spans: list[CollectiveSpan] | None = None  # a step timer's record of the collectives, when set
 
     # --- gathers ------------------------------------------------------------------------------
-    def _issue(self, key: tuple[int, int]) -> _Pending:
+    def _issue(self, key: tuple[int, int], ahead: bool = True) -> _Pending:
         _, shards, shapes = self.sites[key]
         self.issued += 1
         # one collective per site: this rank's shards back to back, gathered into one row per rank
@@ -156,18 +160,18 @@ class ParamGatherer:
             buf[0].copy_(mine)
         else:
             work = comm.all_gather(list(buf.unbind(0)), mine, self.group, async_op=True)
-        return _Pending(work, buf, shapes, self.group, time.perf_counter())
+        return _Pending(work, buf, shapes, self.group, time.perf_counter(), ahead)
 
     def _run(self, key: tuple[int, int], issue: list[tuple[int, int]]) -> list[Tensor]:
         for k in issue:
-            self.pending[k] = self._issue(k)
+            self.pending[k] = self._issue(k, ahead=k != key)
         pending = self.pending.pop(key)
         start = time.perf_counter()
         out = pending.wait()
         end = time.perf_counter()
         self.wait_s += end - start
         self.record(CollectiveSpan(kind="gather", stage=key[0], site=key[1], issued_s=pending.issued_at,
-                                   waited_s=start, done_s=end))
+                                   waited_s=start, done_s=end, prefetched=pending.ahead))
         return out
 
     def record(self, span: "CollectiveSpan") -> None:

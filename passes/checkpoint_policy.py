@@ -2,9 +2,10 @@
 backward, and write the decision as meta. :mod:`passes.apply_checkpoint` carries it out.
 
 Regions
-    A *cut point* is a position in node order where at most one activation is live (produced
-    before, used after); parameters, graph inputs and sizes are available everywhere and do not
-    count. The compute nodes between two cut points form a single-entry, single-exit segment.
+    A *cut point* is an activation every forward path from the inputs to the loss passes through
+    (a dominator of the loss, :mod:`passes.graph_view`); parameters, graph inputs, sizes and what
+    is made from inputs or parameters alone (masks, positions) are available everywhere and do
+    not count. The compute nodes between two cut points form a single-entry, single-exit segment.
     Segments whose nodes belong to the same repeated block (``node.meta[BLOCK]`` from
     ``annotate_blocks``: ``blocks.N``, ``model.layers.N``, ...) are merged into one region per
     block; a model without blocks uses its segments as regions. A skip connection keeps two
@@ -48,10 +49,10 @@ from passes.ir.meta import module_path
 # annotate_memory's forward observation (storages, owners, savers); private there, shared here.
 from passes.annotate_memory import observe_saved_tensors as _observe_saved
 from passes.checkpoint_solver import ChainSegment, solve_chain
-from passes.ir.meta import (BLOCK, CAPTURE, CHECKPOINT, CHECKPOINT_PLAN, DAG_CHECKPOINT_PLAN, EXPORT_VAL, FLOPS,
+from passes.ir.meta import (BLOCK, CAPTURE, CHECKPOINT, CHECKPOINT_PLAN, DAG_CHECKPOINT_PLAN, FLOPS,
                             LAYER_CHAIN, PIPELINE_STAGE, REMAT, SHAPE, CheckpointMeta, CheckpointPlan,
                             CheckpointRegion, DagCheckpointPlan, RematNodeMeta)
-from passes.graph_view import _is_random
+from passes.graph_view import _is_random, forward_cut_points, to_networkx
 from passes.remat_solver import RematCosts, RematProblem, Storage, solve_milp
 
 aten = torch.ops.aten
@@ -93,38 +94,12 @@ def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op in _COMPUTE_OPS]
 
 
-def _is_activation(node: fx.Node) -> bool:
-    """A value produced by a compute node that holds tensors (sizes and scalars are free)."""
-    if node.op not in _COMPUTE_OPS:
-        return False
-    shape = node.meta.get(SHAPE)
-    if shape is not None:
-        return bool(shape.tensors)
-    val = node.meta.get(EXPORT_VAL)
-    if val is not None:
-        return isinstance(val, torch.Tensor) or (isinstance(val, (tuple, list))
-                                                 and any(isinstance(v, torch.Tensor) for v in val))
-    return True  # unknown (e.g. a symbolic_trace graph): assume a tensor
-
-
 def cut_points(gm: fx.GraphModule) -> list[fx.Node]:
-    """Compute nodes after which at most one activation is live (see the module docstring)."""
-    order = _compute_nodes(gm)
-    index = {n: i for i, n in enumerate(order)}
-    end = len(order)
-    last_use = {n: max((index.get(u, end) for u in n.users), default=index[n]) for n in order if _is_activation(n)}
-    dies: dict[int, list[fx.Node]] = {}
-    for n, i in last_use.items():
-        dies.setdefault(i, []).append(n)
-    live: set[fx.Node] = set()
-    cuts = []
-    for i, node in enumerate(order[:-1]):
-        if node in last_use and last_use[node] > i:
-            live.add(node)
-        live.difference_update(dies.get(i, ()))
-        if len(live) <= 1:
-            cuts.append(node)
-    return cuts
+    """Compute nodes every forward path from the inputs to the loss passes through, in graph
+    order, never the last node: the dominators of the loss on the graph's trunk
+    (:func:`passes.graph_view.forward_cut_points` on the structural view)."""
+    names = set(forward_cut_points(to_networkx(gm, storages=False)))
+    return [n for n in _compute_nodes(gm)[:-1] if n.name in names]
 
 
 def segments(gm: fx.GraphModule, cuts: Iterable[fx.Node] | None = None) -> list[list[fx.Node]]:

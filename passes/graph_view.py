@@ -27,6 +27,7 @@ dims' hint values (plain ints):
                     a call that mutates nothing (no in-place op writes its storages) and is not
                     a graph input, parameter or output
 ``random``          the op draws random numbers (dropout): recomputing it needs the RNG state
+``weighted``        a ``call_module`` whose module holds parameters (a traced, not exported, graph)
 ``block``           ``node.meta[BLOCK].name`` when ``annotate_blocks`` ran, else ``None``
 ==================  ==============================================================================
 
@@ -41,12 +42,14 @@ The graph must not hold checkpointed regions yet (the view is of the plain forwa
 
 Cut points
     A *cut point* is an activation every forward path from the inputs to the loss passes
-    through. Paths start at the *trunk*'s roots: the activations that read a graph input
-    directly (an embedding lookup, the first conv); with a virtual source feeding them, the cut
-    points are the dominators of the loss (:func:`networkx.immediate_dominators`). Parameters
-    and *side* activations (made from sizes and parameters alone: ``arange`` positions, RoPE
-    tables, a constant causal mask) start no path, as they could be made anywhere. This depends
-    on the graph only, not on its node order.
+    through. Paths run on the *trunk* (:func:`trunk`: activations that depend on both a graph
+    input and a parameter) from its roots (an embedding lookup, the first conv); with a virtual
+    source feeding them, the cut points are the dominators of the loss
+    (:func:`networkx.immediate_dominators`). Parameters and *side* activations (made from sizes
+    and parameters alone: ``arange`` positions, RoPE tables, a constant causal mask; or from the
+    inputs alone: a padding mask or position ids from the token ids) start no path, as they could
+    be made anywhere. This depends on the graph only, not on its node order.
+    :func:`passes.checkpoint_policy.cut_points` splits the checkpoint regions there.
 """
 from __future__ import annotations
 
@@ -60,7 +63,7 @@ from torch import fx
 from torch.utils._pytree import tree_leaves
 
 from passes.ir.errors import PassError
-from passes.ir.meta import BLOCK, CAPTURE, FLOPS
+from passes.ir.meta import BLOCK, CAPTURE, EXPORT_VAL, FLOPS, SHAPE
 from passes.saved_tensors import observe_saved_tensors
 
 StorageKind = Literal["activation", "internal"]
@@ -86,14 +89,21 @@ class StorageFacts:
     kind: StorageKind
 
 
-def to_networkx(gm_or_graph: fx.GraphModule | fx.Graph) -> nx.DiGraph:
+def to_networkx(gm_or_graph: fx.GraphModule | fx.Graph, *, storages: bool = True) -> nx.DiGraph:
     """The DiGraph view of an analysed training graph (attributes in the module docstring; bytes
     and FLOPs at the dims' hints). Needs ``annotate_shapes`` and ``annotate_flops`` to have run
-    and ``gm.meta[CAPTURE]``; a bare ``fx.Graph`` is read through its owning module."""
+    and ``gm.meta[CAPTURE]``; a bare ``fx.Graph`` is read through its owning module.
+
+    ``storages=False``: the structure only, from any fx graph (no fake forward run, no meta
+    needed): bytes are 0, ``owns``/``reads`` empty, FLOPs from ``node.meta[FLOPS]`` where present,
+    and ``activation`` is a compute node whose value holds a tensor (by its shape meta; assumed
+    when unknown). Enough for the cut points."""
     gm = gm_or_graph.owning_module if isinstance(gm_or_graph, fx.Graph) else gm_or_graph
     if not isinstance(gm, fx.GraphModule):
         raise PassError("to_networkx: the graph has no owning GraphModule; pass the captured GraphModule "
                         "(its capture info and parameters are needed for the fake forward run)")
+    if not storages:
+        return _structure(gm)
     missing = [n.name for n in gm.graph.nodes if n.op in _CALLS and FLOPS not in n.meta]
     if missing:
         raise PassError(f"to_networkx: node {missing[0]!r} has no node.meta[{FLOPS!r}]; run annotate_shapes and "
@@ -145,12 +155,65 @@ def to_networkx(gm_or_graph: fx.GraphModule | fx.Graph) -> nx.DiGraph:
                    kept_bytes=sum(s.nbytes for s in own if s.kept), flops=f, bwd_flops=b, owns=own,
                    reads=tuple(reads), random=_is_random(node),
                    recomputable=kind == "compute" and not _mutates(node) and node not in mutated,
+                   weighted=_weighted(gm, node), block=node.meta[BLOCK].name if BLOCK in node.meta else None)
+    _add_edges(G, gm)
+    G.graph.update(fwd_flops=fwd, bwd_flops=bwd)
+    return G
+
+
+def _structure(gm: fx.GraphModule) -> nx.DiGraph:
+    """:func:`to_networkx` without the fake run (``storages=False``)."""
+    buffers = {name for name, _ in gm.named_buffers()}
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = [a for a in tree_leaves(out_node.args) if isinstance(a, fx.Node)]
+    G = nx.DiGraph(loss=outs[0].name if outs else None, fixed_bytes=0)
+    fwd = bwd = 0
+    for node in gm.graph.nodes:
+        kind = _kind(node, None)
+        if kind == "param" and node.target in buffers:
+            kind = "buffer"
+        flops = node.meta.get(FLOPS)
+        hints = gm.meta[CAPTURE].symbols() if flops is not None and CAPTURE in gm.meta else {}
+        f, b = ((int(sympy.sympify(flops.fwd).subs(hints)), int(sympy.sympify(flops.bwd).subs(hints)))
+                if flops is not None else (0, 0))
+        fwd, bwd = fwd + f, bwd + b
+        G.add_node(node.name, op=str(node.target) if node.op in _CALLS else node.op, kind=kind,
+                   is_param=kind in ("param", "buffer"), is_input=kind == "input", is_output=kind == "output",
+                   activation=kind == "compute" and _holds_tensor(node), out_bytes=0, internal_bytes=0,
+                   kept_bytes=0, flops=f, bwd_flops=b, owns=(), reads=(), random=_is_random(node),
+                   recomputable=kind == "compute" and not _mutates(node), weighted=_weighted(gm, node),
                    block=node.meta[BLOCK].name if BLOCK in node.meta else None)
+    _add_edges(G, gm)
+    G.graph.update(fwd_flops=fwd, bwd_flops=bwd)
+    return G
+
+
+def _add_edges(G: nx.DiGraph, gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         for src in node.all_input_nodes:
             G.add_edge(src.name, node.name)
-    G.graph.update(fwd_flops=fwd, bwd_flops=bwd)
-    return G
+
+
+def _holds_tensor(node: fx.Node) -> bool:
+    """Whether a compute node's value holds a tensor (sizes and scalars do not), by its shape
+    meta or export's example value; assumed when neither is known (a ``symbolic_trace`` graph)."""
+    shape = node.meta.get(SHAPE)
+    if shape is not None:
+        return bool(shape.tensors)
+    val = node.meta.get(EXPORT_VAL)
+    if val is not None:
+        return any(isinstance(v, torch.Tensor) for v in tree_leaves(val))
+    return True
+
+
+def _weighted(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """A ``call_module`` of a module that holds parameters (its weights are inside the call)."""
+    if node.op != "call_module":
+        return False
+    try:
+        return any(True for _ in gm.get_submodule(str(node.target)).parameters())
+    except AttributeError:
+        return False
 
 
 def forward_cut_points(G: nx.DiGraph) -> tuple[str, ...]:
@@ -179,14 +242,24 @@ def activation_graph(G: nx.DiGraph) -> nx.DiGraph:
 
 
 def trunk(G: nx.DiGraph) -> nx.DiGraph:
-    """The activations that depend on a graph input: those reachable from an activation that
-    reads a graph input directly (an embedding lookup, the first conv). The others (*side*
-    activations: ``arange`` positions, RoPE tables, constant masks) are computed from sizes and
-    parameters alone and could be made anywhere, as parameters are read anywhere."""
+    """The activations that depend both on a graph input and on a parameter: the data as the
+    model's weights transform it (from the embedding lookup or the first conv on). The others
+    are *side* activations and could be made anywhere, as parameters and inputs are read
+    anywhere: those made from sizes and parameters alone (``arange`` positions, RoPE tables,
+    constant masks) and those made from the inputs alone (an attention mask or position ids
+    from the token ids, shifted labels)."""
     A = activation_graph(G)
-    starts = [n for n in A if any(G.nodes[p]["is_input"] for p in G.predecessors(n))]
-    reached = set(starts).union(*(nx.descendants(A, s) for s in starts)) if starts else set()
-    return A.subgraph(reached)
+    fed = _reached(G, [n for n, d in G.nodes(data=True) if d["is_input"]])
+    weights = [n for n, d in G.nodes(data=True) if d["kind"] == "param" or d.get("weighted")]
+    through = _reached(G, weights) | {n for n in weights if G.nodes[n]["kind"] == "compute"}
+    return A.subgraph([n for n in A if n in fed and n in through])
+
+
+def _reached(G: nx.DiGraph, sources: list[str]) -> set[str]:
+    """Every node a path from one of ``sources`` reaches (the sources themselves excepted unless reached)."""
+    H = nx.DiGraph(G.edges)
+    H.add_edges_from((SOURCE, s) for s in sources)
+    return nx.descendants(H, SOURCE) - {SOURCE} if sources else set()
 
 
 def generations(G: nx.DiGraph) -> tuple[tuple[str, ...], ...]:

@@ -1,8 +1,9 @@
 """graph_view: the DiGraph view of an analysed training graph carries the analyses' bytes and FLOPs,
-and its dominator cut points agree with the node-order liveness walk (checkpoint_policy.cut_points)
-and with the block boundaries annotate_blocks finds, on chain-like models; on a U-Net the long skips
-leave no cut point inside the U; split at them, checkpoint_policy's block regions are the walk's on
-the models without HF mask code. Also: the U-Net of the zoo captures and trains on CPU."""
+and its dominator cut points (which checkpoint_policy.cut_points takes from the structural view)
+agree with the block boundaries annotate_blocks finds, on chain-like models; on a U-Net the long
+skips leave no cut point inside the U; split at them, checkpoint_policy's regions are one per block,
+Hugging Face models (mask code on the token ids) included. Also: the U-Net of the zoo captures and
+trains on CPU."""
 from __future__ import annotations
 
 import networkx as nx
@@ -127,19 +128,15 @@ def test_cut_points_are_dominators_of_the_loss(chain_model):
         assert not any(nx.has_path(H, r, loss) for r in roots), c
 
 
-def test_cut_points_agree_with_the_liveness_walk_from_the_first_block_on(chain_model):
-    """From the first block to the loss the two agree node for node. Before it they may differ by
-    the order the liveness walk sees: an ``arange`` position table made before the token lookup
-    is alone live (a walk cut, no trunk node), the lookup then is not (arange still live) though
-    it dominates; BERT's token-type lookup made after ``word + position`` leaves a walk cut
-    there, while the dominators wait for the type embedding to join."""
+def test_the_checkpoint_policys_cut_points_are_the_dominators(chain_model):
+    """checkpoint_policy.cut_points (on the structural view, no fake run) are the dominators of
+    the analysed view, in graph order, from the first block to the loss."""
     name, gm, G = chain_model
     index = _index(gm)
-    walk = {n.name for n in cut_points(gm) if G.nodes[n.name]["activation"]}
-    doms = set(forward_cut_points(G))
-    later = lambda names: {n for n in names if index[n] >= 1}  # noqa: E731
-    assert later(doms) == later(walk), name
-    assert later(doms)
+    policy = [n.name for n in cut_points(gm)]
+    assert set(policy) == set(forward_cut_points(G)) - {G.graph["loss"]}, name
+    assert policy == sorted(policy, key=[n.name for n in gm.graph.nodes].index)
+    assert [n for n in policy if index[n] >= 1]
 
 
 def test_every_block_boundary_is_crossed_by_one_cut_point(chain_model):
@@ -161,14 +158,13 @@ def test_unet_long_skips_leave_no_cut_point_inside_the_u(unet):
     index = _index(gm)
     depth = gm.meta[LAYER_CHAIN].n_blocks // 2
     doms = forward_cut_points(G)
-    walk = {n.name for n in cut_points(gm) if G.nodes[n.name]["activation"]}
     # Between the stem's output and the last up block's input every boundary carries the skips.
     inside = range(1, 2 * depth + 1)
     for k in range(2, 2 * depth + 1):
         assert len(_crossing(G, index, k)) >= 2, k
     assert not [c for c in doms if index[c] in inside and c not in _last_block_nodes(gm, index, 2 * depth)]
-    # The walk agrees: only stem, the last up block (after it reads its skip) and the head are cut.
-    assert {n for n in walk if index[n] >= 1} == {n for n in doms if index[n] >= 1}
+    # only stem, the last up block (after it reads its skip) and the head are cut
+    assert {n.name for n in cut_points(gm)} == set(doms) - {G.graph["loss"]}
     assert [c for c in doms if index[c] == 0]  # the stem is a chain
 
 
@@ -213,29 +209,27 @@ REGION_MODELS = {
     "hf-bert": "hf-bert:num_hidden_layers=2,hidden_size=32,intermediate_size=64,num_attention_heads=2,"
                "vocab_size=64,max_position_embeddings=16,seq=16",
 }
-# Where the two definitions split the blocks differently (why checkpoint_policy keeps the walk):
-_REGIONS_DIFFER = {
-    # the mask and position code reads input_ids, so it is trunk and read by every layer: no
-    # dominator before the loss's shift, one region of embeddings, blocks and head; the walk
-    # gives layer 0 with layer 1's attention, then layer 1's MLP
-    "hf-gpt2": "the dominators find no cut point before the loss, one region of the whole graph",
-    # layer 0 makes the attention mask (a side activation) that layer 1 reads: two values live
-    # at the boundary, so the walk merges both layers, the dominators split them
-    "hf-bert": "the liveness walk merges both layers into one region",
+# The checkpoint regions the cut points give: one per block, but for the U-Net's long skips.
+REGIONS = {
+    "bert": ["blocks.0", "blocks.1"], "gpt": ["blocks.0", "blocks.1"], "llama": ["blocks.0", "blocks.1"],
+    "resnet": ["stages.0", "stages.1"],
+    # HF code makes the attention mask and positions from input_ids (side activations: inputs
+    # only), and BERT's first layer makes the mask the second reads: neither joins the trunk
+    "hf-gpt2": ["transformer.h.0", "transformer.h.1"],
+    "hf-bert": ["bert.encoder.layer.0", "bert.encoder.layer.1"],
+    "unet": ["blocks.0+blocks.1+blocks.2+blocks.3", "blocks.3"],
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=_REGIONS_DIFFER[n], strict=True))
-                                  if n in _REGIONS_DIFFER else n for n in sorted(REGION_MODELS)])
-def test_dominator_cut_points_give_the_checkpoint_policys_block_regions(name):
-    """``checkpoint_policy.block_regions`` split at the dominator cut points equals the regions
-    from its liveness walk, node for node (the condition for replacing the walk)."""
+@pytest.mark.parametrize("name", sorted(REGION_MODELS))
+def test_checkpoint_regions_are_one_per_block_between_the_dominators(name):
     from passes.checkpoint_policy import block_regions
 
     spec = build_model(REGION_MODELS[name], device="cpu" if name.startswith("hf-") else "meta")
     gm = annotate_flops(annotate_blocks(annotate_shapes(capture_spec(spec))))
-    names = set(forward_cut_points(to_networkx(gm)))
-    walk = [(r.name, [n.name for n in r.nodes]) for r in block_regions(gm)]
-    doms = [(r.name, [n.name for n in r.nodes]) for r in block_regions(gm, [n for n in gm.graph.nodes
-                                                                          if n.name in names])]
-    assert len(walk) >= 2 and doms == walk
+    regions = block_regions(gm)
+    assert [r.name for r in regions] == REGIONS[name]
+    for r in regions:  # single entry: one trunk activation in (masks, positions and parameters aside)
+        inputs, _ = r.io()
+        T = trunk(to_networkx(gm, storages=False))
+        assert len([n for n in inputs if n.name in T]) == 1, (r.name, inputs)

@@ -269,15 +269,23 @@ def _inflight(c: ParallelConfig, stage: int) -> float:
     return n
 
 
+def boundary_message_bytes(ctx: PlanContext, c: ParallelConfig) -> float:
+    """Bytes of one pipeline message of one rank (a micro-batch's boundary activations, or
+    their gradients): every tp rank sends the whole boundary tensor to its peer of the next
+    stage, as the runtime does (tensor parallelism replicates it; sequence parallelism gathers
+    it before the stage's output)."""
+    return ctx.profile.blocks[0].boundary_bytes * c.micro_batch_size
+
+
 def _buffers(ctx: PlanContext, c: ParallelConfig, grads: float | None = None) -> float:
     """Communication buffers of one device, bytes: pp and tp buffers, plus the dp gradient
     buckets (``min(2 buckets, grads)`` when the stage's full-size ``grads`` bytes are given)."""
-    msg = ctx.profile.blocks[0].boundary_bytes * c.micro_batch_size
+    msg = boundary_message_bytes(ctx, c)
     out = 0.0
     if c.dp > 1 and grads is not None:
         out += min(2 * GRAD_BUCKET_BYTES, grads)
     if c.pp > 1:
-        out += 4 * msg / c.tp  # send and receive, forward activations and backward gradients
+        out += 4 * msg  # send and receive, forward activations and backward gradients
     if c.tp > 1:
         out += msg
     return out
@@ -484,7 +492,7 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
         pp_link = ctx.pp_link(c)
         if ctx.cluster.p2p_latency_s is not None:  # calibrated per-message seconds of pipeline sends
             pp_link = dataclasses.replace(pp_link, latency_s=ctx.cluster.p2p_latency_s)
-        t_p2p = send_recv_time(ctx.profile.blocks[0].boundary_bytes * c.micro_batch_size / c.tp, pp_link)
+        t_p2p = send_recv_time(boundary_message_bytes(ctx, c), pp_link)
     tail = max(range(p), key=lambda i: (sum(per_stage[i][4:]), -i))
     terms = StepTimeTerms(
         # a split backward recomputes a checkpointed region for its input half and again for its

@@ -264,3 +264,16 @@ def test_zero3_keeps_the_gathered_parameters_when_they_fit_and_frees_them_when_n
                  global_batch=64, fix=fix)
     assert tight.config.reshard_after_forward is True
     assert tight.predicted.peak_memory_bytes == pytest.approx(freed.peak_memory_bytes)
+
+
+def test_a_pipeline_message_is_the_whole_boundary_tensor_on_every_tp_rank(profile):
+    # the runtime sends each tp rank's whole (replicated) boundary tensor to its peer; sequence
+    # parallelism gathers it before the stage's output: the predicted p2p time does not shrink with tp
+    fix = {"pp": 2, "dp": 1, "schedule": "1f1b", "num_micro_batches": 4, "checkpointing": "none"}
+    pp_comm = {}
+    for tp, sp in ((1, False), (2, False), (2, True), (4, True)):
+        dp = 4 // tp  # the same micro-batch (2 samples) on every plan
+        chosen = plan(profile, _cluster(devices=8), global_batch=dp * 2 * 4,
+                      fix={**fix, "tp": tp, "sequence_parallel": sp, "dp": dp, "micro_batch_size": 2})
+        pp_comm[(tp, sp)] = chosen.predicted.terms["pp_comm"]
+    assert len(set(pp_comm.values())) == 1 and pp_comm[(1, False)] > 0, pp_comm

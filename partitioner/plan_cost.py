@@ -272,9 +272,9 @@ def _inflight(c: ParallelConfig, stage: int) -> float:
 def boundary_message_bytes(ctx: PlanContext, c: ParallelConfig) -> float:
     """Bytes of one pipeline message of one rank (a micro-batch's boundary activations, or
     their gradients): every tp rank sends the whole boundary tensor to its peer of the next
-    stage, as the runtime does (tensor parallelism replicates it; sequence parallelism gathers
-    it before the stage's output)."""
-    return ctx.profile.blocks[0].boundary_bytes * c.micro_batch_size
+    stage (tensor parallelism replicates it), or under sequence parallelism its sequence chunk
+    (:func:`passes.sequence_parallel.shard_stage_io`)."""
+    return ctx.profile.blocks[0].boundary_bytes * c.micro_batch_size / (c.tp if c.sequence_parallel else 1)
 
 
 def _buffers(ctx: PlanContext, c: ParallelConfig, grads: float | None = None) -> float:

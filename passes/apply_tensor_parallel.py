@@ -30,7 +30,8 @@ from torch import fx, nn
 import passes.ir.ops  # noqa: F401  (defines torch.ops.partitioner.*)
 from passes.ir.program import shard_tensor
 from passes.ir.errors import PassError
-from passes.ir.meta import (FLOP_SUMMARY, FLOPS, MEMORY, MEMORY_SUMMARY, SHAPE, TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN, TensorParallelPlan)
+from passes.ir.meta import (FLOP_SUMMARY, FLOPS, MEMORY, MEMORY_SUMMARY, SHAPE, STAGE_IO, TENSOR_PARALLEL,
+                            TENSOR_PARALLEL_PLAN, TensorParallelPlan)
 from passes.sequence_parallel import apply_sequence_parallel, sequence_size
 from passes.sharded_dropout import rewrite_sharded_dropout
 from passes.tensor_parallel_patterns import _SPLITS, _VIEWS
@@ -72,10 +73,11 @@ def apply_tensor_parallel(gm: fx.GraphModule, ctx: Any = None, *, rank: int, gro
     for node in list(graph.nodes):
         rw.visit(node)
     sp_grads: tuple[str, ...] = ()
+    sp_inputs: tuple[tuple[str, int], ...] = ()
     if seq is not None:
-        sp_grads = apply_sequence_parallel(graph, shapes, {n: p for n, p in attrs.items()
+        sp_grads, sp_inputs = apply_sequence_parallel(graph, shapes, {n: p for n, p in attrs.items()
                                                            if isinstance(p, nn.Parameter)},
-                                           tp=tp, group=group, seq=seq)
+                                           tp=tp, group=group, seq=seq, io=gm.meta.get(STAGE_IO))
     rewrite_sharded_dropout(graph, rank=rank, degree=tp, shapes=shapes)
     graph.eliminate_dead_code()
     graph.lint()
@@ -87,7 +89,8 @@ def apply_tensor_parallel(gm: fx.GraphModule, ctx: Any = None, *, rank: int, gro
     out.meta.update({k: v for k, v in gm.meta.items() if k not in _STALE_GRAPH})
     out.meta[TENSOR_PARALLEL_PLAN] = TensorParallelPlan(degree=tp, params=plan.params, rank=rank,
                                                         sequence_parallel=seq is not None,
-                                                        sequence_parallel_grads=sp_grads)
+                                                        sequence_parallel_grads=sp_grads,
+                                                        sequence_sharded_inputs=sp_inputs)
     return out
 
 

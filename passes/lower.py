@@ -38,7 +38,8 @@ from torch import fx
 from passes.ir.config import TORCH_DTYPES, ParallelConfig, dtype_name
 from passes.ir.cost import CostHooks
 from passes.ir.errors import ConfigError, PassError
-from passes.ir.meta import (CAPTURE, CHECKPOINT_PLAN, LAYER_CHAIN, OFFLOAD_PLAN, PIPELINE_STAGE, TENSOR_PARALLEL_PLAN,
+from passes.ir.meta import (CAPTURE, CHECKPOINT_PLAN, LAYER_CHAIN, OFFLOAD_PLAN, PIPELINE_STAGE, STAGE_IO,
+                            TENSOR_PARALLEL_PLAN,
                             InputSpec, PipelineSplit, StageAssignment, StageIO, dim_symbol)
 from passes.ir.ops import TP_OPS, op_name
 from passes.ir.program import Comm, RankProgram, TiedParam, global_rank, local_shape, mesh_coords
@@ -47,6 +48,7 @@ from passes.ir.zero3_ops import shard_numel
 from passes.manager import Instrument, PassContext, pipeline_text
 from passes.pipeline_split import chain_starts, split_pipeline_stages
 from passes.pipelines import manager, stage_passes, whole_graph_passes
+from passes.sequence_parallel import sequence_size, shard_stage_io
 from passes.weight_decay import no_weight_decay_names
 
 # graph-level decisions of the whole graph that each stage program inherits
@@ -72,6 +74,8 @@ class Lowering:
     programs: dict[tuple[int, int], fx.GraphModule] = field(repr=False)
     pipelines: tuple[PipelineRecord, ...] = ()
     tp_group: str = "tp"
+    io: tuple[StageIO, ...] = ()
+    """Every stage's contract as a tp rank runs it (:func:`rank_io`); empty: the split's."""
 
     def rank_program(self, rank: int, *, first: int = 0) -> RankProgram:
         """The program of global ``rank`` (the mesh spans ``first .. first + world_size - 1``)."""
@@ -97,7 +101,7 @@ class Lowering:
             canonical.update({a: canon for a in aliases})
         return RankProgram(
             rank=rank, first=first, config=c, pp_index=pp_index, dp_index=dp_index, tp_index=tp_index, stages=mine,
-            modules=modules, io=self.split.io, tied=self._tied(plan), canonical_names=canonical, tp_plan=plan,
+            modules=modules, io=self.io or self.split.io, tied=self._tied(plan), canonical_names=canonical, tp_plan=plan,
             tp_group=self.tp_group,
             comms=tuple(_comms(self.split, modules, mine, c, pp_index, dp_index, tp_index, first, self.tp_group)),
             actions=tuple(actions), inputs=info.inputs, sp_grad_params=tuple(sp_grads),
@@ -169,6 +173,7 @@ def lower(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
     assignment = StageAssignment(n_stages=config.n_stages, stage_of={
         n.name: n.meta[PIPELINE_STAGE] for n in gm.graph.nodes if n.op != "output"})
     split = split_pipeline_stages(gm, assignment)
+    io = rank_io(gm, split, config)
     made: dict[tuple[int, int], fx.GraphModule] = {}
     for s, t in wanted:
         stage = split.modules[s]
@@ -176,6 +181,7 @@ def lower(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
             # several programs start from one split module, or ZeRO-3 replaces its parameters
             stage = copy.deepcopy(stage)
         stage.meta[CAPTURE] = stage_capture(gm, split.io[s])
+        stage.meta[STAGE_IO] = split.io[s]
         stage.meta.update({k: gm.meta[k] for k in _INHERITED if k in gm.meta})
         name = f"stage{s}_tp{t}"
         grad_inputs = tuple(inp.name for inp in split.io[s].inputs if inp.kind == "recv" and inp.meta.requires_grad)
@@ -183,8 +189,20 @@ def lower(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
                                   grad_inputs=grad_inputs),
                      instrument=instrument_for(name))
         made[(s, t)] = pm.run(stage, ctx)
+        made[(s, t)].meta.pop(STAGE_IO, None)
         records.append(PipelineRecord(name=name, text=pm.text()))
-    return Lowering(config=config, graph=gm, split=split, programs=made, pipelines=tuple(records), tp_group=tp_group)
+    return Lowering(config=config, graph=gm, split=split, programs=made, pipelines=tuple(records), tp_group=tp_group,
+                    io=io)
+
+
+def rank_io(gm: fx.GraphModule, split: PipelineSplit, config: ParallelConfig) -> tuple[StageIO, ...]:
+    """Every stage's contract as a tp rank runs it: the split's, with the boundary tensors that
+    sequence parallelism sends as each tp rank's chunk (:func:`passes.sequence_parallel.shard_stage_io`)
+    at the chunk's size."""
+    if not (config.sequence_parallel and config.tp > 1):
+        return split.io
+    seq = sequence_size(gm, config.tp)
+    return tuple(shard_stage_io(io, config.tp, seq) for io in split.io)
 
 
 def lower_rank(gm: fx.GraphModule, config: ParallelConfig, rank: int, *, cost: CostHooks | None, first: int = 0,

@@ -11,6 +11,9 @@ run on this rank's contiguous chunk of the sequence dim instead. Patterns (ops o
     column:  copy_to_tp(x_seq) -> linear                   becomes  all_gather_seq(x_seq, d) -> linear
     mixed:   op(x_seq, y_full)      (y of full sequence)   becomes  op(x_seq, scatter_to_seq(y, d))
     stage input (float, has a sequence dim)                -> scatter_to_seq
+    received boundary tensor (float, has a sequence dim)   arrives as this rank's chunk (no op)
+    boundary tensor sent on (float, has a sequence dim)    leaves as this rank's chunk
+                                                           (scatter_to_seq if it is not one)
     other op / graph output reading a chunk                -> gather_from_seq first (exact fallback)
     sym_size(x_seq, d)                                     -> sym_size * tp   (sizes stay global)
     view/reshape inside the region, size at d              -> size // tp
@@ -27,6 +30,7 @@ captured ``seq`` dim (the last such dim before the features).
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Any
 
@@ -36,7 +40,7 @@ from torch import fx
 
 import passes.ir.ops  # noqa: F401  (defines torch.ops.partitioner.*)
 from passes.ir.errors import ConfigError
-from passes.ir.meta import CAPTURE, TENSOR_PARALLEL, ShapeMeta, TPMeta, dim_symbol
+from passes.ir.meta import CAPTURE, TENSOR_PARALLEL, ShapeMeta, StageIO, TensorMeta, TPMeta, dim_symbol
 from passes.tensor_parallel_patterns import _PASSTHROUGH, _VIEWS, _groups, _same_size
 
 aten = torch.ops.aten
@@ -61,22 +65,59 @@ def sequence_size(gm: fx.GraphModule, tp: int, seq_dim: str = "seq") -> sympy.Ex
     return dim_symbol(seq_dim) if seq_dim in info.symbolic else sympy.Integer(dims[seq_dim])
 
 
+def boundary_shard_dim(meta: TensorMeta | None, seq: sympy.Expr | None) -> int | None:
+    """The dim along which a pipeline boundary tensor of global ``meta`` travels as each tp
+    rank's chunk under sequence parallelism: its sequence dim (the last dim before the
+    features whose size is ``seq``) for a floating tensor; None (it travels whole) otherwise."""
+    if meta is None or seq is None or not meta.dtype.is_floating_point:
+        return None
+    hits = [i for i, s in enumerate(meta.shape[:-1]) if _same_size(sympy.sympify(s), seq)]
+    return hits[-1] if hits and len(meta.shape) >= 2 else None
+
+
+def shard_stage_io(io: StageIO, tp: int, seq: sympy.Expr | None) -> StageIO:
+    """``io`` with each boundary tensor (received, or sent to another stage) that travels
+    sharded (:func:`boundary_shard_dim`) at this rank's chunk size: what a tp rank's program
+    receives and sends under sequence parallelism."""
+    def chunk(meta: TensorMeta) -> TensorMeta:
+        d = boundary_shard_dim(meta, seq)
+        if d is None:
+            return meta
+        shape = list(meta.shape)
+        shape[d] = sympy.sympify(shape[d]) / tp
+        return dataclasses.replace(meta, shape=tuple(shape))
+
+    inputs = tuple(dataclasses.replace(i, meta=chunk(i.meta)) if i.kind == "recv" else i for i in io.inputs)
+    outputs = tuple(dataclasses.replace(o, meta=chunk(o.meta)) if o.dests else o for o in io.outputs)
+    return dataclasses.replace(io, inputs=inputs, outputs=outputs)
+
+
 def apply_sequence_parallel(graph: fx.Graph, shapes: dict[str, ShapeMeta], params: dict[str, torch.nn.Parameter],
-                            *, tp: int, group: str, seq: sympy.Expr) -> tuple[str, ...]:
+                            *, tp: int, group: str, seq: sympy.Expr,
+                            io: StageIO | None = None) -> tuple[tuple[str, ...], tuple[tuple[str, int], ...]]:
     """Rewrite ``graph`` (a tp rank program) in place for sequence parallelism; returns the names
-    of replicated parameters whose gradients must be summed over the tp group (sorted).
+    of replicated parameters whose gradients must be summed over the tp group (sorted), and the
+    received inputs that arrive as this rank's chunk with their sequence dim.
 
     ``shapes``: node name -> global :class:`ShapeMeta` (None: not a tensor) of every node of the
     graph before the tp rewrite.
     ``seq``: the sequence size in those shapes (from :func:`sequence_size`).
+    ``io``: the stage's contract (global shapes): its boundary tensors are received and sent as
+    chunks (:func:`boundary_shard_dim`); without it every boundary tensor travels whole.
     """
-    return _SeqRewriter(graph, shapes, params, tp, group, seq).run()
+    rw = _SeqRewriter(graph, shapes, params, tp, group, seq, io)
+    grads = rw.run()
+    return grads, tuple((name, d) for name, d in rw.received.items() if d is not None)
 
 
 class _SeqRewriter:
-    def __init__(self, graph, shapes, params, tp, group, seq):
+    def __init__(self, graph, shapes, params, tp, group, seq, io=None):
         self.graph, self.shapes, self.params = graph, shapes, params
         self.tp, self.group, self.seq = tp, group, seq
+        # boundary tensors that travel as chunks: received ones by name, sent ones by output position
+        self.received = {i.name: boundary_shard_dim(i.meta, seq) for i in (io.inputs if io else ())
+                         if i.kind == "recv"}
+        self.sent = {k: boundary_shard_dim(o.meta, seq) for k, o in enumerate(io.outputs if io else ()) if o.dests}
         self.state: dict[fx.Node, int] = {}  # node -> sequence dim of its output chunk
         self.gathered: dict[fx.Node, fx.Node] = {}
         self.scattered: dict[tuple[fx.Node, int], fx.Node] = {}
@@ -149,14 +190,37 @@ class _SeqRewriter:
             if node.op == "placeholder":
                 self._placeholder(node)
             elif node.op == "output":
-                for a in node.all_input_nodes:
-                    if a in self.state:
-                        self._gather(a, node)
+                self._output(node)
             elif node.op == "call_function":
                 self._visit(node)
         return self._grads()
 
+    def _output(self, node: fx.Node) -> None:
+        """Boundary tensors leave as this rank's chunk along the contract's dim; graph outputs
+        (the loss) and what travels whole are gathered."""
+        outs = list(node.args[0]) if isinstance(node.args[0], (tuple, list)) else [node.args[0]]
+        for k, a in enumerate(outs):
+            if not isinstance(a, fx.Node):
+                continue
+            d = self.sent.get(k)
+            if d is not None and self.state.get(a) == d:
+                continue
+            if a in self.state:
+                gathered = self.gathered.get(a) or self._insert(
+                    tp_ops.gather_from_seq.default, (a, self.state[a], self.tp, self.group), after=a,
+                    role="replicated", reason=f"{node.name} cannot run on a sequence chunk: all-gathered")
+                self.gathered[a] = gathered
+                a = gathered
+            if d is not None:  # sent as a chunk although made whole: this rank's piece of it
+                a = self._insert(tp_ops.scatter_to_seq.default, (a, d, self.tp, self.group), before=node)
+                self._tag(a, d, "boundary tensor sent as this rank's sequence chunk")
+            outs[k] = a
+        node.args = (tuple(outs) if isinstance(node.args[0], (tuple, list)) else outs[0],)
+
     def _placeholder(self, node: fx.Node) -> None:
+        if self.received.get(node.name) is not None:  # the sender sent this rank's chunk
+            self._tag(node, self.received[node.name], "received as this rank's sequence chunk")
+            return
         meta = self.shapes.get(node.name)
         d = self.seq_dim(node)
         if meta is None or d is None or len(meta.tensors) != 1 or not meta.tensor.dtype.is_floating_point:

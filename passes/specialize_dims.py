@@ -2,7 +2,8 @@
 
 A rank program runs one micro-batch size, so its analysis is made at it: this pass sets the
 ``batch`` dim of ``gm.meta[CAPTURE]`` to ``batch`` (when it is symbolic) and makes every named
-dim concrete (the others at their capture hints). The graph itself is unchanged and still runs at any size; the analysis
+dim concrete (the others at their capture hints); a received input that sequence parallelism
+takes as this tp rank's chunk gets the chunk's size. The graph itself is unchanged and still runs at any size; the analysis
 passes after it (shapes, FLOPs, memory) give numbers for that micro-batch, several times faster
 than symbolically.
 """
@@ -14,7 +15,7 @@ from typing import Any
 from torch import fx
 
 from passes.ir.errors import PassError
-from passes.ir.meta import CAPTURE
+from passes.ir.meta import CAPTURE, TENSOR_PARALLEL_PLAN
 
 
 def specialize_dims(gm: fx.GraphModule, ctx: Any = None, *, batch: int) -> fx.GraphModule:
@@ -26,5 +27,24 @@ def specialize_dims(gm: fx.GraphModule, ctx: Any = None, *, batch: int) -> fx.Gr
         raise PassError(f"specialize_dims: batch must be an int >= 1, got {batch!r}")
     # a dim the capture already fixed stays as it is (the program's input contracts use it)
     dims = tuple((n, batch if n == "batch" and n in info.symbolic else v) for n, v in info.dims)
-    gm.meta[CAPTURE] = dataclasses.replace(info, dims=dims, symbolic=())
+    info = dataclasses.replace(info, dims=dims, symbolic=())
+    plan = gm.meta.get(TENSOR_PARALLEL_PLAN)
+    if plan is not None and plan.sequence_sharded_inputs:
+        info = _chunked_inputs(info, dict(plan.sequence_sharded_inputs), plan.degree)
+    gm.meta[CAPTURE] = info
     return gm
+
+
+def _chunked_inputs(info, chunked: dict[str, int], degree: int):
+    """``info`` whose inputs ``chunked`` (name -> dim) are this tp rank's sequence chunk: that
+    dim at its concrete size over ``degree`` (sequence parallelism's boundary tensors)."""
+    sizes = dict(info.dims)
+    inputs = []
+    for spec in info.inputs:
+        if spec.name in chunked:
+            d = chunked[spec.name]
+            shape = list(spec.shape)
+            shape[d] = (sizes[shape[d]] if isinstance(shape[d], str) else shape[d]) // degree
+            spec = dataclasses.replace(spec, shape=tuple(shape))
+        inputs.append(spec)
+    return dataclasses.replace(info, inputs=tuple(inputs))

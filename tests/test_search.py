@@ -266,9 +266,9 @@ def test_zero3_keeps_the_gathered_parameters_when_they_fit_and_frees_them_when_n
     assert tight.predicted.peak_memory_bytes == pytest.approx(freed.peak_memory_bytes)
 
 
-def test_a_pipeline_message_is_the_whole_boundary_tensor_on_every_tp_rank(profile):
-    # the runtime sends each tp rank's whole (replicated) boundary tensor to its peer; sequence
-    # parallelism gathers it before the stage's output: the predicted p2p time does not shrink with tp
+def test_a_pipeline_message_is_the_whole_boundary_tensor_or_its_sequence_chunk(profile):
+    # the runtime sends each tp rank's whole (replicated) boundary tensor to its peer; under
+    # sequence parallelism each tp rank's chunk of it: the predicted p2p bytes drop by tp there only
     fix = {"pp": 2, "dp": 1, "schedule": "1f1b", "num_micro_batches": 4, "checkpointing": "none"}
     pp_comm = {}
     for tp, sp in ((1, False), (2, False), (2, True), (4, True)):
@@ -276,4 +276,8 @@ def test_a_pipeline_message_is_the_whole_boundary_tensor_on_every_tp_rank(profil
         chosen = plan(profile, _cluster(devices=8), global_batch=dp * 2 * 4,
                       fix={**fix, "tp": tp, "sequence_parallel": sp, "dp": dp, "micro_batch_size": 2})
         pp_comm[(tp, sp)] = chosen.predicted.terms["pp_comm"]
-    assert len(set(pp_comm.values())) == 1 and pp_comm[(1, False)] > 0, pp_comm
+    assert pp_comm[(1, False)] == pp_comm[(2, False)] > 0, pp_comm
+    # 8 messages of a + M/(k b) for a chunk of 1/k: the bandwidth part halves from tp=2 to tp=4
+    whole, half, quarter = pp_comm[(1, False)], pp_comm[(2, True)], pp_comm[(4, True)]
+    assert whole > half > quarter
+    assert whole - half == pytest.approx(2 * (half - quarter), rel=1e-9)

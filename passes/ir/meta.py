@@ -341,6 +341,10 @@ class LayerChain:
 # Node key (and gm.meta key of each stage module): int stage index. The split's own result,
 # :class:`PipelineSplit`, is returned, not stored in meta.
 PIPELINE_STAGE = "pipeline_stage"
+STAGE_IO = "stage_io"
+"""``gm.meta[STAGE_IO]`` on a stage program while it is lowered: its :class:`StageIO` as the
+split made it (global shapes), which the sequence-parallel rewrite reads to keep boundary
+tensors sharded."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -528,6 +532,9 @@ class TensorParallelPlan:
     rank: int | None = None
     sequence_parallel: bool = False
     sequence_parallel_grads: tuple[str, ...] = ()
+    sequence_sharded_inputs: tuple[tuple[str, int], ...] = ()
+    """Received boundary tensors that arrive as this rank's sequence chunk, with the dim cut
+    (the capture's input of that name is the whole tensor; ``specialize_dims`` cuts it)."""
 
 
 # ---------------------------------------------------------------------------------------------

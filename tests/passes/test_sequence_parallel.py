@@ -113,9 +113,21 @@ def test_rank_programs_of_a_pipeline_split():
     lowering = lower_all(graph, ParallelConfig(tp=2, pp=2, sequence_parallel=True), cluster=Cluster.local(4))
     progs = [lowering.rank_program(r) for r in range(4)]
     ops = {r: sorted({c.op for c in p.comms_of("tp")}) for r, p in enumerate(progs)}
-    # stage 1 receives the whole residual stream and cuts it; stage 0 gathers what it sends
-    assert "gather_from_seq" in ops[0] and "scatter_to_seq" in ops[2]
+    # the residual stream crosses the stage boundary as each tp rank's sequence chunk: stage 0
+    # sends its chunk without gathering it, stage 1 runs on it without cutting it
+    assert "gather_from_seq" not in ops[0] and "scatter_to_seq" not in ops[2]
     assert "reduce_scatter_seq" in ops[0] and "all_gather_seq" in ops[2]
+    (out,) = [o for o in progs[0].io[0].outputs if o.dests]
+    (recv,) = [i for i in progs[2].io[1].inputs if i.kind == "recv"]
+    whole = [o for o in lowering.split.io[0].outputs if o.dests][0]
+    assert out.meta.shape[1] == recv.meta.shape[1] == whole.meta.shape[1] / 2  # [batch, seq/2, hidden]
+    stage0 = lowering.programs[(0, 0)]
+    position = [o.name for o in progs[0].io[0].outputs].index(out.name)
+    sent = stage0.graph.output_node().args[0][position]
+    assert sent.target is torch.ops.aten.add.Tensor  # the residual add, on this rank's chunk
+    from passes.communication_check import check_lowering
+    summary = check_lowering(lowering)  # the sends and receives agree on the chunk's size
+    assert summary
     assert progs[0].sp_grad_params == progs[1].sp_grad_params
     assert "blocks.0.ln_1.weight" in progs[0].sp_grad_params and "ln_f.weight" in progs[2].sp_grad_params
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import sympy
 import torch
+from torch import fx
 
 import runtime.kernels.collectives as tpc
 from partitioner.errors import ConfigError
@@ -136,7 +137,10 @@ def test_rank_programs_of_a_pipeline_split():
 GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 GLOBAL_BATCH, STEPS = 4, 3
 ADAMW = {"lr": 1e-3, "eps": 1e-6}  # eps as in tests/test_runtime_parity.py
-CASES = [(1, 2, 1, 1), (1, 2, 2, 2)]  # (dp, tp, pp, micro-batches)
+# (dp, tp, pp, micro-batches, schedule, checkpointing); with pp=2 the boundary travels as chunks,
+# recomputed inside checkpointed regions and through the split backward of the zero-bubble schedule
+CASES = [(1, 2, 1, 1, "1f1b", "none"), (1, 2, 2, 2, "1f1b", "none"), (1, 2, 2, 2, "1f1b", "full"),
+         (1, 2, 2, 4, "zb1p", "none")]
 
 
 def _batches(spec):
@@ -151,18 +155,19 @@ def _train(cases, payload):
 
     init_distributed(timeout_s=200)
     spec, graph = unpacked_graph(GPT, payload)
-    meshes = [Mesh(dp, pp, tp, timeout_s=60) for dp, tp, pp, _ in cases]
+    meshes = [Mesh(dp, pp, tp, timeout_s=60) for dp, tp, pp, *_ in cases]
     out = {}
-    for (dp, tp, pp, m), mesh in zip(cases, meshes):
+    for (dp, tp, pp, m, schedule, ckpt), mesh in zip(cases, meshes):
         torch.distributed.barrier()
         if not mesh.active:
             continue
-        config = ParallelConfig.for_global_batch(GLOBAL_BATCH, dp=dp, tp=tp, pp=pp, schedule="1f1b",
-                                                 num_micro_batches=m, sequence_parallel=True)
+        config = ParallelConfig.for_global_batch(GLOBAL_BATCH, dp=dp, tp=tp, pp=pp, schedule=schedule,
+                                                 num_micro_batches=m, sequence_parallel=True, checkpointing=ckpt)
         pm = build_parallel_model(graph, config, mesh, optimizer=ADAMW)
         losses = [pm.train_step(b) for b in _batches(spec)]
-        code = "".join(st.module.code for st in pm.stages.values())
-        out[(dp, tp, pp, m)] = {"losses": losses, "params": pm.full_parameters(), "grads": pm.full_gradients(),
+        # the stage graphs and their checkpointed regions' graphs
+        code = "".join(m.code for st in pm.stages.values() for m in st.module.modules() if isinstance(m, fx.GraphModule))
+        out[(dp, tp, pp, m, schedule, ckpt)] = {"losses": losses, "params": pm.full_parameters(), "grads": pm.full_gradients(),
                                 "sp_grads": pm.program.sp_grad_params, "reduce_scatter": "reduce_scatter_seq" in code}
     return out
 
@@ -175,7 +180,7 @@ def test_parallel_model_with_sequence_parallel_matches_one_device():
     spec = build_model(GPT)
     ref_losses, model = train_one_device(spec, _batches(spec), adamw=ADAMW)
     for case in CASES:
-        dp, tp, pp, _ = case
+        dp, tp, pp, *_ = case
         ranks = [r[case] for r in results[:dp * tp * pp]]
         covered = set()
         for rank, res in enumerate(ranks):

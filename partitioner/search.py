@@ -26,7 +26,7 @@ from partitioner.cost_model import bubble_fraction
 from partitioner.knobs import check_fix, fix_text
 from partitioner.plan_cost import Evaluated, PlanContext, evaluate, lower_bound
 from partitioner.profile import ModelProfile
-from passes.ir.config import CHECKPOINTING, KNOBS, OFFLOAD, SCHEDULES, ParallelConfig
+from passes.ir.config import CHECKPOINTING, KNOBS, OFFLOAD, SCHEDULES, ZERO_STAGES, ParallelConfig
 from passes.ir.errors import ConfigError, InfeasiblePlanError
 from passes.ir.plan import Alternative, Plan, Prediction, format_bytes
 
@@ -336,9 +336,17 @@ def plan(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: dic
             f"more devices, a smaller global batch, or fix checkpointing=full")
     infeasible += dropped  # the candidates before ``best`` in ``feasible``
     slower = feasible[feasible.index(best) + 1:]
+    shown = slower[:N_ALTERNATIVES - 1]
+    # and the fastest plan of every other ZeRO stage evaluated, so the choice of stage is explained
+    # even when variants of the chosen one (HSDP, resharding, micro-batching) fill the list
+    for zero in ZERO_STAGES:
+        other = next((e for e in slower if e.config.zero_stage == zero), None)
+        if other is not None and zero != best.config.zero_stage and other not in shown:
+            shown.append(other)
+    shown.sort(key=lambda e: (e.step_time, _key(e.config)))
     alts = [Alternative(knobs=e.config.knobs(), step_time_s=e.step_time, peak_memory_bytes=e.peak,
                         reason=f"slower by {(e.step_time / best.step_time - 1) * 100:.1f}%")
-            for e in slower[:N_ALTERNATIVES - 1]]
+            for e in shown]
     faster = sorted((e for e in infeasible if e.step_time < best.step_time), key=lambda e: (e.step_time, _key(e.config)))
     alts += [Alternative(knobs=e.config.knobs(), step_time_s=e.step_time, peak_memory_bytes=e.peak,
                          reason=_memory_reason(ctx, e)) for e in faster[:2]]

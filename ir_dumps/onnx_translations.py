@@ -17,7 +17,8 @@ it::
     reduce_scatter_seq, all_gather_seq, scatter_to_seq, gather_from_seq
                                    ReduceScatterSeq(x) -> y, ...      dim, tp
     split_point(x)                 Identity(x) -> y                   (the standard domain)
-    zero3_gather(shards, ...)      Zero3Gather(shards...) -> params... degree, stage, site
+    zero3_gather(shards, ...)      Zero3Gather(shards...) -> [params] degree, stage, site
+                                   (a sequence; SequenceAt takes each)
 
 The tp group's name is process state, not an attribute (the file's ``ranks`` attribute, added
 later, names the group's global ranks). ``offload_begin`` / ``offload_end`` (:data:`DROPPED_OPS`)
@@ -38,6 +39,7 @@ import onnxscript
 from onnx.defs import OpSchema
 
 import passes.ir.offload_ops  # noqa: F401  (defines offload_begin / offload_end)
+import passes.ir.zero3_ops  # noqa: F401  (defines zero3_gather)
 from passes.ir.ops import NAMESPACE
 
 DOMAIN = NAMESPACE
@@ -122,8 +124,6 @@ def custom_translation_table() -> dict[Any, Callable[..., Any]]:
     has a node (``torch.onnx.export(..., dynamo=True, custom_translation_table=...)``)."""
     import torch
 
-    import passes.ir.zero3_ops  # noqa: F401  (defines zero3_gather)
-
     table: dict[Any, Callable[..., Any]] = {getattr(torch.ops.partitioner, name).default: _translation(name, spec)
                                             for name, spec in NODE_SPECS.items()}
     table.update({getattr(torch.ops.partitioner, name).default: _identity for name in IDENTITY_OPS})
@@ -135,18 +135,18 @@ def _zero3_gather_op() -> Any:
     variadic = OpSchema.FormalParameterOption.Variadic
     schema = OpSchema("Zero3Gather", DOMAIN, DOMAIN_VERSION,
                       inputs=[OpSchema.FormalParameter("shards", "T", param_option=variadic, is_homogeneous=False)],
-                      outputs=[OpSchema.FormalParameter("params", "T", param_option=variadic, is_homogeneous=False)],
-                      type_constraints=[("T", _ANY_TENSOR, "")],
+                      outputs=[OpSchema.FormalParameter("params", "S")],
+                      type_constraints=[("T", _ANY_TENSOR, ""), ("S", [f"seq({t})" for t in _ANY_TENSOR], "")],
                       attributes=[OpSchema.Attribute(name, OpSchema.AttrType.INT, "", required=True)
                                   for name in ("degree", "stage", "site")])
     return onnxscript.values.Op(onnxscript.values.Opset(DOMAIN, DOMAIN_VERSION), "Zero3Gather", schema)
 
 
 def _zero3_gather(shards: Any, shapes: Any, degree: int, group: str, stage: int, site: int) -> Any:
-    """``zero3_gather``: ``Zero3Gather(shards...) -> (params...)``, one full parameter per
-    shard (their shapes are the outputs' types); the dp degree, stage and gather site as
-    attributes, the dp group's name being process state."""
-    return _zero3_gather_op()(*shards, degree=degree, stage=stage, site=site, _num_outputs=len(shards))
+    """``zero3_gather``: ``Zero3Gather(shards...)``, whose output is the sequence of the full
+    parameters (the exporter takes each with ``SequenceAt``, typed by the fx node's values); the
+    dp degree, stage and gather site as attributes, the dp group's name being process state."""
+    return _zero3_gather_op()(*shards, degree=degree, stage=stage, site=site)
 
 
 def _identity(x: Any) -> Any:

@@ -251,7 +251,7 @@ def _timeline(plan: Plan, schedule: Mapping[int, list], measured: tuple | None =
     rows, makespan = timeline_intervals(plan, schedule)
     out = _timeline_svg(rows, makespan, "timeline", plan)
     if measured is not None:
-        timelines, started, step = measured[:3]
+        timelines, started, step, spans = measured
         m_rows, m_span = measured_intervals(timelines, started)
         if m_span > 0:
             out += (f'<h3>Measured (step {step})</h3>' + _timeline_svg(m_rows, m_span, "timeline-measured", None)
@@ -260,7 +260,6 @@ def _timeline(plan: Plan, schedule: Mapping[int, list], measured: tuple | None =
                       f'{idle_fraction(rows, makespan):.1%}): every action as the runtime timed it on each rank '
                       f'(<code>runtime.measure.StepTimer</code>), aligned by the ranks\' wall clocks; a receive '
                       f'waited on inside a forward or backward is drawn idle.</p>')
-            spans = measured[3] if len(measured) > 3 else {}
             if spans:
                 out += _zero3_timeline(spans, started, m_span, plan)
     return out

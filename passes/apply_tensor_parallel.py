@@ -73,9 +73,8 @@ def apply_tensor_parallel(gm: fx.GraphModule, ctx: Any = None, *, rank: int, gro
     for node in list(graph.nodes):
         rw.visit(node)
     sp_grads: tuple[str, ...] = ()
-    sp_inputs: tuple[tuple[str, int], ...] = ()
     if seq is not None:
-        sp_grads, sp_inputs = apply_sequence_parallel(graph, shapes, {n: p for n, p in attrs.items()
+        sp_grads = apply_sequence_parallel(graph, shapes, {n: p for n, p in attrs.items()
                                                            if isinstance(p, nn.Parameter)},
                                            tp=tp, group=group, seq=seq, io=gm.meta.get(STAGE_IO))
     rewrite_sharded_dropout(graph, rank=rank, degree=tp, shapes=shapes)
@@ -89,8 +88,7 @@ def apply_tensor_parallel(gm: fx.GraphModule, ctx: Any = None, *, rank: int, gro
     out.meta.update({k: v for k, v in gm.meta.items() if k not in _STALE_GRAPH})
     out.meta[TENSOR_PARALLEL_PLAN] = TensorParallelPlan(degree=tp, params=plan.params, rank=rank,
                                                         sequence_parallel=seq is not None,
-                                                        sequence_parallel_grads=sp_grads,
-                                                        sequence_sharded_inputs=sp_inputs)
+                                                        sequence_parallel_grads=sp_grads)
     return out
 
 

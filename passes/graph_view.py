@@ -112,11 +112,6 @@ def to_networkx(gm_or_graph: fx.GraphModule | fx.Graph, *, storages: bool = True
     if run.regions:
         raise PassError("to_networkx: the graph holds checkpointed regions; build the view from the graph before "
                         "apply_checkpoint (the view describes the plain forward)")
-    hints = gm.meta[CAPTURE].symbols() if CAPTURE in gm.meta else {}
-
-    def at_hints(expr) -> int:
-        return int(sympy.sympify(expr).subs(hints))
-
     name_of: dict = {}  # _Storage -> its name
     owned: dict[fx.Node, list] = {}
     for st in run.storages.values():
@@ -126,19 +121,11 @@ def to_networkx(gm_or_graph: fx.GraphModule | fx.Graph, *, storages: bool = True
         sts.sort(key=lambda s: (s.kind != "activation", s.index))
         for k, st in enumerate(sts):
             name_of[st] = f"{node.name}:{k}"
-    mutated = _mutated_owners(gm, run)
 
-    out_node = next(n for n in gm.graph.nodes if n.op == "output")
-    outs = [a for a in tree_leaves(out_node.args) if isinstance(a, fx.Node)]
-    G = nx.DiGraph(loss=outs[0].name if outs else None,
-                   fixed_bytes=sum(st.hint for st in run.storages.values() if st.kind == "input" and st.kept))
-    fwd = bwd = 0
-    for node in gm.graph.nodes:
-        sts = run.node_storages.get(node, [])
-        kind = _kind(node, sts)
-        flops = node.meta.get(FLOPS)
-        f, b = (at_hints(flops.fwd), at_hints(flops.bwd)) if flops is not None else (0, 0)
-        fwd, bwd = fwd + f, bwd + b
+    def kind_of(node: fx.Node) -> NodeKind:
+        return _kind(node, run.node_storages.get(node, []))
+
+    def storage_attrs(node: fx.Node, kind: NodeKind) -> dict:
         own = tuple(StorageFacts(name=name_of[st], owner=node.name, nbytes=st.hint, kept=st.kept, kind=st.kind)
                     for st in owned.get(node, ()))
         reads: dict[str, None] = {}
@@ -146,52 +133,56 @@ def to_networkx(gm_or_graph: fx.GraphModule | fx.Graph, *, storages: bool = True
             for st in run.node_storages.get(src, ()):
                 if st in name_of:
                     reads[name_of[st]] = None
-        target = str(node.target) if node.op in _CALLS else node.op
-        G.add_node(node.name, op=target, kind=kind, is_param=kind in ("param", "buffer"), is_input=kind == "input",
-                   is_output=kind == "output",
-                   activation=kind == "compute" and any(st in name_of for st in sts),
-                   out_bytes=sum(s.nbytes for s in own if s.kind == "activation"),
-                   internal_bytes=sum(s.nbytes for s in own if s.kind == "internal"),
-                   kept_bytes=sum(s.nbytes for s in own if s.kept), flops=f, bwd_flops=b, owns=own,
-                   reads=tuple(reads), random=_is_random(node),
-                   recomputable=kind == "compute" and not _mutates(node) and node not in mutated,
-                   weighted=_weighted(gm, node), block=node.meta[BLOCK].name if BLOCK in node.meta else None)
-    _add_edges(G, gm)
-    G.graph.update(fwd_flops=fwd, bwd_flops=bwd)
-    return G
+        return dict(activation=kind == "compute" and any(st in name_of for st in run.node_storages.get(node, [])),
+                    out_bytes=sum(s.nbytes for s in own if s.kind == "activation"),
+                    internal_bytes=sum(s.nbytes for s in own if s.kind == "internal"),
+                    kept_bytes=sum(s.nbytes for s in own if s.kept), owns=own, reads=tuple(reads))
+
+    fixed = sum(st.hint for st in run.storages.values() if st.kind == "input" and st.kept)
+    return _view(gm, fixed_bytes=fixed, kind_of=kind_of, storage_attrs=storage_attrs,
+                 mutated=_mutated_owners(gm, run))
 
 
 def _structure(gm: fx.GraphModule) -> nx.DiGraph:
     """:func:`to_networkx` without the fake run (``storages=False``)."""
     buffers = {name for name, _ in gm.named_buffers()}
+
+    def kind_of(node: fx.Node) -> NodeKind:
+        kind = _kind(node, None)
+        return "buffer" if kind == "param" and node.target in buffers else kind
+
+    def storage_attrs(node: fx.Node, kind: NodeKind) -> dict:
+        return dict(activation=kind == "compute" and _holds_tensor(node), out_bytes=0, internal_bytes=0,
+                    kept_bytes=0, owns=(), reads=())
+
+    return _view(gm, fixed_bytes=0, kind_of=kind_of, storage_attrs=storage_attrs)
+
+
+def _view(gm: fx.GraphModule, *, fixed_bytes: int, kind_of, storage_attrs, mutated=frozenset()) -> nx.DiGraph:
+    """The DiGraph of ``gm``: the attributes every view has, plus ``storage_attrs(node, kind)``
+    (``activation``, the bytes, ``owns``, ``reads``); one edge per fx input."""
+    hints = gm.meta[CAPTURE].symbols() if CAPTURE in gm.meta else {}
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     outs = [a for a in tree_leaves(out_node.args) if isinstance(a, fx.Node)]
-    G = nx.DiGraph(loss=outs[0].name if outs else None, fixed_bytes=0)
+    G = nx.DiGraph(loss=outs[0].name if outs else None, fixed_bytes=fixed_bytes)
     fwd = bwd = 0
     for node in gm.graph.nodes:
-        kind = _kind(node, None)
-        if kind == "param" and node.target in buffers:
-            kind = "buffer"
+        kind = kind_of(node)
         flops = node.meta.get(FLOPS)
-        hints = gm.meta[CAPTURE].symbols() if flops is not None and CAPTURE in gm.meta else {}
         f, b = ((int(sympy.sympify(flops.fwd).subs(hints)), int(sympy.sympify(flops.bwd).subs(hints)))
                 if flops is not None else (0, 0))
         fwd, bwd = fwd + f, bwd + b
         G.add_node(node.name, op=str(node.target) if node.op in _CALLS else node.op, kind=kind,
                    is_param=kind in ("param", "buffer"), is_input=kind == "input", is_output=kind == "output",
-                   activation=kind == "compute" and _holds_tensor(node), out_bytes=0, internal_bytes=0,
-                   kept_bytes=0, flops=f, bwd_flops=b, owns=(), reads=(), random=_is_random(node),
-                   recomputable=kind == "compute" and not _mutates(node), weighted=_weighted(gm, node),
-                   block=node.meta[BLOCK].name if BLOCK in node.meta else None)
-    _add_edges(G, gm)
-    G.graph.update(fwd_flops=fwd, bwd_flops=bwd)
-    return G
-
-
-def _add_edges(G: nx.DiGraph, gm: fx.GraphModule) -> None:
+                   flops=f, bwd_flops=b, random=_is_random(node),
+                   recomputable=kind == "compute" and not _mutates(node) and node not in mutated,
+                   weighted=_weighted(gm, node), block=node.meta[BLOCK].name if BLOCK in node.meta else None,
+                   **storage_attrs(node, kind))
     for node in gm.graph.nodes:
         for src in node.all_input_nodes:
             G.add_edge(src.name, node.name)
+    G.graph.update(fwd_flops=fwd, bwd_flops=bwd)
+    return G
 
 
 def _holds_tensor(node: fx.Node) -> bool:

@@ -72,10 +72,10 @@ class Lowering:
     graph: fx.GraphModule = field(repr=False)
     split: PipelineSplit = field(repr=False)
     programs: dict[tuple[int, int], fx.GraphModule] = field(repr=False)
+    io: tuple[StageIO, ...] = field(repr=False)
+    """Every stage's contract as a tp rank runs it (:func:`rank_io`)."""
     pipelines: tuple[PipelineRecord, ...] = ()
     tp_group: str = "tp"
-    io: tuple[StageIO, ...] = ()
-    """Every stage's contract as a tp rank runs it (:func:`rank_io`); empty: the split's."""
 
     def rank_program(self, rank: int, *, first: int = 0) -> RankProgram:
         """The program of global ``rank`` (the mesh spans ``first .. first + world_size - 1``)."""
@@ -101,7 +101,7 @@ class Lowering:
             canonical.update({a: canon for a in aliases})
         return RankProgram(
             rank=rank, first=first, config=c, pp_index=pp_index, dp_index=dp_index, tp_index=tp_index, stages=mine,
-            modules=modules, io=self.io or self.split.io, tied=self._tied(plan), canonical_names=canonical, tp_plan=plan,
+            modules=modules, io=self.io, tied=self._tied(plan), canonical_names=canonical, tp_plan=plan,
             tp_group=self.tp_group,
             comms=tuple(_comms(self.split, modules, mine, c, pp_index, dp_index, tp_index, first, self.tp_group)),
             actions=tuple(actions), inputs=info.inputs, sp_grad_params=tuple(sp_grads),

@@ -93,11 +93,11 @@ def shard_stage_io(io: StageIO, tp: int, seq: sympy.Expr | None) -> StageIO:
 
 
 def apply_sequence_parallel(graph: fx.Graph, shapes: dict[str, ShapeMeta], params: dict[str, torch.nn.Parameter],
-                            *, tp: int, group: str, seq: sympy.Expr,
-                            io: StageIO | None = None) -> tuple[tuple[str, ...], tuple[tuple[str, int], ...]]:
+                            *, tp: int, group: str, seq: sympy.Expr, io: StageIO | None = None) -> tuple[str, ...]:
     """Rewrite ``graph`` (a tp rank program) in place for sequence parallelism; returns the names
-    of replicated parameters whose gradients must be summed over the tp group (sorted), and the
-    received inputs that arrive as this rank's chunk with their sequence dim.
+    of replicated parameters whose gradients must be summed over the tp group (sorted). A
+    received input that arrives as this rank's chunk is tagged ``sequence`` with its dim
+    (``node.meta[TENSOR_PARALLEL]``), as every node running on a chunk is.
 
     ``shapes``: node name -> global :class:`ShapeMeta` (None: not a tensor) of every node of the
     graph before the tp rewrite.
@@ -105,9 +105,7 @@ def apply_sequence_parallel(graph: fx.Graph, shapes: dict[str, ShapeMeta], param
     ``io``: the stage's contract (global shapes): its boundary tensors are received and sent as
     chunks (:func:`boundary_shard_dim`); without it every boundary tensor travels whole.
     """
-    rw = _SeqRewriter(graph, shapes, params, tp, group, seq, io)
-    grads = rw.run()
-    return grads, tuple((name, d) for name, d in rw.received.items() if d is not None)
+    return _SeqRewriter(graph, shapes, params, tp, group, seq, io).run()
 
 
 class _SeqRewriter:
@@ -169,12 +167,16 @@ class _SeqRewriter:
         self.state[node] = dim
         node.meta[TENSOR_PARALLEL] = TPMeta(role="sequence", shard_dim=dim, reason=reason)
 
-    def _gather(self, a: fx.Node, user: fx.Node) -> None:
+    def _gathered(self, a: fx.Node, user: fx.Node) -> fx.Node:
+        """``a`` all-gathered along its sequence dim (one gather however many users need it)."""
         if a not in self.gathered:
             self.gathered[a] = self._insert(tp_ops.gather_from_seq.default, (a, self.state[a], self.tp, self.group),
                                             after=a, role="replicated",
                                             reason=f"{user.name} cannot run on a sequence chunk: all-gathered")
-        user.replace_input_with(a, self.gathered[a])
+        return self.gathered[a]
+
+    def _gather(self, a: fx.Node, user: fx.Node) -> None:
+        user.replace_input_with(a, self._gathered(a, user))
 
     def _scatter(self, a: fx.Node, pos: int, user: fx.Node) -> None:
         key = (a, pos)
@@ -206,11 +208,7 @@ class _SeqRewriter:
             if d is not None and self.state.get(a) == d:
                 continue
             if a in self.state:
-                gathered = self.gathered.get(a) or self._insert(
-                    tp_ops.gather_from_seq.default, (a, self.state[a], self.tp, self.group), after=a,
-                    role="replicated", reason=f"{node.name} cannot run on a sequence chunk: all-gathered")
-                self.gathered[a] = gathered
-                a = gathered
+                a = self._gathered(a, node)
             if d is not None:  # sent as a chunk although made whole: this rank's piece of it
                 a = self._insert(tp_ops.scatter_to_seq.default, (a, d, self.tp, self.group), before=node)
                 self._tag(a, d, "boundary tensor sent as this rank's sequence chunk")

@@ -15,7 +15,7 @@ from typing import Any
 from torch import fx
 
 from passes.ir.errors import PassError
-from passes.ir.meta import CAPTURE, TENSOR_PARALLEL_PLAN
+from passes.ir.meta import CAPTURE, TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN
 
 
 def specialize_dims(gm: fx.GraphModule, ctx: Any = None, *, batch: int) -> fx.GraphModule:
@@ -28,9 +28,11 @@ def specialize_dims(gm: fx.GraphModule, ctx: Any = None, *, batch: int) -> fx.Gr
     # a dim the capture already fixed stays as it is (the program's input contracts use it)
     dims = tuple((n, batch if n == "batch" and n in info.symbolic else v) for n, v in info.dims)
     info = dataclasses.replace(info, dims=dims, symbolic=())
-    plan = gm.meta.get(TENSOR_PARALLEL_PLAN)
-    if plan is not None and plan.sequence_sharded_inputs:
-        info = _chunked_inputs(info, dict(plan.sequence_sharded_inputs), plan.degree)
+    # inputs that sequence parallelism receives as this tp rank's chunk (tagged so by its rewrite)
+    chunked = {n.name: n.meta[TENSOR_PARALLEL].shard_dim for n in gm.graph.nodes
+               if n.op == "placeholder" and getattr(n.meta.get(TENSOR_PARALLEL), "role", None) == "sequence"}
+    if chunked:
+        info = _chunked_inputs(info, chunked, gm.meta[TENSOR_PARALLEL_PLAN].degree)
     gm.meta[CAPTURE] = info
     return gm
 

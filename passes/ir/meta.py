@@ -532,9 +532,6 @@ class TensorParallelPlan:
     rank: int | None = None
     sequence_parallel: bool = False
     sequence_parallel_grads: tuple[str, ...] = ()
-    sequence_sharded_inputs: tuple[tuple[str, int], ...] = ()
-    """Received boundary tensors that arrive as this rank's sequence chunk, with the dim cut
-    (the capture's input of that name is the whole tensor; ``specialize_dims`` cuts it)."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -175,8 +175,7 @@ class GatherSchedule:
         for site in sites:
             by_stage.setdefault(site.stage, []).append(site)
         self.prefetch = prefetch
-        self.keep = keep
-        self.kept = {(s.stage, s.site) for s in sites if keep and s.regather}
+        self.kept = {(s.stage, s.site) for s in sites if keep and s.regather}  # held from their forward gather
         self.forward_order = {s: [x.site for x in sorted(v, key=lambda x: x.site)] for s, v in by_stage.items()}
         self.backward_order = {s: [x.site for x in sorted(v, key=lambda x: -x.site) if x.regather]
                                for s, v in by_stage.items()}

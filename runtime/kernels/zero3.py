@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Literal, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -91,8 +91,7 @@ class CollectiveSpan:
     site's all-gather from its issue (prefetched: earlier) through the wait compute made for it
     to its end, or its reduce-scatter (synchronous: issued when waited)."""
 
-    kind: str
-    """``gather`` or ``reduce_scatter``."""
+    kind: Literal["gather", "reduce_scatter"]
     stage: int
     site: int
     issued_s: float

@@ -1,35 +1,38 @@
-"""Rewrite: context parallelism (cp) — this rank's program when the sequence is cut over ``degree`` ranks.
+"""Rewrite: context parallelism (cp) — the program of every cp rank when the sequence is cut over ``degree`` ranks.
 
-Every activation holds this rank's share of the sequence under the load-balanced layout of
+The program is the same on every cp rank (the ops read the rank from the cp group at run time,
+as the tp collectives do). Every activation holds this rank's share of the sequence under the load-balanced layout of
 :mod:`passes.ir.cp_ops` (chunks ``r`` and ``2*cp-1-r`` of ``2*cp``); per-token ops (embeddings,
 norms, MLPs, the LM head) run unchanged on it, and only attention and what depends on positions
 or on the whole sequence is rewritten. Graph patterns (ops of :mod:`passes.ir.cp_ops`, ``g`` the
 cp group's name)::
 
     ring:     sdpa(q, k, v, is_causal=c, scale=s)
-                  -> getitem(partitioner.ring_attention(q, k, v, c, s, rank, cp, g), 0)
+                  -> getitem(partitioner.ring_attention(q, k, v, c, s, cp, g), 0)
     ulysses:  sdpa(q, k, v, ...) -> partitioner.heads_to_seq(sdpa(seq_to_heads(q), seq_to_heads(k),
                   seq_to_heads(v), ...))                       (H/cp heads over the whole sequence)
     GQA:      k = reshape(expand(unsqueeze(k_kv, 2), ...))   (repeat_kv before sdpa)
                   -> the op reads k_kv (ring always; Ulysses when the kv heads divide by cp):
                   kv heads travel, not their copies
-    positions: arange(S_local) -> partitioner.load_balanced_positions(arange(S_local), rank, cp)
+    positions: arange(S_local) -> partitioner.load_balanced_positions(arange(S_local), cp, g)
               buffer[:S_local] along d -> index_select(buffer, d, <those positions>)
     loss:     cross_entropy_loss(x, t) (mean)
-                  -> reduce_from_cp(cross_entropy_loss(x, t, reduction=sum)) / reduce_from_cp(count(t != ignore))
+                  -> reduce_from_cp(cross_entropy_loss(x, t, reduction=sum), cp, g)
+                     / reduce_from_cp(count(t != ignore), cp, g)
 
 The graph's inputs that carry the named sequence dim (token ids, targets, position ids) become
-this rank's shards: the runtime feeds ``shard_sequence(x, dim, rank, cp)`` for each input listed
+this rank's shards: the runtime feeds ``shard_sequence(x, dim, cp_rank, cp)`` for each input listed
 in :class:`~passes.ir.cp_ops.ContextParallelPlan` ``.sharded_inputs``. Sizes read from those
 inputs (``sym_size``) are then local, so views follow; positions computed from them
 (``arange``) are mapped to the TRUE positions of the rank's chunks, so position embeddings and
 rotary tables are those of one device.
 
 **Loss.** The mean cross-entropy becomes the sum over this rank's tokens divided by the number of
-counted tokens over all cp ranks; the sum is all-reduced in forward with an identity backward.
-So every rank's loss *value* is the single-device mean, and each rank's parameter gradients are
-its tokens' share of the single-device gradient: **the runtime sums gradients over the cp group**
-(with dp, average over dp only, e.g. all-reduce over dp x cp and divide by dp).
+counted tokens over all cp ranks; the sum is all-reduced in forward, and its backward multiplies
+by ``degree``. So every rank's loss *value* is the single-device mean, and each rank's parameter
+gradients are ``degree`` x its tokens' share of the single-device gradient: **the runtime
+averages gradients over the cp group** as over dp (one average over dp x cp ranks, Megatron's
+convention).
 
 Requires: ``gm.meta[CAPTURE]`` with the sequence dim ``seq_dim`` kept symbolic (sizes come from
 the inputs; a specialized length would leave the global length baked into views) and its hint
@@ -84,20 +87,20 @@ _STALE = (SHAPE, FLOPS, MEMORY)
 _STALE_GRAPH = (FLOP_SUMMARY, MEMORY_SUMMARY)
 
 
-def apply_context_parallel(gm: fx.GraphModule, ctx: Any = None, *, rank: int, degree: int, group: str,
+def apply_context_parallel(gm: fx.GraphModule, ctx: Any = None, *, degree: int, group: str,
                            mode: CPMode = "ring", seq_dim: str = "seq") -> fx.GraphModule:
-    """The program of cp rank ``rank`` of ``degree``, attention exchanging over the cp group
+    """The program of every rank of ``degree`` cp ranks, attention exchanging over the cp group
     registered as ``group``; ``mode``: ``"ring"`` (K/V blocks travel the ring) or ``"ulysses"``
     (all-to-all to head shards). Returns a new GraphModule (``gm`` is left as it was).
 
-    Raises ConfigError for a bad rank/degree/mode, a sequence hint not divisible by
+    Raises ConfigError for a bad degree/mode, a sequence hint not divisible by
     ``2 * degree``, or (Ulysses) heads not divisible by ``degree``; PassError for a graph it
     cannot rewrite (no capture info, specialized sequence dim, attention with a mask or dropout).
     """
     if mode not in CP_MODES:
         raise ConfigError(f"apply_context_parallel: mode={mode!r}; use one of {CP_MODES}")
-    if not 0 <= rank < degree:
-        raise ConfigError(f"apply_context_parallel: rank={rank} outside 0..{degree - 1} (cp degree {degree})")
+    if not isinstance(degree, int) or degree < 1:
+        raise ConfigError(f"apply_context_parallel: degree={degree!r}; give the cp degree, an integer >= 1")
     info: CaptureInfo | None = gm.meta.get(CAPTURE)
     if info is None:
         raise PassError("apply_context_parallel needs gm.meta['capture']; capture the graph with "
@@ -119,7 +122,7 @@ def apply_context_parallel(gm: fx.GraphModule, ctx: Any = None, *, rank: int, de
     for node in graph.nodes:
         for key in _STALE:
             node.meta.pop(key, None)
-    rw = _Rewriter(graph, info, rank=rank, degree=degree, group=group, mode=mode, seq_dim=seq_dim)
+    rw = _Rewriter(graph, info, degree=degree, group=group, mode=mode, seq_dim=seq_dim)
     rw.run()
     graph.eliminate_dead_code()
     graph.lint()
@@ -128,7 +131,7 @@ def apply_context_parallel(gm: fx.GraphModule, ctx: Any = None, *, rank: int, de
     out.meta.update({k: v for k, v in gm.meta.items() if k not in _STALE_GRAPH})
     out.meta[CAPTURE] = _local_capture(info, seq_dim, degree)
     out.meta[CONTEXT_PARALLEL] = ContextParallelPlan(
-        mode=mode, rank=rank, degree=degree, group=group, seq_dim=seq_dim, seq_len=dims[seq_dim],
+        mode=mode, degree=degree, group=group, seq_dim=seq_dim, seq_len=dims[seq_dim],
         sharded_inputs=tuple(rw.sharded), attention=rw.attention, positions=rw.positions, losses=rw.losses)
     return out
 
@@ -148,10 +151,10 @@ def _val_shape(node: Any) -> tuple | None:
 
 
 class _Rewriter:
-    def __init__(self, graph: fx.Graph, info: CaptureInfo, *, rank: int, degree: int, group: str, mode: CPMode,
+    def __init__(self, graph: fx.Graph, info: CaptureInfo, *, degree: int, group: str, mode: CPMode,
                  seq_dim: str):
         self.graph, self.info = graph, info
-        self.rank, self.degree, self.group, self.mode = rank, degree, group, mode
+        self.degree, self.group, self.mode = degree, group, mode
         self.seq_dim = seq_dim
         self.sharded: list[tuple[str, int]] = []
         self.seq_sizes: set[fx.Node] = set()  # nodes whose value is the (now local) sequence length
@@ -188,7 +191,7 @@ class _Rewriter:
             return
         users = list(node.users)
         with self.graph.inserting_after(node):
-            pos = self.graph.call_function(cp_ops.load_balanced_positions.default, (node, self.rank, self.degree))
+            pos = self.graph.call_function(cp_ops.load_balanced_positions.default, (node, self.degree, self.group))
         for user in users:
             user.replace_input_with(node, pos)
         self.positions += 1
@@ -203,7 +206,7 @@ class _Rewriter:
         with self.graph.inserting_before(node):
             index = self.graph.call_function(aten.arange.default, (end,),
                                              {"dtype": torch.long, "device": torch.device(self.info.device)})
-            pos = self.graph.call_function(cp_ops.load_balanced_positions.default, (index, self.rank, self.degree))
+            pos = self.graph.call_function(cp_ops.load_balanced_positions.default, (index, self.degree, self.group))
             new = self.graph.call_function(aten.index_select.default, (x, dim, pos))
         node.replace_all_uses_with(new)
         self.graph.erase_node(node)
@@ -236,14 +239,14 @@ class _Rewriter:
         with self.graph.inserting_before(node):
             if self.mode == "ring":
                 ring = self.graph.call_function(cp_ops.ring_attention.default,
-                                                (q, k, v, causal, scale, self.rank, self.degree, self.group))
+                                                (q, k, v, causal, scale, self.degree, self.group))
                 new = self.graph.call_function(operator.getitem, (ring, 0))
             else:
-                heads = [self.graph.call_function(cp_ops.seq_to_heads.default, (t, self.rank, self.degree, self.group))
+                heads = [self.graph.call_function(cp_ops.seq_to_heads.default, (t, self.degree, self.group))
                          for t in (q, k, v)]
                 kwargs = {"scale": scale, "enable_gqa": gqa} if gqa else {"scale": scale}
                 attn = self.graph.call_function(_SDPA, (*heads, None, 0.0, causal), kwargs)
-                new = self.graph.call_function(cp_ops.heads_to_seq.default, (attn, self.rank, self.degree, self.group))
+                new = self.graph.call_function(cp_ops.heads_to_seq.default, (attn, self.degree, self.group))
         new.meta.update({k_: v_ for k_, v_ in node.meta.items() if k_ not in _STALE and k_ != EXPORT_VAL})
         node.replace_all_uses_with(new)
         self.graph.erase_node(node)
@@ -263,14 +266,14 @@ class _Rewriter:
             local = self.graph.call_function(aten.cross_entropy_loss.default,
                                              (a["input"], a["target"], a["weight"], _SUM, a["ignore_index"],
                                               a["label_smoothing"]))
-            total = self.graph.call_function(cp_ops.reduce_from_cp.default, (local, g))
+            total = self.graph.call_function(cp_ops.reduce_from_cp.default, (local, self.degree, g))
             if a["reduction"] == _SUM:
                 new = total
             else:
                 kept = self.graph.call_function(aten.ne.Scalar, (a["target"], a["ignore_index"]))
                 dtype = _loss_dtype(node)
                 count = self.graph.call_function(aten.sum.default, (kept,), {"dtype": dtype})
-                count = self.graph.call_function(cp_ops.reduce_from_cp.default, (count, g))
+                count = self.graph.call_function(cp_ops.reduce_from_cp.default, (count, self.degree, g))
                 new = self.graph.call_function(aten.div.Tensor, (total, count))
         node.replace_all_uses_with(new)
         self.graph.erase_node(node)

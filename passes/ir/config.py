@@ -12,6 +12,7 @@ loss), as :mod:`passes.annotate_blocks` numbers them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -24,12 +25,14 @@ ZeroStage = Literal[0, 1, 2, 3]
 Checkpointing = Literal["none", "selective", "full", "dag"]
 Offload = Literal["none", "activations", "optimizer"]
 DType = Literal["fp32", "bf16", "fp16"]
+ContextParallelMode = Literal["ring", "ulysses"]
 
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 ZERO_STAGES: tuple[int, ...] = get_args(ZeroStage)
 CHECKPOINTING: tuple[str, ...] = get_args(Checkpointing)
 OFFLOAD: tuple[str, ...] = get_args(Offload)
 DTYPES: tuple[str, ...] = get_args(DType)
+CP_MODES: tuple[str, ...] = get_args(ContextParallelMode)
 TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """The torch dtype of parameters and activations under each training dtype (``bf16``/``fp16``:
 16-bit weights, gradients and activations; the optimizer keeps fp32 master weights)."""
@@ -52,19 +55,24 @@ or only those whose copies ``hidden`` behind compute on the cost model's numbers
 CHECKPOINT_POLICIES: tuple[str, ...] = get_args(CheckpointPolicy)
 OFFLOAD_SELECTIONS: tuple[str, ...] = get_args(OffloadSelection)
 
-KNOBS = ("dp", "tp", "pp", "virtual_pp", "micro_batch_size", "num_micro_batches", "schedule", "zero_stage",
+KNOBS = ("dp", "tp", "pp", "cp", "cp_mode", "virtual_pp", "micro_batch_size", "num_micro_batches", "schedule", "zero_stage",
          "hsdp_shard", "reshard_after_forward", "sequence_parallel", "checkpointing", "offload")
 """The fields the search chooses and ``fix=`` may pin (``dtype`` is the user's; ``stage_boundaries``
 follows from the others)."""
 
-_POSITIVE = ("dp", "tp", "pp", "virtual_pp", "micro_batch_size", "num_micro_batches")
+_POSITIVE = ("dp", "tp", "pp", "cp", "virtual_pp", "micro_batch_size", "num_micro_batches")
 _CHOICES = {"schedule": SCHEDULES, "zero_stage": ZERO_STAGES, "checkpointing": CHECKPOINTING,
-            "offload": OFFLOAD, "dtype": DTYPES}
+            "offload": OFFLOAD, "dtype": DTYPES, "cp_mode": CP_MODES}
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class ParallelConfig:
-    """How one training step is spread over ``dp * tp * pp`` devices. Validated on construction."""
+    """How one training step is spread over ``dp * cp * tp * pp`` devices. Validated on construction.
+
+    Mesh layout (:mod:`passes.ir.program`): tp fastest, then cp, then dp, then pp. The ``dp * cp``
+    ranks of one (pipeline rank, tp rank) hold the same parameters and average their gradients
+    together (:attr:`dp_cp`), as Megatron-Core and torchtitan do; the ``cp`` consecutive ones among
+    them take the same samples, each its share of the sequence."""
 
     dp: int = 1
     """Data-parallel replicas."""
@@ -72,6 +80,14 @@ class ParallelConfig:
     """Tensor-parallel degree (Megatron column/row sharding inside each block)."""
     pp: int = 1
     """Pipeline stages (pipeline ranks)."""
+    cp: int = 1
+    """Context-parallel degree: the sequence of every activation cut over ``cp`` ranks
+    (load-balanced for causal attention: :mod:`passes.context_parallel`); attention exchanges
+    keys and values over the cp group."""
+    cp_mode: ContextParallelMode = "ring"
+    """How attention sees the other cp ranks' tokens: ``ring`` (key/value blocks travel round the
+    cp ring, online softmax) or ``ulysses`` (all-to-all from sequence shards to head shards and
+    back; heads must divide by cp)."""
     virtual_pp: int = 1
     """Model chunks per pipeline rank (interleaved schedule; 1 otherwise)."""
     micro_batch_size: int = 1
@@ -126,8 +142,14 @@ class ParallelConfig:
     # --------------------------------------------------------------------------------- derived
     @property
     def world_size(self) -> int:
-        """Devices the plan uses: ``dp * tp * pp``."""
-        return self.dp * self.tp * self.pp
+        """Devices the plan uses: ``dp * cp * tp * pp``."""
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks holding the same parameters (one pipeline rank, one tp rank): ``dp * cp``. The
+        mesh's data axis runs over them (cp innermost); gradients are averaged, ZeRO shards, over them."""
+        return self.dp * self.cp
 
     @property
     def global_batch(self) -> int:
@@ -152,8 +174,8 @@ class ParallelConfig:
 
     @property
     def shard_degree(self) -> int:
-        """Data-parallel ranks one ZeRO-3 parameter is sharded over (``hsdp_shard``, else dp)."""
-        return self.hsdp_shard if self.hsdp_shard is not None else self.dp
+        """Ranks one ZeRO-3 parameter is sharded over (``hsdp_shard``, else ``dp * cp``)."""
+        return self.hsdp_shard if self.hsdp_shard is not None else self.dp_cp
 
     @property
     def split_backward(self) -> bool:
@@ -205,6 +227,13 @@ class ParallelConfig:
         if self.sequence_parallel and self.tp == 1:
             out.append("sequence_parallel=true needs tp > 1 (it shards what tensor parallelism replicates); "
                        "set tp >= 2 or sequence_parallel=false")
+        if self.cp > 1 and self.tp > 1:
+            out.append(f"cp={self.cp} with tp={self.tp}: context parallelism does not run with tensor parallelism "
+                       f"yet (the tensor-parallel tagging does not pass context-parallel attention); use tp=1 with "
+                       f"cp > 1, or cp=1")
+        if self.cp > 1 and self.hsdp_shard is not None:
+            out.append(f"cp={self.cp} with hsdp_shard={self.hsdp_shard}: HSDP's shard groups are not laid out over "
+                       f"the dp x cp ranks yet; use hsdp_shard=None (ZeRO-3 shards over all dp * cp ranks)")
         if self.offload == "optimizer" and self.zero_stage:
             out.append(f"offload='optimizer' keeps the whole optimizer state on the host, zero_stage="
                        f"{self.zero_stage} shards it over dp: choose one (zero_stage=0 or offload='none')")
@@ -242,13 +271,16 @@ class ParallelConfig:
                 out.append(f"stage_boundaries {list(b)} go past the head (chain index {blocks + 1} of a model "
                            f"with {blocks} blocks); every stage needs a layer")
         if world_size is not None and self.world_size != world_size:
-            out.append(f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.world_size} but the job has {world_size} "
-                       f"devices; choose knobs whose product is {world_size}")
+            out.append(f"dp*cp*tp*pp = {self.dp}*{self.cp}*{self.tp}*{self.pp} = {self.world_size} but the job has "
+                       f"{world_size} devices; choose knobs whose product is {world_size}")
         if blocks is not None and self.stage_boundaries is None and self.n_stages > blocks:
             out.append(f"pp*virtual_pp = {self.n_stages} stages but the model has {blocks} blocks; use at most "
                        f"{blocks} stages")
         if heads is not None and heads % self.tp:
             out.append(f"tp={self.tp} must divide the attention heads ({heads}); use a divisor of {heads}")
+        if heads is not None and self.cp_mode == "ulysses" and heads % (self.tp * self.cp):
+            out.append(f"cp_mode='ulysses' gives each of tp*cp = {self.tp * self.cp} ranks its share of the attention "
+                       f"heads ({heads}); use a cp dividing {heads // math.gcd(heads, self.tp)} or cp_mode='ring'")
         return out
 
     def validate(self, *, world_size: int | None = None, blocks: int | None = None,

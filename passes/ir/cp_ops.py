@@ -4,7 +4,8 @@ Context parallelism cuts the *sequence* of every activation over ``degree`` rank
 needs the other ranks' tokens. Every op takes its cp group by *name* (a custom op cannot take a
 ``ProcessGroup``), resolved by the runtime's group registry
 (:func:`runtime.kernels.collectives.register_group`); the real kernels are
-:mod:`runtime.kernels.context_parallel`.
+:mod:`runtime.kernels.context_parallel`. No op takes the cp rank: the kernels read it from the
+group, so every cp rank runs the same program (as every dp rank does).
 
 **Layout** (load-balanced for causal attention, as Megatron-Core CP): the sequence of length ``S``
 is cut into ``2 * degree`` equal chunks and rank ``r`` holds chunks ``r`` and ``2*degree-1-r``, in
@@ -14,15 +15,15 @@ that order (:func:`load_balanced_chunks`); every rank then has the same causal w
 op                                     forward                                  backward
 =====================================  =======================================  ==============================
 ``ring_attention(q,k,v,causal,scale,   attention of this rank's queries over    ``ring_attention_backward``:
-rank,degree,group) -> (out, lse)``     all keys: K/V travel the ring (send to   dq local, dk/dv accumulate and
+degree,group) -> (out, lse)``          all keys: K/V travel the ring (send to   dq local, dk/dv accumulate and
                                        rank+1, receive from rank-1), blocks     travel the ring back to their
                                        merged by online softmax                 owner
-``seq_to_heads(x,rank,degree,group)``  all-to-all: [B,H,S/cp,D] sequence shard  ``heads_to_seq``
+``seq_to_heads(x,degree,group)``       all-to-all: [B,H,S/cp,D] sequence shard  ``heads_to_seq``
                                        -> [B,H/cp,S,D] head shard, true order
-``heads_to_seq(x,rank,degree,group)``  the inverse                              ``seq_to_heads``
-``reduce_from_cp(x, group)``           all-reduce (sum)                         identity
-``load_balanced_positions(i,rank,      local index -> true sequence position    (not differentiable)
-degree)``
+``heads_to_seq(x,degree,group)``       the inverse                              ``seq_to_heads``
+``reduce_from_cp(x,degree,group)``     all-reduce (sum)                         ``degree`` x the gradient
+``load_balanced_positions(i,degree,    local index -> true sequence position    (not differentiable)
+group)``
 =====================================  =======================================  ==============================
 
 ``ring_attention``: q ``[B, H, S_local, D]``, k/v ``[B, H_kv, S_local, D]`` with ``H_kv`` dividing
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
@@ -47,28 +47,28 @@ from torch import Tensor
 from passes.ir.errors import ConfigError
 from passes.ir.ops import _LIB, qualname
 
-CPMode = Literal["ring", "ulysses"]
-CP_MODES: tuple[CPMode, ...] = ("ring", "ulysses")
+from passes.ir.config import CP_MODES, ContextParallelMode as CPMode  # noqa: F401  (re-exported)
 
 CONTEXT_PARALLEL = "context_parallel"
 """``gm.meta`` key of :class:`ContextParallelPlan` (written by :mod:`passes.context_parallel`)."""
 
 SCHEMAS = {
     "ring_attention":
-        "(Tensor q, Tensor k, Tensor v, bool causal, float? scale, int rank, int degree, str group) "
-        "-> (Tensor, Tensor)",
+        "(Tensor q, Tensor k, Tensor v, bool causal, float? scale, int degree, str group) -> (Tensor, Tensor)",
     "ring_attention_backward":
         "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, float? scale, "
-        "int rank, int degree, str group) -> (Tensor, Tensor, Tensor)",
-    "seq_to_heads": "(Tensor x, int rank, int degree, str group) -> Tensor",
-    "heads_to_seq": "(Tensor x, int rank, int degree, str group) -> Tensor",
-    "reduce_from_cp": "(Tensor x, str group) -> Tensor",
-    "load_balanced_positions": "(Tensor index, int rank, int degree) -> Tensor",
+        "int degree, str group) -> (Tensor, Tensor, Tensor)",
+    "seq_to_heads": "(Tensor x, int degree, str group) -> Tensor",
+    "heads_to_seq": "(Tensor x, int degree, str group) -> Tensor",
+    "reduce_from_cp": "(Tensor x, int degree, str group) -> Tensor",
+    "load_balanced_positions": "(Tensor index, int degree, str group) -> Tensor",
 }
 """Op name -> schema (without the name), as ``torch.library.define`` takes it."""
 
 CP_OPS = ("ring_attention", "ring_attention_backward", "seq_to_heads", "heads_to_seq", "reduce_from_cp")
 """The ops that communicate over a cp group."""
+CP_GROUP_OPS = CP_OPS + ("load_balanced_positions",)
+"""The ops that read their cp group (the last argument) at run time."""
 
 for _name, _schema in SCHEMAS.items():
     _LIB.define(_name + _schema)
@@ -81,12 +81,12 @@ class ContextParallelPlan:
     """What :func:`passes.context_parallel.apply_context_parallel` did to a graph: ``gm.meta[CONTEXT_PARALLEL]``.
 
     The runtime feeds each input named in ``sharded_inputs`` as this rank's shard
-    (:func:`shard_sequence` along the given dim), sums parameter gradients over the cp group
-    (each rank's are its tokens' share) and reads the loss as is (already the global mean).
+    (:func:`shard_sequence` along the given dim), *averages* parameter gradients over the cp group
+    (each rank's are ``degree`` x its tokens' share: Megatron's convention, so that cp ranks
+    average with the dp ranks) and reads the loss as is (already the global mean).
     """
 
     mode: CPMode
-    rank: int
     degree: int
     group: str  # name of the cp group in the runtime's registry
     seq_dim: str  # the named dim that is cut
@@ -171,7 +171,7 @@ def check_heads(heads: int, degree: int, what: str) -> None:
 
 # --- fake kernels ---------------------------------------------------------------------------------
 @torch.library.register_fake(qualname("ring_attention"), lib=_LIB)
-def _(q, k, v, causal, scale, rank, degree, group):
+def _(q, k, v, causal, scale, degree, group):
     if q.shape[1] % k.shape[1]:
         raise ConfigError(f"ring_attention: query heads {q.shape[1]} are not a multiple of kv heads {k.shape[1]}")
     b, h, s, _ = q.shape
@@ -179,36 +179,37 @@ def _(q, k, v, causal, scale, rank, degree, group):
 
 
 @torch.library.register_fake(qualname("ring_attention_backward"), lib=_LIB)
-def _(grad_out, q, k, v, out, lse, causal, scale, rank, degree, group):
+def _(grad_out, q, k, v, out, lse, causal, scale, degree, group):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 @torch.library.register_fake(qualname("seq_to_heads"), lib=_LIB)
-def _(x, rank, degree, group):
+def _(x, degree, group):
     b, h, s, d = x.shape
     check_heads(h, degree, "heads")
     return x.new_empty((b, h // degree, s * degree, d))
 
 
 @torch.library.register_fake(qualname("heads_to_seq"), lib=_LIB)
-def _(x, rank, degree, group):
+def _(x, degree, group):
     b, h, s, d = x.shape
     return x.new_empty((b, h * degree, s // degree, d))
 
 
 @torch.library.register_fake(qualname("reduce_from_cp"), lib=_LIB)
-def _(x, group):
+def _(x, degree, group):
     return torch.empty_like(x)
 
 
 @torch.library.register_fake(qualname("load_balanced_positions"), lib=_LIB)
-def _(index, rank, degree):
+def _(index, degree, group):
     return torch.empty_like(index)
 
 
-@torch.library.impl(qualname("load_balanced_positions"), "CompositeExplicitAutograd", lib=_LIB)
-def _(index, rank, degree):
-    # Local index i (0 <= i < 2c) -> its true position: chunk `rank` for i < c, chunk 2cp-1-rank after.
+def true_positions(index: Tensor, rank: int, degree: int) -> Tensor:
+    """Local index ``i`` (``0 <= i < 2c``) -> its true sequence position on cp rank ``rank``:
+    chunk ``rank`` for ``i < c``, chunk ``2*degree-1-rank`` after (what ``load_balanced_positions``
+    computes, its rank read from the group)."""
     c = index.shape[0] // 2
     first, second = chunk_ids(rank, degree)
     return torch.where(index < c, index + first * c, index - c + second * c)
@@ -216,30 +217,33 @@ def _(index, rank, degree):
 
 # --- autograd --------------------------------------------------------------------------------------
 def _ring_setup(ctx, inputs, output):
-    q, k, v, ctx.causal, ctx.scale, ctx.rank, ctx.degree, ctx.group = inputs
+    q, k, v, ctx.causal, ctx.scale, ctx.degree, ctx.group = inputs
     ctx.save_for_backward(q, k, v, output[0], output[1])
 
 
 def _ring_backward(ctx, grad_out, _grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = ops.ring_attention_backward(grad_out.contiguous(), q, k, v, out, lse, ctx.causal, ctx.scale,
-                                             ctx.rank, ctx.degree, ctx.group)
-    return dq, dk, dv, None, None, None, None, None
+                                             ctx.degree, ctx.group)
+    return dq, dk, dv, None, None, None, None
 
 
 torch.library.register_autograd(qualname("ring_attention"), _ring_backward, setup_context=_ring_setup, lib=_LIB)
 
 
-def _a2a_setup(ctx, inputs, output):
-    ctx.rank, ctx.degree, ctx.group = inputs[1:]
+def _group_setup(ctx, inputs, output):
+    ctx.degree, ctx.group = inputs[1:]
 
 
 torch.library.register_autograd(
     qualname("seq_to_heads"),
-    lambda ctx, g: (ops.heads_to_seq(g.contiguous(), ctx.rank, ctx.degree, ctx.group), None, None, None),
-    setup_context=_a2a_setup, lib=_LIB)
+    lambda ctx, g: (ops.heads_to_seq(g.contiguous(), ctx.degree, ctx.group), None, None),
+    setup_context=_group_setup, lib=_LIB)
 torch.library.register_autograd(
     qualname("heads_to_seq"),
-    lambda ctx, g: (ops.seq_to_heads(g.contiguous(), ctx.rank, ctx.degree, ctx.group), None, None, None),
-    setup_context=_a2a_setup, lib=_LIB)
-torch.library.register_autograd(qualname("reduce_from_cp"), lambda ctx, g: (g, None), lib=_LIB)
+    lambda ctx, g: (ops.seq_to_heads(g.contiguous(), ctx.degree, ctx.group), None, None),
+    setup_context=_group_setup, lib=_LIB)
+# The loss is the global mean on every cp rank; its gradient is each rank's tokens' share, times
+# ``degree`` so that the cp ranks *average* their gradients like dp replicas (Megatron's loss * cp).
+torch.library.register_autograd(qualname("reduce_from_cp"), lambda ctx, g: (g * ctx.degree, None, None),
+                                setup_context=_group_setup, lib=_LIB)

@@ -33,6 +33,7 @@ from passes.ir.cp_ops import (
     default_scale,
     rank_order_index,
     true_order_index,
+    true_positions,
 )
 from passes.ir.errors import ConfigError
 from passes.ir.ops import qualname
@@ -48,11 +49,12 @@ def _register(name: str):
 
 
 # --- exchanges --------------------------------------------------------------------------------------
-def _cp_group(group: str, rank: int, degree: int):
+def _cp_group(group: str, degree: int):
+    """The cp group registered as ``group`` (its ``rank`` is this rank's place on the ring)."""
     g = get_group(group)
-    if g.size != degree or g.rank != rank:
-        raise ConfigError(f"context-parallel op built for rank {rank} of cp={degree} runs on group {group!r} as "
-                          f"rank {g.rank} of {g.size}; register the cp group of this rank under {group!r}")
+    if g.size != degree:
+        raise ConfigError(f"context-parallel op built for cp={degree} runs on group {group!r} of {g.size} ranks; "
+                          f"register this rank's cp group (cp={degree} ranks) under {group!r}")
     return g
 
 
@@ -134,19 +136,20 @@ def _expand_heads(t: Tensor, rep: int) -> Tensor:
     return t if rep == 1 else t.repeat_interleave(rep, dim=1)
 
 
-def _check_ring(q: Tensor, k: Tensor, v: Tensor, rank: int, degree: int, group: str):
+def _check_ring(q: Tensor, k: Tensor, v: Tensor, degree: int, group: str):
+    """(group or None at cp=1, this rank, chunk length, query heads per kv head)."""
     if q.shape[1] % k.shape[1] or k.shape != v.shape:
         raise ConfigError(f"ring_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: kv heads "
                           f"must divide query heads and k, v have one shape")
     c = check_layout(q.shape[2] * degree, degree, "ring attention's sequence length")
-    g = _cp_group(group, rank, degree) if degree > 1 else None
-    return g, c, q.shape[1] // k.shape[1]
+    g = _cp_group(group, degree) if degree > 1 else None
+    return g, (g.rank if g is not None else 0), c, q.shape[1] // k.shape[1]
 
 
 @_register("ring_attention")
-def _ring_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, rank: int, degree: int,
+def _ring_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, degree: int,
                     group: str) -> tuple[Tensor, Tensor]:
-    g, c, rep = _check_ring(q, k, v, rank, degree, group)
+    g, rank, c, rep = _check_ring(q, k, v, degree, group)
     scale = default_scale(q.shape[-1], scale)
     qs = q.float().split(c, dim=2)
     q_ids = chunk_ids(rank, degree)
@@ -179,9 +182,9 @@ def _ring_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float 
 
 @_register("ring_attention_backward")
 def _ring_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                             causal: bool, scale: float | None, rank: int, degree: int,
+                             causal: bool, scale: float | None, degree: int,
                              group: str) -> tuple[Tensor, Tensor, Tensor]:
-    g, c, rep = _check_ring(q, k, v, rank, degree, group)
+    g, rank, c, rep = _check_ring(q, k, v, degree, group)
     scale = default_scale(q.shape[-1], scale)
     b_, hkv, s_, d_ = k.shape
     qs = q.float().split(c, dim=2)
@@ -224,13 +227,13 @@ def _ring_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, 
 
 # --- Ulysses ---------------------------------------------------------------------------------------
 @_register("seq_to_heads")
-def _seq_to_heads(x: Tensor, rank: int, degree: int, group: str) -> Tensor:
+def _seq_to_heads(x: Tensor, degree: int, group: str) -> Tensor:
     b, h, s, d = x.shape
     check_heads(h, degree, "heads")
     if degree == 1:
         return x.clone()
     c = check_layout(s * degree, degree)
-    g = _cp_group(group, rank, degree)
+    g = _cp_group(group, degree)
     parts = x.reshape(b, degree, h // degree, s, d).transpose(0, 1)  # [cp, B, H/cp, S_local, D]
     got = _all_to_all(g, parts)  # got[j]: rank j's shard of this rank's heads
     gathered = got.permute(1, 2, 0, 3, 4).reshape(b, h // degree, degree * s, d)  # rank order
@@ -238,12 +241,12 @@ def _seq_to_heads(x: Tensor, rank: int, degree: int, group: str) -> Tensor:
 
 
 @_register("heads_to_seq")
-def _heads_to_seq(x: Tensor, rank: int, degree: int, group: str) -> Tensor:
+def _heads_to_seq(x: Tensor, degree: int, group: str) -> Tensor:
     b, hl, s, d = x.shape
     if degree == 1:
         return x.clone()
     c = check_layout(s, degree)
-    g = _cp_group(group, rank, degree)
+    g = _cp_group(group, degree)
     ranked = x.index_select(2, rank_order_index(degree, c, x.device))  # rank j's shard at slot j
     parts = ranked.reshape(b, hl, degree, s // degree, d).permute(2, 0, 1, 3, 4)  # [cp, B, H/cp, S_local, D]
     got = _all_to_all(g, parts)  # got[j]: head group j of this rank's shard
@@ -251,5 +254,13 @@ def _heads_to_seq(x: Tensor, rank: int, degree: int, group: str) -> Tensor:
 
 
 @_register("reduce_from_cp")
-def _reduce_from_cp(x: Tensor, group: str) -> Tensor:
-    return get_group(group).all_reduce(x.contiguous(), "sum")
+def _reduce_from_cp(x: Tensor, degree: int, group: str) -> Tensor:
+    if degree == 1:
+        return x.clone()
+    return _cp_group(group, degree).all_reduce(x.contiguous(), "sum")
+
+
+@_register("load_balanced_positions")
+def _load_balanced_positions(index: Tensor, degree: int, group: str) -> Tensor:
+    rank = _cp_group(group, degree).rank if degree > 1 else 0
+    return true_positions(index, rank, degree)

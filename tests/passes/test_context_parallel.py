@@ -24,6 +24,7 @@ from passes.ir.cp_ops import (
     CONTEXT_PARALLEL,
     load_balanced_chunks,
     rank_order_index,
+    true_positions,
     shard_sequence,
     true_order_index,
     unshard_sequence,
@@ -68,7 +69,12 @@ def test_load_balanced_layout():
         assert torch.equal(x.index_select(1, rank_order_index(degree, 24 // (2 * degree))), ranked)
         for r in range(degree):  # the positions op maps a local arange to the shard's true positions
             local = torch.arange(24 // degree, dtype=torch.float32)
-            assert cp.load_balanced_positions(local, r, degree).tolist() == load_balanced_chunks(24, degree, r).tolist()
+            assert true_positions(local, r, degree).tolist() == load_balanced_chunks(24, degree, r).tolist()
+    # the op reads its rank from the cp group
+    names = tpc.simulated_groups("cp-pos", 2, timeout_s=10)
+    got = tpc.run_simulated([lambda r=r: cp.load_balanced_positions(torch.arange(8), 2, names[r]) for r in range(2)],
+                            timeout_s=20)
+    assert [g.tolist() for g in got] == [load_balanced_chunks(16, 2, r).tolist() for r in range(2)]
     with pytest.raises(ConfigError, match=r"not divisible by 2\*cp=8"):
         load_balanced_chunks(12, 4, 0)
 
@@ -76,7 +82,7 @@ def test_load_balanced_layout():
 # --- IR -------------------------------------------------------------------------------------------
 def test_ring_rewrite_of_gpt(captured):
     gm, _ = captured["gpt"]
-    out = apply_context_parallel(gm, rank=1, degree=2, group="cp", mode="ring")
+    out = apply_context_parallel(gm, degree=2, group="cp", mode="ring")
     assert _count(out, aten.scaled_dot_product_attention.default) == 0
     assert _count(out, cp.ring_attention.default) == 2  # one per layer
     assert _count(out, cp.load_balanced_positions.default) == 1  # the wpe lookup's arange
@@ -84,7 +90,7 @@ def test_ring_rewrite_of_gpt(captured):
     losses = [n for n in out.graph.nodes if n.target is aten.cross_entropy_loss.default]
     assert len(losses) == 1 and losses[0].args[3] == 2  # reduction=sum
     plan = out.meta[CONTEXT_PARALLEL]
-    assert (plan.mode, plan.rank, plan.degree, plan.group, plan.seq_len) == ("ring", 1, 2, "cp", 16)
+    assert (plan.mode, plan.degree, plan.group, plan.seq_len) == ("ring", 2, "cp", 16)
     assert plan.sharded_inputs == (("idx", 1), ("targets", 1))
     assert (plan.attention, plan.positions, plan.losses) == (2, 1, 1)
     assert dict(out.meta[CAPTURE].dims)["seq"] == 8 and dict(gm.meta[CAPTURE].dims)["seq"] == 16
@@ -102,7 +108,7 @@ def test_ring_rewrite_of_gpt(captured):
 def test_ulysses_rewrite_of_llama_reads_kv_heads(captured):
     gm, _ = captured["llama"]
     assert _count(gm, aten.expand.default) == 4  # repeat_kv of k and v in 2 layers
-    out = apply_context_parallel(gm, rank=0, degree=2, group="cp", mode="ulysses")
+    out = apply_context_parallel(gm, degree=2, group="cp", mode="ulysses")
     assert _count(out, cp.seq_to_heads.default) == 6 and _count(out, cp.heads_to_seq.default) == 2
     assert _count(out, cp.load_balanced_positions.default) == 2  # the rotary tables of both layers
     sdpa = [n for n in out.graph.nodes if n.target is aten.scaled_dot_product_attention.default]
@@ -115,31 +121,31 @@ def test_ulysses_rewrite_of_llama_reads_kv_heads(captured):
         assert q[1] == 2 and k[1] == 1  # 4 heads / cp, 2 kv heads / cp
         assert sympy.sympify(q[2]) == 2 * seq  # the whole sequence
     # cp=4: 2 kv heads do not divide, so attention reads the repeated heads instead
-    out4 = apply_context_parallel(gm, rank=0, degree=4, group="cp", mode="ulysses")
+    out4 = apply_context_parallel(gm, degree=4, group="cp", mode="ulysses")
     assert _count(out4, aten.expand.default) == 4
-    ring = apply_context_parallel(gm, rank=0, degree=4, group="cp", mode="ring")
+    ring = apply_context_parallel(gm, degree=4, group="cp", mode="ring")
     assert _count(ring, aten.expand.default) == 0 and _count(ring, cp.ring_attention.default) == 2
 
 
 def test_errors(captured):
     gm, _ = captured["gpt"]
     with pytest.raises(ConfigError, match=r"seq 16 is not divisible by 2\*cp=32"):
-        apply_context_parallel(gm, rank=0, degree=16, group="cp")
+        apply_context_parallel(gm, degree=16, group="cp")
     with pytest.raises(ConfigError, match=r"heads 4 is not divisible by cp=8"):
-        apply_context_parallel(gm, rank=0, degree=8, group="cp", mode="ulysses")
-    with pytest.raises(ConfigError, match="rank=2 outside"):
-        apply_context_parallel(gm, rank=2, degree=2, group="cp")
+        apply_context_parallel(gm, degree=8, group="cp", mode="ulysses")
+    with pytest.raises(ConfigError, match="degree=0"):
+        apply_context_parallel(gm, degree=0, group="cp")
     with pytest.raises(ConfigError, match="mode="):
-        apply_context_parallel(gm, rank=0, degree=2, group="cp", mode="stripes")
+        apply_context_parallel(gm, degree=2, group="cp", mode="stripes")
     static = capture_spec(build_model(SPECS["gpt"], device="meta"), symbolic=("batch",))
     with pytest.raises(PassError, match=r"specialized to 16 .* symbolic="):
-        apply_context_parallel(static, rank=0, degree=2, group="cp")
+        apply_context_parallel(static, degree=2, group="cp")
     with pytest.raises(PassError, match="already has context-parallel attention"):
-        apply_context_parallel(apply_context_parallel(gm, rank=0, degree=2, group="cp"), rank=0, degree=2, group="cp")
+        apply_context_parallel(apply_context_parallel(gm, degree=2, group="cp"), degree=2, group="cp")
     # the kernels check what a graph fed other sizes would break
     names = tpc.simulated_groups("cp-err", 2, timeout_s=10)
     with pytest.raises(ConfigError, match=r"heads 1 is not divisible by cp=2"):
-        tpc.run_simulated([lambda r=r: cp.seq_to_heads(torch.ones(1, 1, 4, 2), r, 2, names[r]) for r in range(2)],
+        tpc.run_simulated([lambda r=r: cp.seq_to_heads(torch.ones(1, 1, 4, 2), 2, names[r]) for r in range(2)],
                           timeout_s=20)
 
 
@@ -158,15 +164,15 @@ def test_attention_with_a_mask_is_refused():
     gm = capture_model(_Masked(), inputs=(InputSpec(name="idx", shape=("batch", "seq"), dtype=torch.long, high=16),),
                        dims={"batch": 2, "seq": 8}, symbolic=("batch", "seq"))
     with pytest.raises(PassError, match="explicit attn_mask"):
-        apply_context_parallel(gm, rank=0, degree=2, group="cp")
+        apply_context_parallel(gm, degree=2, group="cp")
 
 
 # --- exactness on simulated ranks -------------------------------------------------------------------
 def _run_cp(gm, inputs, *, degree, mode, prefix):
     """(per-rank loss, per-rank {param: grad}) of the rewritten graph on simulated cp ranks."""
     names = tpc.simulated_groups(prefix, degree, timeout_s=60)
-    progs = [copy.deepcopy(apply_context_parallel(gm, rank=r, degree=degree, group=names[r], mode=mode))
-             for r in range(degree)]
+    progs = [copy.deepcopy(apply_context_parallel(gm, degree=degree, group=names[r], mode=mode))
+             for r in range(degree)]  # one program; each simulated rank's copy names its own group
 
     def step(r):
         def run():
@@ -192,8 +198,9 @@ def _check_against_one_device(gm, inputs, results):
     names = results[0][1].keys()
     assert names and names <= ref.keys()
     for name in names:
-        total = sum(r[1][name] for r in results)  # each rank holds its tokens' share
-        torch.testing.assert_close(total, ref[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+        # each rank holds cp x its tokens' share: the cp ranks average, as dp replicas do
+        mean = sum(r[1][name] for r in results) / len(results)
+        torch.testing.assert_close(mean, ref[name].grad, rtol=1e-5, atol=1e-6, msg=name)
     assert any(not torch.allclose(results[0][1][n], ref[n].grad) for n in names)  # shares, not copies
 
 
@@ -233,6 +240,6 @@ def test_position_buffer_rows_are_the_true_positions():
     gm = capture_model(_PositionTable(), inputs=specs, dims={"batch": 2, "seq": 16}, loss=lm_loss,
                        symbolic=("batch", "seq"))
     inputs = (torch.randint(0, 32, (2, 16)), torch.randint(0, 32, (2, 16)))
-    out = apply_context_parallel(gm, rank=0, degree=2, group="cp")
+    out = apply_context_parallel(gm, degree=2, group="cp")
     assert out.meta[CONTEXT_PARALLEL].positions == 1 and _count(out, aten.index_select.default) == 1
     _check_against_one_device(gm, inputs, _run_cp(gm, inputs, degree=2, mode="ring", prefix="cp-table"))

@@ -57,7 +57,6 @@ from passes.ir.graph_transfer import pack_graph, unpack_graph
 from passes.ir.meta import InputSpec
 from passes.ir.plan import Plan
 from passes.ir.schedule.actions import Kind
-from passes.ir.schedule.validate import stream_count
 from passes.communication_check import check_lowering
 from passes.manager import PassContext
 from runtime import checkpoint_dir, comm
@@ -212,8 +211,8 @@ class AutoParallel:
         sampler = self.sampler
         if (sampler_state is not None or sampler is None or sampler.num_samples != len(dataset)
                 or sampler.seed != seed):
-            sampler = ShardedSampler(len(dataset), pm.config.global_batch, dp=pm.mesh.dp,
-                                     dp_index=pm.mesh.dp_index, seed=seed)
+            sampler = ShardedSampler(len(dataset), pm.config.global_batch, dp=pm.config.dp,
+                                     dp_index=pm.mesh.dp_index // pm.config.cp, seed=seed)  # cp ranks share samples
             if sampler_state is not None:
                 sampler.load_state_dict(sampler_state)
         self.sampler = sampler
@@ -244,7 +243,7 @@ class AutoParallel:
             losses = pm.executor.run(forward, micro, dims, grad_sync=lambda: None, step=lambda: None)
         total = torch.zeros((), dtype=torch.float64, device=pm.mesh.device)
         if losses:  # as train_step: every tp rank of the last stage holds the same loss
-            total += torch.stack(losses).double().mean() / (pm.dp * pm.tp)
+            total += torch.stack(losses).double().mean() / (pm.dp_cp * pm.tp)
         comm.all_reduce(total, pm.mesh.group)
         return float(total)
 
@@ -408,8 +407,7 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
                           f"not {global_batch_size}; re-plan or pass the plan's batch size")
     clock.lap("plan")
 
-    mesh = Mesh(chosen.dp, chosen.pp, chosen.tp, timeout_s=timeout_s, pp_streams=stream_count(chosen.schedule),
-                dp_shard=chosen.hsdp_shard)
+    mesh = Mesh.for_config(chosen.config, timeout_s=timeout_s)
     clock.lap("mesh")
     if writer is not None:
         dumps = write_plan_dumps(out_dir, graph=graph, plan=chosen, cluster=cluster, writer=writer)

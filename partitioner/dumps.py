@@ -102,7 +102,7 @@ def _write_onnx(lowering: Lowering, root: Path) -> tuple[list[Path], list[str]]:
                 if any(p.is_meta for p in params) else f"{nbytes / 2**30:.1f} GiB of parameters"
             notes.append(f"stage{s}_tp{t}: no program.onnx ({why})")
             continue
-        program = lowering.rank_program(global_rank(s % c.pp, 0, t, dp=c.dp, tp=c.tp))
+        program = lowering.rank_program(global_rank(s % c.pp, 0, t, dp=c.dp_cp, tp=c.tp))
         single = _only_stage(program, s)
 
         def tracing(p, t=t):

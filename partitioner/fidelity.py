@@ -557,7 +557,7 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
         raise ConfigError(f"fidelity: zero={zero} but the stage programs were "
                           f"{'not ' if zero == 3 else ''}lowered with zero_stage=3; replay the program "
                           f"with the zero stage it was lowered for")
-    m, pp, v, dp = num_micro_batches, program.pp, program.virtual_pp, program.dp
+    m, pp, v, dp = num_micro_batches, program.pp, program.virtual_pp, program.config.dp_cp
     actions = build_schedule(schedule, pp, m, v)[program.pp_index]
     ev = dict(events) if events is not None else {s: stage_events(program.modules[s], dims, optimizer=optimizer,
                                                                   mixed_precision=program.config.mixed_precision)
@@ -946,8 +946,8 @@ def predict_step_time(profile, cluster, knobs: Mapping[str, object], *, global_b
     the search's memory check (:func:`partitioner.memory_check.replay_check`), so the plan carries
     the memory numbers the planner returns for a captured model."""
 
-    # off unless given (knob sets written before HSDP and reshard_after_forward existed)
-    knobs = {"hsdp_shard": None, "reshard_after_forward": True, **knobs}
+    # off unless given (knob sets written before HSDP, reshard_after_forward and cp existed)
+    knobs = {"hsdp_shard": None, "reshard_after_forward": True, "cp": 1, "cp_mode": "ring", **knobs}
     missing = [k for k in KNOBS if k not in knobs]
     if missing:
         raise ConfigError(f"fidelity: pin every knob to evaluate one plan; missing {missing}")

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from passes.ir.config import CHECKPOINTING, KNOBS, OFFLOAD, SCHEDULES, ZERO_STAGES
+from passes.ir.config import CHECKPOINTING, CP_MODES, KNOBS, OFFLOAD, SCHEDULES, ZERO_STAGES
 from passes.ir.errors import ConfigError
 
 
@@ -41,6 +41,9 @@ KNOB_RULES: dict[str, Knob] = {k.name: k for k in (
     Knob(name="dp", kind="count", meaning="data-parallel replicas"),
     Knob(name="tp", kind="count", meaning="tensor-parallel ranks"),
     Knob(name="pp", kind="count", meaning="pipeline stages"),
+    Knob(name="cp", kind="count", meaning="context-parallel ranks (the sequence cut over them)"),
+    Knob(name="cp_mode", kind="choice", choices=CP_MODES,
+         meaning="how context-parallel attention exchanges (ring: K/V blocks round the cp ring; ulysses: all-to-all)"),
     Knob(name="virtual_pp", kind="count", meaning="model chunks per pipeline rank"),
     Knob(name="micro_batch_size", kind="count", meaning="samples per micro-batch"),
     Knob(name="num_micro_batches", kind="count", meaning="micro-batches per step"),

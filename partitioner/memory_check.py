@@ -73,19 +73,19 @@ def replay_rank_memory(graph: fx.GraphModule, config: ParallelConfig, cluster: C
     out: dict[int, MemoryPrediction] = {}
     for s in range(c.pp):
         for t in range(c.tp):
-            program = lowering.rank_program(global_rank(s, 0, t, dp=c.dp, tp=c.tp))
+            program = lowering.rank_program(global_rank(s, 0, t, dp=c.dp_cp, tp=c.tp))
             mem = predict_memory(program, schedule=c.schedule, num_micro_batches=c.num_micro_batches, dims=dims,
                                  global_batch_bytes=batch_bytes, zero=c.zero_stage, optimizer=optimizer,
                                  zero3_prefetch=zero3_prefetch)
-            for d in range(c.dp):  # dp replicas run the same program (ZeRO-3: equal, padded shards)
-                out[global_rank(s, d, t, dp=c.dp, tp=c.tp)] = mem
+            for d in range(c.dp_cp):  # dp (and cp) ranks run the same program (ZeRO-3: equal, padded shards)
+                out[global_rank(s, d, t, dp=c.dp_cp, tp=c.tp)] = mem
     return tuple(out[r] for r in range(c.world_size))
 
 
 def with_rank_peaks(plan: Plan, peaks: tuple[int, ...]) -> Plan:
     """``plan`` whose predicted peak (overall, per stage, per rank) is ``peaks``."""
     c = plan.config
-    stage_peak = {s: max(peaks[global_rank(s, d, t, dp=c.dp, tp=c.tp)] for d in range(c.dp) for t in range(c.tp))
+    stage_peak = {s: max(peaks[global_rank(s, d, t, dp=c.dp_cp, tp=c.tp)] for d in range(c.dp_cp) for t in range(c.tp))
                   for s in range(c.pp)}
     stages = tuple(dataclasses.replace(st, peak_memory_bytes=float(stage_peak[st.index])) for st in plan.stages)
     predicted = dataclasses.replace(plan.predicted, peak_memory_bytes=float(max(peaks)),

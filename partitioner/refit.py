@@ -122,7 +122,7 @@ def load_run(path: str | Path, skip_first: int = 1) -> RunData:
 
 
 def _pp_index(plan: Plan, rank: int) -> int:
-    return rank // (plan.dp * plan.tp)  # runtime.mesh: tp fastest, then dp, then pp
+    return rank // (plan.config.dp_cp * plan.tp)  # runtime.mesh: tp fastest, then dp x cp, then pp
 
 
 def _reevaluate(plan: Plan, cluster: Cluster, profiles: dict) -> Plan:

@@ -12,7 +12,9 @@ What one rank issues, in the order its action list runs (``F``: forward, ``B``/`
 local compute)::
 
     F s,i        the tp/sp collectives of stage s's graph in graph order (checkpointed regions
-                 inlined); vocab_parallel_cross_entropy is three all-reduces
+                 inlined); vocab_parallel_cross_entropy is three all-reduces; the context-
+                 parallel ops' calls on the cp group: ring attention cp-1 ring shifts of its
+                 K/V block, Ulysses one all-to-all per tensor, the loss's all-reduces
     B s,i / I    the backward collectives of those ops (passes.ir.ops: copy_to_tp's all-reduce,
                  the sequence ops' gathers and scatters) in reverse graph order, as autograd
                  runs them; a checkpointed region's recompute repeats its forward collectives
@@ -71,7 +73,8 @@ from passes.ir.ops import SCHEMAS, TP_OPS, op_name
 from passes.ir.program import RankProgram, global_rank, mesh_coords
 from passes.ir.zero3_ops import ZERO3_PREFETCH, ZERO3_PLAN, GatherSchedule, keeps_gathered
 
-CallOp = Literal["all_reduce(sum)", "all_reduce(max)", "reduce_scatter(sum)", "all_gather", "send", "recv"]
+CallOp = Literal["all_reduce(sum)", "all_reduce(max)", "reduce_scatter(sum)", "all_gather", "all_to_all",
+                 "ring_shift", "send", "recv"]
 
 _WHAT_TO_DO = ("This is a bug of the lowering (passes/lower.py and the passes it runs) or a rank program edited by "
                "hand, not something a knob fixes: nothing was launched. Report it with this message and the plan's "
@@ -97,7 +100,7 @@ class CommCall:
     numel: int
     dtype: torch.dtype
     label: str
-    channel: Literal["tp", "dp", "pipeline", "world", "p2p"] = "p2p"
+    channel: Literal["tp", "cp", "dp", "pipeline", "world", "p2p"] = "p2p"
     shape: tuple[int, ...] = ()
     message: tuple[str, int, int, int] | None = None
 
@@ -162,9 +165,11 @@ class _RankModel:
     def __init__(self, program: RankProgram, bucket_bytes: int, overlap: bool, zero3_prefetch: int = ZERO3_PREFETCH):
         self.p, self.c = program, program.config
         c = self.c
-        self.pp_index, self.dp_index, self.tp_index = mesh_coords(program.rank, dp=c.dp, tp=c.tp, first=program.first)
+        self.pp_index, self.dp_index, self.tp_index = mesh_coords(program.rank, dp=c.dp_cp, tp=c.tp, first=program.first)
         self.tp_group = tuple(self._rank(self.pp_index, t=t) for t in range(c.tp))
-        self.dp_group = tuple(self._rank(self.pp_index, d=d) for d in range(c.dp))
+        self.dp_group = tuple(self._rank(self.pp_index, d=d) for d in range(c.dp_cp))
+        replica = self.dp_index - self.dp_index % c.cp
+        self.cp_group = tuple(self._rank(self.pp_index, d=replica + j) for j in range(c.cp))
         self.world = tuple(range(program.first, program.first + c.world_size))
         self.dims = {dim_symbol(k): v for k, v in _dims(program).items()}
         self._sizes: dict[object, int] = {}
@@ -177,7 +182,7 @@ class _RankModel:
 
     def _rank(self, p: int, d: int | None = None, t: int | None = None) -> int:
         c = self.c
-        return global_rank(p, self.dp_index if d is None else d, self.tp_index if t is None else t, dp=c.dp,
+        return global_rank(p, self.dp_index if d is None else d, self.tp_index if t is None else t, dp=c.dp_cp,
                            tp=c.tp, first=self.p.first)
 
     def numel(self, meta: TensorMeta) -> int:
@@ -277,6 +282,19 @@ _TP_CALLS: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], .
                                       ("all_reduce(sum)", "rows")), ()),
 }
 _COMMUNICATING = set(TP_OPS) | {"all_reduce"}
+
+# Context-parallel ops (runtime.kernels.context_parallel), calls on the cp group per node:
+# (forward, backward), each call (collective, what its buffer is). A ring shift sends one block
+# to the next rank and receives the previous rank's; every member makes the same shifts in the
+# same order, so they are matched as calls of the group.
+_CP_CALLS: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]] = {
+    "seq_to_heads": ((("all_to_all", "in"),), (("all_to_all", "in"),)),
+    "heads_to_seq": ((("all_to_all", "in"),), (("all_to_all", "in"),)),
+    "reduce_from_cp": ((("all_reduce(sum)", "out"),), ()),
+    # forward: K and V stacked, cp - 1 steps; backward: K/V again (cp - 1 steps, interleaved with)
+    # their fp32 gradients travelling (cp steps)
+    "ring_attention": ((("ring_shift", "kv"),), (("ring_shift", "kv"), ("ring_shift", "dkv"))),
+}
 _ZERO3_EVENTS = ("zero3_forward", "zero3_backward", "zero3_reduce_scatter")
 
 
@@ -290,10 +308,10 @@ class _Zero3Calls:
         plans = {s: m.meta[ZERO3_PLAN] for s, m in rank.p.modules.items() if ZERO3_PLAN in m.meta}
         c = rank.c
         degree = c.shard_degree
-        self.on = bool(plans) and c.dp > 1
+        self.on = bool(plans) and c.dp_cp > 1
         first = rank.dp_index // degree * degree  # HSDP: the shard group of consecutive dp ranks, the replicas across
         self.shard_group = tuple(rank._rank(rank.pp_index, d=d) for d in range(first, first + degree))
-        self.replica_group = tuple(rank._rank(rank.pp_index, d=d) for d in range(rank.dp_index % degree, c.dp, degree))
+        self.replica_group = tuple(rank._rank(rank.pp_index, d=d) for d in range(rank.dp_index % degree, c.dp_cp, degree))
         self.sites = {(site.stage, site.site): (site, plans[s]) for s, plan in plans.items() for site in plan.sites}
         self.savers: dict[int, dict[str, list[tuple[int, int]]]] = {}
         for (stage, _), (site, _) in sorted(self.sites.items()):
@@ -356,6 +374,8 @@ class _StageCollectives:
         for op, n, dt, what in events:
             if op in _ZERO3_EVENTS:
                 out += self.rank.zero3.calls(op, n, where)
+            elif what.startswith("cp "):
+                out.append(CommCall(self.rank.cp_group, op, n, dt, f"{where} {what[3:]}", "cp"))
             else:
                 out.append(CommCall(self.rank.tp_group, op, n, dt, f"{where} {what}", "tp"))
         return out
@@ -397,10 +417,43 @@ class _StageCollectives:
         if op == "zero3_gather":  # ZeRO-3: forward gather, or (backward) its gradients' reduce-scatter
             key = (int(node.args[4]), int(node.args[5]))
             return [("zero3_reduce_scatter" if backward else "zero3_forward", key, None, "")]
+        if op in _CP_CALLS and not (backward and not flags.get(node, True)):
+            return self._cp_calls(node, op, region, backward)
         if op is None or op not in _TP_CALLS or (backward and not flags.get(node, True)):
             return []
         return [self._call(node, op, collective, size, region, backward)
                 for collective, size in _TP_CALLS[op][1 if backward else 0]]
+
+    def _cp_calls(self, node: fx.Node, op: str, region: str, backward: bool):
+        """The cp group's calls of a context-parallel node (events tagged ``cp``)."""
+        degree = self.rank.c.cp
+        if degree == 1:
+            return []
+        what = f"cp {'grad of ' if backward else ''}{op} %{region}{node.name}"
+        if op == "ring_attention":
+            k = self._meta(node.args[1], op, region)
+            n = 2 * self.rank.numel(k)  # K and V stacked
+            if not backward:
+                return [("ring_shift", n, k.dtype, f"{what} K/V")] * (degree - 1)
+            out = []
+            for step in range(degree):  # the kernel's loop: the next K/V block, then the gradients' shift
+                if step < degree - 1:
+                    out.append(("ring_shift", n, k.dtype, f"{what} K/V"))
+                out.append(("ring_shift", n, torch.float32, f"{what} dK/dV"))
+            return out
+        out = []
+        for collective, size in _CP_CALLS[op][1 if backward else 0]:
+            meta = self._meta(node.args[0] if size == "in" else node, op, region)
+            out.append((collective, self.rank.numel(meta), meta.dtype, what))
+        return out
+
+    def _meta(self, node, op: str, region: str) -> TensorMeta:
+        meta = node.meta.get(SHAPE) if isinstance(node, fx.Node) else None
+        if meta is None or not meta.tensors:
+            raise PassError(f"communication_check: the {op} node {region}{getattr(node, 'name', node)} has no shape "
+                            f"meta (node.meta[{SHAPE!r}]); lower the program with passes.lower.lower, whose "
+                            f"re-analysis annotates every node")
+        return meta.tensors[0]
 
     def _region_backward(self, gm: fx.GraphModule, region: str, flags):
         """A checkpointed region's backward as torch's non-reentrant checkpoint runs it: the
@@ -521,7 +574,7 @@ class _GradSync:
         self.tied = _tied_syncs(rank, p)
         self.sp = [named[n] for n in p.sp_grad_params]
         late = {id(q) for t in self.tied for q in t[3]} | {id(q) for q in self.sp}
-        self.zero, self.dp = c.zero_stage, c.dp
+        self.zero, self.dp = c.zero_stage, c.dp_cp  # gradients average over dp x cp
         # ZeRO-3 averages in backward (the gathers' reduce-scatters): no buckets
         self.mode = {0: "all_reduce", 1: "reduce_scatter", 2: "reduce_scatter_each", 3: "none"}[c.zero_stage]
         shard = self.mode not in ("all_reduce", "none")

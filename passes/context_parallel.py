@@ -166,18 +166,20 @@ class _Rewriter:
             if node.op == "placeholder" and node.target in seq_of:
                 self.sharded.append((node.target, seq_of[node.target]))
         sharded = dict(self.sharded)
+        handlers = {_SDPA: self._attention, aten.cross_entropy_loss.default: self._loss,
+                    aten.slice.Tensor: self._buffer_slice, **{t: self._arange for t in _ARANGES}}
         for node in list(self.graph.nodes):
             if node.target is aten.sym_size.int and node.args[0].op == "placeholder" \
                     and sharded.get(node.args[0].target) == node.args[1]:
                 self.seq_sizes.add(node)
-            elif node.target in _ARANGES:
-                self._arange(node)
-            elif node.target is aten.slice.Tensor:
-                self._buffer_slice(node)
-            elif node.target is _SDPA:
-                self._attention(node)
-            elif node.target is aten.cross_entropy_loss.default:
-                self._loss(node)
+            elif node.target in handlers:
+                before, meta = set(self.graph.nodes), dict(node.meta)
+                handlers[node.target](node)
+                # inserted nodes belong where the node they replace did (its block, module path)
+                for new in set(self.graph.nodes) - before:
+                    for k_, v_ in meta.items():
+                        if k_ not in _STALE and k_ != EXPORT_VAL:
+                            new.meta.setdefault(k_, v_)
 
     # --- positions ---------------------------------------------------------------------------------
     def _arange(self, node: fx.Node) -> None:
@@ -247,7 +249,6 @@ class _Rewriter:
                 kwargs = {"scale": scale, "enable_gqa": gqa} if gqa else {"scale": scale}
                 attn = self.graph.call_function(_SDPA, (*heads, None, 0.0, causal), kwargs)
                 new = self.graph.call_function(cp_ops.heads_to_seq.default, (attn, self.degree, self.group))
-        new.meta.update({k_: v_ for k_, v_ in node.meta.items() if k_ not in _STALE and k_ != EXPORT_VAL})
         node.replace_all_uses_with(new)
         self.graph.erase_node(node)
         self.attention += 1

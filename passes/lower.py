@@ -3,7 +3,8 @@
 One function, :func:`lower`, of named steps; it is what the dumps show and what the runtime
 runs (there is no other)::
 
-    whole graph   tag_tensor_parallel   (tp > 1: column/row/vocab per node, one sharding per param)
+    whole graph   context_parallel      (cp > 1: every cp rank's program, sequence-sharded; re-analysed)
+                  tag_tensor_parallel   (tp > 1: column/row/vocab per node, one sharding per param)
                   checkpoint_policy     (checkpointing: which blocks recompute)
                   offload_policy        (activation offload without checkpointing)
                   tag_pipeline_stages   (the stage of every node, from the chain boundaries)
@@ -36,6 +37,7 @@ import sympy
 from torch import fx
 
 from passes.ir.config import TORCH_DTYPES, ParallelConfig, dtype_name
+from passes.ir.cp_ops import CONTEXT_PARALLEL, CP_OPS
 from passes.ir.cost import CostHooks
 from passes.ir.errors import ConfigError, PassError
 from passes.ir.meta import (CAPTURE, CHECKPOINT_PLAN, LAYER_CHAIN, OFFLOAD_PLAN, PIPELINE_STAGE, STAGE_IO,
@@ -47,12 +49,12 @@ from passes.ir.schedule import build as build_schedule
 from passes.ir.zero3_ops import shard_numel
 from passes.manager import Instrument, PassContext, pipeline_text
 from passes.pipeline_split import chain_starts, split_pipeline_stages
-from passes.pipelines import manager, stage_passes, whole_graph_passes
+from passes.pipelines import cp_group, manager, stage_passes, whole_graph_passes
 from passes.sequence_parallel import sequence_size, shard_stage_io
 from passes.weight_decay import no_weight_decay_names
 
 # graph-level decisions of the whole graph that each stage program inherits
-_INHERITED = (TENSOR_PARALLEL_PLAN, CHECKPOINT_PLAN, OFFLOAD_PLAN, LAYER_CHAIN)
+_INHERITED = (TENSOR_PARALLEL_PLAN, CHECKPOINT_PLAN, OFFLOAD_PLAN, LAYER_CHAIN, CONTEXT_PARALLEL)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +85,7 @@ class Lowering:
         if not first <= rank < first + c.world_size:
             raise ConfigError(f"rank {rank} is outside the mesh ranks {first}..{first + c.world_size - 1} of "
                               f"dp*tp*pp = {c.world_size}")
-        pp_index, dp_index, tp_index = mesh_coords(rank, dp=c.dp, tp=c.tp, first=first)
+        pp_index, dp_index, tp_index = mesh_coords(rank, dp=c.dp_cp, tp=c.tp, first=first)
         mine = c.rank_stages(pp_index)
         missing = [s for s in mine if (s, tp_index) not in self.programs]
         if missing:
@@ -91,6 +93,7 @@ class Lowering:
                               f"no program of stage(s) {missing} for it; lower with programs= that include them")
         modules = {s: self.programs[(s, tp_index)] for s in mine}
         plan = self.graph.meta.get(TENSOR_PARALLEL_PLAN)
+        cp_plan = self.graph.meta.get(CONTEXT_PARALLEL)
         sp_grads = sorted({g for m in modules.values() if TENSOR_PARALLEL_PLAN in m.meta
                            for g in m.meta[TENSOR_PARALLEL_PLAN].sequence_parallel_grads})
         actions = build_schedule(c.schedule, c.pp, c.num_micro_batches, c.virtual_pp)[pp_index]
@@ -102,7 +105,7 @@ class Lowering:
         return RankProgram(
             rank=rank, first=first, config=c, pp_index=pp_index, dp_index=dp_index, tp_index=tp_index, stages=mine,
             modules=modules, io=self.io, tied=self._tied(plan), canonical_names=canonical, tp_plan=plan,
-            tp_group=self.tp_group,
+            tp_group=self.tp_group, cp_plan=cp_plan,
             comms=tuple(_comms(self.split, modules, mine, c, pp_index, dp_index, tp_index, first, self.tp_group)),
             actions=tuple(actions), inputs=info.inputs, sp_grad_params=tuple(sp_grads),
             no_weight_decay=self._no_weight_decay(canonical))
@@ -166,7 +169,8 @@ def lower(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
     instrument_for = instrument_for or (lambda name: None)
 
     gm = copy.deepcopy(gm)
-    whole = manager(whole_graph_passes(config, cost=cost, starts=starts), instrument=instrument_for("whole_graph"))
+    whole = manager(whole_graph_passes(config, cost=cost, starts=starts, ctx=ctx, tp_group=tp_group),
+                    instrument=instrument_for("whole_graph"))
     gm = whole.run(gm, ctx)
     records = [PipelineRecord(name="whole_graph", text=whole.text())]
 
@@ -208,7 +212,7 @@ def rank_io(gm: fx.GraphModule, split: PipelineSplit, config: ParallelConfig) ->
 def lower_rank(gm: fx.GraphModule, config: ParallelConfig, rank: int, *, cost: CostHooks | None, first: int = 0,
                tp_group: str = "tp", ctx: PassContext | None = None) -> RankProgram:
     """The program of global ``rank`` only (what one process of a job lowers for itself)."""
-    pp_index, _, tp_index = mesh_coords(rank, dp=config.dp, tp=config.tp, first=first)
+    pp_index, _, tp_index = mesh_coords(rank, dp=config.dp_cp, tp=config.tp, first=first)
     own = [(s, tp_index) for s in config.rank_stages(pp_index)]
     lowering = lower(gm, config, cost=cost, programs=own, tp_group=tp_group, ctx=ctx)
     return lowering.rank_program(rank, first=first)
@@ -243,7 +247,7 @@ def stage_capture(gm: fx.GraphModule, io: StageIO):
 
 def _comms(split: PipelineSplit, modules: Mapping[int, fx.GraphModule], mine, c: ParallelConfig, pp_index: int,
            dp_index: int, tp_index: int, first: int, tp_group: str) -> list[Comm]:
-    dp, tp = c.dp, c.tp
+    dp, tp = c.dp_cp, c.tp  # the data axis: dp x cp ranks average gradients
 
     def rank_of(p, d=dp_index, t=tp_index):
         return global_rank(p, d, t, dp=dp, tp=tp, first=first)
@@ -266,6 +270,8 @@ def _comms(split: PipelineSplit, modules: Mapping[int, fx.GraphModule], mine, c:
             if c.stage_rank(dst) != pp_index:
                 out.append(Comm("send", (rank_of(c.stage_rank(dst)),), stage=s, peer_stage=dst, tensors=tuple(names)))
         tp_ranks = tuple(rank_of(pp_index, dp_index, t) for t in range(tp))
+        replica = dp_index - dp_index % c.cp
+        cp_ranks = tuple(rank_of(pp_index, replica + j) for j in range(c.cp))
         # the stage's graph and its checkpointed regions' (collectives recomputed there too)
         for sub in modules[s].modules():
             if not isinstance(sub, fx.GraphModule):
@@ -274,6 +280,8 @@ def _comms(split: PipelineSplit, modules: Mapping[int, fx.GraphModule], mine, c:
                 op = op_name(node.target) if node.op == "call_function" else None
                 if op in TP_OPS:
                     out.append(Comm("tp", tp_ranks, stage=s, op=op, node=node.name, group=tp_group))
+                elif op in CP_OPS:
+                    out.append(Comm("cp", cp_ranks, stage=s, op=op, node=node.name, group=cp_group(tp_group)))
     if dp > 1:
         out.append(Comm("dp_all_reduce", tuple(rank_of(pp_index, d) for d in range(dp))))
     for name in sorted(split.tied):

@@ -9,9 +9,10 @@ prints as text and the text builds the same pipeline again (:func:`parse_pipelin
 Three pipelines make the lowering (:func:`passes.lower.lower` runs them):
 
 1. :func:`analysis_passes`: shapes, blocks, FLOPs, memory of the captured graph;
-2. :func:`whole_graph_passes`: the *tag* passes a config asks for — tensor-parallel sharding,
-   checkpoint regions, activation offload (without checkpointing), pipeline stages — which
-   decide and write meta but leave the graph as it is;
+2. :func:`whole_graph_passes`: with context parallelism first its rewrite (the graph becomes
+   every cp rank's program, sequence-sharded, and is analysed again), then the *tag* passes a
+   config asks for — tensor-parallel sharding, checkpoint regions, activation offload (without
+   checkpointing), pipeline stages — which decide and write meta but leave the graph as it is;
 3. :func:`stage_passes`: per (pipeline stage, tp rank), after the split: the *apply* passes that
    rewrite that stage's program (its tp shard, its checkpointed regions, its offload brackets)
    and the re-analysis of the result.
@@ -34,6 +35,8 @@ from passes.apply_checkpoint import apply_checkpoint
 from passes.apply_offload import apply_offload
 from passes.apply_tensor_parallel import apply_tensor_parallel
 from passes.checkpoint_policy import checkpoint_policy, restrict_checkpoint_plan
+from passes.context_parallel import apply_context_parallel
+from passes.ir.cp_ops import CONTEXT_PARALLEL
 from passes.ir.config import ParallelConfig
 from passes.ir.cost import CostHooks
 from passes.ir.errors import PassError
@@ -50,6 +53,12 @@ from passes.split_backward import split_backward
 from passes.tensor_parallel_patterns import tag_tensor_parallel
 
 ORDER = (
+    PassOrder(first="context_parallel", then="annotate_shapes",
+              why="the rewrite drops the analysis of the uncut graph: the sequence-sharded program is analysed again"),
+    PassOrder(first="context_parallel", then="checkpoint_policy",
+              why="regions are chosen on the program that runs (sequence-sharded, with its cp attention)"),
+    PassOrder(first="context_parallel", then="tag_pipeline_stages",
+              why="stages are cut on the rewritten graph, so boundary tensors are sequence shards"),
     PassOrder(first="annotate_shapes", then="annotate_flops", why="FLOPs are counted from the shapes"),
     PassOrder(first="annotate_blocks", then="checkpoint_policy", why="checkpoint regions are the blocks"),
     PassOrder(first="annotate_blocks", then="tag_pipeline_stages", why="stages are cut along the layer chain"),
@@ -107,6 +116,8 @@ REGISTRY: dict[str, PassDef] = {d.name: d for d in (
             provides=(FLOPS, FLOP_SUMMARY)),
     PassDef(name="annotate_memory", make=_plain(annotate_memory), requires=(CAPTURE, SHAPE),
             provides=(MEMORY, MEMORY_SUMMARY), options=("optimizer", "mixed_precision", "batch")),
+    PassDef(name="context_parallel", make=_plain(apply_context_parallel), requires=(CAPTURE,),
+            provides=(CONTEXT_PARALLEL,), options=("degree", "group", "mode")),
     PassDef(name="tag_tensor_parallel", make=_plain(tag_tensor_parallel), requires=(CAPTURE, SHAPE),
             provides=(TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN), options=("degree",)),
     PassDef(name="checkpoint_policy", make=_plain(checkpoint_policy), requires=(CAPTURE, SHAPE, LAYER_CHAIN, FLOPS),
@@ -163,12 +174,17 @@ def reanalysis_passes(ctx: PassContext | None = None) -> list[Pass]:
     return [p for p in analysis_passes(ctx) if p.name != "annotate_blocks"]
 
 
-def whole_graph_passes(config: ParallelConfig, *, cost: CostHooks | None, starts: tuple[int, ...]) -> list[Pass]:
-    """The tag passes ``config`` asks for, over the analysed whole graph: tp sharding, checkpoint
-    regions, activation offload (decided here only without checkpointing; with it, per stage
-    after the regions are outlined), and the pipeline stages (``starts``: chain index of each
-    stage after the first)."""
+def whole_graph_passes(config: ParallelConfig, *, cost: CostHooks | None, starts: tuple[int, ...],
+                       ctx: PassContext | None = None, tp_group: str = "tp") -> list[Pass]:
+    """The passes ``config`` asks for over the analysed whole graph: with ``cp > 1`` the
+    context-parallel rewrite and its re-analysis (``ctx``: the optimizer and precision it counts
+    memory with); then the tag passes: tp sharding, checkpoint regions, activation offload
+    (decided here only without checkpointing; with it, per stage after the regions are
+    outlined), and the pipeline stages (``starts``: chain index of each stage after the first)."""
     out = []
+    if config.cp > 1:
+        out.append(make_pass("context_parallel", degree=config.cp, group=cp_group(tp_group), mode=config.cp_mode))
+        out += reanalysis_passes(ctx)
     if config.tp > 1:
         out.append(make_pass("tag_tensor_parallel", degree=config.tp))
     if config.checkpointing != "none":
@@ -208,6 +224,11 @@ def stage_passes(config: ParallelConfig, *, stage: int, tp_rank: int, tp_group: 
     if config.offload == "activations":
         out.append(make_pass("apply_offload"))
     return out + reanalysis_passes(ctx)
+
+
+def cp_group(tp_group: str) -> str:
+    """The name context-parallel ops look their cp group up by, beside the tp group's name."""
+    return f"{tp_group}.cp"
 
 
 def zero3_group(tp_group: str) -> str:

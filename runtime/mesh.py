@@ -5,7 +5,9 @@ Rank layout (global rank of mesh coordinates)::
     rank = first + pp_index * (dp * tp) + dp_index * tp + tp_index
 
 tp varies fastest (tensor-parallel peers share a node, where bandwidth is highest), then dp, then
-pp. ``first`` lets a mesh use ranks ``first .. first + pp*dp*tp - 1`` of a larger world (tests run
+pp. With context parallelism the data axis holds a plan's ``dp * cp`` ranks (every rank holding
+the same parameters: the gradient-averaging group) and ``cp`` consecutive ones among them form a
+cp group: ``dp_index = replica * cp + cp_index`` (cp groups share a node before dp replicas do). ``first`` lets a mesh use ranks ``first .. first + pp*dp*tp - 1`` of a larger world (tests run
 several meshes inside one spawned job). Example, dp=2, pp=2, tp=1::
 
     pp_index 0: ranks 0 1   (the dp group of stage-rank 0)
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from passes.ir.errors import ConfigError
+from passes.ir.schedule.validate import stream_count
 from runtime import comm
 
 AXES = ("pp", "dp", "tp")
@@ -66,10 +69,14 @@ class Mesh:
     """
 
     def __init__(self, dp: int, pp: int, tp: int = 1, *, first: int = 0, backend: str | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, pp_streams: int = 2, dp_shard: int | None = None):
-        for name, value in (("dp", dp), ("pp", pp), ("tp", tp)):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, pp_streams: int = 2, dp_shard: int | None = None,
+                 cp: int = 1):
+        for name, value in (("dp", dp), ("pp", pp), ("tp", tp), ("cp", cp)):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"mesh: {name} must be an int >= 1, got {value!r}")
+        if dp % cp:
+            raise ConfigError(f"mesh: the data axis of {dp} ranks (a plan's dp * cp) does not divide into cp groups "
+                              f"of {cp}; build the mesh with dp=config.dp_cp (Mesh.for_config)")
         init_distributed(backend=backend, timeout_s=timeout_s)
         self.dp, self.pp, self.tp, self.first = dp, pp, tp, first
         self.size = dp * pp * tp
@@ -131,6 +138,15 @@ class Mesh:
                         if self.active and self.rank in piece:
                             setattr(self, f"dp_{kind}_group", group)
                             setattr(self, f"dp_{kind}_ranks", tuple(piece))
+        # Context parallelism: cp consecutive ranks of each data axis attend together.
+        self.cp = cp
+        self.cp_group, self.cp_ranks = None, ()
+        if cp > 1:
+            for ranks in self.axis_ranks("dp"):
+                for k in range(0, dp, cp):
+                    group = self.new_group(ranks[k:k + cp])
+                    if self.active and self.rank in ranks[k:k + cp]:
+                        self.cp_group, self.cp_ranks = group, tuple(ranks[k:k + cp])
         # The first and last pipeline ranks of each pipeline hold the tied embedding / LM head.
         # Groups are made here, by every rank: new_group(use_local_synchronization=True) names a
         # group by its ranks, so a second mesh over the same ranks would collide with the first.
@@ -148,6 +164,23 @@ class Mesh:
             # the group; one collective on each pipeline group at start-up makes that hold.
             for group in dict.fromkeys([self.pp_group, self.pp_reverse_group, *self.pp_stream_groups.values()]):
                 comm.all_reduce(torch.zeros(1, device=self.device), group)
+
+    @classmethod
+    def for_config(cls, config, **options) -> "Mesh":
+        """The mesh a :class:`~passes.ir.config.ParallelConfig` runs on (its data axis is
+        ``dp * cp`` ranks, its ZeRO-3 shard groups ``hsdp_shard``); ``options`` as for the constructor."""
+        return cls(config.dp_cp, config.pp, config.tp, cp=config.cp, dp_shard=config.hsdp_shard,
+                   pp_streams=stream_count(config.schedule), **options)
+
+    @property
+    def cp_index(self) -> int:
+        """This rank's place in its cp group (0 without context parallelism)."""
+        return self.dp_index % self.cp
+
+    @property
+    def replica_index(self) -> int:
+        """Which data-parallel replica (the samples it takes) this rank belongs to: ``dp_index // cp``."""
+        return self.dp_index // self.cp
 
     @property
     def dp_shard_index(self) -> int:
@@ -178,4 +211,5 @@ class Mesh:
 
     def __repr__(self) -> str:
         where = (f"pp={self.pp_index} dp={self.dp_index} tp={self.tp_index}" if self.active else "inactive")
-        return f"Mesh(dp={self.dp}, pp={self.pp}, tp={self.tp}, rank {self.rank}: {where})"
+        cp = f", cp={self.cp}" if self.cp > 1 else ""
+        return f"Mesh(dp={self.dp}, pp={self.pp}, tp={self.tp}{cp}, rank {self.rank}: {where})"

@@ -10,7 +10,8 @@ it captures nothing and runs no pass. Around the program it builds what is proce
            under bf16/fp16 every one of them steps fp32 master weights)
 
 ``train_step(batch)`` takes the *global* batch (every rank gets the same tensors), keeps this
-dp rank's contiguous slice, cuts it into ``num_micro_batches`` micro-batches, runs the schedule
+dp replica's contiguous slice (with context parallelism: this cp rank's share of its sequence,
+:func:`passes.ir.cp_ops.shard_sequence`), cuts it into ``num_micro_batches`` micro-batches, runs the schedule
 (:class:`runtime.stage_executor.StageExecutor`), syncs gradients (:mod:`runtime.grad_sync`),
 steps the optimizer and returns the loss of the whole global batch, the same float on every rank.
 
@@ -29,6 +30,7 @@ the loss dynamically and skips a step whose gradients overflowed (on every rank)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Literal, Mapping, Sequence
 
 import math
@@ -40,6 +42,7 @@ from passes.ir.errors import ConfigError, NonFiniteError
 from passes.ir.schedule.validate import stream_count
 from passes.ir.grad_buckets import unique_params
 from passes.ir.meta import CAPTURE, InputBounds
+from passes.ir.cp_ops import check_layout, shard_sequence
 from passes.ir.program import RankProgram, unshard_tensor
 from passes.ir.zero3_ops import ZERO3_PREFETCH, ZERO3_PLAN, unshard
 from runtime import comm
@@ -80,9 +83,10 @@ class ParallelModel:
                  nonfinite: Literal["stop", "skip"] = "stop", overlap_grad_sync: bool = True,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, zero3_prefetch: int = ZERO3_PREFETCH):
         c = program.config
-        if (mesh.dp, mesh.pp, mesh.tp) != (c.dp, c.pp, c.tp):
-            raise ConfigError(f"parallel_model: mesh has dp={mesh.dp}, pp={mesh.pp}, tp={mesh.tp} but the program was "
-                              f"lowered for dp={c.dp}, pp={c.pp}, tp={c.tp}; lower for this mesh")
+        if (mesh.dp, mesh.pp, mesh.tp, getattr(mesh, "cp", 1)) != (c.dp_cp, c.pp, c.tp, c.cp):
+            raise ConfigError(f"parallel_model: mesh has a data axis of {mesh.dp}, pp={mesh.pp}, tp={mesh.tp}, "
+                              f"cp={getattr(mesh, 'cp', 1)} but the program was lowered for dp*cp={c.dp_cp} (cp={c.cp}), "
+                              f"pp={c.pp}, tp={c.tp}; build the mesh with Mesh.for_config(config)")
         if not mesh.active:
             raise ConfigError(f"parallel_model: rank {mesh.rank} is outside {mesh}; build it on mesh ranks only")
         if program.rank != mesh.rank or program.first != mesh.first:
@@ -92,12 +96,13 @@ class ParallelModel:
             raise ConfigError(f"parallel_model: schedule {c.schedule!r} sends its pipeline messages over "
                               f"{stream_count(c.schedule)} communicators per rank pair; build the mesh with "
                               f"Mesh(..., pp_streams={stream_count(c.schedule)})")
-        if getattr(mesh, "dp_shard", c.dp) != (c.shard_degree if c.zero_stage == 3 else c.dp):
+        if getattr(mesh, "dp_shard", c.dp_cp) != (c.shard_degree if c.zero_stage == 3 else c.dp_cp):
             raise ConfigError(f"parallel_model: the plan shards ZeRO-3 parameters over {c.shard_degree} dp ranks "
                               f"(hsdp_shard={c.hsdp_shard}), the mesh's shard groups have {mesh.dp_shard}; build the "
                               f"mesh with Mesh(..., dp_shard={c.hsdp_shard})")
         self.program, self.mesh, self.config = program, mesh, c
         self.dp, self.pp, self.tp, self.m, self.v = c.dp, c.pp, c.tp, c.num_micro_batches, c.virtual_pp
+        self.dp_cp = c.dp_cp  # ranks averaging gradients: the dp replicas and each one's cp ranks
         self.global_batch, self.bucket_bytes = c.global_batch, bucket_bytes
         if c.pp > 1:
             # Random streams (dropout): tp peers must draw alike (their replicated regions hold one
@@ -108,6 +113,9 @@ class ParallelModel:
         self.tp_group_name = program.tp_group
         if c.tp > 1:
             register_group(self.tp_group_name, DistGroup(mesh.tp_group))
+        self.cp_plan = program.cp_plan
+        if self.cp_plan is not None:
+            register_group(self.cp_plan.group, DistGroup(mesh.cp_group))
         self.stages = {s: LocalStage(s, module.to(mesh.device), program.io[s]) for s, module in program.modules.items()}
         # ZeRO-3: keep this dp rank's shard of every parameter; the gathers run through this
         self.zero3 = (zero3_gatherer({s: st.module for s, st in self.stages.items()}, mesh, prefetch=zero3_prefetch)
@@ -148,7 +156,7 @@ class ParallelModel:
         self.clip_grad_norm, self.nonfinite = clip_grad_norm, nonfinite
         self.loss_scaler = DynamicLossScaler() if c.dtype == "fp16" else None
         self.norm_weights = ([seg.weight for seg in self.optimizer.segments] if isinstance(self.optimizer, ShardedOptimizer)
-                             else [weights[id(p)] / (self.dp // c.shard_degree if self.zero == 3 else self.dp)
+                             else [weights[id(p)] / (self.dp_cp // c.shard_degree if self.zero == 3 else self.dp_cp)
                                    for p in self.params])
         """How much each gradient of :meth:`_fp32_grads` counts in the global norm (see
         :meth:`_param_norm_weights`; dp replicas 1/dp, disjoint ZeRO chunks and ZeRO-3 shards 1,
@@ -191,11 +199,11 @@ class ParallelModel:
 
     def _grad_buckets(self, overlap: bool) -> BucketedGradSync | None:
         """The dp gradient buckets (None when there is nothing to average or shard)."""
-        if (self.dp == 1 and not self.zero) or self.zero == 3:  # ZeRO-3 reduce-scatters in backward
+        if (self.dp_cp == 1 and not self.zero) or self.zero == 3:  # ZeRO-3 reduce-scatters in backward
             return None
         accumulations = expected_accumulations({s: unique_params([st.module]) for s, st in self.stages.items()},
                                                backward_counts(self.actions))
-        return BucketedGradSync(self.params, self.mesh.dp_group, self.dp, rank=self.mesh.dp_index,
+        return BucketedGradSync(self.params, self.mesh.dp_group, self.dp_cp, rank=self.mesh.dp_index,
                                 bucket_bytes=self.bucket_bytes, late=[p for t in self.tied_sync.tied for p in t.copies] + self.sp_params,
                                 overlap=overlap, mode=MODE_OF_ZERO_STAGE[self.zero], accumulations=accumulations)
 
@@ -316,20 +324,46 @@ class ParallelModel:
                               f"{self.global_batch}; pass the whole global batch on every rank")
         rows = self.global_batch // self.dp
         mine = {}
+        replica = self.mesh.dp_index // self.config.cp
         for spec, t in zip(self.inputs, batch):
             if spec.name in self.consumed_inputs:
                 axis = list(spec.shape).index("batch")
-                mine[spec.name] = t.narrow(axis, self.mesh.dp_index * rows, rows)
+                mine[spec.name] = t.narrow(axis, replica * rows, rows)
+        dims = self._cp_shard(mine, dims)
         micro, dims = self._split(mine), {**dims, "batch": rows // self.m}
         self._placeholders(micro, dims)
         return micro, dims
 
+    def _cp_shard(self, rows: dict[str, torch.Tensor], dims: Mapping[str, int]) -> dict[str, int]:
+        """Context parallelism: replace each sequence-carrying input of ``rows`` (in place) by this
+        cp rank's shard of its sequence; returns ``dims`` with the sequence at its local length
+        (what the programs, captured so, take). Without cp: ``dims`` as given."""
+        plan = self.cp_plan
+        if plan is None:
+            return dict(dims)
+        seq = dims.get(plan.seq_dim)
+        if seq is not None:
+            check_layout(seq, plan.degree, f"the batch's {plan.seq_dim!r} length")
+        cp_index = self.mesh.dp_index % plan.degree
+        for name, dim in plan.sharded_inputs:
+            if name in rows:
+                rows[name] = shard_sequence(rows[name], dim, cp_index, plan.degree)
+        return {**dims, plan.seq_dim: seq // plan.degree} if seq is not None else dict(dims)
+
     def _input_bounds(self) -> InputBounds:
-        """The captured graph's :class:`InputBounds` (every stage program carries its capture's)."""
+        """The captured graph's :class:`InputBounds` (every stage program carries its capture's),
+        for the global batch: under context parallelism the programs' capture holds a cp rank's
+        sequence length, the batch the whole sequence."""
         for st in self.stages.values():
             info = st.module.meta.get(CAPTURE)
             if info is not None:
-                return getattr(info, "bounds", InputBounds())  # a graph captured before bounds were recorded
+                bounds = getattr(info, "bounds", InputBounds())  # a graph captured before bounds were recorded
+                plan = self.cp_plan
+                if plan is None:
+                    return bounds
+                return dataclasses.replace(bounds, dims=tuple(
+                    dataclasses.replace(b, high=b.high * plan.degree) if b.name == plan.seq_dim and b.high is not None
+                    else b for b in bounds.dims))
         return InputBounds()
 
     @property
@@ -397,12 +431,13 @@ class ParallelModel:
         return self._run_step(micro, dims)
 
     def train_local(self, rows: Mapping[str, torch.Tensor], dims: Mapping[str, int]) -> float:
-        """One optimizer step from this dp rank's rows only (per-rank data loading).
+        """One optimizer step from this dp replica's rows only (per-rank data loading).
 
-        ``rows[name]``: for each of :attr:`consumed_inputs`, this dp rank's contiguous share of
+        ``rows[name]``: for each of :attr:`consumed_inputs`, this dp replica's contiguous share of
         the global batch along its ``batch`` dim (``global_batch // dp`` samples: rows
-        ``[dp_index * n, (dp_index + 1) * n)`` of the global batch, so the step equals
-        ``train_step`` on that batch). ``dims``: the named dims other than ``batch`` (e.g.
+        ``[r * n, (r + 1) * n)`` of the global batch for replica ``r = dp_index // cp``, so the
+        step equals ``train_step`` on that batch), at the whole sequence (with context
+        parallelism the rank keeps its share of it). ``dims``: the named dims other than ``batch`` (e.g.
         ``{"seq": 64}``): a middle stage has no rows and needs them for its receive shapes.
         Returns the global batch's mean loss, the same float on every rank."""
         check_batch(self.inputs, rows, batch_size=self.global_batch // self.dp, bounds=self._input_bounds(), names=self.consumed_inputs, dims={k: v for k, v in dims.items() if k != "batch"}, where="train_local", batch_rule="global_batch // dp")  # noqa: E501
@@ -423,7 +458,9 @@ class ParallelModel:
         missing = sorted(need - set(dims) - set(named))
         if missing:
             raise ConfigError(f"parallel_model: train_local needs the size of {missing} in dims")
-        micro, dims = self._split(dict(rows)), {**named, **dims, "batch": n // self.m}
+        rows = dict(rows)
+        dims = self._cp_shard(rows, {**named, **dims})
+        micro, dims = self._split(rows), {**dims, "batch": n // self.m}
         self._placeholders(micro, dims)
         return self._run_step(micro, dims)
 
@@ -441,8 +478,8 @@ class ParallelModel:
             losses = self.executor.run(self.actions, micro, dims, grad_sync=self._grad_sync, step=self._step)
         total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         if losses:  # the last stage: mean over micro-batches, then over dp via the sum below
-            # every tp rank of the last stage computed the same loss: counted once via / tp
-            total += torch.stack(losses).double().mean() / (self.dp * self.tp)
+            # every tp (and cp) rank of the last stage computed the same loss: counted once
+            total += torch.stack(losses).double().mean() / (self.dp_cp * self.tp)
         comm.all_reduce(total, self.mesh.group)
         return float(total)
 

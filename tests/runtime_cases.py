@@ -15,6 +15,7 @@ import functools
 import time
 from dataclasses import dataclass
 
+import pytest
 import torch
 from partitioner.model_spec import build_model
 from passes.ir.graph_transfer import GraphPayload, pack_graph, unpack_graph
@@ -30,6 +31,10 @@ MODELS = {
                 "embd_pdrop=0.0,attn_pdrop=0.0,seq=8"),
     # eight layers: ZBV on four pipeline ranks has eight stages
     "gpt8": "gpt:layers=8,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0",
+    # context parallelism: four heads (Ulysses at cp=4), a sequence of 2 * 4 chunks of 2 tokens;
+    # llama with grouped-query attention (2 kv heads) and rotary tables
+    "gpt-cp": "gpt:layers=4,hidden=32,heads=4,vocab=64,seq=16,dropout=0.0",
+    "llama-cp": "llama:layers=4,hidden=32,heads=4,kv_heads=2,vocab=64,seq=16",
 }
 LAYERS, HEADS = 4, 2  # of the first two models above (what the property test draws from)
 WORLD, STEPS = 8, 3
@@ -61,11 +66,13 @@ class Plan:
     offload: str
     hsdp: int | None = None  # ZeRO-3's shard group (HSDP), None: all of dp
     reshard: bool = True  # ZeRO-3 frees the gathered parameters after forward (False: keeps them for backward)
+    cp: int = 1  # context-parallel degree
+    cp_mode: str = "ring"
 
     @property
     def size(self) -> int:
         """Ranks the plan uses (the first ``size`` of the world)."""
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def id(self) -> str:
@@ -73,14 +80,22 @@ class Plan:
                 f"-m{self.num_micro_batches}-b{self.global_batch}" + (f"-zero{self.zero}" if self.zero else "")
                 + (f"-ckpt_{self.checkpointing}" if self.checkpointing != "none" else "")
                 + (f"-offload_{self.offload}" if self.offload != "none" else "")
-                + (f"-hsdp{self.hsdp}" if self.hsdp else "") + ("" if self.reshard else "-keep"))
+                + (f"-hsdp{self.hsdp}" if self.hsdp else "") + ("" if self.reshard else "-keep")
+                + (f"-cp{self.cp}_{self.cp_mode}" if self.cp > 1 else ""))
 
     def config(self) -> ParallelConfig:
         """The :class:`ParallelConfig` the plan is lowered with."""
         return ParallelConfig.for_global_batch(
             self.global_batch, dp=self.dp, tp=self.tp, pp=self.pp, schedule=self.schedule, virtual_pp=self.virtual_pp,
             num_micro_batches=self.num_micro_batches, zero_stage=self.zero, checkpointing=self.checkpointing,
-            offload=self.offload, hsdp_shard=self.hsdp, reshard_after_forward=self.reshard)
+            offload=self.offload, hsdp_shard=self.hsdp, reshard_after_forward=self.reshard, cp=self.cp,
+            cp_mode=self.cp_mode)
+
+
+def _mesh_shape(c: ParallelConfig) -> tuple:
+    """What tells two meshes apart: (data axis, tp, pp, pipeline streams, HSDP shard, cp)."""
+    from passes.ir.schedule.validate import stream_count
+    return (c.dp_cp, c.tp, c.pp, stream_count(c.schedule), c.hsdp_shard or 0, c.cp)
 
 
 def batches(spec, global_batch: int) -> list[tuple[torch.Tensor, ...]]:
@@ -132,7 +147,6 @@ def train_plans(plans: list[Plan], payloads: dict[str, GraphPayload] | None = No
     :func:`packed_graph` of each model the plans train (by MODELS key); without, each rank captures.
     """
     from partitioner.build import build_parallel_model, capture_for_pipeline
-    from passes.ir.schedule.validate import stream_count
     from runtime.mesh import Mesh, init_distributed
 
     started, start = time.time(), time.perf_counter()
@@ -147,13 +161,15 @@ def train_plans(plans: list[Plan], payloads: dict[str, GraphPayload] | None = No
         for k in sorted(used):
             specs[k], graphs[k] = unpacked_graph(MODELS[k], payloads[k])
     captured = time.perf_counter()
-    shapes = sorted({(p.dp, p.tp, p.pp, stream_count(p.schedule), p.hsdp or 0) for p in plans})
-    meshes = {sh: Mesh(sh[0], sh[2], sh[1], timeout_s=TIMEOUT_S, pp_streams=sh[3], dp_shard=sh[4] or None)
-              for sh in shapes}
+    configs = {p.id: p.config() for p in plans}
+    shapes = {}  # mesh shape -> a config of that shape, in a deterministic order
+    for p in plans:
+        shapes.setdefault(_mesh_shape(configs[p.id]), configs[p.id])
+    meshes = {sh: Mesh.for_config(c, timeout_s=TIMEOUT_S) for sh, c in sorted(shapes.items())}
     meshed = time.perf_counter()
     out = {"setup": {"started": started, "capture_s": captured - start, "meshes_s": meshed - captured}}
     for plan in plans:
-        mesh = meshes[(plan.dp, plan.tp, plan.pp, stream_count(plan.schedule), plan.hsdp or 0)]
+        mesh = meshes[_mesh_shape(configs[plan.id])]
         torch.distributed.barrier()
         if not mesh.active:
             continue
@@ -167,10 +183,60 @@ def train_plans(plans: list[Plan], payloads: dict[str, GraphPayload] | None = No
                 norms.append(pm.last_grad_norm)
                 lrs.append(pm.last_lr)
             out[plan.id] = {"losses": losses, "params": pm.full_parameters(), "grads": pm.full_gradients(),
-                            "norms": norms, "lrs": lrs, "seconds": time.perf_counter() - t0}
+                            "norms": norms, "lrs": lrs, "seconds": time.perf_counter() - t0,
+                            "cp_ops": sorted({c.op for c in pm.program.comms_of("cp")})}
         except Exception as exc:  # noqa: BLE001 - reported per plan by the test
             import traceback
             out[plan.id] = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-12)}",
                             "seconds": time.perf_counter() - t0}
     out["setup"]["plans_s"] = time.perf_counter() - meshed
     return out
+
+
+@functools.cache
+def _reference(model: str, global_batch: int):
+    return reference(model, global_batch)
+
+
+@functools.cache
+def _initial(model: str) -> torch.nn.Module:
+    return build_model(MODELS[model]).module
+
+
+def check_plan(plan: Plan, results: list[dict]) -> None:
+    """Assert that ``plan``'s run (``train_plans``' results of every rank) trained like one device:
+    losses, gradient norms, learning rates, final parameters and last gradients."""
+    ranks = [r[plan.id] for r in results[:plan.size]]
+    errors = [f"rank {i}: {r['error']}" for i, r in enumerate(ranks) if "error" in r]
+    assert not errors, f"{plan} raised:\n" + "\n".join(errors)
+    ref_losses, ref_model, ref_norms, ref_lrs = _reference(plan.model, plan.global_batch)
+    assert min(ref_norms) > 2 * CLIP, ref_norms  # every step clips
+    assert len(set(ref_lrs)) == len(ref_lrs), ref_lrs  # the schedule moves the learning rate
+    for i, r in enumerate(ranks):
+        assert r["losses"] == pytest.approx(ref_losses, rel=1e-5), f"{plan.id} rank {i}"
+        assert r["losses"] == ranks[0]["losses"], f"{plan.id}: every rank must return the same loss"
+        assert r["norms"] == pytest.approx(ref_norms, rel=1e-5), f"{plan.id} rank {i}: global gradient norm"
+        assert r["lrs"] == pytest.approx(ref_lrs, rel=1e-12), f"{plan.id} rank {i}: learning rate"
+    initial = _initial(plan.model)
+    moved = max((p - initial.get_parameter(n)).abs().max().item() for n, p in ref_model.named_parameters())
+    assert moved > 1e-3  # training moved the weights: parity of untouched weights proves nothing
+
+    covered = set()
+    for i, r in enumerate(ranks):
+        for name, value in r["params"].items():
+            expected = ref_model.get_parameter(name)  # a tied weight under any of its names
+            # atol 2e-5 = 2% of one AdamW step (lr 1e-3): an element whose gradient is ~eps has its
+            # update ~ lr * g / (|g| + eps) swing with rounding (seen: 4.8e-6 on one element of a
+            # tp=2 row-parallel weight at global batch 1); a wrong gradient moves most elements ~lr.
+            torch.testing.assert_close(value, expected.detach(), rtol=1e-5, atol=2e-5,
+                                       msg=lambda m: f"{plan.id} rank {i} {name}: {m}")
+            covered.add(id(expected))
+            g = expected.grad
+            # AdamW is scale invariant: the gradients check loss scaling and the dp / tied sums. A
+            # wrong scale is off by >= 1/dp*m; reordered float32 sums (tp partial sums, recompute)
+            # are ~1e-5 of the largest entry (seen: 1.5e-5 on hf-gpt2 dp2 tp2 pp2 zero1 ckpt).
+            torch.testing.assert_close(r["grads"][name], g, rtol=1e-5, atol=1e-4 * g.abs().max().item() + 1e-8,
+                                       msg=lambda m: f"{plan.id} rank {i} grad of {name}: {m}")
+    missing = [n for n, p in ref_model.named_parameters() if id(p) not in covered]
+    assert not missing, f"{plan.id}: no rank holds {missing}"
+    print(f"{plan.id}: {max(r['seconds'] for r in ranks):.2f} s")

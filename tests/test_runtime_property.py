@@ -18,18 +18,15 @@ id, or another draw with ``RUNTIME_PROPERTY_SEED=<n>`` (and ``RUNTIME_PROPERTY_N
 """
 from __future__ import annotations
 
-import functools
 import os
 import time
 
 import pytest
-import torch
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from partitioner.model_spec import build_model
 from runtime.launch import spawn
-from tests.runtime_cases import CLIP, HEADS, LAYERS, MODELS, WORLD, Plan, payloads_for, reference, train_plans
+from tests.runtime_cases import HEADS, LAYERS, WORLD, Plan, check_plan, payloads_for, train_plans
 
 pytestmark = pytest.mark.slow  # one spawn of 8 gloo ranks, each lowering every plan it is part of
 
@@ -126,61 +123,14 @@ def distributed():
     return results
 
 
-@functools.cache
-def _reference(model: str, global_batch: int):
-    return reference(model, global_batch)
-
-
-@functools.cache
-def _initial(model: str) -> torch.nn.Module:
-    return build_model(MODELS[model]).module
-
-
-def _check(plan: Plan, results: list[dict]) -> None:
-    ranks = [r[plan.id] for r in results[:plan.size]]
-    errors = [f"rank {i}: {r['error']}" for i, r in enumerate(ranks) if "error" in r]
-    assert not errors, f"{plan} raised:\n" + "\n".join(errors)
-    ref_losses, ref_model, ref_norms, ref_lrs = _reference(plan.model, plan.global_batch)
-    assert min(ref_norms) > 2 * CLIP, ref_norms  # every step clips
-    assert len(set(ref_lrs)) == len(ref_lrs), ref_lrs  # the schedule moves the learning rate
-    for i, r in enumerate(ranks):
-        assert r["losses"] == pytest.approx(ref_losses, rel=1e-5), f"{plan.id} rank {i}"
-        assert r["losses"] == ranks[0]["losses"], f"{plan.id}: every rank must return the same loss"
-        assert r["norms"] == pytest.approx(ref_norms, rel=1e-5), f"{plan.id} rank {i}: global gradient norm"
-        assert r["lrs"] == pytest.approx(ref_lrs, rel=1e-12), f"{plan.id} rank {i}: learning rate"
-    initial = _initial(plan.model)
-    moved = max((p - initial.get_parameter(n)).abs().max().item() for n, p in ref_model.named_parameters())
-    assert moved > 1e-3  # training moved the weights: parity of untouched weights proves nothing
-
-    covered = set()
-    for i, r in enumerate(ranks):
-        for name, value in r["params"].items():
-            expected = ref_model.get_parameter(name)  # a tied weight under any of its names
-            # atol 2e-5 = 2% of one AdamW step (lr 1e-3): an element whose gradient is ~eps has its
-            # update ~ lr * g / (|g| + eps) swing with rounding (seen: 4.8e-6 on one element of a
-            # tp=2 row-parallel weight at global batch 1); a wrong gradient moves most elements ~lr.
-            torch.testing.assert_close(value, expected.detach(), rtol=1e-5, atol=2e-5,
-                                       msg=lambda m: f"{plan.id} rank {i} {name}: {m}")
-            covered.add(id(expected))
-            g = expected.grad
-            # AdamW is scale invariant: the gradients check loss scaling and the dp / tied sums. A
-            # wrong scale is off by >= 1/dp*m; reordered float32 sums (tp partial sums, recompute)
-            # are ~1e-5 of the largest entry (seen: 1.5e-5 on hf-gpt2 dp2 tp2 pp2 zero1 ckpt).
-            torch.testing.assert_close(r["grads"][name], g, rtol=1e-5, atol=1e-4 * g.abs().max().item() + 1e-8,
-                                       msg=lambda m: f"{plan.id} rank {i} grad of {name}: {m}")
-    missing = [n for n, p in ref_model.named_parameters() if id(p) not in covered]
-    assert not missing, f"{plan.id}: no rank holds {missing}"
-    print(f"{plan.id}: {max(r['seconds'] for r in ranks):.2f} s")
-
-
 @pytest.mark.parametrize("plan", DRAWN, ids=lambda p: p.id)
 def test_drawn_plan_trains_like_one_device(distributed, plan):
-    _check(plan, distributed)
+    check_plan(plan, distributed)
 
 
 @pytest.mark.parametrize("plan", HF_PIPELINE, ids=lambda p: p.id)
 def test_hf_gpt2_pipeline_trains_like_one_device(distributed, plan):
-    _check(plan, distributed)
+    check_plan(plan, distributed)
 
 
 def test_draw_covers_every_axis_and_option():

@@ -11,6 +11,10 @@ rewrites it.
 Rank layout (tensor parallel fastest, then data parallel, then pipeline)::
 
     rank = first + pp_index * (dp * tp) + dp_index * tp + tp_index
+
+where ``dp`` is the data axis: a config's ``dp * cp`` ranks (:attr:`ParallelConfig.dp_cp`), the
+``cp`` consecutive ones of a replica forming a context-parallel group
+(``dp_index = replica * cp + cp_index``).
 """
 from __future__ import annotations
 
@@ -21,19 +25,21 @@ import torch
 from torch import fx
 
 from passes.ir.config import ParallelConfig
+from passes.ir.cp_ops import ContextParallelPlan
 from passes.ir.meta import InputSpec, ParamSharding, StageIO, TensorParallelPlan
 from passes.ir.schedule.actions import Action
 
-CommKind = Literal["send", "recv", "tp", "dp_all_reduce", "tied_all_reduce"]
+CommKind = Literal["send", "recv", "tp", "cp", "dp_all_reduce", "tied_all_reduce"]
 
 
 def global_rank(pp_index: int, dp_index: int, tp_index: int, *, dp: int, tp: int, first: int = 0) -> int:
-    """Global rank at mesh coordinates (tp fastest, then dp, then pp)."""
+    """Global rank at mesh coordinates (tp fastest, then dp, then pp); ``dp``: the data axis
+    (a config's ``dp_cp``)."""
     return first + pp_index * dp * tp + dp_index * tp + tp_index
 
 
 def mesh_coords(rank: int, *, dp: int, tp: int, first: int = 0) -> tuple[int, int, int]:
-    """``(pp_index, dp_index, tp_index)`` of global ``rank``."""
+    """``(pp_index, dp_index, tp_index)`` of global ``rank`` (``dp``: the data axis, ``dp_cp``)."""
     pp_index, rest = divmod(rank - first, dp * tp)
     dp_index, tp_index = divmod(rest, tp)
     return pp_index, dp_index, tp_index
@@ -48,7 +54,8 @@ class Comm:
     stage's graph: ``op`` is the op name, ``node`` the graph node), ``"dp_all_reduce"`` (the
     gradient average) or ``"tied_all_reduce"`` (the gradient sum of a tied weight's copies,
     ``tensors`` its aliases). ``ranks``: the global ranks involved, this rank included for
-    collectives; ``group``: the tp group name for ``"tp"``.
+    collectives; ``group``: the tp group name for ``"tp"``, the cp group name for ``"cp"`` (a
+    context-parallel op of the stage's graph: ring attention, Ulysses all-to-all, loss all-reduce).
     """
 
     kind: CommKind
@@ -83,6 +90,8 @@ class RankProgram:
     ``canonical_names``: alias -> canonical name of every tied parameter of the model (what
     checkpoints are keyed by). ``tp_plan``: how each parameter is sharded (``None`` without tp).
     ``tp_group``: the name the stage programs' collectives look their group up by.
+    ``cp_plan``: with context parallelism, what the rewrite did (its cp group's name, and the graph
+    inputs the runtime feeds as this rank's sequence shard); ``None`` without.
     ``actions``: this rank's schedule. ``inputs``: the graph inputs with their named dims.
     ``sp_grad_params``: with sequence parallelism, the replicated parameters whose gradients are
     partial per tp rank and are summed over the tp group before the data-parallel sync.
@@ -103,6 +112,7 @@ class RankProgram:
     canonical_names: Mapping[str, str] = field(repr=False, default_factory=dict)
     tp_plan: TensorParallelPlan | None = field(repr=False, default=None)
     tp_group: str = "tp"
+    cp_plan: ContextParallelPlan | None = field(repr=False, default=None)
     comms: tuple[Comm, ...] = field(repr=False, default=())
     actions: tuple[Action, ...] = field(repr=False, default=())
     inputs: tuple[InputSpec, ...] = ()
@@ -117,6 +127,16 @@ class RankProgram:
     @property
     def tp(self) -> int:
         return self.config.tp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks on the data axis (the gradient-averaging group): ``dp * cp``."""
+        return self.config.dp_cp
+
+    @property
+    def cp_index(self) -> int:
+        """This rank's place in its context-parallel group."""
+        return self.dp_index % self.config.cp
 
     @property
     def pp(self) -> int:
@@ -136,7 +156,7 @@ class RankProgram:
     def rank_of(self, pp_index: int, dp_index: int | None = None, tp_index: int | None = None) -> int:
         """Global rank at these coordinates (this rank's dp/tp index by default)."""
         return global_rank(pp_index, self.dp_index if dp_index is None else dp_index,
-                           self.tp_index if tp_index is None else tp_index, dp=self.dp, tp=self.tp, first=self.first)
+                           self.tp_index if tp_index is None else tp_index, dp=self.dp_cp, tp=self.tp, first=self.first)
 
 
 # --- shard specs: how a parameter is split over the tp ranks ----------------------------------------

@@ -66,7 +66,8 @@ from passes.ir.meta import (
     dim_symbol,
 )
 from passes.ir.program import RankProgram
-import passes.ir.ops  # noqa: F401  (the ops must exist before their symbolics)
+import passes.ir.cp_ops  # noqa: F401  (the ops must exist before their symbolics)
+import passes.ir.ops  # noqa: F401
 
 DOMAIN = "partitioner"
 OPSET = 18
@@ -254,11 +255,42 @@ def _sym_seq(op_type: str, scale_up: bool):
     return symbolic
 
 
+def _sym_cp(op_type: str, seq_scale: int = 0):
+    """Symbolic of a context-parallel op of one tensor input (attr ``degree``); ``seq_scale``:
+    Ulysses' all-to-all, +1 (the sequence grows by degree, heads shrink) or -1 (the inverse)."""
+    def symbolic(g, x, degree, group):
+        from torch.onnx import symbolic_helper
+
+        d = symbolic_helper._maybe_get_const(degree, "i")
+        out = g.op(f"{DOMAIN}::{op_type}", x, degree_i=d)
+        sizes = symbolic_helper._get_tensor_sizes(x)
+        if seq_scale and sizes and None not in sizes[1:3]:
+            b, h, s, e = sizes
+            sizes = [b, h // d, s * d, e] if seq_scale > 0 else [b, h * d, s // d, e]
+            out.setType(x.type().with_sizes(sizes))
+        else:
+            out.setType(x.type())
+        return out
+    return symbolic
+
+
+def _sym_ring_attention(g, q, k, v, causal, scale, degree, group):
+    from torch.onnx import symbolic_helper
+
+    const = symbolic_helper._maybe_get_const
+    out, lse = g.op(f"{DOMAIN}::RingAttention", q, k, v, causal_i=int(const(causal, "b")),
+                    degree_i=const(degree, "i"), outputs=2)
+    return _same_type(out, q), lse
+
+
 _SYMBOLICS = {"reduce_scatter_seq": _sym_seq("ReduceScatterSeq", False), "all_gather_seq": _sym_seq("AllGatherSeq", True),
               "scatter_to_seq": _sym_seq("ScatterToSeq", False), "gather_from_seq": _sym_seq("GatherFromSeq", True),
               "copy_to_tp": _sym_copy_to_tp, "reduce_from_tp": _sym_reduce_from_tp, "all_reduce": _sym_all_reduce,
               "vocab_parallel_cross_entropy": _sym_vocab_parallel_cross_entropy,
               "sharded_dropout": _sym_sharded_dropout,
+              "ring_attention": _sym_ring_attention, "seq_to_heads": _sym_cp("SeqToHeads", +1),
+              "heads_to_seq": _sym_cp("HeadsToSeq", -1), "reduce_from_cp": _sym_cp("ReduceFromCP"),
+              "load_balanced_positions": _sym_cp("LoadBalancedPositions"),
               "split_point": lambda g, x: g.op("Identity", x)}  # a marker for the runtime's autograd
 
 

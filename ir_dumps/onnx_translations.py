@@ -19,6 +19,10 @@ it::
     split_point(x)                 Identity(x) -> y                   (the standard domain)
     zero3_gather(shards, ...)      Zero3Gather(shards...) -> [params] degree, stage, site
                                    (a sequence; SequenceAt takes each)
+    ring_attention(q, k, v, ...)   RingAttention(q, k, v) -> (out, lse)  causal, degree
+    seq_to_heads, heads_to_seq     SeqToHeads(x) -> y, HeadsToSeq(x)  degree
+    reduce_from_cp(x, ...)         ReduceFromCP(x) -> y               degree
+    load_balanced_positions        LoadBalancedPositions(index) -> y  degree
 
 The tp group's name is process state, not an attribute (the file's ``ranks`` attribute, added
 later, names the group's global ranks). ``offload_begin`` / ``offload_end`` (:data:`DROPPED_OPS`)
@@ -38,6 +42,7 @@ from typing import Any, Callable, Literal
 import onnxscript
 from onnx.defs import OpSchema
 
+import passes.ir.cp_ops  # noqa: F401  (defines the context-parallel ops)
 import passes.ir.offload_ops  # noqa: F401  (defines offload_begin / offload_end)
 import passes.ir.zero3_ops  # noqa: F401  (defines zero3_gather)
 from passes.ir.ops import NAMESPACE
@@ -78,6 +83,15 @@ NODE_SPECS: dict[str, NodeSpec] = {
     "all_gather_seq": NodeSpec(op_type="AllGatherSeq", inputs=("x",), outputs=1, attrs=_SEQ_ATTRS),
     "scatter_to_seq": NodeSpec(op_type="ScatterToSeq", inputs=("x",), outputs=1, attrs=_SEQ_ATTRS),
     "gather_from_seq": NodeSpec(op_type="GatherFromSeq", inputs=("x",), outputs=1, attrs=_SEQ_ATTRS),
+    # context parallelism (passes.ir.cp_ops)
+    "ring_attention": NodeSpec(op_type="RingAttention", inputs=("q", "k", "v"), outputs=2,
+                               attrs=(("causal", "causal", "int"), ("degree", "degree", "int"))),
+    "seq_to_heads": NodeSpec(op_type="SeqToHeads", inputs=("x",), outputs=1, attrs=(("degree", "degree", "int"),)),
+    "heads_to_seq": NodeSpec(op_type="HeadsToSeq", inputs=("x",), outputs=1, attrs=(("degree", "degree", "int"),)),
+    "reduce_from_cp": NodeSpec(op_type="ReduceFromCP", inputs=("x",), outputs=1,
+                               attrs=(("degree", "degree", "int"),)),
+    "load_balanced_positions": NodeSpec(op_type="LoadBalancedPositions", inputs=("index",), outputs=1,
+                                        attrs=(("degree", "degree", "int"),)),
 }
 """torch op name (``partitioner::<name>``) -> its ONNX node."""
 IDENTITY_OPS = ("split_point",)
@@ -113,7 +127,8 @@ def _translation(name: str, spec: NodeSpec) -> Callable[..., Any]:
         bound = {a.name: a.default_value for a in arguments if a.has_default_value()}
         bound.update(zip((a.name for a in arguments), args))
         bound.update(kwargs)
-        return op(*(bound[i] for i in spec.inputs), **{attr: bound[arg] for arg, attr, _ in spec.attrs})
+        return op(*(bound[i] for i in spec.inputs),
+                  **{attr: int(bound[arg]) if kind == "int" else bound[arg] for arg, attr, kind in spec.attrs})
 
     translate.__name__ = f"partitioner_{name}"
     return translate

@@ -17,6 +17,7 @@ pass managers' instrument), from the same lowering the runtime executes.
 """
 from __future__ import annotations
 
+import contextlib
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,7 +107,11 @@ def _write_onnx(lowering: Lowering, root: Path) -> tuple[list[Path], list[str]]:
         single = _only_stage(program, s)
 
         def tracing(p, t=t):
-            return trace_groups(p.tp_group, t, c.tp)
+            stack = contextlib.ExitStack()
+            stack.enter_context(trace_groups(p.tp_group, t, c.tp))
+            if p.cp_plan is not None:  # cp rank 0's view (every cp rank runs this program)
+                stack.enter_context(trace_groups(p.cp_plan.group, 0, c.cp))
+            return stack
 
         try:
             (path,) = export_rank_programs([single], root / f"stage{s}_tp{t}", tracing=tracing)

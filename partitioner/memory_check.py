@@ -68,7 +68,8 @@ def replay_rank_memory(graph: fx.GraphModule, config: ParallelConfig, cluster: C
     ``config.global_batch``)."""
     c = config
     lowering = lower_all(graph, c, cluster=cluster)
-    dims = {**dict(graph.meta[CAPTURE].dims), "batch": c.micro_batch_size}
+    # the lowered whole graph's dims: with context parallelism its sequence is one cp rank's
+    dims = {**dict(lowering.graph.meta[CAPTURE].dims), "batch": c.micro_batch_size}
     batch_bytes = global_batch_bytes(graph, c.global_batch if global_batch is None else global_batch)
     out: dict[int, MemoryPrediction] = {}
     for s in range(c.pp):

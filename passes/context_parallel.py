@@ -128,12 +128,61 @@ def apply_context_parallel(gm: fx.GraphModule, ctx: Any = None, *, degree: int, 
     graph.lint()
     graph._tracer_cls, graph._tracer_extras = None, {}  # a plain program (picklable), as the tp rewrite leaves it
     out = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    _carry_attributes(gm, out)
     out.meta.update({k: v for k, v in gm.meta.items() if k not in _STALE_GRAPH})
     out.meta[CAPTURE] = _local_capture(info, seq_dim, degree)
     out.meta[CONTEXT_PARALLEL] = ContextParallelPlan(
         mode=mode, degree=degree, group=group, seq_dim=seq_dim, seq_len=dims[seq_dim],
         sharded_inputs=tuple(rw.sharded), attention=rw.attention, positions=rw.positions, losses=rw.losses)
     return out
+
+
+def context_parallel_problems(gm: fx.GraphModule, *, seq_dim: str = "seq") -> list[str]:
+    """Why ``apply_context_parallel`` cannot rewrite ``gm`` at any degree (empty: it can): no
+    symbolic sequence dim named ``seq_dim``, no attention, attention with an explicit mask or with
+    dropout. What the planner asks before it offers cp > 1 (divisibility by a degree is the
+    config's and the rewrite's to check)."""
+    info: CaptureInfo | None = gm.meta.get(CAPTURE)
+    if info is None:
+        return ["the graph has no capture info (gm.meta['capture'])"]
+    out = []
+    if seq_dim not in dict(info.dims):
+        out.append(f"the model's inputs name no {seq_dim!r} dim")
+    elif seq_dim not in info.symbolic:
+        out.append(f"the {seq_dim!r} dim was captured specialized, not symbolic")
+    attention = [n for n in gm.graph.nodes if n.target is _SDPA]
+    if not attention:
+        out.append("the graph has no scaled_dot_product_attention to exchange the sequence in")
+    for node in attention:
+        a = _sdpa_args(node)
+        if a["attn_mask"] is not None:
+            out.append(f"attention {node.name!r} has an explicit attn_mask (only is_causal=True or no mask is cut)")
+        if a["dropout_p"]:
+            out.append(f"attention {node.name!r} has dropout_p={a['dropout_p']} (context-parallel attention has none)")
+    return out
+
+
+def _sdpa_args(node: fx.Node) -> dict[str, Any]:
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+    return {**dict(zip(names, (None, None, None, None, 0.0, False))), **dict(zip(names, node.args)), **node.kwargs}
+
+
+def _carry_attributes(gm: fx.GraphModule, out: fx.GraphModule) -> None:
+    """Give ``out`` every parameter and buffer of ``gm`` under every name, shared: a GraphModule
+    built from a graph copies only what its ``get_attr`` nodes read, and export reads a tied weight
+    under one of its names (``lm_head.weight``), while the pipeline split names each stage's copy
+    by the module that uses it (``wte.weight`` on the first stage)."""
+    for kind, named in (("parameter", gm.named_parameters(remove_duplicate=False)),
+                        ("buffer", gm.named_buffers(remove_duplicate=False))):
+        for name, t in named:
+            *path, leaf = name.split(".")
+            parent = out
+            for part in path:
+                if not hasattr(parent, part):
+                    parent.add_module(part, torch.nn.Module())
+                parent = getattr(parent, part)
+            if not hasattr(parent, leaf):
+                getattr(parent, f"register_{kind}")(leaf, t)
 
 
 def _local_capture(info: CaptureInfo, seq_dim: str, degree: int) -> CaptureInfo:
@@ -216,8 +265,7 @@ class _Rewriter:
 
     # --- attention ------------------------------------------------------------------------------------
     def _attention(self, node: fx.Node) -> None:
-        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
-        a = {**dict(zip(names, (None, None, None, None, 0.0, False))), **dict(zip(names, node.args)), **node.kwargs}
+        a = _sdpa_args(node)
         if a["attn_mask"] is not None:
             raise PassError(f"apply_context_parallel: attention {node.name!r} has an explicit attn_mask, which "
                             f"context parallelism cannot cut; use is_causal=True or no mask")

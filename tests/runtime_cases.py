@@ -36,7 +36,7 @@ MODELS = {
     "gpt-cp": "gpt:layers=4,hidden=32,heads=4,vocab=64,seq=16,dropout=0.0",
     "llama-cp": "llama:layers=4,hidden=32,heads=4,kv_heads=2,vocab=64,seq=16",
 }
-LAYERS, HEADS = 4, 2  # of the first two models above (what the property test draws from)
+LAYERS, HEADS, SEQ = 4, 2, 8  # of the first two models above (what the property test draws from)
 WORLD, STEPS = 8, 3
 # eps=1e-6, not AdamW's 1e-8: the attention key bias has a gradient that is zero in exact arithmetic
 # and ~1e-10 of rounding noise in practice, which eps=1e-8 turns into order-dependent updates.

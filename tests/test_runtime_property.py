@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from runtime.launch import spawn
-from tests.runtime_cases import HEADS, LAYERS, WORLD, Plan, check_plan, payloads_for, train_plans
+from tests.runtime_cases import HEADS, LAYERS, SEQ, WORLD, Plan, check_plan, payloads_for, train_plans
 
 pytestmark = pytest.mark.slow  # one spawn of 8 gloo ranks, each lowering every plan it is part of
 
@@ -38,7 +38,6 @@ def plans(draw, models=("gpt", "hf-gpt2"), max_ranks: int = WORLD) -> Plan:
     size = draw(st.sampled_from([s for s in (1, 2, 4, 8) if s <= max_ranks]))
     tp = draw(st.sampled_from([t for t in (1, 2, 4, 8) if HEADS % t == 0 and size % t == 0]))
     pp = draw(st.sampled_from([p for p in (1, 2, 4, 8) if (size // tp) % p == 0 and p <= LAYERS]))
-    dp = size // (tp * pp)
     interleavable = LAYERS % (pp * 2) == 0
     schedule = draw(st.sampled_from(["gpipe", "1f1b"] + (["interleaved"] if interleavable else [])
                                     + (["zb1p"] if pp > 1 else []) + (["zbv"] if pp > 1 and interleavable else [])))
@@ -48,16 +47,29 @@ def plans(draw, models=("gpt", "hf-gpt2"), max_ranks: int = WORLD) -> Plan:
     # checkpointing + offload together: a fixed case in test_runtime_tp_parity.py
     memory = [("none", "none"), ("full", "none"), ("none", "activations")]
     ckpt, offload = draw(st.sampled_from(memory))
+    split_full = schedule in ("zb1p", "zbv") and ckpt == "full"
+    if split_full and tp > 1:  # refused by the config: the split backward of a recomputed block with tp collectives
+        ckpt, offload = "none", "none"
+        split_full = False
+    # context parallelism: not with tp (refused by the config), not on HF GPT-2 (its attention
+    # takes an explicit mask, which the rewrite refuses), not with the split backward of a fully
+    # recomputed block (refused by the config); the sequence (8) cut in 2 * cp chunks
+    cps = [c for c in (1, 2, 4) if (size // (tp * pp)) % c == 0 and SEQ % (2 * c) == 0] \
+        if tp == 1 and model == "gpt" and not split_full else [1]
+    cp = draw(st.sampled_from(cps))
+    cp_mode = draw(st.sampled_from(["ring"] + (["ulysses"] if HEADS % cp == 0 else []))) if cp > 1 else "ring"
+    dp = size // (tp * pp * cp)
     # ZeRO-3 runs neither the split backward of the zero-bubble schedules nor activation offload
     zero3 = [3] if schedule not in ("zb1p", "zbv") and offload == "none" else []
-    zero = draw(st.sampled_from([0, 1, 2, *zero3] if dp > 1 else [0]))
+    zero = draw(st.sampled_from([0, 1, 2, *zero3] if dp * cp > 1 else [0]))
     # HSDP: ZeRO-3 sharded inside groups of dp ranks, replicated across them
-    hsdp = draw(st.sampled_from([None, *[s for s in (2, 4) if s < dp and dp % s == 0]])) if zero == 3 else None
+    hsdp = draw(st.sampled_from([None, *[s for s in (2, 4) if s < dp and dp % s == 0]])) \
+        if zero == 3 and cp == 1 else None
     # ZeRO-3's gathered parameters freed after forward (gathered again in backward) or kept for it
     reshard = draw(st.booleans()) if zero == 3 else True
     return Plan(model=model, dp=dp, tp=tp, pp=pp, schedule=schedule, virtual_pp=v, num_micro_batches=m,
                 global_batch=dp * m * per_micro_batch, zero=zero, checkpointing=ckpt, offload=offload, hsdp=hsdp,
-                reshard=reshard)
+                reshard=reshard, cp=cp, cp_mode=cp_mode)
 
 
 def draw_plans(strategy, n: int, *, seed_value: int, pool_size: int = 200) -> list[Plan]:
@@ -93,7 +105,8 @@ def draw_plans(strategy, n: int, *, seed_value: int, pool_size: int = 200) -> li
 def _features(plan: Plan) -> set:
     single = {"model": plan.model, "size": plan.size, "tp": plan.tp > 1, "pp": plan.pp > 1, "dp": plan.dp > 1,
               "schedule": plan.schedule, "zero": plan.zero, "memory": (plan.checkpointing, plan.offload),
-              "hsdp": plan.hsdp is not None, "keep": not plan.reshard}
+              "hsdp": plan.hsdp is not None, "keep": not plan.reshard,
+              "cp": plan.cp_mode if plan.cp > 1 else None}
     items = sorted(single.items(), key=lambda kv: kv[0])
     pairs = {(a, b) for i, a in enumerate(items) for b in items[i + 1:] if a[0] != "size" and b[0] != "size"}
     return set(items) | pairs
@@ -101,7 +114,8 @@ def _features(plan: Plan) -> set:
 
 SEED = int(os.environ.get("RUNTIME_PROPERTY_SEED", "0"))
 N_DRAWN = int(os.environ.get("RUNTIME_PROPERTY_N", "8"))
-DRAWN = draw_plans(plans(), N_DRAWN, seed_value=SEED)
+POOL = int(os.environ.get("RUNTIME_PROPERTY_POOL", "400"))  # with cp in the draw, 200 held no HSDP plan
+DRAWN = draw_plans(plans(), N_DRAWN, seed_value=SEED, pool_size=POOL)
 
 # HF GPT-2 through the pipeline with 1F1B: dp only, pp 2 and 4, dp x pp, and all three axes.
 HF_PIPELINE = [Plan(model="hf-gpt2", dp=dp, tp=tp, pp=pp, schedule="1f1b", virtual_pp=1,
@@ -141,12 +155,12 @@ def test_draw_covers_every_axis_and_option():
         "model": {p.model for p in DRAWN}, "tp>1": {p.tp > 1 for p in DRAWN}, "pp>1": {p.pp > 1 for p in DRAWN},
         "dp>1": {p.dp > 1 for p in DRAWN}, "schedule": {p.schedule for p in DRAWN}, "zero": {p.zero for p in DRAWN},
         "memory": {(p.checkpointing, p.offload) for p in DRAWN}, "hsdp": {p.hsdp is not None for p in DRAWN},
-        "keep": {not p.reshard for p in DRAWN},
+        "keep": {not p.reshard for p in DRAWN}, "cp": {p.cp_mode if p.cp > 1 else None for p in DRAWN},
     }
     want = {"model": {"gpt", "hf-gpt2"}, "tp>1": {True, False}, "pp>1": {True, False}, "dp>1": {True, False},
             "schedule": {"gpipe", "1f1b", "interleaved", "zb1p", "zbv"}, "zero": {0, 1, 2, 3},
             "memory": {("none", "none"), ("full", "none"), ("none", "activations")}, "hsdp": {True, False},
-            "keep": {True, False}}
+            "keep": {True, False}, "cp": {None, "ring", "ulysses"}}
     assert seen == want, [p.id for p in DRAWN]
     assert len(DRAWN) == len(set(DRAWN)) == N_DRAWN
     assert all(p.size in (1, 2, 4, 8) and 2 % p.tp == 0 and p.global_batch % (p.dp * p.num_micro_batches) == 0

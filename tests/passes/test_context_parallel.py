@@ -19,7 +19,7 @@ import runtime.kernels.collectives as tpc
 from partitioner.model_spec import build_model
 from passes.annotate_shapes import annotate_shapes
 from passes.capture import capture_model, capture_spec
-from passes.context_parallel import apply_context_parallel
+from passes.context_parallel import apply_context_parallel, context_parallel_problems
 from passes.ir.cp_ops import (
     CONTEXT_PARALLEL,
     load_balanced_chunks,
@@ -243,3 +243,15 @@ def test_position_buffer_rows_are_the_true_positions():
     out = apply_context_parallel(gm, degree=2, group="cp")
     assert out.meta[CONTEXT_PARALLEL].positions == 1 and _count(out, aten.index_select.default) == 1
     _check_against_one_device(gm, inputs, _run_cp(gm, inputs, degree=2, mode="ring", prefix="cp-table"))
+
+
+def test_problems_name_what_the_rewrite_cannot_cut(captured):
+    gm, _ = captured["gpt"]
+    assert context_parallel_problems(gm) == []
+    static = capture_spec(build_model(SPECS["gpt"], device="meta"), symbolic=("batch",))
+    assert context_parallel_problems(static) == ["the 'seq' dim was captured specialized, not symbolic"]
+    masked = capture_model(_Masked(), inputs=(InputSpec(name="idx", shape=("batch", "seq"), dtype=torch.long,
+                                                        high=16),), dims={"batch": 2, "seq": 8},
+                           symbolic=("batch", "seq"))
+    (problem,) = context_parallel_problems(masked)
+    assert "explicit attn_mask" in problem

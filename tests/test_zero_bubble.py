@@ -13,8 +13,7 @@ import time
 import pytest
 
 from runtime.launch import spawn
-from tests.runtime_cases import Plan, payloads_for, train_plans
-from tests.test_runtime_property import _check
+from tests.runtime_cases import Plan, check_plan, payloads_for, train_plans
 
 
 def _plan(model, dp, pp, schedule, m, *, zero=0, ckpt="none", offload="none", batch=None) -> Plan:
@@ -47,4 +46,4 @@ def distributed():
 
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.id)
 def test_zero_bubble_plan_trains_like_one_device(distributed, plan):
-    _check(plan, distributed)
+    check_plan(plan, distributed)

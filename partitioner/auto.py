@@ -92,13 +92,13 @@ def choose_plan(model: str | ModelSpec, cluster: Cluster, *, world_size: int, gl
     """
 
     pinned = check_fix(fix, where="choose_plan: fix")
-    axes = {k: int(pinned[k]) for k in ("dp", "tp", "pp") if k in pinned}
-    ranks = axes.get("dp", 1) * axes.get("tp", 1) * axes.get("pp", 1)
-    if axes and (world_size % ranks or (len(axes) == 3 and ranks != world_size)):
+    axes = {k: int(pinned[k]) for k in ("dp", "tp", "pp", "cp") if k in pinned}
+    ranks = axes.get("dp", 1) * axes.get("tp", 1) * axes.get("pp", 1) * axes.get("cp", 1)
+    if axes and (world_size % ranks or (len(axes) == 4 and ranks != world_size)):
         raise ConfigError(
-            f"plan needs {ranks} ranks (dp={axes.get('dp', 1)} tp={axes.get('tp', 1)} pp={axes.get('pp', 1)}) "
-            f"but the job has {world_size}; fix pins them: launch {ranks} processes (torchrun --nproc-per-node "
-            f"{ranks}) or change fix so that dp*tp*pp = {world_size}")
+            f"plan needs {ranks} ranks (dp={axes.get('dp', 1)} tp={axes.get('tp', 1)} pp={axes.get('pp', 1)} "
+            f"cp={axes.get('cp', 1)}) but the job has {world_size}; fix pins them: launch {ranks} processes "
+            f"(torchrun --nproc-per-node {ranks}) or change fix so that dp*cp*tp*pp = {world_size}")
     if profile is None:
         profile = (profile_model(model, dtype=dtype, optimizer=optimizer) if isinstance(model, str)
                    else profile_spec(meta_copy(model), dtype=dtype, optimizer=optimizer))
@@ -109,10 +109,11 @@ def choose_plan(model: str | ModelSpec, cluster: Cluster, *, world_size: int, gl
 
 
 def check_world_size(plan: Plan, world_size: int) -> None:
-    """Refuse a plan whose ``dp * tp * pp`` is not the job's number of ranks."""
+    """Refuse a plan whose ``dp * cp * tp * pp`` is not the job's number of ranks."""
     if plan.world_size != world_size:
         raise ConfigError(
-            f"plan needs {plan.world_size} ranks (dp={plan.dp} tp={plan.tp} pp={plan.pp}) but the job has "
+            f"plan needs {plan.world_size} ranks (dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.config.cp}) but the "
+            f"job has "
             f"{world_size}; launch {plan.world_size} processes (torchrun --nproc-per-node {plan.world_size}) or "
             f"plan for {world_size} devices (cluster=Cluster.local({world_size}), or fix knobs whose product is "
             f"{world_size})")

@@ -9,6 +9,8 @@ combines these primitives with the facts the analysis passes wrote.
   :func:`all_to_all_time`, :func:`send_recv_time`.
 * Compute: :func:`compute_time` (with an :class:`EfficiencyCurve`), :func:`memory_bound_time`,
   :func:`roofline_time`.
+* Context parallelism: :func:`ring_attention_pairs`, :func:`ring_exposed_time`,
+  :func:`ulysses_all_to_all_time`.
 * Pipelines: :func:`bubble_fraction`, :func:`pipeline_bubble_time`, :func:`pipeline_step_time`,
   :func:`in_flight_microbatches`.
 * Model state under ZeRO: :func:`model_state_bytes`.
@@ -263,6 +265,38 @@ def roofline_time(flops: float, bytes_moved: float, device: Device, dtype: str =
 
 
 # ---------------------------------------------------------------------------------------------
+# Context parallelism (passes/context_parallel.py, runtime/kernels/context_parallel.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def ring_attention_pairs(cp: int, causal: bool) -> int:
+    """(query chunk, key chunk) blocks one rank computes in ring attention over ``cp`` ranks, under
+    the load-balanced layout (``2·cp`` chunks, rank r holds r and 2cp−1−r): ``2·cp + 1`` for a
+    causal mask (2 per received block plus 3 of its own: two masked diagonals and one whole,
+    pairs above the diagonal skipped), ``4·cp`` without one. The same on every rank."""
+    if cp < 1:
+        raise ConfigError(f"ring attention needs cp >= 1, got {cp}")
+    return 2 * cp + 1 if causal else 4 * cp
+
+
+def ring_exposed_time(message_bytes: float, steps: int, link: Link, compute_per_step: float = 0.0) -> float:
+    """Seconds of ``steps`` ring steps that compute does not hide: each step every rank sends one
+    ``message_bytes`` block to the next rank (α + bytes/β) while ``compute_per_step`` seconds of
+    work on the block it holds run, so a step costs ``max(compute, comm)`` and its exposed part is
+    ``max(0, comm − compute)``. ``compute_per_step=0``: nothing hides it (a step waited at once)."""
+    if steps <= 0:
+        return 0.0
+    return steps * max(0.0, send_recv_time(message_bytes, link) - compute_per_step)
+
+
+def ulysses_all_to_all_time(tensor_bytes: Sequence[float], cp: int, link: Link) -> float:
+    """Seconds of Ulysses' all-to-alls over ``cp`` ranks, one per tensor of ``tensor_bytes`` bytes
+    on each rank (q, k, v before attention, its output after; as many in backward): each moves
+    ``(cp−1)/cp`` of its tensor (:func:`all_to_all_time`)."""
+    return sum(all_to_all_time(b, cp, link) for b in tensor_bytes)
+
+
+# ---------------------------------------------------------------------------------------------
 # Pipelines
 # ---------------------------------------------------------------------------------------------
 
@@ -360,10 +394,16 @@ def in_flight_chunks(schedule: str, stage: int, p: int, m: int, v: int = 1) -> i
     return min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
 
 
-@functools.lru_cache(maxsize=1024)
 def _zero_bubble_in_flight(schedule: str, stage: int, p: int, m: int, v: int) -> int:
-    # Read off the action list: a micro-batch's graph lives from its F until its W.
-    return peak_in_flight(build(schedule, p, m, v), stage)
+    return _zero_bubble_peaks(schedule, p, m, v)[stage]
+
+
+@functools.lru_cache(maxsize=1024)
+def _zero_bubble_peaks(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]:
+    # Read off the action list: a micro-batch's graph lives from its F until its W. One build
+    # (which also validates the schedule, the costly part) serves every stage.
+    actions = build(schedule, p, m, v)
+    return tuple(peak_in_flight(actions, stage) for stage in range(p))
 
 
 def in_flight_microbatches(schedule: str, stage: int, p: int, m: int, v: int = 1) -> float:
@@ -448,6 +488,10 @@ class StepTimeTerms:
     """Forward and backward kernels of one rank, all micro-batches."""
     tp_comm: float = 0.0
     """Tensor-parallel collectives (all-reduce / all-gather / reduce-scatter of activations)."""
+    cp_comm: float = 0.0
+    """Context-parallel exchanges that compute does not hide: ring attention's K/V blocks (forward
+    and backward) and its dK/dV blocks (backward), or Ulysses' all-to-alls, and the loss's
+    all-reduces over the cp group."""
     pp_comm: float = 0.0
     """Pipeline send/recv of activations and their gradients between stages."""
     dp_comm: float = 0.0

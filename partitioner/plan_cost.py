@@ -61,6 +61,23 @@ buckets for dp, send/recv buffers for pp, one all-reduce buffer for tp). Activat
   and the reloads, each prefetched while the layers after it run backward, behind its backward
   (and recompute): only what is longer is charged.
 
+Context parallelism (``cp > 1``, tp = 1; :mod:`passes.context_parallel`): every activation holds
+``b·S/cp`` tokens, so every per-sample number above counts ``b/cp`` samples — FLOPs (attention's
+too: the load-balanced layout gives each rank 1/cp of them), bytes moved, saved activations,
+the pipeline message — while parameters, gradients and optimizer state are replicated over the
+cp ranks (not divided). Gradients are averaged, and ZeRO shards, over the ``dp·cp`` ranks that
+hold the same parameters (cp innermost: one all-reduce or reduce-scatter over ``dp·cp`` ranks on
+that group's link). Attention's exchanges (``PlanContext._cp_attention``, term ``cp_comm``) go
+over the cp group's link (a node's when the group fits in one; its cross-node share otherwise):
+ring attention sends K/V blocks round the ring ``cp−1`` times per forward and again per backward,
+each step hidden behind the block's compute where it is shorter (``max(compute, comm)`` per
+step), and its fp32 dK/dV blocks ``cp`` times per backward (exposed); the ring kernel computes in
+fp32 (:data:`RING_COMPUTE_DTYPE`) with unfused score blocks, and holds a few fp32 ``[b, H, c, c]``
+score blocks (``c = S/(2·cp)``) while it runs (``buffers``). Ulysses all-to-alls q, k, v and the
+output forward and back in backward, ``(cp−1)/cp`` of each tensor, exposed, and saves the
+head-sharded q, k, v besides. The loss adds two scalar all-reduces over the cp group. Recompute
+(full or selective checkpointing) reruns the exchanges of the forward it repeats.
+
 Stage boundaries (non-interleaved): the chain ``embedding, blocks, head`` is split into ``pp``
 contiguous stages minimising the slowest stage's time subject to each stage's memory limit
 (parametric search over the possible bottleneck times with a greedy feasibility check, which is
@@ -80,6 +97,9 @@ from partitioner.cost_model import (
     all_gather_time,
     all_reduce_time,
     compute_time,
+    ring_attention_pairs,
+    ring_exposed_time,
+    ulysses_all_to_all_time,
     group_link,
     in_flight_microbatches,
     _bubble_slots,
@@ -101,6 +121,39 @@ HOST_MEMORY_BYTES_PER_S = 100e9
 """Usable host-memory bandwidth of one node, shared by its devices: bounds the CPU optimizer step
 and activation offload copies (an assumption; the cluster file has no such field yet)."""
 
+RING_COMPUTE_DTYPE = "fp32"
+"""The dtype ring attention's kernel computes in (``runtime.kernels.context_parallel``: q, K, V
+cast to float32, scores, running log-sum-exp and dK/dV in float32, matmuls without TF32): its
+FLOPs are timed at this peak. A fused low-precision ring kernel would make it the training dtype."""
+RING_SCORE_PASSES_FWD = 9
+"""fp32 score-block passes per (query, key) chunk pair in the ring's forward: the QKᵀ output, the
+scale (read+write), logsumexp (read), ``s - lse`` and ``exp`` (read+write each), PV's read."""
+RING_SCORE_PASSES_BWD = 16
+"""As :data:`RING_SCORE_PASSES_FWD` in backward: the scores again (1 + 2 + 2 + 2), ``dO·Vᵀ``
+written, ``p·(dP − δ)`` (3), and the reads of pᵀ·dO, dS·K and dSᵀ·Q (3)."""
+RING_OPS_PER_PAIR_FWD, RING_OPS_PER_STEP_FWD = 10, 6
+RING_OPS_PER_PAIR_BWD, RING_OPS_PER_STEP_BWD = 16, 12
+"""Dispatched ops of the ring kernel per chunk pair and per ring step (framework overhead)."""
+RING_WORKING_BLOCKS = 4
+"""fp32 ``[b, H, c, c]`` score blocks alive at once in the ring's backward (p, dP, dS, a temporary)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _CpAttention:
+    """What context parallelism adds to one layer, one micro-batch, one device (zeros without it)."""
+
+    fwd: float = 0.0
+    """Compute seconds added to the forward (ring: its fp32 kernel minus the SDPA it replaces)."""
+    bwd: float = 0.0
+    comm_fwd: float = 0.0
+    """Exposed exchange seconds in forward (K/V ring steps or all-to-alls; the loss's all-reduces)."""
+    comm_bwd: float = 0.0
+    saved_bytes: float = 0.0
+    """Saved activations beyond the profile's (Ulysses: the head-sharded q, k, v)."""
+    working_bytes: float = 0.0
+    recompute: float = 0.0
+    """Seconds to rerun the attention core's cp part (selective checkpointing): compute and exchanges."""
+
 
 @dataclass(frozen=True, slots=True)
 class _LayerCost:
@@ -116,10 +169,15 @@ class _LayerCost:
     """Saved activations without checkpointing (the working set while recomputing)."""
     params: float
     """Parameters on one device (tp-sharded)."""
+    cp_comm: float = 0.0
+    """Context-parallel exchanges not hidden by compute, forward and backward (:class:`_CpAttention`)."""
+    working_bytes: float = 0.0
+    """Transient bytes of the layer's context-parallel attention while it runs (received blocks,
+    fp32 score blocks): held once per device, not per micro-batch."""
 
     @property
     def time(self) -> float:
-        return self.fwd + self.bwd + self.tp_comm + self.recompute
+        return self.fwd + self.bwd + self.tp_comm + self.recompute + self.cp_comm
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,21 +217,38 @@ class PlanContext:
         return self._links[key]
 
     def pp_link(self, c: ParallelConfig):
-        return self.link(2, c.dp * c.tp)
+        return self.link(2, c.dp_cp * c.tp)
+
+    def cp_links(self, cp: int, tp: int):
+        """(collective link, ring-step link) of a cp group: ``cp`` consecutive ranks (stride
+        ``tp``). The ring's point-to-point step is as slow as its slowest hop: inside a node the
+        node's link; across nodes one device's share of the node's NICs (a pair on two nodes)."""
+        group = self.link(cp, tp)
+        one_node = self.cluster.node_of(0) == self.cluster.node_of((cp - 1) * tp)
+        return group, (group if one_node else self.link(2, self.cluster.devices_per_node))
 
     def layer_costs(self, c: ParallelConfig) -> tuple[_LayerCost, _LayerCost, _LayerCost]:
-        """Costs of (embedding, a block, head) for ``c``'s tp, micro-batch, sp, checkpointing."""
-        key = (c.tp, c.micro_batch_size, c.sequence_parallel, c.checkpointing, c.split_backward)
+        """Costs of (embedding, a block, head) for ``c``'s tp, micro-batch, sp, checkpointing, cp."""
+        cp = (c.cp, c.cp_mode if c.cp > 1 else "ring")
+        key = (c.tp, c.micro_batch_size, c.sequence_parallel, c.checkpointing, c.split_backward, *cp)
         if key not in self._costs:
             p = self.profile
             # checkpoint regions are blocks (passes.lower): embedding and head keep theirs
-            ends = (c.tp, c.micro_batch_size, c.sequence_parallel, "none", c.split_backward)
+            ends = (c.tp, c.micro_batch_size, c.sequence_parallel, "none", c.split_backward, *cp)
             self._costs[key] = (self._layer_cost(p.embedding, *ends), self._layer_cost(p.blocks[0], *key),
-                                self._layer_cost(p.head, *ends))
+                                self._layer_cost(p.head, *ends, loss=True))
         return self._costs[key]
 
-    def _layer_cost(self, layer: LayerProfile, tp: int, b: int, sp: bool, ckpt: str, split: bool = False) -> _LayerCost:
+    def _layer_cost(self, layer: LayerProfile, tp: int, mbs: int, sp: bool, ckpt: str, split: bool = False,
+                    cp: int = 1, mode: str = "ring", *, loss: bool = False) -> _LayerCost:
         dev = self.cluster.device
+        # Context parallelism cuts every activation's sequence over cp ranks: a rank holds
+        # mbs·S/cp tokens, so every per-sample number of the profile (FLOPs, bytes moved, saved
+        # activations, the boundary tensor) counts ``mbs / cp`` samples. This holds for the
+        # attention too: its FLOPs are quadratic in S, and the load-balanced layout gives each
+        # rank 1/cp of them (mbs·S/cp queries against S keys). What cp changes beyond that is
+        # the attention kernel and its exchanges (:meth:`_cp_attention`).
+        b = mbs / cp
         fwd, bwd = self._matmul_times(layer, tp, b)
         mem_fwd = memory_bound_time(self._memory_bound_bytes(layer, tp, b, sp), dev)
         # an elementwise op's backward reads the output gradient and its saved input and writes
@@ -192,16 +267,96 @@ class PlanContext:
         fwd_comm = layer.tp_all_reduces * one
         repl = layer.replicated_activation_bytes / (tp if sp else 1)
         full = (repl + (layer.activation_bytes - layer.replicated_activation_bytes) / tp) * b
+        cpa = _CpAttention()
+        if cp > 1 and self.profile.attention is not None and any(k.fused_attention for k in layer.kernels):
+            cpa = self._cp_attention(layer, mbs, cp, mode)
+        elif cp > 1 and loss:  # the mean loss: a sum and a token count, each all-reduced over the cp group
+            cpa = _CpAttention(comm_fwd=2 * all_reduce_time(4.0, cp, self.cp_links(cp, tp)[0]))
+        fwd += cpa.fwd
+        bwd += cpa.bwd
         if ckpt == "full":
             act = layer.boundary_bytes * b / (tp if sp else 1)
-            recompute = fwd + fwd_comm
-        elif ckpt == "selective":
+            recompute = fwd + fwd_comm + cpa.comm_fwd  # the rerun forward exchanges again
+            full += cpa.saved_bytes  # the working set of the block being recomputed
+        elif ckpt == "selective":  # the attention core reruns: its exchanges too, its extra saves are not kept
             act = full - layer.attention_score_bytes * b / tp
-            recompute = self._attention_recompute_time(layer, tp, b)
+            recompute = self._attention_recompute_time(layer, tp, b) + cpa.recompute
         else:
-            act, recompute = full, 0.0
+            act, recompute = full + cpa.saved_bytes, 0.0
+            full = act
         return _LayerCost(fwd=fwd, bwd=bwd, tp_comm=2 * fwd_comm, recompute=recompute, act_bytes=act,
-                          full_act_bytes=full, params=layer.param_count / tp)
+                          full_act_bytes=full, params=layer.param_count / tp, cp_comm=cpa.comm_fwd + cpa.comm_bwd,
+                          working_bytes=cpa.working_bytes)
+
+    def _cp_attention(self, layer: LayerProfile, mbs: int, cp: int, mode: str) -> _CpAttention:
+        """What context parallelism adds to one block's attention (``tp == 1``: cp runs without tp)
+        for a micro-batch of ``mbs`` samples, per rank, over the sites of the block
+        (``AttentionProfile.sites``). The block's SDPA kernels are already costed at ``mbs/cp``
+        samples by the caller (the right FLOPs and bytes for each rank's share).
+
+        **ring** (``runtime.kernels.context_parallel``): the SDPA kernel is replaced by blocks of
+        ``c = S/(2cp)`` queries by ``c`` keys computed in *fp32* (:data:`RING_COMPUTE_DTYPE`) with
+        unfused score ops; its FLOPs are the SDPA kernel's (the profile's count, divided by cp as
+        for every plan, so cp=1, ring and Ulysses compare on one count), timed at the fp32 rate,
+        plus the fp32 score blocks' traffic of the pairs it computes (:func:`ring_attention_pairs`)
+        and its per-op overhead. Forward: ``cp−1`` steps each send this rank's stacked K/V
+        ``[2, b, H_kv, S/cp, D]`` to the next rank while the block it holds is computed (the next
+        block is posted before the current one runs): exposed ``max(0, comm − compute)`` per step.
+        Backward: ``cp−1`` K/V steps again, overlapped likewise, plus ``cp`` steps of the fp32
+        dK/dV blocks, each waited right after the block's compute (exposed whole: the kernel
+        waits for it before the next step). On a host device nothing overlaps.
+
+        **ulysses**: SDPA over the whole sequence with ``H/cp`` heads (the same FLOPs and bytes as
+        the caller's ``mbs/cp`` samples), plus all-to-alls of q, k, v and the output forward and
+        the four back in backward, each moving ``(cp−1)/cp`` of its local tensor, nothing hidden;
+        K and V move with their kv heads when those divide by cp (else repeated to all heads, as
+        the rewrite does). The head-sharded q, k, v that SDPA saves are new storages: saved bytes
+        beyond the profile's."""
+        dev, att, S = self.cluster.device, self.profile.attention, self.profile.seq
+        b, item = mbs / cp, self.itemsize
+        sites, H, D = att.sites, att.heads, att.head_dim
+        link, ring_link = self.cp_links(cp, 1)
+        q_bytes = b * S * H * D * item  # one local [b, H, S/cp, D] tensor on a rank
+        sdpa = [k for k in layer.kernels if k.fused_attention]
+        if mode == "ulysses":
+            kvh = att.kv_heads if att.kv_heads % cp == 0 else H
+            kv_bytes = b * S * kvh * D * item
+            moved = (q_bytes, kv_bytes, kv_bytes, q_bytes)
+            comm = sites * ulysses_all_to_all_time(moved, cp, link)
+            # each exchange also copies its tensor into and out of the [cp, ...] layout
+            copies = memory_bound_time(2 * sum(moved), dev) * sites + op_overhead_time(4 * len(moved) * sites, dev)
+            saved = sites * (q_bytes + 2 * kv_bytes)
+            working = 3 * q_bytes
+            return _CpAttention(fwd=copies, bwd=copies, comm_fwd=comm, comm_bwd=comm, saved_bytes=saved,
+                                working_bytes=working, recompute=copies + comm)
+        kv_bytes = b * S * att.kv_heads * D * item
+        pairs = ring_attention_pairs(cp, att.causal)
+        c = S / (2 * cp)
+        block = mbs * H * c * c * 4  # one fp32 [b, H, c, c] score block
+        sdpa_fwd = sum(self._kernel_time(k.fwd_flops * b, k.bytes * b, k.weight_bytes) for k in sdpa)
+        sdpa_bwd = sum(2 * self._kernel_time(k.bwd_flops * b / 2, k.bytes * b, k.weight_bytes) for k in sdpa if k.bwd_flops)
+        flops_f = sum(k.fwd_flops for k in sdpa) * b
+        flops_b = sum(k.bwd_flops for k in sdpa) * b
+
+        def matmuls(flops: float, n: int) -> float:  # n equal fp32 matmul kernels
+            return n * compute_time(flops / n, dev, RING_COMPUTE_DTYPE, overhead=False) if flops else 0.0
+
+        ring_f = (matmuls(flops_f, 2 * pairs) + memory_bound_time(RING_SCORE_PASSES_FWD * block * pairs, dev)
+                  + op_overhead_time(RING_OPS_PER_PAIR_FWD * pairs + RING_OPS_PER_STEP_FWD * cp, dev))
+        ring_b = (matmuls(flops_b, 5 * pairs) + memory_bound_time(RING_SCORE_PASSES_BWD * block * pairs, dev)
+                  + op_overhead_time(RING_OPS_PER_PAIR_BWD * pairs + RING_OPS_PER_STEP_BWD * cp, dev))
+        kv_msg = 2 * kv_bytes  # K and V stacked: one message per step
+        dkv_msg = kv_msg * 4 / item  # their gradients travel in fp32
+        hide = 0.0 if self.on_host else 1.0
+        comm_f = ring_exposed_time(kv_msg, cp - 1, ring_link, hide * ring_f / cp)
+        comm_b = ring_exposed_time(kv_msg, cp - 1, ring_link, hide * ring_b / cp) + ring_exposed_time(dkv_msg, cp, ring_link)
+        q32, kv32 = q_bytes * 4 / item, kv_bytes * 4 / item
+        # backward's peak: score blocks (p, dP, dS), fp32 q/dO/dq, K/V expanded to all heads and
+        # their per-step gradients, the travelling dK/dV and the one received
+        working = RING_WORKING_BLOCKS * block + 7 * q32 + 4 * kv32
+        return _CpAttention(fwd=sites * (ring_f - sdpa_fwd), bwd=sites * (ring_b - sdpa_bwd), comm_fwd=sites * comm_f,
+                            comm_bwd=sites * comm_b, working_bytes=working,
+                            recompute=sites * (ring_f - sdpa_fwd + comm_f))
 
     def _kernel_time(self, flops: float, act_bytes: float, weight_bytes: float) -> float:
         """Seconds of one matmul-class kernel on one device: the roofline of its FLOPs and bytes
@@ -249,15 +404,16 @@ class PlanContext:
 
 
 def _state_per_param(ctx: PlanContext, c: ParallelConfig) -> tuple[float, float, float]:
-    """Device bytes per (tp-sharded) parameter: (params, grads, optimizer) under ZeRO/offload."""
-    ms = model_state_bytes(1.0, c.shard_degree if c.zero_stage == 3 else c.dp, c.zero_stage, ctx.precision,
+    """Device bytes per (tp-sharded) parameter: (params, grads, optimizer) under ZeRO/offload.
+    ZeRO shards over the ``dp * cp`` ranks that hold the same parameters (cp ranks replicate them)."""
+    ms = model_state_bytes(1.0, c.shard_degree if c.zero_stage == 3 else c.dp_cp, c.zero_stage, ctx.precision,
                            ctx.optimizer)
     opt = 0.0 if c.offload == "optimizer" else ms.optimizer
     if c.zero_stage in (1, 2) and ctx.precision == "fp32" and opt:
-        opt += 4.0 / c.dp  # runtime.grad_sync.ShardedOptimizer steps an fp32 copy of its chunk
+        opt += 4.0 / c.dp_cp  # runtime.grad_sync.ShardedOptimizer steps an fp32 copy of its chunk
     grads = ms.grads
     if c.zero_stage == 2 and ctx.precision != "fp32":
-        grads = 4.0 / c.dp  # the sharded accumulator sums in fp32 (runtime.grad_sync)
+        grads = 4.0 / c.dp_cp  # the sharded accumulator sums in fp32 (runtime.grad_sync)
     # ZeRO-3: the optimizer steps the shards themselves, whose gradients are in the parameters' dtype
     return ms.params, grads, opt
 
@@ -273,16 +429,18 @@ def boundary_message_bytes(ctx: PlanContext, c: ParallelConfig) -> float:
     """Bytes of one pipeline message of one rank (a micro-batch's boundary activations, or
     their gradients): every tp rank sends the whole boundary tensor to its peer of the next
     stage (tensor parallelism replicates it), or under sequence parallelism its sequence chunk
-    (:func:`passes.sequence_parallel.shard_stage_io`)."""
-    return ctx.profile.blocks[0].boundary_bytes * c.micro_batch_size / (c.tp if c.sequence_parallel else 1)
+    (:func:`passes.sequence_parallel.shard_stage_io`). Under context parallelism each cp rank
+    sends its share of the sequence (``1/cp``) to its peer of the next stage."""
+    return ctx.profile.blocks[0].boundary_bytes * c.micro_batch_size / (c.tp if c.sequence_parallel else 1) / c.cp
 
 
 def _buffers(ctx: PlanContext, c: ParallelConfig, grads: float | None = None) -> float:
     """Communication buffers of one device, bytes: pp and tp buffers, plus the dp gradient
-    buckets (``min(2 buckets, grads)`` when the stage's full-size ``grads`` bytes are given)."""
+    buckets (``min(2 buckets, grads)`` when the stage's full-size ``grads`` bytes are given), plus
+    the working set of a block's context-parallel attention (received blocks, fp32 score blocks)."""
     msg = boundary_message_bytes(ctx, c)
-    out = 0.0
-    if c.dp > 1 and grads is not None:
+    out = ctx.layer_costs(c)[1].working_bytes if c.cp > 1 else 0.0
+    if c.dp_cp > 1 and grads is not None:
         out += min(2 * GRAD_BUCKET_BYTES, grads)
     if c.pp > 1:
         out += 4 * msg  # send and receive, forward activations and backward gradients
@@ -340,11 +498,11 @@ def _greedy(ctx: PlanContext, c: ParallelConfig, costs, T: float, limit: float |
         t = grads = 0.0
         taken = 0
         mem = _buffers(ctx, c) + (blk.full_act_bytes if c.checkpointing == "full" else 0.0)
-        bucket = 2 * GRAD_BUCKET_BYTES if c.dp > 1 else 0.0
+        bucket = 2 * GRAD_BUCKET_BYTES if c.dp_cp > 1 else 0.0
         while run < 3:
             cost, _, extra = runs[run]
             w = (cost.params + extra) * per_param + n_in * cost.act_bytes
-            g = (cost.params + extra) * ctx.itemsize if c.dp > 1 else 0.0  # gradient bucket growth
+            g = (cost.params + extra) * ctx.itemsize if c.dp_cp > 1 else 0.0  # gradient bucket growth
             n = left
             if cost.time > 0:
                 n = min(n, int((T - t + eps) // cost.time)) if math.isfinite(T) else n
@@ -388,7 +546,7 @@ def _stage_numbers(ctx: PlanContext, c: ParallelConfig, costs, ranges: list[tupl
     """Time per micro-batch (fwd, bwd, tp, recompute), params on device, memory breakdown."""
     emb, blk, head = costs
     L, p = ctx.L, c.pp
-    f = b = tpc = rc = params = act = 0.0
+    f = b = tpc = rc = cpc = params = act = 0.0
     shared = ctx.profile.shared_param_count / c.tp
     largest = 0.0  # the most parameters one layer of the stage has (ZeRO-3 gathers a layer at a time)
     kept = 0.0  # parameters of the layers whose backward reads them (the embedding's reads only ids)
@@ -402,6 +560,7 @@ def _stage_numbers(ctx: PlanContext, c: ParallelConfig, costs, ranges: list[tupl
             b += cost.bwd
             tpc += cost.tp_comm
             rc += cost.recompute
+            cpc += cost.cp_comm
             params += cost.params
             act += cost.act_bytes
             if (i == 0 and p > 1) or i == L + 1:
@@ -417,7 +576,7 @@ def _stage_numbers(ctx: PlanContext, c: ParallelConfig, costs, ranges: list[tupl
     if c.zero_stage == 3:  # the gathered full parameters count as communication buffers
         memory["buffers"] += zero3_gathered_bytes(largest, ctx.itemsize,
                                                   kept_params=None if c.reshard_after_forward else kept)
-    return f, b, tpc, rc, params, act, memory
+    return f, b, tpc, rc, cpc, params, act, memory
 
 
 def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str = "device") -> Evaluated:
@@ -429,27 +588,29 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
     if assignment is None:  # how much it would need: the time-balanced split, memory ignored
         assignment = _assignment(ctx, c, costs, None)
     dev = ctx.cluster.device
-    shards = c.shard_degree if c.zero_stage == 3 else c.dp  # ranks the sharded model state is spread over
+    # ranks the sharded model state is spread over: dp x cp hold the same parameters
+    shards = c.shard_degree if c.zero_stage == 3 else c.dp_cp
     ms1 = model_state_bytes(1.0, shards, c.zero_stage, ctx.precision, ctx.optimizer)
     stages, per_stage = [], []
     for s, ranges in enumerate(assignment):
-        f, b, tpc, rc, params, act, memory = _stage_numbers(ctx, c, costs, ranges, s)
-        t_mb = f + b + tpc + rc
-        # data parallel: grads of this stage; the last micro-batch's backward hides part of it
+        f, b, tpc, rc, cpc, params, act, memory = _stage_numbers(ctx, c, costs, ranges, s)
+        t_mb = f + b + tpc + rc + cpc
+        # data parallel: grads of this stage; the last micro-batch's backward hides part of it.
+        # Gradients are averaged over the dp x cp ranks holding the same parameters (cp innermost)
         grads = params * ctx.itemsize
-        link = ctx.link(c.dp, c.tp)
-        rs, ag = reduce_scatter_time(grads, c.dp, link), all_gather_time(grads, c.dp, link)
+        link = ctx.link(c.dp_cp, c.tp)
+        rs, ag = reduce_scatter_time(grads, c.dp_cp, link), all_gather_time(grads, c.dp_cp, link)
         # on a host device (gloo on CPU) the bucket's collective shares the rank's one thread
         # with backward: nothing hides it
         hide = 0.0 if ctx.on_host else b
         if c.zero_stage == 3:
             layers = sum(stop - start for start, stop in ranges)
-            replicas = c.dp // shards  # HSDP: gathers and reduce-scatters inside a shard group, all-reduce across
+            replicas = c.dp_cp // shards  # HSDP: gathers and reduce-scatters inside a shard group, all-reduce across
             dp_exposed = zero3_exposed_time(params * ctx.itemsize, params * 4, c, ctx.link(shards, c.tp), f, b + rc,
                                             ctx.on_host, layers=layers,
                                             replicas=(replicas, ctx.link(replicas, c.tp * shards)))
         elif c.zero_stage == 0:    # one all-reduce after the last micro-batch, hidden behind its backward
-            dp_exposed = max(0.0, all_reduce_time(grads, c.dp, link) - hide)
+            dp_exposed = max(0.0, all_reduce_time(grads, c.dp_cp, link) - hide)
         elif c.zero_stage == 1:  # reduce-scatter hidden likewise; all-gather of new weights after the step
             dp_exposed = max(0.0, rs - hide) + ag
         else:                    # sharded grads: a reduce-scatter per micro-batch, each behind its backward
@@ -483,21 +644,22 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
         stages.append(StagePlan(index=s, layers=tuple(tuple(r) for r in ranges), layer_names=names,
                                 param_bytes=params * ctx.itemsize, peak_memory_bytes=peak, memory=memory,
                                 time_s=t_mb))
-        per_stage.append((t_mb, f + b, tpc, rc, dp_exposed, t_opt, t_off))
+        per_stage.append((t_mb, f + b, tpc, rc, dp_exposed, t_opt, t_off, cpc))
     p, v, m = c.pp, c.virtual_pp, c.num_micro_batches
     slow = max(range(p), key=lambda i: (per_stage[i][0], -i))
     t_max, comp, tpc, rc = per_stage[slow][:4]
+    cpc = per_stage[slow][7]
     t_p2p = 0.0
     if p > 1:
         pp_link = ctx.pp_link(c)
         if ctx.cluster.p2p_latency_s is not None:  # calibrated per-message seconds of pipeline sends
             pp_link = dataclasses.replace(pp_link, latency_s=ctx.cluster.p2p_latency_s)
         t_p2p = send_recv_time(boundary_message_bytes(ctx, c), pp_link)
-    tail = max(range(p), key=lambda i: (sum(per_stage[i][4:]), -i))
+    tail = max(range(p), key=lambda i: (sum(per_stage[i][4:7]), -i))
     terms = StepTimeTerms(
         # a split backward recomputes a checkpointed region for its input half and again for its
         # weight half (runtime.split_backward)
-        compute=m * comp, tp_comm=m * tpc, recompute=m * rc * (2 if c.split_backward else 1),
+        compute=m * comp, tp_comm=m * tpc, cp_comm=m * cpc, recompute=m * rc * (2 if c.split_backward else 1),
         pp_comm=2 * t_p2p * m * v if p > 1 else 0.0,
         bubble=_bubble_slots(c.schedule, p, m, v) * t_max,
         dp_comm=per_stage[tail][4], optimizer=per_stage[tail][5], offload=per_stage[tail][6],
@@ -569,7 +731,7 @@ def _tied_sync_time(ctx: PlanContext, c: ParallelConfig) -> float:
     if c.pp == 1 or not shared:
         return 0.0
     grads = shared / c.tp * ctx.itemsize  # vocab-parallel: each tp rank syncs its shard
-    return all_reduce_time(grads, 2, ctx.link(2, c.dp * c.tp * (c.pp - 1)))
+    return all_reduce_time(grads, 2, ctx.link(2, c.dp_cp * c.tp * (c.pp - 1)))
 
 
 def _framework_time(ctx: PlanContext) -> float:

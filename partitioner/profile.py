@@ -47,6 +47,9 @@ class Kernel:
     attention: bool = False
     """An attention-core kernel (what selective checkpointing recomputes): fused attention, or
     a matmul that makes or consumes the [s, s] scores of an unfused one (QKᵀ, probabilities·V)."""
+    fused_attention: bool = False
+    """A fused attention node (``scaled_dot_product_attention``): the kernel context parallelism
+    replaces (ring attention) or runs on head shards (Ulysses)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +110,25 @@ class LayerProfile:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AttentionProfile:
+    """The attention of one block as context parallelism sees it (:mod:`passes.context_parallel`):
+    what the cp ops move and whether the rewrite can cut this model's sequence at all."""
+
+    sites: int
+    """``scaled_dot_product_attention`` nodes per block (each exchanges over the cp group)."""
+    heads: int
+    """Query heads."""
+    kv_heads: int
+    """Heads of the K and V the cp ops read: the kv heads of grouped-query attention (the rewrite
+    reads the tensor before its ``repeat_kv``), else ``heads``."""
+    head_dim: int
+    causal: bool
+    cp_refusal: str = ""
+    """Why the cp rewrite cannot run on this model (an explicit mask, attention dropout, no
+    ``seq`` dim); empty when it can."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelProfile:
     """The layer chain ``embedding, *blocks, head`` with model facts the planner needs."""
 
@@ -127,6 +149,14 @@ class ModelProfile:
     """Parameters used by both the embedding and the head (tied word embeddings): with several
     pipeline stages the first and the last stage each hold a copy."""
     shared_param_bytes: int = 0
+    attention: AttentionProfile | None = None
+    """The blocks' attention (None: no ``scaled_dot_product_attention`` in a block): what the
+    search needs to offer and price context parallelism."""
+
+    @property
+    def context_parallel(self) -> bool:
+        """Whether the sequence can be cut over cp ranks (:mod:`passes.context_parallel`)."""
+        return self.attention is not None and not self.attention.cp_refusal and self.seq > 0
 
     @property
     def layers(self) -> tuple[LayerProfile, ...]:
@@ -212,7 +242,7 @@ def profile_model(spec: str, *, seq: int | None = None, dtype: str = "bf16",
     analysis = analyze(model, batch=1, seq=seq, dtype=dtype, optimizer=optimizer)
     seq_len = int(analysis.dims.get("seq", 0) or 0)  # 0: a model without a sequence dim (mlp, resnet)
     shared = _shared_params(model.module)
-    embedding, blocks, head, hidden, heads = _chain(analysis.graph, seq_len, shared)
+    embedding, blocks, head, hidden, heads, attention = _chain(analysis.graph, seq_len, shared)
     if len(blocks) != captured:
         raise AnalysisError(f"profile of {small!r}: found {len(blocks)} repeated blocks, expected {captured}")
     if sample_layers is not None and captured < layers:
@@ -228,7 +258,7 @@ def profile_model(spec: str, *, seq: int | None = None, dtype: str = "bf16",
     shared_bytes = sum(b for _, b in shared.values())
     return ModelProfile(model=format_spec(name, {**kwargs, key: layers}), seq=seq_len, dtype=dtype,
                         hidden=hidden, heads=heads, embedding=embedding, blocks=tuple(blocks), head=head,
-                        shared_param_count=shared_count, shared_param_bytes=shared_bytes)
+                        shared_param_count=shared_count, shared_param_bytes=shared_bytes, attention=attention)
 
 
 def _shared_params(module) -> "_SharedMap":
@@ -273,7 +303,45 @@ def _chain(gm: fx.GraphModule, seq: int, shared: _SharedMap, subs: dict | None =
     bnd = layers[stack[0]].boundary_bytes
     emb = replace(layers["embedding"], boundary_bytes=bnd, tp_all_reduces=1)
     head = replace(layers["head"], boundary_bytes=bnd, tp_all_reduces=1)
-    return emb, [layers[g] for g in stack], head, hidden, heads
+    attention = _attention(groups[stack[0]], seq, subs)
+    return emb, [layers[g] for g in stack], head, hidden, heads, attention
+
+
+_SDPA = "aten.scaled_dot_product_attention"
+
+
+def _attention(nodes: list[fx.Node], seq: int, subs: dict | None) -> AttentionProfile | None:
+    """The attention of one block (its ``scaled_dot_product_attention`` nodes; None without one:
+    an unfused attention, matmuls and a softmax, is not what the cp rewrite cuts), and whether
+    :func:`passes.context_parallel.apply_context_parallel` can rewrite it: no explicit mask, no
+    attention dropout, a named ``seq`` dim."""
+    from passes.context_parallel import _repeat_kv_source  # the rewrite's own reading of repeat_kv
+
+    sites = [n for n in nodes if n.op == "call_function" and str(n.target).startswith(_SDPA)]
+    if not sites:
+        return None
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+
+    def args(n: fx.Node) -> dict:
+        return {**dict(zip(names, (None, None, None, None, 0.0, False))), **dict(zip(names, n.args)), **n.kwargs}
+
+    a = args(sites[0])
+    q = a["query"].meta[SHAPE].tensors[0].shape if SHAPE in a["query"].meta else ()
+    dims = [sympy.sympify(d).xreplace(subs) if subs else sympy.sympify(d) for d in q]
+    if len(dims) != 4 or not all(d.is_Integer for d in dims):
+        return None
+    heads, head_dim = int(dims[1]), int(dims[3])
+    k_src, v_src = _repeat_kv_source(a["key"]), _repeat_kv_source(a["value"])
+    kv_heads = k_src[1] if k_src is not None and v_src is not None and k_src[1] == v_src[1] else heads
+    refusal = ""
+    if seq <= 0:
+        refusal = "the model's inputs have no dim named 'seq' to cut"
+    elif any(args(n)["attn_mask"] is not None for n in sites):
+        refusal = "its attention has an explicit attn_mask (context parallelism needs is_causal or no mask)"
+    elif any(args(n)["dropout_p"] for n in sites):
+        refusal = "its attention has dropout (context-parallel attention has none)"
+    return AttentionProfile(sites=len(sites), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                            causal=bool(a["is_causal"]), cp_refusal=refusal)
 
 
 def _heads(gm) -> int:
@@ -369,7 +437,8 @@ def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap, subs: dict | No
         if node_fwd:
             moved, weights = _moved_bytes(n, subs)
             kernels.append(Kernel(fwd_flops=node_fwd, bwd_flops=_int(f.bwd, subs), bytes=moved,
-                                  weight_bytes=weights, attention=_attention_core(n, f.kind, seq, subs)))
+                                  weight_bytes=weights, attention=_attention_core(n, f.kind, seq, subs),
+                                  fused_attention=f.kind == "attention"))
         elif dispatched:  # no matmul work: the kernel is bound by the bytes it moves
             # its parameters (norm scales and shifts) are a few KiB: left out of the per-sample bytes
             moved = _moved_bytes(n, subs)[0]
@@ -408,10 +477,10 @@ def profile_spec(spec: ModelSpec, *, dtype: str = "fp32", optimizer: str = "adam
     analysis = analyze(spec, batch=1, dtype=dtype, optimizer=optimizer)
     seq = int(analysis.dims.get("seq", 0) or 0)
     shared = _shared_params(spec.module)
-    embedding, blocks, head, hidden, heads = _chain(analysis.graph, seq, shared)
+    embedding, blocks, head, hidden, heads, attention = _chain(analysis.graph, seq, shared)
     return ModelProfile(model=spec.name, seq=seq, dtype=dtype, hidden=hidden, heads=heads, embedding=embedding,
                         blocks=tuple(blocks), head=head, shared_param_count=sum(n for n, _ in shared.values()),
-                        shared_param_bytes=sum(b for _, b in shared.values()))
+                        shared_param_bytes=sum(b for _, b in shared.values()), attention=attention)
 
 
 def profile_graph(gm: fx.GraphModule, *, dtype: str = "fp32", name: str | None = None) -> ModelProfile:
@@ -430,8 +499,8 @@ def profile_graph(gm: fx.GraphModule, *, dtype: str = "fp32", name: str | None =
             p = params[present[0]]
             tied[names[0]] = (p.numel(), p.numel() * p.element_size())
     shared = _SharedMap(tied, {n for names in info.tied for n in names})
-    embedding, blocks, head, hidden, heads = _chain(gm, seq, shared, subs)
+    embedding, blocks, head, hidden, heads, attention = _chain(gm, seq, shared, subs)
     return ModelProfile(model=name or info.model, seq=seq, dtype=dtype, hidden=hidden, heads=heads,
                         embedding=embedding, blocks=tuple(blocks), head=head,
                         shared_param_count=sum(n for n, _ in tied.values()),
-                        shared_param_bytes=sum(b for _, b in tied.values()))
+                        shared_param_bytes=sum(b for _, b in tied.values()), attention=attention)

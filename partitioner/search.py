@@ -1,15 +1,21 @@
-"""Plan search: the fastest dp × tp × pp × micro-batching × schedule × ZeRO × checkpointing ×
+"""Plan search: the fastest dp × tp × pp × cp × micro-batching × schedule × ZeRO × checkpointing ×
 offload plan whose every device fits in memory, under the cost model of ``cost_model``.
 
 Rank layout (Megatron order): tensor-parallel ranks are adjacent (``tp`` innermost, so a TP group
-stays in one node when ``tp <= devices_per_node``), then data-parallel, then pipeline stages:
-``rank = stage * dp * tp + dp_rank * tp + tp_rank``.
+stays in one node when ``tp <= devices_per_node``), then context-parallel, then data-parallel,
+then pipeline stages: ``rank = stage * dp * cp * tp + (dp_rank * cp + cp_rank) * tp + tp_rank``.
 
 The cost of one candidate (its stage split, memory and step time) is :mod:`partitioner.plan_cost`;
 the search enumerates and prunes the candidates and returns the best as a :class:`Plan`.
 
 Pruning: tp divides the heads and (unless fixed) divides the devices of a node, so every TP
-group stays inside one node; pp ≤ layers; micro-batch sizes
+group stays inside one node; pp ≤ layers; cp > 1 only with tp = 1, for a model whose attention
+the cp rewrite cuts (:attr:`ModelProfile.context_parallel`), with ``2·cp`` dividing the sequence
+and (unless fixed) the cp group inside one node, Ulysses only when cp divides the heads; a cp > 1
+candidate whose micro-batch divides by cp is left out when its cp = 1 twin (``dp·cp`` replicas of
+``mbs/cp`` samples: the same tokens per rank, kernels and model state, no exchanges) is a
+candidate, so the cp candidates left give a rank a share of the micro-batch that is not whole
+samples (what data parallelism cannot); micro-batch sizes
 are divisors of the per-replica batch up to :data:`MAX_MICRO_BATCH`; interleaved needs
 ``layers % (p·v) == 0`` and ``m % p == 0``. Candidates are evaluated in order of a lower bound on
 their step time (perfect balance, no dp/optimizer cost) and the search stops once that bound
@@ -26,7 +32,7 @@ from partitioner.cost_model import bubble_fraction
 from partitioner.knobs import check_fix, fix_text
 from partitioner.plan_cost import Evaluated, PlanContext, evaluate, lower_bound
 from partitioner.profile import ModelProfile
-from passes.ir.config import CHECKPOINTING, KNOBS, OFFLOAD, SCHEDULES, ZERO_STAGES, ParallelConfig
+from passes.ir.config import CHECKPOINTING, CP_MODES, KNOBS, OFFLOAD, SCHEDULES, ZERO_STAGES, ParallelConfig
 from passes.ir.errors import ConfigError, InfeasiblePlanError
 from passes.ir.plan import Alternative, Plan, Prediction, format_bytes
 
@@ -44,8 +50,8 @@ _OFFLOAD_ORDER = ("none", "optimizer", "activations")  # the tie-break's order: 
 def _key(c: ParallelConfig) -> tuple:
     """Stable tie-break: simpler plans first (less parallelism, no offload, no recompute)."""
     return (_OFFLOAD_ORDER.index(c.offload), CHECKPOINTING.index(c.checkpointing), c.zero_stage,
-            not c.reshard_after_forward, c.sequence_parallel, c.pp, c.tp, SCHEDULES.index(c.schedule), c.virtual_pp,
-            -c.micro_batch_size)
+            not c.reshard_after_forward, c.sequence_parallel, c.pp, c.tp, c.cp, CP_MODES.index(c.cp_mode),
+            SCHEDULES.index(c.schedule), c.virtual_pp, -c.micro_batch_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,10 +78,14 @@ class _Refusals:
         return [text for text, _ in order[:n]]
 
 
-def _pinned_problems(fix: dict, world: int, L: int, heads: int, global_batch: int) -> list[str]:
+def _pinned_problems(fix: dict, world: int, L: int, heads: int, global_batch: int,
+                     profile: ModelProfile | None = None) -> list[str]:
     """The rules that pinned knobs break whatever the other knobs are (each names the rule and the values)."""
     out = []
     dp, tp, pp, v = fix.get("dp"), fix.get("tp"), fix.get("pp"), fix.get("virtual_pp")
+    cp = fix.get("cp")
+    if cp is not None and cp > 1:
+        out += _cp_problems(fix, profile, cp)
     sched, m, mbs = fix.get("schedule"), fix.get("num_micro_batches"), fix.get("micro_batch_size")
     if pp is not None and pp > L:
         out.append(f"pp={pp} needs at least {pp} blocks, the model has {L}; use pp <= {L}")
@@ -85,11 +95,17 @@ def _pinned_problems(fix: dict, world: int, L: int, heads: int, global_batch: in
     if tp is not None and heads and heads % tp:
         out.append(f"tp={tp} must divide the model's {heads} attention heads; use tp among "
                    f"{', '.join(map(str, _divisors(heads)))}")
-    axes = {k: fix[k] for k in ("tp", "pp", "dp") if k in fix}
+    axes = {k: fix[k] for k in ("tp", "pp", "dp", "cp") if k in fix}
     used = 1
     for value in axes.values():
         used *= value
-    if len(axes) == 3 and used != world:
+    # dp, tp and pp pinned leave cp the rest of the devices: refused here when cp cannot take them
+    rest_to_cp = (cp is None and (tp or 1) == 1 and profile is not None and profile.context_parallel
+                  and world % used == 0)
+    if len(axes) == 4 and used != world:
+        out.append(f"dp*cp*tp*pp = {dp}*{cp}*{tp}*{pp} = {used} but the cluster has {world} devices; choose knobs "
+                   f"whose product is {world}")
+    elif len(axes) == 3 and cp is None and used != world and not rest_to_cp:
         out.append(f"dp*tp*pp = {dp}*{tp}*{pp} = {used} but the cluster has {world} devices; choose knobs whose "
                    f"product is {world}")
     elif axes and used > world:
@@ -97,7 +113,7 @@ def _pinned_problems(fix: dict, world: int, L: int, heads: int, global_batch: in
                    f"{world}; pin fewer or smaller axes")
     elif axes and world % used:
         out.append(f"{' with '.join(f'{k}={x}' for k, x in axes.items())} uses {used} devices, which does not divide "
-                   f"the cluster's {world}; the devices must split evenly into dp*tp*pp")
+                   f"the cluster's {world}; the devices must split evenly into dp*cp*tp*pp")
     if dp is not None and global_batch % dp:
         out.append(f"dp={dp} does not divide the global batch {global_batch}; use a global batch that is a "
                    f"multiple of {dp}")
@@ -135,14 +151,16 @@ def _pinned_problems(fix: dict, world: int, L: int, heads: int, global_batch: in
     return out
 
 
-def _zero_options(opts, dp: int, tp: int, devices_per_node: int) -> list[tuple[int, int | None, bool]]:
+def _zero_options(opts, dp: int, tp: int, devices_per_node: int, cp: int = 1) -> list[tuple[int, int | None, bool]]:
     """The (zero_stage, hsdp_shard, reshard_after_forward) triples tried for ``dp`` replicas of
-    ``tp`` ranks: ZeRO 0-3; under ZeRO-3, HSDP with a shard group of one node's dp ranks when dp
-    spans several nodes, and the gathered parameters freed after forward or kept for backward."""
+    ``tp`` ranks, each replica ``cp`` context-parallel ranks: ZeRO 0-3 (sharded over the dp * cp
+    ranks that hold the same parameters); under ZeRO-3, HSDP with a shard group of one node's dp
+    ranks when dp spans several nodes (not with cp, which HSDP does not lay out yet), and the
+    gathered parameters freed after forward or kept for backward."""
     out = []
     node = devices_per_node // tp if tp <= devices_per_node else 0
-    for zero in opts("zero_stage", [0, 1, 2, 3] if dp > 1 else [0]):
-        shards = [None] + ([node] if zero == 3 and 1 < node < dp and dp % node == 0 else [])
+    for zero in opts("zero_stage", [0, 1, 2, 3] if dp * cp > 1 else [0]):
+        shards = [None] + ([node] if zero == 3 and cp == 1 and 1 < node < dp and dp % node == 0 else [])
         reshard = opts("reshard_after_forward", [True, False] if zero == 3 else [True])
         out += [(zero, h, r) for h in opts("hsdp_shard", shards) for r in reshard]
     return out
@@ -175,6 +193,63 @@ def _schedules(fix: dict, pp: int, L: int, m: int, why: _Refusals) -> list[tuple
     return out
 
 
+def _cp_problems(fix: dict, profile: ModelProfile | None, cp: int) -> list[str]:
+    """Why a pinned ``cp > 1`` cannot run on this model or with the other pinned knobs."""
+    out = []
+    if profile is not None and not profile.context_parallel:
+        why = (profile.attention.cp_refusal if profile.attention is not None and profile.attention.cp_refusal
+               else "its blocks have no scaled_dot_product_attention" if profile.seq else
+               "the model's inputs have no dim named 'seq' to cut")
+        out.append(f"cp={cp} cuts the sequence over cp ranks, which this model does not allow: {why}; use cp=1")
+        return out
+    if fix.get("tp", 1) > 1:
+        out.append(f"cp={cp} with tp={fix['tp']}: context parallelism does not run with tensor parallelism yet; "
+                   f"use tp=1 with cp > 1, or cp=1")
+    if fix.get("hsdp_shard") is not None:
+        out.append(f"cp={cp} with hsdp_shard={fix['hsdp_shard']}: HSDP's shard groups are not laid out over the "
+                   f"dp x cp ranks yet; use hsdp_shard=none")
+    if profile is not None and profile.seq % (2 * cp):
+        out.append(f"cp={cp} cuts the sequence ({profile.seq} tokens) into 2*cp = {2 * cp} chunks (load-balanced "
+                   f"causal layout); use a cp with 2*cp dividing {profile.seq}")
+    if profile is not None and fix.get("cp_mode") == "ulysses" and profile.heads % cp:
+        out.append(f"cp_mode=ulysses gives each of cp={cp} ranks its share of the {profile.heads} attention heads; "
+                   f"use a cp dividing {profile.heads} or cp_mode=ring")
+    return out
+
+
+def _cp_options(fix: dict, profile: ModelProfile, cluster: Cluster, rest: int, tp: int,
+                why: _Refusals) -> list[int]:
+    """The cp degrees tried when ``rest`` devices are left by tp and pp (dp takes ``rest / cp``).
+
+    Unless pinned: 1, and when the model allows it (a ``seq`` dim, attention the cp rewrite can
+    cut: :attr:`ModelProfile.context_parallel`) and tp is 1, every divisor of ``rest`` whose
+    ``2*cp`` chunks divide the sequence and whose cp group stays inside one node (its ring steps
+    and all-to-alls on the node's link, as tp groups are kept; a pinned cp may span nodes)."""
+    if "cp" in fix:
+        cp = fix["cp"]
+        if rest % cp:
+            why.add(2, f"cp={cp} does not divide the {rest} devices left by tp={tp} and the pipeline")
+            return []
+        return [cp]
+    if tp > 1 or not profile.context_parallel:
+        return [1]
+    return [d for d in _divisors(rest)
+            if d == 1 or (d <= cluster.devices_per_node and profile.seq % (2 * d) == 0)]
+
+
+def _cp_modes(fix: dict, profile: ModelProfile, cp: int, why: _Refusals) -> list[str]:
+    """The cp modes tried for ``cp``: ring, and Ulysses when the heads divide by cp (cp=1: the
+    pinned mode or ring; the mode does nothing there)."""
+    if cp == 1:
+        return [fix.get("cp_mode", "ring")]
+    modes = [m for m in CP_MODES if fix.get("cp_mode", m) == m]
+    if "ulysses" in modes and profile.heads % cp:
+        modes.remove("ulysses")
+        if "cp_mode" in fix:
+            why.add(5, f"cp_mode=ulysses with cp={cp} needs the {profile.heads} attention heads divisible by cp")
+    return modes
+
+
 def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
                fix: dict | None = None) -> list[ParallelConfig]:
     """Every candidate plan the search considers (after pruning), in a stable order.
@@ -186,7 +261,7 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ConfigError(f"global_batch must be an integer >= 1 (samples per step), got {global_batch!r}")
     world, L = cluster.world_size, len(profile.blocks)
-    problems = _pinned_problems(fix, world, L, profile.heads, global_batch)
+    problems = _pinned_problems(fix, world, L, profile.heads, global_batch, profile)
     if problems:
         raise ConfigError(f"no candidate plan for fix {fix_text(fix)} on {world} devices: {'; '.join(problems)}")
 
@@ -201,16 +276,23 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
 
     out = []
     why = _Refusals()  # why configs were left out, with the depth of the rule
-    for tp in opts("tp", [t for t in _divisors(world)
-                          if profile.heads % t == 0 and cluster.devices_per_node % t == 0]):
+    has_scores = any(layer.attention_score_bytes for layer in profile.layers)
+    ckpts = ["none", "selective", "full"] if has_scores else ["none", "full"]
+    tps = [1] if fix.get("cp", 1) > 1 else [t for t in _divisors(world)
+                                            if profile.heads % t == 0 and cluster.devices_per_node % t == 0]
+    pairs = []
+    for tp in opts("tp", tps):
         for pp in opts("pp", [p for p in _divisors(world // tp) if p <= L]):
             if world % (tp * pp):
                 why.add(1, f"tp*pp = {tp}*{pp} = {tp * pp} does not divide the cluster's {world} devices")
                 continue
-            dp = world // (tp * pp)
+            pairs.append((tp, pp))
+    for tp, pp in pairs:
+        for cp in _cp_options(fix, profile, cluster, world // (tp * pp), tp, why):
+            dp = world // (tp * pp * cp)
             if "dp" in fix and fix["dp"] != dp:
-                why.add(2, f"dp*tp*pp = {fix['dp']}*{tp}*{pp} = {fix['dp'] * tp * pp} but the cluster has {world} "
-                           f"devices")
+                why.add(2, f"dp*cp*tp*pp = {fix['dp']}*{cp}*{tp}*{pp} = {fix['dp'] * cp * tp * pp} but the cluster "
+                           f"has {world} devices")
                 continue
             if global_batch % dp:
                 why.add(3, f"dp={dp} (the devices left by tp={tp}, pp={pp}) does not divide the global batch "
@@ -229,26 +311,27 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
                                f"replicas (global batch {global_batch})")
                     continue
                 m = per_replica // mbs
+                if cp > 1 and mbs % cp == 0 and not {"cp", "dp", "micro_batch_size"} & set(fix):
+                    continue  # its cp=1 twin (dp*cp replicas of mbs/cp samples) is a candidate: same work, no exchanges
                 if "num_micro_batches" in fix and fix["num_micro_batches"] != m:
                     why.add(4, f"micro_batch_size={mbs} * num_micro_batches={fix['num_micro_batches']} != the "
                                f"{per_replica} samples of each of dp={dp} replicas (global batch {global_batch})")
                     continue
                 for sched, v in _schedules(fix, pp, L, m, why):
-                    for zero, hsdp, reshard in _zero_options(opts, dp, tp, cluster.devices_per_node):
+                    for zero, hsdp, reshard in _zero_options(opts, dp, tp, cluster.devices_per_node, cp):
                         for sp in opts("sequence_parallel", [False, True] if tp > 1 else [False]):
-                            has_scores = any(layer.attention_score_bytes for layer in profile.layers)
-                            ckpts = ["none", "selective", "full"] if has_scores else ["none", "full"]
                             for ckpt in opts("checkpointing", ckpts):
                                 for off in opts("offload", offloads):
-                                    try:  # only configs the lowering and the runtime carry out are offered
-                                        out.append(ParallelConfig(
-                                            dp=dp, tp=tp, pp=pp, virtual_pp=v, micro_batch_size=mbs,
-                                            num_micro_batches=m, schedule=sched, zero_stage=zero, hsdp_shard=hsdp,
-                                            reshard_after_forward=reshard,
-                                            sequence_parallel=sp, checkpointing=ckpt, offload=off,
-                                            dtype=profile.dtype))
-                                    except ConfigError as exc:
-                                        why.add(7, str(exc).removeprefix("invalid parallel config: "))
+                                    for mode in _cp_modes(fix, profile, cp, why):
+                                        try:  # only configs the lowering and the runtime carry out are offered
+                                            out.append(ParallelConfig(
+                                                dp=dp, tp=tp, pp=pp, cp=cp, cp_mode=mode, virtual_pp=v,
+                                                micro_batch_size=mbs, num_micro_batches=m, schedule=sched,
+                                                zero_stage=zero, hsdp_shard=hsdp, reshard_after_forward=reshard,
+                                                sequence_parallel=sp, checkpointing=ckpt, offload=off,
+                                                dtype=profile.dtype))
+                                        except ConfigError as exc:
+                                            why.add(7, str(exc).removeprefix("invalid parallel config: "))
     if not out:
         reasons = why.deepest() or [(f"dp must divide the global batch, tp the heads ({profile.heads}) and fit in a "
                                      f"node of {cluster.devices_per_node} unless pinned")]

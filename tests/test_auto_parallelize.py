@@ -139,7 +139,7 @@ def test_measurements_add_up(distributed):
 # -- refusals at start (no processes) -----------------------------------------------------------
 
 def test_world_size_not_matching_plan_is_refused_with_numbers():
-    with pytest.raises(ConfigError, match=r"plan needs 4 ranks \(dp=2 tp=1 pp=2\) but the job has 2"):
+    with pytest.raises(ConfigError, match=r"plan needs 4 ranks \(dp=2 tp=1 pp=2 cp=1\) but the job has 2"):
         choose_plan(GPT, Cluster.local(4), world_size=2, global_batch_size=GLOBAL_BATCH, fix=FIX)
 
 

@@ -41,7 +41,7 @@ def test_rules_that_need_the_model_or_the_job():
     c = ParallelConfig(dp=2, tp=4, pp=2)
     assert c.problems() == []
     found = c.problems(world_size=8, blocks=1, heads=6)
-    assert any("dp*tp*pp = 2*4*2 = 16 but the job has 8 devices" in p for p in found)
+    assert any("dp*cp*tp*pp = 2*1*4*2 = 16 but the job has 8 devices" in p for p in found)
     assert any("2 stages but the model has 1 blocks" in p for p in found)
     assert any("tp=4 must divide the attention heads (6)" in p for p in found)
 

@@ -82,7 +82,7 @@ def test_world_size_not_matching_plan_is_refused_at_start():
     finally:
         _kill_all(procs)
     assert procs[0].returncode == 2, err
-    assert "plan needs 4 ranks (dp=2 tp=1 pp=2) but the job has 1" in err
+    assert "plan needs 4 ranks (dp=2 tp=1 pp=2 cp=1) but the job has 1" in err
     assert "step" not in out
     print(f"refused in {time.monotonic() - start:.1f} s")
 

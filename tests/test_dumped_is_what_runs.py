@@ -23,6 +23,8 @@ PLANS = {
     "full-checkpointing": f"dp=2,tp=1,pp=2,checkpointing=full,offload=none,{COMMON}",
     "activation-offload": f"dp=2,tp=1,pp=2,checkpointing=none,offload=activations,{COMMON}",
     "all": f"dp=1,tp=2,pp=2,sequence_parallel=true,checkpointing=full,offload=activations,{COMMON}",
+    "context-parallel": f"dp=2,tp=1,pp=1,cp=2,cp_mode=ring,checkpointing=none,offload=none,{COMMON}",
+    "context-parallel-pipeline": f"dp=1,tp=1,pp=2,cp=2,cp_mode=ulysses,checkpointing=full,offload=none,{COMMON}",
 }
 
 
@@ -89,6 +91,17 @@ def test_the_knobs_asked_for_are_the_ones_lowered(runs):
     config = results[0]["all"]["config"]
     assert "tp=2" in config and "pp=2" in config and "sequence_parallel=True" in config
     assert "checkpointing=full" in config and "offload=activations" in config
+
+
+def test_context_parallel_plans_dump_and_run_their_cp_attention(runs):
+    root, results = runs
+    for name, op in (("context-parallel", "ring_attention"), ("context-parallel-pipeline", "seq_to_heads")):
+        assert "cp=2" in results[0][name]["config"]
+        texts = "".join(t for r in results for t in r[name]["texts"].values())
+        # the attention op (a checkpointed block's nodes are listed by name in its region) and the loss's
+        assert op in texts and "partitioner.reduce_from_cp" in texts, name
+        dumped = "".join(p.read_text(encoding="utf-8") for p in (root / name).glob("stage*/program.txt"))
+        assert op in dumped, name
 
 
 def test_auto_parallelize_captures_once_per_job(runs):

@@ -1,5 +1,5 @@
 """Context parallelism end to end: plans with cp > 1 (ring attention and Ulysses, cp = 2 and 4,
-alone and with dp, pp, ZeRO and checkpointing) train the zoo gpt and llama (grouped-query
+alone and with dp, pp (1F1B, GPipe, ZBV), ZeRO and checkpointing) train the zoo gpt and llama (grouped-query
 attention, rotary tables) on gloo like one device: per-step losses, gradient norms, final
 parameters and last gradients (fp32, rtol 1e-5), through the whole stack (lowering with the
 context-parallel rewrite, the communication check, the runtime's sequence sharding and its
@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow
 
 def _plan(model: str, *, cp: int, mode: str, dp: int = 1, pp: int = 1, m: int = 1, schedule: str = "1f1b",
           zero: int = 0, checkpointing: str = "none", batch: int | None = None) -> Plan:
-    return Plan(model=model, dp=dp, tp=1, pp=pp, schedule=schedule, virtual_pp=1, num_micro_batches=m,
+    return Plan(model=model, dp=dp, tp=1, pp=pp, schedule=schedule, virtual_pp=2 if schedule == "zbv" else 1,
+                num_micro_batches=m,
                 global_batch=batch or dp * m * 2, zero=zero, checkpointing=checkpointing, offload="none", cp=cp,
                 cp_mode=mode)
 
@@ -34,6 +35,7 @@ PLANS = [
     _plan("llama-cp", cp=2, mode="ring", pp=2, m=4, schedule="gpipe", checkpointing="full"),
     _plan("llama-cp", cp=2, mode="ring", dp=2, pp=2, m=2),
     _plan("gpt-cp", cp=4, mode="ring", dp=2, zero=3),
+    _plan("gpt-cp", cp=2, mode="ring", pp=2, m=2, schedule="zbv"),  # a V: the first rank holds the LM head too
 ]
 
 

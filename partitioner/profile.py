@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import sympy
 from torch import fx
 
+from passes.context_parallel import attention_problems, repeat_kv_source, sdpa_args
 from passes.ir.errors import AnalysisError, ConfigError
 from partitioner.model_spec import ModelSpec, build_model, format_spec, model_keys, parse_spec
 from passes.ir.meta import BLOCK, CAPTURE, FLOPS, LAYER_CHAIN, MEMORY, SHAPE, dim_symbol
@@ -315,31 +316,20 @@ def _attention(nodes: list[fx.Node], seq: int, subs: dict | None) -> AttentionPr
     an unfused attention, matmuls and a softmax, is not what the cp rewrite cuts), and whether
     :func:`passes.context_parallel.apply_context_parallel` can rewrite it: no explicit mask, no
     attention dropout, a named ``seq`` dim."""
-    from passes.context_parallel import _repeat_kv_source  # the rewrite's own reading of repeat_kv
-
     sites = [n for n in nodes if n.op == "call_function" and str(n.target).startswith(_SDPA)]
     if not sites:
         return None
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
-
-    def args(n: fx.Node) -> dict:
-        return {**dict(zip(names, (None, None, None, None, 0.0, False))), **dict(zip(names, n.args)), **n.kwargs}
-
-    a = args(sites[0])
+    a = sdpa_args(sites[0])
     q = a["query"].meta[SHAPE].tensors[0].shape if SHAPE in a["query"].meta else ()
     dims = [sympy.sympify(d).xreplace(subs) if subs else sympy.sympify(d) for d in q]
     if len(dims) != 4 or not all(d.is_Integer for d in dims):
         return None
     heads, head_dim = int(dims[1]), int(dims[3])
-    k_src, v_src = _repeat_kv_source(a["key"]), _repeat_kv_source(a["value"])
+    k_src, v_src = repeat_kv_source(a["key"]), repeat_kv_source(a["value"])
     kv_heads = k_src[1] if k_src is not None and v_src is not None and k_src[1] == v_src[1] else heads
-    refusal = ""
-    if seq <= 0:
-        refusal = "the model's inputs have no dim named 'seq' to cut"
-    elif any(args(n)["attn_mask"] is not None for n in sites):
-        refusal = "its attention has an explicit attn_mask (context parallelism needs is_causal or no mask)"
-    elif any(args(n)["dropout_p"] for n in sites):
-        refusal = "its attention has dropout (context-parallel attention has none)"
+    # the rewrite's own rules (passes.context_parallel), the first that breaks
+    problems = [p for n in sites for p in attention_problems(n)]
+    refusal = ("the model's inputs have no dim named 'seq' to cut" if seq <= 0 else problems[0] if problems else "")
     return AttentionProfile(sites=len(sites), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                             causal=bool(a["is_causal"]), cp_refusal=refusal)
 

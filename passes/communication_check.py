@@ -477,12 +477,7 @@ class _StageCollectives:
         return out
 
     def _call(self, node: fx.Node, op: str, collective: str, size: str, region: str, backward: bool):
-        meta = node.meta.get(SHAPE)
-        if meta is None or not meta.tensors:
-            raise PassError(f"communication_check: the {op} node {region}{node.name} has no shape meta "
-                            f"(node.meta[{SHAPE!r}]); lower the program with passes.lower.lower, whose re-analysis "
-                            f"annotates every node")
-        out = meta.tensors[0]
+        out = self._meta(node, op, region)
         n, dtype = self.rank.numel(out), out.dtype
         if size == "out*tp":
             n *= int(node.args[2])  # (x, dim, tp, group): the output is this rank's chunk

@@ -153,16 +153,21 @@ def context_parallel_problems(gm: fx.GraphModule, *, seq_dim: str = "seq") -> li
     attention = [n for n in gm.graph.nodes if n.target is _SDPA]
     if not attention:
         out.append("the graph has no scaled_dot_product_attention to exchange the sequence in")
-    for node in attention:
-        a = _sdpa_args(node)
-        if a["attn_mask"] is not None:
-            out.append(f"attention {node.name!r} has an explicit attn_mask (only is_causal=True or no mask is cut)")
-        if a["dropout_p"]:
-            out.append(f"attention {node.name!r} has dropout_p={a['dropout_p']} (context-parallel attention has none)")
+    return out + [p for node in attention for p in attention_problems(node)]
+
+
+def attention_problems(node: fx.Node) -> list[str]:
+    """Why the rewrite cannot cut one ``scaled_dot_product_attention`` node (empty: it can)."""
+    a, out = sdpa_args(node), []
+    if a["attn_mask"] is not None:
+        out.append(f"attention {node.name!r} has an explicit attn_mask (only is_causal=True or no mask is cut)")
+    if a["dropout_p"]:
+        out.append(f"attention {node.name!r} has dropout_p={a['dropout_p']} (context-parallel attention has none)")
     return out
 
 
-def _sdpa_args(node: fx.Node) -> dict[str, Any]:
+def sdpa_args(node: fx.Node) -> dict[str, Any]:
+    """The arguments of a ``scaled_dot_product_attention`` node by name, defaults filled in."""
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
     return {**dict(zip(names, (None, None, None, None, 0.0, False))), **dict(zip(names, node.args)), **node.kwargs}
 
@@ -265,7 +270,7 @@ class _Rewriter:
 
     # --- attention ------------------------------------------------------------------------------------
     def _attention(self, node: fx.Node) -> None:
-        a = _sdpa_args(node)
+        a = sdpa_args(node)
         if a["attn_mask"] is not None:
             raise PassError(f"apply_context_parallel: attention {node.name!r} has an explicit attn_mask, which "
                             f"context parallelism cannot cut; use is_causal=True or no mask")
@@ -277,7 +282,7 @@ class _Rewriter:
         q_shape = _val_shape(q)
         if self.mode == "ulysses" and q_shape is not None and isinstance(q_shape[1], int):
             check_heads(q_shape[1], self.degree, "heads")
-        k_src, v_src = _repeat_kv_source(k), _repeat_kv_source(v)
+        k_src, v_src = repeat_kv_source(k), repeat_kv_source(v)
         # Ulysses reads the kv heads only when they divide by cp (else the repeated heads, exact too)
         if k_src is not None and v_src is not None and k_src[1] == v_src[1] \
                 and (self.mode == "ring" or k_src[1] % self.degree == 0):
@@ -334,7 +339,7 @@ def _loss_dtype(node: fx.Node) -> torch.dtype:
     return val.dtype if isinstance(val, torch.Tensor) else torch.float32
 
 
-def _repeat_kv_source(node: Any) -> tuple[fx.Node, int] | None:
+def repeat_kv_source(node: Any) -> tuple[fx.Node, int] | None:
     """``(k_kv, kv heads)`` when ``node`` is ``reshape(expand(unsqueeze(k_kv, 2), [b, kvh, rep, s, d]))``
     (the repeat_kv of grouped-query attention, an identity slice allowed before the unsqueeze), else None."""
     if not isinstance(node, fx.Node) or node.target not in _RESHAPES:

@@ -20,6 +20,7 @@ import torch
 from partitioner.model_spec import build_model
 from passes.ir.graph_transfer import GraphPayload, pack_graph, unpack_graph
 from passes.ir.config import ParallelConfig
+from passes.ir.schedule.validate import stream_count
 from runtime.schedules import warmup_cosine
 from tests.one_device import train_one_device
 
@@ -94,7 +95,6 @@ class Plan:
 
 def _mesh_shape(c: ParallelConfig) -> tuple:
     """What tells two meshes apart: (data axis, tp, pp, pipeline streams, HSDP shard, cp)."""
-    from passes.ir.schedule.validate import stream_count
     return (c.dp_cp, c.tp, c.pp, stream_count(c.schedule), c.hsdp_shard or 0, c.cp)
 
 

@@ -61,7 +61,7 @@ buckets for dp, send/recv buffers for pp, one all-reduce buffer for tp). Activat
   and the reloads, each prefetched while the layers after it run backward, behind its backward
   (and recompute): only what is longer is charged.
 
-Context parallelism (``cp > 1``, tp = 1; :mod:`passes.context_parallel`): every activation holds
+Context parallelism (``cp > 1``; :mod:`passes.context_parallel`): every activation holds
 ``b·S/cp`` tokens, so every per-sample number above counts ``b/cp`` samples — FLOPs (attention's
 too: the load-balanced layout gives each rank 1/cp of them), bytes moved, saved activations,
 the pipeline message — while parameters, gradients and optimizer state are replicated over the
@@ -76,7 +76,9 @@ fp32 (:data:`RING_COMPUTE_DTYPE`) with unfused score blocks, and holds a few fp3
 score blocks (``c = S/(2·cp)``) while it runs (``buffers``). Ulysses all-to-alls q, k, v and the
 output forward and back in backward, ``(cp−1)/cp`` of each tensor, exposed, and saves the
 head-sharded q, k, v besides. The loss adds two scalar all-reduces over the cp group. Recompute
-(full or selective checkpointing) reruns the exchanges of the forward it repeats.
+(full or selective checkpointing) reruns the exchanges of the forward it repeats. With tp, a
+rank attends with its ``H/tp`` heads: the exchanged tensors and the ring's blocks divide by tp,
+and the cp group's ranks lie ``tp`` apart (inside a node while ``tp·cp`` fits in one).
 
 Stage boundaries (non-interleaved): the chain ``embedding, blocks, head`` is split into ``pp``
 contiguous stages minimising the slowest stage's time subject to each stage's memory limit
@@ -269,7 +271,7 @@ class PlanContext:
         full = (repl + (layer.activation_bytes - layer.replicated_activation_bytes) / tp) * b
         cpa = _CpAttention()
         if cp > 1 and self.profile.attention is not None and any(k.fused_attention for k in layer.kernels):
-            cpa = self._cp_attention(layer, mbs, cp, mode)
+            cpa = self._cp_attention(layer, mbs, cp, mode, tp)
         elif cp > 1 and loss:  # the mean loss: a sum and a token count, each all-reduced over the cp group
             cpa = _CpAttention(comm_fwd=2 * all_reduce_time(4.0, cp, self.cp_links(cp, tp)[0]))
         fwd += cpa.fwd
@@ -288,11 +290,13 @@ class PlanContext:
                           full_act_bytes=full, params=layer.param_count / tp, cp_comm=cpa.comm_fwd + cpa.comm_bwd,
                           working_bytes=cpa.working_bytes)
 
-    def _cp_attention(self, layer: LayerProfile, mbs: int, cp: int, mode: str) -> _CpAttention:
-        """What context parallelism adds to one block's attention (``tp == 1``: cp runs without tp)
-        for a micro-batch of ``mbs`` samples, per rank, over the sites of the block
-        (``AttentionProfile.sites``). The block's SDPA kernels are already costed at ``mbs/cp``
-        samples by the caller (the right FLOPs and bytes for each rank's share).
+    def _cp_attention(self, layer: LayerProfile, mbs: int, cp: int, mode: str, tp: int = 1) -> _CpAttention:
+        """What context parallelism adds to one block's attention for a micro-batch of ``mbs``
+        samples, per rank, over the sites of the block (``AttentionProfile.sites``). The block's
+        SDPA kernels are already costed at ``mbs/cp`` samples by the caller (the right FLOPs and
+        bytes for each rank's share). With ``tp > 1`` a rank attends with its ``H/tp`` heads (and
+        kv heads), so every tensor, block and FLOP below is divided by ``tp``, and the cp group's
+        ranks lie ``tp`` apart.
 
         **ring** (``runtime.kernels.context_parallel``): the SDPA kernel is replaced by blocks of
         ``c = S/(2cp)`` queries by ``c`` keys computed in *fp32* (:data:`RING_COMPUTE_DTYPE`) with
@@ -309,18 +313,18 @@ class PlanContext:
         **ulysses**: SDPA over the whole sequence with ``H/cp`` heads (the same FLOPs and bytes as
         the caller's ``mbs/cp`` samples), plus all-to-alls of q, k, v and the output forward and
         the four back in backward, each moving ``(cp−1)/cp`` of its local tensor, nothing hidden;
-        K and V move with their kv heads when those divide by cp (else repeated to all heads, as
-        the rewrite does). The head-sharded q, k, v that SDPA saves are new storages: saved bytes
+        K and V move with their kv heads when those divide by ``tp·cp`` (else repeated to all
+        heads, as the rewrite does). The head-sharded q, k, v that SDPA saves are new storages: saved bytes
         beyond the profile's."""
         dev, att, S = self.cluster.device, self.profile.attention, self.profile.seq
         b, item = mbs / cp, self.itemsize
         sites, H, D = att.sites, att.heads, att.head_dim
-        link, ring_link = self.cp_links(cp, 1)
-        q_bytes = b * S * H * D * item  # one local [b, H, S/cp, D] tensor on a rank
+        link, ring_link = self.cp_links(cp, tp)
+        q_bytes = b * S * H * D * item / tp  # one local [b, H/tp, S/cp, D] tensor on a rank
         sdpa = [k for k in layer.kernels if k.fused_attention]
         if mode == "ulysses":
-            kvh = att.kv_heads if att.kv_heads % cp == 0 else H
-            kv_bytes = b * S * kvh * D * item
+            kvh = att.kv_heads if att.kv_heads % (cp * tp) == 0 else H
+            kv_bytes = b * S * kvh * D * item / tp
             moved = (q_bytes, kv_bytes, kv_bytes, q_bytes)
             comm = sites * ulysses_all_to_all_time(moved, cp, link)
             # each exchange also copies its tensor into and out of the [cp, ...] layout
@@ -329,14 +333,16 @@ class PlanContext:
             working = 3 * q_bytes
             return _CpAttention(fwd=copies, bwd=copies, comm_fwd=comm, comm_bwd=comm, saved_bytes=saved,
                                 working_bytes=working, recompute=copies + comm)
-        kv_bytes = b * S * att.kv_heads * D * item
+        kv_bytes = b * S * (att.kv_heads if att.kv_heads % tp == 0 else H) * D * item / tp
         pairs = ring_attention_pairs(cp, att.causal)
         c = S / (2 * cp)
-        block = mbs * H * c * c * 4  # one fp32 [b, H, c, c] score block
-        sdpa_fwd = sum(self._kernel_time(k.fwd_flops * b, k.bytes * b, k.weight_bytes) for k in sdpa)
-        sdpa_bwd = sum(2 * self._kernel_time(k.bwd_flops * b / 2, k.bytes * b, k.weight_bytes) for k in sdpa if k.bwd_flops)
-        flops_f = sum(k.fwd_flops for k in sdpa) * b
-        flops_b = sum(k.bwd_flops for k in sdpa) * b
+        block = mbs * H * c * c * 4 / tp  # one fp32 [b, H/tp, c, c] score block
+        bt = b / tp  # the SDPA kernels' per-sample counts, for a rank's share of samples and heads
+        sdpa_fwd = sum(self._kernel_time(k.fwd_flops * bt, k.bytes * bt, k.weight_bytes) for k in sdpa)
+        sdpa_bwd = sum(2 * self._kernel_time(k.bwd_flops * bt / 2, k.bytes * bt, k.weight_bytes)
+                       for k in sdpa if k.bwd_flops)
+        flops_f = sum(k.fwd_flops for k in sdpa) * bt
+        flops_b = sum(k.bwd_flops for k in sdpa) * bt
 
         def matmuls(flops: float, n: int) -> float:  # n equal fp32 matmul kernels
             return n * compute_time(flops / n, dev, RING_COMPUTE_DTYPE, overhead=False) if flops else 0.0

@@ -9,9 +9,10 @@ The cost of one candidate (its stage split, memory and step time) is :mod:`parti
 the search enumerates and prunes the candidates and returns the best as a :class:`Plan`.
 
 Pruning: tp divides the heads and (unless fixed) divides the devices of a node, so every TP
-group stays inside one node; pp ≤ layers; cp > 1 only with tp = 1, for a model whose attention
-the cp rewrite cuts (:attr:`ModelProfile.context_parallel`), with ``2·cp`` dividing the sequence
-and (unless fixed) the cp group inside one node, Ulysses only when cp divides the heads; a cp > 1
+group stays inside one node; pp ≤ layers; cp > 1 for a model whose attention the cp rewrite
+cuts (:attr:`ModelProfile.context_parallel`), with ``2·cp`` dividing the sequence and (unless
+fixed) the tp·cp ranks inside one node, Ulysses only when tp·cp divides the heads, sequence
+parallelism with cp only when tp·cp divides the sequence; a cp > 1
 candidate whose micro-batch divides by cp is left out when its cp = 1 twin (``dp·cp`` replicas of
 ``mbs/cp`` samples: the same tokens per rank, kernels and model state, no exchanges) is a
 candidate, so the cp candidates left give a rank a share of the micro-batch that is not whole
@@ -202,18 +203,19 @@ def _cp_problems(fix: dict, profile: ModelProfile | None, cp: int) -> list[str]:
                "the model's inputs have no dim named 'seq' to cut")
         out.append(f"cp={cp} cuts the sequence over cp ranks, which this model does not allow: {why}; use cp=1")
         return out
-    if fix.get("tp", 1) > 1:
-        out.append(f"cp={cp} with tp={fix['tp']}: context parallelism does not run with tensor parallelism yet; "
-                   f"use tp=1 with cp > 1, or cp=1")
     if fix.get("hsdp_shard") is not None:
         out.append(f"cp={cp} with hsdp_shard={fix['hsdp_shard']}: HSDP's shard groups are not laid out over the "
                    f"dp x cp ranks yet; use hsdp_shard=none")
     if profile is not None and profile.seq % (2 * cp):
         out.append(f"cp={cp} cuts the sequence ({profile.seq} tokens) into 2*cp = {2 * cp} chunks (load-balanced "
                    f"causal layout); use a cp with 2*cp dividing {profile.seq}")
-    if profile is not None and fix.get("cp_mode") == "ulysses" and profile.heads % cp:
-        out.append(f"cp_mode=ulysses gives each of cp={cp} ranks its share of the {profile.heads} attention heads; "
-                   f"use a cp dividing {profile.heads} or cp_mode=ring")
+    tp = fix.get("tp", 1)
+    if profile is not None and fix.get("cp_mode") == "ulysses" and profile.heads % (cp * tp):
+        out.append(f"cp_mode=ulysses gives each of tp*cp = {tp}*{cp} ranks its share of the {profile.heads} "
+                   f"attention heads; use a tp*cp dividing {profile.heads} or cp_mode=ring")
+    if profile is not None and fix.get("sequence_parallel") and profile.seq % (cp * tp):
+        out.append(f"sequence_parallel with tp={tp}, cp={cp} cuts each cp rank's {profile.seq}/{cp} tokens over "
+                   f"the tp ranks; use a tp*cp dividing {profile.seq} or sequence_parallel=false")
     return out
 
 
@@ -222,31 +224,33 @@ def _cp_options(fix: dict, profile: ModelProfile, cluster: Cluster, rest: int, t
     """The cp degrees tried when ``rest`` devices are left by tp and pp (dp takes ``rest / cp``).
 
     Unless pinned: 1, and when the model allows it (a ``seq`` dim, attention the cp rewrite can
-    cut: :attr:`ModelProfile.context_parallel`) and tp is 1, every divisor of ``rest`` whose
-    ``2*cp`` chunks divide the sequence and whose cp group stays inside one node (its ring steps
-    and all-to-alls on the node's link, as tp groups are kept; a pinned cp may span nodes)."""
+    cut: :attr:`ModelProfile.context_parallel`), every divisor of ``rest`` whose ``2*cp`` chunks
+    divide the sequence and whose cp group stays inside one node with its tp ranks (``tp*cp``
+    devices: its ring steps and all-to-alls on the node's link, as tp groups are kept; a pinned
+    cp may span nodes)."""
     if "cp" in fix:
         cp = fix["cp"]
         if rest % cp:
             why.add(2, f"cp={cp} does not divide the {rest} devices left by tp={tp} and the pipeline")
             return []
         return [cp]
-    if tp > 1 or not profile.context_parallel:
+    if not profile.context_parallel:
         return [1]
     return [d for d in _divisors(rest)
-            if d == 1 or (d <= cluster.devices_per_node and profile.seq % (2 * d) == 0)]
+            if d == 1 or (cluster.devices_per_node % (tp * d) == 0 and profile.seq % (2 * d) == 0)]
 
 
-def _cp_modes(fix: dict, profile: ModelProfile, cp: int, why: _Refusals) -> list[str]:
-    """The cp modes tried for ``cp``: ring, and Ulysses when the heads divide by cp (cp=1: the
-    pinned mode or ring; the mode does nothing there)."""
+def _cp_modes(fix: dict, profile: ModelProfile, cp: int, tp: int, why: _Refusals) -> list[str]:
+    """The cp modes tried for ``cp``: ring, and Ulysses when the heads divide by ``tp*cp`` (cp=1:
+    the pinned mode or ring; the mode does nothing there)."""
     if cp == 1:
         return [fix.get("cp_mode", "ring")]
     modes = [m for m in CP_MODES if fix.get("cp_mode", m) == m]
-    if "ulysses" in modes and profile.heads % cp:
+    if "ulysses" in modes and profile.heads % (tp * cp):
         modes.remove("ulysses")
         if "cp_mode" in fix:
-            why.add(5, f"cp_mode=ulysses with cp={cp} needs the {profile.heads} attention heads divisible by cp")
+            why.add(5, f"cp_mode=ulysses with tp={tp}, cp={cp} needs the {profile.heads} attention heads "
+                       f"divisible by tp*cp")
     return modes
 
 
@@ -278,8 +282,7 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
     why = _Refusals()  # why configs were left out, with the depth of the rule
     has_scores = any(layer.attention_score_bytes for layer in profile.layers)
     ckpts = ["none", "selective", "full"] if has_scores else ["none", "full"]
-    tps = [1] if fix.get("cp", 1) > 1 else [t for t in _divisors(world)
-                                            if profile.heads % t == 0 and cluster.devices_per_node % t == 0]
+    tps = [t for t in _divisors(world) if profile.heads % t == 0 and cluster.devices_per_node % t == 0]
     pairs = []
     for tp in opts("tp", tps):
         for pp in opts("pp", [p for p in _divisors(world // tp) if p <= L]):
@@ -319,10 +322,11 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
                     continue
                 for sched, v in _schedules(fix, pp, L, m, why):
                     for zero, hsdp, reshard in _zero_options(opts, dp, tp, cluster.devices_per_node, cp):
-                        for sp in opts("sequence_parallel", [False, True] if tp > 1 else [False]):
+                        for sp in opts("sequence_parallel", [False, True] if tp > 1 and profile.seq % (tp * cp) == 0
+                                       else [False]):
                             for ckpt in opts("checkpointing", ckpts):
                                 for off in opts("offload", offloads):
-                                    for mode in _cp_modes(fix, profile, cp, why):
+                                    for mode in _cp_modes(fix, profile, cp, tp, why):
                                         try:  # only configs the lowering and the runtime carry out are offered
                                             out.append(ParallelConfig(
                                                 dp=dp, tp=tp, pp=pp, cp=cp, cp_mode=mode, virtual_pp=v,

@@ -88,13 +88,15 @@ _STALE_GRAPH = (FLOP_SUMMARY, MEMORY_SUMMARY)
 
 
 def apply_context_parallel(gm: fx.GraphModule, ctx: Any = None, *, degree: int, group: str,
-                           mode: CPMode = "ring", seq_dim: str = "seq") -> fx.GraphModule:
+                           mode: CPMode = "ring", seq_dim: str = "seq", tp: int = 1) -> fx.GraphModule:
     """The program of every rank of ``degree`` cp ranks, attention exchanging over the cp group
     registered as ``group``; ``mode``: ``"ring"`` (K/V blocks travel the ring) or ``"ulysses"``
-    (all-to-all to head shards). Returns a new GraphModule (``gm`` is left as it was).
+    (all-to-all to head shards). ``tp``: the tensor-parallel degree the program is sharded over
+    afterwards (each tp rank's cp ops see ``heads / tp`` heads). Returns a new GraphModule
+    (``gm`` is left as it was).
 
     Raises ConfigError for a bad degree/mode, a sequence hint not divisible by
-    ``2 * degree``, or (Ulysses) heads not divisible by ``degree``; PassError for a graph it
+    ``2 * degree``, or (Ulysses) heads not divisible by ``tp * degree``; PassError for a graph it
     cannot rewrite (no capture info, specialized sequence dim, attention with a mask or dropout).
     """
     if mode not in CP_MODES:
@@ -122,7 +124,9 @@ def apply_context_parallel(gm: fx.GraphModule, ctx: Any = None, *, degree: int, 
     for node in graph.nodes:
         for key in _STALE:
             node.meta.pop(key, None)
-    rw = _Rewriter(graph, info, degree=degree, group=group, mode=mode, seq_dim=seq_dim)
+    if not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"apply_context_parallel: tp={tp!r}; give the tensor-parallel degree, an integer >= 1")
+    rw = _Rewriter(graph, info, degree=degree, group=group, mode=mode, seq_dim=seq_dim, tp=tp)
     rw.run()
     graph.eliminate_dead_code()
     graph.lint()
@@ -206,9 +210,9 @@ def _val_shape(node: Any) -> tuple | None:
 
 class _Rewriter:
     def __init__(self, graph: fx.Graph, info: CaptureInfo, *, degree: int, group: str, mode: CPMode,
-                 seq_dim: str):
+                 seq_dim: str, tp: int):
         self.graph, self.info = graph, info
-        self.degree, self.group, self.mode = degree, group, mode
+        self.degree, self.group, self.mode, self.tp = degree, group, mode, tp
         self.seq_dim = seq_dim
         self.sharded: list[tuple[str, int]] = []
         self.seq_sizes: set[fx.Node] = set()  # nodes whose value is the (now local) sequence length
@@ -281,16 +285,17 @@ class _Rewriter:
         causal, scale, gqa = bool(a["is_causal"]), a.get("scale"), bool(a.get("enable_gqa", False))
         q_shape = _val_shape(q)
         if self.mode == "ulysses" and q_shape is not None and isinstance(q_shape[1], int):
-            check_heads(q_shape[1], self.degree, "heads")
+            check_heads(q_shape[1], self.degree, "heads", self.tp)
         k_src, v_src = repeat_kv_source(k), repeat_kv_source(v)
-        # Ulysses reads the kv heads only when they divide by cp (else the repeated heads, exact too)
-        if k_src is not None and v_src is not None and k_src[1] == v_src[1] \
-                and (self.mode == "ring" or k_src[1] % self.degree == 0):
+        # The op reads the kv heads when each tp rank holds whole ones and (Ulysses) they divide
+        # over its cp ranks; else the repeated heads, exact too
+        if k_src is not None and v_src is not None and k_src[1] == v_src[1] and k_src[1] % self.tp == 0 \
+                and (self.mode == "ring" or k_src[1] % (self.tp * self.degree) == 0):
             k, v, gqa = k_src[0], v_src[0], True
         if self.mode == "ulysses" and gqa:
             kv_shape = _val_shape(k)
             if kv_shape is not None and isinstance(kv_shape[1], int):
-                check_heads(kv_shape[1], self.degree, "kv heads")
+                check_heads(kv_shape[1], self.degree, "kv heads", self.tp)
         with self.graph.inserting_before(node):
             if self.mode == "ring":
                 ring = self.graph.call_function(cp_ops.ring_attention.default,

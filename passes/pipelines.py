@@ -117,7 +117,7 @@ REGISTRY: dict[str, PassDef] = {d.name: d for d in (
     PassDef(name="annotate_memory", make=_plain(annotate_memory), requires=(CAPTURE, SHAPE),
             provides=(MEMORY, MEMORY_SUMMARY), options=("optimizer", "mixed_precision", "batch")),
     PassDef(name="context_parallel", make=_plain(apply_context_parallel), requires=(CAPTURE,),
-            provides=(CONTEXT_PARALLEL,), options=("degree", "group", "mode")),
+            provides=(CONTEXT_PARALLEL,), options=("degree", "group", "mode", "tp")),
     PassDef(name="tag_tensor_parallel", make=_plain(tag_tensor_parallel), requires=(CAPTURE, SHAPE),
             provides=(TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN), options=("degree",)),
     PassDef(name="checkpoint_policy", make=_plain(checkpoint_policy), requires=(CAPTURE, SHAPE, LAYER_CHAIN, FLOPS),
@@ -183,7 +183,8 @@ def whole_graph_passes(config: ParallelConfig, *, cost: CostHooks | None, starts
     outlined), and the pipeline stages (``starts``: chain index of each stage after the first)."""
     out = []
     if config.cp > 1:
-        out.append(make_pass("context_parallel", degree=config.cp, group=cp_group(tp_group), mode=config.cp_mode))
+        out.append(make_pass("context_parallel", degree=config.cp, group=cp_group(tp_group), mode=config.cp_mode,
+                             tp=config.tp))
         out += reanalysis_passes(ctx)
     if config.tp > 1:
         out.append(make_pass("tag_tensor_parallel", degree=config.tp))

@@ -13,6 +13,9 @@ Recognised patterns (Shoeybi et al. 2019), found by propagating a *sharded dim* 
   GQA's expand, and attention, to a linear whose input features are sharded: **row**
   (its output is all-reduced, its bias added once afterwards). Sizes that must be divided by
   the tp degree are those at the sharded dim (heads, kv heads, hidden/tp);
+* context-parallel attention (:mod:`passes.ir.cp_ops`, written before this tagging) runs on the
+  heads a tp rank holds: ``ring_attention`` and Ulysses' ``seq_to_heads`` / ``heads_to_seq``
+  pass a shard by heads through (every cp rank of a tp rank holds that rank's heads);
 * an embedding indexed by graph-input ids is a **vocab_embedding** (rows split);
 * a column linear whose sharded output reaches ``cross_entropy_loss`` as its class dim is the
   **vocab_head** and the loss a **vocab_loss** (Megatron's vocabulary-parallel cross-entropy).
@@ -32,6 +35,7 @@ import sympy
 import torch
 from torch import fx
 
+import passes.ir.cp_ops  # noqa: F401  (defines the context-parallel ops matched below)
 from passes.ir.errors import ConfigError, PassError
 from passes.ir.meta import (SHAPE, TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN, ParamSharding, TensorParallelPlan,
                          TPMeta)
@@ -48,6 +52,8 @@ _PASSTHROUGH = {aten.dropout.default, aten.contiguous.default, aten.clone.defaul
 _CHECKS = {aten._assert_tensor_metadata.default}  # no output; fine on a shard
 _SOFTMAX = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int}
 _MAX_INT = 2 ** 62
+_CP_BY_HEADS = {torch.ops.partitioner.seq_to_heads.default, torch.ops.partitioner.heads_to_seq.default}
+_RING = torch.ops.partitioner.ring_attention.default
 
 
 @dataclass(frozen=True)
@@ -278,6 +284,20 @@ def _visit(node, state, degree, params, forced, refined, want):
         _check_broadcast(mask, node, first.dim, state)
         dim = len(_shape(node)) - 3
         return out(dim, sections=(int(_shape(node)[dim]),), reason="attention by heads")
+    if target in _CP_BY_HEADS:  # [B, H, S, D]: the all-to-all trades sequence for heads, dim 1 stays heads
+        if first.dim != 1:
+            raise _Fail(f"{_op_name(node)} of a tensor not sharded by heads")
+        heads = _shape(node)[1]
+        if not _divisible(heads, degree):
+            raise _Fail(f"{heads} heads after {_op_name(node)} not divisible by tp={degree}")
+        return out(1, sections=(int(heads),), reason="context-parallel exchange of this rank's heads")
+    if target is _RING:  # -> (out [B, H, S, D], lse [B, H, S]), both by heads
+        if any(state.get(t) is None or state[t].dim != 1 for t in node.args[:3]):
+            raise _Fail("ring attention with q, k, v not all sharded by heads")
+        shapes = node.meta[SHAPE].tensors
+        sh = _Shard(1, (int(shapes[0].shape[1]),), seeds)
+        return (TPMeta(role="sharded", shard_dim=1, sections=sh.sections, reason="ring attention by heads"),
+                [sh, sh])
     if target in (aten.matmul.default, aten.bmm.default):
         a, b = node.args[:2]
         na = len(_shape(a))

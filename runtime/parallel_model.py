@@ -344,6 +344,11 @@ class ParallelModel:
         seq = dims.get(plan.seq_dim)
         if seq is not None:
             check_layout(seq, plan.degree, f"the batch's {plan.seq_dim!r} length")
+            if self.config.sequence_parallel and (seq // plan.degree) % self.tp:
+                raise ConfigError(f"the batch's {plan.seq_dim!r} length {seq} gives each of cp={plan.degree} ranks "
+                                  f"{seq // plan.degree} tokens, which sequence parallelism cannot cut over tp="
+                                  f"{self.tp}; use a length that is a multiple of {plan.degree * self.tp} and of "
+                                  f"{2 * plan.degree}")
         cp_index = self.mesh.dp_index % plan.degree
         for name, dim in plan.sharded_inputs:
             if name in rows:

@@ -28,8 +28,10 @@ gives each use its own view (:mod:`passes.split_backward`), and :func:`backward_
 graph where two mixing nodes still share one.
 
 Checkpointed regions recompute in I and again in W (W's calls run in one
-``torch.utils.checkpoint.GraphExecGroup``, so once for all of them); offloaded activations are
-reloaded for each half. The graph (every saved tensor) is kept from F until W.
+``torch.utils.checkpoint.GraphExecGroup``, so once for all of them, in the order W walks its
+mixing nodes: the engine's order, the same on every rank, so the collectives a replayed region
+issues meet the same region's on the other tp / cp ranks); offloaded activations are reloaded
+for each half. The graph (every saved tensor) is kept from F until W.
 """
 from __future__ import annotations
 
@@ -115,7 +117,11 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     closure = _nodes_reaching(roots, targets)
     mixing: list[tuple[Node, list[GradientEdge]]] = []
     owner: dict[tuple[int, int], Node] = {}
-    for node in closure - targets:
+    # In the order the engine runs them (latest forward op first), the same on every rank: W
+    # walks them in this order and the first walk into a checkpointed region replays its
+    # forward, whose tp / cp collectives must meet the same region's on the other ranks (a set's
+    # order, by address, pairs one rank's region with another's: same sizes, wrong sums).
+    for node in sorted(closure - targets, key=lambda n: n._sequence_nr(), reverse=True):
         weight_side = [GradientEdge(c, nr) for c, nr in node.next_functions if c is not None and c not in closure]
         if not weight_side:
             continue

@@ -69,6 +69,7 @@ class Plan:
     reshard: bool = True  # ZeRO-3 frees the gathered parameters after forward (False: keeps them for backward)
     cp: int = 1  # context-parallel degree
     cp_mode: str = "ring"
+    sp: bool = False  # sequence parallelism (tp > 1)
 
     @property
     def size(self) -> int:
@@ -82,7 +83,7 @@ class Plan:
                 + (f"-ckpt_{self.checkpointing}" if self.checkpointing != "none" else "")
                 + (f"-offload_{self.offload}" if self.offload != "none" else "")
                 + (f"-hsdp{self.hsdp}" if self.hsdp else "") + ("" if self.reshard else "-keep")
-                + (f"-cp{self.cp}_{self.cp_mode}" if self.cp > 1 else ""))
+                + (f"-cp{self.cp}_{self.cp_mode}" if self.cp > 1 else "") + ("-sp" if self.sp else ""))
 
     def config(self) -> ParallelConfig:
         """The :class:`ParallelConfig` the plan is lowered with."""
@@ -90,7 +91,7 @@ class Plan:
             self.global_batch, dp=self.dp, tp=self.tp, pp=self.pp, schedule=self.schedule, virtual_pp=self.virtual_pp,
             num_micro_batches=self.num_micro_batches, zero_stage=self.zero, checkpointing=self.checkpointing,
             offload=self.offload, hsdp_shard=self.hsdp, reshard_after_forward=self.reshard, cp=self.cp,
-            cp_mode=self.cp_mode)
+            cp_mode=self.cp_mode, sequence_parallel=self.sp)
 
 
 def _mesh_shape(c: ParallelConfig) -> tuple:

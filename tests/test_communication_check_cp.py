@@ -69,3 +69,21 @@ def test_a_rank_with_other_cp_attention_is_caught():
     # the same two programs agree when the modes do
     check_communication([ring.rank_program(0), ring.rank_program(1)])
     assert dataclasses.replace(programs[1].config, cp_mode="ring") == programs[0].config
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_cp_with_tp_exchanges_each_tp_rank_s_heads_over_its_own_cp_group(mode):
+    lowering = _lowering(cp=2, cp_mode=mode, tp=2, sequence_parallel=True)
+    summary = check_lowering(lowering)
+    assert summary.ranks == 4
+    # rank = cp_index * tp + tp_index: the cp group of tp rank t is {t, t + 2}
+    for rank, group in ((0, (0, 2)), (1, (1, 3)), (2, (0, 2))):
+        calls = _cp_calls(lowering, rank)
+        assert {c.group for c in calls} == {group}
+        tp_calls = [c for c in rank_calls(lowering.rank_program(rank)).calls if c.channel == "tp"]
+        assert tp_calls and {c.group for c in tp_calls} == {(rank - rank % 2, rank - rank % 2 + 1)}
+    calls = _cp_calls(lowering, 0)
+    if mode == "ring":  # K/V of [micro-batch 4, 4 / tp heads, seq / cp, head dim 8]
+        assert {c.numel for c in calls if c.op == "ring_shift"} == {2 * 4 * 2 * 8 * 8}
+    else:  # q of [4, 2 heads, 8, 8] traded for [4, 1 head, 16, 8]: the tensor's elements
+        assert {c.numel for c in calls if c.op == "all_to_all"} == {4 * 2 * 8 * 8}

@@ -1,7 +1,8 @@
 """Context parallelism divides activation memory along the sequence, and the planner's replay
 (:func:`partitioner.memory_check.replay_rank_memory`, what a plan's predicted peak is) says so
 exactly: per rank, the replayed peak is within 5% of the measured peak (live tensor storages,
-:class:`runtime.measure.LiveBytes`) at cp = 1, 2 and 4 (ring and Ulysses), and the activation
+:class:`runtime.measure.LiveBytes`) at cp = 1, 2 and 4 (ring and Ulysses), at tp=2, and at
+tp=2 x cp=2 (ring; Ulysses with sequence parallelism), and the activation
 part of the peak (peak minus model state) at cp=4 is about a quarter of cp=1's, measured and
 replayed."""
 from __future__ import annotations
@@ -25,11 +26,13 @@ WORLD, BATCH = 4, 2
 TOLERANCE = 0.05
 
 
-def _plan(cp: int, mode: str = "ring") -> Plan:
-    return Plan(MODEL[0], 1, 1, 1, "1f1b", 1, 1, BATCH, 0, "none", "none", cp=cp, cp_mode=mode)
+def _plan(cp: int, mode: str = "ring", tp: int = 1, sp: bool = False) -> Plan:
+    return Plan(MODEL[0], 1, tp, 1, "1f1b", 1, 1, BATCH, 0, "none", "none", cp=cp, cp_mode=mode, sp=sp)
 
 
-PLANS = [_plan(1), _plan(2), _plan(4), _plan(4, "ulysses")]
+# cp alone, and cp with tp (each rank's attention on its heads; with sequence parallelism)
+PLANS = [_plan(1), _plan(2), _plan(4), _plan(4, "ulysses"), _plan(1, tp=2), _plan(2, tp=2),
+         _plan(2, "ulysses", tp=2, sp=True)]
 
 
 def _with_model() -> None:
@@ -45,10 +48,10 @@ def _measure(plans, payloads):
     _with_model()
     init_distributed(timeout_s=600)
     spec, graph = runtime_cases.unpacked_graph(runtime_cases.MODELS[MODEL[0]], payloads[MODEL[0]])
-    meshes = {p.cp: Mesh.for_config(p.config(), timeout_s=runtime_cases.TIMEOUT_S) for p in plans}
+    meshes = {(p.cp, p.tp): Mesh.for_config(p.config(), timeout_s=runtime_cases.TIMEOUT_S) for p in plans}
     out = {}
     for plan in plans:
-        mesh = meshes[plan.cp]
+        mesh = meshes[plan.cp, plan.tp]
         torch.distributed.barrier()
         if not mesh.active:
             continue
@@ -89,6 +92,7 @@ def test_replayed_peak_matches_each_rank_measured(measured, replayed, plan):
 
 def test_activation_memory_at_cp4_is_a_quarter(measured, replayed):
     one, four = PLANS[0], PLANS[2]
+    assert (one.cp, one.tp, four.cp, four.tp, four.cp_mode) == (1, 1, 4, 1, "ring")
     state = replayed[one.id][0].state_bytes + replayed[one.id][0].param_bytes  # the same at every cp
     assert state == replayed[four.id][0].state_bytes + replayed[four.id][0].param_bytes
     ratios = {}

@@ -1,5 +1,6 @@
 """Context parallelism end to end: plans with cp > 1 (ring attention and Ulysses, cp = 2 and 4,
-alone and with dp, pp (1F1B, GPipe, ZBV), ZeRO and checkpointing) train the zoo gpt and llama (grouped-query
+alone and with dp, tp (with and without sequence parallelism), pp (1F1B, GPipe, ZBV), ZeRO and
+checkpointing) train the zoo gpt and llama (grouped-query
 attention, rotary tables) on gloo like one device: per-step losses, gradient norms, final
 parameters and last gradients (fp32, rtol 1e-5), through the whole stack (lowering with the
 context-parallel rewrite, the communication check, the runtime's sequence sharding and its
@@ -18,12 +19,13 @@ from tests.runtime_cases import WORLD, Plan, check_plan, payloads_for, train_pla
 pytestmark = pytest.mark.slow
 
 
-def _plan(model: str, *, cp: int, mode: str, dp: int = 1, pp: int = 1, m: int = 1, schedule: str = "1f1b",
-          zero: int = 0, checkpointing: str = "none", batch: int | None = None) -> Plan:
-    return Plan(model=model, dp=dp, tp=1, pp=pp, schedule=schedule, virtual_pp=2 if schedule == "zbv" else 1,
+def _plan(model: str, *, cp: int, mode: str, dp: int = 1, tp: int = 1, pp: int = 1, m: int = 1,
+          schedule: str = "1f1b", zero: int = 0, checkpointing: str = "none", batch: int | None = None,
+          sp: bool = False) -> Plan:
+    return Plan(model=model, dp=dp, tp=tp, pp=pp, schedule=schedule, virtual_pp=2 if schedule == "zbv" else 1,
                 num_micro_batches=m,
                 global_batch=batch or dp * m * 2, zero=zero, checkpointing=checkpointing, offload="none", cp=cp,
-                cp_mode=mode)
+                cp_mode=mode, sp=sp)
 
 
 PLANS = [
@@ -36,6 +38,11 @@ PLANS = [
     _plan("llama-cp", cp=2, mode="ring", dp=2, pp=2, m=2),
     _plan("gpt-cp", cp=4, mode="ring", dp=2, zero=3),
     _plan("gpt-cp", cp=2, mode="ring", pp=2, m=2, schedule="zbv"),  # a V: the first rank holds the LM head too
+    # with tensor parallelism: each tp rank's cp ops run on its heads; the vocab-parallel loss sums
+    _plan("gpt-cp", cp=2, mode="ring", tp=2),
+    _plan("llama-cp", cp=2, mode="ulysses", tp=2, sp=True),  # 2 kv heads: Ulysses takes the repeated heads
+    _plan("llama-cp", cp=2, mode="ring", dp=2, tp=2, m=2, zero=1),
+    _plan("gpt-cp", cp=2, mode="ulysses", tp=2, pp=2, m=2, checkpointing="full", sp=True),
 ]
 
 

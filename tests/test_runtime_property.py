@@ -47,17 +47,14 @@ def plans(draw, models=("gpt", "hf-gpt2"), max_ranks: int = WORLD) -> Plan:
     # checkpointing + offload together: a fixed case in test_runtime_tp_parity.py
     memory = [("none", "none"), ("full", "none"), ("none", "activations")]
     ckpt, offload = draw(st.sampled_from(memory))
-    split_full = schedule in ("zb1p", "zbv") and ckpt == "full"
-    if split_full and tp > 1:  # refused by the config: the split backward of a recomputed block with tp collectives
-        ckpt, offload = "none", "none"
-        split_full = False
-    # context parallelism: not with tp (refused by the config), not on HF GPT-2 (its attention
-    # takes an explicit mask, which the rewrite refuses), not with the split backward of a fully
-    # recomputed block (refused by the config); the sequence (8) cut in 2 * cp chunks
+    # context parallelism (with or without tp): not on HF GPT-2 (its attention takes an explicit
+    # mask, which the rewrite refuses); the sequence (8) cut in 2 * cp chunks; Ulysses when
+    # tp * cp divides the heads
     cps = [c for c in (1, 2, 4) if (size // (tp * pp)) % c == 0 and SEQ % (2 * c) == 0] \
-        if tp == 1 and model == "gpt" and not split_full else [1]
+        if model == "gpt" else [1]
     cp = draw(st.sampled_from(cps))
-    cp_mode = draw(st.sampled_from(["ring"] + (["ulysses"] if HEADS % cp == 0 else []))) if cp > 1 else "ring"
+    cp_mode = draw(st.sampled_from(["ring"] + (["ulysses"] if HEADS % (tp * cp) == 0 else []))) \
+        if cp > 1 else "ring"
     dp = size // (tp * pp * cp)
     # ZeRO-3 runs neither the split backward of the zero-bubble schedules nor activation offload
     zero3 = [3] if schedule not in ("zb1p", "zbv") and offload == "none" else []

@@ -171,10 +171,12 @@ def test_pinned_cp_is_checked_and_refused_with_a_reason(profile):
     assert parse_fix("cp=2,cp_mode=ulysses") == {"cp": 2, "cp_mode": "ulysses"}
     p = plan(profile, cluster, global_batch=8, fix="cp=2,cp_mode=ulysses")
     assert (p.config.cp, p.config.cp_mode) == (2, "ulysses")
-    with pytest.raises(ConfigError, match="cp=2 with tp=2: context parallelism does not run with tensor parallelism"):
-        plan(profile, cluster, global_batch=8, fix={"cp": 2, "tp": 2})
-    with pytest.raises(ConfigError, match="cp_mode=ulysses gives each of cp=4 ranks its share of the 6 attention heads"):
+    p = plan(profile, cluster, global_batch=8, fix={"cp": 2, "tp": 2})
+    assert (p.config.cp, p.config.tp) == (2, 2)
+    with pytest.raises(ConfigError, match=r"cp_mode=ulysses gives each of tp\*cp = 1\*4 ranks its share of the 6 "):
         plan(profile, cluster, global_batch=8, fix={"cp": 4, "cp_mode": "ulysses"})
+    with pytest.raises(ConfigError, match=r"cp_mode=ulysses gives each of tp\*cp = 2\*2 ranks its share of the 6 "):
+        plan(profile, cluster, global_batch=8, fix={"cp": 2, "tp": 2, "cp_mode": "ulysses"})
     with pytest.raises(ConfigError, match="cp=2 with hsdp_shard=2"):
         plan(profile, cluster, global_batch=8, fix={"cp": 2, "hsdp_shard": 2})
     with pytest.raises(ConfigError, match="cp_mode 'sideways' is not one of ring, ulysses"):
@@ -196,7 +198,10 @@ def test_cp_grows_the_search_little_and_only_where_it_applies():
     every, no_cp = candidates(gpt, cluster, 64), candidates(gpt, cluster, 64, fix={"cp": 1})
     assert len(no_cp) < len(every) <= 2 * len(no_cp)
     cut = [c for c in every if c.cp > 1]
-    assert cut and all(c.tp == 1 and c.micro_batch_size % c.cp for c in cut)  # dp's twins left out
+    assert cut and all(c.micro_batch_size % c.cp for c in cut)  # dp's twins left out
+    # cp with tp: the tp*cp ranks of a cp group stay in the node; sequence parallelism when tp*cp cuts the sequence
+    assert {(c.tp, c.cp) for c in cut} == {(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2)}
+    assert any(c.sequence_parallel for c in cut if c.tp > 1)
     assert {c.cp_mode for c in cut} == {"ring", "ulysses"}
     bert = profile_model("bert:layers=2,hidden=64,heads=4,vocab=256,seq=64", dtype="bf16")
     assert {c.cp for c in candidates(bert, cluster, 64)} == {1}

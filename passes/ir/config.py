@@ -227,15 +227,6 @@ class ParallelConfig:
         if self.sequence_parallel and self.tp == 1:
             out.append("sequence_parallel=true needs tp > 1 (it shards what tensor parallelism replicates); "
                        "set tp >= 2 or sequence_parallel=false")
-        if self.cp > 1 and self.tp > 1:
-            out.append(f"cp={self.cp} with tp={self.tp}: context parallelism does not run with tensor parallelism "
-                       f"yet (the tensor-parallel tagging does not pass context-parallel attention); use tp=1 with "
-                       f"cp > 1, or cp=1")
-        if (self.cp > 1 or self.tp > 1) and self.split_backward and self.checkpointing in ("full", "dag"):
-            out.append(f"schedule={self.schedule!r} with checkpointing={self.checkpointing!r} and tp={self.tp}, cp="
-                       f"{self.cp}: the split backward of a recomputed block that holds tp or cp communication does "
-                       f"not reproduce one device's gradients yet; use schedule=1f1b or interleaved, or "
-                       f"checkpointing='selective' or 'none', or tp=cp=1")
         if self.cp > 1 and self.hsdp_shard is not None:
             out.append(f"cp={self.cp} with hsdp_shard={self.hsdp_shard}: HSDP's shard groups are not laid out over "
                        f"the dp x cp ranks yet; use hsdp_shard=None (ZeRO-3 shards over all dp * cp ranks)")

@@ -162,11 +162,14 @@ def default_scale(head_dim: int, scale: float | None) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else scale
 
 
-def check_heads(heads: int, degree: int, what: str) -> None:
-    """ConfigError unless ``heads`` divides by the cp degree (Ulysses shards heads)."""
-    if heads % degree:
-        raise ConfigError(f"Ulysses context parallelism: {what} {heads} is not divisible by cp={degree} (each "
-                          f"rank attends with {what}/cp of them); use a cp dividing {heads} or mode='ring'")
+def check_heads(heads: int, degree: int, what: str, tp: int = 1) -> None:
+    """ConfigError unless ``heads`` divides by ``tp * degree`` (Ulysses shards a tp rank's heads
+    over the cp ranks)."""
+    if heads % (tp * degree):
+        on = f"tp*cp={tp * degree}" if tp > 1 else f"cp={degree}"
+        raise ConfigError(f"Ulysses context parallelism: {what} {heads} is not divisible by {on} (each "
+                          f"rank attends with {what}/({on.split('=')[0]}) of them); use a cp dividing "
+                          f"{heads // tp if heads % tp == 0 else heads} or mode='ring'")
 
 
 # --- fake kernels ---------------------------------------------------------------------------------

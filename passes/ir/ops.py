@@ -156,17 +156,20 @@ def _ce_setup(ctx, inputs, output):
     _, target, vocab_start, ignore_index, _ = inputs
     ctx.save_for_backward(output[1], target)
     ctx.vocab_start, ctx.ignore_index = vocab_start, ignore_index
+    ctx.set_materialize_grads(False)  # the softmax output gets no gradient: no [N, V/tp] of zeros for it
 
 
 def _ce_backward(ctx, grad_loss, grad_softmax):
     softmax, target = ctx.saved_tensors
+    if grad_loss is None:  # the loss took no part in what was differentiated
+        return None, None, None, None, None
     local = target - ctx.vocab_start
     mine = (local >= 0) & (local < softmax.shape[1])
-    grad = softmax.clone()
+    grad = softmax.clone()  # the one [N, V/tp] buffer of the backward (the input gradient), worked in place
     rows = torch.nonzero(mine)[:, 0]
     grad[rows, local[rows]] -= 1.0
     scale = torch.where(target == ctx.ignore_index, torch.zeros_like(grad_loss), grad_loss)
-    return grad * scale[:, None], None, None, None, None
+    return grad.mul_(scale[:, None]), None, None, None, None
 
 
 torch.library.register_autograd(qualname("vocab_parallel_cross_entropy"), _ce_backward, setup_context=_ce_setup,

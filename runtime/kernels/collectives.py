@@ -200,16 +200,18 @@ def _reduce_from_tp(x: Tensor, group: str) -> Tensor:
 def _vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_start: int, ignore_index: int,
                                   group: str) -> tuple[Tensor, Tensor]:
     g = get_group(group)
-    x = logits.float()
-    x = x - g.all_reduce(x.max(dim=1).values, "max")[:, None]  # stable: subtract the global max
-    exp = x.exp()
-    sum_exp = g.all_reduce(exp.sum(dim=1), "sum")
+    # One [N, V/tp] buffer, made once and worked in place until it is the softmax: the logits are
+    # the largest activation of a language model, and the memory replay counts this op's outputs
+    # only (with fp32 logits nothing else of their size is alive here).
+    x = logits.float() - g.all_reduce(logits.max(dim=1).values.float(), "max")[:, None]  # stable
     local = target - vocab_start
     mine = (local >= 0) & (local < logits.shape[1])
     picked = x.gather(1, local.clamp(0, logits.shape[1] - 1)[:, None])[:, 0]
     target_logit = g.all_reduce(torch.where(mine, picked, torch.zeros_like(picked)), "sum")
+    x.exp_()
+    sum_exp = g.all_reduce(x.sum(dim=1), "sum")
     loss = torch.where(target == ignore_index, torch.zeros_like(target_logit), sum_exp.log() - target_logit)
-    softmax = exp / sum_exp[:, None]
+    softmax = x.div_(sum_exp[:, None])
     return loss.to(logits.dtype), softmax.to(logits.dtype)
 
 

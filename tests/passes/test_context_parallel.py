@@ -20,6 +20,7 @@ from partitioner.model_spec import build_model
 from passes.annotate_shapes import annotate_shapes
 from passes.capture import capture_model, capture_spec
 from passes.context_parallel import apply_context_parallel, context_parallel_problems
+from passes.tensor_parallel_patterns import sharded_param_bytes, tag_tensor_parallel
 from passes.ir.cp_ops import (
     CONTEXT_PARALLEL,
     load_balanced_chunks,
@@ -30,7 +31,7 @@ from passes.ir.cp_ops import (
     unshard_sequence,
 )
 from passes.ir.errors import ConfigError, PassError
-from passes.ir.meta import CAPTURE, SHAPE, InputSpec, dim_symbol
+from passes.ir.meta import CAPTURE, SHAPE, TENSOR_PARALLEL, InputSpec, dim_symbol
 
 aten = torch.ops.aten
 cp = torch.ops.partitioner
@@ -255,3 +256,43 @@ def test_problems_name_what_the_rewrite_cannot_cut(captured):
                            symbolic=("batch", "seq"))
     (problem,) = context_parallel_problems(masked)
     assert "explicit attn_mask" in problem
+
+
+# --- with tensor parallelism ----------------------------------------------------------------------
+@pytest.mark.parametrize("key,mode", [("gpt", "ring"), ("llama", "ring"), ("llama", "ulysses")])
+def test_tp_tagging_shards_context_parallel_attention_by_heads(captured, key, mode):
+    gm, _ = captured[key]
+    out = apply_context_parallel(gm, degree=2, group="cp", mode=mode, tp=2)
+    annotate_shapes(out)
+    tag_tensor_parallel(out, degree=2)
+    cp_nodes = [n for n in out.graph.nodes if getattr(n.target, "namespace", None) == "partitioner"
+                and n.target._opname in ("ring_attention", "seq_to_heads", "heads_to_seq")]
+    assert cp_nodes
+    for n in cp_nodes:  # each tp rank's cp ops run on its heads
+        meta = n.meta[TENSOR_PARALLEL]
+        assert (meta.role, meta.shard_dim) == ("sharded", 1), (n.name, meta)
+    # attention's projections are column/row pairs, the LM head and loss vocab-parallel: nothing
+    # the cp ops touch forced a seed replicated
+    roles = [n.meta[TENSOR_PARALLEL].role for n in out.graph.nodes]
+    layers = 2
+    assert roles.count("row") == 2 * layers and roles.count("vocab_loss") == 1
+    assert not [n.name for n in out.graph.nodes if n.target is aten.linear.default
+                and n.meta[TENSOR_PARALLEL].role == "replicated"]
+    sharded, total = sharded_param_bytes(out)
+    assert sharded / total > 0.95
+
+
+def test_ulysses_under_tp_reads_kv_heads_only_when_every_rank_holds_whole_ones(captured):
+    gm, _ = captured["llama"]  # 4 heads, 2 kv heads
+    # tp=2: one kv head per tp rank, which cp=2 cannot split: the repeated heads travel (exact too)
+    out = apply_context_parallel(gm, degree=2, group="cp", mode="ulysses", tp=2)
+    assert _count(out, aten.expand.default) == 4
+    annotate_shapes(out)
+    for n in out.graph.nodes:
+        if n.target is aten.scaled_dot_product_attention.default:
+            assert [a.meta[SHAPE].tensor.shape[1] for a in n.args[:3]] == [2, 2, 2]  # before the tp rewrite
+    # ring attention takes the kv heads whenever tp divides them
+    ring = apply_context_parallel(gm, degree=2, group="cp", mode="ring", tp=2)
+    assert _count(ring, aten.expand.default) == 0
+    with pytest.raises(ConfigError, match=r"heads 4 is not divisible by tp\*cp=8"):
+        apply_context_parallel(captured["gpt"][0], degree=4, group="cp", mode="ulysses", tp=2)

@@ -248,11 +248,16 @@ def _simulate_step(run: _ForwardRun, state: _ModelState, opt: OptimizerModel, *,
             for key in outs:
                 grads.add((parent, idx), key, _tensor_bytes(run, run.values[node]))
             continue
-        # Gradients of differentiable tensors made inside the op (composite ops run several
-        # autograd nodes): live while the op's input gradients are computed.
+        # Gradients of differentiable tensors made inside the op (a composite op runs several
+        # autograd nodes, e.g. attention's math path: scores, softmax, dropout, matmul): its
+        # backward walks them latest first, each made from the one after it, which dies then;
+        # the earliest one is live while the op's input gradients are computed.
         inner = [st for st in born.get(node, ()) if st.inner_grad is not None]
-        for st in inner:
+        for k, st in enumerate(reversed(inner)):
             tl.alloc(("inner", st), *st.inner_grad)
+            if k:
+                tl.free(("inner", inner[len(inner) - k]))
+        inner = inner[:1]
         for pos, src in _grad_inputs(run, node):
             value = run.values[src]
             if outs and _passes_through(run, node, pos, src) and len(outs) == 1:
@@ -346,6 +351,8 @@ def _passes_through(run: _ForwardRun, node: fx.Node, pos: int, src: fx.Node) -> 
         return True  # a view: its backward is a view of the gradient
     target = node.target
     if target in _PASS_THROUGH:
+        return src_value.dtype == out.dtype
+    if target is aten.cat.default:  # each input's gradient is a narrow view of the output's
         return src_value.dtype == out.dtype
     if target in _ADD:
         return same_shape and "alpha" not in node.kwargs

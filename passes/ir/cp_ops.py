@@ -222,6 +222,7 @@ def true_positions(index: Tensor, rank: int, degree: int) -> Tensor:
 def _ring_setup(ctx, inputs, output):
     q, k, v, ctx.causal, ctx.scale, ctx.degree, ctx.group = inputs
     ctx.save_for_backward(q, k, v, output[0], output[1])
+    ctx.set_materialize_grads(False)  # lse gets no gradient: no zeros of its size for it
 
 
 def _ring_backward(ctx, grad_out, _grad_lse):

@@ -87,7 +87,7 @@ class ParallelConfig:
     cp_mode: ContextParallelMode = "ring"
     """How attention sees the other cp ranks' tokens: ``ring`` (key/value blocks travel round the
     cp ring, online softmax) or ``ulysses`` (all-to-all from sequence shards to head shards and
-    back; heads must divide by cp)."""
+    back; heads must divide by tp * cp)."""
     virtual_pp: int = 1
     """Model chunks per pipeline rank (interleaved schedule; 1 otherwise)."""
     micro_batch_size: int = 1

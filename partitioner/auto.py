@@ -112,9 +112,8 @@ def check_world_size(plan: Plan, world_size: int) -> None:
     """Refuse a plan whose ``dp * cp * tp * pp`` is not the job's number of ranks."""
     if plan.world_size != world_size:
         raise ConfigError(
-            f"plan needs {plan.world_size} ranks (dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.config.cp}) but the "
-            f"job has "
-            f"{world_size}; launch {plan.world_size} processes (torchrun --nproc-per-node {plan.world_size}) or "
+            f"plan needs {plan.world_size} ranks (dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.config.cp}) but "
+            f"the job has {world_size}; launch {plan.world_size} processes (torchrun --nproc-per-node {plan.world_size}) or "
             f"plan for {world_size} devices (cluster=Cluster.local({world_size}), or fix knobs whose product is "
             f"{world_size})")
 
@@ -213,7 +212,7 @@ class AutoParallel:
         if (sampler_state is not None or sampler is None or sampler.num_samples != len(dataset)
                 or sampler.seed != seed):
             sampler = ShardedSampler(len(dataset), pm.config.global_batch, dp=pm.config.dp,
-                                     dp_index=pm.mesh.dp_index // pm.config.cp, seed=seed)  # cp ranks share samples
+                                     dp_index=pm.mesh.replica_index, seed=seed)  # cp ranks share samples
             if sampler_state is not None:
                 sampler.load_state_dict(sampler_state)
         self.sampler = sampler

@@ -103,6 +103,8 @@ def apply_context_parallel(gm: fx.GraphModule, ctx: Any = None, *, degree: int, 
         raise ConfigError(f"apply_context_parallel: mode={mode!r}; use one of {CP_MODES}")
     if not isinstance(degree, int) or degree < 1:
         raise ConfigError(f"apply_context_parallel: degree={degree!r}; give the cp degree, an integer >= 1")
+    if not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"apply_context_parallel: tp={tp!r}; give the tensor-parallel degree, an integer >= 1")
     info: CaptureInfo | None = gm.meta.get(CAPTURE)
     if info is None:
         raise PassError("apply_context_parallel needs gm.meta['capture']; capture the graph with "
@@ -124,8 +126,6 @@ def apply_context_parallel(gm: fx.GraphModule, ctx: Any = None, *, degree: int, 
     for node in graph.nodes:
         for key in _STALE:
             node.meta.pop(key, None)
-    if not isinstance(tp, int) or tp < 1:
-        raise ConfigError(f"apply_context_parallel: tp={tp!r}; give the tensor-parallel degree, an integer >= 1")
     rw = _Rewriter(graph, info, degree=degree, group=group, mode=mode, seq_dim=seq_dim, tp=tp)
     rw.run()
     graph.eliminate_dead_code()

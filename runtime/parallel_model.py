@@ -324,7 +324,7 @@ class ParallelModel:
                               f"{self.global_batch}; pass the whole global batch on every rank")
         rows = self.global_batch // self.dp
         mine = {}
-        replica = self.mesh.dp_index // self.config.cp
+        replica = self.mesh.replica_index
         for spec, t in zip(self.inputs, batch):
             if spec.name in self.consumed_inputs:
                 axis = list(spec.shape).index("batch")
@@ -349,7 +349,7 @@ class ParallelModel:
                                   f"{seq // plan.degree} tokens, which sequence parallelism cannot cut over tp="
                                   f"{self.tp}; use a length that is a multiple of {plan.degree * self.tp} and of "
                                   f"{2 * plan.degree}")
-        cp_index = self.mesh.dp_index % plan.degree
+        cp_index = self.mesh.cp_index
         for name, dim in plan.sharded_inputs:
             if name in rows:
                 rows[name] = shard_sequence(rows[name], dim, cp_index, plan.degree)

@@ -167,9 +167,9 @@ def check_heads(heads: int, degree: int, what: str, tp: int = 1) -> None:
     over the cp ranks)."""
     if heads % (tp * degree):
         on = f"tp*cp={tp * degree}" if tp > 1 else f"cp={degree}"
-        raise ConfigError(f"Ulysses context parallelism: {what} {heads} is not divisible by {on} (each "
-                          f"rank attends with {what}/({on.split('=')[0]}) of them); use a cp dividing "
-                          f"{heads // tp if heads % tp == 0 else heads} or mode='ring'")
+        raise ConfigError(f"Ulysses context parallelism: {what} {heads} is not divisible by {on} (each rank "
+                          f"attends with its share of them); use a cp dividing {heads // math.gcd(heads, tp)} "
+                          f"or mode='ring'")
 
 
 # --- fake kernels ---------------------------------------------------------------------------------

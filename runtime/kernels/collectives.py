@@ -201,8 +201,8 @@ def _vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_start: i
                                   group: str) -> tuple[Tensor, Tensor]:
     g = get_group(group)
     # One [N, V/tp] buffer, made once and worked in place until it is the softmax: the logits are
-    # the largest activation of a language model, and the memory replay counts this op's outputs
-    # only (with fp32 logits nothing else of their size is alive here).
+    # the largest activation of a language model (with fp32 logits nothing else of their size is
+    # alive in here; the memory replay, like LiveBytes, sees this op's outputs only).
     x = logits.float() - g.all_reduce(logits.max(dim=1).values.float(), "max")[:, None]  # stable
     local = target - vocab_start
     mine = (local >= 0) & (local < logits.shape[1])

@@ -39,8 +39,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 import sympy
 import torch
+from scipy import sparse
+from scipy.optimize import Bounds, LinearConstraint, milp
 from torch import fx
 
 from passes.ir.config import CHECKPOINT_POLICIES, CHECKPOINTING
@@ -362,16 +365,16 @@ def _solve(regions: list[Region], saved: _Saved, flops: list[sympy.Expr], hints:
 # (``_Saved.kept``) plus the storages the cached nodes own, and the recompute FLOPs are those of
 # the region's other nodes. Caching a node without FLOPs saves nothing (FLOPs are matmul-class),
 # and random nodes must run again so the replay draws the same numbers: the candidates are the
-# nodes with FLOPs that draw none. For a set of checkpointed regions the choice of cached nodes
-# is a rematerialization problem (one kept storage per candidate: keep it or recompute its
-# owner) solved exactly by :func:`passes.remat_solver.solve_milp`; the sets of regions are
-# enumerated (few regions) or improved one region at a time from block-level checkpointing's
-# choice, which is itself a candidate (nothing cached): the result never costs more FLOPs.
+# nodes with FLOPs that draw none. Which regions are checkpointed and which candidates are
+# cached is one MILP (:func:`_solve_dag`), exact at any region count; block-level checkpointing's
+# choice (nothing cached) is a point of it and wins ties, so the result never costs more FLOPs.
+# :func:`_solve_dag_by_subsets` solves the same problem by enumerating the sets of regions (few
+# regions only): the cross-check.
 
 DAG_DEFAULT_BUDGET_FRACTION = 0.5
 """Default ``dag`` budget: this fraction of the way from block-level full checkpointing's saved
 bytes to those of no checkpointing."""
-_ENUMERATE_REGIONS = 6  # up to this many regions every subset is tried (2**6 small MILPs)
+_ENUMERATE_REGIONS = 8  # the cross-check enumerates at most 2**8 sets of regions
 
 
 @dataclass(frozen=True)
@@ -404,61 +407,23 @@ def _is_random_node(node: fx.Node) -> bool:
     return False
 
 
-def _solve_dag(regions: list[Region], saved: _Saved, hints: dict, budget: int,
-               block: list[bool]) -> DagChoice:
+def _dag_candidates(regions: list[Region], hints: dict) -> tuple[dict[fx.Node, int], list[list[fx.Node]]]:
+    """FLOPs of every region node at the hints, and each region's nodes that may keep their
+    outputs (FLOPs to save, no random numbers to replay)."""
     node_flops = {n: _at_hints(n.meta[FLOPS].fwd, hints) for r in regions for n in r.nodes}
-    candidates = [[n for n in r.nodes if node_flops[n] > 0 and not _is_random_node(n)] for r in regions]
+    return node_flops, [[n for n in r.nodes if node_flops[n] > 0 and not _is_random_node(n)] for r in regions]
 
-    def evaluate(subset: tuple[int, ...]):
-        regs = [regions[i] for i in subset]
-        base_keys = saved.kept(regs)
-        fixed = _at_hints(saved.bytes(base_keys), hints)
-        if fixed > budget:
-            return None
-        nodes = [n for i in subset for n in candidates[i]]
-        total = sum(node_flops[n] for i in subset for n in regions[i].nodes)
-        if not nodes:
-            return total, fixed, frozenset(), "milp"
-        extra = [[k for k in saved.owned.get(n, ()) if k not in base_keys] for n in nodes]
-        problem = RematProblem(
-            nodes=tuple(n.name for n in nodes), flops=tuple(node_flops[n] for n in nodes),
-            recomputable=(True,) * len(nodes), fixed_bytes=fixed,
-            storages=tuple(Storage(name=n.name, owner=j, kept=True,
-                                   nbytes=_at_hints(saved.bytes(keys), hints))
-                           for j, (n, keys) in enumerate(zip(nodes, extra))))
-        decision = solve_milp(problem, budget, costs=RematCosts(device_flops_per_s=1.0))
-        if not decision.feasible:
-            return None
-        chosen = frozenset(n for n in nodes if decision.action(n.name) == "save")
-        keys = base_keys | {k for n in chosen for k in saved.owned.get(n, ())}
-        exact = _at_hints(saved.bytes(keys), hints)
-        return total - sum(node_flops[n] for n in chosen), exact, chosen, decision.method
 
+def _dag_choice(regions: list[Region], saved: _Saved, hints: dict, block: list[bool], best: tuple[int, ...],
+                chosen: frozenset, method: str) -> DagChoice:
+    """The choice ``best`` (checkpointed region indices) caching ``chosen``, with its exact totals;
+    plain block-level checkpointing instead when that costs no more (FLOPs, then bytes)."""
+    node_flops, _ = _dag_candidates(regions, hints)
+    regs = [regions[i] for i in best]
+    keys = saved.kept(regs) | {k for n in chosen for k in saved.owned.get(n, ())}
+    flops = sum(node_flops[n] for r in regs for n in r.nodes if n not in chosen)
+    nbytes = _at_hints(saved.bytes(keys), hints)
     block_subset = tuple(i for i, x in enumerate(block) if x)
-    results: dict[tuple[int, ...], Any] = {}
-
-    def score(subset):
-        subset = tuple(sorted(subset))
-        if subset not in results:
-            results[subset] = evaluate(subset)
-        res = results[subset]
-        return (res[0], res[1]) if res is not None else (float("inf"), float("inf"))
-
-    if len(regions) <= _ENUMERATE_REGIONS:
-        for mask in range(1 << len(regions)):
-            score(tuple(i for i in range(len(regions)) if mask >> i & 1))
-    else:  # local search from block-level's choice and from every region checkpointed
-        for start in (block_subset, tuple(range(len(regions)))):
-            current = set(start)
-            improved = True
-            while improved:
-                improved = False
-                for i in range(len(regions)):
-                    trial = current ^ {i}
-                    if score(trial) < score(current):
-                        current, improved = trial, True
-    best = min((s for s in results if results[s] is not None), key=lambda s: score(s))
-    flops, nbytes, chosen, method = results[best]
     block_flops = sum(node_flops[n] for i in block_subset for n in regions[i].nodes)
     block_bytes = _at_hints(saved.bytes(saved.kept([regions[i] for i in block_subset])), hints)
     if (block_flops, block_bytes) <= (flops, nbytes):  # ties go to plain block-level checkpointing
@@ -466,6 +431,130 @@ def _solve_dag(regions: list[Region], saved: _Saved, hints: dict, budget: int,
     return DagChoice(checkpointed=tuple(i in best for i in range(len(regions))), cached=chosen,
                      recompute_flops=flops, saved_bytes=nbytes, block_recompute_flops=block_flops,
                      block_saved_bytes=block_bytes, method=method)
+
+
+def _solve_dag(regions: list[Region], saved: _Saved, hints: dict, budget: int, block: list[bool],
+               time_limit_s: float = 60.0) -> DagChoice:
+    """The fewest recompute FLOPs (then the fewest saved bytes) under ``budget``, over every set of
+    checkpointed regions and every choice of cached nodes in them, as one MILP (HiGHS through
+    ``scipy.optimize.milp``, zero optimality gap).
+
+    Columns: ``c_r`` (region r checkpointed), ``a_n`` (candidate n cached; ``a_n <= c_r`` of its
+    region) and ``y_k`` (storage k kept after forward, continuous in [0, 1]: it is pushed down to
+    the largest of its lower bounds). ``y_k >= 1 - c_r`` for each region saving k (1 when a node
+    outside every region saves it); ``y_k >= c_r`` for k a storage of an input of region r (the
+    checkpoint keeps its inputs); ``y_k >= a_n`` for k owned by a cached n; ``sum bytes_k y_k <=
+    budget``. Objective: ``sum_r F_r c_r - sum_n f_n a_n`` (F_r: the region's FLOPs); a second
+    solve at that optimum minimises the bytes. This is the exact problem that enumerating every
+    set of regions (:func:`_solve_dag_by_subsets`) solves, at any region count.
+    """
+    node_flops, candidates = _dag_candidates(regions, hints)
+    region_of = {n: i for i, r in enumerate(regions) for n in r.nodes}
+    cands = [n for c in candidates for n in c]
+    keys = sorted(set(saved.savers) | {k for n in cands for k in saved.owned.get(n, ())}
+                  | {k for r in regions for node in r.io()[0] for k in saved.storages.get(node, ())})
+    nr, na, ny = len(regions), len(cands), len(keys)
+    R, A, Y = 0, nr, nr + na
+    col_y = {k: Y + j for j, k in enumerate(keys)}
+    width = nr + na + ny
+    low = np.zeros(width)
+    rows, lb, ub = [], [], []
+
+    def row(coefs: dict[int, float], lo: float, hi: float) -> None:
+        rows.append(coefs)
+        lb.append(lo)
+        ub.append(hi)
+
+    for j, n in enumerate(cands):
+        row({A + j: 1.0, R + region_of[n]: -1.0}, -np.inf, 0.0)
+        for k in saved.owned.get(n, ()):
+            row({col_y[k]: 1.0, A + j: -1.0}, 0.0, np.inf)
+    for k, savers in saved.savers.items():
+        for r in {region_of.get(s) for s in savers}:
+            if r is None:
+                low[col_y[k]] = 1.0
+            else:
+                row({col_y[k]: 1.0, R + r: 1.0}, 1.0, np.inf)
+    for i, r in enumerate(regions):
+        for node in r.io()[0]:
+            for k in saved.storages.get(node, ()):
+                row({col_y[k]: 1.0, R + i: -1.0}, 0.0, np.inf)
+    size = {k: _at_hints(saved.all_sizes[k], hints) for k in keys}
+    big = float(max(size.values(), default=1) or 1)
+    row({col_y[k]: size[k] / big for k in keys if size[k]}, -np.inf, budget / big)
+    region_flops = [sum(node_flops[n] for n in r.nodes) for r in regions]
+    cost = np.zeros(width)
+    cost[R:R + nr] = region_flops
+    cost[A:A + na] = [-node_flops[n] for n in cands]
+    integrality = np.zeros(width)
+    integrality[:nr + na] = 1
+    bounds = Bounds(low, np.ones(width))
+    options = {"mip_rel_gap": 0.0, "time_limit": time_limit_s}
+
+    def solve(objective, extra=None):
+        rs, lo, hi = list(rows), list(lb), list(ub)
+        if extra is not None:
+            rs.append(extra[0]), lo.append(extra[1]), hi.append(extra[2])
+        entries = [(i, col, v) for i, coefs in enumerate(rs) for col, v in coefs.items()]
+        ii, jj, vv = zip(*entries)
+        matrix = sparse.csr_matrix((vv, (ii, jj)), shape=(len(rs), width))
+        scale = float(np.max(np.abs(objective))) or 1.0
+        return milp(objective / scale, integrality=integrality, bounds=bounds,
+                    constraints=LinearConstraint(matrix, lo, hi), options=options)
+
+    fewest = solve(cost)
+    if fewest.x is None:  # block-level checkpointing fits (the caller checked): only a time-out lands here
+        return _dag_choice(regions, saved, hints, block, (), frozenset(), "block")
+    x = np.round(fewest.x)
+    optimum = float(cost @ x)
+    by_bytes = np.zeros(width)
+    by_bytes[Y:] = [size[k] for k in keys]
+    smallest = solve(by_bytes, ({i: v for i, v in enumerate(cost) if v}, -np.inf, optimum + 0.5))
+    if smallest.x is not None:
+        x = np.round(smallest.x)
+    best = tuple(i for i in range(nr) if x[R + i])
+    chosen = frozenset(n for j, n in enumerate(cands) if x[A + j])
+    choice = _dag_choice(regions, saved, hints, block, best, chosen,
+                         "milp" if fewest.status == 0 else "milp (time limit)")
+    if choice.saved_bytes > budget:  # the byte row's float tolerance let a few bytes through
+        return _solve_dag(regions, saved, hints, budget - (choice.saved_bytes - budget), block, time_limit_s)
+    return choice
+
+
+def _solve_dag_by_subsets(regions: list[Region], saved: _Saved, hints: dict, budget: int,
+                          block: list[bool]) -> DagChoice:
+    """The reference for :func:`_solve_dag` on few regions: every set of checkpointed regions, for
+    each the cached nodes by :func:`passes.remat_solver.solve_milp` (one kept storage per
+    candidate: keep it or recompute its owner); the best set by (FLOPs, bytes)."""
+    if len(regions) > _ENUMERATE_REGIONS:
+        raise ConfigError(f"every subset of {len(regions)} regions is 2**{len(regions)} MILPs; at most "
+                          f"{_ENUMERATE_REGIONS} regions here (_solve_dag solves any count)")
+    node_flops, candidates = _dag_candidates(regions, hints)
+    results = {}
+    for mask in range(1 << len(regions)):
+        subset = tuple(i for i in range(len(regions)) if mask >> i & 1)
+        base_keys = saved.kept([regions[i] for i in subset])
+        fixed = _at_hints(saved.bytes(base_keys), hints)
+        if fixed > budget:
+            continue
+        nodes = [n for i in subset for n in candidates[i]]
+        total = sum(node_flops[n] for i in subset for n in regions[i].nodes)
+        chosen = frozenset()
+        if nodes:
+            extra = [[k for k in saved.owned.get(n, ()) if k not in base_keys] for n in nodes]
+            problem = RematProblem(
+                nodes=tuple(n.name for n in nodes), flops=tuple(node_flops[n] for n in nodes),
+                recomputable=(True,) * len(nodes), fixed_bytes=fixed,
+                storages=tuple(Storage(name=n.name, owner=j, kept=True, nbytes=_at_hints(saved.bytes(keys), hints))
+                               for j, (n, keys) in enumerate(zip(nodes, extra))))
+            decision = solve_milp(problem, budget, costs=RematCosts(device_flops_per_s=1.0))
+            if not decision.feasible:
+                continue
+            chosen = frozenset(n for n in nodes if decision.action(n.name) == "save")
+        keys = base_keys | {k for n in chosen for k in saved.owned.get(n, ())}
+        results[subset] = (total - sum(node_flops[n] for n in chosen), _at_hints(saved.bytes(keys), hints), chosen)
+    best = min(results, key=lambda s: results[s][:2])
+    return _dag_choice(regions, saved, hints, block, best, results[best][2], "milp per subset")
 
 
 # ---------------------------------------------------------------------------------------------

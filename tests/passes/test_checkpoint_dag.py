@@ -5,8 +5,10 @@ On a ResNet-style CNN, the U-Net and Hugging Face BERT, at budgets between block
 checkpointing's saved bytes and none's: one training step gives bit-identical losses and
 gradients to the uncheckpointed graph (fp32, dropout replayed), the recompute FLOPs never exceed
 block-level checkpointing's at the same budget, and the predicted peak of the rewritten graph is
-within 3% of MemTracker's measured peak on CPU. At five budgets per model the recompute FLOPs lie
-between the whole-graph remat MILP's optimum (a lower bound) and block-level checkpointing's.
+within 3% of MemTracker's measured peak on CPU. At five budgets per model the policy's one MILP
+finds the optimum that enumerating every set of checkpointed regions finds, and its recompute
+FLOPs lie between the whole-graph remat MILP's optimum (a lower bound) and block-level
+checkpointing's.
 """
 from __future__ import annotations
 
@@ -179,8 +181,9 @@ BUDGET_FRACTIONS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 @pytest.mark.parametrize("name", ["resnet", "unet", "hf-bert"])
 def test_budget_table_against_block_level_and_the_whole_graph_milp(name):
-    """At five budgets: the dag policy's recompute FLOPs never exceed block-level checkpointing's,
-    and never undercut the optimum of the whole-graph remat MILP (``remat_solver.solve_milp`` on
+    """At five budgets: the dag policy's choice (one MILP over regions and cached nodes) is the
+    optimum that enumerating every set of checkpointed regions finds (same FLOPs, same bytes);
+    its recompute FLOPs never exceed block-level checkpointing's, and never undercut the optimum of the whole-graph remat MILP (``remat_solver.solve_milp`` on
     ``problem_from_view(to_networkx(gm))``), a lower bound: that model recomputes any node on its
     own and may drop a region's boundary tensor, which ``torch.utils.checkpoint`` always keeps.
     Prints (budget bytes, dag FLOPs, MILP optimum FLOPs, block-level FLOPs, dag / forward FLOPs)."""
@@ -188,7 +191,10 @@ def test_budget_table_against_block_level_and_the_whole_graph_milp(name):
     from passes.ir.meta import FLOP_SUMMARY
     from passes.remat_solver import RematCosts, evaluate, problem_from_view, solve_milp
 
+    from passes import checkpoint_policy as policy
+
     _, gm, _, _ = _captured(name)
+    regions, saved, hints = block_regions(gm), _saved_model(gm), gm.meta[CAPTURE].symbols()
     problem = problem_from_view(to_networkx(gm))
     costs = RematCosts(device_flops_per_s=1.0)
     forward = int(gm.meta[FLOP_SUMMARY].fwd)
@@ -197,6 +203,10 @@ def test_budget_table_against_block_level_and_the_whole_graph_milp(name):
         budget = _budget(name, fraction)
         out = checkpoint_policy(copy.deepcopy(gm), policy="dag", budget_bytes=budget)
         dag = out.meta[DAG_CHECKPOINT_PLAN]
+        block = [r.recompute for r in checkpoint_policy(copy.deepcopy(gm), policy="solver",
+                                                        budget_bytes=budget).meta[CHECKPOINT_PLAN].regions]
+        by_subsets = policy._solve_dag_by_subsets(regions, saved, hints, budget, block)
+        assert (dag.recompute_flops, dag.saved_bytes) == (by_subsets.recompute_flops, by_subsets.saved_bytes)
         optimum = solve_milp(problem, budget, costs=costs)
         assert optimum.feasible and optimum.optimal
         # the dag decision is a decision of the whole-graph model too, and fits there
@@ -211,3 +221,24 @@ def test_budget_table_against_block_level_and_the_whole_graph_milp(name):
     print(f"\n{name} (forward {forward} FLOPs)\n{'budget B':>10} {'dag':>10} {'MILP opt':>10} {'block':>10} overhead")
     for budget, flops, optimum, block, overhead in rows:
         print(f"{budget:>10} {flops:>10} {optimum:>10} {block:>10} {overhead:8.3f}")
+
+
+@pytest.mark.parametrize("fraction", [0.2, 0.6])
+def test_one_milp_matches_every_subset_on_eight_blocks(fraction):
+    """Eight GPT blocks (8 regions, 256 sets of them): the dag policy's single MILP finds the same
+    optimum (FLOPs and bytes) as solving the cached nodes of every set of regions and taking the best."""
+    from passes import checkpoint_policy as policy
+
+    gm = annotate_flops(annotate_blocks(annotate_shapes(capture_spec(
+        build_model("gpt:layers=8,hidden=32,heads=2,vocab=64,seq=16")))))
+    regions, saved, hints = block_regions(gm), _saved_model(gm), gm.meta[CAPTURE].symbols()
+    assert len(regions) == 8
+    full = policy._at_hints(saved.bytes(saved.kept(regions)), hints)
+    none = policy._at_hints(saved.bytes(saved.kept([])), hints)
+    budget = int(full + fraction * (none - full))
+    block = [r.recompute for r in checkpoint_policy(copy.deepcopy(gm), policy="solver",
+                                                    budget_bytes=budget).meta[CHECKPOINT_PLAN].regions]
+    milp = policy._solve_dag(regions, saved, hints, budget, block)
+    reference = policy._solve_dag_by_subsets(regions, saved, hints, budget, block)
+    assert (milp.recompute_flops, milp.saved_bytes) == (reference.recompute_flops, reference.saved_bytes)
+    assert milp.saved_bytes <= budget and milp.recompute_flops < milp.block_recompute_flops

@@ -42,7 +42,7 @@ from torch import fx, nn
 
 from ir_dumps.report import write_report
 from ir_dumps.writer import DumpWriter
-from partitioner.build import analyse, capture_training_step, lower_checked
+from partitioner.build import analyse, capture_training_step, lower_checked_all
 from partitioner.cluster import Cluster
 from partitioner.dumps import write_plan_dumps
 from partitioner.memory_check import replay_check
@@ -411,13 +411,15 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     clock.lap("mesh")
     if writer is not None:
         dumps = write_plan_dumps(out_dir, graph=graph, plan=chosen, cluster=cluster, writer=writer)
-        check_lowering(dumps.lowering)  # the other ranks check the same programs in lower_checked
-        program = dumps.lowering.rank_program(rank)
+        check_lowering(dumps.lowering)  # the other ranks check the same programs in lower_checked_all
+        lowering = dumps.lowering
         clock.lap("lower+dumps")
     else:
-        program = lower_checked(graph, chosen.config, rank, cluster=cluster,
-                                ctx=PassContext(optimizer=planned_optimizer, mixed_precision=chosen.config.mixed_precision))
+        lowering = lower_checked_all(graph, chosen.config, cluster=cluster, ctx=PassContext(
+            optimizer=planned_optimizer, mixed_precision=chosen.config.mixed_precision))
         clock.lap("lower")
+    mesh.check_same_program(lowering.digest())
+    program = lowering.rank_program(rank)
     pm = ParallelModel(program, mesh, optimizer=factory, lr_scheduler=lr_scheduler, clip_grad_norm=clip_grad_norm,
                        nonfinite=nonfinite)
     trainer = AutoParallel(pm, chosen, cluster, spec, dump_dir=out_dir, track_memory=track_memory)

@@ -86,9 +86,11 @@ def build_parallel_model(graph: fx.GraphModule, config: ParallelConfig, mesh: Me
     """
 
     cluster = cluster or Cluster.local(mesh.size)
-    program = lower_checked(graph, config, mesh.rank, cluster=cluster, first=mesh.first, tp_group=tp_group,
-                            bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES, overlap_grad_sync=overlap_grad_sync,
-                            zero3_prefetch=zero3_prefetch)
+    lowering = lower_checked_all(graph, config, cluster=cluster, first=mesh.first, tp_group=tp_group,
+                                 bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
+                                 overlap_grad_sync=overlap_grad_sync, zero3_prefetch=zero3_prefetch)
+    mesh.check_same_program(lowering.digest())
+    program = lowering.rank_program(mesh.rank, first=mesh.first)
     kwargs = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
     return ParallelModel(program, mesh, optimizer=optimizer, overlap_grad_sync=overlap_grad_sync,
                          zero3_prefetch=zero3_prefetch, **kwargs, **runtime)
@@ -102,11 +104,21 @@ def lower_checked(graph: fx.GraphModule, config: ParallelConfig, rank: int, *, c
     :class:`CommunicationMismatchError`). Every process checks the whole plan itself: no
     collective is needed, and every rank reaches the same verdict before its first collective.
     ``bucket_bytes`` (bytes) and ``overlap_grad_sync``: as the ParallelModel that runs it takes them."""
+    return lower_checked_all(graph, config, cluster=cluster, first=first, tp_group=tp_group, ctx=ctx,
+                             bucket_bytes=bucket_bytes, overlap_grad_sync=overlap_grad_sync,
+                             zero3_prefetch=zero3_prefetch).rank_program(rank, first=first)
+
+
+def lower_checked_all(graph: fx.GraphModule, config: ParallelConfig, *, cluster: Cluster, first: int = 0,
+                      tp_group: str = "tp", ctx: PassContext | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      overlap_grad_sync: bool = True, zero3_prefetch: int = ZERO3_PREFETCH):
+    """Every rank's program of ``config`` (a :class:`passes.lower.Lowering`), its communication
+    checked (:func:`passes.communication_check.check_lowering`), as :func:`lower_checked` takes it."""
     lowering = lower(graph, config, cost=cost_hooks(cluster), tp_group=tp_group,
                      ctx=ctx or PassContext(mixed_precision=config.mixed_precision))
     check_lowering(lowering, first=first, bucket_bytes=bucket_bytes, overlap_grad_sync=overlap_grad_sync,
                    zero3_prefetch=zero3_prefetch)
-    return lowering.rank_program(rank, first=first)
+    return lowering
 
 
 def lower_all(graph: fx.GraphModule, config: ParallelConfig, *, cluster: Cluster, tp_group: str = "tp", writer=None):

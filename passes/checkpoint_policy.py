@@ -206,7 +206,10 @@ def _saved_model(gm: fx.GraphModule) -> _Saved:
     """
     run = _observe_saved(gm)
     ids = {st: i for i, st in enumerate(run.storages.values())}
-    kept = {st for st in run.storages.values() if st.kept and st.kind in ("activation", "internal", "input")}
+    # a list in the run's order, not a set: the numbering and every dict built from it must be
+    # the same on every rank (a set of storages iterates in address order, which is not), or the
+    # solvers' ties break differently and ranks checkpoint different blocks
+    kept = [st for st in run.storages.values() if st.kept and st.kind in ("activation", "internal", "input")]
     return _Saved(size={ids[st]: st.size for st in kept},
                   savers={ids[st]: set(st.savers) for st in kept},
                   storages={n: tuple(ids[st] for st in sts if st.kind in ("activation", "input"))
@@ -469,12 +472,12 @@ def _solve_dag(regions: list[Region], saved: _Saved, hints: dict, budget: int, b
         row({A + j: 1.0, R + region_of[n]: -1.0}, -np.inf, 0.0)
         for k in saved.owned.get(n, ()):
             row({col_y[k]: 1.0, A + j: -1.0}, 0.0, np.inf)
-    for k, savers in saved.savers.items():
-        for r in {region_of.get(s) for s in savers}:
-            if r is None:
-                low[col_y[k]] = 1.0
-            else:
-                row({col_y[k]: 1.0, R + r: 1.0}, 1.0, np.inf)
+    for k in sorted(saved.savers):  # rows in a fixed order: HiGHS breaks ties by it
+        regions_saving = {region_of.get(s) for s in saved.savers[k]}
+        if None in regions_saving:
+            low[col_y[k]] = 1.0
+        for r in sorted(regions_saving - {None}):
+            row({col_y[k]: 1.0, R + r: 1.0}, 1.0, np.inf)
     for i, r in enumerate(regions):
         for node in r.io()[0]:
             for k in saved.storages.get(node, ()):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
@@ -40,7 +41,7 @@ from passes.ir.config import TORCH_DTYPES, ParallelConfig, dtype_name
 from passes.ir.cp_ops import CONTEXT_PARALLEL, CP_OPS
 from passes.ir.cost import CostHooks
 from passes.ir.errors import ConfigError, PassError
-from passes.ir.meta import (CAPTURE, CHECKPOINT_PLAN, LAYER_CHAIN, OFFLOAD_PLAN, PIPELINE_STAGE, STAGE_IO,
+from passes.ir.meta import (CAPTURE, CHECKPOINT_PLAN, LAYER_CHAIN, OFFLOAD_PLAN, PIPELINE_STAGE, REMAT, STAGE_IO,
                             TENSOR_PARALLEL_PLAN,
                             InputSpec, PipelineSplit, StageAssignment, StageIO, dim_symbol)
 from passes.ir.ops import TP_OPS, op_name
@@ -109,6 +110,22 @@ class Lowering:
             comms=tuple(_comms(self.split, modules, mine, c, pp_index, dp_index, tp_index, first, self.tp_group)),
             actions=tuple(actions), inputs=info.inputs, sp_grad_params=tuple(sp_grads),
             no_weight_decay=self._no_weight_decay(canonical))
+
+    def digest(self) -> str:
+        """A hash of what every rank will run: the config and, for each (stage, tp rank) program
+        lowered, the generated code of it and of its submodules (checkpointed regions) and the
+        nodes whose outputs a selective region keeps. Processes that lower the same plan must get
+        the same string (:meth:`runtime.mesh.Mesh.check_same_program` compares them)."""
+        h = hashlib.sha256(repr(self.config).encode())
+        for key in sorted(self.programs):
+            h.update(repr(key).encode())
+            for name, module in self.programs[key].named_modules():
+                if isinstance(module, fx.GraphModule):
+                    h.update(name.encode())
+                    h.update(module.code.encode())
+                    h.update(" ".join(n.name for n in module.graph.nodes
+                                      if REMAT in n.meta and n.meta[REMAT].cached).encode())
+        return h.hexdigest()[:16]
 
     def _no_weight_decay(self, canonical: Mapping[str, str]) -> frozenset[str]:
         names = no_weight_decay_names(self.graph)

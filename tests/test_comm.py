@@ -49,3 +49,26 @@ def test_a_cpu_tensor_on_an_nccl_group_is_refused_before_sending(monkeypatch):
     monkeypatch.setattr(comm, "backend_of", lambda group: "nccl")
     with pytest.raises(comm.CommError, match="a cpu tensor of shape \\(5, 3\\) on an NCCL group.*mesh.device"):
         comm.broadcast(torch.zeros(5, 3), src=0)
+
+
+def _check_program_rank(digests: list[str]):
+    import torch.distributed as dist
+
+    from passes.ir.config import ParallelConfig
+    from passes.ir.errors import CommunicationMismatchError
+    from runtime.mesh import Mesh
+
+    mesh = Mesh.for_config(ParallelConfig(dp=3, micro_batch_size=1, num_micro_batches=1), timeout_s=60)
+    try:
+        mesh.check_same_program(digests[dist.get_rank()])
+    except CommunicationMismatchError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_that_lowered_different_programs_are_named_before_any_step():
+    """Every process lowers the plan itself; the mesh compares the lowerings' digests, and a rank
+    whose program differs stops every rank with the groups of ranks that agree."""
+    assert spawn(_check_program_rank, 3, ["a1", "a1", "a1"], timeout_s=120) == [None] * 3
+    errors = spawn(_check_program_rank, 3, ["a1", "b2", "a1"], timeout_s=120)
+    assert all(e is not None and "ranks [0, 2] lowered a1" in e and "ranks [1] lowered b2" in e for e in errors)

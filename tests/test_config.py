@@ -24,6 +24,7 @@ def test_defaults_are_one_device_and_derived_sizes():
     (dict(checkpointing="sometimes"), "checkpointing must be one of none, selective, full"),
     (dict(zero_stage=4), "zero_stage must be one of 0, 1, 2, 3"),
     (dict(dp=2, pp=2, num_micro_batches=2, schedule="zb1p", zero_stage=3), "zero_stage=3 gathers"),
+    (dict(pp=2, num_micro_batches=2, schedule="zbv", virtual_pp=2, checkpointing="dag"), "selective checkpointing, which replays"),
     (dict(virtual_pp=2), "virtual_pp=2 needs schedule='interleaved'"),
     (dict(pp=2, schedule="interleaved", virtual_pp=2, num_micro_batches=3), "divisible by pp (2)"),
     (dict(sequence_parallel=True), "sequence_parallel=true needs tp > 1"),

@@ -254,6 +254,10 @@ class ParallelConfig:
                 out.append("zero_stage=3 with offload='activations' is not supported (the offload brackets would keep "
                            "the gathered parameters alive until backward); use checkpointing to save activation "
                            "memory, or zero_stage <= 2")
+        if self.checkpointing == "dag" and self.split_backward:
+            out.append(f"checkpointing='dag' keeps op outputs in torch's selective checkpointing, which replays a "
+                       f"region for one backward only; schedule={self.schedule!r} splits each backward in two (input "
+                       f"and weight halves); use checkpointing='full' with it, or schedule=1f1b, gpipe or interleaved")
         if self.stage_boundaries is not None:
             b = self.stage_boundaries
             if len(b) != self.n_stages - 1:

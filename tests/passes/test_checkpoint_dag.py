@@ -13,6 +13,7 @@ checkpointing's.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 import pytest
@@ -242,3 +243,28 @@ def test_one_milp_matches_every_subset_on_eight_blocks(fraction):
     reference = policy._solve_dag_by_subsets(regions, saved, hints, budget, block)
     assert (milp.recompute_flops, milp.saved_bytes) == (reference.recompute_flops, reference.saved_bytes)
     assert milp.saved_bytes <= budget and milp.recompute_flops < milp.block_recompute_flops
+
+
+def test_dag_choice_is_the_same_whatever_the_storage_order():
+    """Every rank lowers the plan on its own, so the choice must not depend on anything that
+    varies between processes. Four identical GPT-2 blocks make many equally good choices; the
+    MILP must pick the same one when the saved-storage table comes in another order (it once
+    came in the address order of a set of storages, and ranks checkpointed different blocks:
+    their tp all-reduces then paired a recompute with a backward, and the gradients were wrong)."""
+    from passes import checkpoint_policy as policy
+    from tests.runtime_cases import MODELS as RUNTIME_MODELS
+
+    gm = annotate_flops(annotate_blocks(annotate_shapes(capture_spec(build_model(RUNTIME_MODELS["hf-gpt2"])))))
+    regions, saved, hints = block_regions(gm), _saved_model(gm), gm.meta[CAPTURE].symbols()
+    assert list(saved.size) == sorted(saved.size)  # numbered and listed in the run's order
+    full = policy._at_hints(saved.bytes(saved.kept(regions)), hints)
+    none = policy._at_hints(saved.bytes(saved.kept([])), hints)
+    budget = int(full + 0.5 * (none - full))
+    block = [r.recompute for r in checkpoint_policy(copy.deepcopy(gm), policy="solver",
+                                                    budget_bytes=budget).meta[CHECKPOINT_PLAN].regions]
+    choice = policy._solve_dag(regions, saved, hints, budget, block)
+    shuffled = dataclasses.replace(saved, savers=dict(reversed(saved.savers.items())),
+                                   size=dict(reversed(saved.size.items())))
+    again = policy._solve_dag(regions, shuffled, hints, budget, block)
+    assert 0 < sum(choice.checkpointed) < len(regions)  # a choice among equals, not all or none
+    assert (again.checkpointed, again.cached) == (choice.checkpointed, choice.cached)

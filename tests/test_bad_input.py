@@ -399,3 +399,27 @@ def test_cli_refuses_bad_input(case, argv, code, message, cli_results):
 def test_table_size():
     # The issue asks for at least 60 bad inputs across the CLI and the API.
     assert len(API) + len(CLI) >= 60 and len(CLI) >= 20
+
+
+def test_a_batch_whose_cp_shard_sequence_parallelism_cannot_cut_is_refused_before_any_collective():
+    """cp=2 with tp=4 and sequence parallelism: a sequence of 12 tokens is a multiple of 2 * cp
+    (the load-balanced layout) but gives each cp rank 6, which sp cannot cut over 4 tp ranks. The
+    runtime refuses it while it shards the batch (no collective has run), naming the lengths that
+    work; 16 tokens pass and are cut to each rank's 8."""
+    import types
+
+    import torch
+
+    from passes.ir.config import ParallelConfig
+    from passes.ir.cp_ops import ContextParallelPlan
+    from runtime.parallel_model import ParallelModel
+
+    plan = ContextParallelPlan(mode="ring", degree=2, group="tp.cp", seq_dim="seq", seq_len=16,
+                               sharded_inputs=(("tokens", 1),), attention=1, positions=1, losses=1)
+    config = ParallelConfig(tp=4, cp=2, sequence_parallel=True, micro_batch_size=1, num_micro_batches=1)
+    rank = types.SimpleNamespace(cp_plan=plan, config=config, tp=4, mesh=types.SimpleNamespace(cp_index=1))
+    with pytest.raises(ConfigError, match=r"'seq' length 12 gives each of cp=2 ranks 6 tokens.*multiple of 8"):
+        ParallelModel._cp_shard(rank, {"tokens": torch.arange(12)[None]}, {"seq": 12, "batch": 1})
+    rows = {"tokens": torch.arange(16)[None]}
+    assert ParallelModel._cp_shard(rank, rows, {"seq": 16, "batch": 1}) == {"seq": 8, "batch": 1}
+    assert rows["tokens"].shape == (1, 8)

@@ -16,7 +16,9 @@ Per micro-batch of ``b`` samples, per layer (numbers per sample come from the Mo
   the same bytes);
 * recompute: ``full`` checkpointing reruns the layer's forward (compute and TP communication);
   ``selective`` reruns the attention core only (its attention kernels on the roofline, and for
-  an unfused attention the memory-bound nodes on its [s, s] scores).
+  an unfused attention the memory-bound nodes on its [s, s] scores); ``dag`` reruns, in the
+  share of blocks it checkpoints, the memory-bound ops, overheads and TP communication, plus the
+  matmul-class kernels whose outputs it does not keep (``LayerProfile.dag_recompute_flops``).
 
 A stage's time per micro-batch is the sum over its layers. The step is
 ``(m + (p−1)/v) · T_max`` (``cost_model.pipeline_step_time``) with ``T_max`` the slowest stage,
@@ -53,6 +55,8 @@ buckets for dp, send/recv buffers for pp, one all-reduce buffer for tp). Activat
   none: selective then saves nothing and is only tried when pinned);
 * ``full`` keeps each layer's input (the boundary tensor) per micro-batch in flight, plus one
   whole layer's activations for the layer being recomputed;
+* ``dag`` keeps the share of each layer's activations the profile's dag decision keeps
+  (``LayerProfile.dag_activation_bytes``), plus one whole layer's for the layer being recomputed;
 * ``offload="activations"`` keeps at most two micro-batches' activations on the device (the one
   computing and one being copied); the copies out and back cost ``2·bytes`` at the slower of the
   host-to-device link and the device's share of host-memory bandwidth
@@ -252,6 +256,7 @@ class PlanContext:
         # the attention kernel and its exchanges (:meth:`_cp_attention`).
         b = mbs / cp
         fwd, bwd = self._matmul_times(layer, tp, b)
+        matmul_fwd = fwd
         mem_fwd = memory_bound_time(self._memory_bound_bytes(layer, tp, b, sp), dev)
         # an elementwise op's backward reads the output gradient and its saved input and writes
         # the input gradient: about twice its forward's bytes
@@ -279,6 +284,16 @@ class PlanContext:
         if ckpt == "full":
             act = layer.boundary_bytes * b / (tp if sp else 1)
             recompute = fwd + fwd_comm + cpa.comm_fwd  # the rerun forward exchanges again
+            full += cpa.saved_bytes  # the working set of the block being recomputed
+        elif ckpt == "dag" and layer.dag_activation_bytes is not None:
+            # the profile's dag decision: a share of the saved bytes kept; a checkpointed block
+            # replays its memory-bound ops, its overheads and its exchanges, and of its matmul-class
+            # kernels those whose outputs it does not keep
+            keep = layer.dag_activation_bytes / layer.activation_bytes if layer.activation_bytes else 1.0
+            act = full * keep + cpa.saved_bytes
+            share = layer.dag_recompute_flops / layer.fwd_flops if layer.fwd_flops else 0.0
+            recompute = (layer.dag_checkpointed * (mem_fwd + op_overhead_time(ops, dev) + fwd_comm + cpa.comm_fwd)
+                         + share * (matmul_fwd + cpa.fwd))
             full += cpa.saved_bytes  # the working set of the block being recomputed
         elif ckpt == "selective":  # the attention core reruns: its exchanges too, its extra saves are not kept
             act = full - layer.attention_score_bytes * b / tp
@@ -503,7 +518,7 @@ def _greedy(ctx: PlanContext, c: ParallelConfig, costs, T: float, limit: float |
         n_in = _inflight(c, stage)
         t = grads = 0.0
         taken = 0
-        mem = _buffers(ctx, c) + (blk.full_act_bytes if c.checkpointing == "full" else 0.0)
+        mem = _buffers(ctx, c) + _recompute_working_set(c, blk)
         bucket = 2 * GRAD_BUCKET_BYTES if c.dp_cp > 1 else 0.0
         while run < 3:
             cost, _, extra = runs[run]
@@ -576,7 +591,7 @@ def _stage_numbers(ctx: PlanContext, c: ParallelConfig, costs, ranges: list[tupl
         "parameters": params * wp,
         "gradients": params * wg,
         "optimizer": params * wo,
-        "activations": act * _inflight(c, stage) + (blk.full_act_bytes if c.checkpointing == "full" else 0.0),
+        "activations": act * _inflight(c, stage) + _recompute_working_set(c, blk),
         "buffers": _buffers(ctx, c, None if c.zero_stage == 3 else params * ctx.itemsize),
     }
     if c.zero_stage == 3:  # the gathered full parameters count as communication buffers
@@ -718,6 +733,12 @@ of the layer: W runs the autograd engine once more per weight-reading op, I walk
 captures each such op's output gradient. Measured with bench/schedule_bubbles.py on the 2-core
 development machine: I + W took 8.5 ms more than B per micro-batch through 2 GPT blocks (12
 matmuls) at 59 us per dispatched op (its calibrated ``kernel_overhead_s``)."""
+
+
+def _recompute_working_set(c: ParallelConfig, blk: _LayerCost) -> float:
+    """Bytes a recomputed block holds while its backward runs (its activations without
+    checkpointing), on top of what the in-flight micro-batches keep: full and dag checkpointing."""
+    return blk.full_act_bytes if c.checkpointing in ("full", "dag") else 0.0
 
 
 def _saved_tensors(ctx: PlanContext, c: ParallelConfig, ranges) -> int:

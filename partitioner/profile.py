@@ -12,16 +12,18 @@ seconds, no weights allocated.
 """
 from __future__ import annotations
 
+import copy
 import operator
 from dataclasses import dataclass, replace
 
 import sympy
 from torch import fx
 
+from passes.checkpoint_policy import checkpoint_policy
 from passes.context_parallel import attention_problems, repeat_kv_source, sdpa_args
-from passes.ir.errors import AnalysisError, ConfigError
+from passes.ir.errors import AnalysisError, ConfigError, PassError
 from partitioner.model_spec import ModelSpec, build_model, format_spec, model_keys, parse_spec
-from passes.ir.meta import BLOCK, CAPTURE, FLOPS, LAYER_CHAIN, MEMORY, SHAPE, dim_symbol
+from passes.ir.meta import BLOCK, CAPTURE, CHECKPOINT_PLAN, FLOPS, LAYER_CHAIN, MEMORY, SHAPE, dim_symbol
 
 LAYER_KEYS = ("layers", "num_hidden_layers", "n_layer", "num_layers")
 """Spec keys that set the number of repeated blocks (zoo models, then Hugging Face names)."""
@@ -108,6 +110,17 @@ class LayerProfile:
     score_memory_bound_bytes: int = 0
     """Part of ``memory_bound_bytes`` of the nodes with [s, s] outputs (mask, softmax, dropout of
     an unfused attention's scores): selective checkpointing reruns them. 0 for fused attention."""
+    dag_activation_bytes: float | None = None
+    """Bytes saved for backward per sample under ``checkpointing="dag"`` at its default budget
+    (:func:`passes.checkpoint_policy.dag_default_budget`), averaged over the blocks: the policy
+    decides over the whole graph and may treat equal blocks differently. None: not profiled (the
+    search then does not offer dag)."""
+    dag_recompute_flops: float = 0.0
+    """Forward FLOPs per sample that ``dag`` runs again in backward (the checkpointed block's
+    nodes that keep no output), averaged over the blocks."""
+    dag_checkpointed: float = 0.0
+    """Fraction of the blocks ``dag`` checkpoints (each replays its memory-bound ops and its
+    collectives in backward)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -301,11 +314,33 @@ def _chain(gm: fx.GraphModule, seq: int, shared: _SharedMap, subs: dict | None =
     hidden = int(boundary[stack[0]].shape[-1])
     heads = _heads(gm)
     layers = {g: _sum(g, ns, seq, hidden, boundary.get(g), shared, subs) for g, ns in groups.items()}
+    dag = _dag_per_block(gm, stack, subs)
+    if dag is not None:
+        layers.update({g: replace(layers[g], dag_activation_bytes=layers[g].activation_bytes - dag[0],
+                                  dag_recompute_flops=dag[1], dag_checkpointed=dag[2]) for g in stack})
     bnd = layers[stack[0]].boundary_bytes
     emb = replace(layers["embedding"], boundary_bytes=bnd, tp_all_reduces=1)
     head = replace(layers["head"], boundary_bytes=bnd, tp_all_reduces=1)
     attention = _attention(groups[stack[0]], seq, subs)
     return emb, [layers[g] for g in stack], head, hidden, heads, attention
+
+
+def _dag_per_block(gm: fx.GraphModule, stack: list[str], subs: dict | None) -> tuple[float, float, float] | None:
+    """(bytes no longer saved, recompute FLOPs, checkpointed fraction) per sample and block,
+    averaged over ``stack``'s blocks, under the ``dag`` checkpoint policy at its default budget;
+    None where the policy finds nothing to decide on this graph."""
+    try:
+        plan = checkpoint_policy(copy.deepcopy(gm), policy="dag").meta[CHECKPOINT_PLAN]
+    except (PassError, ConfigError):
+        return None
+    regions = {r.name: r for r in plan.regions}
+    if not stack or any(g not in regions for g in stack):
+        return None
+    picked = [regions[g] for g in stack]
+    n = len(picked)
+    return (sum(_int(r.bytes_saved, subs) for r in picked if r.recompute) / n,
+            sum(_int(r.recompute_flops, subs) for r in picked if r.recompute) / n,
+            sum(r.recompute for r in picked) / n)
 
 
 _SDPA = "aten.scaled_dot_product_attention"

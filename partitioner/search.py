@@ -145,10 +145,10 @@ def _pinned_problems(fix: dict, world: int, L: int, heads: int, global_batch: in
     if fix.get("offload") == "optimizer" and fix.get("zero_stage"):
         out.append(f"offload='optimizer' keeps the whole optimizer state on the host, zero_stage="
                    f"{fix['zero_stage']} shards it over dp: choose one (zero_stage=0 or offload='none')")
-    if fix.get("checkpointing") == "dag":
-        out.append("checkpointing='dag' (per-tensor rematerialization) is not in the planner's cost model yet, so no "
-                   "plan could say what it costs: pin none, selective or full, or lower a config with "
-                   "checkpointing='dag' directly (partitioner.build.build_parallel_model)")
+    if fix.get("checkpointing") == "dag" and profile is not None and profile.blocks \
+            and profile.blocks[0].dag_activation_bytes is None:
+        out.append("checkpointing='dag' found nothing to decide on this model's profile (no checkpoint "
+                   "regions in its blocks): pin none, selective or full")
     return out
 
 
@@ -282,6 +282,8 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
     why = _Refusals()  # why configs were left out, with the depth of the rule
     has_scores = any(layer.attention_score_bytes for layer in profile.layers)
     ckpts = ["none", "selective", "full"] if has_scores else ["none", "full"]
+    if profile.blocks and profile.blocks[0].dag_activation_bytes is not None:
+        ckpts.append("dag")
     tps = [t for t in _divisors(world) if profile.heads % t == 0 and cluster.devices_per_node % t == 0]
     pairs = []
     for tp in opts("tp", tps):

@@ -3,7 +3,7 @@
 Hypothesis draws feasible plans (``plans`` below: tiny zoo GPT and tiny HF GPT-2,
 dp*tp*pp in {1, 2, 4, 8}, tp | heads, gpipe / 1f1b / zero-bubble zb1p, interleaved or ZBV with virtual_pp=2,
 micro-batches,
-ZeRO-1, 2 or 3, full checkpointing or activation offload) and each one must give the per-step losses,
+ZeRO-1, 2 or 3, full or dag checkpointing or activation offload) and each one must give the per-step losses,
 global gradient norms and learning rates, final parameters and last-step (clipped) gradients of
 single-process AdamW training with global-norm clipping (every step clips) and a warm-up + cosine
 schedule at rtol 1e-5. Fixed
@@ -46,6 +46,8 @@ def plans(draw, models=("gpt", "hf-gpt2"), max_ranks: int = WORLD) -> Plan:
     per_micro_batch = draw(st.sampled_from([1, 2]))
     # checkpointing + offload together: a fixed case in test_runtime_tp_parity.py
     memory = [("none", "none"), ("full", "none"), ("none", "activations")]
+    if schedule not in ("zb1p", "zbv"):  # dag's selective regions replay for one backward, not two halves
+        memory.append(("dag", "none"))
     ckpt, offload = draw(st.sampled_from(memory))
     # context parallelism (with or without tp): not on HF GPT-2 (its attention takes an explicit
     # mask, which the rewrite refuses); the sequence (8) cut in 2 * cp chunks; Ulysses when
@@ -156,7 +158,8 @@ def test_draw_covers_every_axis_and_option():
     }
     want = {"model": {"gpt", "hf-gpt2"}, "tp>1": {True, False}, "pp>1": {True, False}, "dp>1": {True, False},
             "schedule": {"gpipe", "1f1b", "interleaved", "zb1p", "zbv"}, "zero": {0, 1, 2, 3},
-            "memory": {("none", "none"), ("full", "none"), ("none", "activations")}, "hsdp": {True, False},
+            "memory": {("none", "none"), ("full", "none"), ("none", "activations"), ("dag", "none")},
+            "hsdp": {True, False},
             "keep": {True, False}, "cp": {None, "ring", "ulysses"}}
     assert seen == want, [p.id for p in DRAWN]
     assert len(DRAWN) == len(set(DRAWN)) == N_DRAWN

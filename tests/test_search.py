@@ -55,6 +55,23 @@ def test_fix_every_field_reproduces_prediction(profile):
     assert again.alternatives == ()  # a single candidate
 
 
+def test_dag_checkpointing_is_costed_between_none_and_full(profile):
+    """The profile carries the dag policy's decision on the captured blocks (a share of the saved
+    bytes kept, some matmul FLOPs recomputed), and the search prices it: with every other knob
+    pinned, dag's peak lies between full checkpointing's and none's, and so does its recompute."""
+    block = profile.blocks[0]
+    assert block.activation_bytes > block.dag_activation_bytes > 0
+    assert 0 < block.dag_recompute_flops < block.fwd_flops and 0 < block.dag_checkpointed <= 1
+    base = {"dp": 2, "tp": 2, "pp": 2, "schedule": "1f1b", "zero_stage": 0, "micro_batch_size": 2, "offload": "none",
+            "sequence_parallel": False}
+    by_policy = {ckpt: plan(profile, _cluster(), global_batch=64, fix={**base, "checkpointing": ckpt}).predicted
+                 for ckpt in ("none", "dag", "full")}
+    peak = {k: v.peak_memory_bytes for k, v in by_policy.items()}
+    recompute = {k: v.terms["recompute"] for k, v in by_policy.items()}
+    assert peak["full"] < peak["dag"] < peak["none"], peak
+    assert recompute["none"] == 0 < recompute["dag"] < recompute["full"], recompute
+
+
 def test_fix_pins_knobs(profile):
     fix = {"tp": 2, "pp": 2, "schedule": "interleaved", "virtual_pp": 2, "checkpointing": "full",
            "zero_stage": 1, "micro_batch_size": 1}
@@ -104,7 +121,7 @@ def test_memory_ladder(profile):
         plan(profile, _cluster(least * 0.99), global_batch=batch)
     message = str(info.value)
     assert f"smallest need is {format_bytes(least)} per device" in message
-    assert "checkpointing in {full, none}" in message and "zero_stage in {0, 1, 2, 3}" in message
+    assert "checkpointing in {dag, full, none}" in message and "zero_stage in {0, 1, 2, 3}" in message
     assert info.value.min_bytes == least
     # ... and that need is enough
     fits = plan(profile, _cluster(math.ceil(least) + 1), global_batch=batch)

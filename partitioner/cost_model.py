@@ -327,12 +327,34 @@ FWD_BWD_RATIO = 2.0
 two matmuls per forward one)."""
 
 
+def _steady_micro_batches(p: int, m: int) -> int:
+    """The micro-batch count a zero-bubble schedule is simulated at: ``m``, or ``2p`` when larger.
+    From ``2p`` micro-batches on, ZB-H1's and ZB-V's idle time (in micro-batch units) and their
+    in-flight peaks no longer change with ``m`` (the steady phase only grows; checked in
+    tests/test_cost_model.py), and simulating thousands of micro-batches took the search minutes."""
+    return min(m, 2 * p)
+
+
+@functools.lru_cache(maxsize=256)
+def _actions(schedule: str, p: int, m: int, v: int):
+    return build(schedule, p, m, v, check=False)  # read only; what runs is built and checked by the lowering
+
+
 @functools.lru_cache(maxsize=1024)
 def _simulated_bubble_slots(schedule: str, p: int, m: int, v: int, weight_share: float) -> float:
     """Idle time per stage of a zero-bubble schedule, in forward+backward units: the action lists
     simulated with balanced stages (one chunk's forward 1/v, backward FWD_BWD_RATIO/v)."""
+    if schedule == "zb1p" and m >= p > 2:
+        # ZB-H1's idle time is (p - 1) times one stage's (Qi et al. 2023: (p-1)(F + I - W)) from
+        # p micro-batches on, at any weight share (tested): simulate two stages, not p
+        return (p - 1) * _simulated_bubble_slots(schedule, 2, 2, v, weight_share)
+    if schedule == "zbv" and m >= 2 * p and p > 2 and weight_share <= 0.5:
+        # so is ZB-V's from 2p micro-batches on while W is at most half the backward (tested;
+        # with a larger weight half it is not linear in p and is simulated)
+        return (p - 1) * _simulated_bubble_slots(schedule, 2, 4, v, weight_share)
+    m = _steady_micro_batches(p, m)
     f, b = 1.0 / v, FWD_BWD_RATIO / v
-    result = simulate(build(schedule, p, m, v), f, b, weight_time=b * weight_share)
+    result = simulate(_actions(schedule, p, m, v), f, b, weight_time=b * weight_share, validated=True)
     work = m * v * (f + b)
     return (result.makespan - work) / (work / m)
 
@@ -401,8 +423,8 @@ def _zero_bubble_in_flight(schedule: str, stage: int, p: int, m: int, v: int) ->
 @functools.lru_cache(maxsize=1024)
 def _zero_bubble_peaks(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]:
     # Read off the action list: a micro-batch's graph lives from its F until its W. One build
-    # (which also validates the schedule, the costly part) serves every stage.
-    actions = build(schedule, p, m, v)
+    # serves every stage.
+    actions = _actions(schedule, p, _steady_micro_batches(p, m), v)
     return tuple(peak_in_flight(actions, stage) for stage in range(p))
 
 

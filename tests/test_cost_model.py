@@ -179,3 +179,23 @@ def test_step_time_terms():
     assert terms.to_dict()["total"] == 1.875 and terms.to_dict()["offload"] == 0.0
     with pytest.raises(ConfigError, match="StepTimeTerms.bubble must be >= 0 seconds"):
         StepTimeTerms(bubble=-1.0)
+
+
+@pytest.mark.parametrize("schedule,v", [("zb1p", 1), ("zbv", 2)])
+@pytest.mark.parametrize("p", [2, 3, 4, 6])
+@pytest.mark.parametrize("share", [0.2, None, 0.9])
+def test_zero_bubble_costs_past_2p_micro_batches_equal_the_full_simulation(schedule, v, p, share):
+    """The search simulates ZB-V at most at 2p micro-batches and ZB-H1 on two stages: beyond that
+    their idle time per micro-batch and their in-flight peaks do not change (ZB-H1's grows as
+    p - 1), which the full action lists show, at any share of the backward in its weight half."""
+    from passes.ir.schedule import build, peak_in_flight, simulate
+    from partitioner import cost_model
+
+    share = round(cost_model.WEIGHT_GRAD_SHARE if share is None else share, 3)
+    f, b = 1.0 / v, cost_model.FWD_BWD_RATIO / v
+    for m in (p, 2 * p + 1, 3 * p, 5 * p + 2):
+        actions = build(schedule, p, m, v, check=False)
+        work = m * v * (f + b)
+        direct = (simulate(actions, f, b, weight_time=b * share).makespan - work) / (work / m)
+        assert cost_model._simulated_bubble_slots(schedule, p, m, v, share) == pytest.approx(direct, rel=1e-12)
+        assert cost_model._zero_bubble_peaks(schedule, p, m, v) == tuple(peak_in_flight(actions, s) for s in range(p))

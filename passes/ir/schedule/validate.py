@@ -439,8 +439,10 @@ def simulate(
     step_time: float = 0.0,
     blocking_sends: bool = False,
     weight_time: PerStage | None = None,
+    validated: bool = False,
 ) -> SimResult:
-    """Time a schedule: validate it, then run every rank's list with the given durations.
+    """Time a schedule: validate it (unless ``validated``: the caller built it from a checked
+    generator), then run every rank's list with the given durations.
 
     fwd_time / bwd_time: seconds of one stage's forward / backward on one microbatch, one float
         for all stages or a mapping stage -> seconds.
@@ -450,7 +452,8 @@ def simulate(
     weight_time: seconds of the weight half (W) of a split backward, per stage; its input half (I)
         takes ``bwd_time - weight_time``. Default: half the backward each.
     """
-    validate(schedule, blocking_sends=blocking_sends)
+    if not validated:
+        validate(schedule, blocking_sends=blocking_sends)
     placement = stage_to_rank_of(schedule)
     fwd, bwd = _per_stage(fwd_time, "fwd_time"), _per_stage(bwd_time, "bwd_time")
     wgt = _per_stage(weight_time, "weight_time") if weight_time is not None else (lambda stage: bwd(stage) / 2)
@@ -467,7 +470,8 @@ def simulate(
         return grad_sync_time if a.kind == Kind.ALL_REDUCE else step_time
 
     timelines, stuck = _execute(schedule, placement, duration, comm_time, blocking_sends)
-    assert not stuck, "validate() passed, so execution must finish"
+    if stuck:
+        raise ScheduleError(f"simulate: the schedule deadlocks ({len(stuck)} ranks stuck); validate it first")
     makespan = max((t[-1].end for t in timelines.values() if t), default=0.0)
     return SimResult({r: tuple(t) for r, t in timelines.items()}, makespan)
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 
 from partitioner.cluster import Cluster, Device, Link
-from passes.ir.schedule import build, peak_in_flight, simulate
+from passes.ir.schedule import build, peak_in_flight, simulate, zb1p_compute, zbv_compute
 from passes.ir.config import SCHEDULES
 from passes.ir.errors import ConfigError
 
@@ -422,9 +422,10 @@ def _zero_bubble_in_flight(schedule: str, stage: int, p: int, m: int, v: int) ->
 
 @functools.lru_cache(maxsize=1024)
 def _zero_bubble_peaks(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]:
-    # Read off the action list: a micro-batch's graph lives from its F until its W. One build
-    # serves every stage.
-    actions = _actions(schedule, p, _steady_micro_batches(p, m), v)
+    # Read off the compute order (the messages the lowering adds do not change it): a
+    # micro-batch's graph lives from its F until its W. One list serves every stage.
+    compute = zb1p_compute if schedule == "zb1p" else zbv_compute
+    actions = compute(p, _steady_micro_batches(p, m))
     return tuple(peak_in_flight(actions, stage) for stage in range(p))
 
 

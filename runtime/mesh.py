@@ -222,7 +222,8 @@ class Mesh:
             raise CommunicationMismatchError(
                 f"the ranks lowered the same plan to different programs ({groups}); nothing was run. The "
                 f"lowering is not deterministic across processes (a pass decided by something like an "
-                f"address or a hash seed): dump each rank's programs (partitioner plan --dump) and compare")
+                f"address or a hash seed): lower the plan.json in two processes (partitioner lower --plan "
+                f"plan.json --dump-dir A, then --dump-dir B) and compare the trees (python -m ir_dumps diff A B)")
 
     def new_group(self, ranks) -> dist.ProcessGroup | None:
         """A process group over ``ranks`` with this mesh's timeout; call it on every rank of the world."""

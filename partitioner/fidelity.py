@@ -731,8 +731,8 @@ class _Zero3Gathers:
     holds them; when to gather is :class:`passes.ir.zero3_ops.GatherSchedule`'s rule, replayed
     over the rank's whole step (prefetches cross blocks and stages as they do at run time).
 
-    An issued site is in flight with two buffers: this rank's shards back to back (``S``
-    elements, the collective's input) and the ``[degree, S]`` buffer it gathers into. A site
+    An issued site is in flight with one buffer, ``[degree, S]`` for ``S`` elements of shards per
+    rank; this rank's shards are copied into its own row, the collective's input. A site
     takes its gather by copying each parameter out of that buffer into a storage of its own (a
     parameter's column block is not contiguous when the site has several: ``reshape`` copies it
     first, ``degree * n`` elements), then both buffers die. In forward the parameters die one by
@@ -747,7 +747,7 @@ class _Zero3Gathers:
                                        keep=keeps_gathered(plans.values()))
         self.sites = {(site.stage, site.site): (plan.degree, [plan.param(n) for n in site.params])
                       for plan in plans.values() for site in plan.sites}
-        self.pending: dict[tuple[int, int], list[Hashable]] = {}  # issued, not yet taken: its buffers
+        self.pending: dict[tuple[int, int], Hashable] = {}  # issued, not yet taken: its buffer
         self.forward: dict[tuple[tuple[int, int], int], list[Hashable | None]] = {}  # (site, micro-batch)
         self.held: dict[tuple[int, int], list[Hashable]] = {}
         self.count = 0
@@ -760,19 +760,12 @@ class _Zero3Gathers:
         for key in keys:
             d, params = self.sites[key]
             total, size = sum(p.shard_numel for p in params), params[0].dtype.itemsize
-            mine, buf = self._key("shards", key), self._key("gathered", key)
-            self.live.alloc(mine, total * size, "gathered", where)
+            buf = self._key("gathered", key)
             self.live.alloc(buf, d * total * size, "gathered", where)
-            if d == 1:  # copied into the buffer at once: no collective holds the input
-                self.live.free(mine)
-                self.pending[key] = [buf]
-            else:
-                self.pending[key] = [mine, buf]
+            self.pending[key] = buf
 
     def _take(self, key: tuple[int, int], where: str) -> list[Hashable]:
-        *mine, buf = self.pending.pop(key)
-        for k in mine:  # the finished collective drops its input
-            self.live.free(k)
+        buf = self.pending.pop(key)
         d, params = self.sites[key]
         out = []
         for p in params:
@@ -815,7 +808,7 @@ class _Zero3Gathers:
                 self.live.free(k)
 
     def reset(self) -> None:
-        for keys in [*self.pending.values(), *self.held.values(), *self.forward.values()]:
+        for keys in [[*self.pending.values()], *self.held.values(), *self.forward.values()]:
             for k in keys:
                 if k is not None:
                     self.live.free(k)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Literal, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -137,6 +138,7 @@ class ParamGatherer:
                  sites: Mapping[tuple[int, int], tuple[GatherSite, Sequence[torch.nn.Parameter], Sequence[tuple[int, ...]]]],
                  *, prefetch: int = ZERO3_PREFETCH, replica_group=None, replicas: int = 1, keep: bool = False):
         self.group, self.degree, self.sites = group, degree, dict(sites)
+        self.index = dist.get_rank(group) if degree > 1 else 0  # this rank's row of a gather
         self.replica_group, self.replicas = replica_group, replicas  # HSDP: the groups holding the same shard
         self.schedule = GatherSchedule([site for site, _, _ in self.sites.values()], prefetch, keep=keep)
         self.pending: dict[tuple[int, int], _Pending] = {}
@@ -151,13 +153,16 @@ class ParamGatherer:
     def _issue(self, key: tuple[int, int], ahead: bool = True) -> _Pending:
         _, shards, shapes = self.sites[key]
         self.issued += 1
-        # one collective per site: this rank's shards back to back, gathered into one row per rank
-        mine = torch.cat([s.detach().reshape(-1) for s in shards])
-        buf = torch.empty(self.degree, mine.numel(), dtype=mine.dtype, device=mine.device)
+        # one collective per site: this rank's shards back to back, gathered into one row per rank.
+        # The input is this rank's own row of the output: no buffer of its own, whose free would
+        # wait for the backend's worker thread to drop the finished collective (a peak that
+        # changed run to run).
+        total = sum(s.numel() for s in shards)
+        buf = torch.empty(self.degree, total, dtype=shards[0].dtype, device=shards[0].device)
+        mine = buf[self.index]
+        torch.cat([s.detach().reshape(-1) for s in shards], out=mine)
         work = None
-        if self.degree == 1:
-            buf[0].copy_(mine)
-        else:
+        if self.degree > 1:
             work = comm.all_gather(list(buf.unbind(0)), mine, self.group, async_op=True)
         return _Pending(work, buf, shapes, self.group, time.perf_counter(), ahead)
 

@@ -52,6 +52,7 @@ from passes.ir.meta import module_path
 # annotate_memory's forward observation (storages, owners, savers); private there, shared here.
 from passes.annotate_memory import observe_saved_tensors as _observe_saved
 from passes.checkpoint_solver import ChainSegment, solve_chain
+from passes.pipeline_split import assign_stages_by_chain
 from passes.ir.meta import (BLOCK, CAPTURE, CHECKPOINT, CHECKPOINT_PLAN, DAG_CHECKPOINT_PLAN, FLOPS,
                             LAYER_CHAIN, PIPELINE_STAGE, REMAT, SHAPE, CheckpointMeta, CheckpointPlan,
                             CheckpointRegion, DagCheckpointPlan, RematNodeMeta)
@@ -230,14 +231,18 @@ def _owned(run, ids) -> dict[fx.Node, tuple[int, ...]]:
 # The pass.
 
 def checkpoint_policy(gm: fx.GraphModule, ctx: Any = None, *, policy: str = "full",
-                      budget_bytes: int | None = None) -> fx.GraphModule:
+                      budget_bytes: int | None = None, stage_starts: Sequence[int] = ()) -> fx.GraphModule:
     """Decide which regions to recompute; write :class:`CheckpointMeta` on every node and the
     :class:`CheckpointPlan` (FLOPs, bytes) under ``gm.meta[CHECKPOINT_PLAN]``; returns ``gm``.
 
     ``policy`` is one of :data:`POLICIES`; ``budget_bytes`` (bytes of saved activations after one
     forward, at the dims' hints) is required by ``solver``; ``dag`` uses it when given (else
-    :func:`dag_default_budget`); the other policies ignore it. Needs
-    ``annotate_shapes``, ``annotate_blocks`` and ``annotate_flops`` to have run.
+    :func:`dag_default_budget`); the other policies ignore it. ``stage_starts`` (the layer-chain
+    index where each pipeline stage after the first starts): with ``dag`` at its default budget,
+    each stage's regions also meet that fraction of their own saved bytes
+    (:func:`dag_stage_budgets`), so every stage saves its share and no stage keeps all its blocks
+    while another recomputes all of its. Needs ``annotate_shapes``, ``annotate_blocks`` and
+    ``annotate_flops`` to have run.
     """
     if policy not in POLICIES:
         raise ConfigError(f"unknown checkpoint policy {policy!r}; choose one of {', '.join(POLICIES)}")
@@ -266,10 +271,13 @@ def checkpoint_policy(gm: fx.GraphModule, ctx: Any = None, *, policy: str = "ful
     elif policy == "solver":
         recompute = _solve(regions, saved, flops, hints, budget_bytes)
     else:
+        stages: list[StageBudget] = []
         if budget_bytes is None:
             budget_bytes = dag_default_budget(regions, saved, hints)
+            if stage_starts:
+                stages = dag_stage_budgets(gm, regions, saved, hints, stage_starts)
         block = _solve(regions, saved, flops, hints, budget_bytes)
-        dag = _solve_dag(regions, saved, hints, budget_bytes, block)
+        dag = _solve_dag(regions, saved, hints, budget_bytes, block, stages=stages)
         recompute, cached = list(dag.checkpointed), set(dag.cached)
         # a region's recompute is its nodes that do not keep their outputs
         flops = [sympy.expand(sympy.Add(*[n.meta[FLOPS].fwd for n in r.nodes if n not in cached]))
@@ -401,6 +409,49 @@ def dag_default_budget(regions: list[Region], saved: _Saved, hints: dict) -> int
     return int(full + DAG_DEFAULT_BUDGET_FRACTION * (none - full))
 
 
+@dataclass(frozen=True)
+class StageBudget:
+    """One pipeline stage's bound in the dag MILP: bytes (at the hints) of ``keys``, the storages
+    its regions' decisions keep or drop."""
+
+    stage: int
+    keys: tuple[int, ...]
+    budget_bytes: int
+
+
+def dag_stage_budgets(gm: fx.GraphModule, regions: list[Region], saved: _Saved, hints: dict,
+                      starts: Sequence[int]) -> list[StageBudget]:
+    """Per pipeline stage (``starts``: layer-chain index where each stage after the first
+    starts): the storages its regions save, own or take as inputs, and
+    :data:`DAG_DEFAULT_BUDGET_FRACTION` of the way from their bytes with every region
+    checkpointed to those with none. A storage at a stage boundary (the last block's output,
+    the next block's input) counts for both stages: each holds its own copy in a pipeline."""
+    stage_of = assign_stages_by_chain(gm, starts).stage_of
+    region_stage = [stage_of[r.nodes[0].name] for r in regions]
+    region_of = {n: i for i, r in enumerate(regions) for n in r.nodes}
+    keys_of: dict[int, set[int]] = {st: set() for st in region_stage}
+    for k, savers in saved.savers.items():
+        for node in savers:
+            if node in region_of:
+                keys_of[region_stage[region_of[node]]].add(k)
+    for i, r in enumerate(regions):
+        for node in r.nodes:
+            keys_of[region_stage[i]].update(saved.owned.get(node, ()))
+        for node in r.io()[0]:
+            keys_of[region_stage[i]].update(saved.storages.get(node, ()))
+    full, none = saved.kept(regions), saved.kept([])
+    out = []
+    for st in sorted(keys_of):
+        keys = keys_of[st]
+        lo, hi = _at_hints(saved.bytes(keys & full), hints), _at_hints(saved.bytes(keys & none), hints)
+        out.append(StageBudget(stage=st, keys=tuple(sorted(keys)), budget_bytes=int(lo + DAG_DEFAULT_BUDGET_FRACTION * (hi - lo))))
+    return out
+
+
+def _within_stage_budgets(keys: set[int], stages: Sequence[StageBudget], saved: _Saved, hints: dict) -> bool:
+    return all(_at_hints(saved.bytes(keys & set(st.keys)), hints) <= st.budget_bytes for st in stages)
+
+
 def _is_random_node(node: fx.Node) -> bool:
     if _is_random(node):
         return True
@@ -418,9 +469,10 @@ def _dag_candidates(regions: list[Region], hints: dict) -> tuple[dict[fx.Node, i
 
 
 def _dag_choice(regions: list[Region], saved: _Saved, hints: dict, block: list[bool], best: tuple[int, ...],
-                chosen: frozenset, method: str) -> DagChoice:
+                chosen: frozenset, method: str, stages: Sequence[StageBudget] = ()) -> DagChoice:
     """The choice ``best`` (checkpointed region indices) caching ``chosen``, with its exact totals;
-    plain block-level checkpointing instead when that costs no more (FLOPs, then bytes)."""
+    plain block-level checkpointing instead when that costs no more (FLOPs, then bytes) and
+    meets every stage's budget."""
     node_flops, _ = _dag_candidates(regions, hints)
     regs = [regions[i] for i in best]
     keys = saved.kept(regs) | {k for n in chosen for k in saved.owned.get(n, ())}
@@ -429,7 +481,8 @@ def _dag_choice(regions: list[Region], saved: _Saved, hints: dict, block: list[b
     block_subset = tuple(i for i, x in enumerate(block) if x)
     block_flops = sum(node_flops[n] for i in block_subset for n in regions[i].nodes)
     block_bytes = _at_hints(saved.bytes(saved.kept([regions[i] for i in block_subset])), hints)
-    if (block_flops, block_bytes) <= (flops, nbytes):  # ties go to plain block-level checkpointing
+    block_fits = _within_stage_budgets(saved.kept([regions[i] for i in block_subset]), stages, saved, hints)
+    if block_fits and (block_flops, block_bytes) <= (flops, nbytes):  # ties go to plain block-level checkpointing
         best, flops, nbytes, chosen = block_subset, block_flops, block_bytes, frozenset()
     return DagChoice(checkpointed=tuple(i in best for i in range(len(regions))), cached=chosen,
                      recompute_flops=flops, saved_bytes=nbytes, block_recompute_flops=block_flops,
@@ -437,7 +490,7 @@ def _dag_choice(regions: list[Region], saved: _Saved, hints: dict, block: list[b
 
 
 def _solve_dag(regions: list[Region], saved: _Saved, hints: dict, budget: int, block: list[bool],
-               time_limit_s: float = 60.0) -> DagChoice:
+               time_limit_s: float = 60.0, *, stages: Sequence[StageBudget] = ()) -> DagChoice:
     """The fewest recompute FLOPs (then the fewest saved bytes) under ``budget``, over every set of
     checkpointed regions and every choice of cached nodes in them, as one MILP (HiGHS through
     ``scipy.optimize.milp``, zero optimality gap).
@@ -447,7 +500,8 @@ def _solve_dag(regions: list[Region], saved: _Saved, hints: dict, budget: int, b
     the largest of its lower bounds). ``y_k >= 1 - c_r`` for each region saving k (1 when a node
     outside every region saves it); ``y_k >= c_r`` for k a storage of an input of region r (the
     checkpoint keeps its inputs); ``y_k >= a_n`` for k owned by a cached n; ``sum bytes_k y_k <=
-    budget``. Objective: ``sum_r F_r c_r - sum_n f_n a_n`` (F_r: the region's FLOPs); a second
+    budget``, and the same over each of ``stages``' storages under its own budget. Objective:
+    ``sum_r F_r c_r - sum_n f_n a_n`` (F_r: the region's FLOPs); a second
     solve at that optimum minimises the bytes. This is the exact problem that enumerating every
     set of regions (:func:`_solve_dag_by_subsets`) solves, at any region count.
     """
@@ -485,6 +539,8 @@ def _solve_dag(regions: list[Region], saved: _Saved, hints: dict, budget: int, b
     size = {k: _at_hints(saved.all_sizes[k], hints) for k in keys}
     big = float(max(size.values(), default=1) or 1)
     row({col_y[k]: size[k] / big for k in keys if size[k]}, -np.inf, budget / big)
+    for st in stages:
+        row({col_y[k]: size[k] / big for k in st.keys if k in col_y and size[k]}, -np.inf, st.budget_bytes / big)
     region_flops = [sum(node_flops[n] for n in r.nodes) for r in regions]
     cost = np.zeros(width)
     cost[R:R + nr] = region_flops
@@ -507,7 +563,7 @@ def _solve_dag(regions: list[Region], saved: _Saved, hints: dict, budget: int, b
 
     fewest = solve(cost)
     if fewest.x is None:  # block-level checkpointing fits (the caller checked): only a time-out lands here
-        return _dag_choice(regions, saved, hints, block, (), frozenset(), "block")
+        return _dag_choice(regions, saved, hints, block, (), frozenset(), "block", stages)
     x = np.round(fewest.x)
     optimum = float(cost @ x)
     by_bytes = np.zeros(width)
@@ -518,9 +574,10 @@ def _solve_dag(regions: list[Region], saved: _Saved, hints: dict, budget: int, b
     best = tuple(i for i in range(nr) if x[R + i])
     chosen = frozenset(n for j, n in enumerate(cands) if x[A + j])
     choice = _dag_choice(regions, saved, hints, block, best, chosen,
-                         "milp" if fewest.status == 0 else "milp (time limit)")
+                         "milp" if fewest.status == 0 else "milp (time limit)", stages)
     if choice.saved_bytes > budget:  # the byte row's float tolerance let a few bytes through
-        return _solve_dag(regions, saved, hints, budget - (choice.saved_bytes - budget), block, time_limit_s)
+        return _solve_dag(regions, saved, hints, budget - (choice.saved_bytes - budget), block, time_limit_s,
+                          stages=stages)
     return choice
 
 

@@ -121,7 +121,7 @@ REGISTRY: dict[str, PassDef] = {d.name: d for d in (
     PassDef(name="tag_tensor_parallel", make=_plain(tag_tensor_parallel), requires=(CAPTURE, SHAPE),
             provides=(TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN), options=("degree",)),
     PassDef(name="checkpoint_policy", make=_plain(checkpoint_policy), requires=(CAPTURE, SHAPE, LAYER_CHAIN, FLOPS),
-            provides=(CHECKPOINT, CHECKPOINT_PLAN), options=("policy", "budget_bytes")),
+            provides=(CHECKPOINT, CHECKPOINT_PLAN), options=("policy", "budget_bytes", "stage_starts")),
     PassDef(name="offload_policy", make=_plain(offload_policy), requires=(CAPTURE, SHAPE, FLOPS),
             provides=(OFFLOAD_PLAN,), options=("selection", "target_bytes", "optimizer_on_host", "cost")),
     PassDef(name="tag_pipeline_stages", make=_plain(tag_pipeline_stages_by_chain), requires=(CAPTURE, SHAPE, BLOCK),
@@ -188,7 +188,10 @@ def whole_graph_passes(config: ParallelConfig, *, cost: CostHooks | None, starts
         out += reanalysis_passes(ctx)
     if config.tp > 1:
         out.append(make_pass("tag_tensor_parallel", degree=config.tp))
-    if config.checkpointing != "none":
+    if config.checkpointing == "dag" and starts:
+        # every stage saves its share of its own activations (the budget per stage, not only in total)
+        out.append(make_pass("checkpoint_policy", policy="dag", stage_starts=tuple(starts)))
+    elif config.checkpointing != "none":
         out.append(make_pass("checkpoint_policy", policy=config.checkpointing))
     if config.offload == "activations" and config.checkpointing == "none":
         out.append(make_pass("offload_policy", selection="all", optimizer_on_host=False, cost=_need(cost)))

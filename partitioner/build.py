@@ -21,7 +21,6 @@ from passes.communication_check import check_lowering
 from passes.training_step_checks import check_loss, check_trainable, watch_side_effects
 from passes.ir.config import ParallelConfig
 from passes.ir.grad_buckets import DEFAULT_BUCKET_BYTES
-from passes.ir.program import RankProgram
 from passes.lower import lower, lower_rank
 from passes.manager import PassContext
 from passes.pipelines import analysis_passes, manager
@@ -96,24 +95,15 @@ def build_parallel_model(graph: fx.GraphModule, config: ParallelConfig, mesh: Me
                          zero3_prefetch=zero3_prefetch, **kwargs, **runtime)
 
 
-def lower_checked(graph: fx.GraphModule, config: ParallelConfig, rank: int, *, cluster: Cluster, first: int = 0,
-                  tp_group: str = "tp", ctx: PassContext | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                  overlap_grad_sync: bool = True, zero3_prefetch: int = ZERO3_PREFETCH) -> RankProgram:
-    """The program of global ``rank``, taken from a lowering of every rank's program whose
-    communication is checked first (:func:`passes.communication_check.check_lowering`; raises
-    :class:`CommunicationMismatchError`). Every process checks the whole plan itself: no
-    collective is needed, and every rank reaches the same verdict before its first collective.
-    ``bucket_bytes`` (bytes) and ``overlap_grad_sync``: as the ParallelModel that runs it takes them."""
-    return lower_checked_all(graph, config, cluster=cluster, first=first, tp_group=tp_group, ctx=ctx,
-                             bucket_bytes=bucket_bytes, overlap_grad_sync=overlap_grad_sync,
-                             zero3_prefetch=zero3_prefetch).rank_program(rank, first=first)
-
-
 def lower_checked_all(graph: fx.GraphModule, config: ParallelConfig, *, cluster: Cluster, first: int = 0,
                       tp_group: str = "tp", ctx: PassContext | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                       overlap_grad_sync: bool = True, zero3_prefetch: int = ZERO3_PREFETCH):
-    """Every rank's program of ``config`` (a :class:`passes.lower.Lowering`), its communication
-    checked (:func:`passes.communication_check.check_lowering`), as :func:`lower_checked` takes it."""
+    """Every rank's program of ``config`` (a :class:`passes.lower.Lowering`; a rank takes its own
+    with ``.rank_program(rank, first=first)``), its communication checked first
+    (:func:`passes.communication_check.check_lowering`; raises :class:`CommunicationMismatchError`).
+    Every process checks the whole plan itself: no collective is needed, and every rank reaches
+    the same verdict before its first collective. ``bucket_bytes`` (bytes) and
+    ``overlap_grad_sync``: as the ParallelModel that runs it takes them."""
     lowering = lower(graph, config, cost=cost_hooks(cluster), tp_group=tp_group,
                      ctx=ctx or PassContext(mixed_precision=config.mixed_precision))
     check_lowering(lowering, first=first, bucket_bytes=bucket_bytes, overlap_grad_sync=overlap_grad_sync,

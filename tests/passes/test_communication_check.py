@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partitioner.build import capture_for_pipeline, lower_all, lower_checked
+from partitioner.build import capture_for_pipeline, lower_all, lower_checked_all
 from partitioner.cluster import Cluster
 from partitioner.model_spec import build_model
 from passes.communication_check import (
@@ -110,7 +110,7 @@ def test_lowered_plans_pass(name):
 def test_launch_path_checks_and_returns_the_rank_program():
     config = ParallelConfig.for_global_batch(8, dp=1, tp=2, pp=2, schedule="1f1b", num_micro_batches=2)
     start = time.perf_counter()
-    program = lower_checked(_graph(GPT), config, 3, cluster=Cluster.local(4))
+    program = lower_checked_all(_graph(GPT), config, cluster=Cluster.local(4)).rank_program(3)
     print(f"\nlower every program + check, tp2 pp2: {time.perf_counter() - start:.2f} s")
     assert (program.rank, program.stages, program.tp_index) == (3, (1,), 1)
     assert program.comms == _lowering(GPT, dp=1, tp=2, pp=2).rank_program(3).comms

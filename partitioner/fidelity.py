@@ -808,7 +808,9 @@ class _Zero3Gathers:
                 self.live.free(k)
 
     def reset(self) -> None:
-        for keys in [[*self.pending.values()], *self.held.values(), *self.forward.values()]:
+        for k in self.pending.values():
+            self.live.free(k)
+        for keys in [*self.held.values(), *self.forward.values()]:
             for k in keys:
                 if k is not None:
                     self.live.free(k)

@@ -264,6 +264,7 @@ def checkpoint_policy(gm: fx.GraphModule, ctx: Any = None, *, policy: str = "ful
 
     cached: set[fx.Node] = set()
     dag: DagChoice | None = None
+    stages: list[StageBudget] = []  # dag with pipeline stages: each stage's own bound
     if policy == "none":
         recompute = [False] * len(regions)
     elif policy in ("full", "selective"):
@@ -271,7 +272,6 @@ def checkpoint_policy(gm: fx.GraphModule, ctx: Any = None, *, policy: str = "ful
     elif policy == "solver":
         recompute = _solve(regions, saved, flops, hints, budget_bytes)
     else:
-        stages: list[StageBudget] = []
         if budget_bytes is None:
             budget_bytes = dag_default_budget(regions, saved, hints)
             if stage_starts:
@@ -320,7 +320,8 @@ def checkpoint_policy(gm: fx.GraphModule, ctx: Any = None, *, policy: str = "ful
         gm.meta[DAG_CHECKPOINT_PLAN] = DagCheckpointPlan(
             budget_bytes=budget_bytes, saved_bytes=dag.saved_bytes, recompute_flops=dag.recompute_flops,
             block_recompute_flops=dag.block_recompute_flops, block_saved_bytes=dag.block_saved_bytes,
-            cached=tuple(n.name for n in gm.graph.nodes if n in cached), method=dag.method)
+            cached=tuple(n.name for n in gm.graph.nodes if n in cached), method=dag.method,
+            stage_budget_bytes=tuple(st.budget_bytes for st in stages))
     else:
         gm.meta.pop(DAG_CHECKPOINT_PLAN, None)
     return gm

@@ -8,6 +8,11 @@ predicted peak is within 5% of the replayed peak of that stage's ranks (no check
 full), within 10% under dag (the profile prices dag from the policy's decision on two blocks,
 averaged per block; the lowering decides on the whole graph, each pipeline stage at the same
 fraction of its own saved bytes).
+
+The replay is the number a returned plan carries; it is held to each rank's measured peak by
+tests/test_auto_parallelize.py, tests/test_zero3_memory.py, tests/test_context_parallel_memory.py
+and, for dag on one graph, tests/passes/test_checkpoint_dag.py. This file checks the estimate
+the search ranks candidates by, which nothing compared before.
 """
 from __future__ import annotations
 

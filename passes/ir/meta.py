@@ -610,12 +610,14 @@ class DagCheckpointPlan:
 
     * ``budget_bytes``: bound on the bytes kept for backward after one forward (at the dims'
       hints); ``saved_bytes``: what the decision keeps (same count as
-      ``CheckpointPlan.saved_bytes_after``).
+      ``CheckpointPlan.saved_bytes_after``). ``stage_budget_bytes``: with pipeline stages, each
+      stage's own bound, on the storages its regions decide (empty without stages).
     * ``cached``: names of the nodes whose op outputs are kept inside checkpointed regions.
     * ``recompute_flops``: FLOPs run again in backward (matmul-class, at the hints);
       ``block_recompute_flops`` / ``block_saved_bytes``: block-level checkpointing's
-      (``checkpoint_solver``'s choice of whole regions) at the same budget, the baseline the
-      decision never exceeds.
+      (``checkpoint_solver``'s choice of whole regions) at the same total budget, the baseline
+      the decision never exceeds without stage bounds (with them it may: the baseline is not
+      held to them).
     * ``method``: the remat solver that chose the kept outputs (``milp`` or ``min-cut``).
     """
 
@@ -626,3 +628,4 @@ class DagCheckpointPlan:
     block_saved_bytes: int
     cached: tuple[str, ...]
     method: str
+    stage_budget_bytes: tuple[int, ...] = ()

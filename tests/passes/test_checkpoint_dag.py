@@ -293,8 +293,10 @@ def test_each_pipeline_stage_saves_its_share():
         chosen = [r for r, entry in zip(regions, out.meta[CHECKPOINT_PLAN].regions) if entry.recompute]
         cached = [by_name[n] for n in out.meta[DAG_CHECKPOINT_PLAN].cached]
         keys = saved.kept(chosen) | {k for n in cached for k in saved.owned.get(n, ())}
+        dag = out.meta[DAG_CHECKPOINT_PLAN]
+        assert dag.stage_budget_bytes == (tuple(b.budget_bytes for b in budgets) if options else ())
         return ([policy._at_hints(saved.bytes(keys & set(b.keys)), hints) for b in budgets],
-                int(out.meta[DAG_CHECKPOINT_PLAN].recompute_flops))
+                int(dag.recompute_flops))
 
     one_budget, flops_one = stage_bytes({})
     per_stage, flops_staged = stage_bytes({"stage_starts": starts})

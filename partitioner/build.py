@@ -10,6 +10,7 @@ search in between; tests and benchmarks call these directly with a config of the
 """
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING, Sequence
 
 from torch import fx
@@ -17,11 +18,12 @@ from torch import fx
 from partitioner.cluster import Cluster
 from partitioner.cost_model import cost_hooks
 from passes.capture import capture_spec
-from passes.communication_check import check_lowering
+from passes.communication_check import CommunicationSummary, LoweredRank, check_lowered_ranks, check_lowering, rank_calls
 from passes.training_step_checks import check_loss, check_trainable, watch_side_effects
 from passes.ir.config import ParallelConfig
 from passes.ir.grad_buckets import DEFAULT_BUCKET_BYTES
-from passes.lower import lower, lower_rank
+from passes.ir.program import RankProgram
+from passes.lower import Lowering, lower, lower_rank, programs_of
 from passes.manager import PassContext
 from passes.pipelines import analysis_passes, manager
 from passes.ir.zero3_ops import ZERO3_PREFETCH
@@ -85,14 +87,38 @@ def build_parallel_model(graph: fx.GraphModule, config: ParallelConfig, mesh: Me
     """
 
     cluster = cluster or Cluster.local(mesh.size)
-    lowering = lower_checked_all(graph, config, cluster=cluster, first=mesh.first, tp_group=tp_group,
-                                 bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
-                                 overlap_grad_sync=overlap_grad_sync, zero3_prefetch=zero3_prefetch)
-    mesh.check_same_program(lowering.digest())
+    lowering = lower(graph, config, cost=cost_hooks(cluster), tp_group=tp_group,
+                     programs=programs_of(config, mesh.rank, first=mesh.first),
+                     ctx=PassContext(mixed_precision=config.mixed_precision))
     program = lowering.rank_program(mesh.rank, first=mesh.first)
+    check_before_launch(mesh, lowering, program, bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
+                        overlap_grad_sync=overlap_grad_sync, zero3_prefetch=zero3_prefetch)
     kwargs = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
     return ParallelModel(program, mesh, optimizer=optimizer, overlap_grad_sync=overlap_grad_sync,
                          zero3_prefetch=zero3_prefetch, **kwargs, **runtime)
+
+
+def check_before_launch(mesh: Mesh, lowering: Lowering, program: RankProgram, *,
+                        bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap_grad_sync: bool = True,
+                        zero3_prefetch: int = ZERO3_PREFETCH) -> CommunicationSummary:
+    """Check the whole plan's communication before the first step, on every rank of ``mesh``.
+
+    Each process lowered only its own rank's programs (``lowering``; ``program`` is this rank's).
+    The ranks exchange what they lowered (:class:`LoweredRank`: a digest of the plan and of the
+    programs, and the program's communication calls) in one all-gather of a fixed shape, which
+    every rank issues at the same point, and each rank then checks them all
+    (:func:`passes.communication_check.check_lowered_ranks`): the same verdict everywhere, before
+    any collective of the plan runs. Raises :class:`CommunicationMismatchError`."""
+    mine = LoweredRank(rank=program.rank, plan=plan_digest(lowering.config), programs=tuple(sorted(lowering.programs)),
+                       digest=lowering.digest(),
+                       calls=rank_calls(program, bucket_bytes=bucket_bytes, overlap_grad_sync=overlap_grad_sync,
+                                        zero3_prefetch=zero3_prefetch))
+    return check_lowered_ranks(mesh.exchange(mine), config=lowering.config)
+
+
+def plan_digest(config: ParallelConfig) -> str:
+    """A short hash of ``config`` (what :class:`LoweredRank` compares across ranks)."""
+    return hashlib.sha256(repr(config).encode()).hexdigest()[:16]
 
 
 def lower_checked_all(graph: fx.GraphModule, config: ParallelConfig, *, cluster: Cluster, first: int = 0,

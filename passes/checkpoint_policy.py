@@ -36,6 +36,7 @@ from ``node.meta[FLOPS]`` (``annotate_flops``). Writes ``node.meta[CHECKPOINT]``
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -204,7 +205,64 @@ def _saved_model(gm: fx.GraphModule) -> _Saved:
     We reuse that observation (same storages, same eager-faithful dropout) rather than
     ``MemoryMeta``, which names a saved storage only by owner and size and so cannot tell a
     dropout's output from its noise tensor of the same size.
+
+    The run is remembered by the graph's code, capture and parameter shapes: every plan lowered
+    from one analysed graph tags a deep copy of it (other nodes, same names), and a fake run of
+    the whole graph is most of a lowering's time.
     """
+    key = _observation_key(gm)
+    named = _OBSERVED.get(key) if key is not None else None
+    if named is not None:
+        _OBSERVED.move_to_end(key)
+        return named.bind(gm)
+    saved = _observe_saved_model(gm)
+    if key is not None:
+        _OBSERVED[key] = _NamedSaved.of(saved)
+        while len(_OBSERVED) > _OBSERVED_GRAPHS:
+            _OBSERVED.popitem(last=False)
+    return saved
+
+
+@dataclass(frozen=True)
+class _NamedSaved:
+    """A :class:`_Saved` with node names for nodes, so that it applies to a copy of its graph."""
+
+    size: dict[int, sympy.Expr]
+    savers: dict[int, frozenset[str]]
+    storages: dict[str, tuple[int, ...]]
+    all_sizes: dict[int, sympy.Expr]
+    owned: dict[str, tuple[int, ...]]
+
+    @classmethod
+    def of(cls, saved: _Saved) -> "_NamedSaved":
+        return cls(size=dict(saved.size), savers={k: frozenset(n.name for n in v) for k, v in saved.savers.items()},
+                   storages={n.name: v for n, v in saved.storages.items()}, all_sizes=dict(saved.all_sizes),
+                   owned={n.name: v for n, v in saved.owned.items()})
+
+    def bind(self, gm: fx.GraphModule) -> _Saved:
+        node = {n.name: n for n in gm.graph.nodes}
+        return _Saved(size=dict(self.size), savers={k: {node[n] for n in v} for k, v in self.savers.items()},
+                      storages={node[n]: v for n, v in self.storages.items()}, all_sizes=dict(self.all_sizes),
+                      owned={node[n]: v for n, v in self.owned.items()})
+
+
+_OBSERVED: "OrderedDict[tuple, _NamedSaved]" = OrderedDict()
+_OBSERVED_GRAPHS = 8  # graphs remembered (a process lowers plans of one or a few models)
+
+
+def _observation_key(gm: fx.GraphModule) -> tuple | None:
+    """What the fake run depends on: the code (node names and ops), the capture (inputs, dims,
+    device), the parameters' and buffers' shapes and dtypes, and the nodes that keep their
+    outputs (``REMAT``). None for a graph with submodules (outlined regions): not remembered."""
+    if any(n.op == "call_module" for n in gm.graph.nodes):
+        return None
+    tensors = tuple((name, tuple(t.shape), t.dtype, t.requires_grad)
+                    for name, t in [*gm.named_parameters(), *gm.named_buffers()])
+    cached = tuple(n.name for n in gm.graph.nodes if getattr(n.meta.get(REMAT), "cached", False))
+    return gm.code, repr(gm.meta.get(CAPTURE)), tensors, cached
+
+
+def _observe_saved_model(gm: fx.GraphModule) -> _Saved:
     run = _observe_saved(gm)
     ids = {st: i for i, st in enumerate(run.storages.values())}
     # a list in the run's order, not a set: the numbering and every dict built from it must be

@@ -5,7 +5,9 @@ hangs the job or (same size, other tensor) silently mixes tensors; a send withou
 hangs a pipeline. This pass derives, from every :class:`~passes.ir.program.RankProgram` of a
 plan, the ordered communication calls the runtime issues in one training step
 (:meth:`runtime.parallel_model.ParallelModel.train_step`), and matches them across ranks. It is
-pure: no process group, no tensor runs.
+pure: no process group, no tensor runs. In a job each process lowers only its own rank's
+programs; the ranks gather each other's calls (:class:`LoweredRank`, one all-gather) and every
+rank checks them all (:func:`check_lowered_ranks`) before the plan's first collective.
 
 What one rank issues, in the order its action list runs (``F``: forward, ``B``/``I``: backward
 (with split backward, ``I`` is where the backward collectives run), ``W``: weight gradients,
@@ -739,10 +741,18 @@ def check_communication(programs: Sequence[RankProgram], *, bucket_bytes: int = 
     by_rank = _by_rank(programs)
     calls = {r: rank_calls(p, bucket_bytes=bucket_bytes, overlap_grad_sync=overlap_grad_sync,
                            zero3_prefetch=zero3_prefetch) for r, p in by_rank.items()}
-    any_program = next(iter(by_rank.values()))
+    return check_calls(calls, config=next(iter(by_rank.values())).config, start=start)
+
+
+def check_calls(calls: Mapping[int, RankCalls], *, config: object, start: float | None = None) -> CommunicationSummary:
+    """:func:`check_communication` from every rank's calls (:func:`rank_calls`), e.g. gathered
+    from the processes that each lowered their own program; ``config``: the plan's, named in the
+    error. ``start``: :func:`time.perf_counter` when the check began (the summary's seconds)."""
+    start = time.perf_counter() if start is None else start
+    calls = dict(sorted(calls.items()))
     problems = _collective_problems(calls) + _p2p_problems(calls)
     if problems:
-        raise CommunicationMismatchError(_message(problems, any_program))
+        raise CommunicationMismatchError(_message(problems, config))
     groups = {(c.channel, c.group) for rc in calls.values() for c in rc.calls if not c.is_p2p}
     return CommunicationSummary(
         ranks=len(calls), groups=len(groups),
@@ -759,6 +769,60 @@ def check_lowering(lowering: _Lowering, *, first: int = 0, bucket_bytes: int = D
     return check_communication([lowering.rank_program(r, first=first) for r in range(first, first + world)],
                                bucket_bytes=bucket_bytes, overlap_grad_sync=overlap_grad_sync,
                                zero3_prefetch=zero3_prefetch)
+
+
+@dataclass(frozen=True, slots=True)
+class LoweredRank:
+    """What the process of one rank lowered, as it tells the others before the first step: each
+    process lowers only its own rank's programs, and the ranks check the whole plan from these."""
+
+    rank: int
+    plan: str
+    """A digest of the plan's config: every rank must have lowered the same plan."""
+    programs: tuple[tuple[int, int], ...]
+    """The (stage, tp rank) programs it lowered: ranks with the same ones (dp peers) must agree on
+    ``digest``."""
+    digest: str
+    """:meth:`passes.lower.Lowering.digest` of those programs."""
+    calls: RankCalls
+
+
+def check_lowered_ranks(ranks: Sequence[LoweredRank], *, config: object) -> CommunicationSummary:
+    """Check, from every rank's :class:`LoweredRank` of one plan (``config``), that the processes
+    lowered the same plan, that ranks running the same programs lowered them alike, and that the
+    calls match (:func:`check_calls`). Raises :class:`CommunicationMismatchError` naming the ranks.
+
+    A lowering that depends on something that differs between processes (an address, a hash
+    seed) would give ranks different programs whose collectives could still pair up: wrong
+    results and no error. The digests catch that between ranks that run the same programs."""
+    start = time.perf_counter()
+    plans = _ranks_by(ranks, lambda r: r.plan)
+    if len(plans) > 1:
+        raise CommunicationMismatchError(
+            f"the ranks lowered different plans ({_groups(plans)}); nothing was run. Give every rank the same "
+            f"plan (one plan.json, or the plan rank 0 chose, as auto_parallelize does)")
+    for programs, peers in _ranks_by(ranks, lambda r: r.programs).items():
+        digests = _ranks_by(peers, lambda r: r.digest)
+        if len(digests) > 1:
+            raise CommunicationMismatchError(
+                f"the ranks lowered the same plan to different programs ({_groups(digests)}, each lowering "
+                f"(stage, tp rank) programs {list(programs)}); nothing was run. The lowering is not deterministic "
+                f"across processes (a pass decided by something like an address or a hash seed): lower the "
+                f"plan.json in two processes (partitioner lower --plan plan.json --dump-dir A, then --dump-dir B) "
+                f"and compare the trees (python -m ir_dumps diff A B)")
+    return check_calls({r.rank: r.calls for r in ranks}, config=config, start=start)
+
+
+def _ranks_by(ranks: Sequence[LoweredRank], key) -> dict:
+    out: dict = {}
+    for r in ranks:
+        out.setdefault(key(r), []).append(r)
+    return out
+
+
+def _groups(by: Mapping) -> str:
+    return "; ".join(f"ranks {sorted(r.rank for r in rs)} lowered {k if isinstance(k, str) else ''}".rstrip()
+                     for k, rs in by.items())
 
 
 def _by_rank(programs: Sequence[RankProgram]) -> dict[int, RankProgram]:
@@ -869,7 +933,7 @@ def _p2p_problems(calls: Mapping[int, RankCalls]) -> list[_Problem]:
     return problems
 
 
-def _message(problems: list[_Problem], program: RankProgram) -> str:
+def _message(problems: list[_Problem], config: object) -> str:
     first = problems[0]
     head = (f"communication check: the plan's rank programs do not match ({len(problems)} group"
             f"{'s' if len(problems) > 1 else ''} or rank pair{'s' if len(problems) > 1 else ''}); running them "
@@ -877,7 +941,7 @@ def _message(problems: list[_Problem], program: RankProgram) -> str:
     others = "".join(f"\nalso: {p.title}" for p in problems[1:6])
     if len(problems) > 6:
         others += f"\n... and {len(problems) - 6} more"
-    config = program.config.text() if hasattr(program.config, "text") else str(program.config)
+    config = config.text() if hasattr(config, "text") else str(config)
     return head + others + "\n\n" + _WHAT_TO_DO.format(config=config)
 
 

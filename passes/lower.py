@@ -114,8 +114,9 @@ class Lowering:
     def digest(self) -> str:
         """A hash of what every rank will run: the config and, for each (stage, tp rank) program
         lowered, the generated code of it and of its submodules (checkpointed regions) and the
-        nodes whose outputs a selective region keeps. Processes that lower the same plan must get
-        the same string (:meth:`runtime.mesh.Mesh.check_same_program` compares them)."""
+        nodes whose outputs a selective region keeps. Processes that lower the same programs of
+        one plan must get the same string (:func:`passes.communication_check.check_lowered_ranks`
+        compares them)."""
         h = hashlib.sha256(repr(self.config).encode())
         for key in sorted(self.programs):
             h.update(repr(key).encode())
@@ -229,10 +230,15 @@ def rank_io(gm: fx.GraphModule, split: PipelineSplit, config: ParallelConfig) ->
 def lower_rank(gm: fx.GraphModule, config: ParallelConfig, rank: int, *, cost: CostHooks | None, first: int = 0,
                tp_group: str = "tp", ctx: PassContext | None = None) -> RankProgram:
     """The program of global ``rank`` only (what one process of a job lowers for itself)."""
-    pp_index, _, tp_index = mesh_coords(rank, dp=config.dp_cp, tp=config.tp, first=first)
-    own = [(s, tp_index) for s in config.rank_stages(pp_index)]
-    lowering = lower(gm, config, cost=cost, programs=own, tp_group=tp_group, ctx=ctx)
+    lowering = lower(gm, config, cost=cost, programs=programs_of(config, rank, first=first), tp_group=tp_group,
+                     ctx=ctx)
     return lowering.rank_program(rank, first=first)
+
+
+def programs_of(config: ParallelConfig, rank: int, *, first: int = 0) -> tuple[tuple[int, int], ...]:
+    """The (stage, tp rank) programs global ``rank`` runs (the mesh spans ``first ..``)."""
+    pp_index, _, tp_index = mesh_coords(rank, dp=config.dp_cp, tp=config.tp, first=first)
+    return tuple((s, tp_index) for s in config.rank_stages(pp_index))
 
 
 def pipeline_texts(lowering: Lowering) -> dict[str, str]:
@@ -316,4 +322,4 @@ def _has_param(module, name: str) -> bool:
         return False
 
 
-__all__ = ["Lowering", "PipelineRecord", "lower", "lower_rank", "stage_capture", "pipeline_texts", "pipeline_text"]
+__all__ = ["Lowering", "PipelineRecord", "lower", "lower_rank", "programs_of", "stage_capture", "pipeline_texts", "pipeline_text"]

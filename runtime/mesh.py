@@ -26,7 +26,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from passes.ir.errors import CommunicationMismatchError, ConfigError
+from passes.ir.errors import ConfigError
 from passes.ir.schedule.validate import stream_count
 from runtime import comm
 
@@ -205,25 +205,13 @@ class Mesh:
                                for k in range(sizes[axis])])
         return groups
 
-    def check_same_program(self, digest: str) -> None:
-        """Raise :class:`CommunicationMismatchError` on every rank unless every rank of the mesh
-        lowered the plan to the same programs (``digest``: :meth:`passes.lower.Lowering.digest`).
-        Each process lowers the plan on its own; if the lowering depended on something that
-        differs between processes, ranks would run different programs whose collectives could
-        still pair up, with wrong results and no error. One small all-gather, before any step."""
+    def exchange(self, obj: object) -> list:
+        """Every mesh rank's picklable ``obj``, in mesh rank order: one all-gather over the mesh
+        group, under its timeout (``[obj]`` alone on a mesh of one rank). Every rank of the mesh
+        must call it at the same point (the build does, right after lowering, before any step)."""
         if not self.active or self.size == 1:
-            return
-        digests = comm.all_gather_object(digest, self.group)
-        if len(set(digests)) > 1:
-            by_digest: dict[str, list[int]] = {}
-            for i, d in enumerate(digests):
-                by_digest.setdefault(d, []).append(self.first + i)
-            groups = "; ".join(f"ranks {ranks} lowered {d}" for d, ranks in by_digest.items())
-            raise CommunicationMismatchError(
-                f"the ranks lowered the same plan to different programs ({groups}); nothing was run. The "
-                f"lowering is not deterministic across processes (a pass decided by something like an "
-                f"address or a hash seed): lower the plan.json in two processes (partitioner lower --plan "
-                f"plan.json --dump-dir A, then --dump-dir B) and compare the trees (python -m ir_dumps diff A B)")
+            return [obj]
+        return comm.all_gather_object(obj, self.group)
 
     def new_group(self, ranks) -> dist.ProcessGroup | None:
         """A process group over ``ranks`` with this mesh's timeout; call it on every rank of the world."""

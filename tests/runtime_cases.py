@@ -194,6 +194,47 @@ def train_plans(plans: list[Plan], payloads: dict[str, GraphPayload] | None = No
     return out
 
 
+def measure_memory(plans: list[Plan], payloads: dict[str, GraphPayload], models: dict[str, str] | None = None,
+                   steps: int = 3) -> dict:
+    """On each rank of a spawned world: per plan, the peak live bytes of ``steps`` AdamW steps
+    (:class:`runtime.measure.LiveBytes`, as every measured step takes it) and the model state
+    held after them (bytes of parameters, gradients, optimizer state). ``models``: the spec of
+    each model key the plans use, when not all in :data:`MODELS`."""
+    import runtime.measure as measure
+    from partitioner.build import build_parallel_model
+    from runtime.mesh import Mesh, init_distributed
+
+    models = {**MODELS, **(models or {})}
+    init_distributed(timeout_s=600)
+    rank = torch.distributed.get_rank()
+    graphs = {k: unpacked_graph(models[k], payloads[k]) for k in sorted({p.model for p in plans if rank < p.size})}
+    shapes = sorted({_mesh_shape(p.config()) for p in plans})
+    meshes = {sh: Mesh(sh[0], sh[2], sh[1], timeout_s=TIMEOUT_S, pp_streams=sh[3], dp_shard=sh[4] or None, cp=sh[5])
+              for sh in shapes}
+    out = {}
+    for plan in plans:
+        mesh = meshes[_mesh_shape(plan.config())]
+        torch.distributed.barrier()
+        if not mesh.active:
+            continue
+        start = time.perf_counter()
+        spec, graph = graphs[plan.model]
+        pm = build_parallel_model(graph, plan.config(), mesh, optimizer=ADAMW)
+        timer = measure.StepTimer(pm, track_memory=True)
+        peak = 0
+        for k in range(steps):
+            batch = spec.example_inputs({"batch": plan.global_batch}, seed=300 + k)
+            m = timer.measure(k, lambda: pm.train_step(batch))
+            if m.peak_memory_bytes is not None:
+                peak = max(peak, m.peak_memory_bytes)
+        params = list(pm.params)
+        state = [t for s in pm.torch_optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        out[plan.id] = {"peak": peak, "params": measure.tensor_bytes(params),
+                        "grads": measure.tensor_bytes([p.grad for p in params if p.grad is not None]),
+                        "optimizer": measure.tensor_bytes(state), "seconds": time.perf_counter() - start}
+    return out
+
+
 @functools.cache
 def _reference(model: str, global_batch: int):
     return reference(model, global_batch)

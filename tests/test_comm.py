@@ -54,21 +54,25 @@ def test_a_cpu_tensor_on_an_nccl_group_is_refused_before_sending(monkeypatch):
 def _check_program_rank(digests: list[str]):
     import torch.distributed as dist
 
+    from passes.communication_check import LoweredRank, RankCalls, check_lowered_ranks
     from passes.ir.config import ParallelConfig
     from passes.ir.errors import CommunicationMismatchError
     from runtime.mesh import Mesh
 
-    mesh = Mesh.for_config(ParallelConfig(dp=3, micro_batch_size=1, num_micro_batches=1), timeout_s=60)
+    config = ParallelConfig(dp=3, micro_batch_size=1, num_micro_batches=1)
+    mesh = Mesh.for_config(config, timeout_s=60)
+    rank = dist.get_rank()
+    mine = LoweredRank(rank=rank, plan="p", programs=((0, 0),), digest=digests[rank], calls=RankCalls(rank, ()))
     try:
-        mesh.check_same_program(digests[dist.get_rank()])
+        check_lowered_ranks(mesh.exchange(mine), config=config)
     except CommunicationMismatchError as exc:
         return str(exc)
     return None
 
 
 def test_ranks_that_lowered_different_programs_are_named_before_any_step():
-    """Every process lowers the plan itself; the mesh compares the lowerings' digests, and a rank
-    whose program differs stops every rank with the groups of ranks that agree."""
+    """Every process lowers its own rank's programs; the ranks exchange digests, and a rank whose
+    program differs from its dp peers' stops every rank with the groups of ranks that agree."""
     assert spawn(_check_program_rank, 3, ["a1", "a1", "a1"], timeout_s=120) == [None] * 3
     errors = spawn(_check_program_rank, 3, ["a1", "b2", "a1"], timeout_s=120)
     assert all(e is not None and "ranks [0, 2] lowered a1" in e and "ranks [1] lowered b2" in e for e in errors)

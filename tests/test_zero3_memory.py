@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from partitioner.cluster import Cluster
 from partitioner.memory_check import replay_rank_memory
@@ -45,55 +44,12 @@ def _with_llama() -> None:
     runtime_cases.MODELS.setdefault("llama", LLAMA)
 
 
-def _batches(spec, n: int):
-    return [spec.example_inputs({"batch": BATCH}, seed=300 + k) for k in range(n)]
-
-
-def _measure(plans, payloads):
-    """On each rank: per plan, the peak live bytes of steps 0-2 (LiveBytes),
-    and the model state held after them (bytes of parameters, gradients, optimizer state)."""
-    import runtime.measure as measure
-    from partitioner.build import build_parallel_model
-    from passes.ir.schedule.validate import stream_count
-    from runtime.mesh import Mesh, init_distributed
-
-    _with_llama()
-    init_distributed(timeout_s=600)
-    rank = torch.distributed.get_rank()
-    graphs = {}
-    for k in sorted({p.model for p in plans if rank < p.size}):
-        graphs[k] = runtime_cases.unpacked_graph(runtime_cases.MODELS[k], payloads[k])
-    shapes = sorted({(p.dp, p.tp, p.pp, stream_count(p.schedule), p.hsdp or 0) for p in plans})
-    meshes = {sh: Mesh(sh[0], sh[2], sh[1], timeout_s=runtime_cases.TIMEOUT_S, pp_streams=sh[3],
-                       dp_shard=sh[4] or None) for sh in shapes}
-    out = {}
-    for plan in plans:
-        mesh = meshes[(plan.dp, plan.tp, plan.pp, stream_count(plan.schedule), plan.hsdp or 0)]
-        torch.distributed.barrier()
-        if not mesh.active:
-            continue
-        start = time.perf_counter()
-        spec, graph = graphs[plan.model]
-        pm = build_parallel_model(graph, plan.config(), mesh, optimizer=runtime_cases.ADAMW)
-        timer = measure.StepTimer(pm, track_memory=True)
-        peaks = {"peak": 0}
-        for k, batch in enumerate(_batches(spec, 3)):
-            m = timer.measure(k, lambda: pm.train_step(batch))
-            if m.peak_memory_bytes is not None:
-                peaks["peak"] = max(peaks["peak"], m.peak_memory_bytes)
-        params = list(pm.params)
-        state = [t for s in pm.torch_optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-        out[plan.id] = {**peaks, "params": measure.tensor_bytes(params),
-                        "grads": measure.tensor_bytes([p.grad for p in params if p.grad is not None]),
-                        "optimizer": measure.tensor_bytes(state), "seconds": time.perf_counter() - start}
-    return out
-
-
 @pytest.fixture(scope="module")
 def measured():
     _with_llama()
     start = time.perf_counter()
-    results = spawn(_measure, WORLD, PLANS, runtime_cases.payloads_for(PLANS), timeout_s=900)
+    results = spawn(runtime_cases.measure_memory, WORLD, PLANS, runtime_cases.payloads_for(PLANS),
+                    {"llama": LLAMA}, timeout_s=900)
     print(f"\nspawn of {WORLD} ranks, {len(PLANS)} plans: {time.perf_counter() - start:.1f} s")
     return results
 

@@ -167,3 +167,26 @@ def test_symbolic_dims():
     batch, seq = (s for s in sorted(plan.saved_bytes_after.free_symbols, key=str))
     assert {str(batch), str(seq)} == {"batch", "seq"}
     assert plan.recompute_flops.free_symbols == {batch, seq}
+
+
+def test_a_copy_of_an_observed_graph_reuses_its_run_and_decides_alike(gpt, monkeypatch):
+    """The saved-tensor observation is remembered by graph (every plan tags a deep copy of one
+    analysed graph): the copy's decision is the one a fresh observation gives, on its own
+    nodes; a graph with other parameter shapes is observed again."""
+    from passes import checkpoint_policy as policy
+
+    runs = []
+    observe = policy._observe_saved
+    monkeypatch.setattr(policy, "_observe_saved", lambda g: runs.append(g) or observe(g))
+    monkeypatch.setattr(policy, "_OBSERVED", type(policy._OBSERVED)())
+    first = checkpoint_policy(copy.deepcopy(gpt), policy="dag")
+    second = checkpoint_policy(copy.deepcopy(gpt), policy="dag")
+    assert len(runs) == 1
+    assert second.meta[CHECKPOINT_PLAN] == first.meta[CHECKPOINT_PLAN]
+    assert set(policy._saved_model(second).storages) <= set(second.graph.nodes)
+
+    wider = build_model(SPEC.replace(f"hidden={H}", f"hidden={2 * H}"), device="meta")
+    other = annotate_memory(annotate_flops(annotate_blocks(annotate_shapes(capture_spec(wider)))))
+    runs.clear()
+    checkpoint_policy(other, policy="full")
+    assert len(runs) == 1

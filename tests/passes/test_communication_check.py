@@ -321,3 +321,53 @@ def test_derived_calls_are_what_the_runtime_issues(model, knobs, ranks):
         assert len(ran) > 5
         assert ran == derived, f"rank {r}: first difference at call " \
                                f"{next(k for k, (a, b) in enumerate(zip(ran + [None], derived + [None])) if a != b)}"
+
+
+def _lowered_ranks(model: str, config: ParallelConfig, *, plan: str = "plan"):
+    """What each process of a job tells the others: it lowers only its own rank's programs."""
+    from passes.communication_check import LoweredRank
+    from passes.lower import lower, programs_of
+    from partitioner.cost_model import cost_hooks
+
+    out = []
+    for r in range(config.world_size):
+        lowering = lower(_graph(model), config, cost=cost_hooks(Cluster.local(config.world_size)),
+                         programs=programs_of(config, r))
+        out.append(LoweredRank(rank=r, plan=plan, programs=tuple(sorted(lowering.programs)), digest=lowering.digest(),
+                               calls=rank_calls(lowering.rank_program(r))))
+    return out
+
+
+def test_each_rank_lowering_only_its_own_programs_gets_the_calls_of_the_whole_lowering():
+    """A process lowers only its rank's programs (partitioner.build.build_parallel_model); its
+    calls are those of the same rank in a lowering of every program, and the ranks' gathered
+    summaries pass the check, where one rank's calls from another plan do not."""
+    from passes.communication_check import check_lowered_ranks
+
+    config = ParallelConfig.for_global_batch(8, dp=1, tp=2, pp=2, schedule="1f1b", num_micro_batches=2)
+    ranks = _lowered_ranks(GPT, config)
+    whole = lower_all(_graph(GPT), config, cluster=Cluster.local(4))
+    assert [r.calls for r in ranks] == [rank_calls(whole.rank_program(r)) for r in range(4)]
+    assert [r.programs for r in ranks] == [((0, 0),), ((0, 1),), ((1, 0),), ((1, 1),)]
+    assert check_lowered_ranks(ranks, config=config).ranks == 4
+
+    other = ParallelConfig.for_global_batch(8, dp=1, tp=2, pp=2, schedule="gpipe", num_micro_batches=4)
+    swapped = ranks[:3] + [_lowered_ranks(GPT, other)[3]]
+    with pytest.raises(CommunicationMismatchError, match="do not match"):
+        check_lowered_ranks(swapped, config=config)
+    with pytest.raises(CommunicationMismatchError, match=r"different plans \(ranks \[0, 1, 2\] lowered a; ranks \[3\] "
+                                                         r"lowered b\)"):
+        check_lowered_ranks([dataclasses.replace(r, plan="b" if r.rank == 3 else "a") for r in ranks], config=config)
+
+
+def test_dp_peers_that_lowered_their_program_differently_are_named():
+    from passes.communication_check import check_lowered_ranks
+
+    config = ParallelConfig.for_global_batch(8, dp=2, pp=2, schedule="1f1b", num_micro_batches=2)
+    ranks = _lowered_ranks(GPT, config)
+    assert ranks[0].programs == ranks[1].programs and ranks[0].digest == ranks[1].digest
+    assert ranks[0].digest != ranks[2].digest  # another stage: another program
+    check_lowered_ranks(ranks, config=config)
+    odd = [dataclasses.replace(r, digest="x") if r.rank == 3 else r for r in ranks]
+    with pytest.raises(CommunicationMismatchError, match=r"ranks \[2\] lowered .*; ranks \[3\] lowered x"):
+        check_lowered_ranks(odd, config=config)

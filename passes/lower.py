@@ -3,7 +3,7 @@
 One function, :func:`lower`, of named steps; it is what the dumps show and what the runtime
 runs (there is no other)::
 
-    whole graph   context_parallel      (cp > 1: every cp rank's program, sequence-sharded; re-analysed)
+    whole graph   context_parallel      (cp > 1: every cp rank's program, sequence-sharded; shapes, FLOPs again)
                   tag_tensor_parallel   (tp > 1: column/row/vocab per node, one sharding per param)
                   checkpoint_policy     (checkpointing: which blocks recompute)
                   offload_policy        (activation offload without checkpointing)
@@ -187,7 +187,7 @@ def lower(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
     instrument_for = instrument_for or (lambda name: None)
 
     gm = copy.deepcopy(gm)
-    whole = manager(whole_graph_passes(config, cost=cost, starts=starts, ctx=ctx, tp_group=tp_group),
+    whole = manager(whole_graph_passes(config, cost=cost, starts=starts, tp_group=tp_group),
                     instrument=instrument_for("whole_graph"))
     gm = whole.run(gm, ctx)
     records = [PipelineRecord(name="whole_graph", text=whole.text())]

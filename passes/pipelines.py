@@ -10,7 +10,7 @@ Three pipelines make the lowering (:func:`passes.lower.lower` runs them):
 
 1. :func:`analysis_passes`: shapes, blocks, FLOPs, memory of the captured graph;
 2. :func:`whole_graph_passes`: with context parallelism first its rewrite (the graph becomes
-   every cp rank's program, sequence-sharded, and is analysed again), then the *tag* passes a
+   every cp rank's program, sequence-sharded; its shapes and FLOPs are annotated again), then the *tag* passes a
    config asks for — tensor-parallel sharding, checkpoint regions, activation offload (without
    checkpointing), pipeline stages — which decide and write meta but leave the graph as it is;
 3. :func:`stage_passes`: per (pipeline stage, tp rank), after the split: the *apply* passes that
@@ -175,17 +175,19 @@ def reanalysis_passes(ctx: PassContext | None = None) -> list[Pass]:
 
 
 def whole_graph_passes(config: ParallelConfig, *, cost: CostHooks | None, starts: tuple[int, ...],
-                       ctx: PassContext | None = None, tp_group: str = "tp") -> list[Pass]:
+                       tp_group: str = "tp") -> list[Pass]:
     """The passes ``config`` asks for over the analysed whole graph: with ``cp > 1`` the
-    context-parallel rewrite and its re-analysis (``ctx``: the optimizer and precision it counts
-    memory with); then the tag passes: tp sharding, checkpoint regions, activation offload
+    context-parallel rewrite and its shapes and FLOPs again (what the tag passes read); then
+    the tag passes: tp sharding, checkpoint regions, activation offload
     (decided here only without checkpointing; with it, per stage after the regions are
     outlined), and the pipeline stages (``starts``: chain index of each stage after the first)."""
     out = []
     if config.cp > 1:
         out.append(make_pass("context_parallel", degree=config.cp, group=cp_group(tp_group), mode=config.cp_mode,
                              tp=config.tp))
-        out += reanalysis_passes(ctx)
+        # what the tag passes read; memory is counted on each stage program after its rewrite
+        # (the checkpoint policy observes saved tensors itself), not on this intermediate graph
+        out += [make_pass("annotate_shapes"), make_pass("annotate_flops")]
     if config.tp > 1:
         out.append(make_pass("tag_tensor_parallel", degree=config.tp))
     if config.checkpointing == "dag" and starts:

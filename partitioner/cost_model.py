@@ -354,7 +354,7 @@ def _simulated_bubble_slots(schedule: str, p: int, m: int, v: int, weight_share:
         return (p - 1) * _simulated_bubble_slots(schedule, 2, 4, v, weight_share)
     m = _steady_micro_batches(p, m)
     f, b = 1.0 / v, FWD_BWD_RATIO / v
-    result = simulate(_actions(schedule, p, m, v), f, b, weight_time=b * weight_share, validated=True)
+    result = simulate(_actions(schedule, p, m, v), f, b, weight_time=b * weight_share, check=False)
     work = m * v * (f + b)
     return (result.makespan - work) / (work / m)
 

@@ -115,6 +115,8 @@ class LayerProfile:
     (:func:`passes.checkpoint_policy.dag_default_budget`), averaged over the blocks: the policy
     decides over the whole graph and may treat equal blocks differently. None: not profiled (the
     search then does not offer dag)."""
+    dag_refusal: str = ""
+    """Why ``dag`` is not priced (``dag_activation_bytes`` is None): what the policy said."""
     dag_recompute_flops: float = 0.0
     """Forward FLOPs per sample that ``dag`` runs again in backward (the checkpointed block's
     nodes that keep no output), averaged over the blocks."""
@@ -315,7 +317,9 @@ def _chain(gm: fx.GraphModule, seq: int, shared: _SharedMap, subs: dict | None =
     heads = _heads(gm)
     layers = {g: _sum(g, ns, seq, hidden, boundary.get(g), shared, subs) for g, ns in groups.items()}
     dag = _dag_per_block(gm, stack, subs)
-    if dag is not None:
+    if isinstance(dag, str):
+        layers.update({g: replace(layers[g], dag_refusal=dag) for g in stack})
+    else:
         layers.update({g: replace(layers[g], dag_activation_bytes=layers[g].activation_bytes - dag[0],
                                   dag_recompute_flops=dag[1], dag_checkpointed=dag[2]) for g in stack})
     bnd = layers[stack[0]].boundary_bytes
@@ -325,17 +329,20 @@ def _chain(gm: fx.GraphModule, seq: int, shared: _SharedMap, subs: dict | None =
     return emb, [layers[g] for g in stack], head, hidden, heads, attention
 
 
-def _dag_per_block(gm: fx.GraphModule, stack: list[str], subs: dict | None) -> tuple[float, float, float] | None:
+def _dag_per_block(gm: fx.GraphModule, stack: list[str], subs: dict | None) -> tuple[float, float, float] | str:
     """(bytes no longer saved, recompute FLOPs, checkpointed fraction) per sample and block,
     averaged over ``stack``'s blocks, under the ``dag`` checkpoint policy at its default budget;
-    None where the policy finds nothing to decide on this graph."""
+    or why the policy cannot be priced on this graph (the search then does not offer it, and
+    says why when it is pinned)."""
     try:
         plan = checkpoint_policy(copy.deepcopy(gm), policy="dag").meta[CHECKPOINT_PLAN]
-    except (PassError, ConfigError):
-        return None
+    except (PassError, ConfigError) as e:
+        return f"the dag checkpoint policy failed on this model's graph ({e})"
     regions = {r.name: r for r in plan.regions}
-    if not stack or any(g not in regions for g in stack):
-        return None
+    missing = [g for g in stack if g not in regions]
+    if not stack or missing:
+        return (f"the dag checkpoint policy found no region for block(s) {', '.join(missing[:3]) or '(none)'} "
+                f"(a block with no cut point around it)")
     picked = [regions[g] for g in stack]
     n = len(picked)
     return (sum(_int(r.bytes_saved, subs) for r in picked if r.recompute) / n,

@@ -147,8 +147,8 @@ def _pinned_problems(fix: dict, world: int, L: int, heads: int, global_batch: in
                    f"{fix['zero_stage']} shards it over dp: choose one (zero_stage=0 or offload='none')")
     if fix.get("checkpointing") == "dag" and profile is not None and profile.blocks \
             and profile.blocks[0].dag_activation_bytes is None:
-        out.append("checkpointing='dag' found nothing to decide on this model's profile (no checkpoint "
-                   "regions in its blocks): pin none, selective or full")
+        why = profile.blocks[0].dag_refusal or "no checkpoint regions in its blocks"
+        out.append(f"checkpointing='dag' cannot be priced on this model: {why}; pin none, selective or full")
     return out
 
 

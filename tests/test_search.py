@@ -72,6 +72,25 @@ def test_dag_checkpointing_is_costed_between_none_and_full(profile):
     assert recompute["none"] == 0 < recompute["dag"] < recompute["full"], recompute
 
 
+def test_a_model_dag_cannot_be_priced_on_is_not_offered_and_pinning_dag_says_why(monkeypatch):
+    """Where the dag policy fails on the profiled graph, the profile records what it said, the
+    search does not offer dag, and a pinned dag is refused with that reason."""
+    from partitioner import profile as profiling
+    from passes.ir.errors import PassError
+
+    def fails(gm, *args, **kwargs):
+        raise PassError("an op the policy cannot price")
+
+    monkeypatch.setattr(profiling, "checkpoint_policy", fails)
+    refused = profile_model("gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8")
+    assert refused.blocks[0].dag_activation_bytes is None
+    assert "an op the policy cannot price" in refused.blocks[0].dag_refusal
+    assert all(c.checkpointing != "dag" for c in candidates(refused, _cluster(), global_batch=8))
+    with pytest.raises(ConfigError, match="cannot be priced on this model: the dag checkpoint policy failed .*an op "
+                                          "the policy cannot price.*pin none, selective or full"):
+        plan(refused, _cluster(), global_batch=8, fix={"checkpointing": "dag"})
+
+
 def test_fix_pins_knobs(profile):
     fix = {"tp": 2, "pp": 2, "schedule": "interleaved", "virtual_pp": 2, "checkpointing": "full",
            "zero_stage": 1, "micro_batch_size": 1}

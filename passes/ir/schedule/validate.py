@@ -439,10 +439,11 @@ def simulate(
     step_time: float = 0.0,
     blocking_sends: bool = False,
     weight_time: PerStage | None = None,
-    validated: bool = False,
+    check: bool = True,
 ) -> SimResult:
-    """Time a schedule: validate it (unless ``validated``: the caller built it from a checked
-    generator), then run every rank's list with the given durations.
+    """Time a schedule: validate it (``check=False`` skips that, as ``build(..., check=False)``
+    does: for a caller that built it from a checked generator), then run every rank's list with
+    the given durations.
 
     fwd_time / bwd_time: seconds of one stage's forward / backward on one microbatch, one float
         for all stages or a mapping stage -> seconds.
@@ -452,7 +453,7 @@ def simulate(
     weight_time: seconds of the weight half (W) of a split backward, per stage; its input half (I)
         takes ``bwd_time - weight_time``. Default: half the backward each.
     """
-    if not validated:
+    if check:
         validate(schedule, blocking_sends=blocking_sends)
     placement = stage_to_rank_of(schedule)
     fwd, bwd = _per_stage(fwd_time, "fwd_time"), _per_stage(bwd_time, "bwd_time")

@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{record.rank}.json").write_text(json.dumps(dataclasses.asdict(record)))
+    from runtime import heartbeat
+
+    heartbeat.stop()  # as `partitioner train` does: the beat thread's store connection ends before the groups
     dist.destroy_process_group()
     return 0
 

@@ -127,8 +127,8 @@ def lower_checked_all(graph: fx.GraphModule, config: ParallelConfig, *, cluster:
     """Every rank's program of ``config`` (a :class:`passes.lower.Lowering`; a rank takes its own
     with ``.rank_program(rank, first=first)``), its communication checked first
     (:func:`passes.communication_check.check_lowering`; raises :class:`CommunicationMismatchError`).
-    Every process checks the whole plan itself: no collective is needed, and every rank reaches
-    the same verdict before its first collective. ``bucket_bytes`` (bytes) and
+    One process checks the whole plan alone, without a collective (the processes of a job each
+    lower only their own programs and check together: :func:`check_before_launch`). ``bucket_bytes`` (bytes) and
     ``overlap_grad_sync``: as the ParallelModel that runs it takes them."""
     lowering = lower(graph, config, cost=cost_hooks(cluster), tp_group=tp_group,
                      ctx=ctx or PassContext(mixed_precision=config.mixed_precision))

@@ -42,9 +42,8 @@ from torch import fx, nn
 
 from ir_dumps.report import write_report
 from ir_dumps.writer import DumpWriter
-from partitioner.build import analyse, capture_training_step, check_before_launch
+from partitioner.build import analyse, capture_training_step, check_before_launch, lower_own_checked
 from partitioner.cluster import Cluster
-from partitioner.cost_model import cost_hooks
 from partitioner.dumps import write_plan_dumps
 from partitioner.memory_check import replay_check
 from partitioner.model_spec import ModelSpec, as_spec, meta_copy
@@ -58,7 +57,6 @@ from passes.ir.graph_transfer import pack_graph, unpack_graph
 from passes.ir.meta import InputSpec
 from passes.ir.plan import Plan
 from passes.ir.schedule.actions import Kind
-from passes.lower import lower, programs_of
 from passes.manager import PassContext
 from runtime import checkpoint_dir, comm
 from runtime.checkpoint_dir import TrainState
@@ -412,14 +410,13 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     clock.lap("mesh")
     if writer is not None:
         dumps = write_plan_dumps(out_dir, graph=graph, plan=chosen, cluster=cluster, writer=writer)
-        lowering = dumps.lowering
+        program = dumps.lowering.rank_program(rank)
+        check_before_launch(mesh, dumps.lowering, program)
         clock.lap("lower+dumps")
-    else:  # this rank's programs only; the ranks check the whole plan together below
-        lowering = lower(graph, chosen.config, cost=cost_hooks(cluster), programs=programs_of(chosen.config, rank),
-                         ctx=PassContext(optimizer=planned_optimizer, mixed_precision=chosen.config.mixed_precision))
+    else:
+        program = lower_own_checked(graph, chosen.config, mesh, cluster=cluster, ctx=PassContext(
+            optimizer=planned_optimizer, mixed_precision=chosen.config.mixed_precision))
         clock.lap("lower")
-    program = lowering.rank_program(rank)
-    check_before_launch(mesh, lowering, program)
     pm = ParallelModel(program, mesh, optimizer=factory, lr_scheduler=lr_scheduler, clip_grad_norm=clip_grad_norm,
                        nonfinite=nonfinite)
     trainer = AutoParallel(pm, chosen, cluster, spec, dump_dir=out_dir, track_memory=track_memory)

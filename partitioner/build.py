@@ -86,16 +86,27 @@ def build_parallel_model(graph: fx.GraphModule, config: ParallelConfig, mesh: Me
     (``lr_scheduler``, ``clip_grad_norm``, ``nonfinite``): as :class:`ParallelModel` takes them.
     """
 
-    cluster = cluster or Cluster.local(mesh.size)
-    lowering = lower(graph, config, cost=cost_hooks(cluster), tp_group=tp_group,
-                     programs=programs_of(config, mesh.rank, first=mesh.first),
-                     ctx=PassContext(mixed_precision=config.mixed_precision))
-    program = lowering.rank_program(mesh.rank, first=mesh.first)
-    check_before_launch(mesh, lowering, program, bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
-                        overlap_grad_sync=overlap_grad_sync, zero3_prefetch=zero3_prefetch)
+    program = lower_own_checked(graph, config, mesh, cluster=cluster or Cluster.local(mesh.size), tp_group=tp_group,
+                                bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
+                                overlap_grad_sync=overlap_grad_sync, zero3_prefetch=zero3_prefetch)
     kwargs = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
     return ParallelModel(program, mesh, optimizer=optimizer, overlap_grad_sync=overlap_grad_sync,
                          zero3_prefetch=zero3_prefetch, **kwargs, **runtime)
+
+
+def lower_own_checked(graph: fx.GraphModule, config: ParallelConfig, mesh: Mesh, *, cluster: Cluster,
+                      ctx: PassContext | None = None, tp_group: str = "tp", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      overlap_grad_sync: bool = True, zero3_prefetch: int = ZERO3_PREFETCH) -> RankProgram:
+    """This rank's program of ``config``: only this rank's (stage, tp rank) programs are lowered,
+    then the whole plan is checked with the other ranks of ``mesh`` (:func:`check_before_launch`).
+    ``ctx``: the optimizer and precision the re-analysis counts (default: the config's precision)."""
+    lowering = lower(graph, config, cost=cost_hooks(cluster), tp_group=tp_group,
+                     programs=programs_of(config, mesh.rank, first=mesh.first),
+                     ctx=ctx or PassContext(mixed_precision=config.mixed_precision))
+    program = lowering.rank_program(mesh.rank, first=mesh.first)
+    check_before_launch(mesh, lowering, program, bucket_bytes=bucket_bytes, overlap_grad_sync=overlap_grad_sync,
+                        zero3_prefetch=zero3_prefetch)
+    return program
 
 
 def check_before_launch(mesh: Mesh, lowering: Lowering, program: RankProgram, *,

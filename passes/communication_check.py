@@ -820,9 +820,8 @@ def _ranks_by(ranks: Sequence[LoweredRank], key) -> dict:
     return out
 
 
-def _groups(by: Mapping) -> str:
-    return "; ".join(f"ranks {sorted(r.rank for r in rs)} lowered {k if isinstance(k, str) else ''}".rstrip()
-                     for k, rs in by.items())
+def _groups(by: Mapping[str, list[LoweredRank]]) -> str:
+    return "; ".join(f"ranks {sorted(r.rank for r in rs)} lowered {digest}" for digest, rs in by.items())
 
 
 def _by_rank(programs: Sequence[RankProgram]) -> dict[int, RankProgram]:

@@ -2,13 +2,15 @@
 over many plans of one model on 4 local gloo ranks.
 
     python bench/plan_quality.py [--models gpt,llama,hf-gpt2] [--plans 24] [--warmup 2] [--steps 5]
-                                 [--clusters local-cpu,calibrated] [--quick]
+                                 [--clusters calibrated,local-cpu] [--quick]
 
 Per model:
 
 * the candidates: every plan the search considers that fits in memory
   (:func:`partitioner.search.feasible_plans`, the search's own enumeration and cost model, fastest
-  predicted first) on each cluster of ``--clusters``; the first cluster is the primary one. The
+  predicted first) on each cluster of ``--clusters``; the first cluster is the primary one. Plans
+  that run alike (the same knobs and the same pipeline action lists: GPipe and 1F1B with one
+  micro-batch) are measured once, as the pick when it is one of them. The
   planner's pick is :func:`partitioner.search.plan` with the exact memory replay
   (:func:`partitioner.memory_check.replay_check`), as ``auto_parallelize`` calls it;
 * the plans run: all of them when there are at most ``--plans`` + 6, else a sample
@@ -31,11 +33,13 @@ of predicted against measured over the plans run (``scipy.stats.spearmanr``), th
 of the pick and the measured fastest next to the measured time split, the first-step loss of every
 plan against single-process eager training, and the total wall time.
 
-Clusters: ``local-cpu`` is the preset ``partitioner/presets/local-cpu.yaml`` as
-``Cluster.local(4)`` reads it through ``$PARTITIONER_CLUSTER_FILE``; ``calibrated`` is
-``Cluster.local(4)`` without that variable: this machine's cached calibration
-(``$PARTITIONER_CACHE_DIR``, else ``~/.cache/partitioner``; measured once on a miss); any other
-value is a cluster file path. Every plan is lowered against the primary cluster.
+Clusters: ``calibrated`` (the primary one by default) is ``Cluster.local(4)`` without
+``$PARTITIONER_CLUSTER_FILE``: this machine's cached calibration (``$PARTITIONER_CACHE_DIR``, else
+``~/.cache/partitioner``; measured once on a miss), which is what ``auto_parallelize`` plans
+against on a local gloo job; ``local-cpu`` is the preset ``partitioner/presets/local-cpu.yaml`` as
+``Cluster.local(4)`` reads it through ``$PARTITIONER_CLUSTER_FILE`` (a rough description without
+overheads or shared cores, which the tests use); any other value is a cluster file path. Every
+plan is lowered against the primary cluster.
 """
 from __future__ import annotations
 
@@ -91,7 +95,7 @@ class Settings:
     timeout_s: float = 3000.0
 
 
-FULL = Settings(models=tuple(MODELS), clusters=("local-cpu", "calibrated"), plans=24, warmup=2, steps=5)
+FULL = Settings(models=tuple(MODELS), clusters=("calibrated", "local-cpu"), plans=24, warmup=2, steps=5)
 QUICK = Settings(models=("gpt",), clusters=("local-cpu",), plans=4, warmup=0, steps=1, top=0,
                  cover=("schedule", "pp"), timeout_s=300.0)
 
@@ -176,9 +180,11 @@ class ModelReport:
 
 def label(c: ParallelConfig) -> str:
     """Short form of a plan's knobs, e.g. ``dp2.tp1.pp2 interleaved/v2 mbs4 z1 ckpt=full``."""
-    parts = [f"dp{c.dp}.tp{c.tp}.pp{c.pp}", c.schedule + (f"/v{c.virtual_pp}" if c.virtual_pp > 1 else ""),
-             f"mbs{c.micro_batch_size}"]
+    parts = [f"dp{c.dp}.tp{c.tp}.pp{c.pp}" + (f".cp{c.cp}-{c.cp_mode}" if c.cp > 1 else ""),
+             c.schedule + (f"/v{c.virtual_pp}" if c.virtual_pp > 1 else ""), f"mbs{c.micro_batch_size}"]
     parts += [f"z{c.zero_stage}"] if c.zero_stage else []
+    parts += [f"hsdp{c.hsdp_shard}"] if c.hsdp_shard is not None else []
+    parts += ["keep-gathered"] if c.zero_stage == 3 and not c.reshard_after_forward else []
     parts += ["sp"] if c.sequence_parallel else []
     parts += [f"ckpt={c.checkpointing}"] if c.checkpointing != "none" else []
     parts += [f"off={c.offload}"] if c.offload != "none" else []
@@ -187,6 +193,30 @@ def label(c: ParallelConfig) -> str:
 
 def _knobs(c: ParallelConfig) -> tuple:
     return tuple(c.knobs().values())
+
+
+def _runs_as(c: ParallelConfig) -> tuple:
+    """What ``c`` runs: its knobs with the schedule's name replaced by its action lists. Two
+    plans alike in this (GPipe and 1F1B with one micro-batch per pipeline) are one plan to
+    measure: timing both would only compare two samples of the same run."""
+    from passes.ir.schedule.build import build
+
+    knobs = dict(c.knobs())
+    if c.pp > 1:
+        actions = build(c.schedule, c.pp, c.num_micro_batches, c.virtual_pp, check=False)
+        knobs["schedule"] = tuple((rank, tuple(map(str, acts))) for rank, acts in sorted(actions.items()))
+    return tuple(knobs.items())
+
+
+def distinct_plans(ranked: Sequence[Plan]) -> list[Plan]:
+    """``ranked`` without the plans that run as an earlier one does (:func:`_runs_as`)."""
+    seen, out = set(), []
+    for p in ranked:
+        key = _runs_as(p.config)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
 
 
 def sample_plans(ranked: Sequence[Plan], picks: Sequence[Plan], n: int, *, top: int = TOP,
@@ -276,13 +306,13 @@ def _rank_main(work: tuple, warmup: int, steps: int, cluster: Cluster) -> list[l
     init_distributed(timeout_s=300)
     meshes = {}
 
-    def mesh_key(c: ParallelConfig) -> tuple:  # a schedule may need more pipeline communicators
-        return c.dp, c.pp, c.tp, stream_count(c.schedule)
+    def mesh_key(c: ParallelConfig) -> tuple:  # what Mesh.for_config builds its groups from
+        return c.dp, c.cp, c.pp, c.tp, stream_count(c.schedule), c.hsdp_shard
 
     for _, _, _, configs in work:  # every rank creates every group, in the same order
         for c in configs:
             if mesh_key(c) not in meshes:
-                meshes[mesh_key(c)] = Mesh(c.dp, c.pp, c.tp, timeout_s=120, pp_streams=mesh_key(c)[3])
+                meshes[mesh_key(c)] = Mesh.for_config(c, timeout_s=120)
     rank0 = dist.get_rank() == 0
     out = []
     for name, spec_str, payload, configs in work:
@@ -370,7 +400,13 @@ def run(settings: Settings) -> list[ModelReport]:
         rank_of = {n: {_knobs(p.config): i for i, p in enumerate(r)} for n, r in ranked.items()}
         pick_plans = [ranked[primary][rank_of[primary][_knobs(p.config)]] for p in picks.values()
                       if _knobs(p.config) in rank_of[primary]]  # another cluster's pick may not fit the primary
-        run_plans = sample_plans(ranked[primary], pick_plans, settings.plans, top=settings.top, cover=settings.cover)
+        # one of each set of plans that run alike: the pick's own, else the predicted fastest
+        picked = {_knobs(p.config) for p in pick_plans}
+        distinct = distinct_plans(sorted(ranked[primary], key=lambda p: _knobs(p.config) not in picked))
+        distinct.sort(key=lambda p: rank_of[primary][_knobs(p.config)])
+        standing_for = {_runs_as(p.config): p for p in distinct}
+        run_plans = sample_plans(distinct, [standing_for[_runs_as(p.config)] for p in pick_plans], settings.plans,
+                                 top=settings.top, cover=settings.cover)
         # the primary pick runs as the planner returned it (its own stage split)
         pick_knobs = _knobs(picks[primary].config)
         configs = tuple(picks[primary].config if _knobs(p.config) == pick_knobs else p.config for p in run_plans)
@@ -383,10 +419,11 @@ def run(settings: Settings) -> list[ModelReport]:
                 predicted_s={n: per[n].predicted.step_time_s if n in per else float("nan") for n in clusters},
                 predicted_rank={n: rank_of[n][key] + 1 if n in per else 0 for n in clusters},
                 terms={n: dict(per[n].predicted.terms) if n in per else {} for n in clusters},
-                picked_by=tuple(n for n, p in picks.items() if _knobs(p.config) == key)))
+                picked_by=tuple(n for n, p in picks.items() if _runs_as(p.config) == _runs_as(c))))
         work.append((model, spec, pack_graph(graph, module.module), configs))
         meta.append((model, spec, {n: len(r) for n, r in ranked.items()}, results))
-        print(f"{model}: {len(ranked[primary])} feasible candidates on {primary}, running {len(configs)} "
+        print(f"{model}: {len(ranked[primary])} feasible candidates on {primary} ({len(distinct)} that run "
+              f"differently), running {len(configs)} "
               f"(planned in {time.perf_counter() - t0:.1f} s)", flush=True)
     t0 = time.perf_counter()
     per_rank = spawn(_rank_main, WORLD, tuple(work), settings.warmup, settings.steps, clusters[primary],
@@ -472,7 +509,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="one model, 4 plans, 1 step: a smoke run (first steps, no warm-up: its times mean nothing)")
     ap.add_argument("--models", help=f"comma-separated, of {', '.join(MODELS)} (default: all)")
     ap.add_argument("--clusters", help="comma-separated: local-cpu, calibrated or cluster files; the first is "
-                                       "primary (default: local-cpu,calibrated; --quick: local-cpu)")
+                                       "primary (default: calibrated,local-cpu; --quick: local-cpu)")
     ap.add_argument("--plans", type=int, help="plans per model to run at least (default 24)")
     ap.add_argument("--warmup", type=int, help="untimed rounds (default 2)")
     ap.add_argument("--steps", type=int, help="timed rounds (default 5)")

@@ -27,6 +27,7 @@ from passes.lower import Lowering, lower, lower_rank, programs_of
 from passes.manager import PassContext
 from passes.pipelines import analysis_passes, manager
 from passes.ir.zero3_ops import ZERO3_PREFETCH
+from runtime.mesh import check_mesh_fits
 from runtime.parallel_model import ParallelModel
 
 if TYPE_CHECKING:
@@ -99,7 +100,9 @@ def lower_own_checked(graph: fx.GraphModule, config: ParallelConfig, mesh: Mesh,
                       overlap_grad_sync: bool = True, zero3_prefetch: int = ZERO3_PREFETCH) -> RankProgram:
     """This rank's program of ``config``: only this rank's (stage, tp rank) programs are lowered,
     then the whole plan is checked with the other ranks of ``mesh`` (:func:`check_before_launch`).
-    ``ctx``: the optimizer and precision the re-analysis counts (default: the config's precision)."""
+    ``ctx``: the optimizer and precision the re-analysis counts (default: the config's precision).
+    A mesh that cannot run ``config`` is refused before any lowering (:func:`runtime.mesh.check_mesh_fits`)."""
+    check_mesh_fits(mesh, config, where="build")
     lowering = lower(graph, config, cost=cost_hooks(cluster), tp_group=tp_group,
                      programs=programs_of(config, mesh.rank, first=mesh.first),
                      ctx=ctx or PassContext(mixed_precision=config.mixed_precision))

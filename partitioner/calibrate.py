@@ -570,6 +570,8 @@ def build_cluster(world_size: int, efficiency: dict[str, EfficiencyFit], memcpy:
     all-reduce fit, since collectives dominate data and tensor parallelism (the send/recv fit is
     in the calibration JSON); ``host_to_device`` is the copy rate with the small-copy latency.
     bf16 falls back to fp32's peak when not measured; tf32 = fp32, fp16 = bf16 (schema defaults).
+    The matmul rates are one rank's alone; ``compute_slots_per_node`` (cores over threads per
+    rank) says how many ranks reach them at once.
     """
     host = host_memory if host_memory is not None else host_memory_bytes()
     fp32 = efficiency["fp32"].peak_flops_per_s
@@ -584,7 +586,8 @@ def build_cluster(world_size: int, efficiency: dict[str, EfficiencyFit], memcpy:
                       peak_flops=PeakFlops(fp32=fp32, bf16=bf16, fp16=fp16)),
         intra_node=link, inter_node=link, host_memory_bytes=host,
         host_to_device=Link(kind="loopback", bandwidth_bytes_per_s=memcpy.copy_bytes_per_s,
-                            latency_s=memcpy.small_copy_s))
+                            latency_s=memcpy.small_copy_s),
+        compute_slots_per_node=max(1, cpu_count() // threads_per_rank))
 
 
 def _header(cal: Calibration) -> str:
@@ -594,6 +597,8 @@ def _header(cal: Calibration) -> str:
         f"measurements of this machine ({cpu_name()}, {cpu_count()} cores),",
         f"{cal.world_size} gloo ranks with {cal.threads_per_rank} torch thread(s) each. Samples and fits: the "
         f".calibration.json file next to this one.",
+        f"{cal.cluster.compute_slots_per_node} rank(s) compute at once at the measured rate (cores // threads per "
+        f"rank); more ranks computing share the cores (StepTimeTerms.contention).",
     ]
     for dtype, fit in cal.efficiency.items():
         lines.append(f"{dtype} matmul: peak {fit.peak_flops_per_s / 1e9:.3g} GFLOP/s, EfficiencyCurve("

@@ -43,7 +43,7 @@ CACHE_DIR_ENV = "PARTITIONER_CACHE_DIR"
 """Overrides where calibrations are cached (default: the user cache directory, see :func:`cache_dir`)."""
 DEFAULT_LOCAL_FILE = Path("~/.cache/partitioner/local-cluster.yaml")
 """Where ``calibrate`` wrote before calibrations were cached per machine; no longer read."""
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
 """Part of every cache key: raise it when what a calibration measures or fits changes, so that
 an older cached file is not read as a current one."""
 
@@ -338,10 +338,19 @@ class Cluster:
     """Seconds per pipeline point-to-point message in place of the link's α (the runtime's
     isend/irecv post and wait, which small messages see more of than the calibration's large
     ones); ``None`` (the presets): the link's. Fitted by ``partitioner.refit``."""
+    compute_slots_per_node: int | None = None
+    """How many of a node's ranks can compute at once at the device's full rate: CPU ranks
+    share the node's cores, ``cores // threads per rank`` of them run at a time. With more ranks
+    computing than slots, the node's total compute seconds over its slots bound the step
+    (``StepTimeTerms.contention``). ``None`` (GPUs, the presets): every device computes on its
+    own. Written by ``partitioner calibrate``."""
 
     def __post_init__(self) -> None:
         _count(self, "nodes", "a cluster has at least 1 node")
         _count(self, "devices_per_node", "a node has at least 1 device")
+        if self.compute_slots_per_node is not None:
+            _count(self, "compute_slots_per_node", "give how many ranks of a node compute at once "
+                   "(cores // threads per rank), or leave it out when every device has its own")
         _normalize(self, "host_memory_bytes", "bytes", "give the CPU memory of one node, e.g. '2TiB'")
         _choice(self, "backend", BACKENDS)
         if self.p2p_latency_s is not None and (isinstance(self.p2p_latency_s, bool)
@@ -395,7 +404,9 @@ class Cluster:
                 "intra_node": self.intra_node.to_dict(), "inter_node": self.inter_node.to_dict(),
                 "host_memory_bytes": self.host_memory_bytes,
                 "host_to_device": self.host_to_device.to_dict(),
-                **({"p2p_latency_s": self.p2p_latency_s} if self.p2p_latency_s is not None else {})}
+                **({"p2p_latency_s": self.p2p_latency_s} if self.p2p_latency_s is not None else {}),
+                **({"compute_slots_per_node": self.compute_slots_per_node}
+                   if self.compute_slots_per_node is not None else {})}
 
     @classmethod
     def from_file(cls, path: str | Path) -> Cluster:

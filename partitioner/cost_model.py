@@ -530,6 +530,9 @@ class StepTimeTerms:
     """Host <-> device copies of offloaded tensors."""
     optimizer: float = 0.0
     """The optimizer step."""
+    contention: float = 0.0
+    """More ranks of a node computing at once than it has compute slots (CPU ranks sharing
+    cores, ``Cluster.compute_slots_per_node``): what their shared compute adds to the step."""
     framework: float = 0.0
     """Per-step host work outside the kernels (``Device.step_overhead_s``) and the all-reduce of
     the step's loss over all ranks (which also waits for the last rank to finish)."""

@@ -21,13 +21,17 @@ Per micro-batch of ``b`` samples, per layer (numbers per sample come from the Mo
   matmul-class kernels whose outputs it does not keep (``LayerProfile.dag_recompute_flops``).
 
 A stage's time per micro-batch is the sum over its layers. The step is
-``(m + (p−1)/v) · T_max`` (``cost_model.pipeline_step_time``) with ``T_max`` the slowest stage,
+``(m + (p−1)/v) · T_max`` (``cost_model.pipeline_step_time``) with ``T_max`` the slowest stage
+(zero-bubble schedules: their simulated idle slots, with W taking the share of the slowest
+stage's backward that its weight gradients are, ``_LayerCost.weight_grad``),
 plus pipeline send/recv of the boundary tensor (scattered over TP ranks, as Megatron does):
 ``2·t_p2p·m·v``, each rank's own messages (charging the ``p−1`` fill/drain messages as well
 over-predicted deep pipelines on measured runs; the fill is in the bubble), plus the exposed data-parallel gradient reduction: gradients accumulate
 over micro-batches and the reduction (all-reduce for ZeRO 0, reduce-scatter for ZeRO 1) of the
 last micro-batch overlaps that micro-batch's backward on the stage (bucketed), the rest is
-exposed; ZeRO 1 and 2 then all-gather the updated weights (exposed); ZeRO 2 keeps only a grad
+exposed; ZeRO 1 and 2 then all-gather the updated weights (exposed); ZeRO-3 gathers each
+layer's parameters before its forward and its backward and reduce-scatters its gradients, one
+collective per layer each (:func:`zero3_exposed_time`); ZeRO 2 keeps only a grad
 shard so it reduce-scatters after EVERY micro-batch (each hidden behind its backward); plus the optimizer step (memory bound, or on the host with
 ``offload="optimizer"``); ZeRO ≥ 1 adds flattening the grads into the bucket and copying the
 gathered parameters back (``4·grad bytes`` memory bound). With ``pp > 1`` and tied weights (a
@@ -42,6 +46,11 @@ offload's copies are added to the stage's time per micro-batch (so they also len
 bubble). A copy costs ``bytes`` at the host link plus, per saved tensor
 (``LayerProfile.saved_tensors``) and direction, the link's α and ``Device.offload_call_s`` (the
 hook and the op's dispatch).
+
+Shared cores (``Cluster.compute_slots_per_node``, written by the calibration of CPU ranks): when
+a node has more ranks than ranks that can compute at once, the node's busy seconds over its slots
+bound the step (term ``contention``, :func:`_contention_time`): all-rank data parallelism pays for
+its ranks computing together, a pipeline's idle ranks give their cores to the busy ones.
 
 Per-device memory of a stage: model state of its layers (``cost_model.model_state_bytes``,
 ZeRO-sharded over dp, parameters divided by tp; norms are counted as sharded too, a small
@@ -180,6 +189,9 @@ class _LayerCost:
     working_bytes: float = 0.0
     """Transient bytes of the layer's context-parallel attention while it runs (received blocks,
     fp32 score blocks): held once per device, not per micro-batch."""
+    weight_grad: float = 0.0
+    """Seconds of ``bwd`` that compute weight gradients (a split backward's W): the matmul-class
+    kernels' weight-gradient halves, and half of the split's extra overhead."""
 
     @property
     def time(self) -> float:
@@ -257,6 +269,7 @@ class PlanContext:
         b = mbs / cp
         fwd, bwd = self._matmul_times(layer, tp, b)
         matmul_fwd = fwd
+        wgrad = bwd / 2  # of each matmul-class kernel's two backward kernels, the weight gradient's
         mem_fwd = memory_bound_time(self._memory_bound_bytes(layer, tp, b, sp), dev)
         # an elementwise op's backward reads the output gradient and its saved input and writes
         # the input gradient: about twice its forward's bytes
@@ -267,7 +280,9 @@ class PlanContext:
         fwd += op_overhead_time(ops, dev)
         bwd += op_overhead_time(2 * ops, dev)
         if split:  # a split backward runs every weight-reading op's backward a second time (W)
-            bwd += op_overhead_time(SPLIT_OPS_PER_MATMUL * layer.matmuls, dev)
+            extra = op_overhead_time(SPLIT_OPS_PER_MATMUL * layer.matmuls, dev)
+            bwd += extra
+            wgrad += extra / 2  # W's engine pass; I's capture of the output gradients is the other half
         msg = layer.boundary_bytes * b
         link = self.link(tp, 1)
         one = (reduce_scatter_time(msg, tp, link) + all_gather_time(msg, tp, link)) if sp else all_reduce_time(msg, tp, link)
@@ -303,7 +318,7 @@ class PlanContext:
             full = act
         return _LayerCost(fwd=fwd, bwd=bwd, tp_comm=2 * fwd_comm, recompute=recompute, act_bytes=act,
                           full_act_bytes=full, params=layer.param_count / tp, cp_comm=cpa.comm_fwd + cpa.comm_bwd,
-                          working_bytes=cpa.working_bytes)
+                          working_bytes=cpa.working_bytes, weight_grad=wgrad)
 
     def _cp_attention(self, layer: LayerProfile, mbs: int, cp: int, mode: str, tp: int = 1) -> _CpAttention:
         """What context parallelism adds to one block's attention for a micro-batch of ``mbs``
@@ -567,7 +582,7 @@ def _stage_numbers(ctx: PlanContext, c: ParallelConfig, costs, ranges: list[tupl
     """Time per micro-batch (fwd, bwd, tp, recompute), params on device, memory breakdown."""
     emb, blk, head = costs
     L, p = ctx.L, c.pp
-    f = b = tpc = rc = cpc = params = act = 0.0
+    f = b = tpc = rc = cpc = params = act = w_grad = 0.0
     shared = ctx.profile.shared_param_count / c.tp
     largest = 0.0  # the most parameters one layer of the stage has (ZeRO-3 gathers a layer at a time)
     kept = 0.0  # parameters of the layers whose backward reads them (the embedding's reads only ids)
@@ -579,6 +594,7 @@ def _stage_numbers(ctx: PlanContext, c: ParallelConfig, costs, ranges: list[tupl
                 kept += cost.params + (shared if i == L + 1 else 0.0)
             f += cost.fwd
             b += cost.bwd
+            w_grad += cost.weight_grad
             tpc += cost.tp_comm
             rc += cost.recompute
             cpc += cost.cp_comm
@@ -597,7 +613,7 @@ def _stage_numbers(ctx: PlanContext, c: ParallelConfig, costs, ranges: list[tupl
     if c.zero_stage == 3:  # the gathered full parameters count as communication buffers
         memory["buffers"] += zero3_gathered_bytes(largest, ctx.itemsize,
                                                   kept_params=None if c.reshard_after_forward else kept)
-    return f, b, tpc, rc, cpc, params, act, memory
+    return f, b, tpc, rc, cpc, params, act, memory, w_grad
 
 
 def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str = "device") -> Evaluated:
@@ -614,7 +630,7 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
     ms1 = model_state_bytes(1.0, shards, c.zero_stage, ctx.precision, ctx.optimizer)
     stages, per_stage = [], []
     for s, ranges in enumerate(assignment):
-        f, b, tpc, rc, cpc, params, act, memory = _stage_numbers(ctx, c, costs, ranges, s)
+        f, b, tpc, rc, cpc, params, act, memory, w_grad = _stage_numbers(ctx, c, costs, ranges, s)
         t_mb = f + b + tpc + rc + cpc
         # data parallel: grads of this stage; the last micro-batch's backward hides part of it.
         # Gradients are averaged over the dp x cp ranks holding the same parameters (cp innermost)
@@ -665,7 +681,7 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
         stages.append(StagePlan(index=s, layers=tuple(tuple(r) for r in ranges), layer_names=names,
                                 param_bytes=params * ctx.itemsize, peak_memory_bytes=peak, memory=memory,
                                 time_s=t_mb))
-        per_stage.append((t_mb, f + b, tpc, rc, dp_exposed, t_opt, t_off, cpc))
+        per_stage.append((t_mb, f + b, tpc, rc, dp_exposed, t_opt, t_off, cpc, w_grad / b if b > 0 else 0.0))
     p, v, m = c.pp, c.virtual_pp, c.num_micro_batches
     slow = max(range(p), key=lambda i: (per_stage[i][0], -i))
     t_max, comp, tpc, rc = per_stage[slow][:4]
@@ -682,9 +698,13 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
         # weight half (runtime.split_backward)
         compute=m * comp, tp_comm=m * tpc, cp_comm=m * cpc, recompute=m * rc * (2 if c.split_backward else 1),
         pp_comm=2 * t_p2p * m * v if p > 1 else 0.0,
-        bubble=_bubble_slots(c.schedule, p, m, v) * t_max,
+        # a zero-bubble schedule fills its bubble with W: how much depends on W's share of the
+        # slowest stage's backward (matmul-heavy on GPUs, about half; dispatch-bound CPU ranks less)
+        bubble=_bubble_slots(c.schedule, p, m, v, *((per_stage[slow][8],) if c.split_backward else ())) * t_max,
         dp_comm=per_stage[tail][4], optimizer=per_stage[tail][5], offload=per_stage[tail][6],
         tied_comm=_tied_sync_time(ctx, c), framework=_framework_time(ctx))
+    busy = [m * (st[1] + st[3] * (2 if c.split_backward else 1)) + st[5] + st[6] for st in per_stage]
+    terms = dataclasses.replace(terms, contention=_contention_time(ctx, c, busy, terms))
     peak = max(s.peak_memory_bytes for s in stages)
     feasible = feasible and peak <= ctx.cap
     return Evaluated(config=c, feasible=feasible, step_time=terms.total, peak=peak, stages=tuple(stages), terms=terms)
@@ -706,23 +726,24 @@ def zero3_gathered_bytes(largest_layer_params: float, itemsize: int, prefetch: i
 def zero3_exposed_time(param_bytes: float, grad_bytes_fp32: float, c: ParallelConfig, link, fwd: float, bwd: float,
                        on_host: bool, *, layers: int = 1, replicas: tuple[int, object] = (1, None)) -> float:
     """Seconds per step of ZeRO-3 communication that compute does not hide, on one stage of
-    ``layers`` layers: per micro-batch an all-gather of the stage's parameters before its forward
+    ``layers`` layers: per micro-batch an all-gather of each layer's parameters before its forward
     and again before its backward (not again with ``reshard_after_forward=False``: the forward's
-    gather is kept), and a reduce-scatter of its gradients (fp32) after it. With
-    prefetch (the runtime's default, one site ahead) each layer's gather overlaps the layer before it, except the first layer's of each
-    pass (a layer's share: ``1 / layers``); on a host device (gloo on CPU) the collectives share
-    the rank's thread with compute and nothing hides. ``link``: the shard group's; HSDP's
-    ``replicas``: (replica groups, their link), across which each reduce-scattered shard is
-    all-reduced."""
-    degree = c.shard_degree
-    ag = all_gather_time(param_bytes, degree, link)
-    rs = reduce_scatter_time(grad_bytes_fp32, degree, link)
+    gather is kept), and a reduce-scatter of its gradients (fp32) after it: one collective per
+    layer and pass (a gather site of :mod:`runtime.kernels.zero3`), each paying the link's
+    latency, the stage's bytes split evenly over them. With prefetch (the runtime's default, one
+    site ahead) each layer's gather overlaps the layer before it, except the first layer's of each
+    pass; on a host device (gloo on CPU) the collectives share the rank's thread with compute and
+    nothing hides. ``link``: the shard group's; HSDP's ``replicas``: (replica groups, their link),
+    across which each reduce-scattered shard is all-reduced."""
+    degree, n = c.shard_degree, max(layers, 1)
+    first = all_gather_time(param_bytes / n, degree, link)  # one layer's gather
+    ag = n * first
+    rs = n * reduce_scatter_time(grad_bytes_fp32 / n, degree, link)
     if replicas[0] > 1:
-        rs += all_reduce_time(grad_bytes_fp32 / degree, replicas[0], replicas[1])
+        rs += n * all_reduce_time(grad_bytes_fp32 / n / degree, replicas[0], replicas[1])
     again = 1 if c.reshard_after_forward else 0  # gathers of the stage's parameters in backward
     if on_host:
         return c.num_micro_batches * ((1 + again) * ag + rs)
-    first = ag / max(layers, 1)
     return c.num_micro_batches * ((1 + again) * first + max(0.0, ag - first - fwd)
                                   + max(0.0, again * (ag - first) + rs - bwd))
 
@@ -749,6 +770,31 @@ def _saved_tensors(ctx: PlanContext, c: ParallelConfig, ranges) -> int:
         block = 0 < i <= ctx.L
         return 1 if block and c.checkpointing == "full" else ctx.profile.layers[i].saved_tensors
     return sum(count(i) for start, stop in ranges for i in range(start, stop))
+
+
+def _contention_time(ctx: PlanContext, c: ParallelConfig, busy: list[float], terms: StepTimeTerms) -> float:
+    """Seconds the step lasts longer because a node's ranks share its compute slots
+    (``Cluster.compute_slots_per_node``: CPU ranks on fewer cores than ranks).
+
+    ``busy[i]``: one rank of pipeline rank ``i`` computing per step (forward, backward,
+    recompute, optimizer, offload copies; collectives wait, they do not compute). A node's ranks
+    need at least ``W / slots`` seconds for their ``W`` busy seconds; they can spread that over
+    the step but for the phases every rank waits in together at its end (the dp gradient
+    reduction, the tied-weight sync, the loss all-reduce). What the rest of the step leaves
+    uncovered is added: ``max(0, W / slots − (T − dp − tied − framework))``. Data parallelism on 4
+    ranks of 2 cores doubles its compute; a pipeline's bubble is time its idle ranks give the
+    others, so few micro-batches in a deep pipeline cost less than the bubble alone says."""
+    slots = ctx.cluster.compute_slots_per_node
+    per_node = ctx.cluster.devices_per_node
+    if slots is None or slots >= per_node:
+        return 0.0
+    ranks_per_stage = c.dp_cp * c.tp
+    work: dict[int, float] = {}
+    for rank in range(c.world_size):
+        node = rank // per_node
+        work[node] = work.get(node, 0.0) + busy[rank // ranks_per_stage]
+    span = terms.total - terms.contention - terms.dp_comm - terms.tied_comm - terms.framework
+    return max(0.0, max(work.values()) / slots - span)
 
 
 def _tied_sync_time(ctx: PlanContext, c: ParallelConfig) -> float:

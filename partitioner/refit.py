@@ -4,6 +4,10 @@ A run directory holds ``plan.json`` (the :class:`passes.ir.plan.Plan` that ran, 
 per-stage predicted seconds) and ``measurements.json`` (:class:`runtime.measure.RunMeasurements`:
 per-rank, per-step compute / p2p / optimizer seconds). After the warm-up step, in order:
 
+Compute slots (``Cluster.compute_slots_per_node``, CPU ranks sharing cores): before any fit,
+each run's compute and optimizer seconds are divided by how much sharing the cores slowed its
+ranks (:func:`sharing_slowdown`), since the planner prices that in its own ``contention`` term.
+
 * **peak FLOP/s and per-op overhead** (``Device.kernel_overhead_s``): a stage's predicted
   seconds per micro-batch are ``A·x + C + K·o`` (``A``: the FLOP-rate part, ``x`` = 1 / FLOP/s
   scale; ``C``: the efficiency curve's per-kernel constant; ``K``: operators, forward and
@@ -65,6 +69,8 @@ class RunData:
     other_s: tuple[float, ...] = ()
     """Per rank: the rest of the step (``StepMeasurement.other_s``: batch slicing, ``zero_grad``,
     the loss all-reduce; median over steps)."""
+    collective_s: tuple[float, ...] = ()
+    """Per rank: the step's gradient all-reduces (``StepMeasurement.collective_s``; median over steps)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,19 +112,20 @@ def load_run(path: str | Path, skip_first: int = 1) -> RunData:
     steps = data.get("steps")
     if not steps or not all(steps):
         raise ConfigError(f"refit: {meas_file} has no steps; run at least two steps")
-    comp, opt, wall, p2p, other = [], [], [], [], []
+    comp, opt, wall, p2p, other, coll = [], [], [], [], [], []
     for rank_steps in steps:
         kept = rank_steps[skip_first:] or rank_steps
         comp.append(statistics.median(s["compute_s"] for s in kept) / plan.num_micro_batches)
         opt.append(statistics.median(s["optimizer_s"] for s in kept))
         wall.append(statistics.median(s["wall_s"] for s in kept))
         other.append(statistics.median(s.get("other_s", 0.0) for s in kept))
+        coll.append(statistics.median(s.get("collective_s", 0.0) for s in kept))
         p2p.append(statistics.median(s.get("recv_wait_s", 0.0) + s.get("send_wait_s", 0.0) + s.get("p2p_post_s", 0.0)
                                      for s in kept))
     if len(steps) != plan.world_size:
         raise ConfigError(f"refit: {meas_file} has {len(steps)} ranks but plan.json needs {plan.world_size}")
     return RunData(plan=plan, compute_per_mb_s=tuple(comp), optimizer_s=tuple(opt), step_s=tuple(wall),
-                   p2p_s=tuple(p2p), other_s=tuple(other))
+                   p2p_s=tuple(p2p), other_s=tuple(other), collective_s=tuple(coll))
 
 
 def _pp_index(plan: Plan, rank: int) -> int:
@@ -165,6 +172,38 @@ def _scaled(cluster: Cluster, flops: float, bandwidth: float) -> Cluster:
 
 
 _KEEP = object()
+
+
+def sharing_slowdown(run: RunData, cluster: Cluster) -> float:
+    """How much slower a rank of ``run`` computed than alone because a node's ranks shared its
+    compute slots (``Cluster.compute_slots_per_node``): the ranks' measured busy seconds
+    (compute and optimizer) per node, over the part of the step they could spread them over (wall
+    less the gradient all-reduces and the rest of the step, which every rank waits in together),
+    is how many computed at once on average; beyond the slots each ran at ``slots / that`` of
+    its rate. 1 without slots, or with a slot for every rank of a node."""
+    ranks, slots = len(run.compute_per_mb_s), cluster.compute_slots_per_node
+    per_node = min(ranks, cluster.devices_per_node)
+    if slots is None or slots >= per_node:
+        return 1.0
+    m = run.plan.num_micro_batches
+    busy = (sum(c * m for c in run.compute_per_mb_s) + sum(run.optimizer_s)) * per_node / ranks
+    spans = [w - c - o for w, c, o in zip(run.step_s, run.collective_s or (0.0,) * ranks, run.other_s or (0.0,) * ranks)]
+    span = statistics.median(spans)
+    return max(1.0, busy / span / slots) if span > 0 else 1.0
+
+
+def _uncontended(runs: Sequence[RunData], cluster: Cluster) -> list[RunData]:
+    """``runs`` with every rank's compute and optimizer seconds divided by the run's
+    :func:`sharing_slowdown`: what the planner's compute terms price (it adds the sharing back
+    as ``StepTimeTerms.contention``), so that the fitted FLOP rate and overheads do not count it
+    twice."""
+    out = []
+    for run in runs:
+        k = sharing_slowdown(run, cluster)
+        out.append(run if k == 1.0 else dataclasses.replace(
+            run, compute_per_mb_s=tuple(c / k for c in run.compute_per_mb_s),
+            optimizer_s=tuple(o / k for o in run.optimizer_s)))
+    return out
 
 
 def _plain(runs: Sequence[RunData]) -> list[RunData]:
@@ -301,15 +340,18 @@ def refit(runs: Sequence[RunData], cluster: Cluster) -> Refit:
     if not runs:
         raise ConfigError("refit: give at least one run directory")
     profiles: dict = {}
+    # compute and optimizer seconds as one rank alone would take them: the planner adds what
+    # sharing the node's cores costs as its own term
+    alone = _uncontended(runs, cluster)
     plans = [_reevaluate(r.plan, cluster, profiles) for r in runs]
-    before = _compute_ratio(runs, plans)
-    x, kernel_s = _fit_compute(runs, cluster, profiles)
+    before = _compute_ratio(alone, plans)
+    x, kernel_s = _fit_compute(alone, cluster, profiles)
     flops = 1 / x
     fitted = _with_overheads(_scaled(cluster, flops, 1.0), kernel_s)
     plans = [_reevaluate(r.plan, fitted, profiles) for r in runs]
-    ratio = _compute_ratio(runs, plans)
+    ratio = _compute_ratio(alone, plans)
     opt_ratios = []
-    for run, plan in zip(runs, plans):
+    for run, plan in zip(alone, plans):
         predicted = plan.predicted.terms.get("optimizer", 0.0)
         if predicted > 0:
             opt_ratios += [m / predicted for m in run.optimizer_s if m > 0]
@@ -318,7 +360,7 @@ def refit(runs: Sequence[RunData], cluster: Cluster) -> Refit:
     dev = fitted.device
     fitted = _with_device(fitted, optimizer_bytes_per_s=(dev.optimizer_bytes_per_s or dev.memory_bandwidth_bytes_per_s)
                           * bandwidth)
-    fitted = _with_device(fitted, offload_call_s=_fit_device_seconds(_offloaded(runs), fitted, profiles, "offload_call_s"))
+    fitted = _with_device(fitted, offload_call_s=_fit_device_seconds(_offloaded(alone), fitted, profiles, "offload_call_s"))
     p2p_s = _fit_p2p(runs, fitted, profiles)
     fitted = _with_overheads(fitted, p2p_s=p2p_s)
     latency, step_err = _fit_latency(runs, fitted, profiles)

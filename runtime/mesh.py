@@ -221,3 +221,25 @@ class Mesh:
         where = (f"pp={self.pp_index} dp={self.dp_index} tp={self.tp_index}" if self.active else "inactive")
         cp = f", cp={self.cp}" if self.cp > 1 else ""
         return f"Mesh(dp={self.dp}, pp={self.pp}, tp={self.tp}{cp}, rank {self.rank}: {where})"
+
+
+def check_mesh_fits(mesh: Mesh, config, *, where: str) -> None:
+    """Raise :class:`ConfigError` unless this rank of ``mesh`` can run ``config`` (a
+    :class:`~passes.ir.config.ParallelConfig`): the mesh's axes are the plan's (its data axis
+    ``dp * cp``), this rank is one of its ranks, it has the pipeline communicators the schedule
+    sends over and ZeRO-3's shard groups. ``where`` names the caller in the message."""
+    c = config
+    if (mesh.dp, mesh.pp, mesh.tp, getattr(mesh, "cp", 1)) != (c.dp_cp, c.pp, c.tp, c.cp):
+        raise ConfigError(f"{where}: mesh has a data axis of {mesh.dp}, pp={mesh.pp}, tp={mesh.tp}, "
+                          f"cp={getattr(mesh, 'cp', 1)} but the plan needs dp*cp={c.dp_cp} (cp={c.cp}), "
+                          f"pp={c.pp}, tp={c.tp}; build the mesh with Mesh.for_config(config)")
+    if not mesh.active:
+        raise ConfigError(f"{where}: rank {mesh.rank} is outside {mesh}; build it on mesh ranks only")
+    if c.pp > 1 and stream_count(c.schedule) != (4 if getattr(mesh, "pp_stream_groups", None) else 2):
+        raise ConfigError(f"{where}: schedule {c.schedule!r} sends its pipeline messages over "
+                          f"{stream_count(c.schedule)} communicators per rank pair; build the mesh with "
+                          f"Mesh(..., pp_streams={stream_count(c.schedule)}) or Mesh.for_config(config)")
+    if getattr(mesh, "dp_shard", c.dp_cp) != (c.shard_degree if c.zero_stage == 3 else c.dp_cp):
+        raise ConfigError(f"{where}: the plan shards ZeRO-3 parameters over {c.shard_degree} dp ranks "
+                          f"(hsdp_shard={c.hsdp_shard}), the mesh's shard groups have {mesh.dp_shard}; build the "
+                          f"mesh with Mesh(..., dp_shard={c.hsdp_shard}) or Mesh.for_config(config)")

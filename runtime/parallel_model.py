@@ -39,7 +39,6 @@ import torch
 from torch import fx
 
 from passes.ir.errors import ConfigError, NonFiniteError
-from passes.ir.schedule.validate import stream_count
 from passes.ir.grad_buckets import unique_params
 from passes.ir.meta import CAPTURE, InputBounds
 from passes.ir.cp_ops import check_layout, shard_sequence
@@ -52,7 +51,7 @@ from runtime.grad_sync import (
     expected_accumulations, fill_missing_grads,
 )
 from runtime.kernels.collectives import DistGroup, all_reduce_grads, register_group
-from runtime.mesh import Mesh
+from runtime.mesh import Mesh, check_mesh_fits
 from runtime.zero3 import zero3_gatherer
 from runtime.grad_norm import global_grad_norm, scale_grads
 from runtime.mixed_precision import DynamicLossScaler, MasterWeightOptimizer
@@ -83,23 +82,10 @@ class ParallelModel:
                  nonfinite: Literal["stop", "skip"] = "stop", overlap_grad_sync: bool = True,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, zero3_prefetch: int = ZERO3_PREFETCH):
         c = program.config
-        if (mesh.dp, mesh.pp, mesh.tp, getattr(mesh, "cp", 1)) != (c.dp_cp, c.pp, c.tp, c.cp):
-            raise ConfigError(f"parallel_model: mesh has a data axis of {mesh.dp}, pp={mesh.pp}, tp={mesh.tp}, "
-                              f"cp={getattr(mesh, 'cp', 1)} but the program was lowered for dp*cp={c.dp_cp} (cp={c.cp}), "
-                              f"pp={c.pp}, tp={c.tp}; build the mesh with Mesh.for_config(config)")
-        if not mesh.active:
-            raise ConfigError(f"parallel_model: rank {mesh.rank} is outside {mesh}; build it on mesh ranks only")
+        check_mesh_fits(mesh, c, where="parallel_model")
         if program.rank != mesh.rank or program.first != mesh.first:
             raise ConfigError(f"parallel_model: the program is rank {program.rank}'s (mesh from {program.first}), this "
                               f"process is rank {mesh.rank} (mesh from {mesh.first}); lower the program of this rank")
-        if c.pp > 1 and stream_count(c.schedule) != (4 if getattr(mesh, "pp_stream_groups", None) else 2):
-            raise ConfigError(f"parallel_model: schedule {c.schedule!r} sends its pipeline messages over "
-                              f"{stream_count(c.schedule)} communicators per rank pair; build the mesh with "
-                              f"Mesh(..., pp_streams={stream_count(c.schedule)})")
-        if getattr(mesh, "dp_shard", c.dp_cp) != (c.shard_degree if c.zero_stage == 3 else c.dp_cp):
-            raise ConfigError(f"parallel_model: the plan shards ZeRO-3 parameters over {c.shard_degree} dp ranks "
-                              f"(hsdp_shard={c.hsdp_shard}), the mesh's shard groups have {mesh.dp_shard}; build the "
-                              f"mesh with Mesh(..., dp_shard={c.hsdp_shard})")
         self.program, self.mesh, self.config = program, mesh, c
         self.dp, self.pp, self.tp, self.m, self.v = c.dp, c.pp, c.tp, c.num_micro_batches, c.virtual_pp
         self.dp_cp = c.dp_cp  # ranks averaging gradients: the dp replicas and each one's cp ranks

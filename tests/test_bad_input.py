@@ -423,3 +423,24 @@ def test_a_batch_whose_cp_shard_sequence_parallelism_cannot_cut_is_refused_befor
     rows = {"tokens": torch.arange(16)[None]}
     assert ParallelModel._cp_shard(rank, rows, {"seq": 16, "batch": 1}) == {"seq": 8, "batch": 1}
     assert rows["tokens"].shape == (1, 8)
+
+
+def test_a_mesh_that_cannot_run_the_plan_is_refused_before_any_lowering(monkeypatch):
+    """A cp=2 plan on a mesh built from dp, pp and tp alone (its data axis 2 ranks short of
+    dp * cp), or on a rank outside the mesh: refused by the build, naming Mesh.for_config,
+    before any lowering starts (nothing lowered, no collective issued)."""
+    import types
+
+    import partitioner.build as build
+    from passes.ir.config import ParallelConfig
+
+    lowered = []
+    monkeypatch.setattr(build, "lower", lambda *a, **k: lowered.append(a))
+    config = ParallelConfig(dp=2, cp=2, micro_batch_size=1, num_micro_batches=1)
+    short = types.SimpleNamespace(dp=2, pp=1, tp=1, cp=1, active=True, rank=0, first=0)
+    with pytest.raises(ConfigError, match=r"data axis of 2.*dp\*cp=4 \(cp=2\).*Mesh.for_config"):
+        build.lower_own_checked(None, config, short, cluster=None)
+    outside = types.SimpleNamespace(dp=4, pp=1, tp=1, cp=2, active=False, rank=5, first=0, dp_shard=4)
+    with pytest.raises(ConfigError, match="rank 5 is outside"):
+        build.lower_own_checked(None, config, outside, cluster=None)
+    assert lowered == []

@@ -61,6 +61,22 @@ def test_the_sample_has_the_pick_the_fastest_and_every_value_of_every_knob(ranke
     assert configs[-1] == ranked[-1].config  # spread to the slowest predicted
 
 
+def test_plans_that_run_alike_are_measured_once(ranked):
+    """GPipe and 1F1B with one micro-batch per pipeline run the same action lists: one of them is
+    kept (the first); with more micro-batches they differ and both are."""
+    one = [p for p in ranked if p.config.pp == 2 and p.config.num_micro_batches == 1
+           and p.config.schedule in ("gpipe", "1f1b") and p.config.checkpointing == "none"
+           and p.config.zero_stage == 0 and p.config.dp == 2]
+    four = [p for p in ranked if p.config.pp == 2 and p.config.num_micro_batches == 4
+            and p.config.schedule in ("gpipe", "1f1b") and p.config.checkpointing == "none"
+            and p.config.zero_stage == 0 and p.config.dp == 1 and p.config.tp == 2 and not p.config.sequence_parallel]
+    assert len(one) == 2 and len(four) == 2
+    assert bench.distinct_plans(one) == one[:1]
+    assert bench.distinct_plans(four) == four
+    kept = bench.distinct_plans(ranked)
+    assert len({bench._runs_as(p.config) for p in kept}) == len(kept) < len(ranked)
+
+
 def test_a_few_plans_are_all_run(ranked):
     assert [p.config for p in bench.sample_plans(ranked[:10], [ranked[3]], 24)] == [p.config for p in ranked[:10]]
 

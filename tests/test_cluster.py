@@ -83,6 +83,8 @@ def test_local_calibrates_once_then_reads_the_cache(cache, monkeypatch, capfd):
     assert re.fullmatch(rf"partitioner: calibrated this machine for 2 gloo rank\(s\) in \d+ s; cached in {re.escape(str(path))}",
                         said[0]), said
     assert (first.name, first.world_size, first.backend) == ("local-calibrated", 2, "gloo")
+    key = MachineKey.this_machine(2)
+    assert first.compute_slots_per_node == max(1, key.cores // key.threads_per_rank)
 
     mtime = path.stat().st_mtime_ns
     again = Cluster.local(2)
@@ -140,7 +142,7 @@ def test_unknown_preset_lists_known_ones():
 
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])
 def test_file_round_trip(tmp_path, suffix):
-    c = Cluster.preset("dgx-h100", nodes=2)
+    c = dataclasses.replace(Cluster.preset("dgx-h100", nodes=2), compute_slots_per_node=3)
     path = c.to_file(tmp_path / f"c{suffix}")
     assert Cluster.from_file(path) == c
     assert Cluster.load(path) == c
@@ -206,6 +208,8 @@ def _dgx(**changes):
     ({"device__peak_flops__bf16": "312"},
      "cluster.device.peak_flops: PeakFlops.bf16: '312' is a string without a unit"),
     ({"device__flops": 1}, "cluster.device: unknown key(s) 'flops'; Device takes name, memory_bytes"),
+    ({"compute_slots_per_node": 0}, "Cluster.compute_slots_per_node must be > 0, got 0; give how many ranks"),
+    ({"compute_slots_per_node": True}, "Cluster.compute_slots_per_node must be a whole number, got True"),
 ])
 def test_validation_messages(changes, message):
     with pytest.raises(ClusterSpecError) as e:

@@ -209,6 +209,70 @@ def test_framework_term_is_step_overhead_plus_loss_all_reduce(profile):
     assert pred.step_time_s == pytest.approx(sum(v for k, v in pred.terms.items() if k != "total"))
 
 
+def test_ranks_sharing_compute_slots_pay_for_computing_together(profile):
+    """4 CPU ranks on 2 cores: data parallelism, all 4 computing at once, needs twice its compute
+    (its ranks' busy seconds over 2 slots); a 4-stage pipeline of 2 micro-batches keeps 2 of its
+    4 ranks idle most of the step and pays nothing; without slots nothing changes."""
+    from partitioner.fidelity import predict_step_time
+
+    alone = dataclasses.replace(Cluster.preset("local-cpu"), devices_per_node=4)
+    shared = dataclasses.replace(alone, compute_slots_per_node=2)
+    dp = {n: predict_step_time(profile, c, _knobs(dp=4, num_micro_batches=1), global_batch=8).predicted.terms
+          for n, c in (("alone", alone), ("shared", shared))}
+    assert dp["alone"]["contention"] == 0.0
+    t = dp["shared"]
+    busy = 4 * (t["compute"] + t["optimizer"])  # the node's busy seconds: 4 ranks alike
+    span = t["total"] - t["contention"] - t["dp_comm"] - t["tied_comm"] - t["framework"]
+    assert t["contention"] == pytest.approx(busy / 2 - span) and t["contention"] > 0.5 * t["compute"]
+    assert t["total"] == pytest.approx(dp["alone"]["total"] + t["contention"])
+    pp = predict_step_time(profile, shared, _knobs(pp=4, micro_batch_size=4, num_micro_batches=2),
+                           global_batch=8).predicted.terms
+    assert pp["contention"] == 0.0 and pp["bubble"] > 0
+    # a slot per rank: nothing shared
+    roomy = dataclasses.replace(alone, compute_slots_per_node=4)
+    assert predict_step_time(profile, roomy, _knobs(dp=4, num_micro_batches=1),
+                             global_batch=8).predicted.terms["contention"] == 0.0
+
+
+def test_a_zero_bubble_schedule_fills_its_bubble_with_the_weight_gradients_the_stage_has(profile):
+    """ZB-H1 hides the bubble behind W, the weight-gradient half of the backward. Where the
+    backward is mostly per-op dispatch (CPU ranks: 50 us an operator), W is a small share of it,
+    and ZB-H1 saves less of 1F1B's bubble than where it is matmuls."""
+    from partitioner.cost_model import _bubble_slots
+    from partitioner.fidelity import predict_step_time
+
+    plain = dataclasses.replace(Cluster.preset("local-cpu"), devices_per_node=4)
+    dispatch = dataclasses.replace(plain, device=dataclasses.replace(plain.device, kernel_overhead_s=50e-6))
+
+    def bubble_ratio(cluster) -> float:
+        terms = {s: predict_step_time(profile, cluster, _knobs(pp=4, micro_batch_size=1, num_micro_batches=4, schedule=s),
+                                      global_batch=4).predicted.terms for s in ("zb1p", "1f1b")}
+        return terms["zb1p"]["bubble"] / terms["1f1b"]["bubble"]
+
+    # 1F1B's bubble is 3 slots; ZB-H1's at W = half the backward is 3 x 2/3 of them in a
+    # 1:2 forward:backward simulation: the matmul-bound ratio is near that, the dispatch-bound one above
+    half = _bubble_slots("zb1p", 4, 4, 1, 0.5) / 3
+    assert bubble_ratio(plain) < bubble_ratio(dispatch)
+    assert bubble_ratio(dispatch) > 1.2 * half
+
+
+def test_zero3_pays_a_collective_per_layer_and_pass(profile):
+    """ZeRO-3 gathers each layer's parameters in its own collective (a gather site), before the
+    forward and again before the backward, and reduce-scatters each layer's gradients: on CPU
+    ranks (nothing hidden) 3 collectives per layer and micro-batch, each paying the link's latency."""
+    from partitioner.fidelity import predict_step_time
+
+    cluster = dataclasses.replace(Cluster.preset("local-cpu"), devices_per_node=2)
+    alpha = 1e-3
+    cluster = dataclasses.replace(cluster, intra_node=dataclasses.replace(cluster.intra_node, latency_s=alpha))
+    layers = len(profile.blocks) + 2  # the embedding and the head are sites too
+    for m in (1, 2):
+        terms = predict_step_time(profile, cluster, _knobs(dp=2, zero_stage=3, micro_batch_size=2, num_micro_batches=m),
+                                  global_batch=4 * m).predicted.terms
+        assert terms["dp_comm"] >= m * 3 * layers * alpha  # each of 2 ranks: (n - 1) = 1 latency a collective
+        assert terms["dp_comm"] < m * 3 * layers * alpha * 1.5
+
+
 def test_offload_of_checkpointed_blocks_moves_one_tensor_per_block():
     from partitioner.fidelity import predict_step_time
 

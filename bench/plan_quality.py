@@ -1,7 +1,7 @@
 """Does the planner pick the fastest plan that really runs? Predicted against measured step time
 over many plans of one model on 4 local gloo ranks.
 
-    python bench/plan_quality.py [--models gpt,llama,hf-gpt2] [--plans 24] [--warmup 2] [--steps 5]
+    python bench/plan_quality.py [--models gpt,llama,hf-gpt2] [--plans 24] [--warmup 3] [--steps 15]
                                  [--clusters calibrated,local-cpu] [--quick]
 
 Per model:
@@ -95,7 +95,7 @@ class Settings:
     timeout_s: float = 3000.0
 
 
-FULL = Settings(models=tuple(MODELS), clusters=("calibrated", "local-cpu"), plans=24, warmup=2, steps=5)
+FULL = Settings(models=tuple(MODELS), clusters=("calibrated", "local-cpu"), plans=24, warmup=3, steps=15)
 QUICK = Settings(models=("gpt",), clusters=("local-cpu",), plans=4, warmup=0, steps=1, top=0,
                  cover=("schedule", "pp"), timeout_s=300.0)
 
@@ -511,8 +511,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--clusters", help="comma-separated: local-cpu, calibrated or cluster files; the first is "
                                        "primary (default: calibrated,local-cpu; --quick: local-cpu)")
     ap.add_argument("--plans", type=int, help="plans per model to run at least (default 24)")
-    ap.add_argument("--warmup", type=int, help="untimed rounds (default 2)")
-    ap.add_argument("--steps", type=int, help="timed rounds (default 5)")
+    ap.add_argument("--warmup", type=int, help="untimed rounds (default 3)")
+    ap.add_argument("--steps", type=int, help="timed rounds (default 15: at 5 the medians of plans that run alike differed by up to 13% here)")
     args = ap.parse_args(argv)
     base = QUICK if args.quick else FULL
     settings = dataclasses.replace(

@@ -23,6 +23,7 @@ again next beat). The thread ends when the process group it was started for is t
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import os
@@ -124,6 +125,7 @@ class Heartbeat:
             except Exception:  # noqa: BLE001 - never let the heartbeat crash training; retry next beat
                 store = None
             self._stop.wait(self.interval_s)
+        del store  # the connection closes here, in this thread, before stop() returns
 
     def _side_store(self) -> Any:
         if self._unreachable:  # once is enough: every further try would wait its timeout again
@@ -171,13 +173,20 @@ class Heartbeat:
         return out
 
     def stop(self, state: State = "done") -> None:
-        """Stop beating, leaving ``state`` as the last record."""
+        """Stop beating, leaving ``state`` as the last record, and wait (at most one store
+        timeout) until the beating thread has ended and closed its connection: a process that
+        exits while that thread is inside a store call aborts ("terminate called without an
+        active exception")."""
         if self.state == "alive":  # keep "exiting"/"failed" if set: they say more
             self.set_state(state, stop=True)
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(STORE_TIMEOUT_S + self.interval_s)
+        self._side = None  # the main thread's connection closes too
 
 
 _CURRENT: Heartbeat | None = None
+_AT_EXIT: list[bool] = []  # whether stop() is registered to run at exit
 
 
 def start(rank: int, job: str, *, interval_s: float = INTERVAL_S) -> Heartbeat:
@@ -191,6 +200,9 @@ def start(rank: int, job: str, *, interval_s: float = INTERVAL_S) -> Heartbeat:
     if hb is not None:
         hb._stop.set()
     _CURRENT = Heartbeat(rank, job, interval_s=interval_s).start()
+    if not _AT_EXIT:  # a script that never stops it still ends the thread before the interpreter does
+        atexit.register(stop)
+        _AT_EXIT.append(True)
     return _CURRENT
 
 

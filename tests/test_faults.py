@@ -95,3 +95,33 @@ def test_failure_message_names_action_peer_when_no_process_is_known_dead():
     assert text.startswith(f"rank 0: peer rank 2 (the other end of {action}) failed during {action}; exiting")
     assert "Connection closed by peer" in text
     assert parse_fault("rank=2,step=1") == {"rank": 2, "step": 1, "action": 0, "raise": 0}
+
+
+HEARTBEAT_STOP = r"""
+import os, sys, threading, time
+import torch.distributed as dist
+from runtime import heartbeat
+
+class SlowStore:  # the beat thread's store call is still running when stop() is called
+    def set(self, key, value):
+        if threading.current_thread().name.startswith("partitioner-heartbeat"):
+            time.sleep(0.5)
+
+dist.init_process_group("gloo", rank=0, world_size=1)
+heartbeat._connect = lambda timeout_s: SlowStore()
+hb = heartbeat.start(0, "job")
+time.sleep(0.2)  # the thread is inside set()
+heartbeat.stop()
+print("alive after stop:", hb._thread.is_alive(), "current:", heartbeat.current())
+dist.destroy_process_group()
+"""
+
+
+def test_stopping_the_heartbeat_waits_for_its_thread_to_leave_the_store():
+    """A process that exits while the beat thread is inside a store call can abort in C++
+    ("terminate called without an active exception"): stop() returns only once the thread has
+    ended."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    out = subprocess.run([sys.executable, "-c", HEARTBEAT_STOP], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "alive after stop: False current: None" in out.stdout, out.stdout + out.stderr

@@ -1,0 +1,337 @@
+"""Executor of a per-tensor rematerialization decision: run a forward graph so that backward
+finds the outputs of the nodes marked ``recompute`` computed again on demand, one node at a time.
+
+``torch.utils.checkpoint`` recomputes whole regions and keeps each region's inputs; the
+whole-graph remat model (:mod:`passes.remat_solver`) decides per node: a node is recomputed from
+whatever its inputs are (saved, or recomputed in turn), as AOTAutograd's partitioner would place
+the recompute in the backward graph. This module carries such a decision out in eager PyTorch:
+
+* forward runs node by node (an ``fx.Interpreter``) inside ``saved_tensors_hooks``. Every tensor
+  autograd saves is packed into a handle; when the node that saved it has run, a handle whose
+  storage belongs to a recomputed node (the node whose output first had the storage, or the
+  saving node itself for a tensor its op made inside: layer-norm statistics, a dropout mask)
+  drops the tensor and keeps a token: owner node, which of its tensors, and the view (size,
+  stride, offset, dtype) backward asked for;
+* the outputs of saved nodes that a recomputed node reads are held (through views: the storage a
+  view reads is its base's), graph inputs too; nothing else is held;
+* backward unpacks a token by recomputing its owner from its inputs (held, or recomputed in turn,
+  memoised), with the same inputs requiring grad as in forward so the op saves the same tensors
+  (its internal ones are taken from that replay, matched by order), and under the RNG state the
+  owner drew with in forward (dropout draws the same numbers). A recomputed value is dropped once
+  every token and every recomputed reader of it has used it; a held one once its readers have.
+
+The result is bit-identical to the plain graph on deterministic kernels: the same ops run on
+the same values. What stays on device between forward and backward is the saved nodes' saved
+storages plus the held ones: ``RematDecision.saved_bytes`` counts exactly these.
+
+Not handled here (refused): ``offload`` actions, and graphs whose recomputed nodes are written in
+place (the remat model never marks those recomputable).
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_leaves
+
+from passes.ir.errors import PassError
+
+Action = str  # "save", "recompute", "offload", "none" (passes.remat_solver.Action)
+
+
+@dataclass(frozen=True)
+class _View:
+    """How a packed tensor sits on its storage."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "_View":
+        return _View(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+
+
+@dataclass(frozen=True)
+class _Owner:
+    """Who made a storage: ``node``, as its ``index``-th output tensor (``kind="out"``) or as the
+    ``index``-th tensor its op packed (``kind="pack"``), laid out as ``view``."""
+
+    ref: StorageWeakRef
+    node: fx.Node
+    kind: str
+    index: int
+    view: _View
+
+
+@dataclass(frozen=True)
+class _Token:
+    owner: _Owner
+    view: _View
+
+
+class _Handle:
+    """What autograd stores for one saved tensor: the tensor, or a token to recompute it from."""
+
+    __slots__ = ("tensor", "token", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor: torch.Tensor | None = tensor
+        self.token: _Token | None = None
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _rng_devices(args: Iterable[Any]) -> list[torch.device]:
+    return sorted({t.device for t in tree_leaves(list(args)) if isinstance(t, torch.Tensor) and t.device.type == "cuda"},
+                  key=str)
+
+
+class TensorRemat:
+    """Runs ``gm``'s forward under a per-node decision ``actions`` (node name -> action; nodes not
+    named are views, getitems, sizes: recomputed freely when a recompute needs them). Call it
+    like ``gm``; then backward recomputes on demand. One forward at a time per instance."""
+
+    def __init__(self, gm: fx.GraphModule, actions: Mapping[str, Action]):
+        self.gm = gm
+        nodes = {n.name: n for n in gm.graph.nodes}
+        unknown = [name for name in actions if name not in nodes]
+        if unknown:
+            raise PassError(f"tensor remat: the decision names {unknown[0]!r}, not a node of this graph; decide "
+                            f"on this graph (passes.remat_solver.problem_from_view(to_networkx(gm)))")
+        offloaded = [name for name, a in actions.items() if a == "offload"]
+        if offloaded:
+            raise PassError(f"tensor remat: node {offloaded[0]!r} is to be offloaded, which this executor does not "
+                            f"do; solve without a host link (RematCosts(host_bytes_per_s=None))")
+        self.actions = dict(actions)
+        self.recompute = {nodes[name] for name, a in actions.items() if a == "recompute"}
+        self.held_nodes, self.readers = self._reads()
+        self.random = {n for n in self.recompute if _draws_random(n)}
+
+    def _sources(self, node: fx.Node) -> set[fx.Node]:
+        """The nodes a recompute of ``node`` takes values from: its inputs, seen through nodes
+        outside the decision (views, getitems) to the decided nodes, graph inputs and attributes
+        they read."""
+        out, stack, seen = set(), list(node.all_input_nodes), set()
+        while stack:
+            a = stack.pop()
+            if a in seen:
+                continue
+            seen.add(a)
+            if a.op in ("placeholder", "get_attr") or a.name in self.actions:
+                out.add(a)
+            else:
+                stack.extend(a.all_input_nodes)
+        return out
+
+    def _reads(self) -> tuple[set[fx.Node], dict[fx.Node, int]]:
+        held, readers = set(), {}
+        for r in self.recompute:
+            for a in self._sources(r):
+                if a.op == "get_attr":
+                    continue
+                if a.op != "placeholder" and self.actions[a.name] not in ("save", "recompute"):
+                    raise PassError(f"tensor remat: recomputing {r.name!r} reads {a.name!r}, whose action is "
+                                    f"{self.actions[a.name]!r}; the decision must save or recompute what a "
+                                    f"recomputed node reads")
+                readers[a] = readers.get(a, 0) + 1
+                if a not in self.recompute:
+                    held.add(a)
+        return held, readers
+
+    # -- forward --------------------------------------------------------------------------------
+
+    def __call__(self, *args: Any) -> Any:
+        self.held: dict[fx.Node, Any] = {}
+        self.memo: dict[fx.Node, tuple[Any, list[torch.Tensor]]] = {}
+        self.uses: dict[fx.Node, int] = dict(self.readers)
+        self.rng: dict[fx.Node, tuple[torch.Tensor, list[torch.Tensor], list[torch.device]]] = {}
+        self.grad_flags: dict[fx.Node, tuple[bool, ...]] = {}
+        self.owners: dict[int, _Owner] = {}
+        self.packed: list[_Handle] = []
+        self.handles: list[weakref.ref] = []
+        self.tokens = 0
+        self.with_packs: set[fx.Node] = set()
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            return _Forward(self).run(*args)
+
+    def _pack(self, t: torch.Tensor) -> _Handle:
+        h = _Handle(t)
+        self.packed.append(h)
+        self.handles.append(weakref.ref(h))
+        return h
+
+    def saved_bytes(self) -> int:
+        """Bytes of the distinct storages, parameters and buffers left out, that this forward left
+        for backward (what autograd holds, tokens excepted, and what this executor holds): the
+        quantity ``RematDecision.saved_bytes`` bounds. Call it between forward and backward."""
+        params = {_key(t) for t in [*self.gm.parameters(), *self.gm.buffers()]}
+        tensors = [h.tensor for h in (r() for r in self.handles) if h is not None and h.tensor is not None]
+        tensors += [t for v in self.held.values() for t in tree_leaves(v) if isinstance(t, torch.Tensor)]
+        storages = {_key(t): t.untyped_storage().nbytes() for t in tensors if _key(t) not in params}
+        return sum(storages.values())
+
+    def _owner(self, t: torch.Tensor) -> _Owner | None:
+        o = self.owners.get(_key(t))
+        return None if o is None or o.ref.expired() else o
+
+    def after(self, node: fx.Node, out: Any, handles: list[_Handle]) -> None:
+        """``node`` has run with output ``out``, packing ``handles``: record the storages it made,
+        turn handles on recomputed nodes' storages into tokens, hold what recomputes will read."""
+        for i, t in enumerate(x for x in tree_leaves(out) if isinstance(x, torch.Tensor)):
+            if self._owner(t) is None:
+                self.owners[_key(t)] = _Owner(StorageWeakRef(t.untyped_storage()), node, "out", i, _View.of(t))
+        for k, h in enumerate(handles):
+            t = h.tensor
+            owner = self._owner(t)
+            if owner is None:  # made inside the op: it owns it
+                owner = self.owners[_key(t)] = _Owner(StorageWeakRef(t.untyped_storage()), node, "pack", k, _View.of(t))
+            if owner.node in self.recompute:
+                h.token, h.tensor = _Token(owner, _View.of(t)), None
+                if owner.kind == "pack":  # its recompute replays the op with grad, once for all tokens
+                    self.with_packs.add(owner.node)
+                self.uses[owner.node] = self.uses.get(owner.node, 0) + 1
+                self.tokens += 1
+        if node in self.held_nodes:
+            self.held[node] = out
+
+    # -- backward -------------------------------------------------------------------------------
+
+    def _unpack(self, h: _Handle) -> torch.Tensor:
+        if h.token is None:
+            return h.tensor
+        owner, view = h.token.owner, h.token.view
+        out, packs = self._value(owner.node)
+        base = packs[owner.index] if owner.kind == "pack" else \
+            [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)][owner.index]
+        self._used(owner.node)
+        if base.dtype != view.dtype:
+            base = base.view(view.dtype)
+        return base.as_strided(view.size, view.stride, view.offset - owner.view.offset + base.storage_offset())
+
+    def _used(self, node: fx.Node) -> None:
+        self.uses[node] -= 1
+        if self.uses[node] <= 0:
+            self.memo.pop(node, None)
+            self.held.pop(node, None)
+
+    def _value(self, node: fx.Node) -> tuple[Any, list[torch.Tensor]]:
+        """``node``'s output (and the tensors its op packs, when a token needs one of those),
+        recomputed if it is not memoised; its sources are used once."""
+        hit = self.memo.get(node)
+        if hit is not None:
+            return hit
+        need_packs = node in self.with_packs
+        args, kwargs = self._args(node)
+        packs: list[torch.Tensor] = []
+        state = self.rng.get(node)
+        with torch.random.fork_rng(devices=state[2] if state else [], enabled=state is not None):
+            if state is not None:
+                torch.set_rng_state(state[0])
+                for dev, s in zip(state[2], state[1]):
+                    torch.cuda.set_rng_state(s, dev)
+            if need_packs:
+                flags = iter(self.grad_flags.get(node, ()))
+                args, kwargs = fx.node.map_aggregate((args, kwargs), lambda x: _as_input(x, flags))
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
+                        lambda t: packs.append(t) or t, lambda t: t):
+                    out = _call(self.gm, node, args, kwargs)
+                out = fx.node.map_aggregate(out, lambda x: x.detach() if isinstance(x, torch.Tensor) else x)
+                packs = [p.detach() for p in packs]
+            else:
+                with torch.no_grad():
+                    out = _call(self.gm, node, args, kwargs)
+        for a in self._sources(node):
+            if a.op != "get_attr":
+                self._used(a)
+        self.memo[node] = (out, packs)
+        return out, packs
+
+    def _args(self, node: fx.Node) -> tuple[tuple, dict]:
+        cache: dict[fx.Node, Any] = {}
+
+        def value(a: fx.Node) -> Any:
+            if a in cache:
+                return cache[a]
+            if a.op == "get_attr":  # a buffer the op updates (batch-norm statistics) is updated once, in forward
+                v = _attr(self.gm, a.target)
+                v = v.clone() if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) else v
+            elif a in self.held:
+                v = self.held[a]
+            elif a in self.recompute:
+                v = self._value(a)[0]
+            elif a.op == "placeholder" or a.name in self.actions:
+                raise PassError(f"tensor remat: recomputing {node.name!r} needs {a.name!r}, which was neither "
+                                f"held nor recomputable")
+            else:  # a view, a getitem, a size: cheap, made again from its own inputs
+                inner_args, inner_kwargs = fx.node.map_arg((a.args, a.kwargs), value)
+                with torch.no_grad():
+                    v = _call(self.gm, a, inner_args, inner_kwargs)
+            cache[a] = v
+            return v
+
+        return fx.node.map_arg((node.args, node.kwargs), value)
+
+
+class _Forward(fx.Interpreter):
+    def __init__(self, remat: TensorRemat):
+        super().__init__(remat.gm)
+        self.remat = remat
+
+    def run_node(self, n: fx.Node) -> Any:
+        remat = self.remat
+        if n in remat.random:
+            devices = _rng_devices(self.env.values())
+            remat.rng[n] = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices], devices)
+        if n in remat.recompute:
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            remat.grad_flags[n] = tuple(x.requires_grad for x in tree_leaves((args, kwargs))
+                                        if isinstance(x, torch.Tensor))
+        start = len(remat.packed)
+        out = super().run_node(n)
+        handles = remat.packed[start:]
+        del remat.packed[start:]
+        remat.after(n, out, handles)
+        return out
+
+
+def _as_input(x: Any, flags) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    flag = next(flags, False)
+    return x.detach().requires_grad_(flag) if flag and (x.is_floating_point() or x.is_complex()) else x.detach()
+
+
+def _call(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict) -> Any:
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    if node.op == "call_module":
+        return gm.get_submodule(node.target)(*args, **kwargs)
+    raise PassError(f"tensor remat: cannot run node {node.name!r} ({node.op}) again")
+
+
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _draws_random(node: fx.Node) -> bool:
+    target = node.target
+    tags = getattr(target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags or "dropout" in str(target) or "rand" in str(target)
+
+
+def actions_of(decision) -> dict[str, Action]:
+    """Node name -> action of a :class:`passes.remat_solver.RematDecision`."""
+    return {d.node: d.action for d in decision.nodes}

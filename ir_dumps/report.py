@@ -43,7 +43,8 @@ MEMORY_COLOURS = {"parameters": "#4e79a7", "gradients": "#f28e2b", "optimizer": 
 TERM_COLOURS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
                 "#9c755f", "#bab0ac"]
 ACTION_CLASSES = {"F": "fwd", "B": "bwd", "I": "bwd", "W": "wgt", "SEND_F": "comm", "RECV_F": "comm", "SEND_B": "comm",
-                  "RECV_B": "comm", "ALL_REDUCE": "sync", "STEP": "step"}
+                  "RECV_B": "comm", "ALL_REDUCE": "sync", "GRAD_NORM": "sync",
+                  "ALL_GATHER": "sync", "STEP": "step"}
 
 _CSS = """
 body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 24px 32px; color: #222;

@@ -43,7 +43,7 @@ CACHE_DIR_ENV = "PARTITIONER_CACHE_DIR"
 """Overrides where calibrations are cached (default: the user cache directory, see :func:`cache_dir`)."""
 DEFAULT_LOCAL_FILE = Path("~/.cache/partitioner/local-cluster.yaml")
 """Where ``calibrate`` wrote before calibrations were cached per machine; no longer read."""
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 3
 """Part of every cache key: raise it when what a calibration measures or fits changes, so that
 an older cached file is not read as a current one."""
 
@@ -242,6 +242,11 @@ class Device:
     bandwidth (the presets). Fitted by ``partitioner.refit`` from measured optimizer seconds: a
     CPU rank's single-tensor AdamW is dispatch-bound, far below its memcpy rate, which still
     times the graph's memory-bound nodes."""
+    optimizer_tensor_s: float = 0.0
+    """Seconds the optimizer step spends per tensor it steps, beyond the bytes it streams (torch's
+    single-tensor AdamW loop on CPU: about 45 us a tensor, so a rank stepping 50 small tensors
+    takes milliseconds whatever their size, and a ZeRO-1/2 rank stepping a few flat segments does
+    not); 0 for the presets, fitted by ``partitioner.refit`` with ``optimizer_bytes_per_s``."""
 
     def __post_init__(self) -> None:
         _normalize(self, "memory_bytes", "bytes", "give the device memory, e.g. '80GiB'")
@@ -251,7 +256,8 @@ class Device:
             object.__setattr__(self, "peak_flops", PeakFlops.from_dict(self.peak_flops, "Device.peak_flops"))
         if not isinstance(self.peak_flops, PeakFlops):
             raise ClusterSpecError(f"Device.peak_flops must be a mapping of dtype to FLOP/s, got {self.peak_flops!r}")
-        for name in ("kernel_overhead_s", "step_overhead_s", "offload_call_s", "optimizer_bytes_per_s"):
+        for name in ("kernel_overhead_s", "step_overhead_s", "offload_call_s", "optimizer_bytes_per_s",
+                     "optimizer_tensor_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ClusterSpecError(f"Device.{name} must be a plain number, got {value!r} of type "
@@ -269,7 +275,8 @@ class Device:
                 "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
                 "peak_flops": self.peak_flops.to_dict(),
                 **{name: getattr(self, name) for name in ("kernel_overhead_s", "step_overhead_s", "offload_call_s",
-                                                          "optimizer_bytes_per_s") if getattr(self, name)}}
+                                                          "optimizer_bytes_per_s", "optimizer_tensor_s")
+                   if getattr(self, name)}}
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

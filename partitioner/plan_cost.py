@@ -33,7 +33,8 @@ exposed; ZeRO 1 and 2 then all-gather the updated weights (exposed); ZeRO-3 gath
 layer's parameters before its forward and its backward and reduce-scatters its gradients, one
 collective per layer each (:func:`zero3_exposed_time`); ZeRO 2 keeps only a grad
 shard so it reduce-scatters after EVERY micro-batch (each hidden behind its backward); plus the optimizer step (memory bound, or on the host with
-``offload="optimizer"``); ZeRO ≥ 1 adds flattening the grads into the bucket and copying the
+``offload="optimizer"``, and ``Device.optimizer_tensor_s`` per tensor it steps:
+:func:`optimizer_tensors`); ZeRO ≥ 1 adds flattening the grads into the bucket and copying the
 gathered parameters back (``4·grad bytes`` memory bound). With ``pp > 1`` and tied weights (a
 GPT's word embedding and LM head) the first and the last stage all-reduce those gradients after
 their last backward (``tied_comm``, over the pair's link). Every step also pays ``framework``:
@@ -439,6 +440,21 @@ class PlanContext:
 
 
 
+def optimizer_tensors(profile: ModelProfile, ranges: list[tuple[int, int]], zero_stage: int, shards: int) -> float:
+    """Tensors one rank's optimizer steps for a stage of the layers in ``ranges`` (0: embedding,
+    1..L: blocks, L+1: head): every parameter tensor, each shard of one under ZeRO-3; under
+    ZeRO-1/2 the segments of the rank's flat chunk (:class:`runtime.grad_sync.ShardedOptimizer`
+    cuts it where the weight-decay group changes), about the stage's runs over ``shards``."""
+    L = len(profile.blocks)
+    tensors = runs = 0
+    for start, stop in ranges:
+        for i in range(start, stop):
+            layer = profile.embedding if i == 0 else profile.head if i == L + 1 else profile.blocks[i - 1]
+            tensors += layer.param_tensors
+            runs += layer.param_runs
+    return max(1.0, runs / shards) if zero_stage in (1, 2) else float(tensors)
+
+
 def _state_per_param(ctx: PlanContext, c: ParallelConfig) -> tuple[float, float, float]:
     """Device bytes per (tp-sharded) parameter: (params, grads, optimizer) under ZeRO/offload.
     ZeRO shards over the ``dp * cp`` ranks that hold the same parameters (cp ranks replicate them)."""
@@ -659,6 +675,7 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
             t_opt = (updated * 2 * ctx.itemsize) / h2d + 2 * opt_bytes / ctx.host_rate
         else:
             t_opt = memory_bound_time(2 * opt_bytes + updated * 2 * ctx.itemsize, dev.optimizer_bytes_per_s or dev)
+        t_opt += optimizer_tensors(ctx.profile, ranges, c.zero_stage, shards) * dev.optimizer_tensor_s
         if c.zero_stage in (1, 2):  # flatten the stage's grads into the bucket, copy the gathered params back
             t_opt += memory_bound_time(4 * grads, dev.optimizer_bytes_per_s or dev)
         t_off = 0.0

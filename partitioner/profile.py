@@ -117,6 +117,12 @@ class LayerProfile:
     search then does not offer dag)."""
     dag_refusal: str = ""
     """Why ``dag`` is not priced (``dag_activation_bytes`` is None): what the policy said."""
+    param_tensors: int = 0
+    """Parameter tensors of the layer (tied ones left out, as in ``param_count``): what an
+    unsharded optimizer steps one by one (``Device.optimizer_tensor_s`` each)."""
+    param_runs: int = 0
+    """Runs of consecutive parameters (in first-use order) in the same weight-decay group (2-D and
+    larger decay, vectors do not): the segments a ZeRO-1/2 optimizer cuts its flat chunk into."""
     dag_recompute_flops: float = 0.0
     """Forward FLOPs per sample that ``dag`` runs again in backward (the checkpointed block's
     nodes that keep no output), averaged over the blocks."""
@@ -442,6 +448,7 @@ def _attention_core(n: fx.Node, kind: str, seq: int, subs: dict | None) -> bool:
 
 def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap, subs: dict | None = None) -> LayerProfile:
     params = pbytes = fwd = bwd = matmuls = attn = act = repl = score = saved = ops = 0
+    decays: list[bool] = []  # weight-decay group of each parameter tensor, in first-use order
     kernels: list[Kernel] = []
     mem_bytes = repl_mem_bytes = score_mem_bytes = 0
     for n in nodes:
@@ -452,6 +459,7 @@ def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap, subs: dict | No
             pbytes += _int(mem.param_bytes, subs)
             if _int(mem.param_bytes, subs):
                 params += _int(n.meta[SHAPE].tensor.numel, subs)
+                decays.append(len(n.meta[SHAPE].tensor.shape) >= 2)
             continue
         is_size = SHAPE in n.meta and n.meta[SHAPE].value is not None  # size arithmetic dispatches no kernel
         dispatched = n.op == "call_function" and n.target is not operator.getitem and not is_size
@@ -497,7 +505,8 @@ def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap, subs: dict | No
                         replicated_activation_bytes=repl, attention_score_bytes=score, boundary_bytes=bnd,
                         saved_tensors=saved, ops=ops, tp_all_reduces=2, kernels=tuple(kernels),
                         memory_bound_bytes=mem_bytes, replicated_memory_bound_bytes=repl_mem_bytes,
-                        score_memory_bound_bytes=score_mem_bytes)
+                        score_memory_bound_bytes=score_mem_bytes, param_tensors=len(decays),
+                        param_runs=sum(1 for k, d in enumerate(decays) if k == 0 or d != decays[k - 1]))
 
 
 def profile_spec(spec: ModelSpec, *, dtype: str = "fp32", optimizer: str = "adamw") -> ModelProfile:

@@ -16,8 +16,10 @@ ranks (:func:`sharing_slowdown`), since the planner prices that in its own ``con
   micro-batch (runs without tensor parallelism when there are any: the runtime's compute
   seconds include tp collectives). At small sizes ``o`` (framework dispatch) dominates, which
   one FLOP/s number cannot carry across micro-batch sizes and stage depths.
-* **optimizer stream rate** (``Device.optimizer_bytes_per_s``; the optimizer step is memory
-  bound in the planner): median measured ``optimizer_s`` over the plan's ``optimizer`` term.
+* **optimizer stream rate and per-tensor seconds** (``Device.optimizer_bytes_per_s``,
+  ``Device.optimizer_tensor_s``): the planner's optimizer term is streamed bytes plus a cost per
+  tensor stepped; both scales by non-negative least squares over the runs' median measured
+  ``optimizer_s`` (:func:`_fit_optimizer`; the rate alone when the runs cannot tell them apart).
   The memory bandwidth itself (memory-bound nodes of forward and backward) stays measured.
 * **offload call seconds** (``Device.offload_call_s``), from runs with activation offload
   (without checkpointing when there are such): their measured forward+backward seconds per
@@ -97,6 +99,8 @@ class Refit:
     """Fitted host seconds per step (``Device.step_overhead_s``)."""
     offload_call_s: float = 0.0
     """Fitted seconds per offloaded tensor per copy (``Device.offload_call_s``)."""
+    optimizer_tensor_s: float = 0.0
+    """Fitted optimizer seconds per tensor stepped (``Device.optimizer_tensor_s``)."""
 
 
 def load_run(path: str | Path, skip_first: int = 1) -> RunData:
@@ -350,16 +354,11 @@ def refit(runs: Sequence[RunData], cluster: Cluster) -> Refit:
     fitted = _with_overheads(_scaled(cluster, flops, 1.0), kernel_s)
     plans = [_reevaluate(r.plan, fitted, profiles) for r in runs]
     ratio = _compute_ratio(alone, plans)
-    opt_ratios = []
-    for run, plan in zip(alone, plans):
-        predicted = plan.predicted.terms.get("optimizer", 0.0)
-        if predicted > 0:
-            opt_ratios += [m / predicted for m in run.optimizer_s if m > 0]
-    bandwidth = 1 / statistics.median(opt_ratios) if opt_ratios else 1.0
+    bandwidth, tensor_s = _fit_optimizer(alone, fitted, profiles)
     # the optimizer's stream rate, not the memory bandwidth the graph's memory-bound nodes run at
     dev = fitted.device
     fitted = _with_device(fitted, optimizer_bytes_per_s=(dev.optimizer_bytes_per_s or dev.memory_bandwidth_bytes_per_s)
-                          * bandwidth)
+                          * bandwidth, optimizer_tensor_s=tensor_s)
     fitted = _with_device(fitted, offload_call_s=_fit_device_seconds(_offloaded(alone), fitted, profiles, "offload_call_s"))
     p2p_s = _fit_p2p(runs, fitted, profiles)
     fitted = _with_overheads(fitted, p2p_s=p2p_s)
@@ -369,7 +368,37 @@ def refit(runs: Sequence[RunData], cluster: Cluster) -> Refit:
                  bandwidth_scale=bandwidth, latency_scale=latency, compute_ratio_before=before,
                  compute_ratio_after=ratio, step_log_error=step_err, runs=len(runs),
                  kernel_overhead_s=kernel_s, p2p_latency_s=p2p_s,
-                 step_overhead_s=fitted.device.step_overhead_s, offload_call_s=fitted.device.offload_call_s)
+                 step_overhead_s=fitted.device.step_overhead_s, offload_call_s=fitted.device.offload_call_s,
+                 optimizer_tensor_s=fitted.device.optimizer_tensor_s)
+
+
+def _fit_optimizer(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> tuple[float, float]:
+    """(stream-rate scale, ``Device.optimizer_tensor_s``): per run, the planner's optimizer term
+    is ``a·B + c·n`` (``B``: its streamed-bytes seconds at the cluster's rate; ``n``: tensors
+    stepped, read off the planner at 1 ms a tensor), against the median over ranks of the
+    measured optimizer seconds. ``(a, c) >= 0`` by non-negative least squares on relative errors
+    when the runs' ``n / B`` differ (a ZeRO-1/2 run steps a few flat segments, a pipeline stage
+    fewer tensors than a whole model); else the rate alone (``c`` kept), the median ratio."""
+    from scipy.optimize import nnls
+
+    base = _with_device(cluster, optimizer_tensor_s=0.0)
+    rows = []
+    for run in runs:
+        measured = statistics.median(m for m in run.optimizer_s if m > 0) if any(m > 0 for m in run.optimizer_s) else 0
+        t0 = _reevaluate(run.plan, base, profiles).predicted.terms.get("optimizer", 0.0)
+        t1 = _reevaluate(run.plan, _with_device(base, optimizer_tensor_s=1e-3), profiles).predicted.terms.get(
+            "optimizer", 0.0)
+        if measured > 0 and t0 > 0:
+            rows.append((t0, (t1 - t0) / 1e-3, measured))
+    if not rows:
+        return 1.0, cluster.device.optimizer_tensor_s
+    shares = [n / b for b, n, _ in rows]
+    if max(shares) > 1.1 * min(shares):
+        (a, c), _ = nnls([[b / m, n / m] for b, n, m in rows], [1.0] * len(rows))
+        if a > 0:
+            return 1 / a, float(c)
+    ratios = [m / (b + n * cluster.device.optimizer_tensor_s) for b, n, m in rows]
+    return 1 / statistics.median(ratios), cluster.device.optimizer_tensor_s
 
 
 def _with_device(cluster: Cluster, **fields) -> Cluster:

@@ -11,8 +11,11 @@ step's :class:`StepMeasurement` splits the wall time into (seconds):
 * ``recv_wait_s``: waiting for point-to-point receives (pipeline bubble + transfer: a receive
   waited on is idle time unless the peer is late only by the transfer itself);
 * ``send_wait_s`` + ``p2p_post_s``: waiting for sends to finish, and posting isend/irecv;
-* ``collective_s``: the ``ALL_REDUCE`` action (tied-weight and data-parallel gradient sync);
-* ``optimizer_s``: the ``STEP`` action;
+* ``collective_s``: the ``ALL_REDUCE`` action (tied-weight and data-parallel gradient sync),
+  and inside the ``STEP`` action the global gradient norm's all-reduce (``GRAD_NORM``, which waits
+  for the mesh's last rank) and a ZeRO-1/2 optimizer's all-gather of the updated parameters
+  (``ALL_GATHER``);
+* ``optimizer_s``: the rest of the ``STEP`` action: the optimizer itself;
 * ``other_s``: the rest of the step (micro-batch slicing, ``zero_grad``, the loss all-reduce at
   the end of ``train_step``, which waits for the last stage, Python overhead).
 
@@ -177,21 +180,28 @@ class StepTimer:
         self._orig_grad_sync = model._grad_sync
         self._orig_step = model._step
         model._grad_sync = self._wrap(model._grad_sync, "collective", label="ALL_REDUCE")
-        model._step = self._wrap(model._step, "optimizer", label="STEP")
+        model._step = self._wrap(model._step, "optimizer", label="STEP", exclude="collective")
+        if hasattr(model, "_grad_norm"):
+            model._grad_norm = self._wrap(model._grad_norm, "collective", label="GRAD_NORM")
+        publish = getattr(getattr(model, "optimizer", None), "publish", None)  # ZeRO-1/2
+        if publish is not None:
+            model.optimizer.publish = self._wrap(publish, "collective", label="ALL_GATHER")
 
     def _add(self, key: str, dt: float) -> None:
         self._t[key] = self._t.get(key, 0.0) + dt
 
-    def _wrap(self, fn: Callable, key: str, label: str | None = None) -> Callable:
+    def _wrap(self, fn: Callable, key: str, label: str | None = None, exclude: str | None = None) -> Callable:
+        """``fn`` timed into ``key``, less what wrapped calls inside it timed into ``exclude``."""
         def run(*args, **kwargs):
             if label is not None:
                 self.last_action = label
+            inner = self._t.get(exclude, 0.0) if exclude else 0.0
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 end = time.perf_counter()
-                self._add(key, end - start)
+                self._add(key, end - start - ((self._t.get(exclude, 0.0) - inner) if exclude else 0.0))
                 if label is not None or key == "recv_wait":
                     self._record(label or "wait", start, end)
         return run

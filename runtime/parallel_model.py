@@ -230,7 +230,7 @@ class ParallelModel:
                 self.skipped_steps += 1
                 self.last_grad_norm = float("inf")
                 return
-        norm = global_grad_norm(self._norm_terms(grads), self.mesh.group, self.mesh.device)
+        norm = self._grad_norm(grads)
         self.last_grad_norm = norm
         if not math.isfinite(norm):
             if self.nonfinite == "stop":
@@ -249,6 +249,11 @@ class ParallelModel:
         self.step_count += 1
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+
+    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
+        """The global gradient norm: a collective over the whole mesh, so it waits for the last
+        rank to finish its backward (timed apart from the optimizer by ``runtime.measure``)."""
+        return global_grad_norm(self._norm_terms(grads), self.mesh.group, self.mesh.device)
 
     def _fp32_grads(self) -> list[torch.Tensor]:
         """The gradients the optimizer is about to step with, in the order of

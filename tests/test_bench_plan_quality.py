@@ -81,6 +81,29 @@ def test_a_few_plans_are_all_run(ranked):
     assert [p.config for p in bench.sample_plans(ranked[:10], [ranked[3]], 24)] == [p.config for p in ranked[:10]]
 
 
+def _result(label: str, final_s: tuple[float, ...], picked: bool = False) -> bench.PlanResult:
+    return bench.PlanResult(label=label, config=None, predicted_s={"x": 1.0}, predicted_rank={"x": 1}, terms={},
+                            picked_by=("x",) if picked else (), step_s=(1.0, 1.0, 1.0), final_s=final_s)
+
+
+def test_head_to_head_takes_the_median_of_per_round_ratios_against_the_contender_it_trails_most():
+    # the rounds' load moves every plan alike: per-round ratios see through it where medians of
+    # each plan's own rounds would not: the pick is 1.1x of a in 3 rounds of 4, yet its median
+    # (2.2) is below a's (2.5); b is slower than the pick in every round
+    pick = _result("pick", (1.1, 3.3, 1.1, 5.5), picked=True)
+    a = _result("a", (1.0, 3.0, 2.0, 5.0))
+    b = _result("b", (1.2, 3.6, 1.2, 6.0))
+    untimed = _result("c", ())
+    report = bench.ModelReport(model="m", spec="m", candidates={"x": 4}, plans=(pick, a, b, untimed), eager_loss=1.0)
+    q, gap, slower = report.head_to_head("x")
+    assert q is a and gap == pytest.approx(0.1) and slower == 3
+    report = bench.ModelReport(model="m", spec="m", candidates={"x": 2}, plans=(pick, b), eager_loss=1.0)
+    q, gap, slower = report.head_to_head("x")
+    assert q is b and gap < 0 and slower == 0  # the pick beats its only contender
+    assert bench.ModelReport(model="m", spec="m", candidates={"x": 1}, plans=(_result("p", (), True), a),
+                             eager_loss=1.0).head_to_head("x") is None
+
+
 @pytest.mark.slow
 def test_quick_run_measures_the_pick_and_every_plan_computes_the_eager_loss(report, cluster, profile, ranked):
     # at least QUICK.plans: one more per schedule the search offers beyond the plans asked for
@@ -97,6 +120,13 @@ def test_quick_run_measures_the_pick_and_every_plan_computes_the_eager_loss(repo
         assert p.predicted_s["local-cpu"] == pytest.approx(same.predicted.step_time_s)
     assert sorted(report.measured_rank(p) for p in report.plans) == list(range(1, len(report.plans) + 1))
     assert -1 <= report.spearman("local-cpu") <= 1 and report.gap("local-cpu") >= 0
+    # head to head: the pick and the one measured fastest other plan, the same rounds each
+    met = [p for p in report.plans if p.final_s]
+    assert pick in met and len(met) == 1 + bench.QUICK.contenders
+    assert all(len(p.final_s) == bench.QUICK.final and all(0 < s < 60 for s in p.final_s) for p in met)
+    (other,) = (p for p in met if p is not pick)
+    assert other is min((p for p in report.ok if p is not pick), key=lambda p: p.measured_s)
+    assert report.head_to_head("local-cpu")[0] is other
 
 
 @pytest.mark.slow
@@ -105,5 +135,5 @@ def test_the_table_has_a_row_per_plan_and_the_verdict(report):
     rows = [line for line in text.splitlines() if line.startswith("| `")]
     assert len(rows) == len(report.plans)
     assert sum(line.rstrip().endswith("| local-cpu |") for line in rows) == 1
-    assert "Spearman rho" in text and "measured rank" in text
+    assert "Spearman rho" in text and "measured rank" in text and "head to head (2 rounds" in text
     assert not math.isnan(report.spearman("local-cpu"))

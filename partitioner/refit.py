@@ -378,7 +378,8 @@ def _fit_optimizer(runs: Sequence[RunData], cluster: Cluster, profiles: dict) ->
     stepped, read off the planner at 1 ms a tensor), against the median over ranks of the
     measured optimizer seconds. ``(a, c) >= 0`` by non-negative least squares on relative errors
     when the runs' ``n / B`` differ (a ZeRO-1/2 run steps a few flat segments, a pipeline stage
-    fewer tensors than a whole model); else the rate alone (``c`` kept), the median ratio."""
+    fewer tensors than a whole model), the rate at most the memory bandwidth; else the rate alone
+    (``c`` kept), the median ratio."""
     from scipy.optimize import nnls
 
     base = _with_device(cluster, optimizer_tensor_s=0.0)
@@ -395,8 +396,14 @@ def _fit_optimizer(runs: Sequence[RunData], cluster: Cluster, profiles: dict) ->
     shares = [n / b for b, n, _ in rows]
     if max(shares) > 1.1 * min(shares):
         (a, c), _ = nnls([[b / m, n / m] for b, n, m in rows], [1.0] * len(rows))
-        if a > 0:
-            return 1 / a, float(c)
+        # the stream is never faster than memory: below that (a few small tensors, the bytes do
+        # not show) the rate is the memory bandwidth and the tensors carry the rest
+        dev = cluster.device
+        floor = (dev.optimizer_bytes_per_s or dev.memory_bandwidth_bytes_per_s) / dev.memory_bandwidth_bytes_per_s
+        if a < floor:
+            a = floor
+            (c,), _ = nnls([[n / m] for b, n, m in rows], [1.0 - a * b / m for b, n, m in rows])
+        return 1 / a, float(c)
     ratios = [m / (b + n * cluster.device.optimizer_tensor_s) for b, n, m in rows]
     return 1 / statistics.median(ratios), cluster.device.optimizer_tensor_s
 

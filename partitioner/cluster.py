@@ -43,7 +43,7 @@ CACHE_DIR_ENV = "PARTITIONER_CACHE_DIR"
 """Overrides where calibrations are cached (default: the user cache directory, see :func:`cache_dir`)."""
 DEFAULT_LOCAL_FILE = Path("~/.cache/partitioner/local-cluster.yaml")
 """Where ``calibrate`` wrote before calibrations were cached per machine; no longer read."""
-CALIBRATION_VERSION = 3
+CALIBRATION_VERSION = 4
 """Part of every cache key: raise it when what a calibration measures or fits changes, so that
 an older cached file is not read as a current one."""
 

@@ -20,10 +20,12 @@ Per micro-batch of ``b`` samples, per layer (numbers per sample come from the Mo
   share of blocks it checkpoints, the memory-bound ops, overheads and TP communication, plus the
   matmul-class kernels whose outputs it does not keep (``LayerProfile.dag_recompute_flops``).
 
-A stage's time per micro-batch is the sum over its layers. The step is
-``(m + (p−1)/v) · T_max`` (``cost_model.pipeline_step_time``) with ``T_max`` the slowest stage
-(zero-bubble schedules: their simulated idle slots, with W taking the share of the slowest
-stage's backward that its weight gradients are, ``_LayerCost.weight_grad``),
+A stage's time per micro-batch is the sum over its layers. The step is ``m · T_max`` plus the
+bubble (:func:`_bubble_time`): ``(Σ_s T_s − T_max)/v``, the fill and drain through every other
+stage (``(p−1)/v · T_max`` when the stages are balanced, as ``cost_model.pipeline_step_time``;
+exact for GPipe with unequal stages, an upper bound for 1F1B); zero-bubble schedules: their
+simulated idle slots times ``T_max``, with W taking the share of the slowest stage's backward
+that its weight gradients are (``_LayerCost.weight_grad``),
 plus pipeline send/recv of the boundary tensor (scattered over TP ranks, as Megatron does):
 ``2·t_p2p·m·v``, each rank's own messages (charging the ``p−1`` fill/drain messages as well
 over-predicted deep pipelines on measured runs; the fill is in the bubble), plus the exposed data-parallel gradient reduction: gradients accumulate
@@ -717,7 +719,7 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
         pp_comm=2 * t_p2p * m * v if p > 1 else 0.0,
         # a zero-bubble schedule fills its bubble with W: how much depends on W's share of the
         # slowest stage's backward (matmul-heavy on GPUs, about half; dispatch-bound CPU ranks less)
-        bubble=_bubble_slots(c.schedule, p, m, v, *((per_stage[slow][8],) if c.split_backward else ())) * t_max,
+        bubble=_bubble_time(c, [st[0] for st in per_stage], per_stage[slow][8]),
         dp_comm=per_stage[tail][4], optimizer=per_stage[tail][5], offload=per_stage[tail][6],
         tied_comm=_tied_sync_time(ctx, c), framework=_framework_time(ctx))
     busy = [m * (st[1] + st[3] * (2 if c.split_backward else 1)) + st[5] + st[6] for st in per_stage]
@@ -725,6 +727,20 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
     peak = max(s.peak_memory_bytes for s in stages)
     feasible = feasible and peak <= ctx.cap
     return Evaluated(config=c, feasible=feasible, step_time=terms.total, peak=peak, stages=tuple(stages), terms=terms)
+
+
+def _bubble_time(c: ParallelConfig, stage_s: list[float], weight_share: float) -> float:
+    """Idle seconds of the slowest pipeline rank per step, from each rank's seconds per
+    micro-batch ``stage_s``. GPipe, 1F1B and interleaved: the first micro-batch's forward and the
+    last one's backward pass once through every other rank, so ``(Σ stage_s − max) / v`` (exact
+    for GPipe, whose step is ``Σ t + (m − 1)·max``; an upper bound for 1F1B and interleaved,
+    which can start their slowest rank earlier; ``(p − 1)/v · max`` when balanced). Zero-bubble
+    schedules: their simulated idle slots on balanced stages, times the slowest rank's seconds,
+    with W the slowest rank's weight-gradient share of its backward."""
+    t_max = max(stage_s)
+    if c.split_backward:
+        return _bubble_slots(c.schedule, c.pp, c.num_micro_batches, c.virtual_pp, weight_share) * t_max
+    return (sum(stage_s) - t_max) / c.virtual_pp
 
 
 def zero3_gathered_bytes(largest_layer_params: float, itemsize: int, prefetch: int = ZERO3_PREFETCH, *,

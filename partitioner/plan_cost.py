@@ -447,14 +447,10 @@ def optimizer_tensors(profile: ModelProfile, ranges: list[tuple[int, int]], zero
     1..L: blocks, L+1: head): every parameter tensor, each shard of one under ZeRO-3; under
     ZeRO-1/2 the segments of the rank's flat chunk (:class:`runtime.grad_sync.ShardedOptimizer`
     cuts it where the weight-decay group changes), about the stage's runs over ``shards``."""
-    L = len(profile.blocks)
-    tensors = runs = 0
-    for start, stop in ranges:
-        for i in range(start, stop):
-            layer = profile.embedding if i == 0 else profile.head if i == L + 1 else profile.blocks[i - 1]
-            tensors += layer.param_tensors
-            runs += layer.param_runs
-    return max(1.0, runs / shards) if zero_stage in (1, 2) else float(tensors)
+    layers = [profile.layers[i] for start, stop in ranges for i in range(start, stop)]
+    if zero_stage in (1, 2):
+        return max(1.0, sum(layer.param_runs for layer in layers) / shards)
+    return float(sum(layer.param_tensors for layer in layers))
 
 
 def _state_per_param(ctx: PlanContext, c: ParallelConfig) -> tuple[float, float, float]:

@@ -21,6 +21,7 @@ from torch import fx
 
 from passes.checkpoint_policy import checkpoint_policy
 from passes.context_parallel import attention_problems, repeat_kv_source, sdpa_args
+from passes.weight_decay import no_weight_decay_names
 from passes.ir.errors import AnalysisError, ConfigError, PassError
 from partitioner.model_spec import ModelSpec, build_model, format_spec, model_keys, parse_spec
 from passes.ir.meta import BLOCK, CAPTURE, CHECKPOINT_PLAN, FLOPS, LAYER_CHAIN, MEMORY, SHAPE, dim_symbol
@@ -121,8 +122,9 @@ class LayerProfile:
     """Parameter tensors of the layer (tied ones left out, as in ``param_count``): what an
     unsharded optimizer steps one by one (``Device.optimizer_tensor_s`` each)."""
     param_runs: int = 0
-    """Runs of consecutive parameters (in first-use order) in the same weight-decay group (2-D and
-    larger decay, vectors do not): the segments a ZeRO-1/2 optimizer cuts its flat chunk into."""
+    """Runs of consecutive parameters (in first-use order) in the same weight-decay group
+    (:func:`passes.weight_decay.no_weight_decay_names`): the segments a ZeRO-1/2 optimizer cuts
+    its flat chunk into."""
     dag_recompute_flops: float = 0.0
     """Forward FLOPs per sample that ``dag`` runs again in backward (the checkpointed block's
     nodes that keep no output), averaged over the blocks."""
@@ -321,7 +323,8 @@ def _chain(gm: fx.GraphModule, seq: int, shared: _SharedMap, subs: dict | None =
         boundary[g] = outs[-1].meta[SHAPE].tensor
     hidden = int(boundary[stack[0]].shape[-1])
     heads = _heads(gm)
-    layers = {g: _sum(g, ns, seq, hidden, boundary.get(g), shared, subs) for g, ns in groups.items()}
+    no_decay = no_weight_decay_names(gm)  # the runtime's weight-decay groups (ZeRO cuts its chunk where they change)
+    layers = {g: _sum(g, ns, seq, hidden, boundary.get(g), shared, no_decay, subs) for g, ns in groups.items()}
     dag = _dag_per_block(gm, stack, subs)
     if isinstance(dag, str):
         layers.update({g: replace(layers[g], dag_refusal=dag) for g in stack})
@@ -446,7 +449,8 @@ def _attention_core(n: fx.Node, kind: str, seq: int, subs: dict | None) -> bool:
     return kind == "attention" or _scores(n, seq, subs) or any(_scores(a, seq, subs) for a in n.all_input_nodes)
 
 
-def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap, subs: dict | None = None) -> LayerProfile:
+def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap, no_decay: frozenset[str],
+         subs: dict | None = None) -> LayerProfile:
     params = pbytes = fwd = bwd = matmuls = attn = act = repl = score = saved = ops = 0
     decays: list[bool] = []  # weight-decay group of each parameter tensor, in first-use order
     kernels: list[Kernel] = []
@@ -459,7 +463,7 @@ def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap, subs: dict | No
             pbytes += _int(mem.param_bytes, subs)
             if _int(mem.param_bytes, subs):
                 params += _int(n.meta[SHAPE].tensor.numel, subs)
-                decays.append(len(n.meta[SHAPE].tensor.shape) >= 2)
+                decays.append(str(n.target) not in no_decay)
             continue
         is_size = SHAPE in n.meta and n.meta[SHAPE].value is not None  # size arithmetic dispatches no kernel
         dispatched = n.op == "call_function" and n.target is not operator.getitem and not is_size

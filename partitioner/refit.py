@@ -380,30 +380,28 @@ def _fit_optimizer(runs: Sequence[RunData], cluster: Cluster, profiles: dict) ->
     when the runs' ``n / B`` differ (a ZeRO-1/2 run steps a few flat segments, a pipeline stage
     fewer tensors than a whole model), the rate at most the memory bandwidth; else the rate alone
     (``c`` kept), the median ratio."""
-    from scipy.optimize import nnls
-
     base = _with_device(cluster, optimizer_tensor_s=0.0)
     rows = []
     for run in runs:
-        measured = statistics.median(m for m in run.optimizer_s if m > 0) if any(m > 0 for m in run.optimizer_s) else 0
+        measured = [m for m in run.optimizer_s if m > 0]
         t0 = _reevaluate(run.plan, base, profiles).predicted.terms.get("optimizer", 0.0)
         t1 = _reevaluate(run.plan, _with_device(base, optimizer_tensor_s=1e-3), profiles).predicted.terms.get(
             "optimizer", 0.0)
-        if measured > 0 and t0 > 0:
-            rows.append((t0, (t1 - t0) / 1e-3, measured))
+        if measured and t0 > 0:
+            rows.append((t0, (t1 - t0) / 1e-3, statistics.median(measured)))
     if not rows:
         return 1.0, cluster.device.optimizer_tensor_s
     shares = [n / b for b, n, _ in rows]
     if max(shares) > 1.1 * min(shares):
-        (a, c), _ = nnls([[b / m, n / m] for b, n, m in rows], [1.0] * len(rows))
+        a, c = _nnls([(b / m, n / m, 1.0) for b, n, m in rows])
         # the stream is never faster than memory: below that (a few small tensors, the bytes do
         # not show) the rate is the memory bandwidth and the tensors carry the rest
         dev = cluster.device
         floor = (dev.optimizer_bytes_per_s or dev.memory_bandwidth_bytes_per_s) / dev.memory_bandwidth_bytes_per_s
         if a < floor:
             a = floor
-            (c,), _ = nnls([[n / m] for b, n, m in rows], [1.0 - a * b / m for b, n, m in rows])
-        return 1 / a, float(c)
+            (c,) = _nnls([(n / m, 1.0 - a * b / m) for b, n, m in rows])
+        return 1 / a, c
     ratios = [m / (b + n * cluster.device.optimizer_tensor_s) for b, n, m in rows]
     return 1 / statistics.median(ratios), cluster.device.optimizer_tensor_s
 

@@ -57,7 +57,7 @@ from passes.pipeline_split import assign_stages_by_chain
 from passes.ir.meta import (BLOCK, CAPTURE, CHECKPOINT, CHECKPOINT_PLAN, DAG_CHECKPOINT_PLAN, FLOPS,
                             LAYER_CHAIN, PIPELINE_STAGE, REMAT, SHAPE, CheckpointMeta, CheckpointPlan,
                             CheckpointRegion, DagCheckpointPlan, RematNodeMeta)
-from passes.graph_view import _is_random, forward_cut_points, to_networkx
+from passes.graph_view import draws_random, forward_cut_points, to_networkx
 from passes.remat_solver import RematCosts, RematProblem, Storage, solve_milp
 
 aten = torch.ops.aten
@@ -511,20 +511,11 @@ def _within_stage_budgets(keys: set[int], stages: Sequence[StageBudget], saved: 
     return all(_at_hints(saved.bytes(keys & set(st.keys)), hints) <= st.budget_bytes for st in stages)
 
 
-def _is_random_node(node: fx.Node) -> bool:
-    if _is_random(node):
-        return True
-    if node.target is aten.scaled_dot_product_attention.default:  # dropout_p > 0 draws numbers
-        p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
-        return not (isinstance(p, (int, float)) and p == 0)
-    return False
-
-
 def _dag_candidates(regions: list[Region], hints: dict) -> tuple[dict[fx.Node, int], list[list[fx.Node]]]:
     """FLOPs of every region node at the hints, and each region's nodes that may keep their
     outputs (FLOPs to save, no random numbers to replay)."""
     node_flops = {n: _at_hints(n.meta[FLOPS].fwd, hints) for r in regions for n in r.nodes}
-    return node_flops, [[n for n in r.nodes if node_flops[n] > 0 and not _is_random_node(n)] for r in regions]
+    return node_flops, [[n for n in r.nodes if node_flops[n] > 0 and not draws_random(n)] for r in regions]
 
 
 def _dag_choice(regions: list[Region], saved: _Saved, hints: dict, block: list[bool], best: tuple[int, ...],

@@ -26,7 +26,8 @@ dims' hint values (plain ints):
 ``recomputable``    the node can run again in backward with the same result and no side effect:
                     a call that mutates nothing (no in-place op writes its storages) and is not
                     a graph input, parameter or output
-``random``          the op draws random numbers (dropout): recomputing it needs the RNG state
+``random``          the op may draw random numbers (dropout, fused attention:
+                    :func:`draws_random`): recomputing it needs the RNG state
 ``weighted``        a ``call_module`` whose module holds parameters (a traced, not exported, graph)
 ``block``           ``node.meta[BLOCK].name`` when ``annotate_blocks`` ran, else ``None``
 ==================  ==============================================================================
@@ -174,7 +175,7 @@ def _view(gm: fx.GraphModule, *, fixed_bytes: int, kind_of, storage_attrs, mutat
         fwd, bwd = fwd + f, bwd + b
         G.add_node(node.name, op=str(node.target) if node.op in _CALLS else node.op, kind=kind,
                    is_param=kind in ("param", "buffer"), is_input=kind == "input", is_output=kind == "output",
-                   flops=f, bwd_flops=b, random=_is_random(node),
+                   flops=f, bwd_flops=b, random=draws_random(node),
                    recomputable=kind == "compute" and not _mutates(node) and node not in mutated,
                    weighted=_weighted(gm, node), block=node.meta[BLOCK].name if BLOCK in node.meta else None,
                    **storage_attrs(node, kind))
@@ -292,7 +293,10 @@ def _mutated_owners(gm: fx.GraphModule, run) -> set[fx.Node]:
     return out
 
 
-def _is_random(node: fx.Node) -> bool:
+def draws_random(node: fx.Node) -> bool:
+    """Whether ``node``'s op may draw random numbers (tagged ``nondeterministic_seeded``, which
+    fused attention is whatever its ``dropout_p``, or a dropout/rand op by name): recomputing it
+    needs the RNG state it ran with."""
     schema = _schema(node)
     if schema is not None and getattr(torch.Tag, "nondeterministic_seeded", None) in getattr(node.target, "tags", ()):
         return True

@@ -46,9 +46,9 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
+from passes.graph_view import draws_random
 from passes.ir.errors import PassError
-
-Action = str  # "save", "recompute", "offload", "none" (passes.remat_solver.Action)
+from passes.remat_solver import Action, RematDecision
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,13 @@ class TensorRemat:
         self.actions = dict(actions)
         self.recompute = {nodes[name] for name, a in actions.items() if a == "recompute"}
         self.held_nodes, self.reads = self._reads()
-        self.random = {n for n in self.recompute if _draws_random(n)}
+        self.random = {n for n in self.recompute if draws_random(n)}
+        self._ops = fx.Interpreter(gm)  # runs one node's op on given values (fetch_attr, call_*)
+
+    def _run(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            raise PassError(f"tensor remat: cannot run node {node.name!r} ({node.op}) again")
+        return getattr(self._ops, node.op)(node.target, args, kwargs)
 
     def _sources(self, node: fx.Node) -> set[fx.Node]:
         """The nodes a recompute of ``node`` takes values from: its inputs, seen through nodes
@@ -266,12 +272,12 @@ class TensorRemat:
                 args, kwargs = fx.node.map_aggregate((args, kwargs), lambda x: _as_input(x, flags))
                 with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
                         lambda t: packs.append(t) or t, lambda t: t):
-                    out = _call(self.gm, node, args, kwargs)
+                    out = self._run(node, args, kwargs)
                 out = fx.node.map_aggregate(out, lambda x: x.detach() if isinstance(x, torch.Tensor) else x)
                 packs = [p.detach() for p in packs]
             else:
                 with torch.no_grad():
-                    out = _call(self.gm, node, args, kwargs)
+                    out = self._run(node, args, kwargs)
         for a in self.reads[node]:
             self._used(a)
         self.memo[node] = (out, packs)
@@ -284,7 +290,7 @@ class TensorRemat:
             if a in cache:
                 return cache[a]
             if a.op == "get_attr":  # a buffer the op updates (batch-norm statistics) is updated once, in forward
-                v = _attr(self.gm, a.target)
+                v = self._ops.fetch_attr(a.target)
                 v = v.clone() if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) else v
             elif a in self.held:
                 v = self.held[a]
@@ -296,7 +302,7 @@ class TensorRemat:
             else:  # a view, a getitem, a size: cheap, made again from its own inputs
                 inner_args, inner_kwargs = fx.node.map_arg((a.args, a.kwargs), value)
                 with torch.no_grad():
-                    v = _call(self.gm, a, inner_args, inner_kwargs)
+                    v = self._run(a, inner_args, inner_kwargs)
             cache[a] = v
             return v
 
@@ -332,29 +338,6 @@ def _as_input(x: Any, flags) -> Any:
     return x.detach().requires_grad_(flag) if flag and (x.is_floating_point() or x.is_complex()) else x.detach()
 
 
-def _call(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict) -> Any:
-    if node.op == "call_function":
-        return node.target(*args, **kwargs)
-    if node.op == "call_method":
-        return getattr(args[0], node.target)(*args[1:], **kwargs)
-    if node.op == "call_module":
-        return gm.get_submodule(node.target)(*args, **kwargs)
-    raise PassError(f"tensor remat: cannot run node {node.name!r} ({node.op}) again")
-
-
-def _attr(gm: fx.GraphModule, target: str) -> Any:
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _draws_random(node: fx.Node) -> bool:
-    target = node.target
-    tags = getattr(target, "tags", ())
-    return torch.Tag.nondeterministic_seeded in tags or "dropout" in str(target) or "rand" in str(target)
-
-
-def actions_of(decision) -> dict[str, Action]:
+def actions_of(decision: RematDecision) -> dict[str, Action]:
     """Node name -> action of a :class:`passes.remat_solver.RematDecision`."""
     return {d.node: d.action for d in decision.nodes}

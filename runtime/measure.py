@@ -166,6 +166,7 @@ class StepTimer:
         self.track_memory = track_memory
         self.steps: list[StepMeasurement] = []
         self.last_action: Action | str | None = None
+        self._running: list[str] = []  # labelled calls in progress, innermost last
         self._t: dict[str, float] = {}
         self._stage: dict[int, float] = {}
         self._timeline: list[tuple[str, float, float]] = []
@@ -191,19 +192,27 @@ class StepTimer:
         self._t[key] = self._t.get(key, 0.0) + dt
 
     def _wrap(self, fn: Callable, key: str, label: str | None = None, exclude: str | None = None) -> Callable:
-        """``fn`` timed into ``key``, less what wrapped calls inside it timed into ``exclude``."""
+        """``fn`` timed into ``key``, less what wrapped calls inside it timed into ``exclude``.
+        A labelled call nested in another (``GRAD_NORM`` in ``STEP``) hands ``last_action`` back
+        to the outer one when it returns: that one is running again."""
         def run(*args, **kwargs):
             if label is not None:
                 self.last_action = label
-            inner = self._t.get(exclude, 0.0) if exclude else 0.0
+                self._running.append(label)
+            excluded = self._t.get(exclude, 0.0) if exclude else 0.0
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 end = time.perf_counter()
-                self._add(key, end - start - ((self._t.get(exclude, 0.0) - inner) if exclude else 0.0))
+                nested = self._t.get(exclude, 0.0) - excluded if exclude else 0.0
+                self._add(key, end - start - nested)
                 if label is not None or key == "recv_wait":
                     self._record(label or "wait", start, end)
+                if label is not None:
+                    self._running.pop()
+                    if self._running:
+                        self.last_action = self._running[-1]
         return run
 
     def _record(self, label: str, start: float, end: float) -> None:

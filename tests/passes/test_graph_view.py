@@ -233,3 +233,20 @@ def test_checkpoint_regions_are_one_per_block_between_the_dominators(name):
         inputs, _ = r.io()
         T = trunk(to_networkx(gm, storages=False))
         assert len([n for n in inputs if n.name in T]) == 1, (r.name, inputs)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_what_draws_random_numbers(dropout_p):
+    """The one rule the checkpoint policy, the view's ``random`` attribute and the per-tensor
+    remat executor share (a recompute of such a node needs the RNG state it ran with): dropout,
+    and fused attention whatever its dropout_p (torch tags it nondeterministic_seeded); not relu."""
+    from torch import fx
+
+    from passes.graph_view import draws_random
+
+    g = fx.Graph()
+    q = g.placeholder("q")
+    sdpa = g.call_function(torch.ops.aten.scaled_dot_product_attention.default, (q, q, q, None, dropout_p))
+    drop = g.call_function(torch.ops.aten.native_dropout.default, (q, 0.1, True))
+    relu = g.call_function(torch.ops.aten.relu.default, (q,))
+    assert draws_random(sdpa) and draws_random(drop) and not draws_random(relu)

@@ -81,13 +81,16 @@ _RANDOM_OPS = ("dropout", "bernoulli", "rand", "randn", "randint", "randperm", "
 class StorageFacts:
     """One activation or internal storage of the forward: ``name`` (``"<owner>:<k>"``, the owner's
     k-th storage), ``owner`` (node whose op allocates it), ``nbytes`` (bytes at the dims' hints),
-    ``kept`` (autograd keeps it for backward), ``kind`` (a node output or an op-internal save)."""
+    ``kept`` (autograd keeps it for backward), ``kind`` (a node output or an op-internal save),
+    ``savers`` (the nodes autograd keeps it for whose backward runs, in forward order: backward
+    unpacks it when each of them runs; empty for a kept storage no running backward unpacks)."""
 
     name: str
     owner: str
     nbytes: int
     kept: bool
     kind: StorageKind
+    savers: tuple[str, ...] = ()
 
 
 def to_networkx(gm_or_graph: fx.GraphModule | fx.Graph, *, storages: bool = True) -> nx.DiGraph:
@@ -127,7 +130,9 @@ def to_networkx(gm_or_graph: fx.GraphModule | fx.Graph, *, storages: bool = True
         return _kind(node, run.node_storages.get(node, []))
 
     def storage_attrs(node: fx.Node, kind: NodeKind) -> dict:
-        own = tuple(StorageFacts(name=name_of[st], owner=node.name, nbytes=st.hint, kept=st.kept, kind=st.kind)
+        own = tuple(StorageFacts(name=name_of[st], owner=node.name, nbytes=st.hint, kept=st.kept, kind=st.kind,
+                                 savers=tuple(n.name for n in sorted(st.savers, key=run.index.__getitem__)
+                                              if n in run.runs_backward))
                     for st in owned.get(node, ()))
         reads: dict[str, None] = {}
         for src in node.all_input_nodes:

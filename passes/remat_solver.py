@@ -18,15 +18,25 @@ The model (:class:`RematProblem`, built from :func:`passes.graph_view.to_network
     recomputed node's outputs that backward keeps are the recomputed copies.
 
 What the budget bounds, exactly
-    ``saved_bytes`` = bytes on device, after the forward and before the backward starts, that
-    backward reads: the needed storages of saved nodes plus ``fixed_bytes`` (graph inputs
-    autograd keeps: token ids, targets). This is the saved-activation term of the step's peak
-    (the same quantity as ``CheckpointPlan.saved_bytes_after`` and
-    ``MemorySummary.activation_bytes + input_bytes`` with nothing recomputed), and its maximum
-    over the step: saved storages only accumulate during forward and are only freed during
-    backward. Not bounded: recomputed tensors while they are alive in backward, the buffers
-    offloaded tensors come back into, forward transients, gradients, parameters and optimizer
-    state (the liveness simulation of ``annotate_memory`` prices those).
+    ``bound="saved"`` (the default): ``saved_bytes`` = bytes on device, after the forward and
+    before the backward starts, that backward reads: the needed storages of saved nodes plus
+    ``fixed_bytes`` (graph inputs autograd keeps: token ids, targets). This is the
+    saved-activation term of the step's peak (the same quantity as
+    ``CheckpointPlan.saved_bytes_after`` and ``MemorySummary.activation_bytes + input_bytes``
+    with nothing recomputed). With nothing recomputed it is also the most activation bytes any
+    moment of backward holds; with recomputes it is not: a tensor recomputed for an early use in
+    backward (a residual stream read by the last block) stays until its last use (the first
+    block), so such decisions can hold more during backward than keeping everything.
+
+    ``bound="peak"``: ``peak_bytes`` (:func:`backward_peak`) = the activation bytes on device at
+    the fullest moment of backward, recomputes run on demand and memoised as
+    :class:`passes.tensor_remat.TensorRemat` runs them: the quantity that executor measures
+    (within 1% on the ResNet-style CNN, the U-Net and BERT: the model counts everything a node's
+    backward touches at once). It needs to know when backward unpacks each kept storage
+    (``Storage.used_at``, from the savers the fake forward observes) and bounds save and
+    recompute only (no offload). Not bounded by either: the buffers offloaded tensors come back
+    into, forward transients, gradients, parameters and optimizer state (the liveness simulation
+    of ``annotate_memory`` prices those).
 
 Costs (:class:`RematCosts`)
     Added seconds = recompute FLOPs / ``device_flops_per_s`` + 2 x offloaded bytes /
@@ -48,7 +58,9 @@ Solvers
       optimal at hull vertices, possibly above the optimum between them (the Lagrangian gap).
     * :func:`solve_milp`: the joint save / recompute / offload choice as a MILP (a Checkmate
       formulation restricted to one forward and one recompute per node; HiGHS through
-      ``scipy.optimize.milp``), minimising added seconds. Variables: ``r_v`` (recompute), and
+      ``scipy.optimize.milp``), minimising added seconds. With the peak bound it adds, per moment
+      of backward, continuous columns for what has been recomputed by then and what is alive
+      (:func:`_peak_rows`), and one bytes row per moment. Variables: ``r_v`` (recompute), and
       per storage ``d_s`` (on device) and ``h_s`` (on host), per node ``o_v`` (its storages go to
       host). Constraints: kept ``s``: ``r_owner + d_s + h_s >= 1``; ``v`` reads ``s``:
       ``r_v <= r_owner + d_s + h_s``; ``d_s + h_s + r_owner <= 1``; ``d_s <= 1 - o_owner``,
@@ -76,6 +88,7 @@ from passes.ir.meta import CheckpointPlan
 
 Action = Literal["save", "recompute", "offload", "none"]
 Method = Literal["min-cut", "milp", "brute-force", "given"]
+Bound = Literal["saved", "peak"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,29 +120,42 @@ class RematCosts:
 @dataclass(frozen=True, kw_only=True)
 class Storage:
     """One activation storage of the problem: its owner (index into ``RematProblem.nodes``),
-    bytes, whether autograd keeps it, and the nodes that read it (indices)."""
+    bytes, whether autograd keeps it, and the nodes that read it (indices). For the peak bound:
+    ``internal`` (made inside the owner's op for its backward, not an output: a recompute makes
+    it only when backward keeps it) and ``used_at`` (positions, as ``RematProblem.positions``,
+    of the nodes whose backward unpacks it; empty for a kept storage no backward unpacks: it
+    stays until backward ends)."""
 
     name: str
     owner: int
     nbytes: int
     kept: bool
     readers: tuple[int, ...] = ()
+    internal: bool = False
+    used_at: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
 class RematProblem:
     """The rematerialization problem of one forward (module docstring): ``nodes`` in forward
     order with their forward FLOPs and whether they can run again, ``storages`` with owners,
-    bytes (at the dims' hints) and readers, and ``fixed_bytes`` always kept on device."""
+    bytes (at the dims' hints) and readers, ``fixed_bytes`` always kept on device, and
+    ``positions``: each node's place in the whole forward (increasing; backward runs the nodes
+    in the reverse order; empty: ``0..n-1``), the clock of ``Storage.used_at``."""
 
     nodes: tuple[str, ...]
     flops: tuple[int, ...]
     recomputable: tuple[bool, ...]
     storages: tuple[Storage, ...]
     fixed_bytes: int = 0
+    positions: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.nodes)
+        if self.positions and (len(self.positions) != n or any(a >= b for a, b in zip(self.positions,
+                                                                                       self.positions[1:]))):
+            raise ConfigError(f"remat problem: positions must give each of the {n} nodes an increasing place in "
+                              f"the forward, got {self.positions[:8]}...")
         if len(self.flops) != n or len(self.recomputable) != n:
             raise ConfigError(f"remat problem: {n} nodes but {len(self.flops)} FLOP counts and "
                               f"{len(self.recomputable)} recomputable flags; give one of each per node")
@@ -141,6 +167,11 @@ class RematProblem:
                 raise ConfigError(f"remat problem: storage {s.name!r} has {s.nbytes} bytes; bytes are >= 0")
         if min(self.flops, default=0) < 0:
             raise ConfigError("remat problem: FLOPs are >= 0")
+
+    @property
+    def position(self) -> tuple[int, ...]:
+        """Each node's position in the forward (``positions``, or ``0..n-1``)."""
+        return self.positions or tuple(range(len(self.nodes)))
 
     @property
     def base_bytes(self) -> int:
@@ -163,10 +194,13 @@ class NodeDecision:
 @dataclass(frozen=True, kw_only=True)
 class RematDecision:
     """A decision for every node and its totals: ``saved_bytes`` (device bytes backward reads,
-    ``fixed_bytes`` included; what ``budget_bytes`` bounds), ``offload_bytes`` (bytes moved to
-    host and back), ``recompute_flops``, ``added_s`` (seconds the decision adds to the step).
-    ``feasible``: ``saved_bytes <= budget_bytes``; ``optimal``: proven optimal for the budget
-    (MILP and brute force when they finish; the min cut only when the budget does not bind)."""
+    ``fixed_bytes`` included), ``peak_bytes`` (activation bytes on device at the fullest moment
+    of backward when recomputes run on demand: :func:`backward_peak`; at least ``saved_bytes``),
+    ``offload_bytes`` (bytes moved to host and back), ``recompute_flops``, ``added_s`` (seconds
+    the decision adds to the step). ``bound``: which of ``saved_bytes`` and ``peak_bytes`` the
+    budget bounds; ``feasible``: that one is at most ``budget_bytes``; ``optimal``: proven optimal
+    for the budget (MILP and brute force when they finish; the min cut only when the budget does
+    not bind)."""
 
     method: Method
     budget_bytes: int
@@ -178,6 +212,8 @@ class RematDecision:
     added_s: float
     feasible: bool
     optimal: bool = False
+    peak_bytes: int = 0
+    bound: Bound = "saved"
 
     def action(self, node: str) -> Action:
         """The action of the node named ``node``."""
@@ -199,6 +235,7 @@ def problem_from_view(G: nx.DiGraph) -> RematProblem:
     activation storages, in forward (graph) order."""
     names = [n for n, d in G.nodes(data=True) if d["kind"] == "compute" and d["owns"]]
     index = {n: i for i, n in enumerate(names)}
+    place = {n: k for k, n in enumerate(G.nodes)}  # the view keeps the graph's node order
     readers: dict[str, list[int]] = {}
     for n, d in G.nodes(data=True):
         if n in index:
@@ -208,16 +245,19 @@ def problem_from_view(G: nx.DiGraph) -> RematProblem:
     for n in names:
         for s in G.nodes[n]["owns"]:
             storages.append(Storage(name=s.name, owner=index[n], nbytes=s.nbytes, kept=s.kept,
-                                    readers=tuple(r for r in readers.get(s.name, ()) if r != index[n])))
+                                    readers=tuple(r for r in readers.get(s.name, ()) if r != index[n]),
+                                    internal=s.kind == "internal", used_at=tuple(place[k] for k in s.savers)))
     return RematProblem(nodes=tuple(names), flops=tuple(G.nodes[n]["flops"] for n in names),
                         recomputable=tuple(G.nodes[n]["recomputable"] for n in names), storages=tuple(storages),
-                        fixed_bytes=G.graph.get("fixed_bytes", 0))
+                        fixed_bytes=G.graph.get("fixed_bytes", 0), positions=tuple(place[n] for n in names))
 
 
 def evaluate(problem: RematProblem, recompute: Iterable[str], offload: Iterable[str] = (), *, budget_bytes: int,
-             costs: RematCosts, method: Method = "given", optimal: bool = False) -> RematDecision:
+             costs: RematCosts, method: Method = "given", optimal: bool = False,
+             bound: Bound = "saved") -> RematDecision:
     """The exact cost of recomputing the nodes named in ``recompute`` and offloading the needed
-    storages of those in ``offload`` (every other needed storage stays on device)."""
+    storages of those in ``offload`` (every other needed storage stays on device); ``bound``:
+    whether ``budget_bytes`` bounds the saved bytes or the backward peak."""
     index = {n: i for i, n in enumerate(problem.nodes)}
     unknown = [n for n in [*recompute, *offload] if n not in index]
     if unknown:
@@ -231,7 +271,69 @@ def evaluate(problem: RematProblem, recompute: Iterable[str], offload: Iterable[
     host = {index[n] for n in offload}
     if host and not costs.offload:
         raise ConfigError("remat decision offloads nodes but the costs have no host link; set host_bytes_per_s")
-    return _decision(problem, r, host, budget_bytes=budget_bytes, costs=costs, method=method, optimal=optimal)
+    return _decision(problem, r, host, budget_bytes=budget_bytes, costs=costs, method=method, optimal=optimal,
+                     bound=bound)
+
+
+@dataclass(frozen=True)
+class _Timeline:
+    """When backward needs what, per node of a problem (positions as ``RematProblem.position``;
+    backward visits them from the highest down)."""
+
+    pos: tuple[int, ...]
+    owned: tuple[tuple[int, ...], ...]  # storage indices of each node
+    reads: tuple[tuple[tuple[int, int], ...], ...]  # per node: (storage of it, a node that reads it)
+    remade_bytes: tuple[int, ...]  # bytes a recompute of the node makes: outputs and kept internals
+    first_unpack: tuple[int | None, ...]  # latest position unpacking a kept storage of the node
+    last_unpack: tuple[float, ...]  # per storage: earliest position unpacking it (-1: held to the end; inf: never)
+
+
+def _timeline(problem: RematProblem) -> _Timeline:
+    n = len(problem.nodes)
+    owned: list[list[int]] = [[] for _ in range(n)]
+    reads: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    remade, first = [0] * n, [None] * n
+    last: list[float] = []
+    for j, s in enumerate(problem.storages):
+        owned[s.owner].append(j)
+        reads[s.owner].extend((j, w) for w in s.readers)
+        if not s.internal or s.kept:
+            remade[s.owner] += s.nbytes
+        if s.kept and s.used_at:
+            first[s.owner] = max(first[s.owner] if first[s.owner] is not None else -1, max(s.used_at))
+        last.append((min(s.used_at) if s.used_at else -1) if s.kept else math.inf)
+    return _Timeline(pos=problem.position, owned=tuple(map(tuple, owned)), reads=tuple(map(tuple, reads)),
+                     remade_bytes=tuple(remade), first_unpack=tuple(first), last_unpack=tuple(last))
+
+
+def backward_peak(problem: RematProblem, recompute: list[bool]) -> int:
+    """Activation bytes on device (``fixed_bytes`` included) at the fullest moment of backward, when
+    recomputes run on demand and are memoised, as :class:`passes.tensor_remat.TensorRemat` runs
+    them: a recomputed node runs again at the latest position (the first moment of backward) that
+    unpacks one of its kept storages or recomputes a reader of its storages, and all it makes stays
+    until its last such use; a storage of a node not recomputed stays from forward until its last
+    unpack or the last recompute reading it. A moment is one node's backward, with everything
+    recomputed for it and everything it is the last use of. Offloaded storages count as on device
+    here: they are back before backward. Without recomputes this is ``saved_bytes``."""
+    tl = _timeline(problem)
+    at: dict[int, int] = {}  # needed recomputed node -> position it is recomputed at
+    for v in reversed(range(len(problem.nodes))):  # readers come after what they read
+        if recompute[v]:
+            when = [tl.first_unpack[v]] if tl.first_unpack[v] is not None else []
+            when += [at[w] for _, w in tl.reads[v] if w in at]
+            if when:
+                at[v] = max(when)
+    spans: list[tuple[float, float, int]] = []  # (last use, first use, bytes): alive in between
+    for v, start in at.items():
+        end = min([tl.last_unpack[j] for j in tl.owned[v]] + [at[w] for _, w in tl.reads[v] if w in at])
+        spans.append((end, start, tl.remade_bytes[v]))
+    for j, s in enumerate(problem.storages):
+        if not recompute[s.owner]:
+            end = min([tl.last_unpack[j]] + [at[w] for w in s.readers if w in at])
+            if end != math.inf:
+                spans.append((end, math.inf, s.nbytes))
+    return problem.fixed_bytes + max((sum(b for lo, hi, b in spans if lo <= q <= hi) for q, _, _ in spans),
+                                     default=0)
 
 
 def _needed(problem: RematProblem, r: list[bool]) -> list[int]:
@@ -245,7 +347,7 @@ def _needed(problem: RematProblem, r: list[bool]) -> list[int]:
 
 
 def _decision(problem: RematProblem, r: list[bool], host: set[int], *, budget_bytes: int, costs: RematCosts,
-              method: Method, optimal: bool) -> RematDecision:
+              method: Method, optimal: bool, bound: Bound = "saved") -> RematDecision:
     need = _needed(problem, r)
     nodes = []
     for i, name in enumerate(problem.nodes):
@@ -260,10 +362,12 @@ def _decision(problem: RematProblem, r: list[bool], host: set[int], *, budget_by
     saved = problem.fixed_bytes + sum(d.saved_bytes for d in nodes)
     off = sum(d.offload_bytes for d in nodes)
     flops = sum(d.recompute_flops for d in nodes)
+    peak = backward_peak(problem, r)
     return RematDecision(method=method, budget_bytes=budget_bytes, nodes=tuple(nodes), saved_bytes=saved,
                          offload_bytes=off, recompute_flops=flops, fixed_bytes=problem.fixed_bytes,
-                         added_s=costs.recompute_s(flops) + costs.offload_s(off), feasible=saved <= budget_bytes,
-                         optimal=optimal)
+                         added_s=costs.recompute_s(flops) + costs.offload_s(off),
+                         feasible=(peak if bound == "peak" else saved) <= budget_bytes, optimal=optimal,
+                         peak_bytes=peak, bound=bound)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,61 +492,211 @@ def _fewest_bytes(problem: RematProblem, budget_bytes: int, costs: RematCosts, m
 # ---------------------------------------------------------------------------------------------
 # MILP (save / recompute / offload).
 
-def solve_milp(problem: RematProblem, budget_bytes: int, *, costs: RematCosts,
+def solve_milp(problem: RematProblem, budget_bytes: int, *, costs: RematCosts, bound: Bound = "saved",
                time_limit_s: float = 60.0) -> RematDecision:
-    """The decision with the fewest added seconds keeping at most ``budget_bytes`` saved on
-    device, recomputing, saving or offloading (offload only when ``costs`` has a host link), by
-    the MILP of the module docstring (HiGHS, zero optimality gap, ``time_limit_s`` seconds).
-    When no decision fits, the min-cut decision keeping the fewest bytes (``feasible=False``)."""
+    """The decision with the fewest added seconds keeping at most ``budget_bytes`` on device,
+    recomputing, saving or offloading (offload only when ``costs`` has a host link), by the MILP
+    of the module docstring (HiGHS, zero optimality gap, ``time_limit_s`` seconds). ``bound``:
+    ``"saved"`` bounds the bytes saved after forward; ``"peak"`` the activation bytes at every
+    moment of backward (:func:`backward_peak`; save or recompute only). When no decision fits
+    (``feasible=False``): with the saved bound, the min-cut decision keeping the fewest bytes;
+    with the peak bound, the fewest FLOPs at the lowest peak any decision reaches."""
+    if bound == "peak" and costs.offload:
+        raise ConfigError("remat MILP: the peak bound prices save and recompute only; solve it without a host "
+                          "link (RematCosts(host_bytes_per_s=None)) or bound the saved bytes")
+    found = _solve_milp(problem, budget_bytes, costs, bound, time_limit_s)
+    if found is not None:
+        r, host, optimal = found
+        return _decision(problem, r, host, budget_bytes=budget_bytes, costs=costs, method="milp", optimal=optimal,
+                         bound=bound)
+    if bound == "saved":
+        return _fewest_bytes(problem, budget_bytes, costs, "milp")
+    lowest = _solve_milp(problem, None, costs, bound, time_limit_s)
+    floor = backward_peak(problem, lowest[0]) if lowest is not None else problem.base_bytes
+    found = _solve_milp(problem, floor, costs, bound, time_limit_s) or lowest
+    r = found[0] if found is not None else [False] * len(problem.nodes)
+    return _decision(problem, r, set(), budget_bytes=budget_bytes, costs=costs, method="milp", optimal=False,
+                     bound=bound)
+
+
+def _solve_milp(problem: RematProblem, budget_bytes: int | None, costs: RematCosts, bound: Bound,
+                time_limit_s: float) -> tuple[list[bool], set[int], bool] | None:
+    """(recompute flags, offloaded nodes, proven optimal) of the MILP, or None when infeasible
+    (or out of time without a solution). ``budget_bytes=None`` (peak bound only): minimise the
+    peak instead of the added seconds."""
     n, m = len(problem.nodes), len(problem.storages)
     off = costs.offload
-    # Columns: r (n), d (m), then h (m) and o (n) with offload.
-    r0, d0, h0, o0 = 0, n, n + m, n + 2 * m
-    width = n + m + (m + n if off else 0)
-    c = np.zeros(width)
-    c[r0:r0 + n] = [costs.recompute_s(f) for f in problem.flops]
-    if off:
-        c[h0:h0 + m] = [costs.offload_s(s.nbytes) for s in problem.storages]
-    scale = float(np.max(np.abs(c))) or 1.0
-    upper = np.ones(width)
-    upper[r0:r0 + n] = [1.0 if ok else 0.0 for ok in problem.recomputable]
-
-    rows, lb, ub = [], [], []
-
-    def row(coefs: dict[int, float], low: float, high: float) -> None:
-        rows.append(coefs)
-        lb.append(low)
-        ub.append(high)
-
+    cols = _Columns()
+    r0, d0 = cols.add(n), cols.add(m)
+    h0, o0 = (cols.add(m), cols.add(n)) if off else (0, 0)
+    ints = cols.width
+    rows = _Rows()
     for j, s in enumerate(problem.storages):
         have = {r0 + s.owner: 1.0, d0 + j: 1.0, **({h0 + j: 1.0} if off else {})}
         if s.kept:
-            row(have, 1.0, np.inf)
+            rows.add(have, 1.0, np.inf)
         for k in s.readers:
-            row({r0 + k: 1.0, **{col: -v for col, v in have.items()}}, -np.inf, 0.0)
-        row(have, -np.inf, 1.0)
+            rows.add({r0 + k: 1.0, **{col: -v for col, v in have.items()}}, -np.inf, 0.0)
+        rows.add(have, -np.inf, 1.0)
         if off:
-            row({d0 + j: 1.0, o0 + s.owner: 1.0}, -np.inf, 1.0)
-            row({h0 + j: 1.0, o0 + s.owner: -1.0}, -np.inf, 0.0)
+            rows.add({d0 + j: 1.0, o0 + s.owner: 1.0}, -np.inf, 1.0)
+            rows.add({h0 + j: 1.0, o0 + s.owner: -1.0}, -np.inf, 0.0)
     big = max((s.nbytes for s in problem.storages), default=1) or 1
-    room = budget_bytes - problem.fixed_bytes
-    row({d0 + j: s.nbytes / big for j, s in enumerate(problem.storages)}, -np.inf, room / big)
+    room = None if budget_bytes is None else budget_bytes - problem.fixed_bytes
+    if room is not None and room < 0:
+        return None
+    peak_col = cols.add(1) if room is None else None  # the peak / big, minimised
+    if bound == "peak":
+        _peak_rows(problem, cols, rows, r0, d0, room, big, peak_col)
+    else:
+        rows.add({d0 + j: s.nbytes / big for j, s in enumerate(problem.storages)}, -np.inf, room / big)
 
-    entries = [(i, col, v) for i, coefs in enumerate(rows) for col, v in coefs.items()]
-    ii, jj, vv = zip(*entries)
-    A = sparse.csr_matrix((vv, (ii, jj)), shape=(len(rows), width))
-    res = None
-    if room >= 0:
-        res = milp(c / scale, integrality=np.ones(width), bounds=Bounds(np.zeros(width), upper),
-                   constraints=LinearConstraint(A, lb, ub),
-                   options={"mip_rel_gap": 0.0, "time_limit": time_limit_s})
-    if res is None or res.x is None:
-        return _fewest_bytes(problem, budget_bytes, costs, "milp")
-    x = np.round(res.x).astype(bool)
-    r = list(x[r0:r0 + n])
-    host = {i for i in range(n) if off and x[o0 + i]}
-    return _decision(problem, r, host, budget_bytes=budget_bytes, costs=costs, method="milp",
-                     optimal=bool(res.status == 0))
+    width = cols.width
+    c = np.zeros(width)
+    if peak_col is not None:
+        c[peak_col] = 1.0
+    else:
+        c[r0:r0 + n] = [costs.recompute_s(f) for f in problem.flops]
+        if off:
+            c[h0:h0 + m] = [costs.offload_s(s.nbytes) for s in problem.storages]
+        c /= float(np.max(np.abs(c))) or 1.0
+    upper = np.ones(width)
+    upper[r0:r0 + n] = [1.0 if ok else 0.0 for ok in problem.recomputable]
+    for col in cols.zero:
+        upper[col] = 0.0
+    if peak_col is not None:
+        upper[peak_col] = np.inf
+    integrality = np.zeros(width)
+    integrality[:ints] = 1
+    res = milp(c, integrality=integrality, bounds=Bounds(np.zeros(width), upper),
+               constraints=LinearConstraint(rows.matrix(width), rows.lb, rows.ub),
+               options={"mip_rel_gap": 0.0, "time_limit": time_limit_s})
+    if res.x is None:
+        return None
+    x = np.round(res.x[:ints]).astype(bool)
+    return _prune(problem, list(x[r0:r0 + n])), {i for i in range(n) if off and x[o0 + i]}, bool(res.status == 0)
+
+
+class _Columns:
+    """Variable columns of a MILP, handed out in blocks; ``zero`` lists columns fixed at 0."""
+
+    def __init__(self) -> None:
+        self.width = 0
+        self.zero: list[int] = []
+
+    def add(self, k: int) -> int:
+        self.width += k
+        return self.width - k
+
+
+class _Rows:
+    """Sparse constraint rows ``lb <= sum(coef x) <= ub``."""
+
+    def __init__(self) -> None:
+        self.coefs: list[dict[int, float]] = []
+        self.lb: list[float] = []
+        self.ub: list[float] = []
+
+    def add(self, coefs: dict[int, float], low: float, high: float) -> None:
+        self.coefs.append(coefs)
+        self.lb.append(low)
+        self.ub.append(high)
+
+    def matrix(self, width: int) -> sparse.csr_matrix:
+        entries = [(i, col, v) for i, coefs in enumerate(self.coefs) for col, v in coefs.items()]
+        ii, jj, vv = zip(*entries)
+        return sparse.csr_matrix((vv, (ii, jj)), shape=(len(self.coefs), width))
+
+
+def _peak_rows(problem: RematProblem, cols: _Columns, rows: _Rows, r0: int, d0: int, room: int | None, big: int,
+               peak_col: int | None) -> None:
+    """The peak bound as linear rows (:func:`backward_peak`'s rule). At each moment ``q`` of
+    backward (a node's position, or one where a storage is unpacked), continuous columns:
+    ``z[v,q]``: ``v`` has been recomputed by ``q`` (its recompute position is at or above ``q``);
+    ``y[v,q]``: what ``v``'s recompute made is on device at ``q``; ``a[j,q]``: storage ``j`` of a
+    node not recomputed is on device at ``q`` only because a recompute still to come reads it.
+    ``z`` is pinned to the truth from both sides (a recompute happens when, and only when, an
+    unpack or a recomputed reader needs it), so ``y`` and ``a`` only need lower bounds; each
+    moment's bytes are at most ``room`` (or, with ``room=None``, at most ``peak_col`` x ``big``)."""
+    tl = _timeline(problem)
+    n = len(problem.nodes)
+    moments = sorted(set(tl.pos) | {u for s in problem.storages for u in s.used_at})
+    after = dict(zip(moments, moments[1:]))
+    free = [v for v in range(n) if problem.recomputable[v]]
+    z, y = {}, {}
+    for v in free:
+        qs = [q for q in moments if q >= tl.pos[v]]
+        base_z, base_y = cols.add(len(qs)), cols.add(len(qs))
+        for k, q in enumerate(qs):
+            z[v, q], y[v, q] = base_z + k, base_y + k
+
+    def zcol(w: int, q: int) -> int | None:  # z[w, q], reaching below w's position as w's own
+        return z.get((w, max(q, tl.pos[w])))
+
+    def later_read(w: int, q: int) -> dict[int, float]:  # -(r_w - z[w, after q]): w's recompute is at or below q
+        coefs = {r0 + w: -1.0}
+        if q in after:
+            coefs[z[w, after[q]]] = 1.0
+        return coefs
+
+    for v in free:
+        F = tl.first_unpack[v]
+        readers = [(j, w) for j, w in tl.reads[v] if problem.recomputable[w]]
+        kept_end = min((tl.last_unpack[j] for j in tl.owned[v]), default=math.inf)
+        for q in (q for q in moments if q >= tl.pos[v]):
+            rows.add({z[v, q]: 1.0, r0 + v: -1.0}, -np.inf, 0.0)  # only a recomputed node is
+            if F is not None and q <= F:
+                rows.add({z[v, q]: 1.0, r0 + v: -1.0}, 0.0, np.inf)  # an unpack at or above q needs it
+            else:  # it is needed at or above q only by a reader recomputed by then
+                ups: dict[int, float] = {z[v, q]: 1.0}
+                for _, w in readers:
+                    ups[zcol(w, q)] = ups.get(zcol(w, q), 0.0) - 1.0
+                if len(ups) == 1:
+                    cols.zero.append(z[v, q])
+                else:
+                    rows.add(ups, -np.inf, 0.0)
+            for j, w in readers:  # a reader recomputed by q needs v's storage: recomputed, or saved
+                rows.add({z[v, q]: 1.0, zcol(w, q): -1.0, d0 + j: 1.0}, 0.0, np.inf)
+            if q >= kept_end:
+                rows.add({y[v, q]: 1.0, z[v, q]: -1.0}, 0.0, np.inf)  # an unpack at or below q uses it
+            else:
+                for _, w in readers:
+                    if q >= tl.pos[w]:  # y >= z + r_w - z[w, after q] - 1: a recompute of w at or below q reads it
+                        rows.add({y[v, q]: 1.0, z[v, q]: -1.0, **later_read(w, q)}, -1.0, np.inf)
+
+    held: dict[tuple[int, int], int] = {}
+    for j, s in enumerate(problem.storages):
+        for w in (w for w in s.readers if problem.recomputable[w]):
+            for q in (q for q in moments if tl.pos[w] <= q < tl.last_unpack[j]):
+                if (j, q) not in held:
+                    held[j, q] = cols.add(1)
+                # a[j,q] >= d_j + r_w - z[w, after q] - 1
+                rows.add({held[j, q]: 1.0, d0 + j: -1.0, **later_read(w, q)}, -1.0, np.inf)
+    for q in moments:
+        coefs: dict[int, float] = {}
+        for j, s in enumerate(problem.storages):
+            if s.kept and tl.last_unpack[j] <= q:
+                coefs[d0 + j] = s.nbytes / big
+            if (j, q) in held:
+                coefs[held[j, q]] = s.nbytes / big
+        for v in free:
+            if (v, q) in y and tl.remade_bytes[v]:
+                coefs[y[v, q]] = tl.remade_bytes[v] / big
+        if peak_col is not None:
+            rows.add({**coefs, peak_col: -1.0}, -np.inf, 0.0)
+        elif coefs:
+            rows.add(coefs, -np.inf, room / big)
+
+
+def _prune(problem: RematProblem, r: list[bool]) -> list[bool]:
+    """``r`` without recomputes nothing needs (no kept storage, no recomputed reader): a solver
+    may mark them when they cost no FLOPs; they would run never but hold their sources."""
+    r = list(r)
+    tl = _timeline(problem)
+    for v in reversed(range(len(problem.nodes))):
+        if r[v] and not any(problem.storages[j].kept for j in tl.owned[v]) and not any(r[w] for _, w in tl.reads[v]):
+            r[v] = False
+    return r
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,10 +705,14 @@ def solve_milp(problem: RematProblem, budget_bytes: int, *, costs: RematCosts,
 BRUTE_FORCE_MAX_NODES = 12
 
 
-def solve_brute_force(problem: RematProblem, budget_bytes: int, *, costs: RematCosts) -> RematDecision:
+def solve_brute_force(problem: RematProblem, budget_bytes: int, *, costs: RematCosts,
+                      bound: Bound = "saved") -> RematDecision:
     """The optimum by trying every recompute set and, for each, every choice of nodes to
     offload (at most :data:`BRUTE_FORCE_MAX_NODES` nodes: 3**n decisions). Ties go to the
-    decision found first (fewer recomputes, then fewer offloads)."""
+    decision found first (fewer recomputes, then fewer offloads). ``bound="peak"``: the budget
+    bounds :func:`backward_peak` (save or recompute only)."""
+    if bound == "peak" and costs.offload:
+        raise ConfigError("brute force: the peak bound prices save and recompute only; pass costs without a host link")
     n = len(problem.nodes)
     if n > BRUTE_FORCE_MAX_NODES:
         raise ConfigError(f"brute force over {n} nodes is 3**{n} decisions; use solve_milp (at most "
@@ -467,7 +725,7 @@ def solve_brute_force(problem: RematProblem, budget_bytes: int, *, costs: RematC
             for i in chosen:
                 r[i] = True
             need = _needed(problem, r)
-            base = problem.fixed_bytes + sum(need)
+            base = problem.fixed_bytes + sum(need) if bound == "saved" else backward_peak(problem, r)
             cost_r = costs.recompute_s(sum(problem.flops[i] for i in chosen))
             movable = [i for i in range(n) if need[i]] if costs.offload else []
             for size in range(len(movable) + 1):
@@ -479,9 +737,10 @@ def solve_brute_force(problem: RematProblem, budget_bytes: int, *, costs: RematC
                     if best is None or cost < best[0]:
                         best = (cost, r, set(host))
     if best is None:
-        return _fewest_bytes(problem, budget_bytes, costs, "brute-force")
+        return dataclasses.replace(_fewest_bytes(problem, budget_bytes, costs, "brute-force"), bound=bound,
+                                   feasible=False)
     return _decision(problem, best[1], best[2], budget_bytes=budget_bytes, costs=costs, method="brute-force",
-                     optimal=True)
+                     optimal=True, bound=bound)
 
 
 def from_checkpoint_plan(problem: RematProblem, plan: CheckpointPlan, *, budget_bytes: int,

@@ -29,11 +29,15 @@ storages plus the held ones: ``RematDecision.saved_bytes`` counts exactly these.
 Not handled here (refused): ``offload`` actions, and graphs whose recomputed nodes are written in
 place (the remat model never marks those recomputable).
 
-Not yet a checkpointing policy: the whole-graph model bounds the bytes saved after forward, not
-the step's peak. A tensor recomputed for an early use in backward (a residual stream read by the
-last block's add) lives until its last use, at the first block: measured with MemTracker on the
-ResNet-style CNN, its MILP decisions peak 25-35% above no checkpointing at all, where the ``dag``
-policy peaks 5-12% below. Neither the memory analysis nor the planner knows this executor.
+Memory: with ``trace_memory=True`` the executor measures ``backward_peak_bytes``, the most
+activation bytes alive (autograd's saved storages, held and recomputed values) at any unpack or
+recompute of backward: the quantity :func:`passes.remat_solver.backward_peak` predicts and
+``solve_milp(..., bound="peak")`` bounds. Decisions made under the default bound (bytes saved
+after forward) can peak above keeping everything: a tensor recomputed for an early use in
+backward stays until its last use.
+
+Not yet a checkpointing policy: no lowering pass writes such a decision into a rank program, and
+neither the step's liveness simulation (``annotate_memory``) nor the planner knows this executor.
 """
 from __future__ import annotations
 
@@ -107,8 +111,10 @@ class TensorRemat:
     named are views, getitems, sizes: recomputed freely when a recompute needs them). Call it
     like ``gm``; then backward recomputes on demand. One forward at a time per instance."""
 
-    def __init__(self, gm: fx.GraphModule, actions: Mapping[str, Action]):
+    def __init__(self, gm: fx.GraphModule, actions: Mapping[str, Action], *, trace_memory: bool = False):
         self.gm = gm
+        self.trace_memory = trace_memory  # measure backward_peak_bytes (costs a scan per unpack)
+        self.backward_peak_bytes = 0
         nodes = {n.name: n for n in gm.graph.nodes}
         unknown = [name for name in actions if name not in nodes]
         if unknown:
@@ -186,6 +192,7 @@ class TensorRemat:
         self.packed: list[_Handle] = []
         self.handles: list[weakref.ref] = []
         self.tokens = 0
+        self.backward_peak_bytes = 0
         self.with_packs: set[fx.Node] = set()
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             out = _Forward(self).run(*args)
@@ -202,10 +209,16 @@ class TensorRemat:
         """Bytes of the distinct storages, parameters and buffers left out, that this forward left
         for backward (what autograd holds, tokens excepted, and what this executor holds): the
         quantity ``RematDecision.saved_bytes`` bounds. Call it between forward and backward."""
+        return self._live_bytes()
+
+    def _live_bytes(self, *extra: torch.Tensor) -> int:
+        """Bytes of the distinct activation storages alive for backward: what autograd still holds
+        (tokens excepted), what this executor holds and has recomputed, and ``extra``."""
         params = {_key(t) for t in [*self.gm.parameters(), *self.gm.buffers()]}
         tensors = [h.tensor for h in (r() for r in self.handles) if h is not None and h.tensor is not None]
-        tensors += [t for v in self.held.values() for t in tree_leaves(v) if isinstance(t, torch.Tensor)]
-        storages = {_key(t): t.untyped_storage().nbytes() for t in tensors if _key(t) not in params}
+        values = [*self.held.values(), *self.memo.values()]
+        tensors += [t for v in values for t in tree_leaves(v) if isinstance(t, torch.Tensor)]
+        storages = {_key(t): t.untyped_storage().nbytes() for t in [*tensors, *extra] if _key(t) not in params}
         return sum(storages.values())
 
     def _owner(self, t: torch.Tensor) -> _Owner | None:
@@ -236,11 +249,15 @@ class TensorRemat:
 
     def _unpack(self, h: _Handle) -> torch.Tensor:
         if h.token is None:
+            if self.trace_memory:
+                self.backward_peak_bytes = max(self.backward_peak_bytes, self._live_bytes())
             return h.tensor
         owner, view = h.token.owner, h.token.view
         out, packs = self._value(owner.node)
         base = packs[owner.index] if owner.kind == "pack" else \
             [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)][owner.index]
+        if self.trace_memory:  # with the value just recomputed, before its last use drops it
+            self.backward_peak_bytes = max(self.backward_peak_bytes, self._live_bytes(base))
         self._used(owner.node)
         if base.dtype != view.dtype:
             base = base.view(view.dtype)
@@ -278,9 +295,11 @@ class TensorRemat:
             else:
                 with torch.no_grad():
                     out = self._run(node, args, kwargs)
+        self.memo[node] = (out, packs)
+        if self.trace_memory:  # the recompute's sources and its result, both alive
+            self.backward_peak_bytes = max(self.backward_peak_bytes, self._live_bytes())
         for a in self.reads[node]:
             self._used(a)
-        self.memo[node] = (out, packs)
         return out, packs
 
     def _args(self, node: fx.Node) -> tuple[tuple, dict]:

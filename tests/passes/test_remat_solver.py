@@ -4,6 +4,7 @@ model is annotate_memory's bytes, and block-level checkpointing is never better 
 from __future__ import annotations
 
 import copy
+import itertools
 import random
 
 import pytest
@@ -21,8 +22,8 @@ from passes.checkpoint_policy import checkpoint_policy
 from passes.checkpoint_solver import ChainSegment, solve_chain
 from passes.graph_view import to_networkx
 from passes.ir.meta import CHECKPOINT_PLAN, MEMORY_SUMMARY
-from passes.remat_solver import (RematCosts, RematProblem, Storage, evaluate, from_checkpoint_plan, problem_from_view,
-                                 solve_brute_force, solve_milp, solve_min_cut)
+from passes.remat_solver import (RematCosts, RematProblem, Storage, backward_peak, evaluate, from_checkpoint_plan,
+                                 problem_from_view, solve_brute_force, solve_milp, solve_min_cut)
 
 GPU = RematCosts(device_flops_per_s=1e12)  # no host link: save or recompute
 MODELS = {
@@ -33,8 +34,10 @@ MODELS = {
 
 
 def _random_problem(rng: random.Random, n: int) -> RematProblem:
-    """A random DAG of ``n`` nodes: each owns one or two storages (an output and maybe an
-    internal), reads outputs of up to three earlier nodes; some outputs kept, some nodes fixed."""
+    """A random DAG of ``n`` nodes at positions 0, 2, 4, ... (odd positions are nodes outside the
+    problem: views): each owns one or two storages (an output and maybe an internal), reads
+    outputs of up to three earlier nodes; some outputs kept (unpacked by the owner's backward or
+    some readers'), some nodes fixed."""
     storages, outputs = [], []
     readers: dict[int, list[int]] = {}
     for v in range(n):
@@ -43,12 +46,17 @@ def _random_problem(rng: random.Random, n: int) -> RematProblem:
         outputs.append(len(storages))
         storages.append(dict(name=f"{v}:0", owner=v, nbytes=rng.randint(1, 100), kept=rng.random() < 0.6))
         if rng.random() < 0.3:
-            storages.append(dict(name=f"{v}:1", owner=v, nbytes=rng.randint(1, 50), kept=True))
+            storages.append(dict(name=f"{v}:1", owner=v, nbytes=rng.randint(1, 50), kept=True, internal=True,
+                                 used_at=(2 * v,)))
+    for j, s in enumerate(storages):
+        if s["kept"] and "used_at" not in s:
+            can = [s["owner"], *readers.get(j, ())]
+            s["used_at"] = tuple(sorted(2 * u for u in rng.sample(can, rng.randint(1, len(can)))))
     return RematProblem(nodes=tuple(f"v{i}" for i in range(n)),
                         flops=tuple(rng.choice([0, rng.randint(1, 1000)]) for _ in range(n)),
                         recomputable=tuple(rng.random() < 0.85 for _ in range(n)),
                         storages=tuple(Storage(**s, readers=tuple(readers.get(j, ()))) for j, s in enumerate(storages)),
-                        fixed_bytes=rng.randint(0, 20))
+                        fixed_bytes=rng.randint(0, 20), positions=tuple(2 * i for i in range(n)))
 
 
 def _budgets(problem: RematProblem, k: int = 5) -> list[int]:
@@ -80,6 +88,51 @@ def test_milp_matches_brute_force_on_tiny_dags(seed):
     cut = solve_min_cut(problem, budget, costs=GPU)
     assert cut.feasible and not cut.named("offload")
     assert cut.recompute_flops >= solve_brute_force(problem, budget, costs=GPU).recompute_flops
+
+
+def _peaks(problem: RematProblem) -> dict[int, int]:
+    """Fewest FLOPs at each backward peak any recompute set reaches (by trying every set)."""
+    free = [i for i in range(len(problem.nodes)) if problem.recomputable[i]]
+    best: dict[int, int] = {}
+    for k in range(len(free) + 1):
+        for chosen in itertools.combinations(free, k):
+            r = [i in chosen for i in range(len(problem.nodes))]
+            peak, flops = backward_peak(problem, r), sum(problem.flops[i] for i in chosen)
+            best[peak] = min(best.get(peak, flops), flops)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_peak_bound_milp_matches_brute_force_on_tiny_dags(seed):
+    rng = random.Random(seed)
+    problem = _random_problem(rng, rng.randint(3, 9))
+    peaks = _peaks(problem)
+    for budget in rng.sample(sorted(peaks), min(4, len(peaks))):
+        fewest = min(f for p, f in peaks.items() if p <= budget)
+        exact = solve_brute_force(problem, budget, costs=GPU, bound="peak")
+        found = solve_milp(problem, budget, costs=GPU, bound="peak")
+        assert exact.feasible and found.feasible and found.optimal and found.bound == "peak"
+        assert exact.recompute_flops == found.recompute_flops == fewest
+        assert found.peak_bytes <= budget and found.peak_bytes >= found.saved_bytes
+        again = evaluate(problem, found.named("recompute"), budget_bytes=budget, costs=GPU, bound="peak")
+        assert again.peak_bytes == found.peak_bytes
+    # Below the lowest peak: infeasible, and the decision reaching the lowest peak, fewest FLOPs there.
+    lowest = min(peaks)
+    d = solve_milp(problem, lowest - 1, costs=GPU, bound="peak")
+    assert not d.feasible and d.peak_bytes == lowest and d.recompute_flops == peaks[lowest]
+
+
+def test_without_recomputes_the_peak_is_what_forward_saves():
+    for seed in range(10):
+        problem = _random_problem(random.Random(seed), 8)
+        d = evaluate(problem, [], budget_bytes=0, costs=GPU)
+        assert d.peak_bytes == d.saved_bytes == problem.base_bytes
+
+
+def test_the_peak_bound_refuses_offload():
+    problem = _random_problem(random.Random(3), 5)
+    with pytest.raises(ConfigError, match="peak bound"):
+        solve_milp(problem, 100, costs=RematCosts(device_flops_per_s=1e12, host_bytes_per_s=1e9), bound="peak")
 
 
 def test_budget_below_the_fewest_bytes_is_infeasible():
@@ -201,3 +254,18 @@ def test_block_level_checkpointing_is_never_better_than_the_dag_policy(model):
         assert dag.recompute_flops <= blocks.recompute_flops and dag.added_s <= blocks.added_s, (name, budget)
         compared += 1
     assert compared >= 2, name
+
+
+def test_bounding_the_saved_bytes_does_not_bound_the_backward_peak(model):
+    """What the peak bound is for: with only the bytes saved after forward bounded, tensors
+    recomputed for an early use in backward and kept to a late one push the peak over budget."""
+    name, _, problem = model
+    over = 0
+    for budget in _budgets(problem):
+        saved = solve_milp(problem, budget, costs=GPU)
+        peak = solve_milp(problem, budget, costs=GPU, bound="peak")
+        assert saved.feasible and saved.saved_bytes <= budget
+        over += saved.peak_bytes > budget
+        if peak.feasible:
+            assert peak.peak_bytes <= budget and peak.recompute_flops >= saved.recompute_flops, (name, budget)
+    assert over, name

@@ -41,6 +41,14 @@ At the call's backward the region's forward is replayed: its storages are alloca
 then the region's nodes run backward as in an unchecked graph. ``activation_bytes`` is then what
 stays saved between forward and backward with the regions checkpointed.
 
+A per-tensor recompute decision (``node.meta[TENSOR_REMAT]``, from
+``passes.tensor_remat.mark_recomputed``) is replayed as :class:`passes.tensor_remat.TensorRemat`
+runs it (``passes.step_simulation.tensor_remat_events``): the storages of recomputed nodes are
+freed after their last use in forward; at the backward of the node that first needs them they
+are made again (sources before readers; a source whose last use was a recompute there goes right
+after it), and dropped after their last use; storages a recompute reads stay until it has run.
+``activation_bytes`` is then what the decision keeps after forward.
+
 Not modelled: scratch tensors an op allocates and frees inside itself without saving them, and
 allocator rounding/fragmentation (sizes are exact storage bytes, as MemTracker counts on CPU).
 """
@@ -57,7 +65,8 @@ from passes.fake_execution import capture_info
 from passes.ir.errors import ConfigError
 from passes.ir.meta import CAPTURE, MEMORY, MEMORY_SUMMARY, MemoryMeta, MemorySummary, SavedTensor
 from passes.saved_tensors import _ForwardRun, observe_saved_tensors  # noqa: F401  (shared with other passes)
-from passes.step_simulation import OPTIMIZERS, OptimizerModel, _model_state, _ModelState, _simulate_step  # noqa: F401
+from passes.step_simulation import (OPTIMIZERS, OptimizerModel, _model_state, _ModelState,  # noqa: F401
+                                    _simulate_step, tensor_remat_events)
 
 _ZERO = sympy.Integer(0)
 
@@ -91,10 +100,12 @@ def annotate_memory(gm: fx.GraphModule, ctx: Any = None, *, optimizer: str = "ad
     state = _model_state(run, opt, mixed_precision)
     _write_node_meta(run, state)
     foreach = info.device == "cuda"
-    peak = _simulate_step(run, state, opt, foreach=foreach, hints=info.symbols())
+    remat = tensor_remat_events(gm, run)
+    peak = _simulate_step(run, state, opt, foreach=foreach, hints=info.symbols(), remat=remat)
 
-    activation = sympy.expand(sympy.Add(*[s.size for s in run.storages.values()
-                                          if s.kept and s.kind in ("activation", "internal")]))
+    kept = [s for s in run.storages.values() if s.kept and s.kind in ("activation", "internal")] if remat is None \
+        else list(remat.release)  # a per-tensor recompute decision: what its saved nodes keep or hold
+    activation = sympy.expand(sympy.Add(*[s.size for s in kept]))
     inputs = sympy.expand(sympy.Add(*[s.size for s in run.storages.values() if s.kept and s.kind == "input"]))
     notes = [
         f"optimizer {optimizer}: {'foreach' if foreach else 'single-tensor'} implementation "

@@ -112,7 +112,13 @@ def to_networkx(gm_or_graph: fx.GraphModule | fx.Graph, *, storages: bool = True
     if missing:
         raise PassError(f"to_networkx: node {missing[0]!r} has no node.meta[{FLOPS!r}]; run annotate_shapes and "
                         f"annotate_flops first")
-    run = observe_saved_tensors(gm)
+    return view_of_run(gm, observe_saved_tensors(gm))
+
+
+def view_of_run(gm: fx.GraphModule, run) -> nx.DiGraph:
+    """:func:`to_networkx` from a forward run already made (``observe_saved_tensors(gm)``, e.g.
+    the memory analysis's own): FLOPs are 0 where ``node.meta`` has none, and
+    ``G.graph["storage_of"]`` maps each storage name to the run's storage object."""
     if run.regions:
         raise PassError("to_networkx: the graph holds checkpointed regions; build the view from the graph before "
                         "apply_checkpoint (the view describes the plain forward)")
@@ -145,8 +151,9 @@ def to_networkx(gm_or_graph: fx.GraphModule | fx.Graph, *, storages: bool = True
                     kept_bytes=sum(s.nbytes for s in own if s.kept), owns=own, reads=tuple(reads))
 
     fixed = sum(st.hint for st in run.storages.values() if st.kind == "input" and st.kept)
-    return _view(gm, fixed_bytes=fixed, kind_of=kind_of, storage_attrs=storage_attrs,
-                 mutated=_mutated_owners(gm, run))
+    G = _view(gm, fixed_bytes=fixed, kind_of=kind_of, storage_attrs=storage_attrs, mutated=_mutated_owners(gm, run))
+    G.graph["storage_of"] = {name: st for st, name in name_of.items()}
+    return G
 
 
 def _structure(gm: fx.GraphModule) -> nx.DiGraph:

@@ -306,32 +306,56 @@ def _timeline(problem: RematProblem) -> _Timeline:
                      remade_bytes=tuple(remade), first_unpack=tuple(first), last_unpack=tuple(last))
 
 
-def backward_peak(problem: RematProblem, recompute: list[bool]) -> int:
-    """Activation bytes on device (``fixed_bytes`` included) at the fullest moment of backward, when
-    recomputes run on demand and are memoised, as :class:`passes.tensor_remat.TensorRemat` runs
-    them: a recomputed node runs again at the latest position (the first moment of backward) that
-    unpacks one of its kept storages or recomputes a reader of its storages, and all it makes stays
-    until its last such use; a storage of a node not recomputed stays from forward until its last
-    unpack or the last recompute reading it. A moment is one node's backward, with everything
-    recomputed for it and everything it is the last use of. Offloaded storages count as on device
-    here: they are back before backward. Without recomputes this is ``saved_bytes``."""
+@dataclass(frozen=True)
+class RecomputeSchedule:
+    """When backward recomputes and lets go of what, under a recompute decision run on demand and
+    memoised (:class:`passes.tensor_remat.TensorRemat`). Positions as ``RematProblem.position``
+    (backward runs from the highest down); -1: kept until backward ends.
+
+    ``recompute_at``: each recomputed node backward needs -> the position whose backward
+    recomputes it (the latest that unpacks one of its kept storages or recomputes a reader);
+    ``free_after``: that node -> the position after whose backward all it made is dropped (its
+    last such use); ``storage_free_after``: each storage (index) of a node not recomputed that
+    backward needs -> the position after whose backward it is dropped (its last unpack, or the
+    last recompute reading it)."""
+
+    recompute_at: dict[int, int]
+    free_after: dict[int, float]
+    storage_free_after: dict[int, float]
+
+
+def recompute_schedule(problem: RematProblem, recompute: list[bool]) -> RecomputeSchedule:
+    """The :class:`RecomputeSchedule` of recomputing the nodes flagged in ``recompute``."""
     tl = _timeline(problem)
-    at: dict[int, int] = {}  # needed recomputed node -> position it is recomputed at
+    at: dict[int, int] = {}
     for v in reversed(range(len(problem.nodes))):  # readers come after what they read
         if recompute[v]:
             when = [tl.first_unpack[v]] if tl.first_unpack[v] is not None else []
             when += [at[w] for _, w in tl.reads[v] if w in at]
             if when:
                 at[v] = max(when)
-    spans: list[tuple[float, float, int]] = []  # (last use, first use, bytes): alive in between
-    for v, start in at.items():
-        end = min([tl.last_unpack[j] for j in tl.owned[v]] + [at[w] for _, w in tl.reads[v] if w in at])
-        spans.append((end, start, tl.remade_bytes[v]))
+    free = {v: min([tl.last_unpack[j] for j in tl.owned[v]] + [at[w] for _, w in tl.reads[v] if w in at])
+            for v in at}
+    held = {}
     for j, s in enumerate(problem.storages):
         if not recompute[s.owner]:
             end = min([tl.last_unpack[j]] + [at[w] for w in s.readers if w in at])
             if end != math.inf:
-                spans.append((end, math.inf, s.nbytes))
+                held[j] = end
+    return RecomputeSchedule(recompute_at=at, free_after=free, storage_free_after=held)
+
+
+def backward_peak(problem: RematProblem, recompute: list[bool]) -> int:
+    """Activation bytes on device (``fixed_bytes`` included) at the fullest moment of backward, when
+    recomputes run on demand and are memoised (:func:`recompute_schedule`): a recomputed node's
+    outputs and kept internals from its recompute to its last use; a needed storage of a node not
+    recomputed from forward to its last use. A moment is one node's backward, with everything
+    recomputed for it and everything it is the last use of. Offloaded storages count as on device
+    here: they are back before backward. Without recomputes or offload this is ``saved_bytes``."""
+    tl = _timeline(problem)
+    sched = recompute_schedule(problem, recompute)
+    spans = [(sched.free_after[v], start, tl.remade_bytes[v]) for v, start in sched.recompute_at.items()]
+    spans += [(end, math.inf, problem.storages[j].nbytes) for j, end in sched.storage_free_after.items()]
     return problem.fixed_bytes + max((sum(b for lo, hi, b in spans if lo <= q <= hi) for q, _, _ in spans),
                                      default=0)
 

@@ -13,7 +13,11 @@ import sympy
 import torch
 from torch import fx
 
+from passes.graph_view import view_of_run
+from passes.ir.errors import PassError
+from passes.ir.meta import TENSOR_REMAT
 from passes.liveness import Timeline
+from passes.remat_solver import problem_from_view, recompute_schedule
 from passes.saved_tensors import (_ForwardRun, _grad_inputs, _is_getitem, _output_nodes, _requires_grad,
                                   _Storage)
 
@@ -172,8 +176,83 @@ def _accumulate_param(grads: _Grads, param_grad: dict[_Storage, tuple[str, int]]
         grads.unref(key)
 
 
+@dataclass(frozen=True)
+class TensorRematEvents:
+    """What a per-tensor recompute decision (``node.meta[TENSOR_REMAT]``) changes in the step, as
+    :func:`passes.remat_solver.recompute_schedule` times it and the executor runs it:
+    ``recomputed`` storages (of recomputed nodes) are not kept after forward; at the start of a
+    node's backward, ``remade[node]`` lists its recomputes in forward order as (storages made,
+    timeline keys freed right after: sources whose last use was that recompute and that nothing
+    unpacks here); after the node's backward its ``dropped`` recomputed storages are freed; a
+    needed storage of a node not recomputed is freed after the backward of ``release[storage]``
+    (None: kept until backward ends) unless a recompute freed it (``freed_early``)."""
+
+    recomputed: frozenset[_Storage]
+    remade: dict[fx.Node, list[tuple[list[_Storage], list[Any]]]]
+    dropped: dict[fx.Node, list[_Storage]]
+    release: dict[_Storage, fx.Node | None]
+    freed_early: frozenset[_Storage]
+
+
+def tensor_remat_events(gm: fx.GraphModule, run: _ForwardRun) -> TensorRematEvents | None:
+    """The :class:`TensorRematEvents` of ``gm``'s per-tensor recompute decision (None without one)."""
+    chosen = {n.name for n in gm.graph.nodes if getattr(n.meta.get(TENSOR_REMAT), "recompute", False)}
+    if not chosen:
+        return None
+    view = view_of_run(gm, run)
+    problem = problem_from_view(view)
+    unknown = chosen - {n for n, ok in zip(problem.nodes, problem.recomputable) if ok}
+    if unknown:
+        raise PassError(f"memory analysis: node {sorted(unknown)[0]!r} is marked for recompute but cannot be "
+                        f"recomputed (no activation of its own, or written in place); decide again on this graph")
+    sched = recompute_schedule(problem, [n in chosen for n in problem.nodes])
+    at = list(gm.graph.nodes)  # the view's positions are places in the graph
+    storage_of = view.graph["storage_of"]
+
+    def node(position: float) -> fx.Node | None:
+        return at[int(position)] if position >= 0 else None
+
+    n = len(problem.nodes)
+    owned: list[list[int]] = [[] for _ in range(n)]
+    for j, st in enumerate(problem.storages):
+        owned[st.owner].append(j)
+    made = {v: [storage_of[problem.storages[j].name] for j in owned[v]
+                if not problem.storages[j].internal or problem.storages[j].kept] for v in sched.recompute_at}
+
+    def unpacked(j: int, q: int) -> bool:
+        return problem.storages[j].kept and q in problem.storages[j].used_at
+
+    # A source whose last use falls on a recompute at the moment it is dropped, with no unpack of
+    # it there, goes right after the last recompute reading it (the executor's use count hits 0).
+    last_reader: dict[tuple[str, int], int] = {}  # ("node", v) / ("storage", j) -> recompute freeing it
+    for v, q in sched.recompute_at.items():
+        readers = [w for j in owned[v] for w in problem.storages[j].readers if sched.recompute_at.get(w) == q]
+        if sched.free_after[v] == q and readers and not any(unpacked(j, q) for j in owned[v]):
+            last_reader["node", v] = max(readers)
+    for j, end in sched.storage_free_after.items():
+        readers = [w for w in problem.storages[j].readers if sched.recompute_at.get(w) == end]
+        if readers and not unpacked(j, int(end)):
+            last_reader["storage", j] = max(readers)
+    frees: dict[int, list[Any]] = {}
+    for (kind, k), w in last_reader.items():
+        keys = [("tensor_remat", st) for st in made[k]] if kind == "node" else [storage_of[problem.storages[k].name]]
+        frees.setdefault(w, []).extend(keys)
+    remade: dict[fx.Node, list[tuple[list[_Storage], list[Any]]]] = {}
+    dropped: dict[fx.Node, list[_Storage]] = {}
+    for v in sorted(sched.recompute_at):
+        remade.setdefault(node(sched.recompute_at[v]), []).append((made[v], frees.get(v, [])))
+        if ("node", v) not in last_reader and node(sched.free_after[v]) is not None:
+            dropped.setdefault(node(sched.free_after[v]), []).extend(made[v])
+    return TensorRematEvents(
+        recomputed=frozenset(storage_of[problem.storages[j].name] for v, name in enumerate(problem.nodes)
+                             if name in chosen for j in owned[v]),
+        remade=remade, dropped=dropped,
+        release={storage_of[problem.storages[j].name]: node(end) for j, end in sched.storage_free_after.items()},
+        freed_early=frozenset(storage_of[problem.storages[k].name] for kind, k in last_reader if kind == "storage"))
+
+
 def _simulate_step(run: _ForwardRun, state: _ModelState, opt: OptimizerModel, *, foreach: bool,
-                   hints: dict[sympy.Symbol, int]):
+                   hints: dict[sympy.Symbol, int], remat: TensorRematEvents | None = None):
     tl = Timeline()
     tl.at("forward", "(model state)")
     for st in run.storages.values():
@@ -185,9 +264,12 @@ def _simulate_step(run: _ForwardRun, state: _ModelState, opt: OptimizerModel, *,
             tl.alloc(st, st.size, st.hint)
 
     # Forward: allocate each node's new storages; free unsaved ones after their last use.
+    recomputed = remat.recomputed if remat is not None else frozenset()
+    held = remat.release if remat is not None else {}
     dies_at: dict[int, list[_Storage]] = {}
     for st in run.storages.values():
-        if st.kind in ("activation", "internal") and st.release_at is None and not st.graph_output \
+        unkept = st in recomputed or (st.release_at is None and st not in held)  # held: a recompute reads it
+        if st.kind in ("activation", "internal") and unkept and not st.graph_output \
                 and not st.cached:  # a selective checkpoint holds it until the region's replay
             dies_at.setdefault(max(st.last_use, st.index), []).append(st)
     born: dict[fx.Node, list[_Storage]] = {}
@@ -196,8 +278,13 @@ def _simulate_step(run: _ForwardRun, state: _ModelState, opt: OptimizerModel, *,
             born.setdefault(st.owner, []).append(st)
     release: dict[fx.Node, list[Any]] = {}  # node -> timeline keys freed after its backward
     for st in run.storages.values():
-        if st.release_at is not None and st.kind in ("activation", "internal") and not st.cached:
-            release.setdefault(st.release_at, []).append(st)  # graph inputs stay with the caller
+        if st in recomputed or st.kind not in ("activation", "internal"):
+            pass  # graph inputs stay with the caller
+        elif st in held:
+            if held[st] is not None and st not in remat.freed_early:
+                release.setdefault(held[st], []).append(st)
+        elif st.release_at is not None and not st.cached:
+            release.setdefault(st.release_at, []).append(st)
         if st.re_release_at is not None:
             release.setdefault(st.re_release_at, []).append(("re", st))
     recompute_dies = _recompute_deaths(run, born)
@@ -219,6 +306,11 @@ def _simulate_step(run: _ForwardRun, state: _ModelState, opt: OptimizerModel, *,
         if node not in run.runs_backward:
             continue
         tl.at("backward", node.name)
+        for made, gone in remat.remade.get(node, ()) if remat is not None else ():  # its unpacks recompute first
+            for st in made:
+                tl.alloc(("tensor_remat", st), st.size, st.hint)
+            for key in gone:
+                tl.free(key)
         mine = [k for k in list(grads.slot) if k[0] is node]
         outs = [grads.slot.pop(k) for k in mine]
         if node in run.regions:
@@ -278,6 +370,8 @@ def _simulate_step(run: _ForwardRun, state: _ModelState, opt: OptimizerModel, *,
             tl.free(("inner", st))
         for key in release.get(node, ()):
             tl.free(key)
+        for st in remat.dropped.get(node, ()) if remat is not None else ():
+            tl.free(("tensor_remat", st))
 
     # Optimizer step: parameters, gradients and state are live; the update adds temporaries.
     if opt.sqrt_temporaries and state.opt:

@@ -52,6 +52,7 @@ from torch.utils._pytree import tree_leaves
 
 from passes.graph_view import draws_random
 from passes.ir.errors import PassError
+from passes.ir.meta import TENSOR_REMAT, TensorRematMeta
 from passes.remat_solver import Action, RematDecision
 
 
@@ -287,11 +288,12 @@ class TensorRemat:
             if need_packs:
                 flags = iter(self.grad_flags.get(node, ()))
                 args, kwargs = fx.node.map_aggregate((args, kwargs), lambda x: _as_input(x, flags))
+                # The replay's graph keeps nothing (a saved output returned as is would make a
+                # cycle, output -> grad_fn -> output, that outlives the step); it is never run.
                 with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
-                        lambda t: packs.append(t) or t, lambda t: t):
+                        lambda t: packs.append(t.detach()), _never_unpacked):
                     out = self._run(node, args, kwargs)
                 out = fx.node.map_aggregate(out, lambda x: x.detach() if isinstance(x, torch.Tensor) else x)
-                packs = [p.detach() for p in packs]
             else:
                 with torch.no_grad():
                     out = self._run(node, args, kwargs)
@@ -325,7 +327,10 @@ class TensorRemat:
             cache[a] = v
             return v
 
-        return fx.node.map_arg((node.args, node.kwargs), value)
+        try:
+            return fx.node.map_arg((node.args, node.kwargs), value)
+        finally:  # ``value`` calls itself through its closure: a cycle that would keep the values until gc
+            cache.clear()
 
 
 class _Forward(fx.Interpreter):
@@ -350,6 +355,10 @@ class _Forward(fx.Interpreter):
         return out
 
 
+def _never_unpacked(_: None) -> torch.Tensor:
+    raise PassError("tensor remat: a recompute's own graph was run backward; it is only run to see what it saves")
+
+
 def _as_input(x: Any, flags) -> Any:
     if not isinstance(x, torch.Tensor):
         return x
@@ -360,3 +369,18 @@ def _as_input(x: Any, flags) -> Any:
 def actions_of(decision: RematDecision) -> dict[str, Action]:
     """Node name -> action of a :class:`passes.remat_solver.RematDecision`."""
     return {d.node: d.action for d in decision.nodes}
+
+
+def mark_recomputed(gm: fx.GraphModule, decision: RematDecision) -> fx.GraphModule:
+    """Write ``node.meta[TENSOR_REMAT]`` on ``gm``'s nodes that ``decision`` recomputes (and clear it
+    elsewhere), so the memory analysis replays the step as :class:`TensorRemat` runs it; returns
+    ``gm``."""
+    chosen = set(decision.named("recompute"))
+    missing = chosen - {n.name for n in gm.graph.nodes}
+    if missing:
+        raise PassError(f"tensor remat: the decision names {sorted(missing)[0]!r}, not a node of this graph")
+    for node in gm.graph.nodes:
+        node.meta.pop(TENSOR_REMAT, None)
+        if node.name in chosen:
+            node.meta[TENSOR_REMAT] = TensorRematMeta(recompute=True)
+    return gm

@@ -346,3 +346,24 @@ class RunMeasurements:
         path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
         return path
 
+
+def memtracker_step_peak(module: torch.nn.Module, inputs: tuple) -> int:
+    """MemTracker's peak (bytes) of one steady-state AdamW step of ``module`` (its forward returns
+    the loss) on CPU: a first step creates the optimizer state, gradients are set to None, then
+    forward, backward and the optimizer step run tracked (parameters, gradients, optimizer state,
+    activations and temporaries, as the memory analysis counts them)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    opt = torch.optim.AdamW(module.parameters())
+    module(*inputs).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    tracker = MemTracker()
+    tracker.track_external(module, opt, *inputs)
+    with tracker:
+        module(*inputs).backward()
+        opt.step()
+    tracker.reset_mod_stats()
+    (peak,) = tracker.get_tracker_snapshot("peak").values()
+    return peak[next(k for k in peak if getattr(k, "name", str(k)) == "Total")]
+

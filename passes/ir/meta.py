@@ -604,6 +604,19 @@ class RematNodeMeta:
     cached: bool
 
 
+TENSOR_REMAT = "tensor_remat"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorRematMeta:
+    """``node.meta[TENSOR_REMAT]``: a per-tensor recompute decision of the whole-graph remat model
+    (:mod:`passes.remat_solver`) on a plain (not checkpointed) graph. ``recompute``: backward
+    finds this node's saved storages computed again on demand from its inputs
+    (:class:`passes.tensor_remat.TensorRemat` runs it), not kept from forward."""
+
+    recompute: bool
+
+
 @dataclass(frozen=True, kw_only=True)
 class DagCheckpointPlan:
     """``gm.meta[DAG_CHECKPOINT_PLAN]``: the ``dag`` policy's decision and what it is compared with.

@@ -13,7 +13,7 @@ import pytest
 import sympy
 import torch
 from torch import fx
-from torch.distributed._tools.mem_tracker import MemTracker
+from runtime.measure import memtracker_step_peak
 
 from partitioner.model_spec import build_model
 from passes.annotate_flops import annotate_flops
@@ -53,18 +53,7 @@ def _checkpointed(policy: str) -> fx.GraphModule:
 
 def measured_peak(gm: fx.GraphModule, inputs) -> int:
     """MemTracker's peak (bytes) of one steady-state AdamW step of ``gm`` on CPU."""
-    opt = torch.optim.AdamW(gm.parameters())
-    gm(*inputs).backward()  # the first step creates the optimizer state
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    tracker = MemTracker()
-    tracker.track_external(gm, opt, *inputs)
-    with tracker:
-        gm(*inputs).backward()
-        opt.step()
-    tracker.reset_mod_stats()
-    (peak,) = tracker.get_tracker_snapshot("peak").values()
-    return peak[next(k for k in peak if getattr(k, "name", str(k)) == "Total")]
+    return memtracker_step_peak(gm, inputs)
 
 
 @pytest.mark.parametrize("policy", ["full", "solver"])

@@ -1,0 +1,117 @@
+"""Rematerialization on DAGs: block-level checkpointing, the ``dag`` policy and the whole-graph
+remat model's decisions (bound on the bytes saved after forward, or on the backward peak), side
+by side at the same budgets, with the step peaks MemTracker measures.
+
+    python bench/remat_policies.py [--models resnet,unet,hf-bert,hf-bert-dropout] [--fractions 0.1,0.25,0.3,0.5,0.75]
+
+For each model and budget (a fraction of the way from full block checkpointing's saved bytes
+to none's), the columns are:
+
+* recompute FLOPs of block-level checkpointing (``solver`` policy), of the ``dag`` policy, and of
+  the whole-graph MILP under the saved-bytes bound and under the peak bound
+  (``passes.remat_solver.solve_milp``); for the two MILPs also the activation bytes at the
+  fullest moment of backward (``backward_peak``) and, for the peak bound, the solve time;
+* the step peak (bytes) MemTracker measures for one AdamW step on CPU: without checkpointing,
+  under the ``dag`` policy (torch's selective checkpointing), and under the peak-bound decision
+  run by the per-tensor executor (``passes.tensor_remat.TensorRemat``); and the memory
+  analysis's predicted step peak for that decision against its measurement.
+
+When no decision fits a budget under the peak bound, the MILP returns the lowest peak any
+decision reaches (marked ``*``). Prints a markdown table per model; asserts nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+
+from partitioner.errors import PassError
+from partitioner.model_spec import build_model
+from passes.annotate_blocks import annotate_blocks
+from passes.annotate_flops import annotate_flops
+from passes.annotate_memory import annotate_memory
+from passes.annotate_shapes import annotate_shapes
+from passes.apply_checkpoint import apply_checkpoint
+from passes.capture import capture_spec
+from passes.checkpoint_policy import checkpoint_policy
+from passes.graph_view import to_networkx
+from passes.ir.meta import CHECKPOINT_PLAN, DAG_CHECKPOINT_PLAN, MEMORY_SUMMARY
+from passes.remat_solver import RematCosts, from_checkpoint_plan, problem_from_view, solve_milp
+from passes.tensor_remat import TensorRemat, actions_of, mark_recomputed
+from runtime.measure import memtracker_step_peak
+
+MODELS = {
+    "resnet": "resnet:blocks=1-1,widths=8-16,image=16,classes=10,batch=8",
+    "unet": "unet:batch=4",
+    "hf-bert": "hf-bert:batch=4,attention_probs_dropout_prob=0.0",
+    "hf-bert-dropout": "hf-bert:batch=4",
+}
+COSTS = RematCosts(device_flops_per_s=1.0)  # FLOPs are the objective
+
+
+class _Executed(torch.nn.Module):
+    def __init__(self, gm, actions):
+        super().__init__()
+        self.gm = gm
+        self.remat = TensorRemat(gm, actions)
+
+    def forward(self, *inputs):
+        return self.remat(*inputs)
+
+
+def _analysed(gm):
+    return annotate_flops(annotate_blocks(annotate_shapes(gm)))
+
+
+def run_model(name: str, fractions: list[float]) -> None:
+    spec = build_model(MODELS[name])
+    inputs = spec.example_inputs()
+    gm = _analysed(capture_spec(spec))
+    full = checkpoint_policy(copy.deepcopy(gm), policy="full").meta[CHECKPOINT_PLAN]
+    lo, hi = int(full.saved_bytes_after), int(full.saved_bytes_before)
+    problem = problem_from_view(to_networkx(gm))
+    none_peak = memtracker_step_peak(copy.deepcopy(gm), inputs)
+    print(f"\n### {name} (`{MODELS[name]}`): saved bytes {lo:,} (full) .. {hi:,} (none); "
+          f"step peak without checkpointing {none_peak:,} bytes\n")
+    print("| f | budget | block FLOPs | dag FLOPs | MILP saved-bound FLOPs (bwd peak) | MILP peak-bound FLOPs "
+          "(bwd peak, solve s) | step peak: dag | step peak: peak-bound | predicted | tensor/dag FLOPs | "
+          "tensor/dag peak |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for f in fractions:
+        budget = int(lo + f * (hi - lo))
+        try:
+            plan = checkpoint_policy(copy.deepcopy(gm), policy="solver", budget_bytes=budget).meta[CHECKPOINT_PLAN]
+            block = f"{from_checkpoint_plan(problem, plan, budget_bytes=budget, costs=COSTS).recompute_flops:,}"
+        except PassError:
+            block = "unreachable"
+        dag_gm = apply_checkpoint(checkpoint_policy(copy.deepcopy(gm), policy="dag", budget_bytes=budget))
+        dag = dag_gm.meta[DAG_CHECKPOINT_PLAN]
+        dag_peak = memtracker_step_peak(copy.deepcopy(dag_gm), inputs)
+        saved = solve_milp(problem, budget, costs=COSTS)
+        start = time.perf_counter()
+        peak = solve_milp(problem, budget, costs=COSTS, bound="peak")
+        solve_s = time.perf_counter() - start
+        predicted = int(annotate_memory(mark_recomputed(copy.deepcopy(gm), peak)).meta[MEMORY_SUMMARY].peak_bytes)
+        measured = memtracker_step_peak(_Executed(copy.deepcopy(gm), actions_of(peak)), inputs)
+        mark = "" if peak.feasible else "*"
+        flops_ratio = f"{peak.recompute_flops / dag.recompute_flops:.2f}" if dag.recompute_flops else "-"
+        print(f"| {f} | {budget:,} | {block} | {dag.recompute_flops:,} | {saved.recompute_flops:,} "
+              f"({saved.peak_bytes:,}) | {peak.recompute_flops:,}{mark} ({peak.peak_bytes:,}, {solve_s:.2f}) | "
+              f"{dag_peak:,} | {measured:,} | {(predicted - measured) / measured:+.2%} | {flops_ratio} | "
+              f"{measured / dag_peak:.2f} |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--fractions", default="0.1,0.25,0.3,0.5,0.75")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    for name in args.models.split(","):
+        run_model(name, [float(x) for x in args.fractions.split(",")])
+
+
+if __name__ == "__main__":
+    main()

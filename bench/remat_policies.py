@@ -23,24 +23,28 @@ from __future__ import annotations
 
 import argparse
 import copy
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from partitioner.errors import PassError
-from partitioner.model_spec import build_model
-from passes.annotate_blocks import annotate_blocks
-from passes.annotate_flops import annotate_flops
-from passes.annotate_memory import annotate_memory
-from passes.annotate_shapes import annotate_shapes
-from passes.apply_checkpoint import apply_checkpoint
-from passes.capture import capture_spec
-from passes.checkpoint_policy import checkpoint_policy
-from passes.graph_view import to_networkx
-from passes.ir.meta import CHECKPOINT_PLAN, DAG_CHECKPOINT_PLAN, MEMORY_SUMMARY
-from passes.remat_solver import RematCosts, from_checkpoint_plan, problem_from_view, solve_milp
-from passes.tensor_remat import TensorRemat, actions_of, mark_recomputed
-from runtime.measure import memtracker_step_peak
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from partitioner.errors import PassError  # noqa: E402
+from partitioner.model_spec import build_model  # noqa: E402
+from passes.annotate_blocks import annotate_blocks  # noqa: E402
+from passes.annotate_flops import annotate_flops  # noqa: E402
+from passes.annotate_memory import annotate_memory  # noqa: E402
+from passes.annotate_shapes import annotate_shapes  # noqa: E402
+from passes.apply_checkpoint import apply_checkpoint  # noqa: E402
+from passes.capture import capture_spec  # noqa: E402
+from passes.checkpoint_policy import checkpoint_policy  # noqa: E402
+from passes.graph_view import to_networkx  # noqa: E402
+from passes.ir.meta import CHECKPOINT_PLAN, DAG_CHECKPOINT_PLAN, MEMORY_SUMMARY  # noqa: E402
+from passes.remat_solver import RematCosts, from_checkpoint_plan, problem_from_view, solve_milp  # noqa: E402
+from passes.tensor_remat import TensorRemat, actions_of, mark_recomputed  # noqa: E402
+from runtime.measure import memtracker_step_peak  # noqa: E402
 
 MODELS = {
     "resnet": "resnet:blocks=1-1,widths=8-16,image=16,classes=10,batch=8",

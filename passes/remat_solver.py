@@ -71,6 +71,7 @@ Solvers
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import math
@@ -635,7 +636,8 @@ class _Rows:
 def _peak_rows(problem: RematProblem, cols: _Columns, rows: _Rows, r0: int, d0: int, room: int | None, big: int,
                peak_col: int | None) -> None:
     """The peak bound as linear rows (:func:`backward_peak`'s rule). At each moment ``q`` of
-    backward (a node's position, or one where a storage is unpacked), continuous columns:
+    backward where a storage is unpacked (recomputes happen only there and what they make goes
+    only after one, so the bytes on device change nowhere else), continuous columns:
     ``z[v,q]``: ``v`` has been recomputed by ``q`` (its recompute position is at or above ``q``);
     ``y[v,q]``: what ``v``'s recompute made is on device at ``q``; ``a[j,q]``: storage ``j`` of a
     node not recomputed is on device at ``q`` only because a recompute still to come reads it.
@@ -644,18 +646,19 @@ def _peak_rows(problem: RematProblem, cols: _Columns, rows: _Rows, r0: int, d0: 
     moment's bytes are at most ``room`` (or, with ``room=None``, at most ``peak_col`` x ``big``)."""
     tl = _timeline(problem)
     n = len(problem.nodes)
-    moments = sorted(set(tl.pos) | {u for s in problem.storages for u in s.used_at})
+    moments = sorted({u for s in problem.storages for u in s.used_at})
     after = dict(zip(moments, moments[1:]))
-    free = [v for v in range(n) if problem.recomputable[v]]
+    # A node with no unpack at or after its position is never needed: never recomputed in backward.
+    free = [v for v in range(n) if problem.recomputable[v] and moments and moments[-1] >= tl.pos[v]]
     z, y = {}, {}
     for v in free:
-        qs = [q for q in moments if q >= tl.pos[v]]
+        qs = moments[bisect.bisect_left(moments, tl.pos[v]):]
         base_z, base_y = cols.add(len(qs)), cols.add(len(qs))
         for k, q in enumerate(qs):
             z[v, q], y[v, q] = base_z + k, base_y + k
 
-    def zcol(w: int, q: int) -> int | None:  # z[w, q], reaching below w's position as w's own
-        return z.get((w, max(q, tl.pos[w])))
+    def zcol(w: int, q: int) -> int:  # z[w, q]; below w's position, whether w is needed at all
+        return z[w, moments[bisect.bisect_left(moments, max(q, tl.pos[w]))]]
 
     def later_read(w: int, q: int) -> dict[int, float]:  # -(r_w - z[w, after q]): w's recompute is at or below q
         coefs = {r0 + w: -1.0}
@@ -663,9 +666,10 @@ def _peak_rows(problem: RematProblem, cols: _Columns, rows: _Rows, r0: int, d0: 
             coefs[z[w, after[q]]] = 1.0
         return coefs
 
+    needable = set(free)
     for v in free:
         F = tl.first_unpack[v]
-        readers = [(j, w) for j, w in tl.reads[v] if problem.recomputable[w]]
+        readers = [(j, w) for j, w in tl.reads[v] if w in needable]
         kept_end = min((tl.last_unpack[j] for j in tl.owned[v]), default=math.inf)
         for q in (q for q in moments if q >= tl.pos[v]):
             rows.add({z[v, q]: 1.0, r0 + v: -1.0}, -np.inf, 0.0)  # only a recomputed node is
@@ -690,7 +694,7 @@ def _peak_rows(problem: RematProblem, cols: _Columns, rows: _Rows, r0: int, d0: 
 
     held: dict[tuple[int, int], int] = {}
     for j, s in enumerate(problem.storages):
-        for w in (w for w in s.readers if problem.recomputable[w]):
+        for w in (w for w in s.readers if w in needable):
             for q in (q for q in moments if tl.pos[w] <= q < tl.last_unpack[j]):
                 if (j, q) not in held:
                     held[j, q] = cols.add(1)

@@ -110,12 +110,12 @@ def _rng_devices(args: Iterable[Any]) -> list[torch.device]:
 class TensorRemat:
     """Runs ``gm``'s forward under a per-node decision ``actions`` (node name -> action; nodes not
     named are views, getitems, sizes: recomputed freely when a recompute needs them). Call it
-    like ``gm``; then backward recomputes on demand. One forward at a time per instance."""
+    like ``gm``; then backward recomputes on demand. Each call keeps its own state until its
+    backward has run (micro-batches may run several forwards before their backwards)."""
 
     def __init__(self, gm: fx.GraphModule, actions: Mapping[str, Action], *, trace_memory: bool = False):
         self.gm = gm
         self.trace_memory = trace_memory  # measure backward_peak_bytes (costs a scan per unpack)
-        self.backward_peak_bytes = 0
         nodes = {n.name: n for n in gm.graph.nodes}
         unknown = [name for name in actions if name not in nodes]
         if unknown:
@@ -166,6 +166,52 @@ class TensorRemat:
                     held.add(a)
         return held, sources
 
+    # -- forward --------------------------------------------------------------------------------
+
+    def __call__(self, *args: Any) -> Any:
+        step = self.last = _Step(self)  # its own state: several forwards may await their backward
+        with torch.autograd.graph.saved_tensors_hooks(step._pack, step._unpack):
+            out = _Forward(step).run(*args)
+        step._count_uses()
+        return out
+
+    @property
+    def tokens(self) -> int:
+        """Saved tensors the last forward turned into tokens (recomputed in backward)."""
+        return self.last.tokens
+
+    @property
+    def backward_peak_bytes(self) -> int:
+        """With ``trace_memory``: the most activation bytes alive at an unpack or recompute of the
+        last forward's backward so far."""
+        return self.last.backward_peak_bytes
+
+    def saved_bytes(self) -> int:
+        """Bytes of the distinct storages, parameters and buffers left out, that the last forward
+        left for backward (what autograd holds, tokens excepted, and what this executor holds): the
+        quantity ``RematDecision.saved_bytes`` bounds. Call it between forward and backward."""
+        return self.last._live_bytes()
+
+
+class _Step:
+    """One forward of a :class:`TensorRemat` and its backward: what it holds, memoises and counts."""
+
+    def __init__(self, remat: TensorRemat):
+        self.gm, self.actions, self.recompute, self.reads = remat.gm, remat.actions, remat.recompute, remat.reads
+        self.held_nodes, self.random, self.trace_memory = remat.held_nodes, remat.random, remat.trace_memory
+        self._ops, self._run = remat._ops, remat._run
+        self.held: dict[fx.Node, Any] = {}
+        self.memo: dict[fx.Node, tuple[Any, list[torch.Tensor]]] = {}
+        self.uses: dict[fx.Node, int] = {}
+        self.rng: dict[fx.Node, tuple[torch.Tensor, list[torch.Tensor], list[torch.device]]] = {}
+        self.grad_flags: dict[fx.Node, tuple[bool, ...]] = {}
+        self.owners: dict[int, _Owner] = {}
+        self.packed: list[_Handle] = []
+        self.handles: list[weakref.ref] = []
+        self.tokens = 0
+        self.backward_peak_bytes = 0
+        self.with_packs: set[fx.Node] = set()
+
     def _count_uses(self) -> None:
         """After forward: the recomputed nodes backward will need (those with tokens, and what
         their recomputes read, recursively) each use their sources once; held values no needed
@@ -181,36 +227,11 @@ class TensorRemat:
         for a in [a for a in self.held if self.uses.get(a, 0) == 0]:
             del self.held[a]
 
-    # -- forward --------------------------------------------------------------------------------
-
-    def __call__(self, *args: Any) -> Any:
-        self.held: dict[fx.Node, Any] = {}
-        self.memo: dict[fx.Node, tuple[Any, list[torch.Tensor]]] = {}
-        self.uses: dict[fx.Node, int] = {}
-        self.rng: dict[fx.Node, tuple[torch.Tensor, list[torch.Tensor], list[torch.device]]] = {}
-        self.grad_flags: dict[fx.Node, tuple[bool, ...]] = {}
-        self.owners: dict[int, _Owner] = {}
-        self.packed: list[_Handle] = []
-        self.handles: list[weakref.ref] = []
-        self.tokens = 0
-        self.backward_peak_bytes = 0
-        self.with_packs: set[fx.Node] = set()
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            out = _Forward(self).run(*args)
-        self._count_uses()
-        return out
-
     def _pack(self, t: torch.Tensor) -> _Handle:
         h = _Handle(t)
         self.packed.append(h)
         self.handles.append(weakref.ref(h))
         return h
-
-    def saved_bytes(self) -> int:
-        """Bytes of the distinct storages, parameters and buffers left out, that this forward left
-        for backward (what autograd holds, tokens excepted, and what this executor holds): the
-        quantity ``RematDecision.saved_bytes`` bounds. Call it between forward and backward."""
-        return self._live_bytes()
 
     def _live_bytes(self, *extra: torch.Tensor) -> int:
         """Bytes of the distinct activation storages alive for backward: what autograd still holds
@@ -334,7 +355,7 @@ class TensorRemat:
 
 
 class _Forward(fx.Interpreter):
-    def __init__(self, remat: TensorRemat):
+    def __init__(self, remat: _Step):
         super().__init__(remat.gm)
         self.remat = remat
 

@@ -34,7 +34,8 @@ dims' hint values (plain ints):
 
 Graph attributes: ``loss`` (name of the node the output's first element is), ``fixed_bytes``
 (bytes of graph inputs autograd keeps: token ids, targets; always on device), ``fwd_flops`` and
-``bwd_flops`` (whole graph).
+``bwd_flops`` (whole graph), and ``storage_of`` (storage name -> the forward run's storage
+object, for passes that relate the view to their own run: :func:`view_of_run`).
 
 Storages and their savers come from one forward run on fake tensors
 (:func:`passes.saved_tensors.observe_saved_tensors`, the observation ``annotate_memory`` makes),

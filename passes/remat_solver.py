@@ -248,8 +248,12 @@ def problem_from_view(G: nx.DiGraph) -> RematProblem:
             storages.append(Storage(name=s.name, owner=index[n], nbytes=s.nbytes, kept=s.kept,
                                     readers=tuple(r for r in readers.get(s.name, ()) if r != index[n]),
                                     internal=s.kind == "internal", used_at=tuple(place[k] for k in s.savers)))
+    # A node autograd keeps something of for a backward that never runs (a dead branch) is not
+    # recomputed: its token would never be unpacked, yet would hold the recompute's inputs.
+    unpacked = {n: all(s.savers for s in G.nodes[n]["owns"] if s.kept) for n in names}
     return RematProblem(nodes=tuple(names), flops=tuple(G.nodes[n]["flops"] for n in names),
-                        recomputable=tuple(G.nodes[n]["recomputable"] for n in names), storages=tuple(storages),
+                        recomputable=tuple(G.nodes[n]["recomputable"] and unpacked[n] for n in names),
+                        storages=tuple(storages),
                         fixed_bytes=G.graph.get("fixed_bytes", 0), positions=tuple(place[n] for n in names))
 
 
@@ -586,7 +590,7 @@ def _solve_milp(problem: RematProblem, budget_bytes: int | None, costs: RematCos
             c[h0:h0 + m] = [costs.offload_s(s.nbytes) for s in problem.storages]
         c /= float(np.max(np.abs(c))) or 1.0
     upper = np.ones(width)
-    upper[r0:r0 + n] = [1.0 if ok else 0.0 for ok in problem.recomputable]
+    upper[r0:r0 + n] = [1.0 if ok else 0.0 for ok in _may_recompute(problem, bound)]
     for col in cols.zero:
         upper[col] = 0.0
     if peak_col is not None:
@@ -646,7 +650,7 @@ def _peak_rows(problem: RematProblem, cols: _Columns, rows: _Rows, r0: int, d0: 
     moment's bytes are at most ``room`` (or, with ``room=None``, at most ``peak_col`` x ``big``)."""
     tl = _timeline(problem)
     n = len(problem.nodes)
-    moments = sorted({u for s in problem.storages for u in s.used_at})
+    moments = sorted({u for s in problem.storages for u in s.used_at} | {-1})  # -1: backward's end
     after = dict(zip(moments, moments[1:]))
     # A node with no unpack at or after its position is never needed: never recomputed in backward.
     free = [v for v in range(n) if problem.recomputable[v] and moments and moments[-1] >= tl.pos[v]]
@@ -716,6 +720,18 @@ def _peak_rows(problem: RematProblem, cols: _Columns, rows: _Rows, r0: int, d0: 
             rows.add(coefs, -np.inf, room / big)
 
 
+def _may_recompute(problem: RematProblem, bound: Bound) -> list[bool]:
+    """Which nodes a solver may recompute: the recomputable ones, and under the peak bound not
+    those keeping a storage no backward unpacks (its token would never be unpacked, yet the
+    executor would hold the recompute's inputs: the peak model has no such state)."""
+    ok = list(problem.recomputable)
+    if bound == "peak":
+        for s in problem.storages:
+            if s.kept and not s.used_at:
+                ok[s.owner] = False
+    return ok
+
+
 def _prune(problem: RematProblem, r: list[bool]) -> list[bool]:
     """``r`` without recomputes nothing needs (no kept storage, no recomputed reader): a solver
     may mark them when they cost no FLOPs; they would run never but hold their sources."""
@@ -745,7 +761,7 @@ def solve_brute_force(problem: RematProblem, budget_bytes: int, *, costs: RematC
     if n > BRUTE_FORCE_MAX_NODES:
         raise ConfigError(f"brute force over {n} nodes is 3**{n} decisions; use solve_milp (at most "
                           f"{BRUTE_FORCE_MAX_NODES} nodes here)")
-    free = [i for i in range(n) if problem.recomputable[i]]
+    free = [i for i, ok in enumerate(_may_recompute(problem, bound)) if ok]
     best: tuple[float, list[bool], set[int]] | None = None
     for k in range(len(free) + 1):
         for chosen in itertools.combinations(free, k):

@@ -269,3 +269,16 @@ def test_bounding_the_saved_bytes_does_not_bound_the_backward_peak(model):
         if peak.feasible:
             assert peak.peak_bytes <= budget and peak.recompute_flops >= saved.recompute_flops, (name, budget)
     assert over, name
+
+
+def test_the_peak_bound_keeps_what_no_backward_unpacks():
+    """A node whose kept storage no backward unpacks (a dead branch) is not recomputed under the
+    peak bound, though recomputing it would free its bytes in this model: the executor's token
+    would never be unpacked and would hold the recompute's input until the step ends."""
+    problem = RematProblem(nodes=("a", "b"), flops=(0, 0), recomputable=(True, True), positions=(0, 1),
+                           storages=(Storage(name="a:0", owner=0, nbytes=100, kept=True, readers=(1,), used_at=(0,)),
+                                     Storage(name="b:0", owner=1, nbytes=100, kept=True)))
+    assert solve_milp(problem, 150, costs=GPU).action("b") == "recompute"  # the saved bound would
+    assert not solve_brute_force(problem, 150, costs=GPU, bound="peak").feasible
+    d = solve_milp(problem, 150, costs=GPU, bound="peak")
+    assert not d.feasible and d.action("b") == "save" and d.peak_bytes == 200

@@ -248,12 +248,8 @@ def problem_from_view(G: nx.DiGraph) -> RematProblem:
             storages.append(Storage(name=s.name, owner=index[n], nbytes=s.nbytes, kept=s.kept,
                                     readers=tuple(r for r in readers.get(s.name, ()) if r != index[n]),
                                     internal=s.kind == "internal", used_at=tuple(place[k] for k in s.savers)))
-    # A node autograd keeps something of for a backward that never runs (a dead branch) is not
-    # recomputed: its token would never be unpacked, yet would hold the recompute's inputs.
-    unpacked = {n: all(s.savers for s in G.nodes[n]["owns"] if s.kept) for n in names}
     return RematProblem(nodes=tuple(names), flops=tuple(G.nodes[n]["flops"] for n in names),
-                        recomputable=tuple(G.nodes[n]["recomputable"] and unpacked[n] for n in names),
-                        storages=tuple(storages),
+                        recomputable=tuple(G.nodes[n]["recomputable"] for n in names), storages=tuple(storages),
                         fixed_bytes=G.graph.get("fixed_bytes", 0), positions=tuple(place[n] for n in names))
 
 
@@ -288,7 +284,7 @@ class _Timeline:
     pos: tuple[int, ...]
     owned: tuple[tuple[int, ...], ...]  # storage indices of each node
     reads: tuple[tuple[tuple[int, int], ...], ...]  # per node: (storage of it, a node that reads it)
-    remade_bytes: tuple[int, ...]  # bytes a recompute of the node makes: outputs and kept internals
+    remade: tuple[tuple[int, ...], ...]  # storages a recompute of the node makes: outputs and kept internals
     first_unpack: tuple[int | None, ...]  # latest position unpacking a kept storage of the node
     last_unpack: tuple[float, ...]  # per storage: earliest position unpacking it (-1: held to the end; inf: never)
 
@@ -297,18 +293,19 @@ def _timeline(problem: RematProblem) -> _Timeline:
     n = len(problem.nodes)
     owned: list[list[int]] = [[] for _ in range(n)]
     reads: list[list[tuple[int, int]]] = [[] for _ in range(n)]
-    remade, first = [0] * n, [None] * n
+    remade: list[list[int]] = [[] for _ in range(n)]
+    first: list[int | None] = [None] * n
     last: list[float] = []
     for j, s in enumerate(problem.storages):
         owned[s.owner].append(j)
         reads[s.owner].extend((j, w) for w in s.readers)
         if not s.internal or s.kept:
-            remade[s.owner] += s.nbytes
+            remade[s.owner].append(j)
         if s.kept and s.used_at:
             first[s.owner] = max(first[s.owner] if first[s.owner] is not None else -1, max(s.used_at))
         last.append((min(s.used_at) if s.used_at else -1) if s.kept else math.inf)
     return _Timeline(pos=problem.position, owned=tuple(map(tuple, owned)), reads=tuple(map(tuple, reads)),
-                     remade_bytes=tuple(remade), first_unpack=tuple(first), last_unpack=tuple(last))
+                     remade=tuple(map(tuple, remade)), first_unpack=tuple(first), last_unpack=tuple(last))
 
 
 @dataclass(frozen=True)
@@ -320,12 +317,14 @@ class RecomputeSchedule:
     ``recompute_at``: each recomputed node backward needs -> the position whose backward
     recomputes it (the latest that unpacks one of its kept storages or recomputes a reader);
     ``free_after``: that node -> the position after whose backward all it made is dropped (its
-    last such use); ``storage_free_after``: each storage (index) of a node not recomputed that
-    backward needs -> the position after whose backward it is dropped (its last unpack, or the
-    last recompute reading it)."""
+    last such use); ``made``: that node -> the storages (indices) its recompute makes (outputs,
+    and internals backward keeps); ``storage_free_after``: each storage (index) of a node not
+    recomputed that backward needs -> the position after whose backward it is dropped (its last
+    unpack, or the last recompute reading it)."""
 
     recompute_at: dict[int, int]
     free_after: dict[int, float]
+    made: dict[int, tuple[int, ...]]
     storage_free_after: dict[int, float]
 
 
@@ -347,7 +346,8 @@ def recompute_schedule(problem: RematProblem, recompute: list[bool]) -> Recomput
             end = min([tl.last_unpack[j]] + [at[w] for w in s.readers if w in at])
             if end != math.inf:
                 held[j] = end
-    return RecomputeSchedule(recompute_at=at, free_after=free, storage_free_after=held)
+    return RecomputeSchedule(recompute_at=at, free_after=free, made={v: tl.remade[v] for v in at},
+                             storage_free_after=held)
 
 
 def backward_peak(problem: RematProblem, recompute: list[bool]) -> int:
@@ -357,9 +357,9 @@ def backward_peak(problem: RematProblem, recompute: list[bool]) -> int:
     recomputed from forward to its last use. A moment is one node's backward, with everything
     recomputed for it and everything it is the last use of. Offloaded storages count as on device
     here: they are back before backward. Without recomputes or offload this is ``saved_bytes``."""
-    tl = _timeline(problem)
     sched = recompute_schedule(problem, recompute)
-    spans = [(sched.free_after[v], start, tl.remade_bytes[v]) for v, start in sched.recompute_at.items()]
+    spans = [(sched.free_after[v], start, sum(problem.storages[j].nbytes for j in sched.made[v]))
+             for v, start in sched.recompute_at.items()]
     spans += [(end, math.inf, problem.storages[j].nbytes) for j, end in sched.storage_free_after.items()]
     return problem.fixed_bytes + max((sum(b for lo, hi, b in spans if lo <= q <= hi) for q, _, _ in spans),
                                      default=0)
@@ -590,7 +590,7 @@ def _solve_milp(problem: RematProblem, budget_bytes: int | None, costs: RematCos
             c[h0:h0 + m] = [costs.offload_s(s.nbytes) for s in problem.storages]
         c /= float(np.max(np.abs(c))) or 1.0
     upper = np.ones(width)
-    upper[r0:r0 + n] = [1.0 if ok else 0.0 for ok in _may_recompute(problem, bound)]
+    upper[r0:r0 + n] = [1.0 if ok else 0.0 for ok in may_recompute(problem, bound)]
     for col in cols.zero:
         upper[col] = 0.0
     if peak_col is not None:
@@ -649,11 +649,10 @@ def _peak_rows(problem: RematProblem, cols: _Columns, rows: _Rows, r0: int, d0: 
     unpack or a recomputed reader needs it), so ``y`` and ``a`` only need lower bounds; each
     moment's bytes are at most ``room`` (or, with ``room=None``, at most ``peak_col`` x ``big``)."""
     tl = _timeline(problem)
-    n = len(problem.nodes)
     moments = sorted({u for s in problem.storages for u in s.used_at} | {-1})  # -1: backward's end
     after = dict(zip(moments, moments[1:]))
     # A node with no unpack at or after its position is never needed: never recomputed in backward.
-    free = [v for v in range(n) if problem.recomputable[v] and moments and moments[-1] >= tl.pos[v]]
+    free = [v for v, ok in enumerate(may_recompute(problem, "peak")) if ok and moments[-1] >= tl.pos[v]]
     z, y = {}, {}
     for v in free:
         qs = moments[bisect.bisect_left(moments, tl.pos[v]):]
@@ -712,18 +711,20 @@ def _peak_rows(problem: RematProblem, cols: _Columns, rows: _Rows, r0: int, d0: 
             if (j, q) in held:
                 coefs[held[j, q]] = s.nbytes / big
         for v in free:
-            if (v, q) in y and tl.remade_bytes[v]:
-                coefs[y[v, q]] = tl.remade_bytes[v] / big
+            remade = sum(problem.storages[j].nbytes for j in tl.remade[v])
+            if (v, q) in y and remade:
+                coefs[y[v, q]] = remade / big
         if peak_col is not None:
             rows.add({**coefs, peak_col: -1.0}, -np.inf, 0.0)
         elif coefs:
             rows.add(coefs, -np.inf, room / big)
 
 
-def _may_recompute(problem: RematProblem, bound: Bound) -> list[bool]:
-    """Which nodes a solver may recompute: the recomputable ones, and under the peak bound not
-    those keeping a storage no backward unpacks (its token would never be unpacked, yet the
-    executor would hold the recompute's inputs: the peak model has no such state)."""
+def may_recompute(problem: RematProblem, bound: Bound) -> list[bool]:
+    """Which nodes a decision under ``bound`` may recompute: the recomputable ones, and under the
+    peak bound not those keeping a storage no backward unpacks (a dead branch: the executor's
+    token would never be unpacked, yet would hold the recompute's inputs to the end, a state the
+    peak model has not)."""
     ok = list(problem.recomputable)
     if bound == "peak":
         for s in problem.storages:
@@ -761,7 +762,7 @@ def solve_brute_force(problem: RematProblem, budget_bytes: int, *, costs: RematC
     if n > BRUTE_FORCE_MAX_NODES:
         raise ConfigError(f"brute force over {n} nodes is 3**{n} decisions; use solve_milp (at most "
                           f"{BRUTE_FORCE_MAX_NODES} nodes here)")
-    free = [i for i, ok in enumerate(_may_recompute(problem, bound)) if ok]
+    free = [i for i, ok in enumerate(may_recompute(problem, bound)) if ok]
     best: tuple[float, list[bool], set[int]] | None = None
     for k in range(len(free) + 1):
         for chosen in itertools.combinations(free, k):

@@ -17,7 +17,7 @@ from passes.graph_view import view_of_run
 from passes.ir.errors import PassError
 from passes.ir.meta import TENSOR_REMAT
 from passes.liveness import Timeline
-from passes.remat_solver import problem_from_view, recompute_schedule
+from passes.remat_solver import may_recompute, problem_from_view, recompute_schedule
 from passes.saved_tensors import (_ForwardRun, _grad_inputs, _is_getitem, _output_nodes, _requires_grad,
                                   _Storage)
 
@@ -201,10 +201,11 @@ def tensor_remat_events(gm: fx.GraphModule, run: _ForwardRun) -> TensorRematEven
         return None
     view = view_of_run(gm, run)
     problem = problem_from_view(view)
-    unknown = chosen - {n for n, ok in zip(problem.nodes, problem.recomputable) if ok}
+    unknown = chosen - {n for n, ok in zip(problem.nodes, may_recompute(problem, "peak")) if ok}
     if unknown:
         raise PassError(f"memory analysis: node {sorted(unknown)[0]!r} is marked for recompute but cannot be "
-                        f"recomputed (no activation of its own, or written in place); decide again on this graph")
+                        f"recomputed on demand (no activation of its own, written in place, or kept for a backward "
+                        f"that never runs); decide again on this graph with the peak bound")
     sched = recompute_schedule(problem, [n in chosen for n in problem.nodes])
     at = list(gm.graph.nodes)  # the view's positions are places in the graph
     storage_of = view.graph["storage_of"]
@@ -212,12 +213,10 @@ def tensor_remat_events(gm: fx.GraphModule, run: _ForwardRun) -> TensorRematEven
     def node(position: float) -> fx.Node | None:
         return at[int(position)] if position >= 0 else None
 
-    n = len(problem.nodes)
-    owned: list[list[int]] = [[] for _ in range(n)]
-    for j, st in enumerate(problem.storages):
-        owned[st.owner].append(j)
-    made = {v: [storage_of[problem.storages[j].name] for j in owned[v]
-                if not problem.storages[j].internal or problem.storages[j].kept] for v in sched.recompute_at}
+    def storage(j: int) -> _Storage:
+        return storage_of[problem.storages[j].name]
+
+    made = {v: [storage(j) for j in js] for v, js in sched.made.items()}
 
     def unpacked(j: int, q: int) -> bool:
         return problem.storages[j].kept and q in problem.storages[j].used_at
@@ -226,8 +225,9 @@ def tensor_remat_events(gm: fx.GraphModule, run: _ForwardRun) -> TensorRematEven
     # it there, goes right after the last recompute reading it (the executor's use count hits 0).
     last_reader: dict[tuple[str, int], int] = {}  # ("node", v) / ("storage", j) -> recompute freeing it
     for v, q in sched.recompute_at.items():
-        readers = [w for j in owned[v] for w in problem.storages[j].readers if sched.recompute_at.get(w) == q]
-        if sched.free_after[v] == q and readers and not any(unpacked(j, q) for j in owned[v]):
+        owned = [j for j, st in enumerate(problem.storages) if st.owner == v]
+        readers = [w for j in owned for w in problem.storages[j].readers if sched.recompute_at.get(w) == q]
+        if sched.free_after[v] == q and readers and not any(unpacked(j, q) for j in owned):
             last_reader["node", v] = max(readers)
     for j, end in sched.storage_free_after.items():
         readers = [w for w in problem.storages[j].readers if sched.recompute_at.get(w) == end]
@@ -235,7 +235,7 @@ def tensor_remat_events(gm: fx.GraphModule, run: _ForwardRun) -> TensorRematEven
             last_reader["storage", j] = max(readers)
     frees: dict[int, list[Any]] = {}
     for (kind, k), w in last_reader.items():
-        keys = [("tensor_remat", st) for st in made[k]] if kind == "node" else [storage_of[problem.storages[k].name]]
+        keys = [("tensor_remat", st) for st in made[k]] if kind == "node" else [storage(k)]
         frees.setdefault(w, []).extend(keys)
     remade: dict[fx.Node, list[tuple[list[_Storage], list[Any]]]] = {}
     dropped: dict[fx.Node, list[_Storage]] = {}
@@ -244,11 +244,10 @@ def tensor_remat_events(gm: fx.GraphModule, run: _ForwardRun) -> TensorRematEven
         if ("node", v) not in last_reader and node(sched.free_after[v]) is not None:
             dropped.setdefault(node(sched.free_after[v]), []).extend(made[v])
     return TensorRematEvents(
-        recomputed=frozenset(storage_of[problem.storages[j].name] for v, name in enumerate(problem.nodes)
-                             if name in chosen for j in owned[v]),
+        recomputed=frozenset(storage(j) for j, st in enumerate(problem.storages) if problem.nodes[st.owner] in chosen),
         remade=remade, dropped=dropped,
-        release={storage_of[problem.storages[j].name]: node(end) for j, end in sched.storage_free_after.items()},
-        freed_early=frozenset(storage_of[problem.storages[k].name] for kind, k in last_reader if kind == "storage"))
+        release={storage(j): node(end) for j, end in sched.storage_free_after.items()},
+        freed_early=frozenset(storage(k) for kind, k in last_reader if kind == "storage"))
 
 
 def _simulate_step(run: _ForwardRun, state: _ModelState, opt: OptimizerModel, *, foreach: bool,

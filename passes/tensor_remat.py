@@ -36,8 +36,10 @@ recompute of backward: the quantity :func:`passes.remat_solver.backward_peak` pr
 after forward) can peak above keeping everything: a tensor recomputed for an early use in
 backward stays until its last use.
 
-Not yet a checkpointing policy: no lowering pass writes such a decision into a rank program, and
-neither the step's liveness simulation (``annotate_memory``) nor the planner knows this executor.
+The memory analysis replays a decision written with :func:`mark_recomputed`
+(``node.meta[TENSOR_REMAT]``) as this executor runs it. Not yet a checkpointing policy: no
+lowering pass writes such a decision into a rank program, no runtime runs one, and the planner
+neither offers nor prices it.
 """
 from __future__ import annotations
 

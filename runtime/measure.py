@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -352,8 +353,6 @@ def memtracker_step_peak(module: torch.nn.Module, inputs: tuple) -> int:
     the loss) on CPU: a first step creates the optimizer state, gradients are set to None, then
     forward, backward and the optimizer step run tracked (parameters, gradients, optimizer state,
     activations and temporaries, as the memory analysis counts them)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     opt = torch.optim.AdamW(module.parameters())
     module(*inputs).backward()
     opt.step()

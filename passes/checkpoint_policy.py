@@ -61,7 +61,7 @@ from passes.graph_view import draws_random, forward_cut_points, to_networkx
 from passes.remat_solver import RematCosts, RematProblem, Storage, solve_milp
 
 aten = torch.ops.aten
-POLICIES = tuple(dict.fromkeys(CHECKPOINT_POLICIES + CHECKPOINTING))
+POLICIES = tuple(p for p in dict.fromkeys(CHECKPOINT_POLICIES + CHECKPOINTING) if p != "tensor")  # tensor: its own pass
 _ZERO = sympy.Integer(0)
 _ATTENTION_ANCHORS = {aten.scaled_dot_product_attention.default, aten._softmax.default, aten.softmax.int}
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")

@@ -34,13 +34,13 @@ from torch import fx
 from passes.ir.errors import PassError
 from passes.ir.meta import (BLOCK, CAPTURE, CHECKPOINT, CHECKPOINT_PLAN, FLOP_SUMMARY, FLOPS, LAYER_CHAIN, MEMORY,
                             MEMORY_SUMMARY, OFFLOAD_PLAN, PIPELINE_STAGE, SHAPE, TENSOR_PARALLEL,
-                            TENSOR_PARALLEL_PLAN)
+                            TENSOR_PARALLEL_PLAN, TENSOR_REMAT, TENSOR_REMAT_PLAN)
 
 PassFn = Callable[[fx.GraphModule, "PassContext"], fx.GraphModule]
 
 # Keys that live in gm.meta; every other key is a node key.
 GRAPH_KEYS = frozenset({CAPTURE, FLOP_SUMMARY, MEMORY_SUMMARY, CHECKPOINT_PLAN, OFFLOAD_PLAN,
-                        TENSOR_PARALLEL_PLAN, LAYER_CHAIN})
+                        TENSOR_PARALLEL_PLAN, LAYER_CHAIN, TENSOR_REMAT_PLAN})
 
 
 def _not_output(node: fx.Node) -> bool:
@@ -76,6 +76,8 @@ KNOWN_PROVIDERS: dict[str, str] = {
     TENSOR_PARALLEL: "tag_tensor_parallel",
     TENSOR_PARALLEL_PLAN: "tag_tensor_parallel",
     PIPELINE_STAGE: "tag_pipeline_stages",
+    TENSOR_REMAT: "tensor_remat_policy",
+    TENSOR_REMAT_PLAN: "tensor_remat_policy",
 }
 
 

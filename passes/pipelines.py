@@ -34,6 +34,7 @@ from passes.annotate_shapes import annotate_shapes
 from passes.apply_checkpoint import apply_checkpoint
 from passes.apply_offload import apply_offload
 from passes.apply_tensor_parallel import apply_tensor_parallel
+from passes.apply_tensor_remat import apply_tensor_remat
 from passes.checkpoint_policy import checkpoint_policy, restrict_checkpoint_plan
 from passes.context_parallel import apply_context_parallel
 from passes.ir.cp_ops import CONTEXT_PARALLEL
@@ -42,7 +43,7 @@ from passes.ir.cost import CostHooks
 from passes.ir.errors import PassError
 from passes.ir.meta import (BLOCK, CAPTURE, CHECKPOINT, CHECKPOINT_PLAN, FLOP_SUMMARY, FLOPS, LAYER_CHAIN, MEMORY,
                             MEMORY_SUMMARY, OFFLOAD_PLAN, PIPELINE_STAGE, SHAPE, TENSOR_PARALLEL,
-                            TENSOR_PARALLEL_PLAN)
+                            TENSOR_PARALLEL_PLAN, TENSOR_REMAT_PLAN)
 from passes.ir.zero3_ops import ZERO3_PLAN
 from passes.manager import Pass, PassContext, PassManager, PassOrder, adapt
 from passes.offload_policy import offload_policy
@@ -51,6 +52,7 @@ from passes.shard_parameters import shard_parameters
 from passes.specialize_dims import specialize_dims
 from passes.split_backward import split_backward
 from passes.tensor_parallel_patterns import tag_tensor_parallel
+from passes.tensor_remat_policy import tensor_remat_policy
 
 ORDER = (
     PassOrder(first="context_parallel", then="annotate_shapes",
@@ -79,6 +81,9 @@ ORDER = (
               why="a checkpointed region gathers its block's parameters itself, so that its recompute gathers again"),
     PassOrder(first="apply_tensor_parallel", then="shard_parameters",
               why="ZeRO-3 shards this tp rank's slice of each parameter over dp"),
+    PassOrder(first="specialize_dims", then="tensor_remat_policy",
+              why="the per-tensor decision is made on the shapes that run (its budget is bytes of this program)"),
+    PassOrder(first="annotate_flops", then="tensor_remat_policy", why="recompute is costed in FLOPs"),
     PassOrder(first="split_backward", then="apply_offload",
               why="apply_offload runs last: its begin/saver/end triples must stay adjacent"),
 )
@@ -132,6 +137,10 @@ REGISTRY: dict[str, PassDef] = {d.name: d for d in (
             provides=(CHECKPOINT_PLAN,), options=("stage",)),
     PassDef(name="apply_checkpoint", make=_plain(apply_checkpoint), requires=(CHECKPOINT_PLAN,),
             provides=(CHECKPOINT_PLAN,)),
+    PassDef(name="tensor_remat_policy", make=_plain(tensor_remat_policy), requires=(CAPTURE, SHAPE, FLOPS),
+            provides=(TENSOR_REMAT_PLAN,), options=("budget_bytes", "fraction", "time_limit_s")),
+    # the node marks (TENSOR_REMAT) sit on the decided nodes only; the plan says they were written
+    PassDef(name="apply_tensor_remat", make=_plain(apply_tensor_remat), requires=(TENSOR_REMAT_PLAN,), provides=()),
     PassDef(name="apply_offload", make=_plain(apply_offload), requires=(OFFLOAD_PLAN,), provides=(OFFLOAD_PLAN,)),
     PassDef(name="specialize_dims", make=_plain(specialize_dims), requires=(CAPTURE,), provides=(CAPTURE,),
             options=("batch",)),
@@ -193,7 +202,7 @@ def whole_graph_passes(config: ParallelConfig, *, cost: CostHooks | None, starts
     if config.checkpointing == "dag" and starts:
         # every stage saves its share of its own activations (the budget per stage, not only in total)
         out.append(make_pass("checkpoint_policy", policy="dag", stage_starts=tuple(starts)))
-    elif config.checkpointing != "none":
+    elif config.checkpointing not in ("none", "tensor"):  # tensor: decided per stage program
         out.append(make_pass("checkpoint_policy", policy=config.checkpointing))
     if config.offload == "activations" and config.checkpointing == "none":
         out.append(make_pass("offload_policy", selection="all", optimizer_on_host=False, cost=_need(cost)))
@@ -214,7 +223,11 @@ def stage_passes(config: ParallelConfig, *, stage: int, tp_rank: int, tp_group: 
         out.append(make_pass("apply_tensor_parallel", rank=tp_rank, group=tp_group,
                              sequence_parallel=config.sequence_parallel))
     out.append(make_pass("specialize_dims", batch=config.micro_batch_size))
-    if config.checkpointing != "none":
+    if config.checkpointing == "tensor":
+        # decided on this program as it runs: its shapes, its FLOPs, its own backward
+        out += [make_pass("annotate_shapes"), make_pass("annotate_flops"), make_pass("tensor_remat_policy"),
+                make_pass("apply_tensor_remat")]
+    elif config.checkpointing != "none":
         # the outlined regions keep their nodes' meta: give them this program's shapes first
         out.append(make_pass("annotate_shapes"))
         out += [make_pass("restrict_checkpoint_plan", stage=stage), make_pass("apply_checkpoint")]

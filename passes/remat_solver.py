@@ -518,6 +518,16 @@ def _fewest_bytes(problem: RematProblem, budget_bytes: int, costs: RematCosts, m
     return _decision(problem, r, set(), budget_bytes=budget_bytes, costs=costs, method=method, optimal=False)
 
 
+def peak_budget(problem: RematProblem, fraction: float) -> int:
+    """Bytes: ``fraction`` of the way from the fewest bytes any decision saves after forward (the
+    min cut's, a floor under every peak) to the peak of recomputing nothing (``fraction=1``)."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ConfigError(f"remat budget fraction must be in [0, 1], got {fraction}")
+    lo = _fewest_bytes(problem, 0, RematCosts(device_flops_per_s=1.0), "min-cut").saved_bytes
+    hi = backward_peak(problem, [False] * len(problem.nodes))
+    return int(lo + fraction * (hi - lo))
+
+
 # ---------------------------------------------------------------------------------------------
 # MILP (save / recompute / offload).
 

@@ -36,14 +36,17 @@ recompute of backward: the quantity :func:`passes.remat_solver.backward_peak` pr
 after forward) can peak above keeping everything: a tensor recomputed for an early use in
 backward stays until its last use.
 
-The memory analysis replays a decision written with :func:`mark_recomputed`
-(``node.meta[TENSOR_REMAT]``) as this executor runs it. Not yet a checkpointing policy: no
-lowering pass writes such a decision into a rank program, no runtime runs one, and the planner
-neither offers nor prices it.
+The decision is read from ``node.meta[TENSOR_REMAT]`` (written by :func:`mark_recomputed`, e.g.
+through ``passes.tensor_remat_policy``), or given as an actions dict. The memory analysis replays
+the same marks as this executor runs them. A program lowered under ``checkpointing="tensor"``
+carries :class:`TensorRematCodeGen` (``passes.apply_tensor_remat``): its ``forward`` hands the
+call to this executor, so whoever calls the module (the runtime's stage executor, a measurement)
+runs the decision, and nothing else needs to know it.
 """
 from __future__ import annotations
 
 import weakref
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -111,12 +114,16 @@ def _rng_devices(args: Iterable[Any]) -> list[torch.device]:
 
 class TensorRemat:
     """Runs ``gm``'s forward under a per-node decision ``actions`` (node name -> action; nodes not
-    named are views, getitems, sizes: recomputed freely when a recompute needs them). Call it
-    like ``gm``; then backward recomputes on demand. Each call keeps its own state until its
-    backward has run (micro-batches may run several forwards before their backwards)."""
+    named are views, getitems, sizes: recomputed freely when a recompute needs them; ``None``:
+    the graph's ``node.meta[TENSOR_REMAT]`` marks). Call it like ``gm``; then backward recomputes
+    on demand. Each call keeps its own state until its backward has run (micro-batches may run
+    several forwards before their backwards)."""
 
-    def __init__(self, gm: fx.GraphModule, actions: Mapping[str, Action], *, trace_memory: bool = False):
+    def __init__(self, gm: fx.GraphModule, actions: Mapping[str, Action] | None = None, *,
+                 trace_memory: bool = False):
         self.gm = gm
+        if actions is None:
+            actions = marked_actions(gm)
         self.trace_memory = trace_memory  # measure backward_peak_bytes (costs a scan per unpack)
         nodes = {n.name: n for n in gm.graph.nodes}
         unknown = [name for name in actions if name not in nodes]
@@ -395,15 +402,51 @@ def actions_of(decision: RematDecision) -> dict[str, Action]:
 
 
 def mark_recomputed(gm: fx.GraphModule, decision: RematDecision) -> fx.GraphModule:
-    """Write ``node.meta[TENSOR_REMAT]`` on ``gm``'s nodes that ``decision`` recomputes (and clear it
-    elsewhere), so the memory analysis replays the step as :class:`TensorRemat` runs it; returns
-    ``gm``."""
-    chosen = set(decision.named("recompute"))
-    missing = chosen - {n.name for n in gm.graph.nodes}
+    """Write ``node.meta[TENSOR_REMAT]`` (the node's action) on every node ``decision`` decides, and
+    clear it elsewhere, so that :class:`TensorRemat` runs the decision from the graph alone and the
+    memory analysis replays the step as it runs; returns ``gm``."""
+    actions = actions_of(decision)
+    missing = set(actions) - {n.name for n in gm.graph.nodes}
     if missing:
         raise PassError(f"tensor remat: the decision names {sorted(missing)[0]!r}, not a node of this graph")
     for node in gm.graph.nodes:
         node.meta.pop(TENSOR_REMAT, None)
-        if node.name in chosen:
-            node.meta[TENSOR_REMAT] = TensorRematMeta(recompute=True)
+        action = actions.get(node.name)
+        if action is not None:
+            if action == "offload":
+                raise PassError(f"tensor remat: node {node.name!r} is to be offloaded, which the executor does not "
+                                f"do; solve without a host link (RematCosts(host_bytes_per_s=None))")
+            node.meta[TENSOR_REMAT] = TensorRematMeta(action=action)
     return gm
+
+
+def marked_actions(gm: fx.GraphModule) -> dict[str, Action]:
+    """Node name -> action of the decision written on ``gm`` (:func:`mark_recomputed`)."""
+    return {n.name: n.meta[TENSOR_REMAT].action for n in gm.graph.nodes if TENSOR_REMAT in n.meta}
+
+
+# ---------------------------------------------------------------------------------------------
+# The lowered program: its forward runs the executor.
+
+class TensorRematCodeGen(fx.graph.CodeGen):
+    """Code of a program lowered under ``checkpointing="tensor"``: ``forward`` returns
+    :func:`run_marked` of its arguments, so every call of the module runs the decision its nodes
+    carry. The nodes' own code follows, never reached, so ``gm.code`` still reads as the graph.
+    Set by ``passes.apply_tensor_remat``; it survives ``recompile`` and ``copy.deepcopy`` (the
+    graph keeps its code generator)."""
+
+    def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str, *, expanded_def: bool = False) -> str:
+        head = super().gen_fn_def(free_vars, maybe_return_annotation, expanded_def=expanded_def)
+        # free_vars: "self", then "name", "name: Type" or "name = default" per placeholder (after super())
+        names = [re.match(r"\s*(\**\w+)", v).group(1) for v in free_vars if v.strip() != "self"]
+        return head + f"\n    return _run_tensor_remat(self, ({''.join(n + ', ' for n in names)}))"
+
+    def additional_globals(self) -> list[tuple[str, Any]]:
+        return [*super().additional_globals(), ("_run_tensor_remat", run_marked)]
+
+
+def run_marked(gm: fx.GraphModule, args: tuple) -> Any:
+    """Run ``gm`` on ``args`` under the decision its nodes carry (``node.meta[TENSOR_REMAT]``).
+    A fresh executor per call reads the graph as it is now (building one walks the graph once,
+    far less than interpreting it)."""
+    return TensorRemat(gm)(*args)

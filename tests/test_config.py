@@ -59,4 +59,4 @@ def test_round_trip_and_global_batch_constructor():
 
 def test_the_choices_are_spelled_here():
     assert SCHEDULES == ("gpipe", "1f1b", "interleaved", "zb1p", "zbv")
-    assert CHECKPOINTING == ("none", "selective", "full", "dag") and OFFLOAD == ("none", "activations", "optimizer")
+    assert CHECKPOINTING == ("none", "selective", "full", "dag", "tensor") and OFFLOAD == ("none", "activations", "optimizer")

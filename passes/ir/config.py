@@ -22,7 +22,7 @@ from passes.ir.errors import ConfigError
 
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb1p", "zbv"]
 ZeroStage = Literal[0, 1, 2, 3]
-Checkpointing = Literal["none", "selective", "full", "dag"]
+Checkpointing = Literal["none", "selective", "full", "dag", "tensor"]
 Offload = Literal["none", "activations", "optimizer"]
 DType = Literal["fp32", "bf16", "fp16"]
 ContextParallelMode = Literal["ring", "ulysses"]
@@ -113,7 +113,10 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Shard the tensor-parallel-replicated activations (norms, dropout, residuals) along the sequence."""
     checkpointing: Checkpointing = "none"
-    """Activation recomputation per block: ``selective`` the attention core, ``full`` the whole block."""
+    """Activation recomputation: ``selective`` the attention core of each block, ``full`` the whole
+    block, ``dag`` op outputs inside blocks (torch's selective checkpointing), ``tensor`` any op
+    output of the stage, recomputed one at a time on demand in backward (the peak-bounded remat
+    MILP per stage: :mod:`passes.tensor_remat_policy`)."""
     offload: Offload = "none"
     """``activations``: saved activations wait in host memory between forward and backward;
     ``optimizer``: optimizer state and step on the host (ZeRO-Offload style)."""
@@ -258,6 +261,8 @@ class ParallelConfig:
             out.append(f"checkpointing='dag' keeps op outputs in torch's selective checkpointing, which replays a "
                        f"region for one backward only; schedule={self.schedule!r} splits each backward in two (input "
                        f"and weight halves); use checkpointing='full' with it, or schedule=1f1b, gpipe or interleaved")
+        if self.checkpointing == "tensor":
+            out += self._tensor_remat_refusals()
         if self.stage_boundaries is not None:
             b = self.stage_boundaries
             if len(b) != self.n_stages - 1:
@@ -281,6 +286,25 @@ class ParallelConfig:
         if heads is not None and self.cp_mode == "ulysses" and heads % (self.tp * self.cp):
             out.append(f"cp_mode='ulysses' gives each of tp*cp = {self.tp * self.cp} ranks its share of the attention "
                        f"heads ({heads}); use a cp dividing {heads // math.gcd(heads, self.tp)} or cp_mode='ring'")
+        return out
+
+    def _tensor_remat_refusals(self) -> list[str]:
+        """What ``checkpointing="tensor"`` does not run with yet: its executor recomputes one op at a
+        time in backward, so it must never run a collective again (tp, cp, ZeRO-3's gathers),
+        hand a value to an offload bracket, or serve two backward halves."""
+        out, fix = [], "use checkpointing='dag' or 'full' with it"
+        if self.tp > 1 or self.cp > 1:
+            out.append(f"checkpointing='tensor' with tp={self.tp}, cp={self.cp}: the per-tensor executor does not "
+                       f"recompute programs with tp or cp collectives yet; {fix}, or tp=cp=1")
+        if self.zero_stage == 3:
+            out.append(f"checkpointing='tensor' with zero_stage=3: ZeRO-3's gathers are collectives the per-tensor "
+                       f"executor does not recompute; {fix}, or zero_stage <= 2")
+        if self.offload == "activations":
+            out.append(f"checkpointing='tensor' with offload='activations' is not supported (the offload brackets "
+                       f"wrap savers the executor runs again); {fix}, or offload='none'")
+        if self.split_backward:
+            out.append(f"checkpointing='tensor' recomputes for one backward; schedule={self.schedule!r} splits each "
+                       f"backward in two (input and weight halves); use schedule=1f1b, gpipe or interleaved")
         return out
 
     def validate(self, *, world_size: int | None = None, blocks: int | None = None,

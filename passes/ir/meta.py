@@ -20,6 +20,8 @@ key                   written by              value
                       ``patterns``
 ``OFFLOAD``           ``offload_policy``      :class:`OffloadMeta`: are the activations this node
                                               owns (kept for backward) moved to host, and why
+``TENSOR_REMAT``      ``tensor_remat_``       :class:`TensorRematMeta`: save, recompute on demand
+                      ``policy``              in backward, or nothing kept (per-tensor remat)
 ====================  ======================  =======================================================
 
 Graph keys (``gm.meta[KEY]``):
@@ -37,11 +39,14 @@ PLAN``                ``patterns``            :class:`ParamSharding` (``apply_te
 ``OFFLOAD_PLAN``      ``offload_policy``      :class:`OffloadPlan`: offloaded activation bytes,
                       (``apply_offload``      link time, optimizer-on-host decision
                       numbers the regions)
+``TENSOR_REMAT_       ``tensor_remat_``       :class:`TensorRematPlan`: budget, peak, recompute
+PLAN``                ``policy``              FLOPs of the per-tensor decision
 ====================  ======================  =======================================================
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import sympy
 import torch
@@ -605,16 +610,46 @@ class RematNodeMeta:
 
 
 TENSOR_REMAT = "tensor_remat"
+TENSOR_REMAT_PLAN = "tensor_remat_plan"
 
 
 @dataclass(frozen=True, kw_only=True)
 class TensorRematMeta:
-    """``node.meta[TENSOR_REMAT]``: a per-tensor recompute decision of the whole-graph remat model
-    (:mod:`passes.remat_solver`) on a plain (not checkpointed) graph. ``recompute``: backward
-    finds this node's saved storages computed again on demand from its inputs
-    (:class:`passes.tensor_remat.TensorRemat` runs it), not kept from forward."""
+    """``node.meta[TENSOR_REMAT]``: a per-tensor decision of the whole-graph remat model
+    (:mod:`passes.remat_solver`) on a plain (not checkpointed) graph, on every node the model
+    decides (nodes without it are views, getitems, sizes: made again from their inputs when a
+    recompute reads them). ``action``: ``recompute`` (backward finds this node's saved storages
+    computed again on demand from its inputs: :class:`passes.tensor_remat.TensorRemat`),
+    ``save`` (kept from forward), ``none`` (nothing of it is kept for backward)."""
 
-    recompute: bool
+    action: Literal["save", "recompute", "none"]
+
+    @property
+    def recompute(self) -> bool:
+        return self.action == "recompute"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorRematPlan:
+    """``gm.meta[TENSOR_REMAT_PLAN]``: what ``checkpointing="tensor"`` decided for this program
+    (:func:`passes.tensor_remat_policy.tensor_remat_policy`), at its concrete shapes.
+
+    * ``budget_bytes``: bound on the activation bytes alive at every moment of backward when
+      recomputes run on demand; ``peak_bytes``: the decision's (``feasible``: within the budget;
+      else the lowest peak any decision reaches); ``none_peak_bytes``: with nothing recomputed.
+    * ``recompute_flops``: forward FLOPs (matmul-class) run again in backward; ``recomputed``:
+      names of the recomputed nodes, in forward order.
+    * ``optimal``: the MILP proved it optimal; ``solve_s``: seconds the decision took.
+    """
+
+    budget_bytes: int
+    peak_bytes: int
+    none_peak_bytes: int
+    recompute_flops: int
+    recomputed: tuple[str, ...]
+    feasible: bool
+    optimal: bool
+    solve_s: float
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,20 +1,21 @@
-"""Rematerialization on DAGs: block-level checkpointing, the ``dag`` policy and the whole-graph
-remat model's decisions (bound on the bytes saved after forward, or on the backward peak), side
-by side at the same budgets, with the step peaks MemTracker measures.
+"""Rematerialization on DAGs: block-level checkpointing, the ``dag`` policy, the ``tensor`` policy
+and the whole-graph remat model's decision under the saved-bytes bound, side by side at the same
+budgets, with the step peaks MemTracker measures.
 
     python bench/remat_policies.py [--models resnet,unet,hf-bert,hf-bert-dropout] [--fractions 0.1,0.25,0.3,0.5,0.75]
 
 For each model and budget (a fraction of the way from full block checkpointing's saved bytes
 to none's), the columns are:
 
-* recompute FLOPs of block-level checkpointing (``solver`` policy), of the ``dag`` policy, and of
-  the whole-graph MILP under the saved-bytes bound and under the peak bound
-  (``passes.remat_solver.solve_milp``); for the two MILPs also the activation bytes at the
-  fullest moment of backward (``backward_peak``) and, for the peak bound, the solve time;
-* the step peak (bytes) MemTracker measures for one AdamW step on CPU: without checkpointing,
-  under the ``dag`` policy (torch's selective checkpointing), and under the peak-bound decision
-  run by the per-tensor executor (``passes.tensor_remat.TensorRemat``); and the memory
-  analysis's predicted step peak for that decision against its measurement.
+* recompute FLOPs of block-level checkpointing (``solver`` policy), of the ``dag`` policy, of
+  the whole-graph MILP under the saved-bytes bound (``passes.remat_solver.solve_milp``) and of
+  the ``tensor`` policy (``passes.tensor_remat_policy``: that MILP under the peak bound); for the
+  last two also the activation bytes at the fullest moment of backward (``backward_peak``) and,
+  for ``tensor``, the seconds its pass takes;
+* the step peak (bytes) MemTracker measures for one step on CPU: without checkpointing, under
+  the ``dag`` policy (torch's selective checkpointing), and of the program lowered under
+  ``tensor`` (``passes.apply_tensor_remat``: its forward runs the per-tensor executor); and the
+  memory analysis's predicted step peak of that program against its measurement.
 
 When no decision fits a budget under the peak bound, the MILP returns the lowest peak any
 decision reaches (marked ``*``). Prints a markdown table per model; asserts nothing.
@@ -41,9 +42,10 @@ from passes.apply_checkpoint import apply_checkpoint  # noqa: E402
 from passes.capture import capture_spec  # noqa: E402
 from passes.checkpoint_policy import checkpoint_policy  # noqa: E402
 from passes.graph_view import to_networkx  # noqa: E402
-from passes.ir.meta import CHECKPOINT_PLAN, DAG_CHECKPOINT_PLAN, MEMORY_SUMMARY  # noqa: E402
+from passes.apply_tensor_remat import apply_tensor_remat  # noqa: E402
+from passes.ir.meta import CHECKPOINT_PLAN, DAG_CHECKPOINT_PLAN, MEMORY_SUMMARY, TENSOR_REMAT_PLAN  # noqa: E402
 from passes.remat_solver import RematCosts, from_checkpoint_plan, problem_from_view, solve_milp  # noqa: E402
-from passes.tensor_remat import TensorRemat, actions_of, mark_recomputed  # noqa: E402
+from passes.tensor_remat_policy import tensor_remat_policy  # noqa: E402
 from runtime.measure import memtracker_step_peak  # noqa: E402
 
 MODELS = {
@@ -53,16 +55,6 @@ MODELS = {
     "hf-bert-dropout": "hf-bert:batch=4",
 }
 COSTS = RematCosts(device_flops_per_s=1.0)  # FLOPs are the objective
-
-
-class _Executed(torch.nn.Module):
-    def __init__(self, gm, actions):
-        super().__init__()
-        self.gm = gm
-        self.remat = TensorRemat(gm, actions)
-
-    def forward(self, *inputs):
-        return self.remat(*inputs)
 
 
 def _analysed(gm):
@@ -79,8 +71,8 @@ def run_model(name: str, fractions: list[float]) -> None:
     none_peak = memtracker_step_peak(copy.deepcopy(gm), inputs)
     print(f"\n### {name} (`{MODELS[name]}`): saved bytes {lo:,} (full) .. {hi:,} (none); "
           f"step peak without checkpointing {none_peak:,} bytes\n")
-    print("| f | budget | block FLOPs | dag FLOPs | MILP saved-bound FLOPs (bwd peak) | MILP peak-bound FLOPs "
-          "(bwd peak, solve s) | step peak: dag | step peak: peak-bound | predicted | tensor/dag FLOPs | "
+    print("| f | budget | block FLOPs | dag FLOPs | MILP saved-bound FLOPs (bwd peak) | tensor FLOPs "
+          "(bwd peak, pass s) | step peak: dag | step peak: tensor | predicted | tensor/dag FLOPs | "
           "tensor/dag peak |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for f in fractions:
@@ -95,10 +87,11 @@ def run_model(name: str, fractions: list[float]) -> None:
         dag_peak = memtracker_step_peak(copy.deepcopy(dag_gm), inputs)
         saved = solve_milp(problem, budget, costs=COSTS)
         start = time.perf_counter()
-        peak = solve_milp(problem, budget, costs=COSTS, bound="peak")
+        lowered = apply_tensor_remat(tensor_remat_policy(copy.deepcopy(gm), budget_bytes=budget))
         solve_s = time.perf_counter() - start
-        predicted = int(annotate_memory(mark_recomputed(copy.deepcopy(gm), peak)).meta[MEMORY_SUMMARY].peak_bytes)
-        measured = memtracker_step_peak(_Executed(copy.deepcopy(gm), actions_of(peak)), inputs)
+        peak = lowered.meta[TENSOR_REMAT_PLAN]
+        predicted = int(annotate_memory(copy.deepcopy(lowered)).meta[MEMORY_SUMMARY].peak_bytes)
+        measured = memtracker_step_peak(lowered, inputs)
         mark = "" if peak.feasible else "*"
         flops_ratio = f"{peak.recompute_flops / dag.recompute_flops:.2f}" if dag.recompute_flops else "-"
         print(f"| {f} | {budget:,} | {block} | {dag.recompute_flops:,} | {saved.recompute_flops:,} "

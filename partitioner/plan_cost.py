@@ -313,6 +313,15 @@ class PlanContext:
             recompute = (layer.dag_checkpointed * (mem_fwd + op_overhead_time(ops, dev) + fwd_comm + cpa.comm_fwd)
                          + share * (matmul_fwd + cpa.fwd))
             full += cpa.saved_bytes  # the working set of the block being recomputed
+        elif ckpt == "tensor" and layer.tensor_activation_bytes is not None:
+            # the profile's per-tensor decision: a share of the saved bytes kept; each recomputed
+            # op runs again once in backward (its matmul FLOPs, its share of the memory-bound
+            # work and op overheads). No tp or cp here (the config refuses them).
+            keep = layer.tensor_activation_bytes / layer.activation_bytes if layer.activation_bytes else 1.0
+            act = full * keep
+            share = layer.tensor_recompute_flops / layer.fwd_flops if layer.fwd_flops else 0.0
+            recompute = (layer.tensor_recomputed_ops * (mem_fwd + op_overhead_time(ops, dev))
+                         + share * matmul_fwd)
         elif ckpt == "selective":  # the attention core reruns: its exchanges too, its extra saves are not kept
             act = full - layer.attention_score_bytes * b / tp
             recompute = self._attention_recompute_time(layer, tp, b) + cpa.recompute
@@ -787,7 +796,9 @@ matmuls) at 59 us per dispatched op (its calibrated ``kernel_overhead_s``)."""
 
 def _recompute_working_set(c: ParallelConfig, blk: _LayerCost) -> float:
     """Bytes a recomputed block holds while its backward runs (its activations without
-    checkpointing), on top of what the in-flight micro-batches keep: full and dag checkpointing."""
+    checkpointing), on top of what the in-flight micro-batches keep: full and dag checkpointing.
+    Not ``tensor``: it recomputes one op at a time, each value dropped after its last use, within
+    the budget its decision bounds (the plan's memory replay counts those exactly)."""
     return blk.full_act_bytes if c.checkpointing in ("full", "dag") else 0.0
 
 

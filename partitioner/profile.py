@@ -20,6 +20,9 @@ import sympy
 from torch import fx
 
 from passes.checkpoint_policy import checkpoint_policy
+from passes.graph_view import to_networkx
+from passes.remat_solver import problem_from_view
+from passes.tensor_remat_policy import decide as decide_tensor_remat
 from passes.context_parallel import attention_problems, repeat_kv_source, sdpa_args
 from passes.weight_decay import no_weight_decay_names
 from passes.ir.errors import AnalysisError, ConfigError, PassError
@@ -131,6 +134,18 @@ class LayerProfile:
     dag_checkpointed: float = 0.0
     """Fraction of the blocks ``dag`` checkpoints (each replays its memory-bound ops and its
     collectives in backward)."""
+    tensor_activation_bytes: float | None = None
+    """Bytes saved for backward per sample under ``checkpointing="tensor"`` at its default budget
+    (:func:`passes.tensor_remat_policy.decide` on the whole graph; each stage decides on its own
+    program, which the plan's memory replay prices exactly), averaged over the blocks. None: not
+    profiled (the search then does not offer it)."""
+    tensor_refusal: str = ""
+    """Why ``tensor`` is not priced (``tensor_activation_bytes`` is None)."""
+    tensor_recompute_flops: float = 0.0
+    """Forward FLOPs per sample that ``tensor`` runs again in backward, averaged over the blocks."""
+    tensor_recomputed_ops: float = 0.0
+    """Fraction of a block's decided ops (those owning activations) that ``tensor`` recomputes,
+    averaged over the blocks: the share of its memory-bound work and op overheads run again."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -331,6 +346,12 @@ def _chain(gm: fx.GraphModule, seq: int, shared: _SharedMap, subs: dict | None =
     else:
         layers.update({g: replace(layers[g], dag_activation_bytes=layers[g].activation_bytes - dag[0],
                                   dag_recompute_flops=dag[1], dag_checkpointed=dag[2]) for g in stack})
+    tensor = _tensor_per_block(gm, stack)
+    if isinstance(tensor, str):
+        layers.update({g: replace(layers[g], tensor_refusal=tensor) for g in stack})
+    else:
+        layers.update({g: replace(layers[g], tensor_activation_bytes=layers[g].activation_bytes - tensor[0],
+                                  tensor_recompute_flops=tensor[1], tensor_recomputed_ops=tensor[2]) for g in stack})
     bnd = layers[stack[0]].boundary_bytes
     emb = replace(layers["embedding"], boundary_bytes=bnd, tp_all_reduces=1)
     head = replace(layers["head"], boundary_bytes=bnd, tp_all_reduces=1)
@@ -357,6 +378,30 @@ def _dag_per_block(gm: fx.GraphModule, stack: list[str], subs: dict | None) -> t
     return (sum(_int(r.bytes_saved, subs) for r in picked if r.recompute) / n,
             sum(_int(r.recompute_flops, subs) for r in picked if r.recompute) / n,
             sum(r.recompute for r in picked) / n)
+
+
+def _tensor_per_block(gm: fx.GraphModule, stack: list[str]) -> tuple[float, float, float] | str:
+    """(bytes no longer kept after forward, recompute FLOPs, share of decided ops recomputed) per
+    sample and block, averaged over ``stack``'s blocks, under ``checkpointing="tensor"`` at its
+    default budget on the whole graph (the profile's batch of one); or why it cannot be priced."""
+    try:
+        problem = problem_from_view(to_networkx(gm))
+        decision = decide_tensor_remat(problem)
+    except (PassError, ConfigError) as e:
+        return f"the tensor remat policy failed on this model's graph ({e})"
+    block = {n.name: n.meta[BLOCK].name for n in gm.graph.nodes if BLOCK in n.meta}
+    kept = [0] * len(problem.nodes)
+    for st in problem.storages:
+        kept[st.owner] += st.nbytes if st.kept else 0
+    freed, flops, share = 0.0, 0.0, 0.0
+    for g in stack:
+        mine = [(i, d) for i, d in enumerate(decision.nodes) if block.get(d.node) == g and d.action != "none"]
+        redone = [(i, d) for i, d in mine if d.action == "recompute"]
+        freed += sum(kept[i] for i, _ in redone)
+        flops += sum(d.recompute_flops for _, d in redone)
+        share += len(redone) / len(mine) if mine else 0.0
+    n = len(stack)
+    return freed / n, flops / n, share / n
 
 
 _SDPA = "aten.scaled_dot_product_attention"

@@ -149,6 +149,10 @@ def _pinned_problems(fix: dict, world: int, L: int, heads: int, global_batch: in
             and profile.blocks[0].dag_activation_bytes is None:
         why = profile.blocks[0].dag_refusal or "no checkpoint regions in its blocks"
         out.append(f"checkpointing='dag' cannot be priced on this model: {why}; pin none, selective or full")
+    if fix.get("checkpointing") == "tensor" and profile is not None and profile.blocks \
+            and profile.blocks[0].tensor_activation_bytes is None:
+        why = profile.blocks[0].tensor_refusal or "its blocks own no activations"
+        out.append(f"checkpointing='tensor' cannot be priced on this model: {why}; pin none, selective or full")
     return out
 
 
@@ -284,6 +288,8 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
     ckpts = ["none", "selective", "full"] if has_scores else ["none", "full"]
     if profile.blocks and profile.blocks[0].dag_activation_bytes is not None:
         ckpts.append("dag")
+    if profile.blocks and profile.blocks[0].tensor_activation_bytes is not None:
+        ckpts.append("tensor")
     tps = [t for t in _divisors(world) if profile.heads % t == 0 and cluster.devices_per_node % t == 0]
     pairs = []
     for tp in opts("tp", tps):

@@ -42,7 +42,7 @@ from passes.ir.cp_ops import CONTEXT_PARALLEL, CP_OPS
 from passes.ir.cost import CostHooks
 from passes.ir.errors import ConfigError, PassError
 from passes.ir.meta import (CAPTURE, CHECKPOINT_PLAN, LAYER_CHAIN, OFFLOAD_PLAN, PIPELINE_STAGE, REMAT, STAGE_IO,
-                            TENSOR_PARALLEL_PLAN,
+                            TENSOR_PARALLEL_PLAN, TENSOR_REMAT,
                             InputSpec, PipelineSplit, StageAssignment, StageIO, dim_symbol)
 from passes.ir.ops import TP_OPS, op_name
 from passes.ir.program import Comm, RankProgram, TiedParam, global_rank, local_shape, mesh_coords
@@ -113,8 +113,8 @@ class Lowering:
 
     def digest(self) -> str:
         """A hash of what every rank will run: the config and, for each (stage, tp rank) program
-        lowered, the generated code of it and of its submodules (checkpointed regions) and the
-        nodes whose outputs a selective region keeps. Processes that lower the same programs of
+        lowered, the generated code of it and of its submodules (checkpointed regions), the
+        nodes whose outputs a selective region keeps and each per-tensor decision's actions. Processes that lower the same programs of
         one plan must get the same string (:func:`passes.communication_check.check_lowered_ranks`
         compares them)."""
         h = hashlib.sha256(repr(self.config).encode())
@@ -126,6 +126,8 @@ class Lowering:
                     h.update(module.code.encode())
                     h.update(" ".join(n.name for n in module.graph.nodes
                                       if REMAT in n.meta and n.meta[REMAT].cached).encode())
+                    h.update(" ".join(f"{n.name}:{n.meta[TENSOR_REMAT].action}" for n in module.graph.nodes
+                                      if TENSOR_REMAT in n.meta).encode())
         return h.hexdigest()[:16]
 
     def _no_weight_decay(self, canonical: Mapping[str, str]) -> frozenset[str]:

@@ -17,7 +17,6 @@ budget the decision with the lowest peak is taken (``TensorRematPlan.feasible`` 
 """
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from torch import fx
@@ -25,7 +24,8 @@ from torch import fx
 from passes.graph_view import to_networkx
 from passes.ir.errors import ConfigError
 from passes.ir.meta import TENSOR_REMAT_PLAN, TensorRematPlan
-from passes.remat_solver import RematCosts, backward_peak, peak_budget, problem_from_view, solve_milp
+from passes.remat_solver import (RematCosts, RematDecision, RematProblem, backward_peak, peak_budget,
+                                 problem_from_view, solve_milp)
 from passes.tensor_remat import mark_recomputed
 
 DEFAULT_BUDGET_FRACTION = 0.5
@@ -42,16 +42,24 @@ def tensor_remat_policy(gm: fx.GraphModule, ctx: Any = None, *, budget_bytes: in
     alive at any moment of backward; default: ``fraction`` of the way, see the module docstring);
     returns ``gm`` (meta only). Needs ``annotate_shapes`` and ``annotate_flops``; ``time_limit_s``
     bounds the MILP (seconds; past it the best decision found is taken, ``optimal=False``)."""
-    if budget_bytes is not None and budget_bytes < 0:
-        raise ConfigError(f"tensor_remat_policy: budget_bytes must be >= 0, got {budget_bytes}")
-    start = time.perf_counter()
     problem = problem_from_view(to_networkx(gm))
-    budget = budget_bytes if budget_bytes is not None else peak_budget(problem, fraction)
-    decision = solve_milp(problem, budget, costs=_FLOPS_ONLY, bound="peak", time_limit_s=time_limit_s)
+    decision = decide(problem, budget_bytes=budget_bytes, fraction=fraction, time_limit_s=time_limit_s)
+    budget = decision.budget_bytes
     mark_recomputed(gm, decision)
     gm.meta[TENSOR_REMAT_PLAN] = TensorRematPlan(
         budget_bytes=budget, peak_bytes=decision.peak_bytes,
         none_peak_bytes=backward_peak(problem, [False] * len(problem.nodes)),
         recompute_flops=decision.recompute_flops, recomputed=decision.named("recompute"),
-        feasible=decision.feasible, optimal=decision.optimal, solve_s=time.perf_counter() - start)
+        feasible=decision.feasible, optimal=decision.optimal)
     return gm
+
+
+def decide(problem: RematProblem, *, budget_bytes: int | None = None, fraction: float = DEFAULT_BUDGET_FRACTION,
+           time_limit_s: float = 60.0) -> RematDecision:
+    """The policy's decision on a remat problem (what :func:`tensor_remat_policy` marks; the
+    planner's profile prices the same): the MILP under the peak bound at ``budget_bytes``, or at
+    ``fraction`` of the way (module docstring) when it is None."""
+    if budget_bytes is not None and budget_bytes < 0:
+        raise ConfigError(f"tensor_remat_policy: budget_bytes must be >= 0, got {budget_bytes}")
+    budget = budget_bytes if budget_bytes is not None else peak_budget(problem, fraction)
+    return solve_milp(problem, budget, costs=_FLOPS_ONLY, bound="peak", time_limit_s=time_limit_s)

@@ -3,7 +3,7 @@
 Hypothesis draws feasible plans (``plans`` below: tiny zoo GPT and tiny HF GPT-2,
 dp*tp*pp in {1, 2, 4, 8}, tp | heads, gpipe / 1f1b / zero-bubble zb1p, interleaved or ZBV with virtual_pp=2,
 micro-batches,
-ZeRO-1, 2 or 3, full or dag checkpointing or activation offload) and each one must give the per-step losses,
+ZeRO-1, 2 or 3, full, dag or per-tensor checkpointing or activation offload) and each one must give the per-step losses,
 global gradient norms and learning rates, final parameters and last-step (clipped) gradients of
 single-process AdamW training with global-norm clipping (every step clips) and a warm-up + cosine
 schedule at rtol 1e-5. Fixed
@@ -48,18 +48,20 @@ def plans(draw, models=("gpt", "hf-gpt2"), max_ranks: int = WORLD) -> Plan:
     memory = [("none", "none"), ("full", "none"), ("none", "activations")]
     if schedule not in ("zb1p", "zbv"):  # dag's selective regions replay for one backward, not two halves
         memory.append(("dag", "none"))
+        if tp == 1:  # per-tensor recompute: no collectives in its programs (tp, cp, ZeRO-3 refused)
+            memory.append(("tensor", "none"))
     ckpt, offload = draw(st.sampled_from(memory))
     # context parallelism (with or without tp): not on HF GPT-2 (its attention takes an explicit
     # mask, which the rewrite refuses); the sequence (8) cut in 2 * cp chunks; Ulysses when
     # tp * cp divides the heads
     cps = [c for c in (1, 2, 4) if (size // (tp * pp)) % c == 0 and SEQ % (2 * c) == 0] \
-        if model == "gpt" else [1]
+        if model == "gpt" and ckpt != "tensor" else [1]
     cp = draw(st.sampled_from(cps))
     cp_mode = draw(st.sampled_from(["ring"] + (["ulysses"] if HEADS % (tp * cp) == 0 else []))) \
         if cp > 1 else "ring"
     dp = size // (tp * pp * cp)
     # ZeRO-3 runs neither the split backward of the zero-bubble schedules nor activation offload
-    zero3 = [3] if schedule not in ("zb1p", "zbv") and offload == "none" else []
+    zero3 = [3] if schedule not in ("zb1p", "zbv") and offload == "none" and ckpt != "tensor" else []
     zero = draw(st.sampled_from([0, 1, 2, *zero3] if dp * cp > 1 else [0]))
     # HSDP: ZeRO-3 sharded inside groups of dp ranks, replicated across them
     hsdp = draw(st.sampled_from([None, *[s for s in (2, 4) if s < dp and dp % s == 0]])) \
@@ -111,7 +113,7 @@ def _features(plan: Plan) -> set:
     return set(items) | pairs
 
 
-SEED = int(os.environ.get("RUNTIME_PROPERTY_SEED", "0"))
+SEED = int(os.environ.get("RUNTIME_PROPERTY_SEED", "1"))  # seed 0 holds no HSDP plan among its first 8
 N_DRAWN = int(os.environ.get("RUNTIME_PROPERTY_N", "8"))
 POOL = int(os.environ.get("RUNTIME_PROPERTY_POOL", "400"))  # with cp in the draw, 200 held no HSDP plan
 DRAWN = draw_plans(plans(), N_DRAWN, seed_value=SEED, pool_size=POOL)
@@ -158,7 +160,8 @@ def test_draw_covers_every_axis_and_option():
     }
     want = {"model": {"gpt", "hf-gpt2"}, "tp>1": {True, False}, "pp>1": {True, False}, "dp>1": {True, False},
             "schedule": {"gpipe", "1f1b", "interleaved", "zb1p", "zbv"}, "zero": {0, 1, 2, 3},
-            "memory": {("none", "none"), ("full", "none"), ("none", "activations"), ("dag", "none")},
+            "memory": {("none", "none"), ("full", "none"), ("none", "activations"), ("dag", "none"),
+                       ("tensor", "none")},
             "hsdp": {True, False},
             "keep": {True, False}, "cp": {None, "ring", "ulysses"}}
     assert seen == want, [p.id for p in DRAWN]

@@ -33,7 +33,14 @@ def test_replicated_profile_matches_full_capture_and_analysis(profile):
     assert len(profile.blocks) == len(direct.blocks) == 4
     for key in ("param_count", "param_bytes", "fwd_flops", "bwd_flops", "activation_bytes"):
         assert getattr(profile, key) == getattr(direct, key), key
-    assert profile.blocks == direct.blocks
+    # the per-tensor decision is made on the whole captured graph, so the share of it one block
+    # takes moves a little with the number of blocks sharing its budget: near, not equal
+    tensor = ("tensor_activation_bytes", "tensor_recompute_flops", "tensor_recomputed_ops")
+    assert [dataclasses.replace(b, **dict.fromkeys(tensor, 0)) for b in profile.blocks] == \
+        [dataclasses.replace(b, **dict.fromkeys(tensor, 0)) for b in direct.blocks]
+    for key in tensor:
+        got, want = getattr(profile.blocks[0], key), getattr(direct.blocks[0], key)
+        assert 0 < got == pytest.approx(want, rel=0.2), key
     whole = analyze(SPEC, batch=1, seq=32, dtype="bf16")
     assert profile.param_count == whole.param_count
     assert profile.fwd_flops == whole.fwd_flops and profile.bwd_flops == whole.bwd_flops
@@ -140,7 +147,7 @@ def test_memory_ladder(profile):
         plan(profile, _cluster(least * 0.99), global_batch=batch)
     message = str(info.value)
     assert f"smallest need is {format_bytes(least)} per device" in message
-    assert "checkpointing in {dag, full, none}" in message and "zero_stage in {0, 1, 2, 3}" in message
+    assert "checkpointing in {dag, full, none, tensor}" in message and "zero_stage in {0, 1, 2, 3}" in message
     assert info.value.min_bytes == least
     # ... and that need is enough
     fits = plan(profile, _cluster(math.ceil(least) + 1), global_batch=batch)

@@ -639,7 +639,7 @@ class TensorRematPlan:
       else the lowest peak any decision reaches); ``none_peak_bytes``: with nothing recomputed.
     * ``recompute_flops``: forward FLOPs (matmul-class) run again in backward; ``recomputed``:
       names of the recomputed nodes, in forward order.
-    * ``optimal``: the MILP proved it optimal; ``solve_s``: seconds the decision took.
+    * ``optimal``: the MILP proved it optimal (within its time limit).
     """
 
     budget_bytes: int
@@ -649,7 +649,6 @@ class TensorRematPlan:
     recomputed: tuple[str, ...]
     feasible: bool
     optimal: bool
-    solve_s: float
 
 
 @dataclass(frozen=True, kw_only=True)

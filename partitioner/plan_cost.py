@@ -191,7 +191,8 @@ class _LayerCost:
     """Context-parallel exchanges not hidden by compute, forward and backward (:class:`_CpAttention`)."""
     working_bytes: float = 0.0
     """Transient bytes of the layer's context-parallel attention while it runs (received blocks,
-    fp32 score blocks): held once per device, not per micro-batch."""
+    fp32 score blocks), or of ``tensor``'s recomputes in backward: held once per device, not per
+    micro-batch."""
     weight_grad: float = 0.0
     """Seconds of ``bwd`` that compute weight gradients (a split backward's W): the matmul-class
     kernels' weight-gradient halves, and half of the split's extra overhead."""
@@ -299,6 +300,7 @@ class PlanContext:
             cpa = _CpAttention(comm_fwd=2 * all_reduce_time(4.0, cp, self.cp_links(cp, tp)[0]))
         fwd += cpa.fwd
         bwd += cpa.bwd
+        working = cpa.working_bytes
         if ckpt == "full":
             act = layer.boundary_bytes * b / (tp if sp else 1)
             recompute = fwd + fwd_comm + cpa.comm_fwd  # the rerun forward exchanges again
@@ -322,6 +324,7 @@ class PlanContext:
             share = layer.tensor_recompute_flops / layer.fwd_flops if layer.fwd_flops else 0.0
             recompute = (layer.tensor_recomputed_ops * (mem_fwd + op_overhead_time(ops, dev))
                          + share * matmul_fwd)
+            working = layer.tensor_working_bytes * b  # what its recomputes hold in backward
         elif ckpt == "selective":  # the attention core reruns: its exchanges too, its extra saves are not kept
             act = full - layer.attention_score_bytes * b / tp
             recompute = self._attention_recompute_time(layer, tp, b) + cpa.recompute
@@ -330,7 +333,7 @@ class PlanContext:
             full = act
         return _LayerCost(fwd=fwd, bwd=bwd, tp_comm=2 * fwd_comm, recompute=recompute, act_bytes=act,
                           full_act_bytes=full, params=layer.param_count / tp, cp_comm=cpa.comm_fwd + cpa.comm_bwd,
-                          working_bytes=cpa.working_bytes, weight_grad=wgrad)
+                          working_bytes=working, weight_grad=wgrad)
 
     def _cp_attention(self, layer: LayerProfile, mbs: int, cp: int, mode: str, tp: int = 1) -> _CpAttention:
         """What context parallelism adds to one block's attention for a micro-batch of ``mbs``
@@ -796,9 +799,10 @@ matmuls) at 59 us per dispatched op (its calibrated ``kernel_overhead_s``)."""
 
 def _recompute_working_set(c: ParallelConfig, blk: _LayerCost) -> float:
     """Bytes a recomputed block holds while its backward runs (its activations without
-    checkpointing), on top of what the in-flight micro-batches keep: full and dag checkpointing.
-    Not ``tensor``: it recomputes one op at a time, each value dropped after its last use, within
-    the budget its decision bounds (the plan's memory replay counts those exactly)."""
+    checkpointing), on top of what the in-flight micro-batches keep: full and dag checkpointing;
+    ``tensor``: what its recomputes hold at the fullest moment of backward (the profile's)."""
+    if c.checkpointing == "tensor":
+        return blk.working_bytes
     return blk.full_act_bytes if c.checkpointing in ("full", "dag") else 0.0
 
 

@@ -21,7 +21,7 @@ from torch import fx
 
 from passes.checkpoint_policy import checkpoint_policy
 from passes.graph_view import to_networkx
-from passes.remat_solver import problem_from_view
+from passes.remat_solver import backward_peak, problem_from_view
 from passes.tensor_remat_policy import decide as decide_tensor_remat
 from passes.context_parallel import attention_problems, repeat_kv_source, sdpa_args
 from passes.weight_decay import no_weight_decay_names
@@ -135,10 +135,11 @@ class LayerProfile:
     """Fraction of the blocks ``dag`` checkpoints (each replays its memory-bound ops and its
     collectives in backward)."""
     tensor_activation_bytes: float | None = None
-    """Bytes saved for backward per sample under ``checkpointing="tensor"`` at its default budget
+    """Bytes saved for backward per sample under ``checkpointing="tensor"`` at its default budget:
+    the block's activations times the share the whole decision keeps
     (:func:`passes.tensor_remat_policy.decide` on the whole graph; each stage decides on its own
-    program, which the plan's memory replay prices exactly), averaged over the blocks. None: not
-    profiled (the search then does not offer it)."""
+    program, which the plan's memory replay prices exactly). None: not profiled (the search then
+    does not offer it)."""
     tensor_refusal: str = ""
     """Why ``tensor`` is not priced (``tensor_activation_bytes`` is None)."""
     tensor_recompute_flops: float = 0.0
@@ -146,6 +147,10 @@ class LayerProfile:
     tensor_recomputed_ops: float = 0.0
     """Fraction of a block's decided ops (those owning activations) that ``tensor`` recomputes,
     averaged over the blocks: the share of its memory-bound work and op overheads run again."""
+    tensor_working_bytes: float = 0.0
+    """Bytes per sample that ``tensor``'s recomputes hold at the fullest moment of backward on top
+    of what forward kept (the decision's backward peak minus its saved bytes, whole graph): held
+    once per device, for the micro-batch whose backward runs."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -350,8 +355,9 @@ def _chain(gm: fx.GraphModule, seq: int, shared: _SharedMap, subs: dict | None =
     if isinstance(tensor, str):
         layers.update({g: replace(layers[g], tensor_refusal=tensor) for g in stack})
     else:
-        layers.update({g: replace(layers[g], tensor_activation_bytes=layers[g].activation_bytes - tensor[0],
-                                  tensor_recompute_flops=tensor[1], tensor_recomputed_ops=tensor[2]) for g in stack})
+        layers.update({g: replace(layers[g], tensor_activation_bytes=layers[g].activation_bytes * tensor[0],
+                                  tensor_recompute_flops=tensor[1], tensor_recomputed_ops=tensor[2],
+                                  tensor_working_bytes=tensor[3]) for g in stack})
     bnd = layers[stack[0]].boundary_bytes
     emb = replace(layers["embedding"], boundary_bytes=bnd, tp_all_reduces=1)
     head = replace(layers["head"], boundary_bytes=bnd, tp_all_reduces=1)
@@ -380,28 +386,32 @@ def _dag_per_block(gm: fx.GraphModule, stack: list[str], subs: dict | None) -> t
             sum(r.recompute for r in picked) / n)
 
 
-def _tensor_per_block(gm: fx.GraphModule, stack: list[str]) -> tuple[float, float, float] | str:
-    """(bytes no longer kept after forward, recompute FLOPs, share of decided ops recomputed) per
-    sample and block, averaged over ``stack``'s blocks, under ``checkpointing="tensor"`` at its
-    default budget on the whole graph (the profile's batch of one); or why it cannot be priced."""
+def _tensor_per_block(gm: fx.GraphModule, stack: list[str]) -> tuple[float, float, float, float] | str:
+    """Per sample and block, averaged over ``stack``'s blocks, under ``checkpointing="tensor"`` at
+    its default budget on the whole graph (the profile's batch of one): (the share of activation
+    bytes kept after forward, recompute FLOPs, share of decided ops recomputed), and the bytes per
+    sample its recomputes hold at the fullest moment of backward; or why it cannot be priced.
+
+    The share kept is the whole decision's (its saved bytes over recomputing nothing's), not each
+    block's own: a stage decides on its own program at the same fraction of its own range, and
+    which blocks give up how much moves with the blocks sharing the budget (two profiled blocks
+    are not the stage's)."""
     try:
         problem = problem_from_view(to_networkx(gm))
         decision = decide_tensor_remat(problem)
     except (PassError, ConfigError) as e:
         return f"the tensor remat policy failed on this model's graph ({e})"
+    none = backward_peak(problem, [False] * len(problem.nodes))
     block = {n.name: n.meta[BLOCK].name for n in gm.graph.nodes if BLOCK in n.meta}
-    kept = [0] * len(problem.nodes)
-    for st in problem.storages:
-        kept[st.owner] += st.nbytes if st.kept else 0
-    freed, flops, share = 0.0, 0.0, 0.0
+    flops, share = 0.0, 0.0
     for g in stack:
-        mine = [(i, d) for i, d in enumerate(decision.nodes) if block.get(d.node) == g and d.action != "none"]
-        redone = [(i, d) for i, d in mine if d.action == "recompute"]
-        freed += sum(kept[i] for i, _ in redone)
-        flops += sum(d.recompute_flops for _, d in redone)
+        mine = [d for d in decision.nodes if block.get(d.node) == g and d.action != "none"]
+        redone = [d for d in mine if d.action == "recompute"]
+        flops += sum(d.recompute_flops for d in redone)
         share += len(redone) / len(mine) if mine else 0.0
     n = len(stack)
-    return freed / n, flops / n, share / n
+    kept = decision.saved_bytes / none if none else 1.0
+    return kept, flops / n, share / n, float(decision.peak_bytes - decision.saved_bytes)
 
 
 _SDPA = "aten.scaled_dot_product_attention"

@@ -318,7 +318,7 @@ class PlanContext:
         elif ckpt == "tensor" and layer.tensor_activation_bytes is not None:
             # the profile's per-tensor decision: a share of the saved bytes kept; each recomputed
             # op runs again once in backward (its matmul FLOPs, its share of the memory-bound
-            # work and op overheads). No tp or cp here (the config refuses them).
+            # work and op overheads); collectives are kept, never run again (no cp: refused)
             keep = layer.tensor_activation_bytes / layer.activation_bytes if layer.activation_bytes else 1.0
             act = full * keep
             share = layer.tensor_recompute_flops / layer.fwd_flops if layer.fwd_flops else 0.0

@@ -24,8 +24,10 @@ dims' hint values (plain ints):
 ``reads``           names of the activation/internal storages the node reads (views resolved to
                     the storage they view; graph inputs, parameters and buffers left out)
 ``recomputable``    the node can run again in backward with the same result and no side effect:
-                    a call that mutates nothing (no in-place op writes its storages) and is not
-                    a graph input, parameter or output
+                    a call that mutates nothing (no in-place op writes its storages), is not one
+                    of the project's ``partitioner::*`` ops (collectives, process state: running
+                    one again on one rank would desynchronise its group) and is not a graph
+                    input, parameter or output
 ``random``          the op may draw random numbers (dropout, fused attention:
                     :func:`draws_random`): recomputing it needs the RNG state
 ``weighted``        a ``call_module`` whose module holds parameters (a traced, not exported, graph)
@@ -66,6 +68,7 @@ from torch.utils._pytree import tree_leaves
 
 from passes.ir.errors import PassError
 from passes.ir.meta import BLOCK, CAPTURE, EXPORT_VAL, FLOPS, SHAPE
+from passes.ir.ops import NAMESPACE
 from passes.saved_tensors import observe_saved_tensors
 
 StorageKind = Literal["activation", "internal"]
@@ -189,7 +192,8 @@ def _view(gm: fx.GraphModule, *, fixed_bytes: int, kind_of, storage_attrs, mutat
         G.add_node(node.name, op=str(node.target) if node.op in _CALLS else node.op, kind=kind,
                    is_param=kind in ("param", "buffer"), is_input=kind == "input", is_output=kind == "output",
                    flops=f, bwd_flops=b, random=draws_random(node),
-                   recomputable=kind == "compute" and not _mutates(node) and node not in mutated,
+                   recomputable=kind == "compute" and not _mutates(node) and node not in mutated
+                   and not is_project_op(node),
                    weighted=_weighted(gm, node), block=node.meta[BLOCK].name if BLOCK in node.meta else None,
                    **storage_attrs(node, kind))
     for node in gm.graph.nodes:
@@ -285,6 +289,12 @@ def _kind(node: fx.Node, storages) -> NodeKind:
 
 def _schema(node: fx.Node):
     return getattr(node.target, "_schema", None) if node.op == "call_function" else None
+
+
+def is_project_op(node: fx.Node) -> bool:
+    """Whether ``node`` calls one of the project's ``partitioner::*`` custom ops (tp and sp
+    collectives, cp exchanges, ZeRO-3 gathers, offload brackets, sharded dropout)."""
+    return node.op == "call_function" and getattr(node.target, "namespace", None) == NAMESPACE
 
 
 def _mutates(node: fx.Node) -> bool:

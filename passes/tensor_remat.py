@@ -55,7 +55,7 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
-from passes.graph_view import draws_random
+from passes.graph_view import draws_random, is_project_op
 from passes.ir.errors import PassError
 from passes.ir.meta import TENSOR_REMAT, TensorRematMeta
 from passes.remat_solver import Action, RematDecision
@@ -157,6 +157,10 @@ class TensorRemat:
             seen.add(a)
             if a.op in ("placeholder", "get_attr") or a.name in self.actions:
                 out.add(a)
+            elif is_project_op(a):  # would run a collective again on this rank alone
+                raise PassError(f"tensor remat: recomputing {node.name!r} would run {a.name!r} ({a.target}) again, "
+                                f"which the decision does not keep; decide on this graph with the remat model "
+                                f"(it saves what its recomputes read)")
             else:
                 stack.extend(a.all_input_nodes)
         return out

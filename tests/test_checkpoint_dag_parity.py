@@ -132,15 +132,20 @@ def test_dag_plan_trains_exactly_like_no_checkpointing(distributed, model):
 @pytest.mark.slow
 @pytest.mark.parametrize("model", list(MODELS))
 def test_dag_plan_trains_like_one_device(distributed, model):
+    assert_trains_like_one_device(model, [r[(model, "dag")] for r in distributed])
+
+
+def assert_trains_like_one_device(model: str, ranks: list[dict]) -> None:
+    """Every rank's losses match one device's (rtol 1e-5), and so does every parameter the ranks
+    hold (each rank its stages' ones; together, all of them), after training moved them."""
     ref_losses, ref_module, initial = _one_device(model)
-    for rank, r in enumerate(distributed):
-        result = r[(model, "dag")]
+    covered = set()
+    for rank, result in enumerate(ranks):
         assert result["losses"] == pytest.approx(ref_losses, rel=1e-5), rank
-        covered = set()
         for name, value in result["params"].items():
             expected = ref_module.get_parameter(name).detach()
             torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{model} {name}: {m}")
             covered.add(id(ref_module.get_parameter(name)))
-        assert covered == {id(p) for p in ref_module.parameters()}
+    assert covered == {id(p) for p in ref_module.parameters()}
     moved = max((ref_module.get_parameter(n).detach() - p).abs().max().item() for n, p in initial.items())
     assert moved > 1e-4  # the weights trained

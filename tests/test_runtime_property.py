@@ -48,8 +48,7 @@ def plans(draw, models=("gpt", "hf-gpt2"), max_ranks: int = WORLD) -> Plan:
     memory = [("none", "none"), ("full", "none"), ("none", "activations")]
     if schedule not in ("zb1p", "zbv"):  # dag's selective regions replay for one backward, not two halves
         memory.append(("dag", "none"))
-        if tp == 1:  # per-tensor recompute: no collectives in its programs (tp, cp, ZeRO-3 refused)
-            memory.append(("tensor", "none"))
+        memory.append(("tensor", "none"))  # per-tensor recompute: cp and ZeRO-3 refused (below)
     ckpt, offload = draw(st.sampled_from(memory))
     # context parallelism (with or without tp): not on HF GPT-2 (its attention takes an explicit
     # mask, which the rewrite refuses); the sequence (8) cut in 2 * cp chunks; Ulysses when

@@ -1,6 +1,7 @@
 """``checkpointing="tensor"`` on two gloo ranks: the zoo ResNet, the zoo U-Net and Hugging Face BERT
-(dropout off) trained at dp=2, and BERT (its MLM head tied to the word embeddings) at pp=2 with
-two micro-batches, through :func:`partitioner.build.build_parallel_model`:
+(dropout off) trained at dp=2, and BERT (its MLM head tied to the word embeddings) at pp=2 and at
+tp=2 (its collectives kept, never run again) with two micro-batches, through
+:func:`partitioner.build.build_parallel_model`:
 
 * three AdamW steps give bit-identical losses and parameters to the same plan without
   checkpointing (the executor runs the same ops on the same values), and the same as one device;
@@ -12,7 +13,7 @@ two micro-batches, through :func:`partitioner.build.build_parallel_model`:
   peak (not for BERT at dp=2, whose peak is its model state at the step's end).
 
 BatchNorm (ResNet, U-Net) normalizes over each dp rank's own rows, so the one-device reference
-computes the loss as the mean of the per-shard losses (the step dp=2, and pp=2's two
+computes the loss as the mean of the per-shard losses (the step dp=2, and pp=2's and tp=2's two
 micro-batches of the same rows, take).
 """
 from __future__ import annotations
@@ -28,17 +29,19 @@ from passes.ir.config import ParallelConfig
 from runtime.launch import spawn
 from runtime.optimizers import as_factory
 from tests.runtime_cases import packed_graph, unpacked_graph
-from tests.test_checkpoint_dag_parity import ADAMW, GLOBAL_BATCH, MODELS, _batches, _one_device
+from tests.test_checkpoint_dag_parity import ADAMW, GLOBAL_BATCH, MODELS, _batches, assert_trains_like_one_device
 
 POLICIES = ("tensor", "none")
-CASES = [("resnet", "dp2"), ("unet", "dp2"), ("hf-bert", "dp2"), ("hf-bert", "pp2")]
+CASES = [("resnet", "dp2"), ("unet", "dp2"), ("hf-bert", "dp2"), ("hf-bert", "pp2"), ("hf-bert", "tp2")]
 WORLD, TIMEOUT_S, TOLERANCE = 2, 60.0, 0.03
 
 
 def _config(layout: str, policy: str) -> ParallelConfig:
     if layout == "dp2":
         return ParallelConfig.for_global_batch(GLOBAL_BATCH, dp=WORLD, checkpointing=policy)
-    return ParallelConfig.for_global_batch(GLOBAL_BATCH, pp=WORLD, num_micro_batches=2, checkpointing=policy)
+    # two micro-batches: the same rows as the one-device reference's two shards
+    axis = {"pp2": "pp", "tp2": "tp"}[layout]
+    return ParallelConfig.for_global_batch(GLOBAL_BATCH, num_micro_batches=2, checkpointing=policy, **{axis: WORLD})
 
 
 def _recomputed(program) -> list[int]:
@@ -62,7 +65,8 @@ def _run(payloads):
     from runtime.mesh import Mesh, init_distributed
 
     init_distributed(timeout_s=300)
-    meshes = {"dp2": Mesh(WORLD, 1, timeout_s=TIMEOUT_S), "pp2": Mesh(1, WORLD, timeout_s=TIMEOUT_S)}
+    meshes = {"dp2": Mesh(WORLD, 1, timeout_s=TIMEOUT_S), "pp2": Mesh(1, WORLD, timeout_s=TIMEOUT_S),
+              "tp2": Mesh(1, 1, WORLD, timeout_s=TIMEOUT_S)}
     graphs = {m: unpacked_graph(MODELS[m], p) for m, p in payloads.items()}
     out = {}
     for model, layout in CASES:
@@ -112,19 +116,7 @@ def test_tensor_plan_trains_exactly_like_no_checkpointing(distributed, case):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids="-".join)
 def test_tensor_plan_trains_like_one_device(distributed, case):
-    model = case[0]
-    ref_losses, ref_module, initial = _one_device(model)
-    covered = set()
-    for rank, r in enumerate(distributed):
-        result = r[(*case, "tensor")]
-        assert result["losses"] == pytest.approx(ref_losses, rel=1e-5), rank
-        for name, value in result["params"].items():
-            expected = ref_module.get_parameter(name).detach()
-            torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
-            covered.add(id(ref_module.get_parameter(name)))
-    assert covered == {id(p) for p in ref_module.parameters()}
-    moved = max((ref_module.get_parameter(n).detach() - p).abs().max().item() for n, p in initial.items())
-    assert moved > 1e-4  # the weights trained
+    assert_trains_like_one_device(case[0], [r[(*case, "tensor")] for r in distributed])
 
 
 @pytest.mark.slow

@@ -290,12 +290,13 @@ class ParallelConfig:
 
     def _tensor_remat_refusals(self) -> list[str]:
         """What ``checkpointing="tensor"`` does not run with yet: its executor recomputes one op at a
-        time in backward, so it must never run a collective again (tp, cp, ZeRO-3's gathers),
-        hand a value to an offload bracket, or serve two backward halves."""
+        time in backward and never runs a collective again (tp and sp collectives are kept, not
+        recomputed), but ZeRO-3 would then hold gathered parameters, offload brackets wrap its
+        savers, split backward unpacks twice, and cp's attention is not tried with it."""
         out, fix = [], "use checkpointing='dag' or 'full' with it"
-        if self.tp > 1 or self.cp > 1:
-            out.append(f"checkpointing='tensor' with tp={self.tp}, cp={self.cp}: the per-tensor executor does not "
-                       f"recompute programs with tp or cp collectives yet; {fix}, or tp=cp=1")
+        if self.cp > 1:
+            out.append(f"checkpointing='tensor' with cp={self.cp}: the per-tensor executor does not run programs "
+                       f"with context-parallel attention yet; {fix}, or cp=1")
         if self.zero_stage == 3:
             out.append(f"checkpointing='tensor' with zero_stage=3: ZeRO-3's gathers are collectives the per-tensor "
                        f"executor does not recompute; {fix}, or zero_stage <= 2")

@@ -324,6 +324,10 @@ class PlanContext:
             share = layer.tensor_recompute_flops / layer.fwd_flops if layer.fwd_flops else 0.0
             recompute = (layer.tensor_recomputed_ops * (mem_fwd + op_overhead_time(ops, dev))
                          + share * matmul_fwd)
+            # its forward runs node by node through the executor (pack hooks, bookkeeping): about
+            # one more op overhead per op (bench/remat_policies.py: the ResNet's 2.3 ms step took
+            # 4.6 ms with nothing recomputed, BERT's 2.9 ms 8.3 ms)
+            fwd += op_overhead_time(ops, dev)
             working = layer.tensor_working_bytes * b  # what its recomputes hold in backward
         elif ckpt == "selective":  # the attention core reruns: its exchanges too, its extra saves are not kept
             act = full - layer.attention_score_bytes * b / tp

@@ -298,8 +298,9 @@ class ParallelConfig:
             out.append(f"checkpointing='tensor' with cp={self.cp}: the per-tensor executor does not run programs "
                        f"with context-parallel attention yet; {fix}, or cp=1")
         if self.zero_stage == 3:
-            out.append(f"checkpointing='tensor' with zero_stage=3: ZeRO-3's gathers are collectives the per-tensor "
-                       f"executor does not recompute; {fix}, or zero_stage <= 2")
+            out.append(f"checkpointing='tensor' with zero_stage=3: a recompute reading a block's gathered parameters "
+                       f"would hold them from forward to backward (ZeRO-3 frees them after forward); {fix}, or "
+                       f"zero_stage <= 2")
         if self.offload == "activations":
             out.append(f"checkpointing='tensor' with offload='activations' is not supported (the offload brackets "
                        f"wrap savers the executor runs again); {fix}, or offload='none'")

@@ -191,8 +191,10 @@ class _LayerCost:
     """Context-parallel exchanges not hidden by compute, forward and backward (:class:`_CpAttention`)."""
     working_bytes: float = 0.0
     """Transient bytes of the layer's context-parallel attention while it runs (received blocks,
-    fp32 score blocks), or of ``tensor``'s recomputes in backward: held once per device, not per
-    micro-batch."""
+    fp32 score blocks): held once per device, not per micro-batch."""
+    remat_working_bytes: float = 0.0
+    """``tensor`` checkpointing: what its recomputes hold at the fullest moment of backward, on top
+    of the saved activations (once per device, for the micro-batch whose backward runs)."""
     weight_grad: float = 0.0
     """Seconds of ``bwd`` that compute weight gradients (a split backward's W): the matmul-class
     kernels' weight-gradient halves, and half of the split's extra overhead."""
@@ -300,7 +302,7 @@ class PlanContext:
             cpa = _CpAttention(comm_fwd=2 * all_reduce_time(4.0, cp, self.cp_links(cp, tp)[0]))
         fwd += cpa.fwd
         bwd += cpa.bwd
-        working = cpa.working_bytes
+        remat_working = 0.0
         if ckpt == "full":
             act = layer.boundary_bytes * b / (tp if sp else 1)
             recompute = fwd + fwd_comm + cpa.comm_fwd  # the rerun forward exchanges again
@@ -318,9 +320,9 @@ class PlanContext:
         elif ckpt == "tensor" and layer.tensor_activation_bytes is not None:
             # the profile's per-tensor decision: a share of the saved bytes kept; each recomputed
             # op runs again once in backward (its matmul FLOPs, its share of the memory-bound
-            # work and op overheads); collectives are kept, never run again (no cp: refused)
+            # work and op overheads); collectives and cp exchanges are kept, never run again
             keep = layer.tensor_activation_bytes / layer.activation_bytes if layer.activation_bytes else 1.0
-            act = full * keep
+            act = full * keep + cpa.saved_bytes
             share = layer.tensor_recompute_flops / layer.fwd_flops if layer.fwd_flops else 0.0
             recompute = (layer.tensor_recomputed_ops * (mem_fwd + op_overhead_time(ops, dev))
                          + share * matmul_fwd)
@@ -328,7 +330,7 @@ class PlanContext:
             # one more op overhead per op (bench/remat_policies.py: the ResNet's 2.3 ms step took
             # 4.6 ms with nothing recomputed, BERT's 2.9 ms 8.3 ms)
             fwd += op_overhead_time(ops, dev)
-            working = layer.tensor_working_bytes * b  # what its recomputes hold in backward
+            remat_working = layer.tensor_working_bytes * b  # what its recomputes hold in backward
         elif ckpt == "selective":  # the attention core reruns: its exchanges too, its extra saves are not kept
             act = full - layer.attention_score_bytes * b / tp
             recompute = self._attention_recompute_time(layer, tp, b) + cpa.recompute
@@ -337,7 +339,7 @@ class PlanContext:
             full = act
         return _LayerCost(fwd=fwd, bwd=bwd, tp_comm=2 * fwd_comm, recompute=recompute, act_bytes=act,
                           full_act_bytes=full, params=layer.param_count / tp, cp_comm=cpa.comm_fwd + cpa.comm_bwd,
-                          working_bytes=working, weight_grad=wgrad)
+                          working_bytes=cpa.working_bytes, weight_grad=wgrad, remat_working_bytes=remat_working)
 
     def _cp_attention(self, layer: LayerProfile, mbs: int, cp: int, mode: str, tp: int = 1) -> _CpAttention:
         """What context parallelism adds to one block's attention for a micro-batch of ``mbs``
@@ -806,7 +808,7 @@ def _recompute_working_set(c: ParallelConfig, blk: _LayerCost) -> float:
     checkpointing), on top of what the in-flight micro-batches keep: full and dag checkpointing;
     ``tensor``: what its recomputes hold at the fullest moment of backward (the profile's)."""
     if c.checkpointing == "tensor":
-        return blk.working_bytes
+        return blk.remat_working_bytes
     return blk.full_act_bytes if c.checkpointing in ("full", "dag") else 0.0
 
 

@@ -1,6 +1,6 @@
 """Context parallelism end to end: plans with cp > 1 (ring attention and Ulysses, cp = 2 and 4,
-alone and with dp, tp (with and without sequence parallelism), pp (1F1B, GPipe, ZBV), ZeRO and
-checkpointing) train the zoo gpt and llama (grouped-query
+alone and with dp, tp (with and without sequence parallelism), pp (1F1B, GPipe, ZBV), ZeRO, full and
+per-tensor checkpointing) train the zoo gpt and llama (grouped-query
 attention, rotary tables) on gloo like one device: per-step losses, gradient norms, final
 parameters and last gradients (fp32, rtol 1e-5), through the whole stack (lowering with the
 context-parallel rewrite, the communication check, the runtime's sequence sharding and its
@@ -43,6 +43,9 @@ PLANS = [
     _plan("llama-cp", cp=2, mode="ulysses", tp=2, sp=True),  # 2 kv heads: Ulysses takes the repeated heads
     _plan("llama-cp", cp=2, mode="ring", dp=2, tp=2, m=2, zero=1),
     _plan("gpt-cp", cp=2, mode="ulysses", tp=2, pp=2, m=2, checkpointing="full", sp=True),
+    # per-tensor recompute: the cp exchanges' outputs are kept, never run again
+    _plan("gpt-cp", cp=2, mode="ring", m=2, checkpointing="tensor"),
+    _plan("llama-cp", cp=2, mode="ulysses", dp=2, tp=2, m=2, checkpointing="tensor"),
 ]
 
 

@@ -290,13 +290,10 @@ class ParallelConfig:
 
     def _tensor_remat_refusals(self) -> list[str]:
         """What ``checkpointing="tensor"`` does not run with yet: its executor recomputes one op at a
-        time in backward and never runs a collective again (tp and sp collectives are kept, not
+        time in backward and never runs a collective again (tp, sp and cp exchanges are kept, not
         recomputed), but ZeRO-3 would then hold gathered parameters, offload brackets wrap its
-        savers, split backward unpacks twice, and cp's attention is not tried with it."""
+        savers and split backward unpacks twice."""
         out, fix = [], "use checkpointing='dag' or 'full' with it"
-        if self.cp > 1:
-            out.append(f"checkpointing='tensor' with cp={self.cp}: the per-tensor executor does not run programs "
-                       f"with context-parallel attention yet; {fix}, or cp=1")
         if self.zero_stage == 3:
             out.append(f"checkpointing='tensor' with zero_stage=3: a recompute reading a block's gathered parameters "
                        f"would hold them from forward to backward (ZeRO-3 frees them after forward); {fix}, or "

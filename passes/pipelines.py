@@ -14,8 +14,9 @@ Three pipelines make the lowering (:func:`passes.lower.lower` runs them):
    config asks for — tensor-parallel sharding, checkpoint regions, activation offload (without
    checkpointing), pipeline stages — which decide and write meta but leave the graph as it is;
 3. :func:`stage_passes`: per (pipeline stage, tp rank), after the split: the *apply* passes that
-   rewrite that stage's program (its tp shard, its checkpointed regions, its offload brackets)
-   and the re-analysis of the result.
+   rewrite that stage's program (its tp shard, its checkpointed regions, its offload brackets;
+   under ``checkpointing="tensor"`` its per-tensor decision, made on this program and run by
+   its forward) and the re-analysis of the result.
 
 Ordering rules are declared once, in :data:`ORDER`, and every manager built here checks them.
 """

@@ -260,15 +260,18 @@ def test_bounding_the_saved_bytes_does_not_bound_the_backward_peak(model):
     """What the peak bound is for: with only the bytes saved after forward bounded, tensors
     recomputed for an early use in backward and kept to a late one push the peak over budget."""
     name, _, problem = model
-    over = 0
-    for budget in _budgets(problem):
+    over = compared = 0
+    for k, budget in enumerate(_budgets(problem)):
         saved = solve_milp(problem, budget, costs=GPU)
-        peak = solve_milp(problem, budget, costs=GPU, bound="peak")
         assert saved.feasible and saved.saved_bytes <= budget
         over += saved.peak_bytes > budget
+        if k < 2:  # the tightest budgets lie below every peak; proving so takes a minute a model
+            continue
+        peak = solve_milp(problem, budget, costs=GPU, bound="peak")
         if peak.feasible:
             assert peak.peak_bytes <= budget and peak.recompute_flops >= saved.recompute_flops, (name, budget)
-    assert over, name
+            compared += 1
+    assert over and compared, name
 
 
 def test_the_peak_bound_keeps_what_no_backward_unpacks():

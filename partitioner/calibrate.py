@@ -612,10 +612,7 @@ def _header(cal: Calibration) -> str:
     if cal.refit is not None:
         r = cal.refit
         lines.append(f"refit to {r.runs} reference training runs (partitioner/reference_runs.py): peak FLOP/s "
-                     f"x{r.flops_scale:.3g}, per-op overhead {r.kernel_overhead_s * 1e6:.3g} us, pipeline message "
-                     f"{(r.p2p_latency_s or 0) * 1e3:.3g} ms, step overhead {r.step_overhead_s * 1e3:.3g} ms, "
-                     f"offload call {r.offload_call_s * 1e6:.3g} us, optimizer {r.optimizer_tensor_s * 1e6:.3g} us "
-                     f"a tensor, link latency x{r.latency_scale:.3g}")
+                     f"x{r.flops_scale:.3g}, {r.overheads_text()}, link latency x{r.latency_scale:.3g}")
     return "".join(f"# {line}\n" for line in lines)
 
 

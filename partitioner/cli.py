@@ -142,10 +142,7 @@ def _cmd_refit(args: argparse.Namespace) -> int:
     print(f"refit from {result.runs} run(s): peak FLOP/s x{result.flops_scale:.3g}, optimizer stream "
           f"x{result.bandwidth_scale:.3g}, link latency x{result.latency_scale:.3g}; median measured/predicted "
           f"compute {result.compute_ratio_before:.3g} -> {result.compute_ratio_after:.3g}")
-    print(f"  per-op overhead {result.kernel_overhead_s * 1e6:.3g} us, step overhead "
-          f"{result.step_overhead_s * 1e3:.3g} ms, offload call {result.offload_call_s * 1e6:.3g} us, "
-          f"optimizer {result.optimizer_tensor_s * 1e6:.3g} us a tensor, "
-          f"pipeline message {(result.p2p_latency_s or 0.0) * 1e3:.3g} ms")
+    print(f"  {result.overheads_text()}")
     print(f"cluster file written to {out}")
     return 0
 
@@ -175,11 +172,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
           f"({cal.elapsed_s:.1f} s{', quick' if args.quick else ''})")
     if cal.refit is not None:
         r = cal.refit
-        print(f"refit to {r.runs} reference training runs ({cal.reference_dirs[0].parent}): per-op overhead "
-              f"{r.kernel_overhead_s * 1e6:.3g} us, pipeline message {(r.p2p_latency_s or 0) * 1e3:.3g} ms, "
-              f"step overhead {r.step_overhead_s * 1e3:.3g} ms, offload call {r.offload_call_s * 1e6:.3g} us, "
-              f"optimizer {r.optimizer_tensor_s * 1e6:.3g} us a tensor, "
-              f"peak FLOP/s x{r.flops_scale:.3g}, link latency x{r.latency_scale:.3g}")
+        print(f"refit to {r.runs} reference training runs ({cal.reference_dirs[0].parent}): "
+              f"{r.overheads_text()}, peak FLOP/s x{r.flops_scale:.3g}, link latency x{r.latency_scale:.3g}")
     rows = [("matmul", "n", "time", "FLOP/s", "fitted efficiency")]
     for s in cal.matmul:
         fit = cal.efficiency[s.dtype]

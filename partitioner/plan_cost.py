@@ -41,7 +41,16 @@ gathered parameters back (``4·grad bytes`` memory bound). With ``pp > 1`` and t
 GPT's word embedding and LM head) the first and the last stage all-reduce those gradients after
 their last backward (``tied_comm``, over the pair's link). Every step also pays ``framework``:
 ``Device.step_overhead_s`` of host work and the all-reduce of the loss over all ranks
-(``2·⌈log2 world⌉`` latencies).
+(``2·⌈log2 world⌉`` latencies; the gradient norm's all-reduce, alike for every plan of a world
+size, is left to the fitted latencies).
+
+The gradient reduction and ZeRO-1/2's all-gather are one collective per gradient bucket
+(:func:`gradient_buckets`, the runtime's layout: tied copies and sequence-parallel norms in late
+buckets of their own), each paying the latency. The collectives over data-parallel ranks and
+between stages (those, ZeRO-3's gathers and reduce-scatters, the tied sync, the loss all-reduce)
+pay ``Cluster.sync_latency_s`` per hop where the calibration fitted one (:meth:`PlanContext.sync_link`):
+on CPU ranks sharing cores they cost several times the tensor- and context-parallel collectives
+inside forward and backward, which keep the link's α.
 
 Host devices (``host_to_device.kind == "loopback"``: CPU ranks on gloo): nothing overlaps on a
 rank's one thread, so the dp reduction is fully exposed (no backward hides it), and activation
@@ -130,11 +139,10 @@ from partitioner.cost_model import (
 )
 from partitioner.profile import LayerProfile, ModelProfile
 from passes.ir.config import ParallelConfig
+from passes.ir.grad_buckets import DEFAULT_BUCKET_BYTES, FIRST_BUCKET_BYTES
 from passes.ir.plan import StagePlan
 from passes.ir.zero3_ops import ZERO3_PREFETCH
 
-GRAD_BUCKET_BYTES = 25 * 2**20
-"""DDP gradient bucket; two are in flight while reducing."""
 HOST_MEMORY_BYTES_PER_S = 100e9
 """Usable host-memory bandwidth of one node, shared by its devices: bounds the CPU optimizer step
 and activation offload copies (an assumption; the cluster file has no such field yet)."""
@@ -239,6 +247,15 @@ class PlanContext:
         if key not in self._links:
             self._links[key] = group_link(self.cluster, size=size, stride=stride)
         return self._links[key]
+
+    def sync_link(self, size: int, stride: int):
+        """The link of a collective at the step's end (the gradient reduction and ZeRO-1/2's
+        all-gather, the tied-weight sync, the loss all-reduce): with the calibrated
+        ``Cluster.sync_latency_s`` in place of the link's α when there is one."""
+        link = self.link(size, stride)
+        if self.cluster.sync_latency_s is None:
+            return link
+        return dataclasses.replace(link, latency_s=self.cluster.sync_latency_s)
 
     def pp_link(self, c: ParallelConfig):
         return self.link(2, c.dp_cp * c.tp)
@@ -509,7 +526,7 @@ def _buffers(ctx: PlanContext, c: ParallelConfig, grads: float | None = None) ->
     msg = boundary_message_bytes(ctx, c)
     out = ctx.layer_costs(c)[1].working_bytes if c.cp > 1 else 0.0
     if c.dp_cp > 1 and grads is not None:
-        out += min(2 * GRAD_BUCKET_BYTES, grads)
+        out += min(2 * DEFAULT_BUCKET_BYTES, grads)
     if c.pp > 1:
         out += 4 * msg  # send and receive, forward activations and backward gradients
     if c.tp > 1:
@@ -566,7 +583,7 @@ def _greedy(ctx: PlanContext, c: ParallelConfig, costs, T: float, limit: float |
         t = grads = 0.0
         taken = 0
         mem = _buffers(ctx, c) + _recompute_working_set(c, blk)
-        bucket = 2 * GRAD_BUCKET_BYTES if c.dp_cp > 1 else 0.0
+        bucket = 2 * DEFAULT_BUCKET_BYTES if c.dp_cp > 1 else 0.0
         while run < 3:
             cost, _, extra = runs[run]
             w = (cost.params + extra) * per_param + n_in * cost.act_bytes
@@ -667,19 +684,23 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
         # data parallel: grads of this stage; the last micro-batch's backward hides part of it.
         # Gradients are averaged over the dp x cp ranks holding the same parameters (cp innermost)
         grads = params * ctx.itemsize
-        link = ctx.link(c.dp_cp, c.tp)
-        rs, ag = reduce_scatter_time(grads, c.dp_cp, link), all_gather_time(grads, c.dp_cp, link)
+        link = ctx.sync_link(c.dp_cp, c.tp)
+        # one collective per gradient bucket, each paying the link's latency
+        extra = gradient_buckets(ctx, c, ranges, grads) - 1
+        rs = reduce_scatter_time(grads, c.dp_cp, link) + extra * reduce_scatter_time(0.0, c.dp_cp, link)
+        ag = all_gather_time(grads, c.dp_cp, link) + extra * all_gather_time(0.0, c.dp_cp, link)
+        ar = all_reduce_time(grads, c.dp_cp, link) + extra * all_reduce_time(0.0, c.dp_cp, link)
         # on a host device (gloo on CPU) the bucket's collective shares the rank's one thread
         # with backward: nothing hides it
         hide = 0.0 if ctx.on_host else b
         if c.zero_stage == 3:
             layers = sum(stop - start for start, stop in ranges)
             replicas = c.dp_cp // shards  # HSDP: gathers and reduce-scatters inside a shard group, all-reduce across
-            dp_exposed = zero3_exposed_time(params * ctx.itemsize, params * 4, c, ctx.link(shards, c.tp), f, b + rc,
+            dp_exposed = zero3_exposed_time(params * ctx.itemsize, params * 4, c, ctx.sync_link(shards, c.tp), f, b + rc,
                                             ctx.on_host, layers=layers,
-                                            replicas=(replicas, ctx.link(replicas, c.tp * shards)))
+                                            replicas=(replicas, ctx.sync_link(replicas, c.tp * shards)))
         elif c.zero_stage == 0:    # one all-reduce after the last micro-batch, hidden behind its backward
-            dp_exposed = max(0.0, all_reduce_time(grads, c.dp_cp, link) - hide)
+            dp_exposed = max(0.0, ar - hide)
         elif c.zero_stage == 1:  # reduce-scatter hidden likewise; all-gather of new weights after the step
             dp_exposed = max(0.0, rs - hide) + ag
         else:                    # sharded grads: a reduce-scatter per micro-batch, each behind its backward
@@ -847,6 +868,27 @@ def _contention_time(ctx: PlanContext, c: ParallelConfig, busy: list[float], ter
     return max(0.0, max(work.values()) / slots - span)
 
 
+def gradient_buckets(ctx: PlanContext, c: ParallelConfig, ranges, grad_bytes: float) -> int:
+    """Collectives one gradient reduction of a stage issues (``grad_bytes``: its gradients): one
+    per bucket of the runtime's layout (:func:`passes.ir.grad_buckets.bucket_layout`). The first
+    bucket holds at most ``FIRST_BUCKET_BYTES``, the others at most ``DEFAULT_BUCKET_BYTES``;
+    "late" gradients travel in buckets of their own after the rest: the stage's copy of tied
+    weights (the embedding on the first stage, the head on the last) when they lie on two
+    stages, and with sequence parallelism the norms' partial gradients. Counted by bytes: a
+    parameter is never split, so the runtime may cut one bucket more."""
+    late = 0.0
+    if c.pp > 1 and ctx.profile.shared_param_count and any(
+            start == 0 < stop or start <= ctx.L + 1 < stop for start, stop in ranges):
+        late = ctx.profile.shared_param_count / c.tp * ctx.itemsize
+    early = max(0.0, grad_bytes - late)
+    n = 1 + math.ceil(max(0.0, early - FIRST_BUCKET_BYTES) / DEFAULT_BUCKET_BYTES) if early > 0 else 0
+    if late > 0:
+        n += math.ceil(late / DEFAULT_BUCKET_BYTES)
+    elif c.sequence_parallel and c.tp > 1 and any(start <= ctx.L and stop > 1 for start, stop in ranges):
+        n += 1  # the blocks' norm weights: small, one bucket
+    return max(n, 1)
+
+
 def _tied_sync_time(ctx: PlanContext, c: ParallelConfig) -> float:
     """Seconds of the all-reduce of tied-weight gradients between the first and the last stage
     (``runtime.grad_sync.TiedSync``), after the last backward: nothing hides it."""
@@ -854,7 +896,7 @@ def _tied_sync_time(ctx: PlanContext, c: ParallelConfig) -> float:
     if c.pp == 1 or not shared:
         return 0.0
     grads = shared / c.tp * ctx.itemsize  # vocab-parallel: each tp rank syncs its shard
-    return all_reduce_time(grads, 2, ctx.link(2, c.dp_cp * c.tp * (c.pp - 1)))
+    return all_reduce_time(grads, 2, ctx.sync_link(2, c.dp_cp * c.tp * (c.pp - 1)))
 
 
 def _framework_time(ctx: PlanContext) -> float:
@@ -862,7 +904,7 @@ def _framework_time(ctx: PlanContext) -> float:
     step's loss over every rank: a scalar, so latency only, over a tree (``2·⌈log2 n⌉`` hops, as
     NCCL does for small messages) rather than a ring's ``2(n−1)``."""
     world = ctx.cluster.world_size
-    loss = 2 * math.ceil(math.log2(world)) * ctx.link(world, 1).latency_s if world > 1 else 0.0
+    loss = 2 * math.ceil(math.log2(world)) * ctx.sync_link(world, 1).latency_s if world > 1 else 0.0
     return ctx.cluster.device.step_overhead_s + loss
 
 

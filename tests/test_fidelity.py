@@ -223,6 +223,7 @@ def test_refit_recovers_kernel_overhead_and_pipeline_message_seconds(tmp_path):
     assert result.kernel_overhead_s == pytest.approx(4e-5, rel=0.05)
     assert result.flops_scale == pytest.approx(0.5, rel=0.05)
     assert result.p2p_latency_s == pytest.approx(2e-3, rel=0.05)
+    assert result.sync_latency_s is None  # no tensor-parallel run: one latency for every collective
     assert result.compute_ratio_after == pytest.approx(1.0, abs=0.02)
     # the fitted fields survive the cluster file
     out = tmp_path / "refit.yaml"
@@ -230,6 +231,36 @@ def test_refit_recovers_kernel_overhead_and_pipeline_message_seconds(tmp_path):
     back = Cluster.from_file(out)
     assert back.device.kernel_overhead_s == pytest.approx(result.kernel_overhead_s)
     assert back.p2p_latency_s == pytest.approx(result.p2p_latency_s)
+
+
+def test_refit_tells_step_end_collectives_from_tensor_parallel_ones(tmp_path):
+    """Runs made by a cluster whose step-end collectives (gradient reduction, tied sync, loss
+    all-reduce) pay 4x the link's α while the tensor-parallel ones pay it: the refit finds both,
+    the first from the runs without tp, the second from the tp run."""
+    cluster = dataclasses.replace(Cluster.preset("local-cpu"), devices_per_node=2)
+    alpha = cluster.intra_node.latency_s * 64  # large enough for the collectives to matter
+    cluster = dataclasses.replace(cluster, intra_node=dataclasses.replace(cluster.intra_node, latency_s=alpha),
+                                  inter_node=dataclasses.replace(cluster.inter_node, latency_s=alpha))
+    truth = dataclasses.replace(cluster, sync_latency_s=4 * alpha)
+    profile = profile_model(GPT, dtype="fp32")
+    runs = []
+    for k, knobs in enumerate([{**BASE, "pp": 2, "micro_batch_size": 1, "num_micro_batches": 4},
+                               {**BASE, "dp": 2, "micro_batch_size": 4, "num_micro_batches": 1, "zero_stage": 1},
+                               {**BASE, "tp": 2, "micro_batch_size": 4, "num_micro_batches": 1}]):
+        gb = knobs["dp"] * knobs["micro_batch_size"] * knobs["num_micro_batches"]
+        plan = predict_step_time(profile, cluster, knobs, global_batch=gb)
+        true = predict_step_time(profile, truth, knobs, global_batch=gb)
+        runs.append(load_run(_synthetic_run(tmp_path / str(k), plan, true)))
+    result = refit(runs, cluster)
+    assert result.sync_latency_s == pytest.approx(4 * alpha)
+    assert result.latency_scale == pytest.approx(1.0)
+    assert result.step_log_error == pytest.approx(0.0, abs=0.01)
+    assert Cluster.from_dict(result.cluster.to_dict()).sync_latency_s == pytest.approx(4 * alpha)
+    # without it (the link's α for every collective) the runs without tp are predicted too fast
+    one = dataclasses.replace(result.cluster, sync_latency_s=None)
+    errors = [abs(predict_step_time(profile, one, dict(r.plan.knobs()), global_batch=r.plan.global_batch)
+                  .predicted.step_time_s / r.step_s[0] - 1) for r in runs]
+    assert max(errors) > 0.05
 
 
 def test_refit_recovers_step_overhead_and_offload_call_seconds(tmp_path):

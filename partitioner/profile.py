@@ -21,7 +21,7 @@ from torch import fx
 
 from passes.checkpoint_policy import checkpoint_policy
 from passes.graph_view import to_networkx
-from passes.remat_solver import backward_peak, problem_from_view
+from passes.remat_solver import plain_backward_peak, problem_from_view
 from passes.tensor_remat_policy import decide as decide_tensor_remat
 from passes.context_parallel import attention_problems, repeat_kv_source, sdpa_args
 from passes.weight_decay import no_weight_decay_names
@@ -401,7 +401,7 @@ def _tensor_per_block(gm: fx.GraphModule, stack: list[str]) -> tuple[float, floa
         decision = decide_tensor_remat(problem)
     except (PassError, ConfigError) as e:
         return f"the tensor remat policy failed on this model's graph ({e})"
-    none = backward_peak(problem, [False] * len(problem.nodes))
+    none = plain_backward_peak(problem)
     block = {n.name: n.meta[BLOCK].name for n in gm.graph.nodes if BLOCK in n.meta}
     flops, share = 0.0, 0.0
     for g in stack:

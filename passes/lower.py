@@ -114,9 +114,9 @@ class Lowering:
     def digest(self) -> str:
         """A hash of what every rank will run: the config and, for each (stage, tp rank) program
         lowered, the generated code of it and of its submodules (checkpointed regions), the
-        nodes whose outputs a selective region keeps and each per-tensor decision's actions. Processes that lower the same programs of
-        one plan must get the same string (:func:`passes.communication_check.check_lowered_ranks`
-        compares them)."""
+        nodes whose outputs a selective region keeps and each per-tensor decision's actions.
+        Processes that lower the same programs of one plan must get the same string
+        (:func:`passes.communication_check.check_lowered_ranks` compares them)."""
         h = hashlib.sha256(repr(self.config).encode())
         for key in sorted(self.programs):
             h.update(repr(key).encode())

@@ -365,6 +365,12 @@ def backward_peak(problem: RematProblem, recompute: list[bool]) -> int:
                                      default=0)
 
 
+def plain_backward_peak(problem: RematProblem) -> int:
+    """Bytes: :func:`backward_peak` when nothing is recomputed (the graph as it runs without any
+    checkpointing)."""
+    return backward_peak(problem, [False] * len(problem.nodes))
+
+
 def _needed(problem: RematProblem, r: list[bool]) -> list[int]:
     """Bytes each node must keep (device or host): its storages kept by autograd or read by a
     recomputed node, for nodes not recomputed."""
@@ -524,7 +530,7 @@ def peak_budget(problem: RematProblem, fraction: float) -> int:
     if not 0.0 <= fraction <= 1.0:
         raise ConfigError(f"remat budget fraction must be in [0, 1], got {fraction}")
     lo = _fewest_bytes(problem, 0, RematCosts(device_flops_per_s=1.0), "min-cut").saved_bytes
-    hi = backward_peak(problem, [False] * len(problem.nodes))
+    hi = plain_backward_peak(problem)
     return int(lo + fraction * (hi - lo))
 
 

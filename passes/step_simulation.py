@@ -224,8 +224,11 @@ def tensor_remat_events(gm: fx.GraphModule, run: _ForwardRun) -> TensorRematEven
     # A source whose last use falls on a recompute at the moment it is dropped, with no unpack of
     # it there, goes right after the last recompute reading it (the executor's use count hits 0).
     last_reader: dict[tuple[str, int], int] = {}  # ("node", v) / ("storage", j) -> recompute freeing it
+    owned_by: dict[int, list[int]] = {}
+    for j, st in enumerate(problem.storages):
+        owned_by.setdefault(st.owner, []).append(j)
     for v, q in sched.recompute_at.items():
-        owned = [j for j, st in enumerate(problem.storages) if st.owner == v]
+        owned = owned_by.get(v, [])
         readers = [w for j in owned for w in problem.storages[j].readers if sched.recompute_at.get(w) == q]
         if sched.free_after[v] == q and readers and not any(unpacked(j, q) for j in owned):
             last_reader["node", v] = max(readers)

@@ -126,14 +126,7 @@ class TensorRemat:
             actions = marked_actions(gm)
         self.trace_memory = trace_memory  # measure backward_peak_bytes (costs a scan per unpack)
         nodes = {n.name: n for n in gm.graph.nodes}
-        unknown = [name for name in actions if name not in nodes]
-        if unknown:
-            raise PassError(f"tensor remat: the decision names {unknown[0]!r}, not a node of this graph; decide "
-                            f"on this graph (passes.remat_solver.problem_from_view(to_networkx(gm)))")
-        offloaded = [name for name, a in actions.items() if a == "offload"]
-        if offloaded:
-            raise PassError(f"tensor remat: node {offloaded[0]!r} is to be offloaded, which this executor does not "
-                            f"do; solve without a host link (RematCosts(host_bytes_per_s=None))")
+        _check_actions(actions, nodes)
         self.actions = dict(actions)
         self.recompute = {nodes[name] for name, a in actions.items() if a == "recompute"}
         self.held_nodes, self.reads = self._reads()
@@ -410,18 +403,26 @@ def mark_recomputed(gm: fx.GraphModule, decision: RematDecision) -> fx.GraphModu
     clear it elsewhere, so that :class:`TensorRemat` runs the decision from the graph alone and the
     memory analysis replays the step as it runs; returns ``gm``."""
     actions = actions_of(decision)
-    missing = set(actions) - {n.name for n in gm.graph.nodes}
-    if missing:
-        raise PassError(f"tensor remat: the decision names {sorted(missing)[0]!r}, not a node of this graph")
+    _check_actions(actions, {n.name for n in gm.graph.nodes})  # before any mark changes
     for node in gm.graph.nodes:
         node.meta.pop(TENSOR_REMAT, None)
         action = actions.get(node.name)
         if action is not None:
-            if action == "offload":
-                raise PassError(f"tensor remat: node {node.name!r} is to be offloaded, which the executor does not "
-                                f"do; solve without a host link (RematCosts(host_bytes_per_s=None))")
             node.meta[TENSOR_REMAT] = TensorRematMeta(action=action)
     return gm
+
+
+def _check_actions(actions: Mapping[str, Action], names) -> None:
+    """Refuse a decision that names a node outside the graph (``names``) or offloads one: the
+    executor saves or recomputes only."""
+    unknown = sorted(name for name in actions if name not in names)
+    if unknown:
+        raise PassError(f"tensor remat: the decision names {unknown[0]!r}, not a node of this graph; decide "
+                        f"on this graph (passes.remat_solver.problem_from_view(to_networkx(gm)))")
+    offloaded = sorted(name for name, a in actions.items() if a == "offload")
+    if offloaded:
+        raise PassError(f"tensor remat: node {offloaded[0]!r} is to be offloaded, which the executor does not "
+                        f"do; solve without a host link (RematCosts(host_bytes_per_s=None))")
 
 
 def marked_actions(gm: fx.GraphModule) -> dict[str, Action]:

@@ -24,7 +24,7 @@ from torch import fx
 from passes.graph_view import to_networkx
 from passes.ir.errors import ConfigError
 from passes.ir.meta import TENSOR_REMAT_PLAN, TensorRematPlan
-from passes.remat_solver import (RematCosts, RematDecision, RematProblem, backward_peak, peak_budget,
+from passes.remat_solver import (RematCosts, RematDecision, RematProblem, peak_budget, plain_backward_peak,
                                  problem_from_view, solve_milp)
 from passes.tensor_remat import mark_recomputed
 
@@ -48,7 +48,7 @@ def tensor_remat_policy(gm: fx.GraphModule, ctx: Any = None, *, budget_bytes: in
     mark_recomputed(gm, decision)
     gm.meta[TENSOR_REMAT_PLAN] = TensorRematPlan(
         budget_bytes=budget, peak_bytes=decision.peak_bytes,
-        none_peak_bytes=backward_peak(problem, [False] * len(problem.nodes)),
+        none_peak_bytes=plain_backward_peak(problem),
         recompute_flops=decision.recompute_flops, recomputed=decision.named("recompute"),
         feasible=decision.feasible, optimal=decision.optimal)
     return gm

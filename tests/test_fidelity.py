@@ -202,6 +202,17 @@ def _synthetic_run(path, plan, truth_plan, p2p_s=None):
     return path
 
 
+def _synthetic_runs(tmp_path, profile, cluster, truth, knob_list):
+    """One run directory per knobs of ``knob_list``: what ``cluster`` plans, measured as ``truth`` predicts."""
+    runs = []
+    for k, knobs in enumerate(knob_list):
+        gb = knobs["dp"] * knobs["micro_batch_size"] * knobs["num_micro_batches"]
+        plan = predict_step_time(profile, cluster, knobs, global_batch=gb)
+        true = predict_step_time(profile, truth, knobs, global_batch=gb)
+        runs.append(load_run(_synthetic_run(tmp_path / str(k), plan, true)))
+    return runs
+
+
 def test_refit_recovers_kernel_overhead_and_pipeline_message_seconds(tmp_path):
     from partitioner.refit import _scaled
 
@@ -210,15 +221,11 @@ def test_refit_recovers_kernel_overhead_and_pipeline_message_seconds(tmp_path):
     truth = dataclasses.replace(truth, p2p_latency_s=2e-3,
                                 device=dataclasses.replace(truth.device, kernel_overhead_s=4e-5))
     profile = profile_model(GPT, dtype="fp32")
-    runs = []
     # micro-batch sizes 1 and 4 and two stage depths: kernels and FLOPs scale differently
-    for k, knobs in enumerate([{**BASE, "pp": 2, "micro_batch_size": 1, "num_micro_batches": 4},
-                               {**BASE, "pp": 2, "micro_batch_size": 4, "num_micro_batches": 2},
-                               {**BASE, "dp": 2, "micro_batch_size": 4, "num_micro_batches": 1}]):
-        gb = knobs["dp"] * knobs["micro_batch_size"] * knobs["num_micro_batches"]
-        plan = predict_step_time(profile, cluster, knobs, global_batch=gb)
-        true = predict_step_time(profile, truth, knobs, global_batch=gb)
-        runs.append(load_run(_synthetic_run(tmp_path / str(k), plan, true)))
+    runs = _synthetic_runs(tmp_path, profile, cluster, truth, [
+        {**BASE, "pp": 2, "micro_batch_size": 1, "num_micro_batches": 4},
+        {**BASE, "pp": 2, "micro_batch_size": 4, "num_micro_batches": 2},
+        {**BASE, "dp": 2, "micro_batch_size": 4, "num_micro_batches": 1}])
     result = refit(runs, cluster)
     assert result.kernel_overhead_s == pytest.approx(4e-5, rel=0.05)
     assert result.flops_scale == pytest.approx(0.5, rel=0.05)
@@ -243,14 +250,10 @@ def test_refit_tells_step_end_collectives_from_tensor_parallel_ones(tmp_path):
                                   inter_node=dataclasses.replace(cluster.inter_node, latency_s=alpha))
     truth = dataclasses.replace(cluster, sync_latency_s=4 * alpha)
     profile = profile_model(GPT, dtype="fp32")
-    runs = []
-    for k, knobs in enumerate([{**BASE, "pp": 2, "micro_batch_size": 1, "num_micro_batches": 4},
-                               {**BASE, "dp": 2, "micro_batch_size": 4, "num_micro_batches": 1, "zero_stage": 1},
-                               {**BASE, "tp": 2, "micro_batch_size": 4, "num_micro_batches": 1}]):
-        gb = knobs["dp"] * knobs["micro_batch_size"] * knobs["num_micro_batches"]
-        plan = predict_step_time(profile, cluster, knobs, global_batch=gb)
-        true = predict_step_time(profile, truth, knobs, global_batch=gb)
-        runs.append(load_run(_synthetic_run(tmp_path / str(k), plan, true)))
+    runs = _synthetic_runs(tmp_path, profile, cluster, truth, [
+        {**BASE, "pp": 2, "micro_batch_size": 1, "num_micro_batches": 4},
+        {**BASE, "dp": 2, "micro_batch_size": 4, "num_micro_batches": 1, "zero_stage": 1},
+        {**BASE, "tp": 2, "micro_batch_size": 4, "num_micro_batches": 1}])
     result = refit(runs, cluster)
     assert result.sync_latency_s == pytest.approx(4 * alpha)
     assert result.latency_scale == pytest.approx(1.0)
@@ -271,17 +274,11 @@ def test_refit_recovers_step_overhead_and_offload_call_seconds(tmp_path):
     truth = dataclasses.replace(truth, device=dataclasses.replace(
         truth.device, kernel_overhead_s=4e-5, step_overhead_s=3e-3, offload_call_s=2e-4))
     profile = profile_model(GPT, dtype="fp32")
-    runs = []
-    for k, knobs in enumerate([{**BASE, "pp": 2, "micro_batch_size": 1, "num_micro_batches": 4},
-                               {**BASE, "dp": 2, "micro_batch_size": 4, "num_micro_batches": 1},
-                               {**BASE, "pp": 2, "micro_batch_size": 2, "num_micro_batches": 2,
-                                "offload": "activations"},
-                               {**BASE, "pp": 2, "micro_batch_size": 2, "num_micro_batches": 2,
-                                "checkpointing": "full"}]):
-        gb = knobs["dp"] * knobs["micro_batch_size"] * knobs["num_micro_batches"]
-        plan = predict_step_time(profile, cluster, knobs, global_batch=gb)
-        true = predict_step_time(profile, truth, knobs, global_batch=gb)
-        runs.append(load_run(_synthetic_run(tmp_path / str(k), plan, true)))
+    runs = _synthetic_runs(tmp_path, profile, cluster, truth, [
+        {**BASE, "pp": 2, "micro_batch_size": 1, "num_micro_batches": 4},
+        {**BASE, "dp": 2, "micro_batch_size": 4, "num_micro_batches": 1},
+        {**BASE, "pp": 2, "micro_batch_size": 2, "num_micro_batches": 2, "offload": "activations"},
+        {**BASE, "pp": 2, "micro_batch_size": 2, "num_micro_batches": 2, "checkpointing": "full"}])
     result = refit(runs, cluster)
     assert result.step_overhead_s == pytest.approx(3e-3, rel=0.05)
     assert result.offload_call_s == pytest.approx(2e-4, rel=0.05)

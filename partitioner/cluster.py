@@ -43,7 +43,7 @@ CACHE_DIR_ENV = "PARTITIONER_CACHE_DIR"
 """Overrides where calibrations are cached (default: the user cache directory, see :func:`cache_dir`)."""
 DEFAULT_LOCAL_FILE = Path("~/.cache/partitioner/local-cluster.yaml")
 """Where ``calibrate`` wrote before calibrations were cached per machine; no longer read."""
-CALIBRATION_VERSION = 5
+CALIBRATION_VERSION = 6
 """Part of every cache key: raise it when what a calibration measures or fits changes, so that
 an older cached file is not read as a current one."""
 
@@ -345,13 +345,13 @@ class Cluster:
     """Seconds per pipeline point-to-point message in place of the link's α (the runtime's
     isend/irecv post and wait, which small messages see more of than the calibration's large
     ones); ``None`` (the presets): the link's. Fitted by ``partitioner.refit``."""
-    sync_latency_s: float | None = None
-    """Seconds per step of a collective at the step's end in place of the link's α: the
-    data-parallel gradient reduction (per bucket) and ZeRO-1/2's all-gather of the updated
-    weights, the tied-weight sync and the loss all-reduce. Each rank arrives at them from its own
-    backward, so on CPU ranks sharing cores they cost several times the collectives ranks call
-    in step inside forward and backward (tensor parallelism's), which keep the link's α.
-    ``None`` (the presets): the link's. Fitted by ``partitioner.refit``."""
+    sync_latency_scale: float | None = None
+    """Multiplier of the link's α (intra- or inter-node, whichever the group spans) for the
+    collectives over data-parallel ranks and between stages: the gradient reduction (per bucket),
+    ZeRO's all-gathers, ZeRO-3's per-layer gathers and reduce-scatters, the tied-weight sync and
+    the loss all-reduce. On CPU ranks sharing cores they cost several times, per hop, the
+    tensor- and context-parallel collectives ranks call in step inside forward and backward,
+    which pay the link's α. ``None`` (the presets): 1. Fitted by ``partitioner.refit``."""
     compute_slots_per_node: int | None = None
     """How many of a node's ranks can compute at once at the device's full rate: CPU ranks
     share the node's cores, ``cores // threads per rank`` of them run at a time. With more ranks
@@ -367,11 +367,11 @@ class Cluster:
                    "(cores // threads per rank), or leave it out when every device has its own")
         _normalize(self, "host_memory_bytes", "bytes", "give the CPU memory of one node, e.g. '2TiB'")
         _choice(self, "backend", BACKENDS)
-        for name in ("p2p_latency_s", "sync_latency_s"):
+        for name, what in (("p2p_latency_s", "seconds"), ("sync_latency_scale", "(a multiplier)")):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not (value >= 0 and math.isfinite(value))):
-                raise ClusterSpecError(f"Cluster.{name} must be >= 0 seconds or None, got {value!r}")
+                raise ClusterSpecError(f"Cluster.{name} must be >= 0 {what} or None, got {value!r}")
         if isinstance(self.device, dict):
             object.__setattr__(self, "device", Device.from_dict(self.device, "Cluster.device"))
         for name in _LINK_FIELDS:
@@ -420,7 +420,7 @@ class Cluster:
                 "host_memory_bytes": self.host_memory_bytes,
                 "host_to_device": self.host_to_device.to_dict(),
                 **({"p2p_latency_s": self.p2p_latency_s} if self.p2p_latency_s is not None else {}),
-                **({"sync_latency_s": self.sync_latency_s} if self.sync_latency_s is not None else {}),
+                **({"sync_latency_scale": self.sync_latency_scale} if self.sync_latency_scale is not None else {}),
                 **({"compute_slots_per_node": self.compute_slots_per_node}
                    if self.compute_slots_per_node is not None else {})}
 

@@ -48,9 +48,9 @@ The gradient reduction and ZeRO-1/2's all-gather are one collective per gradient
 (:func:`gradient_buckets`, the runtime's layout: tied copies and sequence-parallel norms in late
 buckets of their own), each paying the latency. The collectives over data-parallel ranks and
 between stages (those, ZeRO-3's gathers and reduce-scatters, the tied sync, the loss all-reduce)
-pay ``Cluster.sync_latency_s`` per hop where the calibration fitted one (:meth:`PlanContext.sync_link`):
-on CPU ranks sharing cores they cost several times the tensor- and context-parallel collectives
-inside forward and backward, which keep the link's α.
+pay the link's α times ``Cluster.sync_latency_scale`` where the calibration fitted one
+(:meth:`PlanContext.sync_link`): on CPU ranks sharing cores they cost several times, per hop, the
+tensor- and context-parallel collectives inside forward and backward, which pay the link's α.
 
 Host devices (``host_to_device.kind == "loopback"``: CPU ranks on gloo): nothing overlaps on a
 rank's one thread, so the dp reduction is fully exposed (no backward hides it), and activation
@@ -249,13 +249,12 @@ class PlanContext:
         return self._links[key]
 
     def sync_link(self, size: int, stride: int):
-        """The link of a collective at the step's end (the gradient reduction and ZeRO-1/2's
-        all-gather, the tied-weight sync, the loss all-reduce): with the calibrated
-        ``Cluster.sync_latency_s`` in place of the link's α when there is one."""
+        """The link of a collective over data-parallel ranks or between stages (gradient buckets,
+        ZeRO's gathers and reduce-scatters, the tied-weight sync, the loss all-reduce): its α times
+        the calibrated ``Cluster.sync_latency_scale`` when there is one."""
         link = self.link(size, stride)
-        if self.cluster.sync_latency_s is None:
-            return link
-        return dataclasses.replace(link, latency_s=self.cluster.sync_latency_s)
+        scale = self.cluster.sync_latency_scale
+        return link if scale is None else dataclasses.replace(link, latency_s=link.latency_s * scale)
 
     def pp_link(self, c: ParallelConfig):
         return self.link(2, c.dp_cp * c.tp)
@@ -685,11 +684,12 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
         # Gradients are averaged over the dp x cp ranks holding the same parameters (cp innermost)
         grads = params * ctx.itemsize
         link = ctx.sync_link(c.dp_cp, c.tp)
-        # one collective per gradient bucket, each paying the link's latency
         extra = gradient_buckets(ctx, c, ranges, grads) - 1
-        rs = reduce_scatter_time(grads, c.dp_cp, link) + extra * reduce_scatter_time(0.0, c.dp_cp, link)
-        ag = all_gather_time(grads, c.dp_cp, link) + extra * all_gather_time(0.0, c.dp_cp, link)
-        ar = all_reduce_time(grads, c.dp_cp, link) + extra * all_reduce_time(0.0, c.dp_cp, link)
+
+        def per_bucket(collective) -> float:  # one call per gradient bucket, each paying the latency
+            return collective(grads, c.dp_cp, link) + extra * collective(0.0, c.dp_cp, link)
+
+        rs, ag, ar = per_bucket(reduce_scatter_time), per_bucket(all_gather_time), per_bucket(all_reduce_time)
         # on a host device (gloo on CPU) the bucket's collective shares the rank's one thread
         # with backward: nothing hides it
         hide = 0.0 if ctx.on_host else b

@@ -30,15 +30,16 @@ ranks (:func:`sharing_slowdown`), since the planner prices that in its own ``con
   planner's ``pp_comm + bubble``; per run the median of the per-rank solutions, then the
   smallest over runs (the other runs' waits carry a partner's unmodelled slowness).
 * **collective latencies** and **step overhead** (``Device.step_overhead_s``), last
-  (:func:`_fit_latency`): first the seconds per hop of the collectives at the step's end (the
-  gradient reduction, ZeRO-1/2's all-gather, the tied-weight sync, the loss all-reduce:
-  ``Cluster.sync_latency_s``) from the runs without tensor or context parallelism, then the
-  link-latency multiplier (intra- and inter-node α: the tp and cp collectives inside forward and
-  backward) from the runs with them; each the value (powers of √2 times the link's α) whose
-  predicted STEP times have the smallest mean |log(predicted/measured)| over its runs, with the
-  terms above fixed and, for each candidate, the step overhead set to the median over ranks of
-  the measured ``other_s`` (batch slicing, ``zero_grad``, the loss all-reduce) less the
-  planner's loss all-reduce at that latency. Runs all of one kind fit one multiplier for both.
+  (:func:`_fit_latency`): first the latency of the collectives over data-parallel ranks and
+  between stages (the gradient buckets, ZeRO's gathers, the tied-weight sync, the loss
+  all-reduce) from the runs without tensor or context parallelism, then the link-latency
+  multiplier (intra- and inter-node α: the tp and cp collectives inside forward and backward)
+  from the runs with them, the first kept as ``Cluster.sync_latency_scale`` over the second;
+  each the multiplier (powers of √2) whose predicted STEP times have the smallest mean
+  |log(predicted/measured)| over its runs, with the terms above fixed and, for each candidate,
+  the step overhead set to the median over ranks of the measured ``other_s`` (batch slicing,
+  ``zero_grad``, the loss all-reduce) less the planner's loss all-reduce at that latency. Runs
+  all of one kind fit one multiplier for both.
 
 Medians where one rank is one sample, so one slow rank (a noisy neighbour) does not move the fit.
 The presets keep every overhead at 0 / None, so the planner's results on them do not change.
@@ -105,15 +106,16 @@ class Refit:
     """Fitted seconds per offloaded tensor per copy (``Device.offload_call_s``)."""
     optimizer_tensor_s: float = 0.0
     """Fitted optimizer seconds per tensor stepped (``Device.optimizer_tensor_s``)."""
-    sync_latency_s: float | None = None
-    """Fitted seconds per hop of the step-end collectives (``Cluster.sync_latency_s``); ``None``
-    when the runs cannot tell them from the tensor-parallel ones (all or none have tp or cp)."""
+    sync_latency_scale: float | None = None
+    """Fitted multiplier of the (refitted) link α for the step-end collectives
+    (``Cluster.sync_latency_scale``); ``None`` when the runs cannot tell them from the
+    tensor-parallel ones (all or none have tp or cp)."""
 
     def overheads_text(self) -> str:
         """The fitted overheads in one line, as the CLI and the calibration file's header print them."""
-        sync = f"{self.sync_latency_s * 1e3:.3g} ms" if self.sync_latency_s is not None else "the link's"
+        sync = f"x{self.sync_latency_scale:.3g}" if self.sync_latency_scale is not None else "x1"
         return (f"per-op overhead {self.kernel_overhead_s * 1e6:.3g} us, pipeline message "
-                f"{(self.p2p_latency_s or 0.0) * 1e3:.3g} ms, step-end collective hop {sync}, step overhead "
+                f"{(self.p2p_latency_s or 0.0) * 1e3:.3g} ms, step-end collectives {sync} the link's α, step overhead "
                 f"{self.step_overhead_s * 1e3:.3g} ms, offload call {self.offload_call_s * 1e6:.3g} us, "
                 f"optimizer {self.optimizer_tensor_s * 1e6:.3g} us a tensor")
 
@@ -377,14 +379,14 @@ def refit(runs: Sequence[RunData], cluster: Cluster) -> Refit:
     fitted = _with_device(fitted, offload_call_s=_fit_device_seconds(_offloaded(alone), fitted, profiles, "offload_call_s"))
     p2p_s = _fit_p2p(runs, fitted, profiles)
     fitted = _with_overheads(fitted, p2p_s=p2p_s)
-    latency, sync_s, step_err = _fit_latency(runs, fitted, profiles)
-    fitted = _with_step_overhead(runs, _with_sync(_with_latency(fitted, latency), sync_s))
+    latency, sync, step_err = _fit_latency(runs, fitted, profiles)
+    fitted = _with_step_overhead(runs, _with_sync(_with_latency(fitted, latency), sync))
     return Refit(cluster=fitted, flops_scale=flops,
                  bandwidth_scale=bandwidth, latency_scale=latency, compute_ratio_before=before,
                  compute_ratio_after=ratio, step_log_error=step_err, runs=len(runs),
                  kernel_overhead_s=kernel_s, p2p_latency_s=p2p_s,
                  step_overhead_s=fitted.device.step_overhead_s, offload_call_s=fitted.device.offload_call_s,
-                 optimizer_tensor_s=fitted.device.optimizer_tensor_s, sync_latency_s=sync_s)
+                 optimizer_tensor_s=fitted.device.optimizer_tensor_s, sync_latency_scale=sync)
 
 
 def _fit_optimizer(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> tuple[float, float]:
@@ -501,15 +503,16 @@ def _fit_p2p(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> float
 
 
 def _fit_latency(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> tuple[float, float | None, float]:
-    """(link-latency multiplier, step-end collective seconds per hop or None, median error).
+    """(link-latency multiplier, step-end multiplier over it or None, median error).
 
     Two kinds of collective pay the link's latency: those ranks call in step inside forward and
     backward (tensor parallelism's, context parallelism's exchanges) and those at the step's end
     (the gradient reduction per bucket, ZeRO-1/2's all-gather, the tied-weight sync, the loss
     all-reduce), which each rank reaches from its own backward. On CPU ranks sharing cores the
     second kind costs several times the first (each waits on every member being scheduled), so
-    one multiplier fits neither: the runs without tp or cp fit the step-end one
-    (``Cluster.sync_latency_s``), then the runs with them fit the link's. When the runs are all
+    one multiplier fits neither: the runs without tp or cp fit the step-end one, then the runs
+    with them fit the link's (the step-end one held, kept as ``Cluster.sync_latency_scale``
+    relative to it, so that intra- and inter-node links keep their ratio). When the runs are all
     of one kind, one multiplier for both (``None``). Each fit: the multiplier on a grid of
     powers of √2 (1/16 .. 64) with the smallest MEAN |log(predicted / measured)| step time over
     its runs (a median would let the few runs the collectives dominate go unfitted), with
@@ -520,10 +523,9 @@ def _fit_latency(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> t
     both = _best_latency_scale(outside or runs, runs, lambda k: _with_latency(cluster, k), profiles)
     if not inside or not outside:
         return both, None, _median_step_error(runs, _with_latency(cluster, both), profiles)
-    sync_s = cluster.intra_node.latency_s * both
-    synced = _with_sync(cluster, sync_s)
-    link = _best_latency_scale(inside, runs, lambda k: _with_latency(synced, k), profiles)
-    return link, sync_s, _median_step_error(runs, _with_latency(synced, link), profiles)
+    link = _best_latency_scale(inside, runs, lambda k: _with_sync(_with_latency(cluster, k), both / k), profiles)
+    return link, both / link, _median_step_error(runs, _with_sync(_with_latency(cluster, link), both / link),
+                                                 profiles)
 
 
 def _best_latency_scale(fit_on: Sequence[RunData], runs: Sequence[RunData], make, profiles: dict) -> float:
@@ -543,8 +545,8 @@ def _median_step_error(runs: Sequence[RunData], cluster: Cluster, profiles: dict
     return statistics.median(_step_log_errors(runs, _with_step_overhead(runs, cluster, profiles), profiles))
 
 
-def _with_sync(cluster: Cluster, seconds: float | None) -> Cluster:
-    return dataclasses.replace(cluster, sync_latency_s=seconds)
+def _with_sync(cluster: Cluster, scale: float | None) -> Cluster:
+    return dataclasses.replace(cluster, sync_latency_scale=scale)
 
 
 def refit_from_runs(dirs: Sequence[str | Path], cluster: Cluster, out: str | Path) -> Refit:

@@ -230,7 +230,7 @@ def test_refit_recovers_kernel_overhead_and_pipeline_message_seconds(tmp_path):
     assert result.kernel_overhead_s == pytest.approx(4e-5, rel=0.05)
     assert result.flops_scale == pytest.approx(0.5, rel=0.05)
     assert result.p2p_latency_s == pytest.approx(2e-3, rel=0.05)
-    assert result.sync_latency_s is None  # no tensor-parallel run: one latency for every collective
+    assert result.sync_latency_scale is None  # no tensor-parallel run: one latency for every collective
     assert result.compute_ratio_after == pytest.approx(1.0, abs=0.02)
     # the fitted fields survive the cluster file
     out = tmp_path / "refit.yaml"
@@ -241,26 +241,28 @@ def test_refit_recovers_kernel_overhead_and_pipeline_message_seconds(tmp_path):
 
 
 def test_refit_tells_step_end_collectives_from_tensor_parallel_ones(tmp_path):
-    """Runs made by a cluster whose step-end collectives (gradient reduction, tied sync, loss
-    all-reduce) pay 4x the link's α while the tensor-parallel ones pay it: the refit finds both,
-    the first from the runs without tp, the second from the tp run."""
+    """Runs made by a cluster whose links' α is 2x the one refitted and whose step-end
+    collectives (gradient reduction, tied sync, loss all-reduce) pay 4x that again: the refit
+    finds both, the first from the tp run, the second from the runs without tp."""
     cluster = dataclasses.replace(Cluster.preset("local-cpu"), devices_per_node=2)
     alpha = cluster.intra_node.latency_s * 64  # large enough for the collectives to matter
     cluster = dataclasses.replace(cluster, intra_node=dataclasses.replace(cluster.intra_node, latency_s=alpha),
                                   inter_node=dataclasses.replace(cluster.inter_node, latency_s=alpha))
-    truth = dataclasses.replace(cluster, sync_latency_s=4 * alpha)
+    truth = dataclasses.replace(cluster, sync_latency_scale=4.0,
+                                intra_node=dataclasses.replace(cluster.intra_node, latency_s=2 * alpha),
+                                inter_node=dataclasses.replace(cluster.inter_node, latency_s=2 * alpha))
     profile = profile_model(GPT, dtype="fp32")
     runs = _synthetic_runs(tmp_path, profile, cluster, truth, [
         {**BASE, "pp": 2, "micro_batch_size": 1, "num_micro_batches": 4},
         {**BASE, "dp": 2, "micro_batch_size": 4, "num_micro_batches": 1, "zero_stage": 1},
         {**BASE, "tp": 2, "micro_batch_size": 4, "num_micro_batches": 1}])
     result = refit(runs, cluster)
-    assert result.sync_latency_s == pytest.approx(4 * alpha)
-    assert result.latency_scale == pytest.approx(1.0)
+    assert result.sync_latency_scale == pytest.approx(4.0)
+    assert result.latency_scale == pytest.approx(2.0)
     assert result.step_log_error == pytest.approx(0.0, abs=0.01)
-    assert Cluster.from_dict(result.cluster.to_dict()).sync_latency_s == pytest.approx(4 * alpha)
+    assert Cluster.from_dict(result.cluster.to_dict()).sync_latency_scale == pytest.approx(4.0)
     # without it (the link's α for every collective) the runs without tp are predicted too fast
-    one = dataclasses.replace(result.cluster, sync_latency_s=None)
+    one = dataclasses.replace(result.cluster, sync_latency_scale=None)
     errors = [abs(predict_step_time(profile, one, dict(r.plan.knobs()), global_batch=r.plan.global_batch)
                   .predicted.step_time_s / r.step_s[0] - 1) for r in runs]
     assert max(errors) > 0.05

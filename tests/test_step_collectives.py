@@ -4,7 +4,7 @@
   the number of data-parallel reductions and ZeRO all-gathers the runtime issues, as the
   pre-launch check derives them from the lowered rank programs (tied copies and sequence-parallel
   norms in late buckets of their own, large stages in several).
-* ``Cluster.sync_latency_s`` prices those collectives, the tied-weight sync and the loss
+* ``Cluster.sync_latency_scale`` prices those collectives, the tied-weight sync and the loss
   all-reduce, and nothing else: the tensor-parallel collectives keep the link's α.
 """
 from __future__ import annotations
@@ -71,15 +71,15 @@ def _terms(spec: str, cluster: Cluster, **knobs) -> dict[str, float]:
 
 
 def test_sync_latency_prices_the_step_end_collectives_only():
-    """Raising ``sync_latency_s`` by 1 s adds, per collective, its hops: a 2-rank reduce-scatter
+    """Raising the step-end α by 1 s (``sync_latency_scale``) adds, per collective, its hops: a 2-rank reduce-scatter
     or all-gather 1, a 2-rank all-reduce 2 (ring), the 4-rank loss all-reduce 2·⌈log2 4⌉ (tree).
     The tensor-parallel collectives do not move."""
     world = 4
     base = _cluster(world)
     alpha = base.intra_node.latency_s
-    slow = dataclasses.replace(base, sync_latency_s=alpha + 1.0)
-    assert _terms(GPT, dataclasses.replace(base, sync_latency_s=alpha), dp=2, pp=2, zero_stage=1) == \
-        pytest.approx(_terms(GPT, base, dp=2, pp=2, zero_stage=1))  # None: the link's α
+    slow = dataclasses.replace(base, sync_latency_scale=(alpha + 1.0) / alpha)
+    assert _terms(GPT, dataclasses.replace(base, sync_latency_scale=1.0), dp=2, pp=2, zero_stage=1) == \
+        pytest.approx(_terms(GPT, base, dp=2, pp=2, zero_stage=1))  # None: x1
     for spec, buckets, tied in ((GPT, 2, True), (LLAMA, 1, False)):
         a, b = _terms(spec, base, dp=2, pp=2, zero_stage=1), _terms(spec, slow, dp=2, pp=2, zero_stage=1)
         # each bucket: one reduce-scatter and one all-gather over the dp pair, nothing hidden on CPU ranks

@@ -21,6 +21,7 @@ from pathlib import Path
 from torch import fx
 
 from ir_dumps.encode import target_text
+from passes.ir.launcher_env import scrubbed_env
 from passes.ir.meta import CHECKPOINT, PIPELINE_STAGE, TENSOR_PARALLEL
 
 OFFLOAD = "offload"  # written by the offload pass (being written); shown generically when present
@@ -71,7 +72,7 @@ def write_stage_dot(gm: fx.GraphModule, path: str | Path, *, title: str = "stage
     if exe is None:
         return path, None
     svg = path.with_suffix(".svg")
-    subprocess.run([exe, "-Tsvg", str(path), "-o", str(svg)], check=True, timeout=120)
+    subprocess.run([exe, "-Tsvg", str(path), "-o", str(svg)], check=True, timeout=120, env=scrubbed_env())
     return path, svg
 
 

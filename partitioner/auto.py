@@ -17,7 +17,7 @@ What happens, in order (every rank, unless said):
    analysed graph travels to every rank (:mod:`passes.ir.graph_transfer`), which rebuilds it
    around its own module, and rank 0's weights are broadcast into it: the job captures once;
 3. rank 0 profiles that graph (:func:`partitioner.profile.profile_graph`) and searches the plan
-   (:mod:`partitioner.search`) on ``cluster`` (default ``Cluster.local(world_size)``) with ``fix``
+   (:mod:`partitioner.search`) on ``cluster`` (default ``Cluster.detect()``, printed in one line) with ``fix``
    pinned; the plan, or the error, is broadcast so every rank starts the same plan or fails with
    the same message. The search offers only configs the lowering and the runtime carry out;
 4. the plan must use exactly the job's ranks (``dp * tp * pp == world_size``), else
@@ -33,6 +33,8 @@ What happens, in order (every rank, unless said):
 """
 from __future__ import annotations
 
+import dataclasses
+import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -333,7 +335,8 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     ``model``: a spec string (``"gpt:layers=4,hidden=64"``), a :class:`ModelSpec`, or an
     ``nn.Module`` with ``inputs`` (InputSpecs with named dims, e.g. ``("batch", "seq")``),
     ``loss_fn(module, *inputs) -> scalar`` and ``dims`` (default sizes of the named dims other
-    than batch). ``cluster``: a Cluster or preset name (default ``Cluster.local(world_size)``).
+    than batch). ``cluster``: a Cluster or preset name (default :meth:`Cluster.detect`: the GPUs and
+    launcher this job sees, or this machine's CPU calibration, measured by the job's ranks the first time).
     ``optimizer``: None (AdamW, no weight decay on norms, biases and embeddings), AdamW's keyword
     arguments (``{"lr": 1e-3}``), or a factory ``f(param_groups) -> torch.optim.Optimizer``
     (:mod:`runtime.optimizers`; under ZeRO an elementwise one); the planner costs the state of the
@@ -372,9 +375,15 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     spec = as_spec(model, inputs=inputs, loss_fn=loss_fn, dims=dims)
     if dtype != "fp32":  # every rank: the graph is rebuilt around each rank's own (cast) module
         spec = spec.cast(TORCH_DTYPES[dtype])
+    detected = cluster is None
     if isinstance(cluster, str):
         cluster = Cluster.load(cluster)
-    cluster = cluster or Cluster.local(world)
+    cluster = cluster or Cluster.detect(world)
+    if detected and rank == 0:
+        from partitioner.detect import describe
+
+        print(f"partitioner: detected cluster: {describe(cluster)} ({cluster.name}; pass cluster= to override)",
+              file=sys.stderr, flush=True)
     device = torch.device("cuda", torch.cuda.current_device()) if default_backend() == "nccl" else torch.device("cpu")
     out_dir = Path(dump_dir) if dump_dir is not None else None
     writer = DumpWriter(out_dir, model=spec.name) if out_dir is not None and rank == 0 else None
@@ -401,6 +410,8 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     else:
         check_world_size(plan, world)
         chosen = plan
+    if detected:  # plan.json says what the job found, not only a name
+        chosen = dataclasses.replace(chosen, cluster_spec=cluster.to_dict())
     if chosen.global_batch != global_batch_size:
         raise ConfigError(f"auto_parallelize: the plan is for global batch {chosen.global_batch}, "
                           f"not {global_batch_size}; re-plan or pass the plan's batch size")

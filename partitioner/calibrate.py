@@ -795,6 +795,76 @@ def auto_calibrate(world_size: int, path: Path) -> Calibration:
     return run_calibration(world_size, path, recipe=AUTO_RECIPE)
 
 
+JOB_RECIPE = replace(AUTO_RECIPE, name="job", reference_steps=4)
+"""What a job calibrates with its own ranks on a cache miss (:func:`calibrate_in_job`): the
+automatic recipe with 4 steps per reference plan (2 of warm-up), bounded to well under a
+minute on a 2-core machine."""
+
+
+def calibrate_in_job(path: Path, recipe: Recipe = JOB_RECIPE) -> Calibration:
+    """Calibrate this machine with the ranks of the job that is running (every rank calls it,
+    the default process group initialised, its world the calibration's): no process is started.
+
+    Rank 0 times the matmuls and the copy alone (the other ranks wait, as a rank's compute is
+    measured without contention: ``compute_slots_per_node`` models the sharing), every rank
+    times gloo on the job's group, every rank trains the reference plans, and rank 0 fits,
+    writes ``path`` (under the cache lock) and sends the cluster to the others: every rank
+    returns the same :class:`Calibration` (with the samples on rank 0 only).
+    """
+    import torch.distributed as dist
+
+    from partitioner.cluster import exclusive_lock
+    from partitioner.reference_runs import ReferenceResults, reference_plans, run_plans
+    from runtime import comm
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    start = time.perf_counter()
+    clock = PhaseClock()
+    threads = rank_threads(world)
+    matmul, efficiency, memcpy = None, None, None
+    if rank == 0:
+        matmul = measure_matmul(("fp32", "bf16"), recipe.matmul_sizes, threads=threads, effort=recipe.effort)
+        efficiency = {d: fit_efficiency([(s.flops, s.seconds) for s in matmul if s.dtype == d])
+                      for d in ("fp32", "bf16")}
+        memcpy = measure_memcpy(recipe.memcpy_bytes, threads=threads, effort=recipe.effort)
+    efficiency, memcpy = comm.broadcast_object((efficiency, memcpy), src=0)
+    clock.lap("matmul + memcpy")
+    timings = time_gloo(recipe.comm_sizes, recipe.effort.comm_repeats) if world >= 2 else None
+    clock.lap("gloo")
+    placeholder = LinkFit(op="all_reduce", world_size=world, latency_s=0.0, bandwidth_bytes_per_s=1.0)
+    provisional = build_cluster(world, efficiency, memcpy,
+                                GlooMeasurement(all_reduce=(), send_recv=(), all_reduce_fit=placeholder,
+                                                send_recv_fit=placeholder), threads_per_rank=threads)
+    steps = run_plans(reference_plans(world), recipe.reference_steps, provisional) if recipe.reference_steps else []
+    clock.lap("reference runs")
+    gathered = comm.all_gather_object((timings, steps))
+    cal = None
+    if rank == 0:
+        gloo = gloo_measurement([t for t, _ in gathered]) if world >= 2 else _no_peers()
+        cluster = build_cluster(world, efficiency, memcpy, gloo, threads_per_rank=threads)
+        cal = Calibration(cluster=cluster, world_size=world, threads_per_rank=threads, matmul=tuple(matmul),
+                          efficiency=efficiency, memcpy=memcpy, gloo=gloo, recipe=recipe.name)
+        if recipe.reference_steps:
+            results = ReferenceResults(comm=tuple(t or {} for t, _ in gathered),
+                                       steps=tuple(tuple(s) for _, s in gathered))
+            cal = _with_reference_runs(cal, path, recipe, results)
+        clock.lap("refit")
+        cal = replace(cal, elapsed_s=time.perf_counter() - start, phases=clock.seconds)
+        with exclusive_lock(path):
+            cal = replace(cal, path=write_calibration(cal, path))
+    cal = comm.broadcast_object(cal if rank == 0 else None, src=0)
+    return cal if rank == 0 else replace(cal, matmul=(), refit=None)
+
+
+def _no_peers() -> GlooMeasurement:
+    """A one-rank job sends nothing: its links are the ``local-cpu`` preset's (never priced)."""
+    link = Cluster.preset("local-cpu").intra_node
+    fits = {op: LinkFit(op=op, world_size=2, latency_s=link.latency_s, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s)
+            for op in COMM_OPS}
+    return GlooMeasurement(all_reduce=(), send_recv=(), all_reduce_fit=fits["all_reduce"],
+                           send_recv_fit=fits["send_recv"])
+
+
 def calibrate(world_size: int = 4, out: str | Path | None = None, quick: bool = False) -> Cluster:
     """Measure this machine for ``world_size`` local gloo ranks and write the cluster file that
     ``Cluster.local`` reads (default: this machine's cache file); returns it.

@@ -164,10 +164,18 @@ def _cmd_models(args: argparse.Namespace) -> int:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from partitioner.calibrate import run_calibration
 
+    if args.show:
+        return _show_calibrations()
     if args.from_run:
+        args.world_size = args.world_size or 4
         return _cmd_refit(args)
-    cal = run_calibration(args.world_size, args.out, args.quick,
-                          reference_runs=False if args.no_reference_runs else None)
+    if _under_launcher():
+        cal = _calibrate_job(args)
+        if cal is None:  # ranks other than 0 print nothing
+            return 0
+    else:
+        cal = run_calibration(args.world_size or 4, args.out, args.quick,
+                              reference_runs=False if args.no_reference_runs else None)
     print(f"calibrated {cal.world_size} gloo ranks, {cal.threads_per_rank} thread(s) each "
           f"({cal.elapsed_s:.1f} s{', quick' if args.quick else ''})")
     if cal.refit is not None:
@@ -207,6 +215,67 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     print(f"\ncluster file written to {cal.path} (samples in {cal.path.name}.calibration.json); "
           + ("Cluster.local reads it (the cache of this machine)" if args.out is None
              else "Cluster.local reads it with PARTITIONER_CLUSTER_FILE set to it"))
+    return 0
+
+
+def _under_launcher() -> bool:
+    """This process is a rank of a launched job (torchrun sets these)."""
+    return all(k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"))
+
+
+def _calibrate_job(args: argparse.Namespace):
+    """``partitioner calibrate`` under torchrun: the job's own ranks measure (every rank runs
+    this); rank 0 writes the cache for the job's world size. Returns the calibration on rank 0,
+    None on the others."""
+    import torch.distributed as dist
+
+    from dataclasses import replace
+    from pathlib import Path
+
+    from partitioner.calibrate import FULL_RECIPE, QUICK_RECIPE, calibrate_in_job
+    from partitioner.cluster import JOB_START_TIMEOUT_S, local_cache_file
+    from runtime.mesh import init_distributed
+
+    world = int(os.environ["WORLD_SIZE"])
+    if args.world_size is not None and args.world_size != world:
+        raise ConfigError(f"calibrate: --world-size {args.world_size} under a launcher of {world} rank(s); the "
+                          f"job calibrates its own ranks: leave --world-size out, or launch {args.world_size}")
+    init_distributed(timeout_s=JOB_START_TIMEOUT_S)
+    recipe = QUICK_RECIPE if args.quick else FULL_RECIPE
+    if args.no_reference_runs:
+        recipe = replace(recipe, reference_steps=0)
+    path = Path(args.out).expanduser() if args.out else local_cache_file(world)
+    cal = calibrate_in_job(path, recipe)
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    return cal if rank == 0 else None
+
+
+def _show_calibrations() -> int:
+    """``partitioner calibrate --show``: every cached calibration of this machine, with the
+    summary its file's header holds."""
+    from partitioner.cluster import Cluster, cache_dir
+
+    root = cache_dir()
+    files = sorted(root.glob("local-*.yaml")) if root.is_dir() else []
+    if not files:
+        print(f"no calibration cached in {root}; the first job (or `partitioner calibrate`) measures this machine")
+        return 0
+    print(f"calibrations cached in {root}:")
+    for path in files:
+        try:
+            cluster = Cluster.from_file(path)
+        except PartitionerError as exc:
+            print(f"\n{path.name}: unreadable ({exc}); delete it or run `partitioner calibrate`")
+            continue
+        d = cluster.device
+        print(f"\n{path.name}: {cluster.devices_per_node} rank(s) of {d.name}, fp32 "
+              f"{_human(d.peak_flops.fp32, 'FLOP/s')}, {_human(d.memory_bytes, 'B')} each, link alpha "
+              f"{cluster.intra_node.latency_s * 1e6:.3g} us beta {_human(cluster.intra_node.bandwidth_bytes_per_s, 'B')}/s")
+        for line in path.read_text().splitlines():
+            if not line.startswith("#"):
+                break
+            print("  " + line[1:].strip())
     return 0
 
 
@@ -303,9 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_cmd_models)
 
     p = sub.add_parser("calibrate", help="measure this machine; write the cluster file Cluster.local reads")
-    p.add_argument("--world-size", type=int, default=4, help="local gloo ranks to calibrate for (default 4)")
+    p.add_argument("--world-size", type=int, help="local gloo ranks to calibrate for (default 4; under torchrun "
+                                                  "the job's own ranks)")
     p.add_argument("--out", help="cluster file to write (default: this machine's cache file, which Cluster.local "
                                  "reads; a calibration refreshes it)")
+    p.add_argument("--show", action="store_true", help="print the calibrations cached for this machine and exit")
     p.add_argument("--quick", action="store_true",
                    help="fewer, smaller measurements and no reference runs (seconds; pessimistic)")
     p.add_argument("--no-reference-runs", action="store_true",

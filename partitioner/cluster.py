@@ -482,6 +482,21 @@ class Cluster:
         return cluster if nodes is None else cluster.with_nodes(nodes)
 
     @classmethod
+    def detect(cls, world_size: int | None = None) -> Cluster:
+        """The cluster this job runs on, as far as this process can see it: the default of
+        ``auto_parallelize`` and ``partitioner train`` (see :func:`partitioner.detect.detect_cluster`).
+
+        The job's shape from the process group or the launcher (nodes = world / local world);
+        GPUs from their properties (a table of datasheet peaks, NVLink or PCIe between them, the
+        node preset's inter-node link); CPU ranks from this machine's calibration, measured by the
+        job's own ranks the first time. ``$PARTITIONER_CLUSTER_FILE`` overrides the description
+        (the job's shape still applies). ``world_size``: the job's ranks when no launcher says.
+        """
+        from partitioner.detect import detect_cluster
+
+        return detect_cluster(world_size)
+
+    @classmethod
     def local(cls, world_size: int, backend: str = "gloo") -> Cluster:
         """This machine as one node of ``world_size`` ranks.
 
@@ -560,21 +575,97 @@ def local_cache_file(world_size: int) -> Path:
 
 def cached_local_cluster(world_size: int) -> Cluster:
     """This machine's calibrated cluster for ``world_size`` gloo ranks, from the cache; on a miss
-    it is measured (:func:`partitioner.calibrate.auto_calibrate`), cached, and one line on stderr
-    says so. Concurrent callers (the ranks of one job) wait for one calibration, not run four."""
+    it is measured, cached, and one line on stderr says so.
+
+    Inside a job of ``world_size`` ranks (a process group initialised: torchrun, ``spawn``, any
+    launcher; every rank calls this) the job's own ranks calibrate
+    (:func:`partitioner.calibrate.calibrate_in_job`) and rank 0's answer, read or measured, is
+    every rank's. Outside a job, :func:`partitioner.calibrate.auto_calibrate` starts the ranks;
+    concurrent callers wait for one calibration, not run four."""
     path = local_cache_file(world_size)
+    job = _job_world(world_size)
+    if job is not None:
+        if job != world_size:
+            raise ClusterSpecError(
+                f"no calibration of this machine for {world_size} rank(s) can be measured inside this job of {job} "
+                f"rank(s); plan for the job's own {job} ranks, or run `partitioner calibrate --world-size "
+                f"{world_size}` outside the job first")
+        return _cached_in_job(path, world_size)
     if path.is_file():
         return read_cached(path, world_size)
-    with _exclusive(path.with_name(path.name + ".lock")):
+    with exclusive_lock(path):
         if path.is_file():  # another process calibrated while this one waited
             return read_cached(path, world_size)
         _refuse_in_daemon(path, world_size)
         from partitioner.calibrate import auto_calibrate
 
+        _say(f"partitioner: no calibration of this machine for {world_size} gloo rank(s) in {path.parent}; "
+             f"measuring it now (about a minute, once)")
         cal = auto_calibrate(world_size, path)
-    print(f"partitioner: calibrated this machine for {world_size} gloo rank(s) in {cal.elapsed_s:.0f} s; "
-          f"cached in {path}", file=sys.stderr, flush=True)
+    _say(f"partitioner: calibrated this machine for {world_size} gloo rank(s) in {cal.elapsed_s:.0f} s; "
+         f"cached in {path}")
     return cal.cluster
+
+
+JOB_START_TIMEOUT_S = 600.0
+"""Seconds the default process group that :func:`cached_local_cluster` starts for a launched rank
+waits in a collective (the calibration's ranks wait while rank 0 measures)."""
+
+
+def _job_world(world_size: int) -> int | None:
+    """The world size of the job this process is a rank of, else None: its initialised default
+    process group, or the launcher's environment (torchrun, ``spawn``), in which case the default
+    group is initialised here from env://, as ``auto_parallelize`` would next."""
+    launched = all(k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"))
+    if "torch.distributed" not in sys.modules and not launched:
+        return None  # nothing imported it: no job (and no 2 s import)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    if not launched:
+        return None
+    world = int(os.environ["WORLD_SIZE"])
+    if world == world_size:
+        from runtime.mesh import init_distributed
+
+        init_distributed(timeout_s=JOB_START_TIMEOUT_S)
+    return world
+
+
+def _cached_in_job(path: Path, world_size: int) -> Cluster:
+    """Rank 0 reads the cache and tells the others; on a miss every rank calibrates together.
+    One decision for all ranks: a rank that read a file another had just written would otherwise
+    skip the collectives the others are in."""
+    import torch.distributed as dist
+
+    from runtime import comm
+
+    rank = dist.get_rank()
+    cached = None
+    if rank == 0 and path.is_file():
+        try:
+            cached = ("ok", read_cached(path, world_size).to_dict())
+        except ClusterSpecError as e:
+            cached = ("error", str(e))
+    cached = comm.broadcast_object(cached, src=0)
+    if cached is not None:
+        if cached[0] == "error":
+            raise ClusterSpecError(cached[1])
+        return Cluster.from_dict(cached[1])
+    from partitioner.calibrate import calibrate_in_job
+
+    if rank == 0:
+        _say(f"partitioner: no calibration of this machine for {world_size} gloo rank(s) in {path.parent}; "
+             f"calibrating inside the job with its {world_size} rank(s) (under a minute, once)")
+    cal = calibrate_in_job(path)
+    if rank == 0:
+        _say(f"partitioner: calibrated this machine inside the job in {cal.elapsed_s:.0f} s; cached in {path}")
+    return cal.cluster
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 def read_cached(path: Path, world_size: int) -> Cluster:
@@ -588,12 +679,13 @@ def read_cached(path: Path, world_size: int) -> Cluster:
 
 
 @contextlib.contextmanager
-def _exclusive(lock_file: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``lock_file`` for the block (``filelock``, a torch dependency)."""
+def exclusive_lock(path: Path) -> Iterator[None]:
+    """Hold the exclusive lock of cache file ``path`` (``<path>.lock``; ``filelock``, a torch
+    dependency) for the block: one writer at a time."""
     from filelock import FileLock
 
-    lock_file.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(lock_file):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(path.with_name(path.name + ".lock")):
         yield
 
 
@@ -603,8 +695,9 @@ def _refuse_in_daemon(path: Path, world_size: int) -> None:
     if multiprocessing.current_process().daemon:
         raise ClusterSpecError(
             f"no cached calibration of this machine for {world_size} rank(s) ({path}), and this process (a "
-            f"spawned rank) cannot start the calibration's processes: call Cluster.local({world_size}) in the "
-            f"launching process first, or run `partitioner calibrate --world-size {world_size}`")
+            f"daemonic process) cannot start the calibration's processes and is not a rank of a {world_size}-rank "
+            f"job: call Cluster.local({world_size}) in the launching process or inside the job, or run "
+            f"`partitioner calibrate --world-size {world_size}`")
 
 
 class _Loader(yaml.SafeLoader):

@@ -125,12 +125,18 @@ def _rank_main(plans: tuple[ReferencePlan, ...], steps: int, cluster: Cluster,
     """On every rank: the gloo timings (``comm_sizes``; first, while the ranks do nothing else),
     then each plan's measured steps. ``cluster`` is what the lowering costs against
     (``Cluster.local`` here would start the very calibration these runs are part of)."""
-    import torch
-
     from partitioner.calibrate import time_gloo
 
     init_distributed(timeout_s=300)
     comm = time_gloo(comm_sizes, comm_repeats) if comm_sizes else {}
+    return comm, run_plans(plans, steps, cluster)
+
+
+def run_plans(plans: tuple[ReferencePlan, ...], steps: int, cluster: Cluster) -> list[list[dict]]:
+    """On every rank of the initialised default group (its size the plans' world): each plan's
+    measured steps (dicts of :class:`runtime.measure.StepMeasurement`), in order."""
+    import torch
+
     meshes = {}
     for p in plans:  # every rank creates every group, in the same order
         if (p.dp, p.pp, p.tp) not in meshes:
@@ -152,7 +158,7 @@ def _rank_main(plans: tuple[ReferencePlan, ...], steps: int, cluster: Cluster,
             timer.measure(k + 1, lambda b=b: pm.train_step(b))
         out.append([dataclasses.asdict(s) for s in timer.steps])
     torch.distributed.barrier()
-    return comm, out
+    return out
 
 
 def _plan_bar(plans: tuple[ReferencePlan, ...], steps: int):

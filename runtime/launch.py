@@ -2,7 +2,8 @@
 
 ``spawn(fn, world_size, *args, timeout_s=...)`` starts one process per rank with the
 ``spawn`` start method and the env:// variables torchrun would set (MASTER_ADDR=127.0.0.1, a
-free MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE), calls ``fn(*args)`` in each, and returns the
+free MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE) in place of any the parent had from its own
+launcher (:mod:`passes.ir.launcher_env`: a job started inside a torchrun rank is a job of its own), calls ``fn(*args)`` in each, and returns the
 per-rank results as a list. ``fn`` must be importable (a module-level function) and its result
 picklable. ``fn`` initialises torch.distributed itself (e.g. by building a
 :class:`runtime.mesh.Mesh`); the process group is destroyed when ``fn`` returns.
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from passes.ir.errors import PartitionerError
+from passes.ir.launcher_env import scrub_environ
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +57,9 @@ def free_port() -> int:
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results) -> None:
+    # A job started from inside a rank (torchrun's, say) must not inherit that rank's launcher:
+    # TORCHELASTIC_USE_AGENT_STORE would make env:// wait on the parent's store forever.
+    scrub_environ()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     try:

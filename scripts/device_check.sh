@@ -3,8 +3,11 @@
 #   PYTHONPATH=. bash scripts/device_check.sh
 # It uses the python3 found on PATH (override with PYTHON=...), so the CUDA build of torch
 # installed there rather than the pinned CPU build, with this repository on PYTHONPATH. Results
-# go to $OUT (default /tmp/device_out), three files:
+# go to $OUT (default /tmp/device_out), four files:
 #   env.txt       the GPU (nvidia-smi -L), the torch version and whether CUDA is available
+#   detect.txt    Cluster.detect() on this machine (the GPU table's match, the links), then a
+#                 first run as a user makes it: torchrun, one NCCL rank, no --cluster, an empty
+#                 calibration cache; the plan (predicted) and the measured steps
 #   parity.txt    NCCL/CUDA: one-rank ParallelModel trains like plain AdamW on the GPU, with and
 #                 without checkpointing / activation offload (pinned host memory, side stream)
 #   fidelity.txt  the one-GPU fidelity table: predicted vs measured peak memory and step time,
@@ -16,9 +19,15 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 { nvidia-smi -L; $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"; } \
     > "$OUT/env.txt" 2>&1
+{ $PY -c "from partitioner.cluster import Cluster; from partitioner.detect import describe; print(describe(Cluster.detect()))"
+  PARTITIONER_CACHE_DIR=$(mktemp -d) timeout 240 $PY -m torch.distributed.run --nproc-per-node 1 -m partitioner train \
+      --model gpt:layers=4,hidden=256,heads=8,vocab=1024,seq=128 --global-batch 8 --steps 12 --dump-dir /tmp/device_train
+  echo "train exit $?"
+  $PY -c "import json; m = json.load(open('/tmp/device_train/measurements.json')); print('predicted step', m['predicted_step_time_s'], 's; measured', [s['step_time_s'] for s in m['steps'][0]][2:])"
+} > "$OUT/detect.txt" 2>&1
 timeout 240 $PY scripts/device_parity.py --steps 3 > "$OUT/parity.txt" 2>&1
 echo "parity exit $?" >> "$OUT/parity.txt"
 timeout 270 $PY bench/fidelity.py --world 1 --cluster dgx-h200 --models gpt-gpu --steps 10 \
     --out /tmp/device_fidelity > "$OUT/fidelity.txt" 2>&1
 echo "fidelity exit $?" >> "$OUT/fidelity.txt"
-cat "$OUT/env.txt" "$OUT/parity.txt"; grep -v Warning "$OUT/fidelity.txt" | tail -30
+cat "$OUT/env.txt" "$OUT/detect.txt" "$OUT/parity.txt"; grep -v Warning "$OUT/fidelity.txt" | tail -30

@@ -79,9 +79,10 @@ def test_local_calibrates_once_then_reads_the_cache(cache, monkeypatch, capfd):
     path = local_cache_file(2)
     assert path.parent == cache and path.is_file() and calls == [(2, path)]
     said = [line for line in err if line.startswith("partitioner:")]
-    assert len(said) == 1, err
+    assert len(said) == 2, err  # one line before measuring (it takes a while), one after
+    assert said[0].startswith("partitioner: no calibration of this machine for 2 gloo rank(s)"), said
     assert re.fullmatch(rf"partitioner: calibrated this machine for 2 gloo rank\(s\) in \d+ s; cached in {re.escape(str(path))}",
-                        said[0]), said
+                        said[1]), said
     assert (first.name, first.world_size, first.backend) == ("local-calibrated", 2, "gloo")
     key = MachineKey.this_machine(2)
     assert first.compute_slots_per_node == max(1, key.cores // key.threads_per_rank)
@@ -254,11 +255,13 @@ def _local_two():
     return Cluster.local(2)
 
 
-def test_a_spawned_rank_without_a_cache_says_where_to_calibrate(cache):
-    """Ranks of runtime.launch.spawn are daemonic and may not start the calibration's processes."""
+def test_a_rank_asking_for_another_world_size_says_where_to_calibrate(cache):
+    """A rank of a 1-rank job cannot measure 2 ranks with its job, nor start processes (spawned
+    ranks are daemonic): it is told what to do instead."""
     from runtime.launch import LaunchError, spawn
 
-    with pytest.raises(LaunchError, match=r"ClusterSpecError: no cached calibration .* call Cluster.local\(2\) in "
-                                          r"the launching process first, or run `partitioner calibrate --world-size 2`"):
+    with pytest.raises(LaunchError, match=r"ClusterSpecError: no calibration of this machine for 2 rank\(s\) can be "
+                                          r"measured inside this job of 1 rank\(s\); .* run `partitioner calibrate "
+                                          r"--world-size 2` outside the job first"):
         spawn(_local_two, 1, timeout_s=120)
     assert not local_cache_file(2).exists()

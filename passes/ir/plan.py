@@ -100,6 +100,9 @@ class Plan:
     stages: tuple[StagePlan, ...] = ()
     predicted: Prediction
     alternatives: tuple[Alternative, ...] = ()
+    cluster_spec: dict | None = None
+    """The cluster planned on, as a cluster file holds it (``Cluster.to_dict()``), when the job
+    detected or calibrated it; ``None`` for a named preset (``cluster`` names it)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, ParallelConfig):
@@ -126,6 +129,8 @@ class Plan:
     def to_dict(self) -> dict:
         out = asdict(self)
         out["config"] = self.config.to_dict()
+        if self.cluster_spec is None:
+            del out["cluster_spec"]
         return out
 
     def to_json(self, indent: int | None = 2) -> str:

@@ -1,0 +1,138 @@
+"""A user's first run: their launcher, an empty calibration cache, no cluster given.
+
+The job calibrates this machine with its own ranks (no process of ours is started from inside a
+rank), caches it, and trains; the second run reads the cache. A process the project starts from
+inside a torchrun rank inherits none of torchrun's rendezvous variables.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from partitioner.cluster import CACHE_DIR_ENV, CLUSTER_FILE_ENV
+from passes.ir.launcher_env import is_launcher_var, scrubbed_env
+from runtime.launch import spawn
+
+ROOT = Path(__file__).resolve().parents[1]
+CALIBRATING = "calibrating inside the job"
+
+
+def _readme_torchrun() -> list[str]:
+    """The README's first torchrun command, as a user copies it (``torchrun`` is the launcher
+    of this Python: ``python -m torch.distributed.run``)."""
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if line.startswith("torchrun --nproc-per-node 2 -m partitioner train"):
+            words = shlex.split(line.split("#")[0])
+            return [sys.executable, "-m", "torch.distributed.run", *words[1:]]
+    raise AssertionError("README.md has no 'torchrun --nproc-per-node 2 -m partitioner train' line")
+
+
+def _fresh_env(cache: Path) -> dict[str, str]:
+    """The environment of a user who never calibrated: no cluster file, an empty cache."""
+    env = {k: v for k, v in os.environ.items() if k != CLUSTER_FILE_ENV and not is_launcher_var(k)}
+    env[CACHE_DIR_ENV] = str(cache)
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def _corpus(path: Path) -> Path:
+    import this  # noqa: F401 - its text is the stdlib's; a few KiB of words, as a user's file
+    from codecs import decode
+
+    path.write_text(decode(sys.modules["this"].s, "rot13") * 40)
+    return path
+
+
+@pytest.mark.slow
+def test_readme_torchrun_on_an_empty_cache_calibrates_inside_the_job_then_reuses_it(tmp_path):
+    cmd = _readme_torchrun()
+    _corpus(tmp_path / "corpus.txt")
+    env = _fresh_env(tmp_path / "cache")
+    first = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420)
+    assert first.returncode == 0, f"{first.stdout[-3000:]}\n{first.stderr[-5000:]}"
+    assert first.stderr.count(CALIBRATING) == 1, first.stderr[-3000:]  # one line, from rank 0
+    assert re.search(r"calibrated this machine inside the job in \d+ s; cached in ", first.stderr)
+    cached = sorted((tmp_path / "cache").glob("local-w2-*.yaml"))
+    assert len(cached) == 1, sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert "loss" in first.stdout and "plan: dp=2" in first.stdout
+    assert "Warning" not in first.stderr, first.stderr[-3000:]
+
+    second = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420)
+    assert second.returncode == 0, second.stderr[-5000:]
+    assert "calibrat" not in second.stderr, second.stderr[-3000:]
+    assert sorted((tmp_path / "cache").glob("local-w2-*.yaml")) == cached
+
+
+def _spawned_user_script(cache: str) -> tuple[str, float, list[str]]:
+    """A user's own rank function: ``auto_parallelize`` with ``Cluster.local(2)`` on a fresh cache."""
+    import torch
+
+    from partitioner.auto import auto_parallelize
+    from partitioner.cluster import Cluster
+
+    os.environ.pop(CLUSTER_FILE_ENV, None)
+    os.environ[CACHE_DIR_ENV] = cache
+    trainer = auto_parallelize("gpt:layers=2,hidden=32,heads=2,vocab=64,seq=16,dropout=0.0", Cluster.local(2),
+                               global_batch_size=4, fix="dp=2")
+    batch = trainer.spec.example_inputs({"batch": 4}, seed=0)
+    loss = trainer.train_step(batch)
+    assert torch.isfinite(torch.tensor(loss))
+    return trainer.cluster.name, loss, sorted(os.listdir(cache))
+
+
+@pytest.mark.slow
+def test_auto_parallelize_in_spawned_ranks_calibrates_with_them(tmp_path):
+    cache = tmp_path / "cache"
+    results = spawn(_spawned_user_script, 2, str(cache), timeout_s=400)
+    (name0, loss0, files0), (name1, loss1, _) = results
+    assert name0 == name1 == "local-calibrated+refit"  # measured, refitted to the reference runs, on every rank
+    assert loss0 == loss1
+    assert any(f.startswith("local-w2-") and f.endswith(".yaml") for f in files0)
+
+
+def _child_env() -> dict[str, str]:
+    return dict(os.environ)
+
+
+def _rank_starts_a_job(out: str) -> None:
+    """Inside a torchrun rank: start a job of our own, record what its rank saw."""
+    import json
+
+    parent = {k: v for k, v in os.environ.items() if is_launcher_var(k)}
+    (child,) = spawn(_child_env, 1, timeout_s=120)
+    dot = subprocess.run([sys.executable, "-c", "import os, json; print(json.dumps(dict(os.environ)))"],
+                         env=scrubbed_env(), capture_output=True, text=True, check=True).stdout
+    Path(out).write_text(json.dumps({"parent": parent, "child": child, "subprocess": json.loads(dot)}))
+
+
+@pytest.mark.slow
+def test_a_process_started_inside_a_torchrun_rank_sees_none_of_its_rendezvous(tmp_path):
+    import json
+
+    out = tmp_path / "env.json"
+    script = tmp_path / "rank.py"
+    script.write_text(f"import sys; sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+                      f"from test_first_run import _rank_starts_a_job\n"
+                      f"if __name__ == '__main__':\n    _rank_starts_a_job({str(out)!r})\n")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", str(script)],
+                          env=_fresh_env(tmp_path / "cache"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    seen = json.loads(out.read_text())
+    assert seen["parent"].get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # it was a torchrun rank
+    leaked = {k for k in seen["child"] if k.startswith("TORCHELASTIC_")}
+    assert not leaked, leaked
+    assert seen["child"]["MASTER_PORT"] != seen["parent"]["MASTER_PORT"]  # a job of its own
+    assert not {k for k in seen["subprocess"] if is_launcher_var(k)}
+
+
+def test_scrubbed_env_drops_exactly_the_launcher_variables():
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "x", "MASTER_ADDR": "h", "MASTER_PORT": "1",
+           "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+           "PATH": "/bin", "OMP_NUM_THREADS": "1", "PARTITIONER_CACHE_DIR": "/c"}
+    assert scrubbed_env(env) == {"PATH": "/bin", "OMP_NUM_THREADS": "1", "PARTITIONER_CACHE_DIR": "/c"}

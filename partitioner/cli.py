@@ -8,14 +8,13 @@ import sys
 import time
 import traceback
 
-import sympy
-
 from passes.ir.errors import ConfigError, PartitionerError
-from passes.ir.plan import Plan
 
 
 def _human(expr, unit: str) -> str:
     """A size for people: 1.23 GiB / 4.56 TFLOP for numbers, the expression when symbolic."""
+    import sympy  # here: `partitioner --help` loads neither sympy nor torch
+
     expr = sympy.sympify(expr)
     if not expr.is_number:
         return str(expr)
@@ -120,6 +119,8 @@ def _cmd_lower(args: argparse.Namespace) -> int:
         text = open(args.plan, encoding="utf-8").read()
     except OSError as exc:
         raise ConfigError(f"cannot read plan {args.plan}: {exc.strerror}; give the plan.json a plan wrote") from None
+    from passes.ir.plan import Plan
+
     plan = Plan.from_json(text)
     if args.cluster == "local":
         cluster = Cluster.local(args.world_size or plan.world_size)

@@ -32,12 +32,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from passes.ir.errors import PartitionerError
-from passes.ir.plan import Plan
-from runtime.faults import describe_failure, is_communication_error
-from runtime.launch import spawn
 
 if TYPE_CHECKING:  # torch is imported where used: `partitioner --help` stays fast
     import torch
+
+    from passes.ir.plan import Plan
 
 DEMO_MODEL = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq=64,dropout=0.0"
 DEMO_FIX = None
@@ -153,6 +152,8 @@ def _rank_failure(trainer, exc: Exception) -> RankFailure:
     # A stopped peer's heartbeat is about one timeout old when a wait on it gives up: a short
     # timeout needs a shorter staleness bound (never below three beats).
     stale_s = min(STALE_AFTER_S, max(3.0, mesh.timeout.total_seconds() / 2))
+    from runtime.faults import describe_failure, is_communication_error
+
     return RankFailure(describe_failure(exc, rank=trainer.rank, last_action=trainer.last_action,
                                         identities=trainer.identities, pp_ranks=mesh.pp_ranks,
                                         group_ranks=range(mesh.first, mesh.first + mesh.size),
@@ -304,13 +305,17 @@ def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str | None = DEMO
     """The whole demo; returns a summary dict. Raises :class:`ParityError` when the first
     :data:`CHECK_STEPS` losses differ from single-process training by more than :data:`CHECK_RTOL`."""
     from partitioner.cluster import Cluster
+    from runtime.launch import preload, spawn
+
+    preload("partitioner.demo", "partitioner.auto")  # imported once, by the server the ranks fork from
 
     def say(text: str) -> None:
         print(text, file=out or sys.stdout, flush=True)
 
     start = time.perf_counter()
     dump = str(Path(dump_dir).resolve())
-    # here, not on the ranks: a first calibration starts processes, which spawned ranks may not
+    # once, before the ranks start: the demo's ranks are this machine's CPU processes, whatever
+    # GPUs it has, and the cluster is printed before anything else happens
     cluster = Cluster.local(DEMO_WORLD)
     say(f"demo: {model} on {DEMO_WORLD} local gloo ranks ({cluster.name}), {f'fix {fix}' if fix else 'nothing pinned'}, "
         f"global batch {global_batch}, {steps} steps")
@@ -333,6 +338,8 @@ def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str | None = DEMO
     measured = results[0].measured
     med = sorted(v["step_time_s"] for v in measured.values())
     peaks = [v["peak_memory_bytes"] for v in measured.values()]
+    from passes.ir.plan import Plan
+
     plan = Plan.from_json(results[0].plan_json)
     step_s, peak = med[len(med) // 2], max(peaks)
     say(f"step time (median over ranks): {step_s:.3f} s measured, {plan.predicted.step_time_s:.3f} s "

@@ -28,7 +28,7 @@ from passes.ir.config import ParallelConfig
 from runtime.mesh import Mesh, init_distributed
 from partitioner.fidelity import predict_step_time
 from partitioner.profile import profile_model
-from runtime.launch import spawn
+from runtime.launch import preload, spawn
 from runtime.measure import RunMeasurements, StepMeasurement
 
 REFERENCE_MODEL = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=16,dropout=0.0"
@@ -183,6 +183,7 @@ def measure_reference(world_size: int, cluster: Cluster, *, steps: int = 6, comm
     if steps < 2:
         raise ConfigError(f"reference runs need at least 2 steps (the first is warm-up), got {steps}")
     plans = reference_plans(world_size)
+    preload("partitioner.reference_runs")
     per_rank = spawn(_rank_main, world_size, plans, steps, cluster, tuple(comm_sizes), comm_repeats,
                      timeout_s=timeout_s)
     return ReferenceResults(comm=tuple(c for c, _ in per_rank), steps=tuple(tuple(s) for _, s in per_rank))

@@ -1,12 +1,15 @@
 """Run a function on ``world_size`` local processes (for tests and local runs), never hanging.
 
-``spawn(fn, world_size, *args, timeout_s=...)`` starts one process per rank with the
-``spawn`` start method and the env:// variables torchrun would set (MASTER_ADDR=127.0.0.1, a
-free MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE) in place of any the parent had from its own
-launcher (:mod:`passes.ir.launcher_env`: a job started inside a torchrun rank is a job of its own), calls ``fn(*args)`` in each, and returns the
-per-rank results as a list. ``fn`` must be importable (a module-level function) and its result
-picklable. ``fn`` initialises torch.distributed itself (e.g. by building a
-:class:`runtime.mesh.Mesh`); the process group is destroyed when ``fn`` returns.
+``spawn(fn, world_size, *args, timeout_s=...)`` starts one process per rank, forked from a fork
+server that imported torch and the project once (:func:`preload`;
+``$PARTITIONER_START_METHOD=spawn`` starts each from scratch instead). Each rank gets the
+caller's environment with the env:// variables torchrun would set (MASTER_ADDR=127.0.0.1, a
+free MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE) in place of any the caller had from its own
+launcher (:mod:`passes.ir.launcher_env`: a job started inside a torchrun rank is a job of its
+own), calls ``fn(*args)``, and the per-rank results come back as a list. ``fn`` must be
+importable (a module-level function) and its result picklable. ``fn`` initialises
+torch.distributed itself (e.g. by building a :class:`runtime.mesh.Mesh`); the process group is
+destroyed when ``fn`` returns.
 
 If a rank raises, the job stops at once (the other ranks are killed: they would otherwise wait
 in a collective until their timeout) and :class:`LaunchError` names the rank and carries its
@@ -56,9 +59,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results) -> None:
-    # A job started from inside a rank (torchrun's, say) must not inherit that rank's launcher:
-    # TORCHELASTIC_USE_AGENT_STORE would make env:// wait on the parent's store forever.
+START_METHOD_ENV = "PARTITIONER_START_METHOD"
+"""``forkserver`` (default) or ``spawn``: how :func:`spawn` starts its ranks."""
+
+_preload: list[str] = ["runtime"]
+
+
+def preload(*modules: str) -> None:
+    """Modules the fork server imports once, before it forks the first rank: every rank then
+    starts with them loaded (importing torch and the project takes seconds of CPU per process).
+    Takes effect for a fork server not started yet (the first :func:`spawn` of this process
+    starts it)."""
+    _preload.extend(m for m in modules if m not in _preload)
+
+
+def _context():
+    """The multiprocessing context of the ranks: a fork server (forked from a clean process that
+    imported :data:`_preload`, so no thread of this process is copied into a rank) unless
+    ``$PARTITIONER_START_METHOD`` says ``spawn``."""
+    method = os.environ.get(START_METHOD_ENV, "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise LaunchError(f"{START_METHOD_ENV}={method!r}; choose forkserver or spawn")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(list(_preload))
+    return ctx
+
+
+def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results,
+            env: dict[str, str]) -> None:
+    # The environment of the caller at the time of the call (a fork server's is that of its own
+    # start), less the launcher of the caller's own job: a job started from inside a rank
+    # (torchrun's, say) must not join it (TORCHELASTIC_USE_AGENT_STORE would make env:// wait on
+    # the parent's store forever).
+    os.environ.clear()
+    os.environ.update(env)
     scrub_environ()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
@@ -95,10 +130,11 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
     """
     if world_size < 1:
         raise LaunchError(f"spawn: world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results), daemon=True)
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results, env), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -4,13 +4,18 @@
 process it spawns, which inherits the environment) sees the ``local-cpu`` preset through
 ``$PARTITIONER_CLUSTER_FILE`` (the numbers the tests were written against, the same on every
 machine) and a cache directory of its own. Tests of the calibration cache unset the file and point
-the cache at their ``tmp_path``.
+the cache at their ``tmp_path``. Ranks start from a fork server that has imported what they need.
 """
 import os
 import shutil
 import tempfile
 
 from partitioner.cluster import CACHE_DIR_ENV, CLUSTER_FILE_ENV, PRESET_DIR
+from runtime.launch import preload
+
+# What the suite's ranks import: loaded once by the fork server that starts them, not by each.
+preload("partitioner.auto", "partitioner.build", "partitioner.reference_runs", "partitioner.demo", "passes.lower",
+        "ir_dumps.report", "tests.one_device", "tests.runtime_cases")
 
 _CACHE = tempfile.mkdtemp(prefix="partitioner-test-cache-")
 

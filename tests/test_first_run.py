@@ -65,7 +65,8 @@ def test_readme_torchrun_on_an_empty_cache_calibrates_inside_the_job_then_reuses
 
     second = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420)
     assert second.returncode == 0, second.stderr[-5000:]
-    assert "calibrat" not in second.stderr, second.stderr[-3000:]
+    assert CALIBRATING not in second.stderr and "calibrated this machine" not in second.stderr, second.stderr[-3000:]
+    assert second.stderr.count("partitioner: detected cluster: 1 node(s) x 2 ") == 1, second.stderr[-3000:]
     assert sorted((tmp_path / "cache").glob("local-w2-*.yaml")) == cached
 
 
@@ -136,3 +137,10 @@ def test_scrubbed_env_drops_exactly_the_launcher_variables():
            "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
            "PATH": "/bin", "OMP_NUM_THREADS": "1", "PARTITIONER_CACHE_DIR": "/c"}
     assert scrubbed_env(env) == {"PATH": "/bin", "OMP_NUM_THREADS": "1", "PARTITIONER_CACHE_DIR": "/c"}
+
+
+def test_the_help_of_the_command_line_loads_neither_torch_nor_sympy():
+    code = ("import sys; from partitioner.cli import build_parser; build_parser().format_help(); "
+            "heavy = sorted(m for m in ('torch', 'sympy') if m in sys.modules); print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout

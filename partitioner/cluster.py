@@ -502,7 +502,8 @@ class Cluster:
 
         Reads the file named by ``$PARTITIONER_CLUSTER_FILE`` when set (it must exist). Otherwise,
         for gloo, this machine's cached calibration (:func:`cached_local_cluster`), measured the
-        first time it is needed; other backends get the rough ``local-cpu`` preset.
+        first time it is needed; for nccl, this machine's GPUs as :meth:`detect` sees them (an
+        error without CUDA: the CPU calibration says nothing about GPUs).
         """
         env = os.environ.get(CLUSTER_FILE_ENV)
         if env:
@@ -510,7 +511,16 @@ class Cluster:
         elif backend == "gloo":
             base = cached_local_cluster(world_size)
         else:  # the calibration measures CPU processes on gloo: it says nothing about GPUs
-            base = cls.preset("local-cpu")
+            import torch
+
+            from partitioner.detect import detect_cluster
+
+            if not torch.cuda.is_available():
+                raise ClusterSpecError(
+                    f"Cluster.local({world_size}, backend={backend!r}): no CUDA device is visible to this process; "
+                    f"plan CPU ranks with backend='gloo', or GPUs elsewhere with a preset "
+                    f"({', '.join(cls.presets())}) or a cluster file")
+            return dataclasses.replace(detect_cluster(world_size), nodes=1, devices_per_node=world_size)
         return dataclasses.replace(base, nodes=1, devices_per_node=world_size, backend=backend)
 
 

@@ -24,6 +24,7 @@ import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -86,8 +87,27 @@ def _context():
     return ctx
 
 
+class _CallerStdio:
+    """The caller's stdout and stderr (file descriptors 1 and 2 at the time of the call), handed
+    to a rank when it is started: a fork server's own are those of the moment it started (under
+    pytest, another test's capture file), so a rank writes where its caller writes now."""
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        return _redirect, (DupFd(1), DupFd(2))
+
+
+def _redirect(out, err) -> None:
+    """In the rank: point fds 1 and 2 at the caller's (the handles :class:`_CallerStdio` sent)."""
+    os.dup2(out.detach(), 1)
+    os.dup2(err.detach(), 2)
+
+
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results,
-            env: dict[str, str]) -> None:
+            env: dict[str, str], stdio: None = None) -> None:
     # The environment of the caller at the time of the call (a fork server's is that of its own
     # start), less the launcher of the caller's own job: a job started from inside a rank
     # (torchrun's, say) must not join it (TORCHELASTIC_USE_AGENT_STORE would make env:// wait on
@@ -134,7 +154,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
     results = ctx.Queue()
     port = free_port()
     env = dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results, env), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results, env, _CallerStdio()),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

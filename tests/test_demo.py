@@ -27,8 +27,11 @@ def test_demo_runs_matches_one_process_and_writes_every_file(tmp_path, capfd):
     start = time.perf_counter()
     assert main(["demo", "--steps", "3", "--model", SMALL, "--dump-dir", str(out)]) == 0
     elapsed = time.perf_counter() - start
-    text = capfd.readouterr().out
+    captured = capfd.readouterr()
+    text = captured.out
     print(f"demo --steps 3: {elapsed:.1f} s")
+    assert "Warning" not in captured.err, captured.err[-3000:]  # nothing a user can do nothing about
+    assert text.startswith("demo: "), text[:500]
     assert "matches single-process training: max rel diff" in text
     bars = re.findall(r"^(step +\d+/\d+)  loss", text, flags=re.M)
     assert bars == ["step   1/3", "step   2/3", "step   3/3"]

@@ -88,13 +88,18 @@ def _spawned_user_script(cache: str) -> tuple[str, float, list[str]]:
 
 
 @pytest.mark.slow
-def test_auto_parallelize_in_spawned_ranks_calibrates_with_them(tmp_path):
+def test_auto_parallelize_in_spawned_ranks_calibrates_with_them_then_reuses_it(tmp_path, capfd):
     cache = tmp_path / "cache"
     results = spawn(_spawned_user_script, 2, str(cache), timeout_s=400)
     (name0, loss0, files0), (name1, loss1, _) = results
     assert name0 == name1 == "local-calibrated+refit"  # measured, refitted to the reference runs, on every rank
     assert loss0 == loss1
     assert any(f.startswith("local-w2-") and f.endswith(".yaml") for f in files0)
+    assert capfd.readouterr().err.count(CALIBRATING) == 1
+
+    again = spawn(_spawned_user_script, 2, str(cache), timeout_s=400)
+    assert [r[1] for r in again] == [loss0, loss0]
+    assert CALIBRATING not in capfd.readouterr().err
 
 
 def _child_env() -> dict[str, str]:

@@ -46,6 +46,7 @@ from ir_dumps.report import write_report
 from ir_dumps.writer import DumpWriter
 from partitioner.build import analyse, capture_training_step, check_before_launch, lower_own_checked
 from partitioner.cluster import Cluster
+from partitioner.detect import describe
 from partitioner.dumps import write_plan_dumps
 from partitioner.memory_check import replay_check
 from partitioner.model_spec import ModelSpec, as_spec, meta_copy
@@ -66,14 +67,10 @@ from runtime.data import RankLoader, ShardedSampler
 from runtime.faults import arm_from_env, gather_pids
 from runtime.measure import PhaseClock, RunMeasurements, StepMeasurement, StepTimer
 from runtime.metrics import MetricsLogger, StepMetrics, dim_sizes, gather_step_metrics, step_tokens
-from runtime.mesh import Mesh, default_backend, init_distributed
+from runtime.mesh import START_TIMEOUT_S, Mesh, default_backend, init_distributed
 from runtime.optimizers import OptimizerFactory, as_factory, planner_optimizer
 from runtime.parallel_model import ParallelModel
 from runtime.schedules import SchedulerFactory
-
-START_TIMEOUT_S = 600.0
-"""Seconds the default process group waits (start-up, plan broadcast): planning on a loaded
-machine may take a while; training traffic uses the mesh's groups and ``timeout_s``."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,8 +377,6 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
         cluster = Cluster.load(cluster)
     cluster = cluster or Cluster.detect(world)
     if detected and rank == 0:
-        from partitioner.detect import describe
-
         print(f"partitioner: detected cluster: {describe(cluster)} ({cluster.name}; pass cluster= to override)",
               file=sys.stderr, flush=True)
     device = torch.device("cuda", torch.cuda.current_device()) if default_backend() == "nccl" else torch.device("cpu")

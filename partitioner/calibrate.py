@@ -808,8 +808,8 @@ def calibrate_in_job(path: Path, recipe: Recipe = JOB_RECIPE) -> Calibration:
     Rank 0 times the matmuls and the copy alone (the other ranks wait, as a rank's compute is
     measured without contention: ``compute_slots_per_node`` models the sharing), every rank
     times gloo on the job's group, every rank trains the reference plans, and rank 0 fits,
-    writes ``path`` (under the cache lock) and sends the cluster to the others: every rank
-    returns the same :class:`Calibration` (with the samples on rank 0 only).
+    writes ``path`` (under the cache lock) and sends its :class:`Calibration` to the others:
+    every rank returns the same one.
     """
     import torch.distributed as dist
 
@@ -852,8 +852,7 @@ def calibrate_in_job(path: Path, recipe: Recipe = JOB_RECIPE) -> Calibration:
         cal = replace(cal, elapsed_s=time.perf_counter() - start, phases=clock.seconds)
         with exclusive_lock(path):
             cal = replace(cal, path=write_calibration(cal, path))
-    cal = comm.broadcast_object(cal if rank == 0 else None, src=0)
-    return cal if rank == 0 else replace(cal, matmul=(), refit=None)
+    return comm.broadcast_object(cal, src=0)
 
 
 def _no_peers() -> GlooMeasurement:

@@ -9,6 +9,7 @@ import time
 import traceback
 
 from passes.ir.errors import ConfigError, PartitionerError
+from passes.ir.launcher_env import under_launcher
 
 
 def _human(expr, unit: str) -> str:
@@ -170,7 +171,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if args.from_run:
         args.world_size = args.world_size or 4
         return _cmd_refit(args)
-    if _under_launcher():
+    if under_launcher():
         cal = _calibrate_job(args)
         if cal is None:  # ranks other than 0 print nothing
             return 0
@@ -219,11 +220,6 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _under_launcher() -> bool:
-    """This process is a rank of a launched job (torchrun sets these)."""
-    return all(k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"))
-
-
 def _calibrate_job(args: argparse.Namespace):
     """``partitioner calibrate`` under torchrun: the job's own ranks measure (every rank runs
     this); rank 0 writes the cache for the job's world size. Returns the calibration on rank 0,
@@ -234,14 +230,14 @@ def _calibrate_job(args: argparse.Namespace):
     from pathlib import Path
 
     from partitioner.calibrate import FULL_RECIPE, QUICK_RECIPE, calibrate_in_job
-    from partitioner.cluster import JOB_START_TIMEOUT_S, local_cache_file
-    from runtime.mesh import init_distributed
+    from partitioner.cluster import local_cache_file
+    from runtime.mesh import START_TIMEOUT_S, init_distributed
 
     world = int(os.environ["WORLD_SIZE"])
     if args.world_size is not None and args.world_size != world:
         raise ConfigError(f"calibrate: --world-size {args.world_size} under a launcher of {world} rank(s); the "
                           f"job calibrates its own ranks: leave --world-size out, or launch {args.world_size}")
-    init_distributed(timeout_s=JOB_START_TIMEOUT_S)
+    init_distributed(timeout_s=START_TIMEOUT_S)
     recipe = QUICK_RECIPE if args.quick else FULL_RECIPE
     if args.no_reference_runs:
         recipe = replace(recipe, reference_steps=0)

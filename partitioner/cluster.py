@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 
 from passes.ir.errors import ClusterSpecError
+from passes.ir.launcher_env import under_launcher
 
 LINK_KINDS = ("nvlink", "nvswitch", "pcie", "infiniband", "roce", "ethernet", "loopback")
 BACKENDS = ("nccl", "gloo")
@@ -617,16 +618,11 @@ def cached_local_cluster(world_size: int) -> Cluster:
     return cal.cluster
 
 
-JOB_START_TIMEOUT_S = 600.0
-"""Seconds the default process group that :func:`cached_local_cluster` starts for a launched rank
-waits in a collective (the calibration's ranks wait while rank 0 measures)."""
-
-
 def _job_world(world_size: int) -> int | None:
     """The world size of the job this process is a rank of, else None: its initialised default
     process group, or the launcher's environment (torchrun, ``spawn``), in which case the default
     group is initialised here from env://, as ``auto_parallelize`` would next."""
-    launched = all(k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"))
+    launched = under_launcher()
     if "torch.distributed" not in sys.modules and not launched:
         return None  # nothing imported it: no job (and no 2 s import)
     import torch.distributed as dist
@@ -637,9 +633,9 @@ def _job_world(world_size: int) -> int | None:
         return None
     world = int(os.environ["WORLD_SIZE"])
     if world == world_size:
-        from runtime.mesh import init_distributed
+        from runtime.mesh import START_TIMEOUT_S, init_distributed
 
-        init_distributed(timeout_s=JOB_START_TIMEOUT_S)
+        init_distributed(timeout_s=START_TIMEOUT_S)
     return world
 
 

@@ -34,7 +34,7 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from partitioner.cluster import Cluster, Device, Link, PeakFlops
+from partitioner.cluster import CLUSTER_FILE_ENV, Cluster, Device, Link, PeakFlops
 from passes.ir.errors import ClusterSpecError
 from passes.ir.launcher_env import scrubbed_env
 
@@ -427,8 +427,6 @@ def detect_cluster(world_size: int | None = None, *, env: Mapping[str, str] | No
     (:meth:`Cluster.local`, measured by the job's own ranks the first time).
     """
     import torch
-
-    from partitioner.cluster import CLUSTER_FILE_ENV
 
     env = os.environ if env is None else env
     dist = torch.distributed

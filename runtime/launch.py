@@ -20,6 +20,7 @@ ranks still running after ``timeout_s`` seconds.
 from __future__ import annotations
 
 import multiprocessing as mp
+from multiprocessing.reduction import DupFd
 import os
 import pickle
 import queue
@@ -93,8 +94,6 @@ class _CallerStdio:
     pytest, another test's capture file), so a rank writes where its caller writes now."""
 
     def __reduce__(self):
-        from multiprocessing.reduction import DupFd
-
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         return _redirect, (DupFd(1), DupFd(2))
@@ -108,6 +107,7 @@ def _redirect(out, err) -> None:
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results,
             env: dict[str, str], stdio: None = None) -> None:
+    # ``stdio`` did its work while the rank unpickled its arguments (:class:`_CallerStdio`).
     # The environment of the caller at the time of the call (a fork server's is that of its own
     # start), less the launcher of the caller's own job: a job started from inside a rank
     # (torchrun's, say) must not join it (TORCHELASTIC_USE_AGENT_STORE would make env:// wait on

@@ -27,11 +27,16 @@ import torch
 import torch.distributed as dist
 
 from passes.ir.errors import ConfigError
+from passes.ir.launcher_env import RENDEZVOUS_VARS
 from passes.ir.schedule.validate import stream_count
 from runtime import comm
 
 AXES = ("pp", "dp", "tp")
 DEFAULT_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 600.0
+"""Seconds the default group of a job waits in a collective while it starts (capture, planning,
+a first calibration with the job's ranks, the plan broadcast): rank 0 works while the others
+wait; training traffic uses the mesh's groups and their own timeout."""
 
 
 def default_backend() -> str:
@@ -48,7 +53,7 @@ def init_distributed(*, backend: str | None = None, timeout_s: float = DEFAULT_T
     """
     if dist.is_initialized():
         return
-    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in os.environ]
+    missing = [k for k in RENDEZVOUS_VARS if k not in os.environ]
     if missing:
         raise ConfigError(f"mesh: environment variable(s) {missing} not set; run under torchrun or "
                           f"runtime.launch.spawn, or call torch.distributed.init_process_group first")

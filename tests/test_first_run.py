@@ -42,10 +42,10 @@ def _fresh_env(cache: Path) -> dict[str, str]:
 
 
 def _corpus(path: Path) -> Path:
-    import this  # noqa: F401 - its text is the stdlib's; a few KiB of words, as a user's file
-    from codecs import decode
+    """A user's text file: the stdlib text the demo trains on (``partitioner.corpus``)."""
+    from partitioner.corpus import corpus_bytes
 
-    path.write_text(decode(sys.modules["this"].s, "rot13") * 40)
+    path.write_bytes(corpus_bytes()[:200_000])
     return path
 
 
@@ -84,6 +84,10 @@ def _spawned_user_script(cache: str) -> tuple[str, float, list[str]]:
     batch = trainer.spec.example_inputs({"batch": 4}, seed=0)
     loss = trainer.train_step(batch)
     assert torch.isfinite(torch.tensor(loss))
+    # plan.json carries the cluster the job found (the plan round-trips through its JSON)
+    from passes.ir.plan import Plan
+
+    assert Plan.from_json(trainer.plan.to_json()).cluster_spec == trainer.cluster.to_dict()
     return trainer.cluster.name, loss, sorted(os.listdir(cache))
 
 

@@ -20,6 +20,16 @@ LAUNCHER_VARS = frozenset({
 """Variables that say which job a process belongs to (besides every ``TORCHELASTIC_*``)."""
 
 
+RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+"""What env:// needs: a process with all of them is a rank of a launched job."""
+
+
+def under_launcher(env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``env`` (default ``os.environ``) makes this process a rank of a launched job."""
+    env = os.environ if env is None else env
+    return all(k in env for k in RENDEZVOUS_VARS)
+
+
 def is_launcher_var(name: str) -> bool:
     """Whether ``name`` tells a process which job and rank it is (see the module docstring)."""
     return name in LAUNCHER_VARS or name.startswith("TORCHELASTIC_")

@@ -52,7 +52,8 @@ from partitioner.memory_check import replay_check
 from partitioner.model_spec import ModelSpec, as_spec, meta_copy
 from partitioner.knobs import check_fix
 from partitioner.run_options import check_option
-from partitioner.profile import ModelProfile, profile_graph, profile_model, profile_spec
+from partitioner.profile import ModelProfile, profile_graph, profile_model, profile_spec, with_tensor_remat
+from partitioner.search import check_pinned_inputs
 from partitioner.search import plan as search
 from passes.ir.config import TORCH_DTYPES
 from passes.ir.errors import CaptureError, ConfigError, InfeasiblePlanError, PartitionerError, PassError
@@ -86,9 +87,9 @@ def choose_plan(model: str | ModelSpec, cluster: Cluster, *, world_size: int, gl
     memory is the exact replay of its rank programs (:mod:`partitioner.memory_check`) and a
     candidate that the replay shows does not fit is dropped. Raises :class:`InfeasiblePlanError` when no plan fits the
     devices' memory, and :class:`ConfigError` when the plan needs a different number of ranks than
-    the job has.
+    the job has. ``checkpointing="tensor"`` is priced (a MILP over the whole graph) only when
+    ``fix`` pins it: then a ``profile`` made without it is priced here from ``graph``.
     """
-
     pinned = check_fix(fix, where="choose_plan: fix")
     axes = {k: int(pinned[k]) for k in ("dp", "tp", "pp", "cp") if k in pinned}
     ranks = axes.get("dp", 1) * axes.get("tp", 1) * axes.get("pp", 1) * axes.get("cp", 1)
@@ -97,9 +98,15 @@ def choose_plan(model: str | ModelSpec, cluster: Cluster, *, world_size: int, gl
             f"plan needs {ranks} ranks (dp={axes.get('dp', 1)} tp={axes.get('tp', 1)} pp={axes.get('pp', 1)} "
             f"cp={axes.get('cp', 1)}) but the job has {world_size}; fix pins them: launch {ranks} processes "
             f"(torchrun --nproc-per-node {ranks}) or change fix so that dp*cp*tp*pp = {world_size}")
+    if isinstance(model, ModelSpec):  # what its inputs rule out, refused before the profile captures it
+        check_pinned_inputs(pinned, model.inputs, where="choose_plan: fix")
+    # checkpointing='tensor' is priced by a MILP over the whole graph: only when pinned
+    tensor = pinned.get("checkpointing") == "tensor"
     if profile is None:
         profile = (profile_model(model, dtype=dtype, optimizer=optimizer) if isinstance(model, str)
-                   else profile_spec(meta_copy(model), dtype=dtype, optimizer=optimizer))
+                   else profile_spec(meta_copy(model), dtype=dtype, optimizer=optimizer, tensor_remat=tensor))
+    elif tensor and graph is not None and not profile.tensor_remat_asked:
+        profile = with_tensor_remat(profile, graph)
     check = replay_check(graph, cluster, optimizer=optimizer) if graph is not None else None
     chosen = search(profile, cluster, global_batch=global_batch_size, fix=pinned, optimizer=optimizer, check=check)
     check_world_size(chosen, world_size)
@@ -366,10 +373,12 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
         raise ConfigError(f"auto_parallelize: the plan trains in {plan.config.dtype}, not {dtype}; "
                           f"pass dtype={plan.config.dtype!r} or re-plan for {dtype}")
     clock = PhaseClock()
+    spec = as_spec(model, inputs=inputs, loss_fn=loss_fn, dims=dims)
+    check_pinned_inputs(fix, spec.inputs, where="auto_parallelize: fix")  # what the inputs rule out
+    clock.lap("model")
     init_distributed(timeout_s=max(timeout_s, START_TIMEOUT_S))
     clock.lap("join")
     world, rank = dist.get_world_size(), dist.get_rank()
-    spec = as_spec(model, inputs=inputs, loss_fn=loss_fn, dims=dims)
     if dtype != "fp32":  # every rank: the graph is rebuilt around each rank's own (cast) module
         spec = spec.cast(TORCH_DTYPES[dtype])
     detected = cluster is None
@@ -382,7 +391,7 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     device = torch.device("cuda", torch.cuda.current_device()) if default_backend() == "nccl" else torch.device("cpu")
     out_dir = Path(dump_dir) if dump_dir is not None else None
     writer = DumpWriter(out_dir, model=spec.name) if out_dir is not None and rank == 0 else None
-    clock.lap("model")
+    clock.lap("cluster")
 
     # Rank 0 captures the model and analyses it (memory per sample: batch 1, concretely, what the
     # search profiles); every rank rebuilds that graph around its own module and lowers it.

@@ -49,7 +49,7 @@ def plan(model: str | ModelSpec | nn.Module, cluster: Cluster | str, *, global_b
         check_option("seq", seq, spelled="seq")
         check_dim(model, "seq", seq, spelled="seq")
     profile, model = _profile_any(model, seq=seq, dtype=dtype, optimizer=optimizer, inputs=inputs, loss_fn=loss_fn,
-                                  dims=dims)
+                                  dims=dims, tensor_remat=pinned.get("checkpointing") == "tensor")
     chosen = search(profile, cluster, global_batch=global_batch, fix=pinned, optimizer=optimizer)
     if dump_dir is not None:
         write_model_plan_dumps(dump_dir, model=model, plan=chosen, cluster=cluster, param_bytes=4 * profile.param_count,
@@ -58,9 +58,10 @@ def plan(model: str | ModelSpec | nn.Module, cluster: Cluster | str, *, global_b
 
 
 def _profile_any(model, *, seq: int | None, dtype: str, optimizer: str, inputs, loss_fn,
-                 dims) -> tuple[ModelProfile, str | ModelSpec]:
+                 dims, tensor_remat: bool = False) -> tuple[ModelProfile, str | ModelSpec]:
     """The profile of ``model`` in any form :func:`plan` takes, and the model as the dumps
-    rebuild it (a spec string, or a ModelSpec)."""
+    rebuild it (a spec string, or a ModelSpec); ``tensor_remat``: price ``checkpointing='tensor'``
+    (a whole-graph MILP: only when pinned)."""
     if isinstance(model, str) and not model.partition(":")[0].strip().endswith(".py"):
         return profile_model(model, seq=seq, dtype=dtype, optimizer=optimizer), model
     if dtype not in TORCH_DTYPES:
@@ -72,7 +73,8 @@ def _profile_any(model, *, seq: int | None, dtype: str, optimizer: str, inputs, 
             raise ConfigError(f"model {meta.name!r} has no 'seq' dim (its inputs: "
                               f"{[(i.name, i.shape) for i in meta.inputs]}); drop seq / --seq")
         meta.dims["seq"] = seq
-    return profile_spec(meta, dtype=dtype, optimizer=optimizer), model if isinstance(model, str) else spec
+    return (profile_spec(meta, dtype=dtype, optimizer=optimizer, tensor_remat=tensor_remat),
+            model if isinstance(model, str) else spec)
 
 
 MATERIALISE_LIMIT_BYTES = 2**31

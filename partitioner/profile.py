@@ -13,6 +13,7 @@ seconds, no weights allocated.
 from __future__ import annotations
 
 import copy
+import math
 import operator
 from dataclasses import dataclass, replace
 
@@ -24,6 +25,7 @@ from passes.graph_view import to_networkx
 from passes.remat_solver import plain_backward_peak, problem_from_view
 from passes.tensor_remat_policy import decide as decide_tensor_remat
 from passes.context_parallel import attention_problems, repeat_kv_source, sdpa_args
+from passes.sequence_parallel import sequence_parallel_refusal
 from passes.weight_decay import no_weight_decay_names
 from passes.ir.errors import AnalysisError, ConfigError, PassError
 from partitioner.model_spec import ModelSpec, build_model, format_spec, model_keys, parse_spec
@@ -31,6 +33,15 @@ from passes.ir.meta import BLOCK, CAPTURE, CHECKPOINT_PLAN, FLOPS, LAYER_CHAIN, 
 
 LAYER_KEYS = ("layers", "num_hidden_layers", "n_layer", "num_layers")
 """Spec keys that set the number of repeated blocks (zoo models, then Hugging Face names)."""
+
+TENSOR_NOT_ASKED = ("not priced: pricing it solves a per-tensor remat MILP over the whole captured graph, "
+                    "which the profile does only when asked (tensor_remat=True; choose_plan asks when "
+                    "checkpointing='tensor' is pinned)")
+"""``LayerProfile.tensor_refusal`` of a profile that was not asked to price ``tensor``."""
+
+TENSOR_TIME_LIMIT_S = 30.0
+"""Seconds the profile's tensor remat MILP may take (all its solves together); past it the best
+decision found prices ``tensor`` and ``LayerProfile.tensor_mip_gap`` says how far from optimal."""
 
 GATHER_OPS = ("aten.embedding", "aten.index_select")
 """Ops that read only the rows of their first input (a table) that they write: they move about
@@ -139,9 +150,14 @@ class LayerProfile:
     the block's activations times the share the whole decision keeps
     (:func:`passes.tensor_remat_policy.decide` on the whole graph; each stage decides on its own
     program, which the plan's memory replay prices exactly). None: not profiled (the search then
-    does not offer it)."""
+    does not offer it): the profile was not asked to (:data:`TENSOR_NOT_ASKED`), or the policy
+    refused the graph."""
     tensor_refusal: str = ""
     """Why ``tensor`` is not priced (``tensor_activation_bytes`` is None)."""
+    tensor_mip_gap: float | None = None
+    """Relative optimality gap of the MILP decision ``tensor`` is priced from (0: proven optimal;
+    above 0: :data:`TENSOR_TIME_LIMIT_S` cut it short; inf: no solution in time, priced as
+    nothing recomputed); None when not priced."""
     tensor_recompute_flops: float = 0.0
     """Forward FLOPs per sample that ``tensor`` runs again in backward, averaged over the blocks."""
     tensor_recomputed_ops: float = 0.0
@@ -196,6 +212,17 @@ class ModelProfile:
     attention: AttentionProfile | None = None
     """The blocks' attention (None: no ``scaled_dot_product_attention`` in a block): what the
     search needs to offer and price context parallelism."""
+
+    @property
+    def tensor_remat_asked(self) -> bool:
+        """Whether the profile was asked to price ``checkpointing="tensor"`` (priced or refused)."""
+        return not self.blocks or self.blocks[0].tensor_refusal != TENSOR_NOT_ASKED
+
+    def sequence_parallel_refusal(self, tp: int, cp: int = 1) -> str:
+        """Why sequence parallelism cannot run with ``tp`` x ``cp`` ranks on this model ("" when it
+        can): the lowering's rule (:func:`passes.sequence_parallel.sequence_parallel_refusal`) on
+        the profiled sequence (``seq`` 0: the inputs name no sequence dim)."""
+        return sequence_parallel_refusal(self.seq or None, tp, cp)
 
     @property
     def context_parallel(self) -> bool:
@@ -261,11 +288,13 @@ def _default_layers(name: str, key: str) -> int:
 
 
 def profile_model(spec: str, *, seq: int | None = None, dtype: str = "bf16",
-                  sample_layers: int | None = 2, optimizer: str = "adamw") -> ModelProfile:
+                  sample_layers: int | None = 2, optimizer: str = "adamw", tensor_remat: bool = True) -> ModelProfile:
     """Profile ``spec`` (a zoo or ``hf-*`` spec string) at sequence length ``seq``, batch 1.
 
     ``sample_layers``: capture only this many blocks and replicate the measured block to the
     spec's layer count (``None``: capture the full model; used to check the replication).
+    ``tensor_remat``: price ``checkpointing="tensor"`` (its MILP runs on the captured sample, so
+    its cost does not grow with the layer count unless ``sample_layers=None``).
     All numbers are per sample; multiply by the micro-batch size (linear in batch).
     """
     from partitioner.analysis import analyze
@@ -286,7 +315,8 @@ def profile_model(spec: str, *, seq: int | None = None, dtype: str = "bf16",
     analysis = analyze(model, batch=1, seq=seq, dtype=dtype, optimizer=optimizer)
     seq_len = int(analysis.dims.get("seq", 0) or 0)  # 0: a model without a sequence dim (mlp, resnet)
     shared = _shared_params(model.module)
-    embedding, blocks, head, hidden, heads, attention = _chain(analysis.graph, seq_len, shared)
+    embedding, blocks, head, hidden, heads, attention = _chain(analysis.graph, seq_len, shared,
+                                                               tensor_remat=tensor_remat)
     if len(blocks) != captured:
         raise AnalysisError(f"profile of {small!r}: found {len(blocks)} repeated blocks, expected {captured}")
     if sample_layers is not None and captured < layers:
@@ -326,8 +356,9 @@ class _SharedMap(dict):
         self.all_names = all_names
 
 
-def _chain(gm: fx.GraphModule, seq: int, shared: _SharedMap, subs: dict | None = None):
-    """Group the analysed nodes by their layer-chain index (``annotate_blocks``) and sum their costs."""
+def _chain(gm: fx.GraphModule, seq: int, shared: _SharedMap, subs: dict | None = None, *, tensor_remat: bool):
+    """Group the analysed nodes by their layer-chain index (``annotate_blocks``) and sum their costs;
+    ``tensor_remat``: also price ``checkpointing="tensor"`` (a MILP over all of ``gm``)."""
     chain = gm.meta.get(LAYER_CHAIN)
     if chain is None or not chain.blocks:
         raise AnalysisError("profile found no repeated blocks (no module path like 'blocks.0'); the planner "
@@ -351,13 +382,8 @@ def _chain(gm: fx.GraphModule, seq: int, shared: _SharedMap, subs: dict | None =
     else:
         layers.update({g: replace(layers[g], dag_activation_bytes=layers[g].activation_bytes - dag[0],
                                   dag_recompute_flops=dag[1], dag_checkpointed=dag[2]) for g in stack})
-    tensor = _tensor_per_block(gm, stack)
-    if isinstance(tensor, str):
-        layers.update({g: replace(layers[g], tensor_refusal=tensor) for g in stack})
-    else:
-        layers.update({g: replace(layers[g], tensor_activation_bytes=layers[g].activation_bytes * tensor[0],
-                                  tensor_recompute_flops=tensor[1], tensor_recomputed_ops=tensor[2],
-                                  tensor_working_bytes=tensor[3]) for g in stack})
+    tensor = _tensor_per_block(gm, stack) if tensor_remat else TENSOR_NOT_ASKED
+    layers.update({g: _tensor_priced(layers[g], tensor) for g in stack})
     bnd = layers[stack[0]].boundary_bytes
     emb = replace(layers["embedding"], boundary_bytes=bnd, tp_all_reduces=1)
     head = replace(layers["head"], boundary_bytes=bnd, tp_all_reduces=1)
@@ -371,7 +397,7 @@ def _dag_per_block(gm: fx.GraphModule, stack: list[str], subs: dict | None) -> t
     or why the policy cannot be priced on this graph (the search then does not offer it, and
     says why when it is pinned)."""
     try:
-        plan = checkpoint_policy(copy.deepcopy(gm), policy="dag").meta[CHECKPOINT_PLAN]
+        plan = checkpoint_policy(_tagging_copy(gm), policy="dag").meta[CHECKPOINT_PLAN]
     except (PassError, ConfigError) as e:
         return f"the dag checkpoint policy failed on this model's graph ({e})"
     regions = {r.name: r for r in plan.regions}
@@ -386,11 +412,57 @@ def _dag_per_block(gm: fx.GraphModule, stack: list[str], subs: dict | None) -> t
             sum(r.recompute for r in picked) / n)
 
 
-def _tensor_per_block(gm: fx.GraphModule, stack: list[str]) -> tuple[float, float, float, float] | str:
+def _tagging_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A deep copy of ``gm`` for a policy that tags its nodes and meta, sharing the parameters and
+    buffers (a policy reads them, never writes them), so a real model's weights are not copied."""
+    memo = {id(t): t for t in (*gm.parameters(), *gm.buffers())}
+    return copy.deepcopy(gm, memo)
+
+
+def with_tensor_remat(profile: ModelProfile, gm: fx.GraphModule) -> ModelProfile:
+    """``profile`` with ``checkpointing="tensor"`` priced on ``gm``, the analysed graph it was
+    profiled from (:func:`profile_graph` without ``tensor_remat``): what a job that pins
+    ``tensor`` adds to the profile it already has. Solves one MILP over all of ``gm`` (at most
+    :data:`TENSOR_TIME_LIMIT_S` seconds)."""
+    chain = gm.meta.get(LAYER_CHAIN)
+    stack = list(chain.blocks) if chain is not None else []
+    if [b.name for b in profile.blocks] != stack:
+        raise AnalysisError(f"with_tensor_remat: the graph's {len(stack)} blocks are not the profile's "
+                            f"{len(profile.blocks)} ({profile.model}); pass the analysed graph the profile was made "
+                            f"from (profile_graph(graph))")
+    tensor = _tensor_per_block(gm, stack)
+    return replace(profile, blocks=tuple(_tensor_priced(b, tensor) for b in profile.blocks))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _TensorPrice:
+    """``checkpointing="tensor"`` per sample and block, from one decision on the whole graph."""
+
+    kept: float
+    """Share of the activation bytes kept after forward (the decision's over recomputing nothing's)."""
+    recompute_flops: float
+    """Forward FLOPs run again in backward, averaged over the blocks."""
+    recomputed_ops: float
+    """Share of a block's decided ops recomputed, averaged over the blocks."""
+    working_bytes: float
+    """Bytes the recomputes hold at the fullest moment of backward on top of what forward kept."""
+    mip_gap: float
+    """The MILP's relative optimality gap (0: optimal; inf: no solution in time)."""
+
+
+def _tensor_priced(layer: LayerProfile, tensor: _TensorPrice | str) -> LayerProfile:
+    """``layer`` with its ``tensor_*`` fields from :func:`_tensor_per_block`'s answer (or its refusal)."""
+    if isinstance(tensor, str):
+        return replace(layer, tensor_activation_bytes=None, tensor_refusal=tensor, tensor_mip_gap=None)
+    return replace(layer, tensor_activation_bytes=layer.activation_bytes * tensor.kept, tensor_refusal="",
+                   tensor_recompute_flops=tensor.recompute_flops, tensor_recomputed_ops=tensor.recomputed_ops,
+                   tensor_working_bytes=tensor.working_bytes, tensor_mip_gap=tensor.mip_gap)
+
+
+def _tensor_per_block(gm: fx.GraphModule, stack: list[str]) -> _TensorPrice | str:
     """Per sample and block, averaged over ``stack``'s blocks, under ``checkpointing="tensor"`` at
-    its default budget on the whole graph (the profile's batch of one): (the share of activation
-    bytes kept after forward, recompute FLOPs, share of decided ops recomputed), and the bytes per
-    sample its recomputes hold at the fullest moment of backward; or why it cannot be priced.
+    its default budget on the whole graph (the profile's batch of one), within
+    :data:`TENSOR_TIME_LIMIT_S` seconds of MILP; or why it cannot be priced.
 
     The share kept is the whole decision's (its saved bytes over recomputing nothing's), not each
     block's own: a stage decides on its own program at the same fraction of its own range, and
@@ -398,7 +470,7 @@ def _tensor_per_block(gm: fx.GraphModule, stack: list[str]) -> tuple[float, floa
     are not the stage's)."""
     try:
         problem = problem_from_view(to_networkx(gm))
-        decision = decide_tensor_remat(problem)
+        decision = decide_tensor_remat(problem, time_limit_s=TENSOR_TIME_LIMIT_S)
     except (PassError, ConfigError) as e:
         return f"the tensor remat policy failed on this model's graph ({e})"
     none = plain_backward_peak(problem)
@@ -411,7 +483,9 @@ def _tensor_per_block(gm: fx.GraphModule, stack: list[str]) -> tuple[float, floa
         share += len(redone) / len(mine) if mine else 0.0
     n = len(stack)
     kept = decision.saved_bytes / none if none else 1.0
-    return kept, flops / n, share / n, float(decision.peak_bytes - decision.saved_bytes)
+    gap = decision.mip_gap if decision.mip_gap is not None else math.inf  # no gap known: none proven
+    return _TensorPrice(kept=kept, recompute_flops=flops / n, recomputed_ops=share / n,
+                        working_bytes=float(decision.peak_bytes - decision.saved_bytes), mip_gap=gap)
 
 
 _SDPA = "aten.scaled_dot_product_attention"
@@ -568,25 +642,31 @@ def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap, no_decay: froze
                         param_runs=sum(1 for k, d in enumerate(decays) if k == 0 or d != decays[k - 1]))
 
 
-def profile_spec(spec: ModelSpec, *, dtype: str = "fp32", optimizer: str = "adamw") -> ModelProfile:
+def profile_spec(spec: ModelSpec, *, dtype: str = "fp32", optimizer: str = "adamw",
+                 tensor_remat: bool = False) -> ModelProfile:
     """A :class:`ModelProfile` of any repeated-block ModelSpec, captured whole at batch 1 (pass a
     copy on the meta device to allocate no weights); :func:`profile_model` is the faster path for
-    zoo spec strings, which captures two blocks and replicates them."""
+    zoo spec strings, which captures two blocks and replicates them. ``tensor_remat``: price
+    ``checkpointing="tensor"`` (a MILP over the whole graph, whose time grows with depth: off
+    unless the user pins it; the search offers ``tensor`` only when priced)."""
     from partitioner.analysis import analyze
 
     analysis = analyze(spec, batch=1, dtype=dtype, optimizer=optimizer)
     seq = int(analysis.dims.get("seq", 0) or 0)
     shared = _shared_params(spec.module)
-    embedding, blocks, head, hidden, heads, attention = _chain(analysis.graph, seq, shared)
+    embedding, blocks, head, hidden, heads, attention = _chain(analysis.graph, seq, shared, tensor_remat=tensor_remat)
     return ModelProfile(model=spec.name, seq=seq, dtype=dtype, hidden=hidden, heads=heads, embedding=embedding,
                         blocks=tuple(blocks), head=head, shared_param_count=sum(n for n, _ in shared.values()),
                         shared_param_bytes=sum(b for _, b in shared.values()), attention=attention)
 
 
-def profile_graph(gm: fx.GraphModule, *, dtype: str = "fp32", name: str | None = None) -> ModelProfile:
+def profile_graph(gm: fx.GraphModule, *, dtype: str = "fp32", name: str | None = None,
+                  tensor_remat: bool = False) -> ModelProfile:
     """A :class:`ModelProfile` of an already captured and analysed graph (shapes, blocks, FLOPs,
     memory; symbolic dims are evaluated at batch 1 and their hints): what a job that captured its
-    model once plans from. Tied parameters come from the capture, so they count once."""
+    model once plans from. Tied parameters come from the capture, so they count once.
+    ``tensor_remat``: price ``checkpointing="tensor"`` (a MILP over the whole graph, whose time
+    grows with depth: off unless the user pins it, see :func:`with_tensor_remat`)."""
     info = gm.meta[CAPTURE]
     hints = dict(info.dims)
     subs = {dim_symbol(n): sympy.Integer(1 if n == "batch" else v) for n, v in info.dims}
@@ -599,7 +679,7 @@ def profile_graph(gm: fx.GraphModule, *, dtype: str = "fp32", name: str | None =
             p = params[present[0]]
             tied[names[0]] = (p.numel(), p.numel() * p.element_size())
     shared = _SharedMap(tied, {n for names in info.tied for n in names})
-    embedding, blocks, head, hidden, heads, attention = _chain(gm, seq, shared, subs)
+    embedding, blocks, head, hidden, heads, attention = _chain(gm, seq, shared, subs, tensor_remat=tensor_remat)
     return ModelProfile(model=name or info.model, seq=seq, dtype=dtype, hidden=hidden, heads=heads,
                         embedding=embedding, blocks=tuple(blocks), head=head,
                         shared_param_count=sum(n for n, _ in tied.values()),

@@ -12,7 +12,9 @@ Pruning: tp divides the heads and (unless fixed) divides the devices of a node, 
 group stays inside one node; pp ≤ layers; cp > 1 for a model whose attention the cp rewrite
 cuts (:attr:`ModelProfile.context_parallel`), with ``2·cp`` dividing the sequence and (unless
 fixed) the tp·cp ranks inside one node, Ulysses only when tp·cp divides the heads, sequence
-parallelism with cp only when tp·cp divides the sequence; a cp > 1
+parallelism only when the model names a sequence dim that tp·cp divides (the lowering's rule,
+:func:`passes.sequence_parallel.sequence_parallel_refusal`); ``tensor`` checkpointing only when
+the profile priced it (asked for when pinned: its MILP runs over the whole graph); a cp > 1
 candidate whose micro-batch divides by cp is left out when its cp = 1 twin (``dp·cp`` replicas of
 ``mbs/cp`` samples: the same tokens per rank, kernels and model state, no exchanges) is a
 candidate, so the cp candidates left give a rank a share of the micro-batch that is not whole
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Callable
+from typing import Callable, Sequence
 
 from partitioner.cluster import Cluster
 from partitioner.cost_model import bubble_fraction
@@ -35,7 +37,9 @@ from partitioner.plan_cost import Evaluated, PlanContext, evaluate, lower_bound
 from partitioner.profile import ModelProfile
 from passes.ir.config import CHECKPOINTING, CP_MODES, KNOBS, OFFLOAD, SCHEDULES, ZERO_STAGES, ParallelConfig
 from passes.ir.errors import ConfigError, InfeasiblePlanError
+from passes.ir.meta import InputSpec
 from passes.ir.plan import Alternative, Plan, Prediction, format_bytes
+from passes.sequence_parallel import SEQ_DIM, sequence_parallel_refusal
 
 MAX_MICRO_BATCH = 16
 """Largest micro-batch size tried unless fixed (larger ones gain little kernel efficiency)."""
@@ -142,6 +146,11 @@ def _pinned_problems(fix: dict, world: int, L: int, heads: int, global_batch: in
     if fix.get("sequence_parallel") and tp == 1:
         out.append("sequence_parallel=true needs tp > 1 (it shards what tensor parallelism replicates): set tp >= 2 "
                    "or sequence_parallel=false")
+    elif fix.get("sequence_parallel") and profile is not None:
+        # the lowering's rule, with the degrees pinned so far (an unpinned one is checked per candidate)
+        why = profile.sequence_parallel_refusal(tp or 1, cp or 1)
+        if why:
+            out.append(why)
     if fix.get("offload") == "optimizer" and fix.get("zero_stage"):
         out.append(f"offload='optimizer' keeps the whole optimizer state on the host, zero_stage="
                    f"{fix['zero_stage']} shards it over dp: choose one (zero_stage=0 or offload='none')")
@@ -151,9 +160,32 @@ def _pinned_problems(fix: dict, world: int, L: int, heads: int, global_batch: in
         out.append(f"checkpointing='dag' cannot be priced on this model: {why}; pin none, selective or full")
     if fix.get("checkpointing") == "tensor" and profile is not None and profile.blocks \
             and profile.blocks[0].tensor_activation_bytes is None:
-        why = profile.blocks[0].tensor_refusal or "its blocks own no activations"
-        out.append(f"checkpointing='tensor' cannot be priced on this model: {why}; pin none, selective or full")
+        out.append(_tensor_problem(profile))
     return out
+
+
+def check_pinned_inputs(fix: dict, inputs: Sequence[InputSpec], *, where: str = "fix") -> None:
+    """Refuse, before any capture or profile, what the pinned knobs ask of a model whose inputs
+    (named dims) rule it out: ``sequence_parallel=true`` without a named sequence dim (the
+    lowering's rule, :func:`passes.sequence_parallel.sequence_parallel_refusal`). Raises
+    :class:`ConfigError` naming the cause and the fix."""
+    if not fix.get("sequence_parallel"):
+        return
+    named = {d for i in inputs for d in i.dim_names()}
+    if SEQ_DIM not in named:
+        shapes = ", ".join(f"{i.name} {i.shape}" for i in inputs)
+        raise ConfigError(f"{where}: sequence_parallel=true is pinned, but {sequence_parallel_refusal(None)} "
+                          f"(inputs: {shapes})")
+
+
+def _tensor_problem(profile: ModelProfile) -> str:
+    """Why a pinned ``checkpointing='tensor'`` cannot be priced from ``profile``, and the way out."""
+    if not profile.tensor_remat_asked:  # the profile skipped the whole-graph MILP: ask for it
+        return ("checkpointing='tensor' is pinned but this profile was made without pricing it; profile with "
+                "tensor_remat=True (profile_graph, profile_spec) or add it with "
+                "partitioner.profile.with_tensor_remat(profile, graph)")
+    why = profile.blocks[0].tensor_refusal or "its blocks own no activations"
+    return f"checkpointing='tensor' cannot be priced on this model: {why}; pin none, selective or full"
 
 
 def _zero_options(opts, dp: int, tp: int, devices_per_node: int, cp: int = 1) -> list[tuple[int, int | None, bool]]:
@@ -217,9 +249,6 @@ def _cp_problems(fix: dict, profile: ModelProfile | None, cp: int) -> list[str]:
     if profile is not None and fix.get("cp_mode") == "ulysses" and profile.heads % (cp * tp):
         out.append(f"cp_mode=ulysses gives each of tp*cp = {tp}*{cp} ranks its share of the {profile.heads} "
                    f"attention heads; use a tp*cp dividing {profile.heads} or cp_mode=ring")
-    if profile is not None and fix.get("sequence_parallel") and profile.seq % (cp * tp):
-        out.append(f"sequence_parallel with tp={tp}, cp={cp} cuts each cp rank's {profile.seq}/{cp} tokens over "
-                   f"the tp ranks; use a tp*cp dividing {profile.seq} or sequence_parallel=false")
     return out
 
 
@@ -242,6 +271,15 @@ def _cp_options(fix: dict, profile: ModelProfile, cluster: Cluster, rest: int, t
         return [1]
     return [d for d in _divisors(rest)
             if d == 1 or (cluster.devices_per_node % (tp * d) == 0 and profile.seq % (2 * d) == 0)]
+
+
+def _sp_options(profile: ModelProfile, tp: int, cp: int) -> list[bool]:
+    """Sequence parallelism's values tried with ``tp`` x ``cp`` ranks: True only where the lowering
+    runs it (tp > 1 and :meth:`ModelProfile.sequence_parallel_refusal` has no objection: a named
+    sequence dim that ``tp * cp`` divides)."""
+    if tp > 1 and not profile.sequence_parallel_refusal(tp, cp):
+        return [False, True]
+    return [False]
 
 
 def _cp_modes(fix: dict, profile: ModelProfile, cp: int, tp: int, why: _Refusals) -> list[str]:
@@ -330,8 +368,7 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
                     continue
                 for sched, v in _schedules(fix, pp, L, m, why):
                     for zero, hsdp, reshard in _zero_options(opts, dp, tp, cluster.devices_per_node, cp):
-                        for sp in opts("sequence_parallel", [False, True] if tp > 1 and profile.seq % (tp * cp) == 0
-                                       else [False]):
+                        for sp in opts("sequence_parallel", _sp_options(profile, tp, cp)):
                             for ckpt in opts("checkpointing", ckpts):
                                 for off in opts("offload", offloads):
                                     for mode in _cp_modes(fix, profile, cp, tp, why):

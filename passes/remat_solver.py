@@ -75,9 +75,10 @@ import bisect
 import dataclasses
 import itertools
 import math
+import time
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Iterable, Literal
+from typing import Callable, Iterable, Literal
 
 import networkx as nx
 import numpy as np
@@ -201,7 +202,9 @@ class RematDecision:
     the decision adds to the step). ``bound``: which of ``saved_bytes`` and ``peak_bytes`` the
     budget bounds; ``feasible``: that one is at most ``budget_bytes``; ``optimal``: proven optimal
     for the budget (MILP and brute force when they finish; the min cut only when the budget does
-    not bind)."""
+    not bind); ``mip_gap``: the MILP's relative optimality gap when it returned (HiGHS's
+    ``|primal - dual| / |primal|``: 0 when proven optimal, above 0 when its time limit cut it
+    short, ``inf`` when it had no bound; None for a decision no MILP made)."""
 
     method: Method
     budget_bytes: int
@@ -215,6 +218,7 @@ class RematDecision:
     optimal: bool = False
     peak_bytes: int = 0
     bound: Bound = "saved"
+    mip_gap: float | None = None
 
     def action(self, node: str) -> Action:
         """The action of the node named ``node``."""
@@ -382,7 +386,7 @@ def _needed(problem: RematProblem, r: list[bool]) -> list[int]:
 
 
 def _decision(problem: RematProblem, r: list[bool], host: set[int], *, budget_bytes: int, costs: RematCosts,
-              method: Method, optimal: bool, bound: Bound = "saved") -> RematDecision:
+              method: Method, optimal: bool, bound: Bound = "saved", mip_gap: float | None = None) -> RematDecision:
     need = _needed(problem, r)
     nodes = []
     for i, name in enumerate(problem.nodes):
@@ -402,7 +406,7 @@ def _decision(problem: RematProblem, r: list[bool], host: set[int], *, budget_by
                          offload_bytes=off, recompute_flops=flops, fixed_bytes=problem.fixed_bytes,
                          added_s=costs.recompute_s(flops) + costs.offload_s(off),
                          feasible=(peak if bound == "peak" else saved) <= budget_bytes, optimal=optimal,
-                         peak_bytes=peak, bound=bound)
+                         peak_bytes=peak, bound=bound, mip_gap=mip_gap)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -537,38 +541,88 @@ def peak_budget(problem: RematProblem, fraction: float) -> int:
 # ---------------------------------------------------------------------------------------------
 # MILP (save / recompute / offload).
 
+MILP_MIN_SLICE = 0.01
+"""Share of ``time_limit_s`` each MILP solve gets at least, even when the earlier solves of one
+call used up the limit (a zero limit returns HiGHS's empty answer, not a decision)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _MilpFound:
+    """What one MILP solve returned."""
+
+    recompute: list[bool]
+    """Per node of the problem: recomputed in backward."""
+    host: frozenset[int]
+    """Nodes whose storages go to host."""
+    optimal: bool
+    """HiGHS proved it optimal (zero gap) within its time limit."""
+    mip_gap: float
+    """HiGHS's relative gap between the solution and its best bound (0: optimal; inf: no bound)."""
+
+
 def solve_milp(problem: RematProblem, budget_bytes: int, *, costs: RematCosts, bound: Bound = "saved",
                time_limit_s: float = 60.0) -> RematDecision:
     """The decision with the fewest added seconds keeping at most ``budget_bytes`` on device,
     recomputing, saving or offloading (offload only when ``costs`` has a host link), by the MILP
-    of the module docstring (HiGHS, zero optimality gap, ``time_limit_s`` seconds). ``bound``:
-    ``"saved"`` bounds the bytes saved after forward; ``"peak"`` the activation bytes at every
-    moment of backward (:func:`backward_peak`; save or recompute only). When no decision fits
-    (``feasible=False``): with the saved bound, the min-cut decision keeping the fewest bytes;
-    with the peak bound, the fewest FLOPs at the lowest peak any decision reaches."""
+    of the module docstring (HiGHS, zero optimality gap asked). ``time_limit_s``: seconds for the
+    whole call, its fallback solves included (each solve at least :data:`MILP_MIN_SLICE` of it);
+    past it the best decision found is returned with ``optimal=False`` and its ``mip_gap``.
+    ``bound``: ``"saved"`` bounds the bytes saved after forward; ``"peak"`` the activation bytes
+    at every moment of backward (:func:`backward_peak`; save or recompute only). When no decision
+    fits (``feasible=False``): with the saved bound, the min-cut decision keeping the fewest
+    bytes; with the peak bound, the fewest FLOPs at the lowest peak any decision reaches. When the
+    limit passes before HiGHS has any solution (``mip_gap`` inf, :func:`_unsolved`): the saved
+    bound's fewest-bytes decision, or under the peak bound nothing recomputed."""
     if bound == "peak" and costs.offload:
         raise ConfigError("remat MILP: the peak bound prices save and recompute only; solve it without a host "
                           "link (RematCosts(host_bytes_per_s=None)) or bound the saved bytes")
-    found = _solve_milp(problem, budget_bytes, costs, bound, time_limit_s)
+    if not time_limit_s > 0:
+        raise ConfigError(f"remat MILP: time_limit_s must be > 0 seconds, got {time_limit_s}")
+    deadline = time.perf_counter() + time_limit_s
+
+    def left() -> float:  # seconds a solve may take: what the call has left, at least a slice
+        return max(deadline - time.perf_counter(), MILP_MIN_SLICE * time_limit_s)
+
+    try:
+        found = _solve_milp(problem, budget_bytes, costs, bound, left)
+    except _OutOfTime:  # the limit is spent: no fallback solves (each would rebuild the rows)
+        return _unsolved(problem, budget_bytes, costs, bound)
     if found is not None:
-        r, host, optimal = found
-        return _decision(problem, r, host, budget_bytes=budget_bytes, costs=costs, method="milp", optimal=optimal,
-                         bound=bound)
-    if bound == "saved":
+        return _decision(problem, found.recompute, set(found.host), budget_bytes=budget_bytes, costs=costs,
+                         method="milp", optimal=found.optimal, bound=bound, mip_gap=found.mip_gap)
+    if bound == "saved":  # proven infeasible: the min cut's fewest bytes (no MILP decision, no gap)
         return _fewest_bytes(problem, budget_bytes, costs, "milp")
-    lowest = _solve_milp(problem, None, costs, bound, time_limit_s)
-    floor = backward_peak(problem, lowest[0]) if lowest is not None else problem.base_bytes
-    found = _solve_milp(problem, floor, costs, bound, time_limit_s) or lowest
-    r = found[0] if found is not None else [False] * len(problem.nodes)
+    try:  # proven infeasible: the lowest peak any decision reaches, then the fewest FLOPs there
+        lowest = _solve_milp(problem, None, costs, bound, left)
+        floor = backward_peak(problem, lowest.recompute) if lowest is not None else problem.base_bytes
+        found = _solve_milp(problem, floor, costs, bound, left) or lowest
+    except _OutOfTime:
+        return _unsolved(problem, budget_bytes, costs, bound)
+    r = found.recompute if found is not None else [False] * len(problem.nodes)
     return _decision(problem, r, set(), budget_bytes=budget_bytes, costs=costs, method="milp", optimal=False,
-                     bound=bound)
+                     bound=bound, mip_gap=found.mip_gap if found is not None else math.inf)
+
+
+class _OutOfTime(Exception):
+    """HiGHS reached its time limit without any solution (not a proof that none exists)."""
+
+
+def _unsolved(problem: RematProblem, budget_bytes: int, costs: RematCosts, bound: Bound) -> RematDecision:
+    """What :func:`solve_milp` returns when its time ran out before any solution (``mip_gap``
+    inf): with the saved bound the min-cut decision keeping the fewest bytes, as when nothing
+    fits; with the peak bound nothing recomputed (the peak of no recompute, no FLOPs added)."""
+    if bound == "saved":
+        return dataclasses.replace(_fewest_bytes(problem, budget_bytes, costs, "milp"), mip_gap=math.inf)
+    return _decision(problem, [False] * len(problem.nodes), set(), budget_bytes=budget_bytes, costs=costs,
+                     method="milp", optimal=False, bound=bound, mip_gap=math.inf)
 
 
 def _solve_milp(problem: RematProblem, budget_bytes: int | None, costs: RematCosts, bound: Bound,
-                time_limit_s: float) -> tuple[list[bool], set[int], bool] | None:
-    """(recompute flags, offloaded nodes, proven optimal) of the MILP, or None when infeasible
-    (or out of time without a solution). ``budget_bytes=None`` (peak bound only): minimise the
-    peak instead of the added seconds."""
+                left: Callable[[], float]) -> _MilpFound | None:
+    """The MILP's answer within ``left()`` seconds (asked once the rows are built: building them
+    takes seconds on a whole deep graph), or None when infeasible; raises
+    :class:`_OutOfTime` when the limit passed without a solution. ``budget_bytes=None`` (peak
+    bound only): minimise the peak instead of the added seconds."""
     n, m = len(problem.nodes), len(problem.storages)
     off = costs.offload
     cols = _Columns()
@@ -615,11 +669,17 @@ def _solve_milp(problem: RematProblem, budget_bytes: int | None, costs: RematCos
     integrality[:ints] = 1
     res = milp(c, integrality=integrality, bounds=Bounds(np.zeros(width), upper),
                constraints=LinearConstraint(rows.matrix(width), rows.lb, rows.ub),
-               options={"mip_rel_gap": 0.0, "time_limit": time_limit_s})
+               options={"mip_rel_gap": 0.0, "time_limit": left()})
     if res.x is None:
+        if res.status == 1:  # time (or iteration) limit, nothing found: unknown, not infeasible
+            raise _OutOfTime()
         return None
     x = np.round(res.x[:ints]).astype(bool)
-    return _prune(problem, list(x[r0:r0 + n])), {i for i in range(n) if off and x[o0 + i]}, bool(res.status == 0)
+    optimal = bool(res.status == 0)
+    gap = getattr(res, "mip_gap", None)
+    gap = float(gap) if gap is not None else (0.0 if optimal else math.inf)
+    return _MilpFound(recompute=_prune(problem, list(x[r0:r0 + n])),
+                      host=frozenset(i for i in range(n) if off and x[o0 + i]), optimal=optimal, mip_gap=gap)
 
 
 class _Columns:
@@ -638,19 +698,23 @@ class _Rows:
     """Sparse constraint rows ``lb <= sum(coef x) <= ub``."""
 
     def __init__(self) -> None:
-        self.coefs: list[dict[int, float]] = []
+        # coordinates kept flat as rows are added: a whole-graph peak bound has millions of them
+        self.ii: list[int] = []
+        self.jj: list[int] = []
+        self.vv: list[float] = []
         self.lb: list[float] = []
         self.ub: list[float] = []
 
     def add(self, coefs: dict[int, float], low: float, high: float) -> None:
-        self.coefs.append(coefs)
+        self.ii.extend([len(self.lb)] * len(coefs))
+        self.jj.extend(coefs.keys())
+        self.vv.extend(coefs.values())
         self.lb.append(low)
         self.ub.append(high)
 
     def matrix(self, width: int) -> sparse.csr_matrix:
-        entries = [(i, col, v) for i, coefs in enumerate(self.coefs) for col, v in coefs.items()]
-        ii, jj, vv = zip(*entries)
-        return sparse.csr_matrix((vv, (ii, jj)), shape=(len(self.coefs), width))
+        return sparse.csr_matrix((np.asarray(self.vv, dtype=float), (np.asarray(self.ii), np.asarray(self.jj))),
+                                 shape=(len(self.lb), width))
 
 
 def _peak_rows(problem: RematProblem, cols: _Columns, rows: _Rows, r0: int, d0: int, room: int | None, big: int,

@@ -51,17 +51,36 @@ _REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default}
 _LINEARS = {aten.linear.default}
 
 
-def sequence_size(gm: fx.GraphModule, tp: int, seq_dim: str = "seq") -> sympy.Expr:
-    """The captured size of the named sequence dim (a symbol when symbolic); ConfigError when the
-    capture has no such dim or its example size is not divisible by ``tp``."""
+SEQ_DIM = "seq"
+"""The named dim sequence parallelism cuts (an InputSpec shape such as ``("batch", "seq")``)."""
+
+
+def sequence_parallel_refusal(seq: int | None, tp: int = 1, cp: int = 1, *, seq_dim: str = SEQ_DIM) -> str:
+    """Why sequence parallelism cannot run on a model, "" when it can: the one rule the lowering
+    (:func:`sequence_size`) and the plan search both apply. ``seq``: the captured size of the
+    named sequence dim ``seq_dim`` in tokens (None: the model's inputs name no such dim, e.g. an
+    image model); ``tp``, ``cp``: the tensor- and context-parallel degrees (each tp rank takes a
+    chunk of each cp rank's ``seq / cp`` tokens, so ``tp * cp`` must divide ``seq``)."""
+    if seq is None:
+        return (f"sequence parallelism needs a named sequence dim {seq_dim!r} (it cuts the sequence over the tp "
+                f"ranks) and this model's inputs name none; set sequence_parallel=false, or name the dim "
+                f"{seq_dim!r} in the InputSpec shapes, e.g. ('batch', {seq_dim!r}, ...)")
+    if seq % (tp * cp):
+        ranks = f"tp={tp}" if cp == 1 else f"tp*cp = {tp}*{cp} = {tp * cp}"
+        return (f"sequence parallelism: sequence length {seq_dim}={seq} is not divisible by {ranks}; use a "
+                f"{seq_dim} that is a multiple of {tp * cp} or sequence_parallel=false")
+    return ""
+
+
+def sequence_size(gm: fx.GraphModule, tp: int, seq_dim: str = SEQ_DIM) -> sympy.Expr:
+    """The captured size of the named sequence dim (a symbol when symbolic); ConfigError
+    (:func:`sequence_parallel_refusal`) when the capture has no such dim or its example size is
+    not divisible by ``tp``."""
     info = gm.meta.get(CAPTURE)
     dims = dict(info.dims) if info is not None else {}
-    if seq_dim not in dims:
-        raise ConfigError(f"sequence parallelism needs a named sequence dim {seq_dim!r} in the capture "
-                          f"(dims: {sorted(dims)}); capture with InputSpec shapes naming it")
-    if dims[seq_dim] % tp:
-        raise ConfigError(f"sequence parallelism: sequence length {seq_dim}={dims[seq_dim]} is not divisible by "
-                          f"tp={tp}; use a {seq_dim} that is a multiple of {tp} or sequence_parallel=False")
+    why = sequence_parallel_refusal(dims.get(seq_dim), tp, seq_dim=seq_dim)
+    if why:
+        raise ConfigError(f"{why} (the capture's dims: {sorted(dims)})")
     return dim_symbol(seq_dim) if seq_dim in info.symbolic else sympy.Integer(dims[seq_dim])
 
 

@@ -58,7 +58,9 @@ def decide(problem: RematProblem, *, budget_bytes: int | None = None, fraction: 
            time_limit_s: float = 60.0) -> RematDecision:
     """The policy's decision on a remat problem (what :func:`tensor_remat_policy` marks; the
     planner's profile prices the same): the MILP under the peak bound at ``budget_bytes``, or at
-    ``fraction`` of the way (module docstring) when it is None."""
+    ``fraction`` of the way (module docstring) when it is None. ``time_limit_s``: seconds for all
+    of its solves; the decision's ``mip_gap`` says how far from optimal the limit left it (0:
+    proven optimal; inf: no solution in time, nothing recomputed)."""
     if budget_bytes is not None and budget_bytes < 0:
         raise ConfigError(f"tensor_remat_policy: budget_bytes must be >= 0, got {budget_bytes}")
     budget = budget_bytes if budget_bytes is not None else peak_budget(problem, fraction)

@@ -285,3 +285,46 @@ def test_the_peak_bound_keeps_what_no_backward_unpacks():
     assert not solve_brute_force(problem, 150, costs=GPU, bound="peak").feasible
     d = solve_milp(problem, 150, costs=GPU, bound="peak")
     assert not d.feasible and d.action("b") == "save" and d.peak_bytes == 200
+
+
+def test_every_milp_solve_has_a_time_limit_and_the_decision_its_gap(monkeypatch):
+    import passes.remat_solver as solver
+
+    limits = []
+
+    def recorded(*args, options, **kwargs):
+        limits.append(options["time_limit"])
+        return real(*args, options=options, **kwargs)
+
+    real = solver.milp
+    monkeypatch.setattr(solver, "milp", recorded)
+    problem = _random_problem(random.Random(5), 8)
+    lowest = min(_peaks(problem))
+    # below the lowest peak: the first solve is infeasible and two more run, all within the call's limit
+    d = solve_milp(problem, lowest - 1, costs=GPU, bound="peak", time_limit_s=5.0)
+    assert len(limits) == 3 and all(0 < t <= 5.0 for t in limits)
+    assert d.method == "milp" and d.mip_gap is not None and d.mip_gap >= 0
+    found = solve_milp(problem, max(_peaks(problem)), costs=GPU, bound="peak", time_limit_s=5.0)
+    assert found.optimal and found.mip_gap == pytest.approx(0.0, abs=1e-9)
+    assert solve_min_cut(problem, lowest, costs=GPU).mip_gap is None  # no MILP made it
+    with pytest.raises(ConfigError, match="time_limit_s must be > 0 seconds"):
+        solve_milp(problem, lowest, costs=GPU, time_limit_s=0)
+
+
+def test_out_of_time_without_a_solution_recomputes_nothing_and_says_so(monkeypatch):
+    import passes.remat_solver as solver
+    from scipy.optimize import OptimizeResult
+
+    calls = []
+
+    def out_of_time(*args, **kwargs):  # HiGHS at its time limit before any solution
+        calls.append(kwargs["options"]["time_limit"])
+        return OptimizeResult(x=None, status=1, success=False, mip_gap=None)
+
+    monkeypatch.setattr(solver, "milp", out_of_time)
+    problem = _random_problem(random.Random(5), 8)
+    d = solve_milp(problem, min(_peaks(problem)), costs=GPU, bound="peak", time_limit_s=5.0)
+    assert len(calls) == 1  # no fallback solves once the time is spent
+    assert d.named("recompute") == () and d.recompute_flops == 0 and not d.optimal and d.mip_gap == float("inf")
+    saved = solve_milp(problem, 10 ** 9, costs=GPU, time_limit_s=5.0)
+    assert saved.mip_gap == float("inf") and not saved.optimal

@@ -1,0 +1,208 @@
+"""The search offers what the lowering runs, and the profile solves only what the user asked for.
+
+* ``checkpointing="tensor"`` is priced by a per-tensor remat MILP over the whole captured graph,
+  whose time grows with the depth (a 30-layer model spent minutes there): the profile of a
+  captured graph or a ModelSpec runs it only when ``tensor`` is pinned (``choose_plan`` asks),
+  the search offers ``tensor`` only when priced, and a pinned ``tensor`` still plans and lowers.
+* Sequence parallelism cuts a named ``seq`` dim: a ViT-style model (image input, no ``seq``)
+  is never offered it (the lowering's rule, one predicate), and a pinned
+  ``sequence_parallel=true`` is refused with our ConfigError before any capture.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import partitioner.profile as profile_mod
+from partitioner.auto import choose_plan
+from partitioner.build import analyse, capture_training_step
+from partitioner.cluster import Cluster
+from partitioner.model_spec import ModelSpec, build_model
+from partitioner.profile import TENSOR_NOT_ASKED, profile_graph
+from partitioner.search import candidates, plan
+from passes.ir.errors import ConfigError
+from passes.ir.meta import InputSpec
+from passes.sequence_parallel import sequence_parallel_refusal
+
+GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
+GLOBAL_BATCH, WORLD = 8, 4
+
+
+def _captured(spec: ModelSpec):
+    """The analysed capture a job plans from (as ``auto_parallelize`` makes it)."""
+    return analyse(capture_training_step(spec, device="cpu"), memory_batch=1)
+
+
+@pytest.fixture
+def milp_calls(monkeypatch):
+    """Counts the profile's calls of the tensor remat policy (its whole-graph MILP)."""
+    calls = []
+    real = profile_mod.decide_tensor_remat
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(profile_mod, "decide_tensor_remat", counted)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    spec = build_model(GPT)
+    return spec, _captured(spec)
+
+
+def test_profile_runs_no_tensor_milp_unless_pinned(gpt, milp_calls):
+    spec, graph = gpt
+    profile = profile_graph(graph, name=spec.name)
+    assert profile.blocks[0].tensor_activation_bytes is None and profile.blocks[0].tensor_refusal == TENSOR_NOT_ASKED
+    assert not profile.tensor_remat_asked
+    assert "tensor" not in {c.checkpointing for c in candidates(profile, Cluster.local(WORLD), GLOBAL_BATCH)}
+    chosen = choose_plan(spec, Cluster.local(WORLD), world_size=WORLD, global_batch_size=GLOBAL_BATCH,
+                         profile=profile, graph=graph)
+    assert chosen.config.checkpointing != "tensor"
+    choose_plan(spec, Cluster.local(WORLD), world_size=WORLD, global_batch_size=GLOBAL_BATCH,
+                fix="dp=4,checkpointing=full")  # profiles the ModelSpec itself
+    assert milp_calls == []
+
+
+def test_a_pinned_tensor_still_plans_and_lowers(gpt, milp_calls):
+    spec, graph = gpt
+    profile = profile_graph(graph, name=spec.name)  # as auto_parallelize profiles: nothing pinned yet
+    chosen = choose_plan(spec, Cluster.local(WORLD), world_size=WORLD, global_batch_size=GLOBAL_BATCH,
+                         fix="dp=4,checkpointing=tensor", profile=profile, graph=graph)
+    assert chosen.config.checkpointing == "tensor"
+    assert chosen.predicted.memory_model == "replay"  # its rank programs were lowered and replayed
+    assert len(milp_calls) == 1 and milp_calls[0]["time_limit_s"] == profile_mod.TENSOR_TIME_LIMIT_S
+    priced = profile_graph(graph, name=spec.name, tensor_remat=True)
+    assert priced.tensor_remat_asked and priced.blocks[0].tensor_activation_bytes is not None
+    assert priced.blocks[0].tensor_mip_gap is not None and priced.blocks[0].tensor_mip_gap <= 1e-6  # solved
+    assert "tensor" in {c.checkpointing for c in candidates(priced, Cluster.local(WORLD), GLOBAL_BATCH)}
+
+
+def test_a_pinned_tensor_on_a_profile_made_without_it_names_the_way_out(gpt):
+    spec, graph = gpt
+    profile = profile_graph(graph, name=spec.name)
+    with pytest.raises(ConfigError, match=r"checkpointing='tensor' is pinned but this profile was made without "
+                                          r"pricing it.*tensor_remat=True.*with_tensor_remat"):
+        plan(profile, Cluster.local(WORLD), global_batch=GLOBAL_BATCH, fix={"checkpointing": "tensor"})
+
+
+# ---------------------------------------------------------------------------------------------
+# A ViT-style model: image input, no named sequence dim.
+
+
+class _Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).split(h, dim=2)
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(y.transpose(1, 2).reshape(b, s, h))
+
+
+class _Block(nn.Module):
+    """A pre-LN transformer encoder block (tensor parallelism shards its heads and MLP)."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(hidden), _Attention(hidden, heads)
+        self.ln_2 = nn.LayerNorm(hidden)
+        self.fc, self.out = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.out(F.gelu(self.fc(self.ln_2(x))))
+
+
+class _ViT(nn.Module):
+    """Patch-embedding conv, encoder blocks, mean-pooled classifier head: its patch axis is not
+    a named dim of any input."""
+
+    def __init__(self, *, image: int = 16, patch: int = 4, hidden: int = 32, heads: int = 4, layers: int = 2,
+                 classes: int = 10):
+        super().__init__()
+        self.patch = nn.Conv2d(3, hidden, kernel_size=patch, stride=patch)
+        self.pos = nn.Parameter(torch.zeros(1, (image // patch) ** 2, hidden))
+        self.blocks = nn.ModuleList(_Block(hidden, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.patch(images).flatten(2).transpose(1, 2) + self.pos
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x).mean(dim=1))
+
+
+def _vit_loss(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(images), labels)
+
+
+def _vit() -> ModelSpec:
+    torch.manual_seed(0)
+    inputs = (InputSpec(name="images", shape=("batch", 3, 16, 16)),
+              InputSpec(name="labels", shape=("batch",), dtype=torch.long, high=10))
+    return ModelSpec(name="vit", module=_ViT(), inputs=inputs, loss=_vit_loss, dims={"batch": 2})
+
+
+@pytest.fixture(scope="module")
+def vit():
+    spec = _vit()
+    return spec, _captured(spec)
+
+
+def test_a_model_without_a_seq_dim_is_not_offered_sequence_parallelism_and_lowers(vit):
+    spec, graph = vit
+    profile = profile_graph(graph, name=spec.name)
+    assert profile.seq == 0 and profile.sequence_parallel_refusal(2) == sequence_parallel_refusal(None, 2)
+    cands = candidates(profile, Cluster.local(WORLD), GLOBAL_BATCH, fix={"tp": 2, "pp": 2})
+    assert cands and not any(c.sequence_parallel for c in cands)
+    chosen = choose_plan(spec, Cluster.local(WORLD), world_size=WORLD, global_batch_size=GLOBAL_BATCH,
+                         fix="tp=2,pp=2", profile=profile, graph=graph)
+    assert (chosen.config.tp, chosen.config.pp, chosen.config.sequence_parallel) == (2, 2, False)
+    assert chosen.predicted.memory_model == "replay"  # every rank program was lowered and replayed
+
+
+def test_a_pinned_sequence_parallel_without_a_seq_dim_is_refused_before_any_work(vit, monkeypatch):
+    spec, graph = vit
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("profiled or captured before refusing the pinned knobs")
+
+    monkeypatch.setattr("partitioner.auto.profile_spec", no_work)
+    with pytest.raises(ConfigError, match=r"choose_plan: fix: sequence_parallel=true is pinned, but sequence "
+                                          r"parallelism needs a named sequence dim 'seq'.*sequence_parallel=false"):
+        choose_plan(spec, Cluster.local(WORLD), world_size=WORLD, global_batch_size=GLOBAL_BATCH,
+                    fix="tp=2,pp=2,sequence_parallel=true")
+    # from a profile (the search's own check), the same rule and words
+    profile = profile_graph(graph, name=spec.name)
+    with pytest.raises(ConfigError, match=r"no candidate plan .*needs a named sequence dim 'seq'"):
+        candidates(profile, Cluster.local(WORLD), GLOBAL_BATCH, fix={"sequence_parallel": True})
+
+
+def test_the_front_doors_price_a_pinned_tensor_and_refuse_a_pinned_sp_before_capture(vit, monkeypatch):
+    import partitioner
+    from partitioner.auto import auto_parallelize
+
+    spec = build_model(GPT)
+    chosen = partitioner.plan(spec, Cluster.local(WORLD), global_batch=GLOBAL_BATCH,
+                              fix="dp=4,checkpointing=tensor")
+    assert chosen.config.checkpointing == "tensor"
+
+    def no_capture(*args, **kwargs):
+        raise AssertionError("captured before refusing the pinned knobs")
+
+    monkeypatch.setattr("partitioner.auto.capture_training_step", no_capture)
+    with pytest.raises(ConfigError, match=r"auto_parallelize: fix: sequence_parallel=true is pinned, but sequence "
+                                          r"parallelism needs a named sequence dim 'seq'"):
+        auto_parallelize(vit[0], global_batch_size=GLOBAL_BATCH, fix="tp=2,pp=2,sequence_parallel=true")

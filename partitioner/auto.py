@@ -414,8 +414,8 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     else:
         check_world_size(plan, world)
         chosen = plan
-    if detected:  # plan.json says what the job found, not only a name
-        chosen = dataclasses.replace(chosen, cluster_spec=cluster.to_dict())
+    # plan.json says what the job planned on (detected, calibrated or given), not only a name
+    chosen = dataclasses.replace(chosen, cluster_spec=cluster.to_dict())
     if chosen.global_batch != global_batch_size:
         raise ConfigError(f"auto_parallelize: the plan is for global batch {chosen.global_batch}, "
                           f"not {global_batch_size}; re-plan or pass the plan's batch size")

@@ -101,8 +101,9 @@ class Plan:
     predicted: Prediction
     alternatives: tuple[Alternative, ...] = ()
     cluster_spec: dict | None = None
-    """The cluster planned on, as a cluster file holds it (``Cluster.to_dict()``), when the job
-    detected or calibrated it; ``None`` for a named preset (``cluster`` names it)."""
+    """The cluster a job planned on (``auto_parallelize``: detected, calibrated or given), as a
+    cluster file holds it (``Cluster.to_dict()``); ``None`` for a plan made outside a job
+    (``partitioner plan``: ``cluster`` names its preset)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, ParallelConfig):

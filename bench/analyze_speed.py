@@ -4,10 +4,10 @@ Run: python bench/analyze_speed.py
 """
 import time
 
-from partitioner.model_spec import build_model
-from passes.capture import capture_spec
-from passes.manager import PassContext
-from passes.pipelines import analysis_passes, manager as pass_manager
+from partitioner.inputs.models import build_model
+from passes.capture.capture import capture_spec
+from passes.lowering.manager import PassContext
+from passes.lowering.pipelines import analysis_passes, manager as pass_manager
 
 SPEC = "gpt:layers=96,hidden=12288,heads=96,vocab=51200,seq=2048"
 

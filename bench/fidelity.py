@@ -7,18 +7,18 @@ and left out of the times (its peak is lower: no gradients or optimizer state ex
 
 * memory, the planner's returned per-rank peak (``plan.predicted.rank_peak_memory_bytes``: the
   search checks its plan with the exact replay of every rank program it lowers,
-  :mod:`partitioner.memory_check`; each rank also replays the program it runs, a cross-check);
-  measured by :class:`runtime.measure.StepTimer` (live tensor
+  :mod:`partitioner.search.memory_check`; each rank also replays the program it runs, a cross-check);
+  measured by :class:`runtime.observe.measure.StepTimer` (live tensor
   storage bytes on CPU), max over the steps;
-* time, predicted by the planner (:func:`partitioner.fidelity.predict_step_time`) on
+* time, predicted by the planner (:func:`partitioner.search.replay.predict_step_time`) on
   ``Cluster.local(4)`` (a quick calibration is made first when this machine has no calibration
   file), measured as the median wall seconds of a step after the warm-up, per rank;
 * refit: every case writes ``<out>/<model>/<plan>/{plan.json,measurements.json}``; per model,
-  :func:`partitioner.refit.refit` (FLOP/s, per-op overhead, bandwidth, offload calls, pipeline message
+  :func:`partitioner.calibration.refit.refit` (FLOP/s, per-op overhead, bandwidth, offload calls, pipeline message
   seconds, link latency) is fitted on every case but the HELD-OUT plan, and the held-out plan's
   step time is predicted with the cluster before and after the refit.
 
-ZeRO-1/2: :class:`runtime.measure.StepTimer` counts :class:`runtime.grad_sync.ShardedOptimizer`'s
+ZeRO-1/2: :class:`runtime.observe.measure.StepTimer` counts :class:`runtime.optim.grad_sync.ShardedOptimizer`'s
 fp32 master chunk, its gradient and its AdamW state in the persistent baseline.
 """
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Case:
     zero: int = 0
     checkpointing: str = "none"
     offload: str = "none"
-    dtype: str = "fp32"  # bf16: the model captured in bf16, fp32 master weights (runtime.mixed_precision)
+    dtype: str = "fp32"  # bf16: the model captured in bf16, fp32 master weights (runtime.optim.mixed_precision)
 
     def knobs(self) -> dict:
         return dict(dp=self.dp, tp=self.tp, pp=self.pp, virtual_pp=self.virtual_pp,
@@ -104,12 +104,12 @@ def _rank_main(models: dict, cases: tuple, steps: int, boundaries: dict) -> list
     cut where the plan cuts them (``boundaries[(model, case)]``)."""
     import torch
 
-    from partitioner.fidelity import predict_memory
-    from partitioner.model_spec import build_model
-    from runtime.measure import StepTimer
-    from partitioner.build import build_parallel_model, capture_for_pipeline
+    from partitioner.search.replay import predict_memory
+    from partitioner.inputs.models import build_model
+    from runtime.observe.measure import StepTimer
+    from partitioner.api.build import build_parallel_model, capture_for_pipeline
     from passes.ir.config import TORCH_DTYPES, ParallelConfig
-    from runtime.mesh import Mesh, init_distributed
+    from runtime.dist.mesh import Mesh, init_distributed
 
     init_distributed(timeout_s=600)
     meshes = {}
@@ -174,13 +174,13 @@ def _median(xs):
 def _cluster(out: Path, preset: str | None = None):
     import dataclasses
 
-    from partitioner.cluster import CLUSTER_FILE_ENV, DEFAULT_LOCAL_FILE, Cluster
+    from partitioner.cost.cluster import CLUSTER_FILE_ENV, DEFAULT_LOCAL_FILE, Cluster
 
     if preset is not None:  # e.g. dgx-h200 for --world 1 on a GPU: one node of WORLD devices
         return dataclasses.replace(Cluster.preset(preset), nodes=1, devices_per_node=WORLD)
 
     if not os.environ.get(CLUSTER_FILE_ENV) and not DEFAULT_LOCAL_FILE.expanduser().is_file():
-        from partitioner.calibrate import run_calibration
+        from partitioner.calibration.calibrate import run_calibration
 
         path = out / "local-cluster.yaml"
         if not path.is_file():
@@ -193,9 +193,9 @@ def _cluster(out: Path, preset: str | None = None):
 def _cross_validate(models: dict, run_dirs: dict, plans: dict, cluster) -> None:
     """Leave-one-plan-out: per model and plan, refit on the model's OTHER plans and predict this
     one; every error is out of sample."""
-    from partitioner.fidelity import predict_step_time
-    from partitioner.profile import profile_model
-    from partitioner.refit import load_run, refit
+    from partitioner.search.replay import predict_step_time
+    from partitioner.cost.profile import profile_model
+    from partitioner.calibration.refit import load_run, refit
 
     print("\nleave-one-plan-out (refit on the model's other plans): step time |err| median over ranks")
     errs = []
@@ -238,15 +238,15 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    from partitioner.build import capture_for_pipeline
-    from partitioner.fidelity import predict_step_time
-    from partitioner.memory_check import replay_check
+    from partitioner.api.build import capture_for_pipeline
+    from partitioner.search.replay import predict_step_time
+    from partitioner.search.memory_check import replay_check
     from passes.ir.config import TORCH_DTYPES
-    from partitioner.model_spec import build_model
-    from partitioner.profile import profile_model
-    from partitioner.refit import load_run, refit
-    from runtime.launch import spawn
-    from runtime.measure import RunMeasurements, StepMeasurement
+    from partitioner.inputs.models import build_model
+    from partitioner.cost.profile import profile_model
+    from partitioner.calibration.refit import load_run, refit
+    from runtime.dist.launch import spawn
+    from runtime.observe.measure import RunMeasurements, StepMeasurement
 
     cluster = _cluster(out, args.cluster)
     t0 = time.time()

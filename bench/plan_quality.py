@@ -7,12 +7,12 @@ over many plans of one model on 4 local gloo ranks.
 Per model:
 
 * the candidates: every plan the search considers that fits in memory
-  (:func:`partitioner.search.feasible_plans`, the search's own enumeration and cost model, fastest
+  (:func:`partitioner.search.search.feasible_plans`, the search's own enumeration and cost model, fastest
   predicted first) on each cluster of ``--clusters``; the first cluster is the primary one. Plans
   that run alike (the same knobs and the same pipeline action lists: GPipe and 1F1B with one
   micro-batch) are measured once, as the pick when it is one of them. The
-  planner's pick is :func:`partitioner.search.plan` with the exact memory replay
-  (:func:`partitioner.memory_check.replay_check`), as ``auto_parallelize`` calls it;
+  planner's pick is :func:`partitioner.search.search.plan` with the exact memory replay
+  (:func:`partitioner.search.memory_check.replay_check`), as ``auto_parallelize`` calls it;
 * the plans run: all of them when there are at most ``--plans`` + 6, else a sample
   (:func:`sample_plans`): the pick of every cluster, the ``TOP`` predicted fastest, for every knob
   and every value it takes among the candidates (every axis size, schedule, virtual stages,
@@ -23,7 +23,7 @@ Per model:
   stage split, from the same captured graph and so the same initial weights) and trains them on the
   same batches. Steps go round-robin over the plans, each step after a barrier, the order rotated
   every round, so load on the shared machine hits every plan alike. ``--warmup`` rounds are left
-  out; a plan's step time is the slowest rank's wall time (:class:`runtime.measure.StepTimer`),
+  out; a plan's step time is the slowest rank's wall time (:class:`runtime.observe.measure.StepTimer`),
   and its measured s/step the median over the ``--steps`` timed rounds;
 * head to head: then the pick and the ``CONTENDERS`` plans measured fastest so far run
   ``--final`` more rounds by themselves (same barriers and rotation). The gap the goal is judged
@@ -41,7 +41,7 @@ plan against single-process eager training, and the total wall time.
 Clusters: ``calibrated`` (the primary one by default) is ``Cluster.local(4)`` without
 ``$PARTITIONER_CLUSTER_FILE``: this machine's cached calibration (``$PARTITIONER_CACHE_DIR``, else
 ``~/.cache/partitioner``; measured once on a miss), which is what ``auto_parallelize`` plans
-against on a local gloo job; ``local-cpu`` is the preset ``partitioner/presets/local-cpu.yaml`` as
+against on a local gloo job; ``local-cpu`` is the preset ``partitioner/cost/presets/local-cpu.yaml`` as
 ``Cluster.local(4)`` reads it through ``$PARTITIONER_CLUSTER_FILE`` (a rough description without
 overheads or shared cores, which the tests use); any other value is a cluster file path. Every
 plan is lowered against the primary cluster.
@@ -61,7 +61,7 @@ from typing import Iterator, Mapping, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from partitioner.cluster import CLUSTER_FILE_ENV, PRESET_DIR, Cluster  # noqa: E402
+from partitioner.cost.cluster import CLUSTER_FILE_ENV, PRESET_DIR, Cluster  # noqa: E402
 from passes.ir.config import KNOBS, ParallelConfig  # noqa: E402
 from passes.ir.plan import Plan  # noqa: E402
 
@@ -343,12 +343,12 @@ def _rank_main(work: tuple, warmup: int, steps: int, cluster: Cluster, final: in
     config, a dict of ``error``, ``steps`` and ``final``."""
     import torch.distributed as dist
 
-    from partitioner.build import build_parallel_model
-    from partitioner.model_spec import build_model
+    from partitioner.api.build import build_parallel_model
+    from partitioner.inputs.models import build_model
     from passes.ir.graph_transfer import unpack_graph
     from passes.ir.schedule.validate import stream_count
-    from runtime.measure import StepTimer
-    from runtime.mesh import Mesh, init_distributed
+    from runtime.observe.measure import StepTimer
+    from runtime.dist.mesh import Mesh, init_distributed
 
     init_distributed(timeout_s=300)
     meshes = {}
@@ -428,7 +428,7 @@ def _rank_main(work: tuple, warmup: int, steps: int, cluster: Cluster, final: in
 
 
 def _eager_loss(spec_str: str) -> float:
-    from partitioner.model_spec import build_model
+    from partitioner.inputs.models import build_model
 
     spec = build_model(spec_str)
     batch = spec.example_inputs({"batch": GLOBAL_BATCH}, seed=10)
@@ -437,13 +437,13 @@ def _eager_loss(spec_str: str) -> float:
 
 def run(settings: Settings) -> list[ModelReport]:
     """Plan, sample, measure; one :class:`ModelReport` per model of ``settings``."""
-    from partitioner.build import capture_for_pipeline
-    from partitioner.memory_check import replay_check
-    from partitioner.model_spec import build_model
-    from partitioner.profile import profile_model
-    from partitioner.search import feasible_plans, plan
+    from partitioner.api.build import capture_for_pipeline
+    from partitioner.search.memory_check import replay_check
+    from partitioner.inputs.models import build_model
+    from partitioner.cost.profile import profile_model
+    from partitioner.search.search import feasible_plans, plan
     from passes.ir.graph_transfer import pack_graph
-    from runtime.launch import spawn
+    from runtime.dist.launch import spawn
 
     clusters = {name: load_cluster(name) for name in settings.clusters}
     primary = settings.clusters[0]

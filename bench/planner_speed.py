@@ -12,9 +12,9 @@ Run: python bench/planner_speed.py
 import dataclasses
 import time
 
-from partitioner.cluster import Cluster
-from partitioner.profile import profile_model
-from partitioner.search import candidates, plan
+from partitioner.cost.cluster import Cluster
+from partitioner.cost.profile import profile_model
+from partitioner.search.search import candidates, plan
 
 CAPTURED = (
     # SmolLM-135M's published shape (random init): what took minutes when the profile priced
@@ -67,10 +67,10 @@ def main() -> None:
 
 def captured() -> None:
     """Plan each :data:`CAPTURED` model as a job does, on the ``local-cpu`` preset (no calibration)."""
-    from partitioner.auto import choose_plan
-    from partitioner.build import analyse, capture_training_step
-    from partitioner.model_spec import build_model
-    from partitioner.profile import profile_graph
+    from partitioner.api.auto import choose_plan
+    from partitioner.api.build import analyse, capture_training_step
+    from partitioner.inputs.models import build_model
+    from partitioner.cost.profile import profile_graph
 
     import torch
 

@@ -48,11 +48,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from partitioner.cluster import Cluster
-from partitioner.model_spec import build_model
-from partitioner.plan_cost import Evaluated, PlanContext, evaluate
-from partitioner.profile import ModelProfile, profile_spec
-from partitioner.search import candidates
+from partitioner.cost.cluster import Cluster
+from partitioner.inputs.models import build_model
+from partitioner.cost.plan_cost import Evaluated, PlanContext, evaluate
+from partitioner.cost.profile import ModelProfile, profile_spec
+from partitioner.search.search import candidates
 
 SEQ = 2048
 VOCAB = 51200

@@ -8,13 +8,13 @@ For each model and budget (a fraction of the way from full block checkpointing's
 to none's), the columns are:
 
 * recompute FLOPs of block-level checkpointing (``solver`` policy), of the ``dag`` policy, of
-  the whole-graph MILP under the saved-bytes bound (``passes.remat_solver.solve_milp``) and of
-  the ``tensor`` policy (``passes.tensor_remat_policy``: that MILP under the peak bound); for the
+  the whole-graph MILP under the saved-bytes bound (``passes.solvers.remat_solver.solve_milp``) and of
+  the ``tensor`` policy (``passes.policies.tensor_remat_policy``: that MILP under the peak bound); for the
   last two also the activation bytes at the fullest moment of backward (``backward_peak``) and,
   for ``tensor``, the seconds its pass takes;
 * the step peak (bytes) MemTracker measures for one step on CPU: without checkpointing, under
   the ``dag`` policy (torch's selective checkpointing), and of the program lowered under
-  ``tensor`` (``passes.apply_tensor_remat``: its forward runs the per-tensor executor); and the
+  ``tensor`` (``passes.rewrites.apply_tensor_remat``: its forward runs the per-tensor executor); and the
   memory analysis's predicted step peak of that program against its measurement;
 * the fastest of 7 forward + backward passes (ms) under ``dag`` and of the ``tensor`` program
   (without checkpointing: in the heading). ``tensor`` runs its forward node by node in Python
@@ -37,20 +37,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from partitioner.errors import PassError  # noqa: E402
-from partitioner.model_spec import build_model  # noqa: E402
-from passes.annotate_blocks import annotate_blocks  # noqa: E402
-from passes.annotate_flops import annotate_flops  # noqa: E402
-from passes.annotate_memory import annotate_memory  # noqa: E402
-from passes.annotate_shapes import annotate_shapes  # noqa: E402
-from passes.apply_checkpoint import apply_checkpoint  # noqa: E402
-from passes.capture import capture_spec  # noqa: E402
-from passes.checkpoint_policy import checkpoint_policy  # noqa: E402
-from passes.graph_view import to_networkx  # noqa: E402
-from passes.apply_tensor_remat import apply_tensor_remat  # noqa: E402
+from partitioner.inputs.models import build_model  # noqa: E402
+from passes.analysis.annotate_blocks import annotate_blocks  # noqa: E402
+from passes.analysis.annotate_flops import annotate_flops  # noqa: E402
+from passes.analysis.annotate_memory import annotate_memory  # noqa: E402
+from passes.analysis.annotate_shapes import annotate_shapes  # noqa: E402
+from passes.rewrites.apply_checkpoint import apply_checkpoint  # noqa: E402
+from passes.capture.capture import capture_spec  # noqa: E402
+from passes.policies.checkpoint_policy import checkpoint_policy  # noqa: E402
+from passes.analysis.graph_view import to_networkx  # noqa: E402
+from passes.rewrites.apply_tensor_remat import apply_tensor_remat  # noqa: E402
 from passes.ir.meta import CHECKPOINT_PLAN, DAG_CHECKPOINT_PLAN, MEMORY_SUMMARY, TENSOR_REMAT_PLAN  # noqa: E402
-from passes.remat_solver import RematCosts, from_checkpoint_plan, problem_from_view, solve_milp  # noqa: E402
-from passes.tensor_remat_policy import tensor_remat_policy  # noqa: E402
-from runtime.measure import memtracker_step_peak  # noqa: E402
+from passes.solvers.remat_solver import RematCosts, from_checkpoint_plan, problem_from_view, solve_milp  # noqa: E402
+from passes.policies.tensor_remat_policy import tensor_remat_policy  # noqa: E402
+from runtime.observe.measure import memtracker_step_peak  # noqa: E402
 
 MODELS = {
     "resnet": "resnet:blocks=1-1,widths=8-16,image=16,classes=10,batch=8",

@@ -45,7 +45,7 @@ from torch import nn
 if __package__ in (None, ""):  # run as a script: make the repo importable without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from partitioner.model_spec import build_model  # noqa: E402
+from partitioner.inputs.models import build_model  # noqa: E402
 
 WORLD = 4
 PAIRS = ("pp-1f1b", "pp-gpipe", "pp-zb1p", "dp", "tp")
@@ -181,7 +181,7 @@ def _world_mean_loss(loss: torch.Tensor | None, contributors: int) -> float:
 # ------------------------------------------------------------------------------------------------
 # Step functions: each returns ``step(batch) -> float`` (the global batch's mean loss, every rank).
 def _ours(spec, graph, mesh, config: BenchConfig, *, dp=1, pp=1, tp=1, schedule="1f1b", m=1):
-    from partitioner.build import build_parallel_model
+    from partitioner.api.build import build_parallel_model
     from passes.ir.config import ParallelConfig
 
     parallel = ParallelConfig.for_global_batch(config.global_batch, dp=dp, pp=pp, tp=tp, schedule=schedule,
@@ -192,7 +192,7 @@ def _ours(spec, graph, mesh, config: BenchConfig, *, dp=1, pp=1, tp=1, schedule=
 def _torch_pipeline(spec, config: BenchConfig, schedule: str, ends_group):
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                               ScheduleInterleavedZeroBubble)
-    from passes.pipeline_split import balanced_boundaries
+    from passes.policies.pipeline_stages import balanced_boundaries
 
     rank, pp = torch.distributed.get_rank(), WORLD
     model = copy.deepcopy(spec.module)
@@ -273,8 +273,8 @@ def run_rank(config: BenchConfig, pairs: tuple[str, ...]) -> list[PairResult]:
     and return rank 0's timings and the losses."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from partitioner.build import capture_for_pipeline
-    from runtime.mesh import Mesh, init_distributed
+    from partitioner.api.build import capture_for_pipeline
+    from runtime.dist.mesh import Mesh, init_distributed
 
     init_distributed(timeout_s=TIMEOUT_S)
     rank = torch.distributed.get_rank()
@@ -325,7 +325,7 @@ def run_rank(config: BenchConfig, pairs: tuple[str, ...]) -> list[PairResult]:
 
 def run(config: BenchConfig, pairs: tuple[str, ...] = PAIRS, *, timeout_s: float = 1800.0) -> list[PairResult]:
     """Every pair, in one spawn of ``WORLD`` gloo ranks; rank 0's results."""
-    from runtime.launch import spawn
+    from runtime.dist.launch import spawn
 
     unknown = [p for p in pairs if p not in PAIRS]
     if unknown:

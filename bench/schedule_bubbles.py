@@ -3,7 +3,7 @@
 One spawn of ``--pp`` gloo ranks (one thread each) trains the same GPT under every schedule
 (gpipe, 1f1b, interleaved, zb1p, zbv) for a few steps, the schedules taking turns step by step so
 machine load hits them alike. For each schedule the last rounds' per-action timelines
-(:class:`runtime.measure.StepTimer`) give:
+(:class:`runtime.observe.measure.StepTimer`) give:
 
 * measured bubble: over the span from the first compute action of any rank to the last one, the
   share of rank-time not spent in forward / backward / weight-gradient actions (averaged over
@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from runtime.launch import spawn
+from runtime.dist.launch import spawn
 
 MODEL = "gpt:layers=8,hidden=384,heads=4,vocab=128,seq=128,dropout=0.0"
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1p", 1), ("zbv", 2))
@@ -44,12 +44,12 @@ def _kind(label: str) -> str | None:
 
 
 def _rank(pp: int, m: int, steps: int, warmup: int, model: str = MODEL) -> dict:
-    from partitioner.build import build_parallel_model, capture_for_pipeline
-    from partitioner.model_spec import build_model
+    from partitioner.api.build import build_parallel_model, capture_for_pipeline
+    from partitioner.inputs.models import build_model
     from passes.ir.config import ParallelConfig
     from passes.ir.schedule.validate import stream_count
-    from runtime.measure import StepTimer
-    from runtime.mesh import Mesh, init_distributed
+    from runtime.observe.measure import StepTimer
+    from runtime.dist.mesh import Mesh, init_distributed
 
     torch.set_num_threads(1)
     init_distributed(timeout_s=600)

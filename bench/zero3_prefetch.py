@@ -27,16 +27,16 @@ import time
 
 import torch
 
-from runtime.launch import spawn
+from runtime.dist.launch import spawn
 
 MODEL = "gpt:layers=8,hidden=256,heads=4,vocab=512,seq=64,dropout=0.0"
 
 
 def _rank(dp: int, steps: int, warmup: int, batch: int) -> dict:
-    from partitioner.build import build_parallel_model, capture_for_pipeline
-    from partitioner.model_spec import build_model
+    from partitioner.api.build import build_parallel_model, capture_for_pipeline
+    from partitioner.inputs.models import build_model
     from passes.ir.config import ParallelConfig
-    from runtime.mesh import Mesh, init_distributed
+    from runtime.dist.mesh import Mesh, init_distributed
 
     torch.set_num_threads(1)
     init_distributed(timeout_s=600)

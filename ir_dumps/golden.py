@@ -1,7 +1,7 @@
 """Golden text dumps: compare a directory of text dumps with the expected one, readably.
 
 The goldens themselves (a small zoo GPT through the analysis pipeline, and through the lowering of
-one plan) are made by :mod:`partitioner.golden`; ``tests/test_golden_dumps.py`` and
+one plan) are made by :mod:`tests.golden_dumps`; ``tests/test_golden_dumps.py`` and
 ``tests/test_transform_golden.py`` regenerate them into a temporary directory and compare;
 ``python scripts/regen_golden.py`` rewrites them after an intended change.
 """

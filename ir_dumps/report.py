@@ -80,13 +80,13 @@ class Interval:
 def write_report(path: str | Path, *, plan: Plan, cluster: Any, schedule: Mapping[int, list] | None = None,
                  measured: Mapping[Any, Mapping[str, float]] | None = None, graph: Any = None,
                  measured_step: Any = None) -> Path:
-    """Write ``report.html`` for ``plan`` on ``cluster`` (a :class:`partitioner.cluster.Cluster`).
+    """Write ``report.html`` for ``plan`` on ``cluster`` (a :class:`partitioner.cost.cluster.Cluster`).
 
     ``schedule``: per-rank action lists (default: generated from the plan's pp, num_micro_batches,
     schedule and virtual_pp by :mod:`passes.ir.schedule`). ``measured``: per rank
     ``{"step_time_s": seconds, "peak_memory_bytes": bytes}`` shown beside the prediction.
     ``graph``: an fx.GraphModule whose nodes carry pass annotations. ``measured_step``: one step's
-    :class:`runtime.measure.StepMeasurement` of every rank (a list by rank), drawn as the measured
+    :class:`runtime.observe.measure.StepMeasurement` of every rank (a list by rank), drawn as the measured
     timeline under the simulated one. Returns the path written.
     """
     path = Path(path)
@@ -184,7 +184,7 @@ def timeline_intervals(plan: Plan, schedule: Mapping[int, list]) -> tuple[dict[i
 
 def measured_intervals(timelines: Mapping[int, Sequence[Sequence]],
                        started_at: Mapping[int, float] | None = None) -> tuple[dict[int, list[Interval]], float]:
-    """The intervals of one measured step per rank (:attr:`runtime.measure.StepMeasurement.timeline`:
+    """The intervals of one measured step per rank (:attr:`runtime.observe.measure.StepMeasurement.timeline`:
     (action, start, end) seconds from the rank's step start), shifted by each rank's wall-clock
     start (``started_at``) so the ranks line up; a receive waited on inside a compute action, and
     every gap between actions, is idle. Returns the rows and the makespan in seconds."""
@@ -259,7 +259,7 @@ def _timeline(plan: Plan, schedule: Mapping[int, list], measured: tuple | None =
                     + f'<p class="note" id="timeline-measured-note">Measured makespan {_ms(m_span)} (simulated '
                       f'{_ms(makespan)}); idle {idle_fraction(m_rows, m_span):.1%} of rank-time (simulated '
                       f'{idle_fraction(rows, makespan):.1%}): every action as the runtime timed it on each rank '
-                      f'(<code>runtime.measure.StepTimer</code>), aligned by the ranks\' wall clocks; a receive '
+                      f'(<code>runtime.observe.measure.StepTimer</code>), aligned by the ranks\' wall clocks; a receive '
                       f'waited on inside a forward or backward is drawn idle.</p>')
             if spans:
                 out += _zero3_timeline(spans, started, m_span, plan)

@@ -1,6 +1,6 @@
 """Write the dumps of pipeline runs: ``NN_<pass>.{txt,json,dot}`` per pass and ``manifest.json``.
 
-A :class:`DumpWriter` is the pass manager's instrument (:class:`passes.manager.Instrument`):
+A :class:`DumpWriter` is the pass manager's instrument (:class:`passes.lowering.manager.Instrument`):
 give one to every manager of a lowering and the whole tree comes out in run order::
 
     00_input.*                 the captured graph
@@ -154,7 +154,7 @@ class DumpWriter:
         return _Scope(self, name)
 
     def record_pipeline(self, name: str, text: str) -> None:
-        """Record a pipeline's text (:meth:`passes.manager.PassManager.text`) in the manifest."""
+        """Record a pipeline's text (:meth:`passes.lowering.manager.PassManager.text`) in the manifest."""
         self.pipelines[name] = text
         self.write_manifest()
 

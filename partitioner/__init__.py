@@ -13,12 +13,12 @@ from passes.ir.errors import (  # noqa: F401
 )
 
 _LAZY = {
-    "build_model": "partitioner.model_spec",
-    "ModelSpec": "partitioner.model_spec",
-    "analyze": "partitioner.analysis",
-    "plan": "partitioner.planning",
+    "build_model": "partitioner.inputs.models",
+    "ModelSpec": "partitioner.inputs.model_spec",
+    "analyze": "partitioner.api.analysis",
+    "plan": "partitioner.api.planning",
     "Plan": "passes.ir.plan",
-    "Cluster": "partitioner.cluster",
+    "Cluster": "partitioner.cost.cluster",
 }
 
 

@@ -1,5 +1,5 @@
 import sys
 
-from partitioner.cli import main
+from partitioner.cli.main import main
 
 sys.exit(main())

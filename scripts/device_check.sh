@@ -19,7 +19,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 { nvidia-smi -L; $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"; } \
     > "$OUT/env.txt" 2>&1
-{ $PY -c "from partitioner.cluster import Cluster; from partitioner.detect import describe; print(describe(Cluster.detect()))"
+{ $PY -c "from partitioner.cost.cluster import Cluster; from partitioner.cost.detect import describe; print(describe(Cluster.detect()))"
   PARTITIONER_CACHE_DIR=$(mktemp -d) timeout 240 $PY -m torch.distributed.run --nproc-per-node 1 -m partitioner train \
       --model gpt:layers=4,hidden=256,heads=8,vocab=1024,seq=128 --global-batch 8 --steps 12 --dump-dir /tmp/device_train
   echo "train exit $?"

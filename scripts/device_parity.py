@@ -24,11 +24,11 @@ CONFIGS = (("none", "none"), ("full", "none"), ("none", "activations"), ("full",
 def _rank(steps: int) -> list[tuple[str, list[float], list[float], int | None]]:
     import torch
 
-    from partitioner.model_spec import build_model
-    from runtime.measure import StepTimer
-    from partitioner.build import build_parallel_model, capture_for_pipeline
+    from partitioner.inputs.models import build_model
+    from runtime.observe.measure import StepTimer
+    from partitioner.api.build import build_parallel_model, capture_for_pipeline
     from passes.ir.config import ParallelConfig
-    from runtime.mesh import Mesh, init_distributed
+    from runtime.dist.mesh import Mesh, init_distributed
 
     init_distributed(timeout_s=300)
     mesh = Mesh(1, 1, 1, timeout_s=120)
@@ -58,7 +58,7 @@ def _rank(steps: int) -> list[tuple[str, list[float], list[float], int | None]]:
 
 
 def main(argv=None) -> int:
-    from runtime.launch import spawn
+    from runtime.dist.launch import spawn
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3)

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 from ir_dumps.golden import golden_dir, transform_golden_dir
-from partitioner.golden import GOLDEN_SPEC, TRANSFORM_CONFIG, generate, generate_transforms
+from tests.golden_dumps import GOLDEN_SPEC, TRANSFORM_CONFIG, generate, generate_transforms
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -51,8 +51,8 @@ def make_report(path: Path) -> Path:
     """Plan a small zoo GPT on 4 local ranks with pp=4 (so the timeline shows a bubble) and
     write its report with made-up-free inputs: the plan's own prediction only."""
     sys.path.insert(0, str(ROOT))
-    from partitioner.cluster import Cluster
-    from partitioner.planning import plan
+    from partitioner.cost.cluster import Cluster
+    from partitioner.api.planning import plan
 
     dump = path.parent
     plan("gpt:layers=8,hidden=256,heads=8,vocab=1024,seq=128", Cluster.local(4), global_batch=16,

@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from partitioner.model_spec import build_model
-from passes.capture import capture_spec
+from partitioner.inputs.models import build_model
+from passes.capture.capture import capture_spec
 from passes.ir.meta import TENSOR_PARALLEL_PLAN
-from passes.tensor_parallel_patterns import sharded_param_bytes, tag_tensor_parallel
+from passes.policies.tensor_parallel_patterns import sharded_param_bytes, tag_tensor_parallel
 
 DEFAULT_MODELS = ("gpt", "llama", "bert", "hf-gpt2", "hf-llama", "hf-bert")
 

@@ -10,11 +10,11 @@ import os
 import shutil
 import tempfile
 
-from partitioner.cluster import CACHE_DIR_ENV, CLUSTER_FILE_ENV, PRESET_DIR
-from runtime.launch import preload
+from partitioner.cost.cluster import CACHE_DIR_ENV, CLUSTER_FILE_ENV, PRESET_DIR
+from runtime.dist.launch import preload
 
 # What the suite's ranks import: loaded once by the fork server that starts them, not by each.
-preload("partitioner.auto", "partitioner.build", "partitioner.reference_runs", "partitioner.demo", "passes.lower",
+preload("partitioner.api.auto", "partitioner.api.build", "partitioner.calibration.reference_runs", "partitioner.cli.demo", "passes.lowering.lower",
         "ir_dumps.report", "tests.one_device", "tests.runtime_cases")
 
 _CACHE = tempfile.mkdtemp(prefix="partitioner-test-cache-")

@@ -1,6 +1,6 @@
 """The single-process reference every multi-rank parity test compares against: plain eager
 PyTorch, the optimizer built over torch's own parameter groups of the module
-(:func:`runtime.optimizers.module_param_groups`: no weight decay on norms, biases, embeddings)."""
+(:func:`runtime.optim.optimizers.module_param_groups`: no weight decay on norms, biases, embeddings)."""
 from __future__ import annotations
 
 from typing import Callable, Iterable, Sequence
@@ -8,7 +8,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from runtime.optimizers import as_factory, module_param_groups
+from runtime.optim.optimizers import as_factory, module_param_groups
 
 
 def train_one_device(spec, batches: Iterable[Sequence[torch.Tensor]], *, adamw: dict | None = None,

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from partitioner.model_spec import build_model
+from partitioner.inputs.models import build_model
 from passes.ir.graph_transfer import GraphPayload, pack_graph, unpack_graph
 from passes.ir.config import ParallelConfig
 from passes.ir.schedule.validate import stream_count
-from runtime.schedules import warmup_cosine
+from runtime.optim.lr_schedules import warmup_cosine
 from tests.one_device import train_one_device
 
 # Dropout 0 everywhere: parity must be exact, and pipelining or micro-batching change the order
@@ -120,7 +120,7 @@ def packed_graph(model: str) -> GraphPayload:
     test) process and packed (:mod:`passes.ir.graph_transfer`, as a job's rank 0 ships its
     capture): spawned ranks unpack it instead of each exporting the model, the slow part of their
     start-up on a shared machine. Cached for the session: every test file of the same spec shares it."""
-    from partitioner.build import capture_for_pipeline
+    from partitioner.api.build import capture_for_pipeline
     spec = build_model(model)
     return pack_graph(capture_for_pipeline(spec), spec.module)
 
@@ -147,8 +147,8 @@ def train_plans(plans: list[Plan], payloads: dict[str, GraphPayload] | None = No
     one runtime bug does not hide the verdict on the other plans. ``payloads``: the
     :func:`packed_graph` of each model the plans train (by MODELS key); without, each rank captures.
     """
-    from partitioner.build import build_parallel_model, capture_for_pipeline
-    from runtime.mesh import Mesh, init_distributed
+    from partitioner.api.build import build_parallel_model, capture_for_pipeline
+    from runtime.dist.mesh import Mesh, init_distributed
 
     started, start = time.time(), time.perf_counter()
     init_distributed(timeout_s=600)  # the world group only paces the plans; it may wait long
@@ -197,12 +197,12 @@ def train_plans(plans: list[Plan], payloads: dict[str, GraphPayload] | None = No
 def measure_memory(plans: list[Plan], payloads: dict[str, GraphPayload], models: dict[str, str] | None = None,
                    steps: int = 3) -> dict:
     """On each rank of a spawned world: per plan, the peak live bytes of ``steps`` AdamW steps
-    (:class:`runtime.measure.LiveBytes`, as every measured step takes it) and the model state
+    (:class:`runtime.observe.measure.LiveBytes`, as every measured step takes it) and the model state
     held after them (bytes of parameters, gradients, optimizer state). ``models``: the spec of
     each model key the plans use, when not all in :data:`MODELS`."""
-    import runtime.measure as measure
-    from partitioner.build import build_parallel_model
-    from runtime.mesh import Mesh, init_distributed
+    import runtime.observe.measure as measure
+    from partitioner.api.build import build_parallel_model
+    from runtime.dist.mesh import Mesh, init_distributed
 
     models = {**MODELS, **(models or {})}
     init_distributed(timeout_s=600)

@@ -6,8 +6,8 @@ import time
 import pytest
 import sympy
 
-from partitioner.analysis import analyze
-from partitioner.cli import main
+from partitioner.api.analysis import analyze
+from partitioner.cli.main import main
 
 SMALL_GPT = "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=32"
 KEYS = ("param_count", "param_bytes", "grad_bytes", "optimizer_bytes", "fwd_flops", "bwd_flops",

@@ -13,11 +13,11 @@ import torch
 
 from tests.one_device import train_one_device
 
-from partitioner.auto import check_world_size, choose_plan
-from partitioner.cluster import Cluster
+from partitioner.api.auto import check_world_size, choose_plan
+from partitioner.cost.cluster import Cluster
 from partitioner.errors import ConfigError, InfeasiblePlanError
-from partitioner.model_spec import build_model
-from runtime.launch import spawn
+from partitioner.inputs.models import build_model
+from runtime.dist.launch import spawn
 
 GPT = "gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 GLOBAL_BATCH, STEPS, WORLD = 8, 3, 4
@@ -31,7 +31,7 @@ def _batches(spec):
 
 def _rank():
     """One rank: a bare module (not a spec string) through auto_parallelize."""
-    from partitioner.auto import auto_parallelize
+    from partitioner.api.auto import auto_parallelize
 
     import os
 
@@ -106,7 +106,7 @@ def test_plan_config_carries_the_plan_stage_split():
 
 
 def test_a_stage_without_blocks_is_lowered_as_planned():
-    from partitioner.build import capture_for_pipeline, lower_all
+    from partitioner.api.build import capture_for_pipeline, lower_all
     from passes.ir.config import ParallelConfig
 
     graph = capture_for_pipeline(build_model(GPT))
@@ -151,9 +151,9 @@ def test_plan_that_fits_no_device_is_infeasible_at_start():
 
 
 def test_the_search_offers_only_what_runs():
-    from partitioner.auto import auto_parallelize
-    from partitioner.profile import profile_model
-    from partitioner.search import candidates
+    from partitioner.api.auto import auto_parallelize
+    from partitioner.cost.profile import profile_model
+    from partitioner.search.search import candidates
 
     profile = profile_model(GPT, dtype="fp32")
     cands = candidates(profile, Cluster.local(4), GLOBAL_BATCH)
@@ -173,7 +173,7 @@ def test_the_search_offers_only_what_runs():
 
 
 def test_live_bytes_counts_storages_once_and_frees_them():
-    from runtime.measure import LiveBytes
+    from runtime.observe.measure import LiveBytes
 
     existing = torch.zeros(1000)  # 4000 bytes live before tracking starts
     mode = LiveBytes([existing])
@@ -207,8 +207,8 @@ def test_returned_plan_memory_is_the_replay_and_matches_each_rank_measured(distr
 def test_planner_counts_tied_weights_once(spec):
     """The embedding and the LM head share one tensor: the plan's parameter count and model-state
     bytes are the module's own (not the untied copy's, +13% on these models)."""
-    from partitioner.model_spec import meta_copy
-    from partitioner.profile import profile_spec
+    from partitioner.inputs.model_spec import meta_copy
+    from partitioner.cost.profile import profile_spec
 
     model = build_model(spec)
     own = sum(p.numel() for p in model.module.parameters())  # each tensor once

@@ -21,20 +21,20 @@ from pathlib import Path
 import pytest
 
 import partitioner
-from partitioner.auto import auto_parallelize
-from partitioner.cluster import PRESET_DIR, Cluster
+from partitioner.api.auto import auto_parallelize
+from partitioner.cost.cluster import PRESET_DIR, Cluster
 from partitioner.errors import (
     ClusterSpecError,
     ConfigError,
     ModelSpecError,
     PartitionerError,
 )
-from partitioner.knobs import check_fix
-from partitioner.model_spec import build_model
-from partitioner.planning import parse_fix
-from partitioner.profile import profile_model
-from partitioner.search import candidates
-from partitioner.search import plan as search
+from partitioner.inputs.knobs import check_fix
+from partitioner.inputs.models import build_model
+from partitioner.api.planning import parse_fix
+from partitioner.cost.profile import profile_model
+from partitioner.search.search import candidates
+from partitioner.search.search import plan as search
 
 GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 """Two blocks, two heads, 8 positions: small enough to profile in a second."""
@@ -319,12 +319,12 @@ CLI = [
 SOLO = {"plan-cluster-binary", "models-extra", "train-spec"}
 """Rows run alone as ``python -m partitioner ...`` (the exit path of the real entry point, and
 train's one-rank job); the others run in batches, each batch one interpreter calling
-``partitioner.cli.main`` per row with its own stdout/stderr, to spare a torch import per row."""
+``partitioner.cli.main.main`` per row with its own stdout/stderr, to spare a torch import per row."""
 BATCH = 12
 
 _DRIVER = """
 import contextlib, io, json, sys, traceback
-from partitioner.cli import main
+from partitioner.cli.main import main
 results = []
 for argv in json.loads(sys.argv[1]):
     err, out = io.StringIO(), io.StringIO()
@@ -412,7 +412,7 @@ def test_a_batch_whose_cp_shard_sequence_parallelism_cannot_cut_is_refused_befor
 
     from passes.ir.config import ParallelConfig
     from passes.ir.cp_ops import ContextParallelPlan
-    from runtime.parallel_model import ParallelModel
+    from runtime.exec.parallel_model import ParallelModel
 
     plan = ContextParallelPlan(mode="ring", degree=2, group="tp.cp", seq_dim="seq", seq_len=16,
                                sharded_inputs=(("tokens", 1),), attention=1, positions=1, losses=1)
@@ -431,7 +431,7 @@ def test_a_mesh_that_cannot_run_the_plan_is_refused_before_any_lowering(monkeypa
     before any lowering starts (nothing lowered, no collective issued)."""
     import types
 
-    import partitioner.build as build
+    import partitioner.api.build as build
     from passes.ir.config import ParallelConfig
 
     lowered = []

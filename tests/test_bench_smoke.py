@@ -13,7 +13,7 @@ sys.path.insert(0, str(BENCH))  # bench/ is scripts, not a package; spawned rank
 
 import runtime_vs_torch as bench  # noqa: E402
 
-from partitioner.model_spec import build_model  # noqa: E402
+from partitioner.inputs.models import build_model  # noqa: E402
 
 CONFIG = bench.BenchConfig(**{**bench.CONFIGS["smoke"].__dict__, "warmup": 0, "steps": 1})
 

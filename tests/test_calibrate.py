@@ -9,12 +9,12 @@ import math
 
 import pytest
 
-from partitioner.calibrate import (
+from partitioner.calibration.calibrate import (
     Calibration, fit_alpha_beta, fit_efficiency, measure_gloo, rank_threads, run_calibration,
 )
-from partitioner.cli import main
-from partitioner.cluster import Cluster
-from partitioner.cost_model import EfficiencyCurve, Link, all_reduce_time, compute_time, send_recv_time
+from partitioner.cli.main import main
+from partitioner.cost.cluster import Cluster
+from partitioner.cost.cost_model import EfficiencyCurve, Link, all_reduce_time, compute_time, send_recv_time
 from partitioner.errors import ConfigError
 
 
@@ -93,7 +93,7 @@ def test_efficiency_fit_is_monotone_and_matches_the_large_matmuls(cal):
 
 
 def test_fit_efficiency_recovers_a_known_curve():
-    from partitioner.cluster import Device, PeakFlops
+    from partitioner.cost.cluster import Device, PeakFlops
     peak, curve = 1e11, EfficiencyCurve(peak_efficiency=0.6, half_saturation_s=2e-5)
     device = Device(name="x", memory_bytes=1, memory_bandwidth_bytes_per_s=1,
                     peak_flops=PeakFlops(fp32=peak, bf16=peak))
@@ -158,7 +158,7 @@ def test_cli_prints_the_tables(cal, monkeypatch, capsys):
         calls.append((world_size, out, quick, reference_runs))
         return cal
 
-    monkeypatch.setattr("partitioner.calibrate.run_calibration", fake)
+    monkeypatch.setattr("partitioner.calibration.calibrate.run_calibration", fake)
     assert main(["calibrate", "--world-size", "2", "--quick", "--out", str(cal.path)]) == 0
     assert main(["calibrate", "--world-size", "2", "--no-reference-runs", "--out", str(cal.path)]) == 0
     assert calls == [(2, str(cal.path), True, None), (2, str(cal.path), False, False)]
@@ -177,9 +177,9 @@ def test_reference_runs_make_the_refit_predict_this_machine(tmp_path):
     import math
     import statistics
 
-    from partitioner.cluster import Cluster
-    from partitioner.reference_runs import reference_plans, run_reference
-    from partitioner.refit import load_run, refit
+    from partitioner.cost.cluster import Cluster
+    from partitioner.calibration.reference_runs import reference_plans, run_reference
+    from partitioner.calibration.refit import load_run, refit
 
     cluster = Cluster.preset("local-cpu")
     cluster = dataclasses.replace(cluster, devices_per_node=2)
@@ -190,9 +190,9 @@ def test_reference_runs_make_the_refit_predict_this_machine(tmp_path):
     result = refit(runs, cluster)
 
     def log_err(c):
-        from partitioner.fidelity import predict_step_time
-        from partitioner.profile import profile_model
-        from partitioner.reference_runs import REFERENCE_MODEL
+        from partitioner.search.replay import predict_step_time
+        from partitioner.cost.profile import profile_model
+        from partitioner.calibration.reference_runs import REFERENCE_MODEL
 
         prof = profile_model(REFERENCE_MODEL, dtype="fp32")
         return statistics.median(abs(math.log(predict_step_time(prof, c, dict(r.plan.knobs()), global_batch=r.plan.global_batch)
@@ -203,12 +203,12 @@ def test_reference_runs_make_the_refit_predict_this_machine(tmp_path):
 
 def test_calibrate_command_refreshes_the_cache(tmp_path, monkeypatch, capsys):
     """`partitioner calibrate` (no --out) rewrites the cache file Cluster.local reads."""
-    from partitioner.calibrate import TINY_RECIPE
-    from partitioner.cluster import CACHE_DIR_ENV, CLUSTER_FILE_ENV, local_cache_file
+    from partitioner.calibration.calibrate import TINY_RECIPE
+    from partitioner.cost.cluster import CACHE_DIR_ENV, CLUSTER_FILE_ENV, local_cache_file
 
     monkeypatch.delenv(CLUSTER_FILE_ENV, raising=False)
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
-    monkeypatch.setattr("partitioner.calibrate.QUICK_RECIPE", TINY_RECIPE)  # the least that measures everything
+    monkeypatch.setattr("partitioner.calibration.calibrate.QUICK_RECIPE", TINY_RECIPE)  # the least that measures everything
     path = local_cache_file(2)
     dataclasses.replace(Cluster.preset("local-cpu"), name="stale").to_file(path)
     assert Cluster.local(2).name == "stale"

@@ -3,7 +3,7 @@ complete one, loadable exactly; the train state (RNG per rank, lr scheduler, ext
 
 Two spawns of 2 gloo ranks (pp=2, so each rank writes its own part): the first trains and saves
 steps 1..3 (keep=2), then one rank is SIGKILLed inside the save of step 4 (after its DCP write,
-before the barrier: ``runtime.checkpoint_dir.FAULT_ENV``); the second resumes from the root and
+before the barrier: ``runtime.checkpoint.directory.FAULT_ENV``); the second resumes from the root and
 trains on. The directory rules (marker, rotation, leftovers) are also checked without a spawn.
 """
 from __future__ import annotations
@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from partitioner.model_spec import build_model
+from partitioner.inputs.models import build_model
 from passes.ir.errors import CheckpointError
-from runtime import checkpoint_dir as cd
-from runtime.checkpoint_io import load_into_module
-from runtime.launch import LaunchError, spawn
+from runtime.checkpoint import directory as cd
+from runtime.checkpoint.io import load_into_module
+from runtime.dist.launch import LaunchError, spawn
 
 GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 FIX = ("dp=1,pp=2,tp=1,zero_stage=0,schedule=1f1b,num_micro_batches=2,checkpointing=none,offload=none,"
@@ -34,8 +34,8 @@ def _batches(spec):
 
 
 def _trainer():
-    from partitioner.auto import auto_parallelize
-    from partitioner.cluster import Cluster
+    from partitioner.api.auto import auto_parallelize
+    from partitioner.cost.cluster import Cluster
 
     trainer = auto_parallelize(GPT, Cluster.local(WORLD), optimizer={"lr": 1e-2}, global_batch_size=GLOBAL_BATCH,
                                fix=FIX, timeout_s=30)
@@ -253,5 +253,5 @@ def test_marker_decides_and_leftovers_are_cleaned(tmp_path):
 
 def test_plain_dcp_directory_is_refused_with_a_hint(tmp_path):
     (tmp_path / ".metadata").write_bytes(b"")
-    with pytest.raises(CheckpointError, match="runtime.checkpoint_io.load_checkpoint"):
+    with pytest.raises(CheckpointError, match="runtime.checkpoint.io.load_checkpoint"):
         cd.resolve(tmp_path)

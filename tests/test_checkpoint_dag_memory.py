@@ -2,7 +2,7 @@
 returned plan carries as its peak) against what the ranks measure on gloo: the replayed per-rank
 peak is within 5% of each rank's measured peak (live tensor storages, steps with AdamW state) for
 a GPT and Hugging Face GPT-2 at pp=2 (1F1B and GPipe, with dp=2 and with tp=2), where each stage's
-regions save their own share (``passes.checkpoint_policy.dag_stage_budgets``). The sequence (32)
+regions save their own share (``passes.policies.checkpoint_policy.dag_stage_budgets``). The sequence (32)
 and batch (16) make the activations decide the peak: each rank's is strictly between full
 checkpointing's and none's.
 
@@ -20,10 +20,10 @@ import time
 
 import pytest
 
-from partitioner.cluster import Cluster
-from partitioner.memory_check import replay_rank_memory
+from partitioner.cost.cluster import Cluster
+from partitioner.search.memory_check import replay_rank_memory
 from passes.ir.meta import DAG_CHECKPOINT_PLAN
-from runtime.launch import spawn
+from runtime.dist.launch import spawn
 from tests import runtime_cases
 from tests.runtime_cases import Plan
 
@@ -79,7 +79,7 @@ def test_replayed_peak_matches_each_rank_measured(measured, plan):
 def test_the_plans_recompute_part_of_each_stage_and_keep_some_outputs():
     """What the peaks above are of: every stage checkpoints some of its blocks and keeps the
     outputs of some nodes in them (a dag decision, not full or none)."""
-    from partitioner.build import lower_all
+    from partitioner.api.build import lower_all
 
     for plan in PLANS:
         lowering = lower_all(_graph(plan.model), plan.config(), cluster=Cluster.local(plan.size))

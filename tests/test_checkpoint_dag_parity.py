@@ -1,6 +1,6 @@
 """``checkpointing="dag"`` on two gloo ranks: the zoo ResNet, the zoo U-Net and Hugging Face BERT
 (dropout off) trained with ``ParallelConfig(dp=2, checkpointing="dag")`` through
-:func:`partitioner.build.build_parallel_model` give, after three AdamW steps, bit-identical losses
+:func:`partitioner.api.build.build_parallel_model` give, after three AdamW steps, bit-identical losses
 and parameters to the same plan without checkpointing (selective activation checkpointing replays
 the uncached ops exactly), and the same as one device. The rank program must really have cached
 some op outputs and recomputed others inside its checkpointed regions, or the parity proves nothing.
@@ -15,9 +15,9 @@ import time
 import pytest
 import torch
 
-from partitioner.model_spec import build_model
-from runtime.launch import spawn
-from runtime.optimizers import as_factory
+from partitioner.inputs.models import build_model
+from runtime.dist.launch import spawn
+from runtime.optim.optimizers import as_factory
 from tests.one_device import train_one_device
 from tests.runtime_cases import packed_graph, unpacked_graph
 
@@ -39,8 +39,8 @@ def _batches(spec):
 def _remat_counts(program) -> dict[str, int]:
     """Checkpoint calls under the selective policy, and the nodes of their regions that keep their
     op outputs (``cached``) or run again in backward (``recomputed``), over the rank's stages."""
-    from passes.annotate_flops import checkpoint_submodule
-    from passes.apply_checkpoint import SelectiveRecompute
+    from passes.analysis.annotate_flops import checkpoint_submodule
+    from passes.rewrites.apply_checkpoint import SelectiveRecompute
     from passes.ir.meta import CHECKPOINT_PLAN, REMAT
 
     counts = {"calls": 0, "cached": 0, "recomputed": 0, "regions": 0}
@@ -62,9 +62,9 @@ def _remat_counts(program) -> dict[str, int]:
 def _run(payloads):
     """On each rank: per (model, policy) the per-step losses, the trained parameters and the
     rank program's rematerialization counts."""
-    from partitioner.build import build_parallel_model
+    from partitioner.api.build import build_parallel_model
     from passes.ir.config import ParallelConfig
-    from runtime.mesh import Mesh, init_distributed
+    from runtime.dist.mesh import Mesh, init_distributed
 
     init_distributed(timeout_s=300)
     mesh = Mesh(DP, 1, timeout_s=TIMEOUT_S)

@@ -12,15 +12,15 @@ import time
 import pytest
 import torch
 
-from runtime.optimizers import module_param_groups
+from runtime.optim.optimizers import module_param_groups
 
 from partitioner.errors import CheckpointError, ConfigError
-from partitioner.model_spec import build_model
-from runtime.checkpoint_io import (
+from partitioner.inputs.models import build_model
+from runtime.checkpoint.io import (
     OPTIM_PREFIX, TRAIN_STEP_KEY, Entry, ParamLayout, checkpoint_keys, flat_range_boxes, load_entries,
     load_into_module, load_optimizer_state_into, pieces_of, save_entries,
 )
-from runtime.launch import spawn
+from runtime.dist.launch import spawn
 from tests.runtime_cases import packed_graph, unpacked_graph
 
 GPT = "gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
@@ -45,10 +45,10 @@ def _batches(spec):
 def _run_cases(root: str, payload):
     """On each rank: the losses of every save case (steps 1..SAVE_AT) and load case (the rest).
     ``payload``: the model's graph, captured once by the test process (``packed_graph``)."""
-    from runtime.checkpoint_io import load_checkpoint, save_checkpoint
-    from partitioner.build import build_parallel_model
+    from runtime.checkpoint.io import load_checkpoint, save_checkpoint
+    from partitioner.api.build import build_parallel_model
     from passes.ir.config import ParallelConfig
-    from runtime.mesh import Mesh, init_distributed
+    from runtime.dist.mesh import Mesh, init_distributed
 
     init_distributed(timeout_s=200)  # the world group only paces the cases
     spec, graph = unpacked_graph(GPT, payload)
@@ -193,7 +193,7 @@ def test_flat_ranges_become_contiguous_boxes(shape):
 
 def _tp_plans(*degrees):
     from passes.ir.meta import TENSOR_PARALLEL_PLAN
-    from passes.tensor_parallel_patterns import tag_tensor_parallel
+    from passes.policies.tensor_parallel_patterns import tag_tensor_parallel
     gm = unpacked_graph(GPT, packed_graph(GPT))[1]  # captured once per session: capture is the slow part
     return [tag_tensor_parallel(gm, degree=d).meta[TENSOR_PARALLEL_PLAN] for d in degrees]
 

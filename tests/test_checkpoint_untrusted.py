@@ -10,12 +10,12 @@ import shutil
 import pytest
 import torch
 
-from partitioner.model_spec import build_model
+from partitioner.inputs.models import build_model
 from passes.ir.errors import CheckpointError
-from runtime.checkpoint_io import (
+from runtime.checkpoint.io import (
     checkpoint_keys, load_into_module, load_optimizer_state_into, save_module,
 )
-from runtime.launch import spawn
+from runtime.dist.launch import spawn
 
 GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 
@@ -126,9 +126,9 @@ def test_metadata_that_would_run_code_is_refused(saved, tmp_path, where):
 def _train_state_case(root: str, pwned: str):
     """One rank: save a checkpoint directory, then load it after replacing its train state and
     then its .metadata by pickles that would run code."""
-    from partitioner.auto import auto_parallelize
-    from partitioner.cluster import Cluster
-    from runtime import checkpoint_dir as cd
+    from partitioner.api.auto import auto_parallelize
+    from partitioner.cost.cluster import Cluster
+    from runtime.checkpoint import directory as cd
 
     trainer = auto_parallelize(GPT, Cluster.local(1), global_batch_size=2, fix="dp=1", timeout_s=60)
     spec = build_model(GPT)

@@ -7,8 +7,8 @@ import pytest
 
 from pathlib import Path
 
-from partitioner.calibrate import TINY_RECIPE
-from partitioner.cluster import (
+from partitioner.calibration.calibrate import TINY_RECIPE
+from partitioner.cost.cluster import (
     CACHE_DIR_ENV, CLUSTER_FILE_ENV, Cluster, Device, Link, MachineKey, PeakFlops, cache_dir, local_cache_file,
     parse_quantity,
 )
@@ -64,12 +64,12 @@ def cache(tmp_path, monkeypatch):
     least effort that runs every measurement."""
     monkeypatch.delenv(CLUSTER_FILE_ENV, raising=False)
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
-    monkeypatch.setattr("partitioner.calibrate.AUTO_RECIPE", TINY_RECIPE)
+    monkeypatch.setattr("partitioner.calibration.calibrate.AUTO_RECIPE", TINY_RECIPE)
     return tmp_path / "cache"
 
 
 def test_local_calibrates_once_then_reads_the_cache(cache, monkeypatch, capfd):
-    import partitioner.calibrate as calibrate
+    import partitioner.calibration.calibrate as calibrate
 
     calls = []
     real = calibrate.auto_calibrate
@@ -106,7 +106,7 @@ def test_cache_key_separates_machines_and_setups(cache, monkeypatch):
     assert key.file_name().startswith("local-w4-t1-c2-torch2.13.0_cpu-")
     here = local_cache_file(2)
     assert here.parent == cache and here != local_cache_file(4)
-    monkeypatch.setattr("partitioner.calibrate.cpu_name", lambda: "Another CPU")
+    monkeypatch.setattr("partitioner.calibration.calibrate.cpu_name", lambda: "Another CPU")
     assert local_cache_file(2) != here
 
 
@@ -259,7 +259,7 @@ def _local_two():
 def test_a_rank_asking_for_another_world_size_says_where_to_calibrate(cache):
     """A rank of a 1-rank job cannot measure 2 ranks with its job, nor start processes (spawned
     ranks are daemonic): it is told what to do instead."""
-    from runtime.launch import LaunchError, spawn
+    from runtime.dist.launch import LaunchError, spawn
 
     with pytest.raises(LaunchError, match=r"ClusterSpecError: no calibration of this machine for 2 rank\(s\) can be "
                                           r"measured inside this job of 1 rank\(s\); .* run `partitioner calibrate "

@@ -3,8 +3,8 @@ import math
 
 import pytest
 
-from partitioner.cluster import Cluster, Link
-from partitioner.cost_model import (
+from partitioner.cost.cluster import Cluster, Link
+from partitioner.cost.cost_model import (
     TREE_BANDWIDTH_FACTOR,
     all_reduce_algorithm,
     all_reduce_time,

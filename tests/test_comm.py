@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.launch import spawn
+from runtime.dist.launch import spawn
 
 
 def _tensors(rank: int) -> list[torch.Tensor]:
@@ -20,8 +20,8 @@ def _tensors(rank: int) -> list[torch.Tensor]:
 def _broadcast_rank(bucket_bytes: int):
     import torch.distributed as dist
 
-    from runtime import comm
-    from runtime.mesh import init_distributed
+    from runtime.dist import comm
+    from runtime.dist.mesh import init_distributed
 
     init_distributed(timeout_s=60)
     rank = dist.get_rank()
@@ -44,7 +44,7 @@ def test_broadcast_tensors_gives_every_rank_the_source_tensors(bucket_bytes):
 
 
 def test_a_cpu_tensor_on_an_nccl_group_is_refused_before_sending(monkeypatch):
-    from runtime import comm
+    from runtime.dist import comm
 
     monkeypatch.setattr(comm, "backend_of", lambda group: "nccl")
     with pytest.raises(comm.CommError, match="a cpu tensor of shape \\(5, 3\\) on an NCCL group.*mesh.device"):
@@ -54,10 +54,10 @@ def test_a_cpu_tensor_on_an_nccl_group_is_refused_before_sending(monkeypatch):
 def _check_program_rank(digests: list[str]):
     import torch.distributed as dist
 
-    from passes.communication_check import LoweredRank, RankCalls, check_lowered_ranks
+    from passes.checks.communication_check import LoweredRank, RankCalls, check_lowered_ranks
     from passes.ir.config import ParallelConfig
     from passes.ir.errors import CommunicationMismatchError
-    from runtime.mesh import Mesh
+    from runtime.dist.mesh import Mesh
 
     config = ParallelConfig(dp=3, micro_batch_size=1, num_micro_batches=1)
     mesh = Mesh.for_config(config, timeout_s=60)

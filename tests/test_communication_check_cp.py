@@ -8,14 +8,14 @@ import functools
 
 import pytest
 
-from partitioner.build import capture_for_pipeline
-from partitioner.cluster import Cluster
-from partitioner.cost_model import cost_hooks
-from partitioner.model_spec import build_model
-from passes.communication_check import check_communication, check_lowering, rank_calls
+from partitioner.api.build import capture_for_pipeline
+from partitioner.cost.cluster import Cluster
+from partitioner.cost.cost_model import cost_hooks
+from partitioner.inputs.models import build_model
+from passes.checks.communication_check import check_communication, check_lowering, rank_calls
 from passes.ir.config import ParallelConfig
 from passes.ir.errors import CommunicationMismatchError
-from passes.lower import lower
+from passes.lowering.lower import lower
 
 GPT = "gpt:layers=2,hidden=32,heads=4,vocab=64,seq=16,dropout=0.0"
 

@@ -11,13 +11,13 @@ import pytest
 
 from ir_dumps.onnx_export import export_rank_programs
 from ir_dumps.writer import program_text
-from partitioner.build import capture_for_pipeline
-from partitioner.cluster import Cluster
-from partitioner.cost_model import cost_hooks
-from partitioner.model_spec import build_model
+from partitioner.api.build import capture_for_pipeline
+from partitioner.cost.cluster import Cluster
+from partitioner.cost.cost_model import cost_hooks
+from partitioner.inputs.models import build_model
 from passes.ir.config import ParallelConfig
 from passes.ir.meta import CAPTURE
-from passes.lower import lower
+from passes.lowering.lower import lower
 from runtime.kernels.collectives import trace_groups
 
 GPT = "gpt:layers=2,hidden=32,heads=4,vocab=64,seq=16,dropout=0.0"

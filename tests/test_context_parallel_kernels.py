@@ -37,8 +37,8 @@ def _tensors(h: int, hkv: int, seed: int):
 
 @functools.cache
 def _zoo(key: str):
-    from partitioner.model_spec import build_model
-    from passes.capture import capture_spec
+    from partitioner.inputs.models import build_model
+    from passes.capture.capture import capture_spec
 
     torch.manual_seed(0)
     spec = build_model(ZOO[key], device="cpu")
@@ -47,7 +47,7 @@ def _zoo(key: str):
 
 def _programs(degree: int) -> dict:
     """(model, mode) -> per rank (pickled rank program, its sharded inputs), and the inputs."""
-    from passes.context_parallel import apply_context_parallel
+    from passes.rewrites.context_parallel import apply_context_parallel
     from passes.ir.cp_ops import CONTEXT_PARALLEL
 
     out = {}
@@ -65,9 +65,9 @@ def _rank_job(degree: int, programs: dict) -> dict:
 
     import runtime.kernels  # noqa: F401  (before unpickling programs that call the cp ops)
     from passes.ir.errors import ConfigError
-    from runtime import comm
+    from runtime.dist import comm
     from runtime.kernels.collectives import DistGroup, register_group
-    from runtime.mesh import init_distributed
+    from runtime.dist.mesh import init_distributed
 
     init_distributed(backend="gloo", timeout_s=120)
     rank = dist.get_rank()
@@ -104,7 +104,7 @@ def _rank_job(degree: int, programs: dict) -> dict:
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda d: f"cp{d}")
 def gloo(request):
-    from runtime.launch import spawn
+    from runtime.dist.launch import spawn
 
     degree = request.param
     return degree, spawn(_rank_job, degree, degree, _programs(degree), timeout_s=400)

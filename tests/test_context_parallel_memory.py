@@ -1,7 +1,7 @@
 """Context parallelism divides activation memory along the sequence, and the planner's replay
-(:func:`partitioner.memory_check.replay_rank_memory`, what a plan's predicted peak is) says so
+(:func:`partitioner.search.memory_check.replay_rank_memory`, what a plan's predicted peak is) says so
 exactly: per rank, the replayed peak is within 5% of the measured peak (live tensor storages,
-:class:`runtime.measure.LiveBytes`) at cp = 1, 2 and 4 (ring and Ulysses), at tp=2, and at
+:class:`runtime.observe.measure.LiveBytes`) at cp = 1, 2 and 4 (ring and Ulysses), at tp=2, and at
 tp=2 x cp=2 (ring; Ulysses with sequence parallelism), and the activation
 part of the peak (peak minus model state) at cp=4 is about a quarter of cp=1's, measured and
 replayed."""
@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from partitioner.cluster import Cluster
-from partitioner.memory_check import replay_rank_memory
-from runtime.launch import spawn
+from partitioner.cost.cluster import Cluster
+from partitioner.search.memory_check import replay_rank_memory
+from runtime.dist.launch import spawn
 from tests import runtime_cases
 from tests.runtime_cases import Plan
 
@@ -41,9 +41,9 @@ def _with_model() -> None:
 
 def _measure(plans, payloads):
     """On each rank: per plan, the peak live bytes of steps 0-2 and the model state after them."""
-    import runtime.measure as measure
-    from partitioner.build import build_parallel_model
-    from runtime.mesh import Mesh, init_distributed
+    import runtime.observe.measure as measure
+    from partitioner.api.build import build_parallel_model
+    from runtime.dist.mesh import Mesh, init_distributed
 
     _with_model()
     init_distributed(timeout_s=600)

@@ -1,8 +1,8 @@
 """Cost-model primitives against textbook formulas (Narayanan et al. 2021, ZeRO, ring collectives)."""
 import pytest
 
-from partitioner.cluster import Cluster, Link
-from partitioner.cost_model import (
+from partitioner.cost.cluster import Cluster, Link
+from partitioner.cost.cost_model import (
     EfficiencyCurve,
     StepTimeTerms,
     all_gather_time,
@@ -189,7 +189,7 @@ def test_zero_bubble_costs_past_2p_micro_batches_equal_the_full_simulation(sched
     their idle time per micro-batch and their in-flight peaks do not change (ZB-H1's grows as
     p - 1), which the full action lists show, at any share of the backward in its weight half."""
     from passes.ir.schedule import build, peak_in_flight, simulate
-    from partitioner import cost_model
+    from partitioner.cost import cost_model
 
     share = round(cost_model.WEIGHT_GRAD_SHARE if share is None else share, 3)
     f, b = 1.0 / v, cost_model.FWD_BWD_RATIO / v
@@ -209,8 +209,8 @@ def test_unequal_pipeline_stages_pay_the_fill_and_drain_of_each_stage_once(m):
     one-micro-batch pipeline here by about half. 1F1B's is at most that."""
     import dataclasses
 
-    from partitioner.fidelity import predict_step_time
-    from partitioner.profile import profile_model
+    from partitioner.search.replay import predict_step_time
+    from partitioner.cost.profile import profile_model
     from passes.ir.schedule import build, simulate
 
     profile = profile_model("hf-gpt2:n_layer=4,n_embd=64,n_head=4,vocab_size=128,n_positions=32,"

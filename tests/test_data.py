@@ -1,4 +1,4 @@
-"""Data per rank (:mod:`runtime.data`): the sharded, resumable sampler, the loader that reads only
+"""Data per rank (:mod:`runtime.exec.data`): the sharded, resumable sampler, the loader that reads only
 the fields a rank's stages consume, the text dataset, ``AutoParallel.fit`` on 4 gloo ranks against
 ``train_step`` on the same global batches, and ``partitioner train --data`` through the CLI."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from passes.ir.errors import ConfigError
 from passes.ir.meta import InputSpec
-from runtime.data import BYTE_VOCAB, RankLoader, ShardedSampler, TokenFileDataset, probe_dataset
-from runtime.launch import spawn
+from runtime.exec.data import BYTE_VOCAB, RankLoader, ShardedSampler, TokenFileDataset, probe_dataset
+from runtime.dist.launch import spawn
 from tests.train_cli import launch_train, outputs_of_success
 
 MODEL = "gpt:layers=2,hidden=32,heads=2,vocab=256,seq=8,dropout=0.0"
@@ -251,7 +251,7 @@ def test_hugging_face_tokenizer_by_name_or_a_clear_error(tmp_path, text_file, mo
 # AutoParallel.fit on 4 ranks (dp=2, pp=2)
 
 def _fit_rank(path: str, steps: int) -> dict:
-    from partitioner.auto import auto_parallelize
+    from partitioner.api.auto import auto_parallelize
 
     ds = Recording(TokenFileDataset(path, SEQ, names=("idx", "targets")))
     a = auto_parallelize(MODEL, global_batch_size=GLOBAL, fix="dp=2,pp=2", timeout_s=120.0)
@@ -307,7 +307,7 @@ def _jsonl(path) -> list[dict]:
 
 @pytest.mark.slow
 def test_cli_train_on_a_text_file_loss_falls_and_a_resume_continues_it(tmp_path, text_file):
-    from runtime.checkpoint_dir import complete_checkpoints, step_dir_name
+    from runtime.checkpoint.directory import complete_checkpoints, step_dir_name
 
     common = ["--model", CLI_MODEL, "--global-batch", "8", "--steps", "20", "--fix", "dp=2", "--lr", "1e-2",
               "--data", str(text_file), "--seed", "3"]

@@ -11,12 +11,12 @@ import time
 import pytest
 import torch
 
-from partitioner import corpus
-from partitioner.auto import choose_plan
-from partitioner.cli import main
-from partitioner.cluster import Cluster
-from partitioner.demo import DEMO_GLOBAL_BATCH, plan_lines
-from partitioner.search import runner_up
+from partitioner.cli import corpus
+from partitioner.api.auto import choose_plan
+from partitioner.cli.main import main
+from partitioner.cost.cluster import Cluster
+from partitioner.cli.demo import DEMO_GLOBAL_BATCH, plan_lines
+from partitioner.search.search import runner_up
 from passes.ir.plan import Alternative, Plan
 
 SMALL = "gpt:layers=2,hidden=32,heads=2,vocab=256,seq=16,dropout=0.0"

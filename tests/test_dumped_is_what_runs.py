@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from partitioner.model_spec import build_model
-from runtime.launch import spawn
+from partitioner.inputs.models import build_model
+from runtime.dist.launch import spawn
 
 MODEL = "gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 WORLD, GLOBAL_BATCH = 4, 8
@@ -31,16 +31,16 @@ PLANS = {
 def _rank(root: str):
     import functools
 
-    import partitioner.auto
-    import partitioner.dumps
+    import partitioner.api.auto
+    import partitioner.api.dumps
     from ir_dumps.writer import program_text
-    from passes.capture import capture_count
+    from passes.capture.capture import capture_count
 
     # program.txt is what is compared here; ONNX of the same programs is checked by
     # tests/test_plan_dumps.py and tests/test_demo.py, and exporting it for seven plans was a
     # fifth of rank 0's time (the job's critical path). Only this spawned process is patched.
-    partitioner.auto.write_plan_dumps = functools.partial(partitioner.dumps.write_plan_dumps, onnx=False)
-    auto_parallelize = partitioner.auto.auto_parallelize
+    partitioner.api.auto.write_plan_dumps = functools.partial(partitioner.api.dumps.write_plan_dumps, onnx=False)
+    auto_parallelize = partitioner.api.auto.auto_parallelize
 
     spec = build_model(MODEL)
     batch = spec.example_inputs({"batch": GLOBAL_BATCH}, seed=7)

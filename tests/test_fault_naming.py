@@ -1,6 +1,6 @@
 """A rank that stops answering is named: one rank of a 4-rank torchrun job is stopped with SIGSTOP
 mid-training (its sockets stay open, so its peers only time out); every other rank exits within
-twice the timeout, naming the stopped rank by its heartbeat (runtime.heartbeat) rather than "a
+twice the timeout, naming the stopped rank by its heartbeat (runtime.dist.heartbeat) rather than "a
 peer among ranks [...]". And the one-line form of an error the command line prints."""
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def test_stopped_rank_is_named_by_every_other_rank_within_twice_the_timeout(tmp_
 
 def test_error_line_names_the_error_and_the_frame_it_came_from():
     from passes.ir.errors import ConfigError
-    from runtime.faults import error_line
+    from runtime.dist.faults import error_line
 
     def refuse():
         raise ConfigError("dp must be >= 1, got 0; pin dp=1 or more\nsecond line")
@@ -126,7 +126,7 @@ def _refuse_on_odd_ranks():
     import torch.distributed as dist
 
     from passes.ir.errors import ConfigError
-    from runtime.mesh import init_distributed
+    from runtime.dist.mesh import init_distributed
 
     init_distributed(backend="gloo", timeout_s=30)
     if dist.get_rank() % 2:
@@ -138,11 +138,11 @@ def _refuse_on_odd_ranks():
 def test_demo_failure_prints_one_line_per_failed_rank(monkeypatch, capsys):
     """A spawned job's failure (``partitioner demo``): one line per failure (the same refusal on
     ranks 1 and 3 in one line), naming the error and its frame; ``--debug``: the tracebacks too."""
-    import partitioner.demo
-    from partitioner.cli import main
-    from runtime.launch import spawn
+    import partitioner.cli.demo
+    from partitioner.cli.main import main
+    from runtime.dist.launch import spawn
 
-    monkeypatch.setattr(partitioner.demo, "run_demo", lambda **kw: spawn(_refuse_on_odd_ranks, 4, timeout_s=120))
+    monkeypatch.setattr(partitioner.cli.demo, "run_demo", lambda **kw: spawn(_refuse_on_odd_ranks, 4, timeout_s=120))
     assert main(["demo"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err, err
@@ -160,13 +160,13 @@ def test_demo_failure_prints_one_line_per_failed_rank(monkeypatch, capsys):
 
 
 def test_train_error_is_one_line_unless_debug(monkeypatch, capsys):
-    import partitioner.demo
-    from partitioner.cli import main
+    import partitioner.cli.demo
+    from partitioner.cli.main import main
 
     def broken(**kwargs):
         raise TypeError("'NoneType' object is not iterable")
 
-    monkeypatch.setattr(partitioner.demo, "run_train", broken)
+    monkeypatch.setattr(partitioner.cli.demo, "run_train", broken)
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "1")
     args = ["train", "--model", MODEL, "--global-batch", "8"]

@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from partitioner.demo import EXIT_PEER_FAILED, EXIT_RANK_FAILED
-from runtime.faults import RankIdentity, describe_failure, parse_fault
-from runtime.launch import free_port
+from partitioner.cli.demo import EXIT_PEER_FAILED, EXIT_RANK_FAILED
+from runtime.dist.faults import RankIdentity, describe_failure, parse_fault
+from runtime.dist.launch import free_port
 from passes.ir.schedule.actions import Action, Kind
 
 MODEL = "gpt:layers=2,hidden=32,heads=2,vocab=256,seq=16,dropout=0.0"
@@ -100,7 +100,7 @@ def test_failure_message_names_action_peer_when_no_process_is_known_dead():
 HEARTBEAT_STOP = r"""
 import os, sys, threading, time
 import torch.distributed as dist
-from runtime import heartbeat
+from runtime.dist import heartbeat
 
 class SlowStore:  # the beat thread's store call is still running when stop() is called
     def set(self, key, value):

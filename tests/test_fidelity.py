@@ -1,4 +1,4 @@
-"""Per-rank predictions (partitioner.fidelity) and the cost-model refit (partitioner.refit),
+"""Per-rank predictions (partitioner.search.replay) and the cost-model refit (partitioner.calibration.refit),
 single process only: rank programs are built for one rank at a time, nothing is spawned."""
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import json
 import pytest
 import sympy
 
-from partitioner.cluster import Cluster
-from partitioner.fidelity import predict_rank, predict_step_time
-from partitioner.model_spec import build_model
-from partitioner.profile import profile_model
-from partitioner.refit import load_run, refit, refit_from_runs
-from passes.annotate_memory import annotate_memory
+from partitioner.cost.cluster import Cluster
+from partitioner.search.replay import predict_rank, predict_step_time
+from partitioner.inputs.models import build_model
+from partitioner.cost.profile import profile_model
+from partitioner.calibration.refit import load_run, refit, refit_from_runs
+from passes.analysis.annotate_memory import annotate_memory
 from passes.ir.meta import CAPTURE, MEMORY_SUMMARY, dim_symbol
-from partitioner.build import capture_for_pipeline, lower_all, rank_program
+from partitioner.api.build import capture_for_pipeline, lower_all, rank_program
 from passes.ir.config import ParallelConfig
 
 GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
@@ -156,7 +156,7 @@ def _param_bytes(gm, name) -> int:
 
 
 def test_offload_events_add_a_host_copy_and_a_reload_per_offloaded_storage(graph):
-    from partitioner.fidelity import stage_events
+    from partitioner.search.replay import stage_events
 
     plain = rank_program(graph, ParallelConfig(micro_batch_size=4), 0)
     offl = rank_program(graph, ParallelConfig(micro_batch_size=4, offload="activations"), 0)
@@ -214,7 +214,7 @@ def _synthetic_runs(tmp_path, profile, cluster, truth, knob_list):
 
 
 def test_refit_recovers_kernel_overhead_and_pipeline_message_seconds(tmp_path):
-    from partitioner.refit import _scaled
+    from partitioner.calibration.refit import _scaled
 
     cluster = dataclasses.replace(Cluster.preset("local-cpu"), devices_per_node=2)
     truth = _scaled(cluster, 0.5, 1.0)
@@ -269,7 +269,7 @@ def test_refit_tells_step_end_collectives_from_tensor_parallel_ones(tmp_path):
 
 
 def test_refit_recovers_step_overhead_and_offload_call_seconds(tmp_path):
-    from partitioner.refit import _scaled
+    from partitioner.calibration.refit import _scaled
 
     cluster = dataclasses.replace(Cluster.preset("local-cpu"), devices_per_node=2)
     truth = _scaled(cluster, 0.5, 1.0)

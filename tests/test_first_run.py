@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from partitioner.cluster import CACHE_DIR_ENV, CLUSTER_FILE_ENV
+from partitioner.cost.cluster import CACHE_DIR_ENV, CLUSTER_FILE_ENV
 from passes.ir.launcher_env import is_launcher_var, scrubbed_env
-from runtime.launch import spawn
+from runtime.dist.launch import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 CALIBRATING = "calibrating inside the job"
@@ -42,8 +42,8 @@ def _fresh_env(cache: Path) -> dict[str, str]:
 
 
 def _corpus(path: Path) -> Path:
-    """A user's text file: the stdlib text the demo trains on (``partitioner.corpus``)."""
-    from partitioner.corpus import corpus_bytes
+    """A user's text file: the stdlib text the demo trains on (``partitioner.cli.corpus``)."""
+    from partitioner.cli.corpus import corpus_bytes
 
     path.write_bytes(corpus_bytes()[:200_000])
     return path
@@ -74,8 +74,8 @@ def _spawned_user_script(cache: str) -> tuple[str, float, list[str]]:
     """A user's own rank function: ``auto_parallelize`` with ``Cluster.local(2)`` on a fresh cache."""
     import torch
 
-    from partitioner.auto import auto_parallelize
-    from partitioner.cluster import Cluster
+    from partitioner.api.auto import auto_parallelize
+    from partitioner.cost.cluster import Cluster
 
     os.environ.pop(CLUSTER_FILE_ENV, None)
     os.environ[CACHE_DIR_ENV] = cache
@@ -149,7 +149,7 @@ def test_scrubbed_env_drops_exactly_the_launcher_variables():
 
 
 def test_the_help_of_the_command_line_loads_neither_torch_nor_sympy():
-    code = ("import sys; from partitioner.cli import build_parser; build_parser().format_help(); "
+    code = ("import sys; from partitioner.cli.main import build_parser; build_parser().format_help(); "
             "heavy = sorted(m for m in ('torch', 'sympy') if m in sys.modules); print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stdout

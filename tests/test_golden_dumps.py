@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from ir_dumps.golden import REGEN_COMMAND, compare, golden_dir
-from partitioner.golden import generate
-from passes.pipelines import analysis_passes
+from tests.golden_dumps import generate
+from passes.lowering.pipelines import analysis_passes
 
 GOLDEN = golden_dir(Path(__file__).resolve().parent.parent)
 

@@ -12,7 +12,7 @@ from ir_dumps.json_dump import FORMAT, graph_json
 from ir_dumps.reader import DumpError, load_dump_dir, load_json_dump, sympy_value
 from ir_dumps.text import graph_text, node_line
 from ir_dumps.writer import DumpWriter
-from passes.manager import Pass, PassManager
+from passes.lowering.manager import Pass, PassManager
 from passes.ir.meta import (FLOP_SUMMARY, FLOPS, MEMORY, SHAPE, FlopMeta, FlopSummary, MemoryMeta, SavedTensor,
                          ShapeMeta, TensorMeta, dim_symbol)
 

@@ -1,11 +1,11 @@
-"""runtime.launch.spawn: ranks forked from a fork server still write where their caller writes
+"""runtime.dist.launch.spawn: ranks forked from a fork server still write where their caller writes
 now, and see their caller's environment of the moment (not the server's, started earlier)."""
 from __future__ import annotations
 
 import os
 import sys
 
-from runtime.launch import spawn
+from runtime.dist.launch import spawn
 
 
 def _say(word: str) -> str:

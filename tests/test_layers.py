@@ -24,16 +24,31 @@ def _lint(cwd: Path) -> subprocess.CompletedProcess:
 def test_import_contracts_are_kept():
     run = _lint(ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert "4 kept, 0 broken" in run.stdout
+    assert "5 kept, 0 broken" in run.stdout
+
+
+def _copy_tree(to: Path) -> None:
+    for pkg in ("partitioner", "passes", "runtime", "ir_dumps"):
+        shutil.copytree(ROOT / pkg, to / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", to / "pyproject.toml")
 
 
 def test_a_backward_import_breaks_the_contract(tmp_path):
     # the same tree with one import pointing up (the leaf importing the runtime) must fail
-    for pkg in ("partitioner", "passes", "runtime", "ir_dumps"):
-        shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    _copy_tree(tmp_path)
     leaf = tmp_path / "passes" / "ir" / "cost.py"
-    leaf.write_text(leaf.read_text() + "\nimport runtime.comm  # noqa: E402,F401\n")
+    leaf.write_text(leaf.read_text() + "\nimport runtime.dist.comm  # noqa: E402,F401\n")
     run = _lint(tmp_path)
     assert run.returncode != 0
-    assert "passes.ir is the leaf" in run.stdout and "passes.ir.cost -> runtime.comm" in run.stdout
+    assert "passes.ir is the leaf" in run.stdout and "passes.ir.cost -> runtime.dist.comm" in run.stdout
+
+
+def test_an_earlier_stage_importing_a_later_one_breaks_the_pipeline_contract(tmp_path):
+    # inside passes/ the stages import only those before them: capture importing the lowering fails
+    _copy_tree(tmp_path)
+    early = tmp_path / "passes" / "capture" / "input_bounds.py"
+    early.write_text(early.read_text() + "\nimport passes.lowering.lower  # noqa: E402,F401\n")
+    run = _lint(tmp_path)
+    assert run.returncode != 0
+    assert "passes reads as its pipeline" in run.stdout
+    assert "passes.capture.input_bounds -> passes.lowering.lower" in run.stdout

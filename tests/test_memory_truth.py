@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from partitioner.model_spec import build_model, known_models
-from passes.annotate_memory import annotate_memory
-from passes.capture import capture_spec
+from partitioner.inputs.models import build_model, known_models
+from passes.analysis.annotate_memory import annotate_memory
+from passes.capture.capture import capture_spec
 from passes.ir.meta import MEMORY_SUMMARY, dim_symbol
 
 # One small spec per zoo name; only the names registered in this checkout are tested.

@@ -14,8 +14,8 @@ import torch
 
 from passes.ir.meta import InputSpec
 from passes.ir.plan import Prediction
-from runtime.launch import spawn
-from runtime.metrics import (MetricsLogger, StepMetrics, dim_sizes, format_line, measured_mfu, step_tokens,
+from runtime.dist.launch import spawn
+from runtime.observe.metrics import (MetricsLogger, StepMetrics, dim_sizes, format_line, measured_mfu, step_tokens,
                              tensorboard_available)
 
 FIELDS = {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens", "tokens_per_s", "mfu", "peak_memory_bytes",
@@ -121,9 +121,9 @@ FIX = "dp=1,pp=2,schedule=1f1b,num_micro_batches=2,offload=none,checkpointing=no
 def _rank(jsonl: str):
     import os
 
-    from partitioner.auto import auto_parallelize
-    from partitioner.cluster import Cluster
-    from partitioner.model_spec import build_model
+    from partitioner.api.auto import auto_parallelize
+    from partitioner.cost.cluster import Cluster
+    from partitioner.inputs.models import build_model
 
     spec = build_model(GPT)
     trainer = auto_parallelize(GPT, Cluster.local(WORLD), global_batch_size=GLOBAL_BATCH, fix=FIX,

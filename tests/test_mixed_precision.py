@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-from partitioner.model_spec import build_model
-from runtime.launch import spawn
+from partitioner.inputs.models import build_model
+from runtime.dist.launch import spawn
 from tests.one_device import train_one_device_16bit
 
 GPT = "gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
@@ -62,8 +62,8 @@ def _batches(spec):
 
 
 def _rank(checkpoint: str):
-    from partitioner.auto import auto_parallelize
-    from partitioner.cluster import Cluster
+    from partitioner.api.auto import auto_parallelize
+    from partitioner.cost.cluster import Cluster
 
     out = {}
     for k, case in enumerate(CASES):
@@ -206,8 +206,8 @@ def test_16bit_checkpoint_holds_the_fp32_masters(distributed, checkpoint):
     """A bf16 plan's checkpoint holds its fp32 master weights under the original names: loaded
     under another bf16 plan (dp=2 x tp=2, ZeRO-2: the masters are dp chunks there) and into the
     plain fp32 model, every weight is the saving plan's master, bit for bit."""
-    from runtime.checkpoint_dir import latest_checkpoint
-    from runtime.checkpoint_io import load_into_module
+    from runtime.checkpoint.directory import latest_checkpoint
+    from runtime.checkpoint.io import load_into_module
 
     saved = {}
     for result in distributed:

@@ -18,16 +18,17 @@ import torch
 from ir_dumps.json_dump import graph_json
 from ir_dumps.onnx_export import DOMAIN, export_rank_programs, export_split, export_stage, stage_example_inputs
 from ir_dumps.text import graph_text
-from partitioner.model_spec import build_model
-from passes.annotate_flops import annotate_flops
-from passes.annotate_blocks import annotate_blocks
-from passes.annotate_shapes import annotate_shapes
-from passes.capture import capture_spec
-from passes.checkpoint_policy import checkpoint_policy
+from partitioner.inputs.models import build_model
+from passes.analysis.annotate_flops import annotate_flops
+from passes.analysis.annotate_blocks import annotate_blocks
+from passes.analysis.annotate_shapes import annotate_shapes
+from passes.capture.capture import capture_spec
+from passes.policies.checkpoint_policy import checkpoint_policy
 from passes.ir.meta import PIPELINE_STAGE
-from passes.pipeline_split import assign_stages, assign_stages_by_layers, balanced_boundaries, split_pipeline_stages
-from partitioner.build import lower_all
-from partitioner.cluster import Cluster
+from passes.policies.pipeline_stages import assign_stages, assign_stages_by_layers, balanced_boundaries
+from passes.rewrites.pipeline_split import split_pipeline_stages
+from partitioner.api.build import lower_all
+from partitioner.cost.cluster import Cluster
 from passes.ir.config import ParallelConfig
 from passes.ir.program import global_rank
 from runtime.kernels.collectives import trace_groups
@@ -293,7 +294,7 @@ def test_every_op_of_ours_has_a_dynamo_translation_or_is_dropped():
 
 
 def test_demo_model_exports_with_dynamo_and_custom_domain_nodes(tmp_path):
-    from partitioner.demo import DEMO_MODEL
+    from partitioner.cli.demo import DEMO_MODEL
 
     spec = build_model(DEMO_MODEL)
     gm = annotate_flops(annotate_blocks(annotate_shapes(capture_spec(spec))))

@@ -8,13 +8,13 @@ import dataclasses
 
 import pytest
 
-from partitioner.cluster import Cluster
-from partitioner.fidelity import predict_step_time
-from partitioner.model_spec import build_model
-from partitioner.plan_cost import optimizer_tensors
-from partitioner.profile import profile_model
-from partitioner.reference_runs import REFERENCE_MODEL
-from partitioner.refit import RunData, refit
+from partitioner.cost.cluster import Cluster
+from partitioner.search.replay import predict_step_time
+from partitioner.inputs.models import build_model
+from partitioner.cost.plan_cost import optimizer_tensors
+from partitioner.cost.profile import profile_model
+from partitioner.calibration.reference_runs import REFERENCE_MODEL
+from partitioner.calibration.refit import RunData, refit
 
 GPT = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=16,dropout=0.0"
 TENSOR_S = 45e-6

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from partitioner.model_spec import build_model
+from partitioner.inputs.models import build_model
 from passes.ir.errors import ConfigError
-from runtime.launch import spawn
-from runtime.optimizers import (
+from runtime.dist.launch import spawn
+from runtime.optim.optimizers import (
     as_factory, check_shardable, module_param_groups, param_groups, planner_optimizer,
 )
-from runtime.schedules import warmup_cosine, warmup_cosine_factor
+from runtime.optim.lr_schedules import warmup_cosine, warmup_cosine_factor
 from tests.one_device import train_one_device
 from tests.runtime_cases import packed_graph, unpacked_graph
 
@@ -75,10 +75,10 @@ def _batches(spec):
 
 def _run_cases(cases, payload):
     """On each rank: every case's results. ``payload``: the model's graph, captured once by the test process."""
-    from partitioner.build import build_parallel_model
+    from partitioner.api.build import build_parallel_model
     from passes.ir.config import ParallelConfig
     from passes.ir.errors import NonFiniteError
-    from runtime.mesh import Mesh, init_distributed
+    from runtime.dist.mesh import Mesh, init_distributed
 
     init_distributed(timeout_s=200)
     spec, graph = unpacked_graph(GPT, payload)
@@ -198,10 +198,10 @@ def test_default_groups_leave_norms_biases_and_embeddings_without_decay():
 
 
 def test_lowering_records_the_same_groups_on_every_rank():
-    from partitioner.cluster import Cluster
-    from partitioner.cost_model import cost_hooks
+    from partitioner.cost.cluster import Cluster
+    from partitioner.cost.cost_model import cost_hooks
     from passes.ir.config import ParallelConfig
-    from passes.lower import lower
+    from passes.lowering.lower import lower
 
     spec, graph = unpacked_graph(GPT, packed_graph(GPT))
     groups = module_param_groups(spec.module)

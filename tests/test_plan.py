@@ -3,11 +3,11 @@ import json
 
 import pytest
 
-from partitioner.cluster import Cluster
+from partitioner.cost.cluster import Cluster
 from partitioner.errors import ConfigError
 from passes.ir.plan import Plan
-from partitioner.profile import profile_model
-from partitioner.search import plan
+from partitioner.cost.profile import profile_model
+from partitioner.search.search import plan
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ import json
 import pytest
 
 import partitioner
-from partitioner.cli import main
-from partitioner.planning import parse_fix
+from partitioner.cli.main import main
+from partitioner.api.planning import parse_fix
 
 MODEL = "gpt:layers=4,hidden=256,heads=8,vocab=1024,seq=128"
 

@@ -15,7 +15,7 @@ import pytest
 
 from ir_dumps.cli import main as ir_main
 from ir_dumps.golden import text_files
-from partitioner.cli import main
+from partitioner.cli.main import main
 
 MODEL = "gpt:layers=4,hidden=128,heads=4,vocab=1000,seq=64"
 ARGV = ["plan", "--model", MODEL, "--cluster", "dgx-a100-80gb", "--nodes", "1", "--global-batch", "16",

@@ -1,4 +1,4 @@
-"""The refit's non-negative least squares (``partitioner.refit._nnls``, on scipy) against the
+"""The refit's non-negative least squares (``partitioner.calibration.refit._nnls``, on scipy) against the
 definition it replaces: of every set of free unknowns whose columns the rows can tell apart, the
 non-negative unconstrained solution with the smallest squared error (all zeros without one)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from partitioner.refit import _nnls
+from partitioner.calibration.refit import _nnls
 
 
 def _brute_force(rows) -> np.ndarray:

@@ -14,11 +14,11 @@ import math
 
 import pytest
 
-from partitioner.cluster import Cluster
-from partitioner.fidelity import predict_step_time
-from partitioner.profile import profile_model
-from partitioner.reference_runs import REFERENCE_MODEL
-from partitioner.refit import RunData, refit, sharing_slowdown
+from partitioner.cost.cluster import Cluster
+from partitioner.search.replay import predict_step_time
+from partitioner.cost.profile import profile_model
+from partitioner.calibration.reference_runs import REFERENCE_MODEL
+from partitioner.calibration.refit import RunData, refit, sharing_slowdown
 
 OVERHEAD_S = 20e-6
 PLANS = (  # (knobs, global batch): data parallel at two sizes, pipelines, both together

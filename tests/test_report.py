@@ -11,7 +11,7 @@ from ir_dumps.cli import main
 from ir_dumps.explain import NOT_DECIDED
 from ir_dumps.report import plan_schedule, render_report, timeline_intervals
 from ir_dumps.stage_dot import stage_colour, stage_dot
-from partitioner.cluster import Cluster
+from partitioner.cost.cluster import Cluster
 from passes.ir.config import ParallelConfig
 from passes.ir.plan import MEMORY_TERMS, Alternative, Plan, Prediction, StagePlan
 from passes.ir.schedule import compute_only
@@ -153,15 +153,15 @@ def test_measured_side_by_side():
 @pytest.fixture(scope="module")
 def dumped(tmp_path_factory):
     """Tiny GPT through shapes, FLOPs, checkpoint policy and stage tagging, with dumps."""
-    from partitioner.model_spec import build_model
-    from passes.annotate_flops import annotate_flops
-    from passes.annotate_shapes import annotate_shapes
-    from passes.capture import capture_spec
-    from passes.checkpoint_policy import checkpoint_policy
+    from partitioner.inputs.models import build_model
+    from passes.analysis.annotate_flops import annotate_flops
+    from passes.analysis.annotate_shapes import annotate_shapes
+    from passes.capture.capture import capture_spec
+    from passes.policies.checkpoint_policy import checkpoint_policy
     from ir_dumps.writer import DumpWriter
-    from passes.annotate_blocks import annotate_blocks
-    from passes.manager import Pass, PassManager
-    from passes.pipeline_split import assign_stages_by_layers, tag_pipeline_stages
+    from passes.analysis.annotate_blocks import annotate_blocks
+    from passes.lowering.manager import Pass, PassManager
+    from passes.policies.pipeline_stages import assign_stages_by_layers, tag_pipeline_stages
 
     def stages(gm, ctx=None):
         return tag_pipeline_stages(gm, assign_stages_by_layers(gm, [1]))
@@ -184,7 +184,7 @@ def test_report_with_graph_counts_nodes_per_stage(dumped):
 
 
 def test_planning_writes_report_beside_plan_json(tmp_path):
-    from partitioner.planning import plan
+    from partitioner.api.planning import plan
 
     chosen = plan("gpt:layers=2,hidden=64,heads=2,vocab=128,seq=32", Cluster.local(2), global_batch=4,
                   fix="pp=2", dump_dir=tmp_path)

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from partitioner.model_spec import build_model
-from runtime.launch import spawn
+from partitioner.inputs.models import build_model
+from runtime.dist.launch import spawn
 from tests.one_device import train_one_device
 from tests.runtime_cases import packed_graph, unpacked_graph
 
@@ -71,9 +71,9 @@ def _batches(spec):
 
 def _train_cases(cases, payload):
     """On each rank: every case's results. ``payload``: the model's graph, captured once by the test process."""
-    from partitioner.build import build_parallel_model
+    from partitioner.api.build import build_parallel_model
     from passes.ir.config import ParallelConfig
-    from runtime.mesh import Mesh, init_distributed
+    from runtime.dist.mesh import Mesh, init_distributed
 
     init_distributed(timeout_s=200)
     spec, graph = unpacked_graph(GPT, payload)

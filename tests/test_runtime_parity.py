@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from partitioner.model_spec import build_model
-from runtime.launch import LaunchError, spawn
+from partitioner.inputs.models import build_model
+from runtime.dist.launch import LaunchError, spawn
 from tests.one_device import train_one_device
 from tests.runtime_cases import packed_graph, unpacked_graph
 
@@ -54,9 +54,9 @@ def _batches(spec):
 def _train_cases(cases, payload):
     """On each rank: every case's per-step losses and this rank's final parameters. ``payload``:
     the model's graph, captured once by the test process (``packed_graph``)."""
-    from partitioner.build import build_parallel_model
+    from partitioner.api.build import build_parallel_model
     from passes.ir.config import ParallelConfig
-    from runtime.mesh import Mesh, init_distributed
+    from runtime.dist.mesh import Mesh, init_distributed
 
     # The world group only paces the cases (a barrier each), so it may wait long on this shared
     # machine; the meshes' groups, where training happens, keep the short timeout.
@@ -154,7 +154,7 @@ def test_zero1_shards_optimizer_state_over_dp(distributed):
 
 
 def _fail_on_rank_one():
-    from runtime.mesh import Mesh
+    from runtime.dist.mesh import Mesh
 
     mesh = Mesh(1, 2, timeout_s=TIMEOUT_S)
     if mesh.rank == 1:

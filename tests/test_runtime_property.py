@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from runtime.launch import spawn
+from runtime.dist.launch import spawn
 from tests.runtime_cases import HEADS, LAYERS, SEQ, WORLD, Plan, check_plan, payloads_for, train_plans
 
 pytestmark = pytest.mark.slow  # one spawn of 8 gloo ranks, each lowering every plan it is part of

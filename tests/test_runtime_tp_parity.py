@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-from partitioner.model_spec import build_model
+from partitioner.inputs.models import build_model
 from passes.ir.config import ParallelConfig
-from runtime.launch import spawn
+from runtime.dist.launch import spawn
 from tests.one_device import train_one_device
 from tests.runtime_cases import packed_graph, unpacked_graph
 
@@ -63,8 +63,8 @@ def _batches(spec):
 def _train_cases(cases, payloads):
     """On each rank: every case's per-step losses and the full (tp-gathered) parameters/grads.
     ``payloads``: each model's graph, captured once by the test process (``packed_graph``)."""
-    from partitioner.build import build_parallel_model
-    from runtime.mesh import Mesh, init_distributed
+    from partitioner.api.build import build_parallel_model
+    from runtime.dist.mesh import Mesh, init_distributed
 
     start = time.perf_counter()
     init_distributed(timeout_s=300)  # the world group only paces the cases
@@ -180,8 +180,8 @@ def gpt_graph():
 
 @pytest.fixture(scope="module")
 def programs_222(gpt_graph):
-    from partitioner.build import lower_all
-    from partitioner.cluster import Cluster
+    from partitioner.api.build import lower_all
+    from partitioner.cost.cluster import Cluster
     lowering = lower_all(gpt_graph, ParallelConfig(dp=2, tp=2, pp=2), cluster=Cluster.local(8))
     return [lowering.rank_program(r) for r in range(8)]
 
@@ -238,7 +238,7 @@ def test_communication_lists(programs_222):
 
 
 def test_checkpointing_wraps_tp_collectives_into_the_regions(gpt_graph):
-    from partitioner.build import rank_program
+    from partitioner.api.build import rank_program
     prog = rank_program(gpt_graph, ParallelConfig(tp=2, pp=2, checkpointing="full"), 0)
     stage = prog.modules[0]
     regions = {n: m for n, m in stage.named_children() if n.startswith("checkpoint_")}
@@ -251,7 +251,7 @@ def test_checkpointing_wraps_tp_collectives_into_the_regions(gpt_graph):
 
 
 def test_bad_arguments_name_the_fix(gpt_graph):
-    from partitioner.build import rank_program
+    from partitioner.api.build import rank_program
     from partitioner.errors import ConfigError
     with pytest.raises(ConfigError, match="outside the mesh"):
         rank_program(gpt_graph, ParallelConfig(tp=2), 2)

@@ -4,12 +4,12 @@ import math
 
 import pytest
 
-from partitioner.analysis import analyze
-from partitioner.cluster import Cluster
+from partitioner.api.analysis import analyze
+from partitioner.cost.cluster import Cluster
 from partitioner.errors import ConfigError, InfeasiblePlanError
 from passes.ir.plan import format_bytes
-from partitioner.profile import profile_model
-from partitioner.search import candidates, min_memory, plan
+from partitioner.cost.profile import profile_model
+from partitioner.search.search import candidates, min_memory, plan
 
 SPEC = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq=32"
 
@@ -82,7 +82,7 @@ def test_dag_checkpointing_is_costed_between_none_and_full(profile):
 def test_a_model_dag_cannot_be_priced_on_is_not_offered_and_pinning_dag_says_why(monkeypatch):
     """Where the dag policy fails on the profiled graph, the profile records what it said, the
     search does not offer dag, and a pinned dag is refused with that reason."""
-    from partitioner import profile as profiling
+    from partitioner.cost import profile as profiling
     from passes.ir.errors import PassError
 
     def fails(gm, *args, **kwargs):
@@ -193,8 +193,8 @@ def _knobs(**kw):
 
 
 def test_tied_weights_are_synced_between_first_and_last_stage_only(profile):
-    from partitioner.cost_model import all_reduce_time
-    from partitioner.fidelity import predict_step_time
+    from partitioner.cost.cost_model import all_reduce_time
+    from partitioner.search.replay import predict_step_time
 
     c = _cluster(devices=2)
     two = predict_step_time(profile, c, _knobs(pp=2), global_batch=4).predicted.terms
@@ -207,7 +207,7 @@ def test_tied_weights_are_synced_between_first_and_last_stage_only(profile):
 
 
 def test_framework_term_is_step_overhead_plus_loss_all_reduce(profile):
-    from partitioner.fidelity import predict_step_time
+    from partitioner.search.replay import predict_step_time
 
     c = _cluster(devices=8)
     c = dataclasses.replace(c, device=dataclasses.replace(c.device, step_overhead_s=1e-3))
@@ -220,7 +220,7 @@ def test_ranks_sharing_compute_slots_pay_for_computing_together(profile):
     """4 CPU ranks on 2 cores: data parallelism, all 4 computing at once, needs twice its compute
     (its ranks' busy seconds over 2 slots); a 4-stage pipeline of 2 micro-batches keeps 2 of its
     4 ranks idle most of the step and pays nothing; without slots nothing changes."""
-    from partitioner.fidelity import predict_step_time
+    from partitioner.search.replay import predict_step_time
 
     alone = dataclasses.replace(Cluster.preset("local-cpu"), devices_per_node=4)
     shared = dataclasses.replace(alone, compute_slots_per_node=2)
@@ -245,8 +245,8 @@ def test_a_zero_bubble_schedule_fills_its_bubble_with_the_weight_gradients_the_s
     """ZB-H1 hides the bubble behind W, the weight-gradient half of the backward. Where the
     backward is mostly per-op dispatch (CPU ranks: 50 us an operator), W is a small share of it,
     and ZB-H1 saves less of 1F1B's bubble than where it is matmuls."""
-    from partitioner.cost_model import _bubble_slots
-    from partitioner.fidelity import predict_step_time
+    from partitioner.cost.cost_model import _bubble_slots
+    from partitioner.search.replay import predict_step_time
 
     plain = dataclasses.replace(Cluster.preset("local-cpu"), devices_per_node=4)
     dispatch = dataclasses.replace(plain, device=dataclasses.replace(plain.device, kernel_overhead_s=50e-6))
@@ -267,7 +267,7 @@ def test_zero3_pays_a_collective_per_layer_and_pass(profile):
     """ZeRO-3 gathers each layer's parameters in its own collective (a gather site), before the
     forward and again before the backward, and reduce-scatters each layer's gradients: on CPU
     ranks (nothing hidden) 3 collectives per layer and micro-batch, each paying the link's latency."""
-    from partitioner.fidelity import predict_step_time
+    from partitioner.search.replay import predict_step_time
 
     cluster = dataclasses.replace(Cluster.preset("local-cpu"), devices_per_node=2)
     alpha = 1e-3
@@ -281,7 +281,7 @@ def test_zero3_pays_a_collective_per_layer_and_pass(profile):
 
 
 def test_offload_of_checkpointed_blocks_moves_one_tensor_per_block():
-    from partitioner.fidelity import predict_step_time
+    from partitioner.search.replay import predict_step_time
 
     prof = profile_model("gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0", dtype="fp32")
     c = Cluster.local(2)
@@ -320,8 +320,8 @@ EXHAUSTIVE_CLUSTERS = (("dgx-a100-80gb", 1, None), ("dgx-h100", 2, None), ("dgx-
 def test_search_returns_the_exhaustive_optimum(spec, cluster_args):
     """Branch and bound must return what evaluating EVERY candidate returns: the fastest feasible
     plan, ties to the simpler one."""
-    from partitioner.plan_cost import PlanContext, evaluate
-    from partitioner.search import _key
+    from partitioner.cost.plan_cost import PlanContext, evaluate
+    from partitioner.search.search import _key
 
     profile = profile_model(spec, dtype="bf16")
     cluster = _shrunk(*cluster_args)

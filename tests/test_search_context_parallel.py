@@ -5,14 +5,14 @@ import dataclasses
 
 import pytest
 
-from partitioner.cli import main
-from partitioner.cluster import Cluster
-from partitioner.cost_model import all_reduce_time, ring_exposed_time, send_recv_time
+from partitioner.cli.main import main
+from partitioner.cost.cluster import Cluster
+from partitioner.cost.cost_model import all_reduce_time, ring_exposed_time, send_recv_time
 from partitioner.errors import ConfigError, InfeasiblePlanError
-from partitioner.knobs import parse_fix
-from partitioner.plan_cost import RING_WORKING_BLOCKS
-from partitioner.profile import AttentionProfile, profile_model
-from partitioner.search import candidates, min_memory, plan
+from partitioner.inputs.knobs import parse_fix
+from partitioner.cost.plan_cost import RING_WORKING_BLOCKS
+from partitioner.cost.profile import AttentionProfile, profile_model
+from partitioner.search.search import candidates, min_memory, plan
 
 # Six heads: tensor parallelism stops at tp=2 on an 8-GPU node (tp divides the heads and the node)
 # and Ulysses at cp=2; ring attention cuts the sequence over all 8 GPUs. Grouped-query attention

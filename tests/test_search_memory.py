@@ -1,5 +1,5 @@
-"""The search's analytic memory (:mod:`partitioner.plan_cost`, what it screens every candidate
-with) against the exact replay of the lowered rank programs (:mod:`partitioner.memory_check`,
+"""The search's analytic memory (:mod:`partitioner.cost.plan_cost`, what it screens every candidate
+with) against the exact replay of the lowered rank programs (:mod:`partitioner.search.memory_check`,
 what ``auto_parallelize`` returns for the plans it keeps), stage by stage.
 
 GPT and Hugging Face GPT-2 (4 blocks, fp32, AdamW) on one rank, tp=2 and pp=2 (1F1B), under
@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import pytest
 
-from partitioner.build import capture_for_pipeline
-from partitioner.cluster import Cluster
-from partitioner.memory_check import replay_config_peaks
-from partitioner.model_spec import build_model
-from partitioner.profile import profile_model
-from partitioner.search import plan
+from partitioner.api.build import capture_for_pipeline
+from partitioner.cost.cluster import Cluster
+from partitioner.search.memory_check import replay_config_peaks
+from partitioner.inputs.models import build_model
+from partitioner.cost.profile import profile_model
+from partitioner.search.search import plan
 from passes.ir.program import global_rank
 
 MODELS = {

@@ -15,16 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import partitioner.profile as profile_mod
-from partitioner.auto import choose_plan
-from partitioner.build import analyse, capture_training_step
-from partitioner.cluster import Cluster
-from partitioner.model_spec import ModelSpec, build_model
-from partitioner.profile import TENSOR_NOT_ASKED, profile_graph
-from partitioner.search import candidates, plan
+import partitioner.cost.profile as profile_mod
+from partitioner.api.auto import choose_plan
+from partitioner.api.build import analyse, capture_training_step
+from partitioner.cost.cluster import Cluster
+from partitioner.inputs.model_spec import ModelSpec
+from partitioner.inputs.models import build_model
+from partitioner.cost.profile import TENSOR_NOT_ASKED, profile_graph
+from partitioner.search.search import candidates, plan
 from passes.ir.errors import ConfigError
 from passes.ir.meta import InputSpec
-from passes.sequence_parallel import sequence_parallel_refusal
+from passes.rewrites.sequence_parallel import sequence_parallel_refusal
 
 GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 GLOBAL_BATCH, WORLD = 8, 4
@@ -179,7 +180,7 @@ def test_a_pinned_sequence_parallel_without_a_seq_dim_is_refused_before_any_work
     def no_work(*args, **kwargs):
         raise AssertionError("profiled or captured before refusing the pinned knobs")
 
-    monkeypatch.setattr("partitioner.auto.profile_spec", no_work)
+    monkeypatch.setattr("partitioner.api.auto.profile_spec", no_work)
     with pytest.raises(ConfigError, match=r"choose_plan: fix: sequence_parallel=true is pinned, but sequence "
                                           r"parallelism needs a named sequence dim 'seq'.*sequence_parallel=false"):
         choose_plan(spec, Cluster.local(WORLD), world_size=WORLD, global_batch_size=GLOBAL_BATCH,
@@ -192,7 +193,7 @@ def test_a_pinned_sequence_parallel_without_a_seq_dim_is_refused_before_any_work
 
 def test_the_front_doors_price_a_pinned_tensor_and_refuse_a_pinned_sp_before_capture(vit, monkeypatch):
     import partitioner
-    from partitioner.auto import auto_parallelize
+    from partitioner.api.auto import auto_parallelize
 
     spec = build_model(GPT)
     chosen = partitioner.plan(spec, Cluster.local(WORLD), global_batch=GLOBAL_BATCH,
@@ -202,7 +203,7 @@ def test_the_front_doors_price_a_pinned_tensor_and_refuse_a_pinned_sp_before_cap
     def no_capture(*args, **kwargs):
         raise AssertionError("captured before refusing the pinned knobs")
 
-    monkeypatch.setattr("partitioner.auto.capture_training_step", no_capture)
+    monkeypatch.setattr("partitioner.api.auto.capture_training_step", no_capture)
     with pytest.raises(ConfigError, match=r"auto_parallelize: fix: sequence_parallel=true is pinned, but sequence "
                                           r"parallelism needs a named sequence dim 'seq'"):
         auto_parallelize(vit[0], global_batch_size=GLOBAL_BATCH, fix="tp=2,pp=2,sequence_parallel=true")

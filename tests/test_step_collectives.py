@@ -1,4 +1,4 @@
-"""How the planner prices the collectives at a step's end (partitioner/plan_cost.py).
+"""How the planner prices the collectives at a step's end (partitioner/cost/plan_cost.py).
 
 * One collective per gradient bucket: the planner's count (``plan_cost.gradient_buckets``) is
   the number of data-parallel reductions and ZeRO all-gathers the runtime issues, as the
@@ -15,12 +15,12 @@ import functools
 
 import pytest
 
-from partitioner.build import capture_for_pipeline, lower_all
-from partitioner.cluster import Cluster
-from partitioner.model_spec import build_model
-from partitioner.plan_cost import PlanContext, evaluate, gradient_buckets
-from partitioner.profile import profile_model
-from passes.communication_check import rank_calls
+from partitioner.api.build import capture_for_pipeline, lower_all
+from partitioner.cost.cluster import Cluster
+from partitioner.inputs.models import build_model
+from partitioner.cost.plan_cost import PlanContext, evaluate, gradient_buckets
+from partitioner.cost.profile import profile_model
+from passes.checks.communication_check import rank_calls
 from passes.ir.config import ParallelConfig
 
 WIDE_GPT = "gpt:layers=2,hidden=256,heads=2,vocab=512,seq=8,dropout=0.0"  # a block is 3 MiB: two buckets

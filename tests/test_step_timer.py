@@ -1,4 +1,4 @@
-"""``runtime.measure.StepTimer``'s split of the optimizer step: the gradient norm's all-reduce
+"""``runtime.observe.measure.StepTimer``'s split of the optimizer step: the gradient norm's all-reduce
 (it waits for the mesh's last rank) and a ZeRO optimizer's all-gather are collectives, the rest
 of ``STEP`` is the optimizer; and while the optimizer runs after the norm, the running action is
 ``STEP`` again (what a fault message names)."""
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from runtime.measure import StepTimer
+from runtime.observe.measure import StepTimer
 
 NORM_S, GATHER_S, OPTIMIZER_S = 0.05, 0.03, 0.04
 

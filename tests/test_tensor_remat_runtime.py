@@ -1,7 +1,7 @@
 """``checkpointing="tensor"`` on two gloo ranks: the zoo ResNet, the zoo U-Net and Hugging Face BERT
 (dropout off) trained at dp=2, and BERT (its MLM head tied to the word embeddings) at pp=2 and at
 tp=2 (its collectives kept, never run again) with two micro-batches, through
-:func:`partitioner.build.build_parallel_model`:
+:func:`partitioner.api.build.build_parallel_model`:
 
 * three AdamW steps give bit-identical losses and parameters to the same plan without
   checkpointing (the executor runs the same ops on the same values), and the same as one device;
@@ -23,11 +23,11 @@ import time
 import pytest
 import torch
 
-from partitioner.cluster import Cluster
-from partitioner.memory_check import replay_rank_memory
+from partitioner.cost.cluster import Cluster
+from partitioner.search.memory_check import replay_rank_memory
 from passes.ir.config import ParallelConfig
-from runtime.launch import spawn
-from runtime.optimizers import as_factory
+from runtime.dist.launch import spawn
+from runtime.optim.optimizers import as_factory
 from tests.runtime_cases import packed_graph, unpacked_graph
 from tests.test_checkpoint_dag_parity import ADAMW, GLOBAL_BATCH, MODELS, _batches, assert_trains_like_one_device
 
@@ -47,7 +47,7 @@ def _config(layout: str, policy: str) -> ParallelConfig:
 def _recomputed(program) -> list[int]:
     """Nodes each stage module of the rank recomputes (0 for a module not lowered under ``tensor``)."""
     from passes.ir.meta import TENSOR_REMAT_PLAN
-    from passes.tensor_remat import TensorRematCodeGen
+    from passes.rewrites.tensor_remat import TensorRematCodeGen
 
     out = []
     for gm in program.modules.values():
@@ -60,9 +60,9 @@ def _recomputed(program) -> list[int]:
 def _run(payloads):
     """On each rank, per (model, layout, policy): per-step losses, trained parameters, the nodes
     each of its stages recomputes, and the peak live bytes over the steps."""
-    import runtime.measure as measure
-    from partitioner.build import build_parallel_model
-    from runtime.mesh import Mesh, init_distributed
+    import runtime.observe.measure as measure
+    from partitioner.api.build import build_parallel_model
+    from runtime.dist.mesh import Mesh, init_distributed
 
     init_distributed(timeout_s=300)
     meshes = {"dp2": Mesh(WORLD, 1, timeout_s=TIMEOUT_S), "pp2": Mesh(1, WORLD, timeout_s=TIMEOUT_S),

@@ -41,7 +41,7 @@ def _jsonl(path) -> list[dict]:
 
 
 def test_killed_run_resumes_with_the_uninterrupted_losses_under_the_same_and_another_plan(tmp_path):
-    from runtime.checkpoint_dir import complete_checkpoints, step_dir_name
+    from runtime.checkpoint.directory import complete_checkpoints, step_dir_name
 
     data = tmp_path / "corpus.txt"
     data.write_text(_text(), encoding="utf-8")

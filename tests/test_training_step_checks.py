@@ -9,11 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from partitioner.build import capture_training_step
-from partitioner.model_spec import ModelSpec, build_model
+from partitioner.api.build import capture_training_step
+from partitioner.inputs.model_spec import ModelSpec
+from partitioner.inputs.models import build_model
 from passes.ir.errors import CaptureError, ConfigError
 from passes.ir.meta import InputSpec
-from passes.training_step_checks import SideEffectWarning
+from passes.capture.training_step_checks import SideEffectWarning
 
 
 class Net(nn.Module):

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from ir_dumps.golden import REGEN_COMMAND, compare, transform_golden_dir
-from partitioner.golden import TRANSFORM_CONFIG, generate_transforms
-from passes.pipelines import analysis_passes, stage_passes, whole_graph_passes
+from tests.golden_dumps import TRANSFORM_CONFIG, generate_transforms
+from passes.lowering.pipelines import analysis_passes, stage_passes, whole_graph_passes
 
 GOLDEN = transform_golden_dir(Path(__file__).resolve().parent.parent)
 C = TRANSFORM_CONFIG

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from partitioner.cluster import CLUSTER_FILE_ENV, Cluster
-from partitioner.demo import reference_losses
-from runtime.launch import free_port
+from partitioner.cost.cluster import CLUSTER_FILE_ENV, Cluster
+from partitioner.cli.demo import reference_losses
+from runtime.dist.launch import free_port
 from tests.two_node_job import LAUNCHER_ENV, RankRecord
 
 MODEL = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"

@@ -6,7 +6,7 @@
   object alike (a Hugging Face GPT-2 planned on the ``dgx-h100`` preset);
 * the zoo ``mlp`` (no sequence dim) through ``auto_parallelize`` on 2 gloo ranks, with tuple and
   dict batches, matching one-device training step for step;
-* a table of bad batches against a captured contract (:func:`runtime.batch_check.check_batch`,
+* a table of bad batches against a captured contract (:func:`runtime.exec.batch_check.check_batch`,
   no processes), and one spawned job where a bad batch fails on every rank with the same
   message before any collective, and the next good step still trains.
 """
@@ -23,12 +23,12 @@ import torch
 
 import partitioner
 from partitioner.errors import ConfigError
-from partitioner.model_spec import as_spec, build_model
-from passes.capture import capture_spec
+from partitioner.inputs.models import as_spec, build_model
+from passes.capture.capture import capture_spec
 from passes.ir.meta import CAPTURE, DimBound, InputBounds, InputSpec
 from passes.ir.plan import Plan
-from runtime.batch_check import check_batch
-from runtime.launch import spawn
+from runtime.exec.batch_check import check_batch
+from runtime.dist.launch import spawn
 from tests.train_cli import launch_train, outputs_of_success
 
 GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from partitioner.model_spec import as_spec, build_model
+from partitioner.inputs.models import as_spec, build_model
 from passes.ir.meta import InputSpec
 
 
@@ -295,7 +295,7 @@ def _mlp_batches():
 
 
 def _mlp_rank():
-    from partitioner.auto import auto_parallelize
+    from partitioner.api.auto import auto_parallelize
 
     trainer = auto_parallelize(MLP, global_batch_size=GLOBAL_BATCH, fix="pp=2", timeout_s=60)
     batches = _mlp_batches()

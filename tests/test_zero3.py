@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from runtime.launch import spawn
+from runtime.dist.launch import spawn
 from tests import runtime_cases
 from tests.runtime_cases import Plan, payloads_for, reference
 
@@ -54,9 +54,9 @@ def _states(plan: Plan, payload) -> dict:
     """One rank's view of a ZeRO-3 plan after two steps, with prefetch and without (each model its
     own group names), and of the same model under ZeRO-0 on pp=2 (ranks 0 and 1): parameter and
     optimizer-state elements, gathers issued, the sites, the losses."""
-    from partitioner.build import build_parallel_model
-    from runtime.measure import StepTimer
-    from runtime.mesh import Mesh, init_distributed
+    from partitioner.api.build import build_parallel_model
+    from runtime.observe.measure import StepTimer
+    from runtime.dist.mesh import Mesh, init_distributed
 
     init_distributed(timeout_s=300)
     spec, graph = runtime_cases.unpacked_graph(runtime_cases.MODELS[plan.model], payload)
@@ -162,7 +162,7 @@ def test_each_rank_times_its_gathers_and_reduce_scatters_and_the_report_draws_th
     from types import SimpleNamespace
 
     from ir_dumps.report import render_report
-    from partitioner.cluster import Cluster
+    from partitioner.cost.cluster import Cluster
     from tests.test_report import parse, synthetic_plan
 
     for key in ("prefetch", "none"):
@@ -195,9 +195,9 @@ def _checkpoint_round_trip(directory: str, payload):
     optimizer state), must be the same everywhere."""
     import os
 
-    from partitioner.build import build_parallel_model
-    from runtime.checkpoint_io import load_checkpoint, save_checkpoint
-    from runtime.mesh import Mesh, init_distributed
+    from partitioner.api.build import build_parallel_model
+    from runtime.checkpoint.io import load_checkpoint, save_checkpoint
+    from runtime.dist.mesh import Mesh, init_distributed
 
     init_distributed(timeout_s=300)
     model = runtime_cases.MODELS["gpt"]
@@ -220,7 +220,7 @@ def _checkpoint_round_trip(directory: str, payload):
 
 @pytest.mark.slow
 def test_a_zero3_checkpoint_loads_under_other_plans_and_into_the_plain_module(tmp_path):
-    from runtime.checkpoint_io import load_into_module
+    from runtime.checkpoint.io import load_into_module
 
     results = spawn(_checkpoint_round_trip, WORLD, str(tmp_path), runtime_cases.packed_graph(runtime_cases.MODELS["gpt"]),
                     timeout_s=600)
@@ -245,8 +245,8 @@ HSDP = [("gpt", 2, "none"), ("hf-gpt2", 2, "none"), ("llama", 2, "full")]  # dp=
 def _train_hsdp(cases, payloads):
     """HSDP plans (dp=4, shard groups of 2): per case, the losses, norms, full parameters and
     gradients, as :func:`tests.runtime_cases.train_plans` reports them."""
-    from partitioner.build import build_parallel_model
-    from runtime.mesh import Mesh, init_distributed
+    from partitioner.api.build import build_parallel_model
+    from runtime.dist.mesh import Mesh, init_distributed
 
     _with_llama()
     init_distributed(timeout_s=600)

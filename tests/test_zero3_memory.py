@@ -1,11 +1,11 @@
-"""The memory replay of ZeRO-3 plans (partitioner.fidelity, partitioner.memory_check) against what
+"""The memory replay of ZeRO-3 plans (partitioner.search.replay, partitioner.search.memory_check) against what
 the ranks measure on gloo: the replayed per-rank peak is within 5% of each rank's measured peak
 (live tensor storages, steps with optimizer state) for a GPT at dp=2, dp=2 x pp=2, dp=2 with full
 checkpointing and a Llama at dp=2, the same GPT plans keeping the gathered parameters from forward
 to backward (reshard_after_forward=False), and HSDP (dp=4 in shard groups of 2); and the model state a rank holds (parameters, gradients,
 AdamW state) under ZeRO-3 is 1/dp of ZeRO-0's, as measured and as replayed.
 
-The measurement is :class:`runtime.measure.LiveBytes` as every measured step takes it (it also
+The measurement is :class:`runtime.observe.measure.LiveBytes` as every measured step takes it (it also
 sees what the ZeRO-3 kernels allocate inside themselves: the prefetched gathers, the
 reduce-scatter's fp32 buffers).
 """
@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from partitioner.cluster import Cluster
-from partitioner.memory_check import replay_rank_memory
-from runtime.launch import spawn
+from partitioner.cost.cluster import Cluster
+from partitioner.search.memory_check import replay_rank_memory
+from runtime.dist.launch import spawn
 from tests import runtime_cases
 from tests.runtime_cases import Plan
 
@@ -104,10 +104,10 @@ def test_zero3_model_state_is_one_dp_th_of_zero0(measured, replayed):
 def test_replay_places_the_prefetched_gather_and_refuses_a_mismatched_zero_stage():
     """Without prefetch the replay's peak is lower (one site's gather less in flight), and a
     program lowered with ZeRO-3 replayed as ZeRO-0 (or the reverse) is refused."""
-    from partitioner.build import lower_all
+    from partitioner.api.build import lower_all
     from partitioner.errors import ConfigError
-    from partitioner.fidelity import predict_memory
-    from partitioner.memory_check import global_batch_bytes
+    from partitioner.search.replay import predict_memory
+    from partitioner.search.memory_check import global_batch_bytes
     from passes.ir.meta import CAPTURE
 
     plan = PEAK_PLANS[0]

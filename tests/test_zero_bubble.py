@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from runtime.launch import spawn
+from runtime.dist.launch import spawn
 from tests.runtime_cases import Plan, check_plan, payloads_for, train_plans
 
 

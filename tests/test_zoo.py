@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from partitioner.errors import ModelSpecError
-from partitioner.model_spec import ModelSpec, build_model, format_spec, known_models, model_keys, parse_spec
+from partitioner.inputs.model_spec import ModelSpec
+from partitioner.inputs.models import build_model, format_spec, known_models, model_keys, parse_spec
 
 ZOO = ("gpt", "llama", "bert", "mlp", "resnet")
 HF = ("hf-gpt2", "hf-llama", "hf-bert")
@@ -135,7 +136,7 @@ def test_model_keys():
 MODEL_FILE = '''
 import torch
 from torch import nn
-from partitioner.model_spec import ModelSpec
+from partitioner.inputs.model_spec import ModelSpec
 from passes.ir.meta import InputSpec
 
 def make_model():
@@ -158,7 +159,7 @@ def test_model_from_file(tmp_path):
     assert spec.loss(spec.module, x).shape == ()
     with pytest.raises(ModelSpecError, match="no function 'missing'"):
         build_model(f"{path}:missing")
-    with pytest.raises(ModelSpecError, match="returned int; it must return a partitioner.model_spec.ModelSpec"):
+    with pytest.raises(ModelSpecError, match="returned int; it must return a partitioner.inputs.model_spec.ModelSpec"):
         build_model(f"{path}:not_a_spec")
     with pytest.raises(ModelSpecError, match="names a file but no factory"):
         build_model(f"{path}:")

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from runtime.launch import free_port
+from runtime.dist.launch import free_port
 
 
 def launch_train(world: int, args: list[str], *, env_extra: dict | None = None,

@@ -1,7 +1,7 @@
 """One rank of the two-node test job (tests/test_two_node.py), started by torchrun.
 
-It trains as ``partitioner train`` does (:func:`partitioner.auto.auto_parallelize`, then
-:func:`partitioner.demo.train_loop` on :func:`partitioner.demo.batch_for`) and writes
+It trains as ``partitioner train`` does (:func:`partitioner.api.auto.auto_parallelize`, then
+:func:`partitioner.cli.demo.train_loop` on :func:`partitioner.cli.demo.batch_for`) and writes
 ``<out>/rank<R>.json``: where torchrun put this rank (global rank, world size, node and local
 rank, which launcher started it), its pipeline and data-parallel peers, and the loss of every
 step at full precision (the CLI prints four digits, too few to compare to 1e-5).
@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from partitioner.auto import auto_parallelize
-    from partitioner.demo import batch_for, train_loop
+    from partitioner.api.auto import auto_parallelize
+    from partitioner.cli.demo import batch_for, train_loop
 
     trainer = auto_parallelize(args.model, args.cluster, global_batch_size=args.global_batch, fix=args.fix,
                                timeout_s=args.timeout)
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{record.rank}.json").write_text(json.dumps(dataclasses.asdict(record)))
-    from runtime import heartbeat
+    from runtime.dist import heartbeat
 
     heartbeat.stop()  # as `partitioner train` does: the beat thread's store connection ends before the groups
     dist.destroy_process_group()

@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from partitioner.model_spec import ModelSpec, register
+from partitioner.inputs.model_spec import ModelSpec
+
+from partitioner.zoo.registry import register
 from partitioner.zoo.gpt import DECODER_KEYS, init_weights
 from passes.ir.meta import InputSpec
 

@@ -6,8 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from partitioner.model_spec import ModelSpec, register
-from partitioner.spec_keys import COUNT, DROPOUT, Divisible, SpecTable
+from partitioner.inputs.model_spec import ModelSpec
+
+from partitioner.zoo.registry import register
+from partitioner.inputs.spec_keys import COUNT, DROPOUT, Divisible, SpecTable
 from passes.ir.meta import InputSpec
 
 

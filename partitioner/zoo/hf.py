@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from passes.ir.errors import ModelSpecError
-from partitioner.model_spec import ModelSpec, register
+from partitioner.inputs.model_spec import ModelSpec
+from partitioner.zoo.registry import register
 from passes.ir.meta import InputSpec
-from partitioner.spec_keys import COUNT, Divisible, SpecTable
+from partitioner.inputs.spec_keys import COUNT, Divisible, SpecTable
 
 _DIM_KEYS = ("batch", "seq")
 

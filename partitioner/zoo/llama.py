@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from partitioner.model_spec import ModelSpec, register
-from partitioner.spec_keys import COUNT, Divisible, EvenQuotient, Key, SpecTable
+from partitioner.inputs.model_spec import ModelSpec
+
+from partitioner.zoo.registry import register
+from partitioner.inputs.spec_keys import COUNT, Divisible, EvenQuotient, Key, SpecTable
 from partitioner.zoo.gpt import init_weights, lm_loss
 from passes.ir.meta import InputSpec
 

@@ -17,8 +17,9 @@ from torch import nn
 
 from passes.ir.errors import ModelSpecError
 from passes.ir.meta import InputSpec
-from partitioner.model_spec import ModelSpec, register
-from partitioner.spec_keys import COUNT, SpecTable
+from partitioner.inputs.model_spec import ModelSpec
+from partitioner.zoo.registry import register
+from partitioner.inputs.spec_keys import COUNT, SpecTable
 
 
 def _double_conv(c_in: int, c_out: int) -> nn.Sequential:

@@ -1,13 +1,13 @@
 """``ParallelConfig``: every knob of a parallel training plan, in one typed, validated record.
 
 The search returns one inside its :class:`passes.ir.plan.Plan`; the lowering
-(:func:`passes.lower.lower`) takes one; every rank program carries one; the runtime runs what it
+(:func:`passes.lowering.lower.lower`) takes one; every rank program carries one; the runtime runs what it
 says. The choices of each knob are spelled here and nowhere else (the ``Literal`` types and the
 tuples derived from them).
 
 Stage boundaries are indexes into the model's *layer chain*: ``0`` is the embedding (everything
 before the first repeated block), ``1 .. L`` the blocks, ``L + 1`` the head (final norm, LM head,
-loss), as :mod:`passes.annotate_blocks` numbers them.
+loss), as :mod:`passes.analysis.annotate_blocks` numbers them.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 # Options of the passes that carry the knobs out (what a pass can do, beyond what the planner asks).
 CheckpointPolicy = Literal["none", "full", "selective", "solver"]
 """``checkpoint_policy``'s policies: the knob's three, plus ``solver`` (fewest recompute FLOPs under
-a byte budget, :mod:`passes.checkpoint_solver`)."""
+a byte budget, :mod:`passes.solvers.checkpoint_solver`)."""
 OffloadSelection = Literal["none", "all", "hidden"]
 """``offload_policy``'s selections: ``all`` kept activations (the knob ``offload="activations"``),
 or only those whose copies ``hidden`` behind compute on the cost model's numbers."""
@@ -82,7 +82,7 @@ class ParallelConfig:
     """Pipeline stages (pipeline ranks)."""
     cp: int = 1
     """Context-parallel degree: the sequence of every activation cut over ``cp`` ranks
-    (load-balanced for causal attention: :mod:`passes.context_parallel`); attention exchanges
+    (load-balanced for causal attention: :mod:`passes.rewrites.context_parallel`); attention exchanges
     keys and values over the cp group."""
     cp_mode: ContextParallelMode = "ring"
     """How attention sees the other cp ranks' tokens: ``ring`` (key/value blocks travel round the
@@ -99,7 +99,7 @@ class ParallelConfig:
     zero_stage: ZeroStage = 0
     """ZeRO over the data-parallel group: 0 none, 1 optimizer state sharded, 2 gradients too, 3
     parameters too (gathered per block for its forward and again for its backward:
-    :mod:`passes.shard_parameters`)."""
+    :mod:`passes.rewrites.shard_parameters`)."""
     hsdp_shard: int | None = None
     """ZeRO-3's shard group: ``None`` shards the parameters over the whole dp group; a divisor
     ``s`` of dp (``1 < s < dp``) shards them inside groups of ``s`` consecutive dp ranks (a node)
@@ -116,7 +116,7 @@ class ParallelConfig:
     """Activation recomputation: ``selective`` the attention core of each block, ``full`` the whole
     block, ``dag`` op outputs inside blocks (torch's selective checkpointing), ``tensor`` any op
     output of the stage, recomputed one at a time on demand in backward (the peak-bounded remat
-    MILP per stage: :mod:`passes.tensor_remat_policy`)."""
+    MILP per stage: :mod:`passes.policies.tensor_remat_policy`)."""
     offload: Offload = "none"
     """``activations``: saved activations wait in host memory between forward and backward;
     ``optimizer``: optimizer state and step on the host (ZeRO-Offload style)."""

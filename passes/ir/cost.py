@@ -1,7 +1,7 @@
 """What the policy passes need to know of the hardware: a few costs, given by the caller.
 
-The planner's cluster (:class:`partitioner.cluster.Cluster`) provides them
-(:func:`partitioner.cost_model.cost_hooks`); the passes ask through this protocol, so they never
+The planner's cluster (:class:`partitioner.cost.cluster.Cluster`) provides them
+(:func:`partitioner.cost.cost_model.cost_hooks`); the passes ask through this protocol, so they never
 import the planner and never assume a machine of their own.
 """
 from __future__ import annotations

@@ -50,7 +50,7 @@ from passes.ir.ops import _LIB, qualname
 from passes.ir.config import CP_MODES, ContextParallelMode as CPMode  # noqa: F401  (re-exported)
 
 CONTEXT_PARALLEL = "context_parallel"
-"""``gm.meta`` key of :class:`ContextParallelPlan` (written by :mod:`passes.context_parallel`)."""
+"""``gm.meta`` key of :class:`ContextParallelPlan` (written by :mod:`passes.rewrites.context_parallel`)."""
 
 SCHEMAS = {
     "ring_attention":
@@ -78,7 +78,7 @@ ops = torch.ops.partitioner
 
 @dataclass(frozen=True, kw_only=True)
 class ContextParallelPlan:
-    """What :func:`passes.context_parallel.apply_context_parallel` did to a graph: ``gm.meta[CONTEXT_PARALLEL]``.
+    """What :func:`passes.rewrites.context_parallel.apply_context_parallel` did to a graph: ``gm.meta[CONTEXT_PARALLEL]``.
 
     The runtime feeds each input named in ``sharded_inputs`` as this rank's shard
     (:func:`shard_sequence` along the given dim), *averages* parameter gradients over the cp group

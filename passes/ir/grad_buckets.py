@@ -1,8 +1,8 @@
 """The layout of the data-parallel gradient buckets: which parameters travel in which flat message.
 
 One pure function of the parameters' sizes and dtypes, called by the runtime when it builds its
-buckets (:class:`runtime.grad_sync.BucketedGradSync`) and by the pre-launch check of the
-communication program (:mod:`passes.communication_check`), so the check sizes exactly the
+buckets (:class:`runtime.optim.grad_sync.BucketedGradSync`) and by the pre-launch check of the
+communication program (:mod:`passes.checks.communication_check`), so the check sizes exactly the
 messages that run.
 
 The rule (as DDP): parameters are taken in reverse order (the order backward makes their

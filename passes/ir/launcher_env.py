@@ -1,6 +1,6 @@
 """The environment a launcher gives a rank, and the environment a process we start may inherit.
 
-torchrun (and :func:`runtime.launch.spawn`) tell a rank who it is through environment variables:
+torchrun (and :func:`runtime.dist.launch.spawn`) tell a rank who it is through environment variables:
 ``MASTER_ADDR``/``MASTER_PORT`` (the rendezvous store), ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``
 and ``LOCAL_WORLD_SIZE``, and under torchrun's agent ``TORCHELASTIC_*`` (among them
 ``TORCHELASTIC_USE_AGENT_STORE=True``: "the store is the agent's, connect as a client").

@@ -136,7 +136,7 @@ class ValueBound:
 @dataclass(frozen=True, kw_only=True)
 class InputBounds:
     """What a batch must satisfy beyond the inputs' shapes and dtypes, read from the captured
-    graph (:mod:`passes.input_bounds`): the named dims' ranges and the integer inputs' values."""
+    graph (:mod:`passes.capture.input_bounds`): the named dims' ranges and the integer inputs' values."""
 
     dims: tuple[DimBound, ...] = ()
     values: tuple[ValueBound, ...] = ()
@@ -275,7 +275,7 @@ class MemorySummary:
     ``peak_bytes`` comes from a liveness analysis over forward, backward and the optimizer step;
     ``peak_phase`` and ``peak_node`` say where it happens (at the dims' hint values). With
     symbolic dims ``peak_bytes`` may be a ``sympy.Max`` of the candidate points (see
-    ``passes.liveness``). ``activation_bytes`` sums ``kept_bytes`` over non-input nodes;
+    ``passes.analysis.liveness``). ``activation_bytes`` sums ``kept_bytes`` over non-input nodes;
     ``input_bytes`` is the bytes of graph inputs that autograd saves (e.g. token ids).
     """
 
@@ -435,7 +435,7 @@ class PipelineSplit:
 
 
 # ---------------------------------------------------------------------------------------------
-# Activation checkpointing (passes/checkpoint_policy.py decides, passes/apply_checkpoint.py rewrites)
+# Activation checkpointing (passes/policies/checkpoint_policy.py decides, passes/rewrites/apply_checkpoint.py rewrites)
 CHECKPOINT = "checkpoint"
 CHECKPOINT_PLAN = "checkpoint_plan"
 
@@ -489,7 +489,7 @@ class CheckpointPlan:
 
 
 # ---------------------------------------------------------------------------------------------
-# Tensor parallelism (passes/tensor_parallel_patterns.py tags, passes/apply_tensor_parallel.py rewrites)
+# Tensor parallelism (passes/policies/tensor_parallel_patterns.py tags, passes/rewrites/apply_tensor_parallel.py rewrites)
 TENSOR_PARALLEL = "tensor_parallel"
 TENSOR_PARALLEL_PLAN = "tensor_parallel_plan"
 
@@ -540,8 +540,8 @@ class TensorParallelPlan:
 
 
 # ---------------------------------------------------------------------------------------------
-# Activation / optimizer-state offload (passes/offload_policy.py tags, passes/apply_offload.py
-# rewrites, runtime/kernels/offload.py and runtime/optimizer_offload.py run it)
+# Activation / optimizer-state offload (passes/policies/offload_policy.py tags, passes/rewrites/apply_offload.py
+# rewrites, runtime/kernels/offload.py and runtime/optim/optimizer_offload.py run it)
 OFFLOAD = "offload"
 OFFLOAD_PLAN = "offload_plan"
 
@@ -592,8 +592,8 @@ class OffloadPlan:
 
 
 # ---------------------------------------------------------------------------------------------
-# DAG rematerialization under checkpointing="dag" (passes/checkpoint_policy.py decides per op
-# output which are kept and which recomputed; passes/apply_checkpoint.py carries it out with
+# DAG rematerialization under checkpointing="dag" (passes/policies/checkpoint_policy.py decides per op
+# output which are kept and which recomputed; passes/rewrites/apply_checkpoint.py carries it out with
 # torch's selective activation checkpointing).
 REMAT = "remat"
 DAG_CHECKPOINT_PLAN = "dag_checkpoint_plan"
@@ -616,10 +616,10 @@ TENSOR_REMAT_PLAN = "tensor_remat_plan"
 @dataclass(frozen=True, kw_only=True)
 class TensorRematMeta:
     """``node.meta[TENSOR_REMAT]``: a per-tensor decision of the whole-graph remat model
-    (:mod:`passes.remat_solver`) on a plain (not checkpointed) graph, on every node the model
+    (:mod:`passes.solvers.remat_solver`) on a plain (not checkpointed) graph, on every node the model
     decides (nodes without it are views, getitems, sizes: made again from their inputs when a
     recompute reads them). ``action``: ``recompute`` (backward finds this node's saved storages
-    computed again on demand from its inputs: :class:`passes.tensor_remat.TensorRemat`),
+    computed again on demand from its inputs: :class:`passes.rewrites.tensor_remat.TensorRemat`),
     ``save`` (kept from forward), ``none`` (nothing of it is kept for backward)."""
 
     action: Literal["save", "recompute", "none"]
@@ -632,7 +632,7 @@ class TensorRematMeta:
 @dataclass(frozen=True, kw_only=True)
 class TensorRematPlan:
     """``gm.meta[TENSOR_REMAT_PLAN]``: what ``checkpointing="tensor"`` decided for this program
-    (:func:`passes.tensor_remat_policy.tensor_remat_policy`), at its concrete shapes.
+    (:func:`passes.policies.tensor_remat_policy.tensor_remat_policy`), at its concrete shapes.
 
     * ``budget_bytes``: bound on the activation bytes alive at every moment of backward when
       recomputes run on demand; ``peak_bytes``: the decision's (``feasible``: within the budget;

@@ -1,7 +1,7 @@
 """Activation offload ops: ``offload_begin``/``offload_end`` bracket one node so the tensors it
 saves for backward wait in host memory between forward and backward.
 
-Graph pattern (what :mod:`passes.apply_offload` inserts around a node ``N`` that saves
+Graph pattern (what :mod:`passes.rewrites.apply_offload` inserts around a node ``N`` that saves
 offloaded activations)::
 
     partitioner.offload_begin([%x_view], [%w, %b], True, 7)   # offload, keep, internals, region

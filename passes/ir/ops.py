@@ -34,12 +34,12 @@ op                        forward                       backward
 returns ``(loss [N], softmax [N, V/tp])``; its backward is local (softmax minus one-hot).
 
 ``sharded_dropout(x, p, dim, rank, degree, sections)`` returns ``(y, mask)``: dropout of a tp
-shard with the mask one device draws for the whole tensor (:mod:`passes.sharded_dropout`);
+shard with the mask one device draws for the whole tensor (:mod:`passes.rewrites.sharded_dropout`);
 backward ``grad * mask / (1 - p)``.
 
 ``split_point(x)`` is an identity (a copy) that marks where a stage's parameters first meet its
-data (after an embedding lookup) for split-backward schedules: :mod:`passes.split_backward`
-inserts it, :mod:`runtime.split_backward` finds its autograd node. Its kernel is here, not in the
+data (after an embedding lookup) for split-backward schedules: :mod:`passes.rewrites.split_backward`
+inserts it, :mod:`runtime.exec.split_backward` finds its autograd node. Its kernel is here, not in the
 runtime: it computes nothing process-specific.
 
 The offload ops (``offload_begin``/``offload_end``) are in :mod:`passes.ir.offload_ops`.

@@ -1,6 +1,6 @@
 """A parallel training plan: how to split one model over a cluster, and what it should cost.
 
-The search (:mod:`partitioner.search`) produces it; the lowering takes its
+The search (:mod:`partitioner.search.search`) produces it; the lowering takes its
 :class:`~passes.ir.config.ParallelConfig` (``plan.config``), and the report and dumps read the rest.
 ``Plan.to_json()`` / ``Plan.from_json()`` round-trip exactly (floats are written with ``repr``).
 Sizes are bytes, times seconds.
@@ -60,14 +60,14 @@ class Prediction:
     """Largest per-device peak over the stages, bytes."""
     bubble_fraction: float
     """Pipeline idle fraction of the schedule: (p−1)/v / (m + (p−1)/v), or for the zero-bubble
-    schedules their action lists simulated (``partitioner.cost_model.bubble_fraction``)."""
+    schedules their action lists simulated (``partitioner.cost.cost_model.bubble_fraction``)."""
     terms: dict[str, float]
     """``StepTimeTerms.to_dict()``: seconds by cause, and ``total``."""
     rank_peak_memory_bytes: tuple[float, ...] = ()
     """Peak bytes of each global rank (index = rank) when ``memory_model`` is ``"replay"``."""
     memory_model: Literal["analytic", "replay"] = "analytic"
     """Where the peaks come from: the search's per-layer model, or the exact replay of the rank
-    programs (:mod:`partitioner.memory_check`) that every returned plan of a captured model gets."""
+    programs (:mod:`partitioner.search.memory_check`) that every returned plan of a captured model gets."""
 
 
 @dataclass(frozen=True, kw_only=True)

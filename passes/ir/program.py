@@ -96,7 +96,7 @@ class RankProgram:
     ``sp_grad_params``: with sequence parallelism, the replicated parameters whose gradients are
     partial per tp rank and are summed over the tp group before the data-parallel sync.
     ``no_weight_decay``: names (every alias) of the parameters the default optimizer groups
-    leave without weight decay (:mod:`passes.weight_decay`).
+    leave without weight decay (:mod:`passes.analysis.weight_decay`).
     """
 
     rank: int

@@ -4,7 +4,7 @@ reduce-scattered back into the shards.
 Under ``zero_stage=3`` every parameter of a stage program is a flat *shard*: the parameter
 flattened, padded with zeros to a multiple of the dp degree ``d``, cut in ``d`` equal pieces;
 dp rank ``r`` holds piece ``r`` (:func:`shard_numel`, :func:`shard_of`).
-:mod:`passes.shard_parameters` inserts, before the first reader of a block's parameters in each
+:mod:`passes.rewrites.shard_parameters` inserts, before the first reader of a block's parameters in each
 graph (the stage's graph, or a checkpointed region's)::
 
     %g  = partitioner.zero3_gather([%w_shard, %b_shard], [[64, 32], [64]], 2, "dp", 0, 3)
@@ -132,7 +132,7 @@ class GatherSite:
 
 @dataclass(frozen=True, kw_only=True)
 class Zero3Plan:
-    """What :mod:`passes.shard_parameters` did to one stage program."""
+    """What :mod:`passes.rewrites.shard_parameters` did to one stage program."""
 
     degree: int
     group: str
@@ -158,7 +158,7 @@ def keeps_gathered(plans) -> bool:
 
 class GatherSchedule:
     """Which gathers a rank issues, and when: the rule :mod:`runtime.kernels.zero3` follows and
-    :mod:`passes.communication_check` and the memory replay replay. Keys are ``(stage, site)``.
+    :mod:`passes.checks.communication_check` and the memory replay replay. Keys are ``(stage, site)``.
 
     * :meth:`forward` (a forward gather of ``key``): ``key`` unless it was prefetched or is held,
       then the next ``prefetch`` sites of the stage's forward order neither held nor in flight;

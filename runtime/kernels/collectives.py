@@ -4,7 +4,7 @@ A custom op cannot take a ``ProcessGroup`` argument, so every op takes a group *
 up in a small registry (:func:`register_group`). A name maps to a handle that knows its rank:
 
 * :class:`DistGroup`: a ``torch.distributed`` process group (gloo on CPU, NCCL on GPU), whose
-  collectives go through :mod:`runtime.comm` (the mesh's timeout applies);
+  collectives go through :mod:`runtime.dist.comm` (the mesh's timeout applies);
 * :class:`SimulatedGroup`: one of ``n`` threads of one process running the tp rank programs in
   lockstep, all-reducing through shared memory and a barrier (tests without process spawning).
 
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from runtime import comm
+from runtime.dist import comm
 
 from passes.ir.errors import ConfigError
 from passes.ir.ops import REDUCE_OPS, qualname
@@ -73,7 +73,7 @@ class SimulatedGroup:
 
 @dataclass(frozen=True)
 class DistGroup:
-    """A ``torch.distributed`` process group (``None``: the default group), through :mod:`runtime.comm`."""
+    """A ``torch.distributed`` process group (``None``: the default group), through :mod:`runtime.dist.comm`."""
 
     group: object = None
 

@@ -5,7 +5,7 @@ handles have no point-to-point or all-to-all, so this one adds the two exchanges
 of each kind of handle:
 
 * ``shift``: every rank sends one tensor to rank+1 and receives rank-1's (the ring step). On a
-  :class:`DistGroup` one ``batch_isend_irecv`` per step through :func:`runtime.comm.post_p2p`
+  :class:`DistGroup` one ``batch_isend_irecv`` per step through :func:`runtime.dist.comm.post_p2p`
   (receive and send posted together, peers as global ranks), so it runs on gloo and NCCL alike;
 * ``all_to_all``: part ``j`` of this rank to rank ``j``, part ``j`` received from rank ``j``
   (``all_to_all_single`` on the group's device, waited with the group's timeout).
@@ -37,7 +37,7 @@ from passes.ir.cp_ops import (
 )
 from passes.ir.errors import ConfigError
 from passes.ir.ops import qualname
-from runtime import comm
+from runtime.dist import comm
 from runtime.kernels.collectives import DistGroup, SimulatedGroup, TraceGroup, get_group
 
 

@@ -24,7 +24,7 @@ One :class:`ParamGatherer` per rank and model, registered under the program's Ze
 
 Every dp rank issues the same gathers in the same order (same program, same prefetch rule), so
 the group's collectives match; the rule is :class:`passes.ir.zero3_ops.GatherSchedule`, which
-:mod:`passes.communication_check` replays to check the order before the first step.
+:mod:`passes.checks.communication_check` replays to check the order before the first step.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from passes.ir.errors import ConfigError
 from passes.ir.ops import qualname
 from passes.ir.zero3_ops import ZERO3_PREFETCH, GatherSchedule, GatherSite, shard_numel
-from runtime import comm
+from runtime.dist import comm
 
 _GATHERERS: dict[str, "ParamGatherer"] = {}
 
@@ -56,7 +56,7 @@ def gatherer(name: str) -> "ParamGatherer":
         return _GATHERERS[name]
     except KeyError:
         raise ConfigError(f"zero3: no ZeRO-3 group {name!r} is registered in this process; run the program "
-                          f"through runtime.parallel_model.ParallelModel, which registers it") from None
+                          f"through runtime.exec.parallel_model.ParallelModel, which registers it") from None
 
 
 @dataclass
@@ -307,6 +307,6 @@ MEASURED_KERNELS = {
     torch.ops.partitioner.zero3_gather.default: gather_kernel,
     torch.ops.partitioner.zero3_reduce_scatter.default: reduce_scatter_kernel,
 }
-"""The ZeRO-3 kernels by op, for :class:`runtime.measure.LiveBytes`: a dispatch mode is off inside a
+"""The ZeRO-3 kernels by op, for :class:`runtime.observe.measure.LiveBytes`: a dispatch mode is off inside a
 custom op's kernel, and these allocate there what a device's allocator would count (prefetched
 gathers, the reduce-scatter's fp32 buffers), so the mode runs them itself to see it."""

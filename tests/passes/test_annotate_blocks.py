@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from partitioner.model_spec import build_model
-from passes.annotate_blocks import annotate_blocks, find_blocks, layer_of
-from passes.capture import capture_model, capture_spec
+from partitioner.inputs.models import build_model
+from passes.analysis.annotate_blocks import annotate_blocks, find_blocks, layer_of
+from passes.capture.capture import capture_model, capture_spec
 from passes.ir.meta import BLOCK, LAYER_CHAIN, InputSpec
 
 

@@ -10,10 +10,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from partitioner.errors import AnalysisError
-from partitioner.model_spec import build_model, known_models
-from passes.annotate_flops import annotate_flops
-from passes.annotate_shapes import annotate_shapes
-from passes.capture import capture_model, capture_spec
+from partitioner.inputs.models import build_model, known_models
+from passes.analysis.annotate_flops import annotate_flops
+from passes.analysis.annotate_shapes import annotate_shapes
+from passes.capture.capture import capture_model, capture_spec
 from passes.ir.meta import FLOP_SUMMARY, FLOPS, FlopMeta, InputSpec, dim_symbol
 
 B, S = dim_symbol("batch"), dim_symbol("seq")
@@ -274,10 +274,10 @@ def test_checkpointed_regions_charge_what_their_replay_runs(policy):
     rewritten graph then gives FlopCounterMode's count of a real step, recompute included."""
     import copy
 
-    from passes.annotate_blocks import annotate_blocks
-    from passes.annotate_flops import checkpoint_submodule, recompute_flops
-    from passes.apply_checkpoint import apply_checkpoint
-    from passes.checkpoint_policy import checkpoint_policy
+    from passes.analysis.annotate_blocks import annotate_blocks
+    from passes.analysis.annotate_flops import checkpoint_submodule, recompute_flops
+    from passes.rewrites.apply_checkpoint import apply_checkpoint
+    from passes.policies.checkpoint_policy import checkpoint_policy
     from passes.ir.meta import CHECKPOINT_PLAN, DAG_CHECKPOINT_PLAN
 
     spec = build_model(ZOO_SPECS["resnet"] + ",batch=8")

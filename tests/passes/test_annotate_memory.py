@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from partitioner.errors import ConfigError
-from passes.annotate_memory import annotate_memory
-from passes.capture import capture_model
+from passes.analysis.annotate_memory import annotate_memory
+from passes.capture.capture import capture_model
 from passes.ir.meta import MEMORY, MEMORY_SUMMARY, InputSpec, dim_symbol
 
 B = dim_symbol("batch")

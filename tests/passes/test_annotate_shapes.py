@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from passes.annotate_shapes import annotate_shapes
-from passes.capture import capture_model
+from passes.analysis.annotate_shapes import annotate_shapes
+from passes.capture.capture import capture_model
 from passes.ir.meta import SHAPE, InputSpec, dim_symbol
 
 B, S = dim_symbol("batch"), dim_symbol("seq")
@@ -84,9 +84,9 @@ def test_symbolic_shapes_from_export_equal_the_symbolic_fake_run(spec):
     # a fresh capture takes its symbolic shapes from export and requires_grad from a run at the hints
     import copy
 
-    from partitioner.build import capture_training_step
-    from partitioner.model_spec import build_model
-    from passes import annotate_shapes as shapes
+    from partitioner.api.build import capture_training_step
+    from partitioner.inputs.models import build_model
+    from passes.analysis import annotate_shapes as shapes
 
     gm = capture_training_step(build_model(spec))
     fast = shapes._from_export(gm, gm.meta["capture"])

@@ -10,13 +10,13 @@ import torch
 from torch import fx
 
 from partitioner.errors import PassError
-from partitioner.model_spec import build_model
-from passes.annotate_flops import annotate_flops
-from passes.annotate_blocks import annotate_blocks
-from passes.annotate_shapes import annotate_shapes
-from passes.apply_checkpoint import apply_checkpoint
-from passes.capture import capture_spec
-from passes.checkpoint_policy import checkpoint_policy
+from partitioner.inputs.models import build_model
+from passes.analysis.annotate_flops import annotate_flops
+from passes.analysis.annotate_blocks import annotate_blocks
+from passes.analysis.annotate_shapes import annotate_shapes
+from passes.rewrites.apply_checkpoint import apply_checkpoint
+from passes.capture.capture import capture_spec
+from passes.policies.checkpoint_policy import checkpoint_policy
 from passes.ir.meta import CHECKPOINT, CHECKPOINT_PLAN
 
 L = 3

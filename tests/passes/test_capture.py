@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from partitioner.errors import CaptureError
-from partitioner.model_spec import build_model
-from passes.annotate_shapes import annotate_shapes
-from passes.capture import capture_model, capture_spec
+from partitioner.inputs.models import build_model
+from passes.analysis.annotate_shapes import annotate_shapes
+from passes.capture.capture import capture_model, capture_spec
 from passes.ir.meta import CAPTURE, SHAPE, InputSpec, dim_symbol
 
 SEQ = ("batch", "seq")

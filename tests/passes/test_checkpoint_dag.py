@@ -20,14 +20,14 @@ import pytest
 import torch
 from torch import fx
 
-from partitioner.model_spec import build_model
-from passes.annotate_blocks import annotate_blocks
-from passes.annotate_flops import annotate_flops
-from passes.annotate_memory import annotate_memory
-from passes.annotate_shapes import annotate_shapes
-from passes.apply_checkpoint import SelectiveRecompute, apply_checkpoint, op_policy, running_node
-from passes.capture import capture_spec
-from passes.checkpoint_policy import checkpoint_policy, dag_default_budget, block_regions, _saved_model
+from partitioner.inputs.models import build_model
+from passes.analysis.annotate_blocks import annotate_blocks
+from passes.analysis.annotate_flops import annotate_flops
+from passes.analysis.annotate_memory import annotate_memory
+from passes.analysis.annotate_shapes import annotate_shapes
+from passes.rewrites.apply_checkpoint import SelectiveRecompute, apply_checkpoint, op_policy, running_node
+from passes.capture.capture import capture_spec
+from passes.policies.checkpoint_policy import checkpoint_policy, dag_default_budget, block_regions, _saved_model
 from passes.ir.meta import CAPTURE, CHECKPOINT_PLAN, DAG_CHECKPOINT_PLAN, MEMORY_SUMMARY, REMAT
 from tests.passes.test_checkpoint_memory import measured_peak
 
@@ -139,7 +139,7 @@ def test_policy_keeps_cached_op_outputs_only():
         return torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE if keep \
             else torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 
-    import passes.apply_checkpoint as ac
+    import passes.rewrites.apply_checkpoint as ac
     original = ac._sac_policy
     ac._sac_policy = spy
     try:
@@ -188,11 +188,11 @@ def test_budget_table_against_block_level_and_the_whole_graph_milp(name):
     ``problem_from_view(to_networkx(gm))``), a lower bound: that model recomputes any node on its
     own and may drop a region's boundary tensor, which ``torch.utils.checkpoint`` always keeps.
     Prints (budget bytes, dag FLOPs, MILP optimum FLOPs, block-level FLOPs, dag / forward FLOPs)."""
-    from passes.graph_view import to_networkx
+    from passes.analysis.graph_view import to_networkx
     from passes.ir.meta import FLOP_SUMMARY
-    from passes.remat_solver import RematCosts, evaluate, problem_from_view, solve_milp
+    from passes.solvers.remat_solver import RematCosts, evaluate, problem_from_view, solve_milp
 
-    from passes import checkpoint_policy as policy
+    from passes.policies import checkpoint_policy as policy
 
     _, gm, _, _ = _captured(name)
     regions, saved, hints = block_regions(gm), _saved_model(gm), gm.meta[CAPTURE].symbols()
@@ -228,7 +228,7 @@ def test_budget_table_against_block_level_and_the_whole_graph_milp(name):
 def test_one_milp_matches_every_subset_on_eight_blocks(fraction):
     """Eight GPT blocks (8 regions, 256 sets of them): the dag policy's single MILP finds the same
     optimum (FLOPs and bytes) as solving the cached nodes of every set of regions and taking the best."""
-    from passes import checkpoint_policy as policy
+    from passes.policies import checkpoint_policy as policy
 
     gm = annotate_flops(annotate_blocks(annotate_shapes(capture_spec(
         build_model("gpt:layers=8,hidden=32,heads=2,vocab=64,seq=16")))))
@@ -251,7 +251,7 @@ def test_dag_choice_is_the_same_whatever_the_storage_order():
     MILP must pick the same one when the saved-storage table comes in another order (it once
     came in the address order of a set of storages, and ranks checkpointed different blocks:
     their tp all-reduces then paired a recompute with a backward, and the gradients were wrong)."""
-    from passes import checkpoint_policy as policy
+    from passes.policies import checkpoint_policy as policy
     from tests.runtime_cases import MODELS as RUNTIME_MODELS
 
     gm = annotate_flops(annotate_blocks(annotate_shapes(capture_spec(build_model(RUNTIME_MODELS["hf-gpt2"])))))
@@ -276,9 +276,9 @@ def test_each_pipeline_stage_saves_its_share():
     (``dag_stage_budgets``). Without those rows the one budget over four equal GPT-2 blocks can
     leave one stage's blocks saved while the other's are recomputed (the search, which prices
     dag per block, then under-estimates the first stage's peak: 16% on hf-gpt2 at pp=2)."""
-    from passes import checkpoint_policy as policy
+    from passes.policies import checkpoint_policy as policy
     from passes.ir.meta import LAYER_CHAIN
-    from passes.pipeline_split import chain_starts
+    from passes.policies.pipeline_stages import chain_starts
     from tests.runtime_cases import MODELS as RUNTIME_MODELS
 
     gm = annotate_flops(annotate_blocks(annotate_shapes(capture_spec(build_model(RUNTIME_MODELS["hf-gpt2"])))))

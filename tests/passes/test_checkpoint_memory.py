@@ -13,16 +13,16 @@ import pytest
 import sympy
 import torch
 from torch import fx
-from runtime.measure import memtracker_step_peak
+from runtime.observe.measure import memtracker_step_peak
 
-from partitioner.model_spec import build_model
-from passes.annotate_flops import annotate_flops
-from passes.annotate_memory import annotate_memory
-from passes.annotate_blocks import annotate_blocks
-from passes.annotate_shapes import annotate_shapes
-from passes.apply_checkpoint import apply_checkpoint
-from passes.capture import capture_spec
-from passes.checkpoint_policy import checkpoint_policy
+from partitioner.inputs.models import build_model
+from passes.analysis.annotate_flops import annotate_flops
+from passes.analysis.annotate_memory import annotate_memory
+from passes.analysis.annotate_blocks import annotate_blocks
+from passes.analysis.annotate_shapes import annotate_shapes
+from passes.rewrites.apply_checkpoint import apply_checkpoint
+from passes.capture.capture import capture_spec
+from passes.policies.checkpoint_policy import checkpoint_policy
 from passes.ir.meta import CHECKPOINT_PLAN, FLOP_SUMMARY, FLOPS, MEMORY_SUMMARY, dim_symbol
 
 SPEC = "gpt:layers=2,hidden=64,heads=4,vocab=256,seq=32,batch=8"

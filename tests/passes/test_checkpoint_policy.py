@@ -8,13 +8,13 @@ import torch
 from torch import fx, nn
 
 from partitioner.errors import ConfigError, PassError
-from partitioner.model_spec import build_model
-from passes.annotate_flops import annotate_flops
-from passes.annotate_memory import annotate_memory
-from passes.annotate_blocks import annotate_blocks
-from passes.annotate_shapes import annotate_shapes
-from passes.capture import capture_spec
-from passes.checkpoint_policy import (attention_regions, block_of, block_regions, checkpoint_policy, cut_points,
+from partitioner.inputs.models import build_model
+from passes.analysis.annotate_flops import annotate_flops
+from passes.analysis.annotate_memory import annotate_memory
+from passes.analysis.annotate_blocks import annotate_blocks
+from passes.analysis.annotate_shapes import annotate_shapes
+from passes.capture.capture import capture_spec
+from passes.policies.checkpoint_policy import (attention_regions, block_of, block_regions, checkpoint_policy, cut_points,
                                       segments)
 from passes.ir.meta import CHECKPOINT, CHECKPOINT_PLAN, FLOPS, MEMORY_SUMMARY, CheckpointMeta
 
@@ -173,7 +173,7 @@ def test_a_copy_of_an_observed_graph_reuses_its_run_and_decides_alike(gpt, monke
     """The saved-tensor observation is remembered by graph (every plan tags a deep copy of one
     analysed graph): the copy's decision is the one a fresh observation gives, on its own
     nodes; a graph with other parameter shapes is observed again."""
-    from passes import checkpoint_policy as policy
+    from passes.policies import checkpoint_policy as policy
 
     runs = []
     observe = policy._observe_saved

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from partitioner.errors import ConfigError
-from passes.checkpoint_solver import ChainSegment, kept_bytes, solve_chain
+from passes.solvers.checkpoint_solver import ChainSegment, kept_bytes, solve_chain
 
 
 def _brute_force(segments, budget, base):

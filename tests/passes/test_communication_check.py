@@ -1,4 +1,4 @@
-"""The pre-launch communication check (passes/communication_check.py) on real lowered programs.
+"""The pre-launch communication check (passes/checks/communication_check.py) on real lowered programs.
 
 Plans of small models pass; copies of their rank programs broken the ways that hang real jobs
 (a missing receive, swapped tp collectives, a dp bucket of another size, a dtype mismatch, a
@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partitioner.build import capture_for_pipeline, lower_all, lower_checked_all
-from partitioner.cluster import Cluster
-from partitioner.model_spec import build_model
-from passes.communication_check import (
+from partitioner.api.build import capture_for_pipeline, lower_all, lower_checked_all
+from partitioner.cost.cluster import Cluster
+from partitioner.inputs.models import build_model
+from passes.checks.communication_check import (
     CommunicationMismatchError,
     check_communication,
     check_lowering,
@@ -230,7 +230,7 @@ def test_grid_marks_the_row():
 # The check derives what the runtime issues (no drift)
 
 def test_bucket_layout_is_the_runtimes():
-    from runtime.grad_sync import BucketedGradSync
+    from runtime.optim.grad_sync import BucketedGradSync
 
     params = [nn.Parameter(torch.zeros(n, dtype=dt)) for n, dt in
               [(300_000, torch.float32), (5, torch.float32), (7, torch.bfloat16), (9, torch.float32), (3, torch.float32)]]
@@ -260,12 +260,12 @@ RUNTIME_CASES = [  # (model, knobs, ranks to play)
 
 def _record_runtime_calls(program, spec, global_batch: int):
     """The (group, op, numel, dtype) of every call ``ParallelModel.train_step`` makes through
-    runtime.comm as rank ``program.rank``, on torch's fake process group."""
+    runtime.dist.comm as rank ``program.rank``, on torch's fake process group."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from runtime import comm
-    from runtime.mesh import Mesh
-    from runtime.parallel_model import ParallelModel
+    from runtime.dist import comm
+    from runtime.dist.mesh import Mesh
+    from runtime.exec.parallel_model import ParallelModel
 
     c = program.config
     calls = []
@@ -325,9 +325,9 @@ def test_derived_calls_are_what_the_runtime_issues(model, knobs, ranks):
 
 def _lowered_ranks(model: str, config: ParallelConfig, *, plan: str = "plan"):
     """What each process of a job tells the others: it lowers only its own rank's programs."""
-    from passes.communication_check import LoweredRank
-    from passes.lower import lower, programs_of
-    from partitioner.cost_model import cost_hooks
+    from passes.checks.communication_check import LoweredRank
+    from passes.lowering.lower import lower, programs_of
+    from partitioner.cost.cost_model import cost_hooks
 
     out = []
     for r in range(config.world_size):
@@ -339,10 +339,10 @@ def _lowered_ranks(model: str, config: ParallelConfig, *, plan: str = "plan"):
 
 
 def test_each_rank_lowering_only_its_own_programs_gets_the_calls_of_the_whole_lowering():
-    """A process lowers only its rank's programs (partitioner.build.build_parallel_model); its
+    """A process lowers only its rank's programs (partitioner.api.build.build_parallel_model); its
     calls are those of the same rank in a lowering of every program, and the ranks' gathered
     summaries pass the check, where one rank's calls from another plan do not."""
-    from passes.communication_check import check_lowered_ranks
+    from passes.checks.communication_check import check_lowered_ranks
 
     config = ParallelConfig.for_global_batch(8, dp=1, tp=2, pp=2, schedule="1f1b", num_micro_batches=2)
     ranks = _lowered_ranks(GPT, config)
@@ -361,7 +361,7 @@ def test_each_rank_lowering_only_its_own_programs_gets_the_calls_of_the_whole_lo
 
 
 def test_dp_peers_that_lowered_their_program_differently_are_named():
-    from passes.communication_check import check_lowered_ranks
+    from passes.checks.communication_check import check_lowered_ranks
 
     config = ParallelConfig.for_global_batch(8, dp=2, pp=2, schedule="1f1b", num_micro_batches=2)
     ranks = _lowered_ranks(GPT, config)

@@ -16,11 +16,11 @@ from torch import nn
 
 import runtime.kernels  # noqa: F401  (the real kernels of the cp ops)
 import runtime.kernels.collectives as tpc
-from partitioner.model_spec import build_model
-from passes.annotate_shapes import annotate_shapes
-from passes.capture import capture_model, capture_spec
-from passes.context_parallel import apply_context_parallel, context_parallel_problems
-from passes.tensor_parallel_patterns import sharded_param_bytes, tag_tensor_parallel
+from partitioner.inputs.models import build_model
+from passes.analysis.annotate_shapes import annotate_shapes
+from passes.capture.capture import capture_model, capture_spec
+from passes.rewrites.context_parallel import apply_context_parallel, context_parallel_problems
+from passes.policies.tensor_parallel_patterns import sharded_param_bytes, tag_tensor_parallel
 from passes.ir.cp_ops import (
     CONTEXT_PARALLEL,
     load_balanced_chunks,

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from ir_dumps.writer import program_text
-from partitioner.build import capture_for_pipeline, rank_program
-from partitioner.model_spec import build_model
+from partitioner.api.build import capture_for_pipeline, rank_program
+from partitioner.inputs.models import build_model
 from passes.ir.config import ParallelConfig
 from passes.ir.errors import PassError
 from passes.ir.graph_transfer import PASS_KEYS, pack_graph, unpack_graph

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from partitioner.errors import ModelSpecError, PassError
-from partitioner.model_spec import build_model
-from passes.annotate_blocks import annotate_blocks
-from passes.annotate_flops import annotate_flops
-from passes.annotate_memory import annotate_memory
-from passes.annotate_shapes import annotate_shapes
-from passes.capture import capture_spec
-from passes.checkpoint_policy import cut_points
-from passes.graph_view import forward_cut_points, generations, to_networkx, trunk
+from partitioner.inputs.models import build_model
+from passes.analysis.annotate_blocks import annotate_blocks
+from passes.analysis.annotate_flops import annotate_flops
+from passes.analysis.annotate_memory import annotate_memory
+from passes.analysis.annotate_shapes import annotate_shapes
+from passes.capture.capture import capture_spec
+from passes.policies.checkpoint_policy import cut_points
+from passes.analysis.graph_view import forward_cut_points, generations, to_networkx, trunk
 from passes.ir.meta import BLOCK, FLOP_SUMMARY, LAYER_CHAIN, MEMORY_SUMMARY
 
 MODELS = {
@@ -223,7 +223,7 @@ REGIONS = {
 
 @pytest.mark.parametrize("name", sorted(REGION_MODELS))
 def test_checkpoint_regions_are_one_per_block_between_the_dominators(name):
-    from passes.checkpoint_policy import block_regions
+    from passes.policies.checkpoint_policy import block_regions
 
     spec = build_model(REGION_MODELS[name], device="cpu" if name.startswith("hf-") else "meta")
     gm = annotate_flops(annotate_blocks(annotate_shapes(capture_spec(spec))))
@@ -242,7 +242,7 @@ def test_what_draws_random_numbers(dropout_p):
     and fused attention whatever its dropout_p (torch tags it nondeterministic_seeded); not relu."""
     from torch import fx
 
-    from passes.graph_view import draws_random
+    from passes.analysis.graph_view import draws_random
 
     g = fx.Graph()
     q = g.placeholder("q")

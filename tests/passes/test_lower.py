@@ -6,16 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from partitioner.build import capture_for_pipeline
-from partitioner.cluster import Cluster
-from partitioner.cost_model import cost_hooks
-from partitioner.model_spec import build_model
+from partitioner.api.build import capture_for_pipeline
+from partitioner.cost.cluster import Cluster
+from partitioner.cost.cost_model import cost_hooks
+from partitioner.inputs.models import build_model
 from passes.ir.config import ParallelConfig
 from passes.ir.errors import ConfigError, PassError
 from passes.ir.meta import CAPTURE, MEMORY_SUMMARY, SHAPE
-from passes.lower import lower
-from passes.manager import Pass, PassManager, pipeline_text
-from passes.pipelines import ORDER, make_pass, manager, parse_pipeline, stage_passes, whole_graph_passes
+from passes.lowering.lower import lower
+from passes.lowering.manager import Pass, PassManager, pipeline_text
+from passes.lowering.pipelines import ORDER, make_pass, manager, parse_pipeline, stage_passes, whole_graph_passes
 
 GPT = "gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 COST = cost_hooks(Cluster.preset("local-cpu"))

@@ -8,8 +8,8 @@ from torch import fx, nn
 
 from partitioner.errors import PassError
 from ir_dumps.writer import DumpWriter
-from passes.manager import Pass, PassContext, PassManager, _adapt
-from passes.pipelines import analysis_passes
+from passes.lowering.manager import Pass, PassContext, PassManager, _adapt
+from passes.lowering.pipelines import analysis_passes
 from passes.ir.meta import CAPTURE, FLOP_SUMMARY, FLOPS, SHAPE, FlopMeta, FlopSummary, ShapeMeta, TensorMeta, dim_symbol
 
 B = dim_symbol("batch")
@@ -102,7 +102,7 @@ def test_missing_requirement_names_the_provider():
     assert "pass 'fake_flops' requires meta 'shape'" in msg
     assert "Pass 'fake_shapes' provides it but runs later" in msg
 
-    with pytest.raises(PassError, match=r"Run passes.capture.capture_model before 'needs_capture'"):
+    with pytest.raises(PassError, match=r"Run passes.capture.capture.capture_model before 'needs_capture'"):
         PassManager([Pass(name="needs_capture", fn=lambda gm, ctx: gm, requires=(CAPTURE,))]).run(tiny_gm())
 
 

@@ -1,5 +1,5 @@
 """Activation offload (offload_policy tags, apply_offload rewrites, runtime.kernels.offload runs) and
-optimizer-state offload (runtime.optimizer_offload)."""
+optimizer-state offload (runtime.optim.optimizer_offload)."""
 from __future__ import annotations
 
 import copy
@@ -9,21 +9,21 @@ import pytest
 import sympy
 import torch
 
-from partitioner.cost_model import cost_hooks
-from partitioner.cluster import Cluster, Link
+from partitioner.cost.cost_model import cost_hooks
+from partitioner.cost.cluster import Cluster, Link
 from partitioner.errors import ConfigError, PassError
-from partitioner.model_spec import build_model
-from passes.annotate_flops import annotate_flops
-from passes.annotate_memory import annotate_memory
-from passes.annotate_blocks import annotate_blocks
-from passes.annotate_shapes import annotate_shapes
-from passes.apply_offload import apply_offload
-from passes.capture import capture_spec
+from partitioner.inputs.models import build_model
+from passes.analysis.annotate_flops import annotate_flops
+from passes.analysis.annotate_memory import annotate_memory
+from passes.analysis.annotate_blocks import annotate_blocks
+from passes.analysis.annotate_shapes import annotate_shapes
+from passes.rewrites.apply_offload import apply_offload
+from passes.capture.capture import capture_spec
 from passes.ir.meta import MEMORY, MEMORY_SUMMARY, OFFLOAD, OFFLOAD_PLAN
-from passes.offload_policy import offload_policy
+from passes.policies.offload_policy import offload_policy
 from passes.ir import offload_ops as offload_graph
 from runtime.kernels import offload as offload_ops
-from runtime.optimizer_offload import HostOffloadedOptimizer
+from runtime.optim.optimizer_offload import HostOffloadedOptimizer
 
 SPEC = "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=16"
 
@@ -240,8 +240,8 @@ def test_host_adamw_matches_device_adamw_over_three_steps():
 
 
 def test_offload_after_full_checkpointing_moves_the_region_inputs_and_stays_exact(annotated, inputs):
-    from passes.apply_checkpoint import apply_checkpoint
-    from passes.checkpoint_policy import checkpoint_policy
+    from passes.rewrites.apply_checkpoint import apply_checkpoint
+    from passes.policies.checkpoint_policy import checkpoint_policy
 
     expected = _step(copy.deepcopy(annotated), inputs)
     gm = apply_checkpoint(checkpoint_policy(copy.deepcopy(annotated), policy="full"))

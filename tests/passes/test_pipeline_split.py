@@ -7,15 +7,15 @@ import torch
 from torch import nn
 
 from partitioner.errors import PassError
-from partitioner.model_spec import build_model
-from passes.annotate_blocks import annotate_blocks
-from passes.annotate_shapes import annotate_shapes
-from passes.capture import capture_model, capture_spec, module_path
+from partitioner.inputs.models import build_model
+from passes.analysis.annotate_blocks import annotate_blocks
+from passes.analysis.annotate_shapes import annotate_shapes
+from passes.capture.capture import capture_model, capture_spec, module_path
 from passes.ir.meta import PIPELINE_STAGE, InputSpec, StageInput, StageIO, StageOutput, TensorMeta, dim_symbol
-from passes.pipeline_split import (
-    assign_stages, assign_stages_by_layers, balanced_boundaries, find_layers, split_pipeline_stages,
-    stage_rank_chunk,
+from passes.policies.pipeline_stages import (
+    assign_stages, assign_stages_by_layers, balanced_boundaries, find_layers, stage_rank_chunk,
 )
+from passes.rewrites.pipeline_split import split_pipeline_stages
 
 B, S = dim_symbol("batch"), dim_symbol("seq")
 GPT = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=16,dropout=0.0"

@@ -12,17 +12,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from partitioner.errors import ConfigError, PassError
-from partitioner.model_spec import build_model
-from passes.annotate_blocks import annotate_blocks
-from passes.annotate_flops import annotate_flops
-from passes.annotate_memory import annotate_memory
-from passes.annotate_shapes import annotate_shapes
-from passes.capture import capture_spec
-from passes.checkpoint_policy import checkpoint_policy
-from passes.checkpoint_solver import ChainSegment, solve_chain
-from passes.graph_view import to_networkx
+from partitioner.inputs.models import build_model
+from passes.analysis.annotate_blocks import annotate_blocks
+from passes.analysis.annotate_flops import annotate_flops
+from passes.analysis.annotate_memory import annotate_memory
+from passes.analysis.annotate_shapes import annotate_shapes
+from passes.capture.capture import capture_spec
+from passes.policies.checkpoint_policy import checkpoint_policy
+from passes.solvers.checkpoint_solver import ChainSegment, solve_chain
+from passes.analysis.graph_view import to_networkx
 from passes.ir.meta import CHECKPOINT_PLAN, MEMORY_SUMMARY
-from passes.remat_solver import (RematCosts, RematProblem, Storage, backward_peak, evaluate, from_checkpoint_plan,
+from passes.solvers.remat_solver import (RematCosts, RematProblem, Storage, backward_peak, evaluate, from_checkpoint_plan,
                                  problem_from_view, solve_brute_force, solve_milp, solve_min_cut)
 
 GPU = RematCosts(device_flops_per_s=1e12)  # no host link: save or recompute
@@ -288,7 +288,7 @@ def test_the_peak_bound_keeps_what_no_backward_unpacks():
 
 
 def test_every_milp_solve_has_a_time_limit_and_the_decision_its_gap(monkeypatch):
-    import passes.remat_solver as solver
+    import passes.solvers.remat_solver as solver
 
     limits = []
 
@@ -312,7 +312,7 @@ def test_every_milp_solve_has_a_time_limit_and_the_decision_its_gap(monkeypatch)
 
 
 def test_out_of_time_without_a_solution_recomputes_nothing_and_says_so(monkeypatch):
-    import passes.remat_solver as solver
+    import passes.solvers.remat_solver as solver
     from scipy.optimize import OptimizeResult
 
     calls = []

@@ -11,13 +11,13 @@ from torch import fx
 
 import runtime.kernels.collectives as tpc
 from partitioner.errors import ConfigError
-from partitioner.model_spec import build_model
-from passes.annotate_shapes import annotate_shapes
-from passes.apply_tensor_parallel import apply_tensor_parallel
+from partitioner.inputs.models import build_model
+from passes.analysis.annotate_shapes import annotate_shapes
+from passes.rewrites.apply_tensor_parallel import apply_tensor_parallel
 from passes.ir.program import unshard_tensor
-from passes.capture import capture_spec
+from passes.capture.capture import capture_spec
 from passes.ir.meta import SHAPE, TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN, dim_symbol
-from passes.tensor_parallel_patterns import tag_tensor_parallel
+from passes.policies.tensor_parallel_patterns import tag_tensor_parallel
 from tests.passes.tp_graphs import run_simulated_step, tagged_tp2
 from tests.runtime_cases import packed_graph, unpacked_graph
 
@@ -106,8 +106,8 @@ def test_sequence_not_divisible_by_tp_is_a_config_error():
 
 
 def test_rank_programs_of_a_pipeline_split():
-    from partitioner.build import capture_for_pipeline, lower_all
-    from partitioner.cluster import Cluster
+    from partitioner.api.build import capture_for_pipeline, lower_all
+    from partitioner.cost.cluster import Cluster
     from passes.ir.config import ParallelConfig
 
     graph = capture_for_pipeline(build_model(SPECS["gpt"], device="meta"))
@@ -126,7 +126,7 @@ def test_rank_programs_of_a_pipeline_split():
     position = [o.name for o in progs[0].io[0].outputs].index(out.name)
     sent = stage0.graph.output_node().args[0][position]
     assert sent.target is torch.ops.aten.add.Tensor  # the residual add, on this rank's chunk
-    from passes.communication_check import check_lowering
+    from passes.checks.communication_check import check_lowering
     summary = check_lowering(lowering)  # the sends and receives agree on the chunk's size
     assert summary
     assert progs[0].sp_grad_params == progs[1].sp_grad_params
@@ -149,9 +149,9 @@ def _batches(spec):
 
 def _train(cases, payload):
     """On each rank: every case's results. ``payload``: the model's graph, captured once by the test process."""
-    from partitioner.build import build_parallel_model
+    from partitioner.api.build import build_parallel_model
     from passes.ir.config import ParallelConfig
-    from runtime.mesh import Mesh, init_distributed
+    from runtime.dist.mesh import Mesh, init_distributed
 
     init_distributed(timeout_s=200)
     spec, graph = unpacked_graph(GPT, payload)
@@ -173,7 +173,7 @@ def _train(cases, payload):
 
 
 def test_parallel_model_with_sequence_parallel_matches_one_device():
-    from runtime.launch import spawn
+    from runtime.dist.launch import spawn
     from tests.one_device import train_one_device
 
     results = spawn(_train, 4, CASES, packed_graph(GPT), timeout_s=300)

@@ -8,15 +8,15 @@ import math
 import pytest
 import torch
 
-from partitioner.build import capture_for_pipeline
-from partitioner.cluster import Cluster
-from partitioner.cost_model import cost_hooks
-from partitioner.model_spec import build_model
-from passes.communication_check import check_lowering, rank_calls
+from partitioner.api.build import capture_for_pipeline
+from partitioner.cost.cluster import Cluster
+from partitioner.cost.cost_model import cost_hooks
+from partitioner.inputs.models import build_model
+from passes.checks.communication_check import check_lowering, rank_calls
 from passes.ir.config import ParallelConfig
 from passes.ir.errors import CommunicationMismatchError, ConfigError
 from passes.ir.zero3_ops import ZERO3_GATHER, ZERO3_PLAN, GatherSchedule, GatherSite, shard_of, unshard
-from passes.lower import lower
+from passes.lowering.lower import lower
 
 GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 
@@ -130,7 +130,7 @@ def test_a_rank_that_gathers_a_site_again_where_its_peer_does_not_is_caught(grap
     programs = [low.rank_program(r) for r in range(2)]
     other = copy_program_with_plan(programs[1], lambda plan: dataclasses.replace(
         plan, sites=tuple(dataclasses.replace(s, regather=False, savers=()) if s.site == 2 else s for s in plan.sites)))
-    from passes.communication_check import check_communication
+    from passes.checks.communication_check import check_communication
     check_communication(programs)
     with pytest.raises(CommunicationMismatchError, match="zero3"):
         check_communication([programs[0], other])
@@ -201,7 +201,7 @@ def test_keeping_the_gathered_parameters_halves_the_gathers(graph):
     gm = plans[True].programs[(0, 0)]
     plan = gm.meta[ZERO3_PLAN]
     assert not plan.reshard_after_forward and plans[False].programs[(0, 0)].meta[ZERO3_PLAN].reshard_after_forward
-    from passes.lower import pipeline_texts
+    from passes.lowering.lower import pipeline_texts
     assert any("reshard_after_forward=false" in t for t in pipeline_texts(plans[True]).values())
     sites = len(plan.sites)
     counts = {}

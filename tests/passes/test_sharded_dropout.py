@@ -7,7 +7,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import runtime.kernels  # noqa: F401
-from passes.apply_tensor_parallel import apply_tensor_parallel
+from passes.rewrites.apply_tensor_parallel import apply_tensor_parallel
 from tests.passes.tp_graphs import tagged_tp2
 
 drop = torch.ops.partitioner.sharded_dropout

@@ -1,4 +1,4 @@
-"""split_backward (the pass) and runtime.split_backward (I then W on the autograd graph).
+"""split_backward (the pass) and runtime.exec.split_backward (I then W on the autograd graph).
 
 The pass marks where parameters first meet the data and gives each shared parameter use its own
 alias; the runtime's two halves together must give exactly the gradients of one full backward,
@@ -14,8 +14,8 @@ import torch.utils.checkpoint as checkpoint
 from torch import nn
 
 from passes.ir.errors import PartitionerError
-from passes.split_backward import split_backward
-from runtime.split_backward import backward_input, backward_weight
+from passes.rewrites.split_backward import split_backward
+from runtime.exec.split_backward import backward_input, backward_weight
 
 
 class Shared(nn.Module):

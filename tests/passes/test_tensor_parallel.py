@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import runtime.kernels.collectives as tpc
-from partitioner.model_spec import build_model
-from passes.apply_tensor_parallel import apply_tensor_parallel
+from partitioner.inputs.models import build_model
+from passes.rewrites.apply_tensor_parallel import apply_tensor_parallel
 from passes.ir.program import shard_tensor, unshard_tensor
-from passes.capture import capture_model, capture_spec, module_path
+from passes.capture.capture import capture_model, capture_spec, module_path
 from passes.ir.meta import SHAPE, TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN, InputSpec, ParamSharding
-from passes.tensor_parallel_patterns import sharded_param_bytes, tag_tensor_parallel
+from passes.policies.tensor_parallel_patterns import sharded_param_bytes, tag_tensor_parallel
 from tests.passes.tp_graphs import run_simulated_step, tagged_tp2
 
 RTOL = 1e-5
@@ -174,7 +174,7 @@ def test_tp2_simulated_matches_single_device(captured, key):
 
 def test_rank_program_shapes_are_local(captured):
     """The rank program runs on fake tensors too (custom ops have fake kernels) with halved heads."""
-    from passes.annotate_shapes import annotate_shapes
+    from passes.analysis.annotate_shapes import annotate_shapes
 
     gm, _ = captured["llama"]
     rank = annotate_shapes(apply_tensor_parallel(gm, rank=0, group="unused"))

@@ -1,5 +1,5 @@
-"""The per-tensor remat executor (``passes.tensor_remat``) carries out decisions of the
-whole-graph remat model (``passes.remat_solver``: the MILP optimum and the min cut) on the
+"""The per-tensor remat executor (``passes.rewrites.tensor_remat``) carries out decisions of the
+whole-graph remat model (``passes.solvers.remat_solver``: the MILP optimum and the min cut) on the
 ResNet-style CNN, the U-Net and Hugging Face BERT (with and without dropout): one training step
 gives bit-identical losses and gradients to the plain graph, what forward leaves for backward is
 exactly the decision's ``saved_bytes`` (under the budget), and batch-norm statistics are updated
@@ -11,12 +11,13 @@ import copy
 import pytest
 import torch
 
-from passes.graph_view import to_networkx
+from passes.analysis.graph_view import to_networkx
 from passes.ir.errors import PassError
-from passes.remat_solver import RematCosts, problem_from_view, solve_milp, solve_min_cut
-from passes.annotate_memory import annotate_memory
+from passes.solvers.remat_solver import RematCosts, problem_from_view, solve_milp, solve_min_cut
+from passes.analysis.annotate_memory import annotate_memory
 from passes.ir.meta import MEMORY_SUMMARY
-from passes.tensor_remat import TensorRemat, actions_of, mark_recomputed
+from passes.policies.tensor_remat_policy import actions_of, mark_recomputed
+from passes.rewrites.tensor_remat import TensorRemat
 from tests.passes.test_checkpoint_dag import PEAK_TOLERANCE, _budget, _captured, _step
 from tests.passes.test_checkpoint_memory import measured_peak
 

@@ -25,18 +25,18 @@ import pytest
 import sympy
 import torch
 
-from passes.annotate_memory import annotate_memory
-from passes.apply_tensor_remat import apply_tensor_remat
-from passes.checkpoint_policy import checkpoint_policy
-from passes.graph_view import to_networkx
+from passes.analysis.annotate_memory import annotate_memory
+from passes.rewrites.apply_tensor_remat import apply_tensor_remat
+from passes.policies.checkpoint_policy import checkpoint_policy
+from passes.analysis.graph_view import to_networkx
 from passes.ir.config import ParallelConfig
 from passes.ir.errors import ConfigError, PassError
 from passes.ir.meta import CAPTURE, CHECKPOINT_PLAN, FLOPS, MEMORY_SUMMARY, TENSOR_REMAT, TENSOR_REMAT_PLAN
-from passes.remat_solver import (RematCosts, backward_peak, evaluate, from_checkpoint_plan, peak_budget,
+from passes.solvers.remat_solver import (RematCosts, backward_peak, evaluate, from_checkpoint_plan, peak_budget,
                                  problem_from_view)
-from passes.tensor_remat import TensorRemat
-from passes.tensor_remat_policy import DEFAULT_BUDGET_FRACTION, tensor_remat_policy
-from runtime.measure import memtracker_step_peak
+from passes.rewrites.tensor_remat import TensorRemat
+from passes.policies.tensor_remat_policy import DEFAULT_BUDGET_FRACTION, tensor_remat_policy
+from runtime.observe.measure import memtracker_step_peak
 from tests.passes.test_checkpoint_dag import _budget, _captured, _step
 
 PEAK_TOLERANCE = 0.03
@@ -233,7 +233,7 @@ def test_misuse_is_refused():
 
 
 def test_the_stage_pipeline_runs_the_tensor_passes():
-    from passes.pipelines import stage_passes
+    from passes.lowering.pipelines import stage_passes
 
     names = [p.name for p in stage_passes(ParallelConfig(checkpointing="tensor"), stage=0, tp_rank=0,
                                           tp_group="tp", cost=None)]

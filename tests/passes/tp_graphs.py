@@ -1,9 +1,9 @@
 """Tiny models captured with symbolic dims and tagged for tp=2, shared by the tp and sp tests."""
 import torch
 
-from partitioner.model_spec import build_model
-from passes.capture import capture_spec
-from passes.tensor_parallel_patterns import tag_tensor_parallel
+from partitioner.inputs.models import build_model
+from passes.capture.capture import capture_spec
+from passes.policies.tensor_parallel_patterns import tag_tensor_parallel
 
 
 def tagged_tp2(specs: dict[str, str]) -> dict[str, tuple]:

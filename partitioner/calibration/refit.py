@@ -1,0 +1,573 @@
+"""Refit the cost model's efficiency terms from training runs (``partitioner calibrate --from-run``).
+
+A run directory holds ``plan.json`` (the :class:`passes.ir.plan.Plan` that ran, with its
+per-stage predicted seconds) and ``measurements.json`` (:class:`runtime.observe.measure.RunMeasurements`:
+per-rank, per-step compute / p2p / optimizer seconds). After the warm-up step, in order:
+
+Compute slots (``Cluster.compute_slots_per_node``, CPU ranks sharing cores): before any fit,
+each run's compute and optimizer seconds are divided by how much sharing the cores slowed its
+ranks (:func:`sharing_slowdown`), since the planner prices that in its own ``contention`` term.
+
+* **peak FLOP/s and per-op overhead** (``Device.kernel_overhead_s``): a stage's predicted
+  seconds per micro-batch are ``A·x + C + K·o`` (``A``: the FLOP-rate part, ``x`` = 1 / FLOP/s
+  scale; ``C``: the efficiency curve's per-kernel constant; ``K``: operators, forward and
+  backward; ``o``: the per-op overhead), all read off the planner itself. ``(x, o) >= 0`` minimise
+  the squared relative error against each rank's measured forward+backward seconds per
+  micro-batch (runs without tensor parallelism when there are any: the runtime's compute
+  seconds include tp collectives). At small sizes ``o`` (framework dispatch) dominates, which
+  one FLOP/s number cannot carry across micro-batch sizes and stage depths.
+* **optimizer stream rate and per-tensor seconds** (``Device.optimizer_bytes_per_s``,
+  ``Device.optimizer_tensor_s``): the planner's optimizer term is streamed bytes plus a cost per
+  tensor stepped; both scales by non-negative least squares over the runs' median measured
+  ``optimizer_s`` (:func:`_fit_optimizer`; the rate alone when the runs cannot tell them apart).
+  The memory bandwidth itself (memory-bound nodes of forward and backward) stays measured.
+* **offload call seconds** (``Device.offload_call_s``), from runs with activation offload
+  (without checkpointing when there are such): their measured forward+backward seconds per
+  micro-batch less the planner's stage time without the per-call cost, over the stage's copies
+  (two per offloaded tensor); median over ranks.
+* **pipeline message seconds** (``Cluster.p2p_latency_s``, in place of the link α for pipeline
+  sends): each pipelined rank's measured send/receive seconds (post + wait) against the
+  planner's ``pp_comm + bubble``; per run the median of the per-rank solutions, then the
+  smallest over runs (the other runs' waits carry a partner's unmodelled slowness).
+* **collective latencies** and **step overhead** (``Device.step_overhead_s``), last
+  (:func:`_fit_latency`): first the latency of the collectives over data-parallel ranks and
+  between stages (the gradient buckets, ZeRO's gathers, the tied-weight sync, the loss
+  all-reduce) from the runs without tensor or context parallelism, then the link-latency
+  multiplier (intra- and inter-node α: the tp and cp collectives inside forward and backward)
+  from the runs with them, the first kept as ``Cluster.sync_latency_scale`` over the second;
+  each the multiplier (powers of √2) whose predicted STEP times have the smallest mean
+  |log(predicted/measured)| over its runs, with the terms above fixed and, for each candidate,
+  the step overhead set to the median over ranks of the measured ``other_s`` (batch slicing,
+  ``zero_grad``, the loss all-reduce) less the planner's loss all-reduce at that latency. Runs
+  all of one kind fit one multiplier for both.
+
+Medians where one rank is one sample, so one slow rank (a noisy neighbour) does not move the fit.
+The presets keep every overhead at 0 / None, so the planner's results on them do not change.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from partitioner.cost.cluster import Cluster, PeakFlops
+from passes.ir.errors import ConfigError
+from passes.ir.plan import Plan
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunData:
+    """One run: its plan and, per rank, median measured seconds (warm-up step skipped)."""
+
+    plan: Plan
+    compute_per_mb_s: tuple[float, ...]
+    """Per rank: forward+backward seconds per micro-batch (median over steps)."""
+    optimizer_s: tuple[float, ...]
+    """Per rank: optimizer step seconds (median over steps)."""
+    step_s: tuple[float, ...]
+    """Per rank: wall seconds of a step (median over steps)."""
+    p2p_s: tuple[float, ...] = ()
+    """Per rank: seconds posting, and waiting on, pipeline sends and receives (median over steps)."""
+    other_s: tuple[float, ...] = ()
+    """Per rank: the rest of the step (``StepMeasurement.other_s``: batch slicing, ``zero_grad``,
+    the loss all-reduce; median over steps)."""
+    collective_s: tuple[float, ...] = ()
+    """Per rank: the step's gradient all-reduces (``StepMeasurement.collective_s``; median over steps)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Refit:
+    """The refitted cluster and how it moved (ratios are measured / predicted before the refit)."""
+
+    cluster: Cluster
+    flops_scale: float
+    """New peak FLOP/s over old."""
+    bandwidth_scale: float
+    """New optimizer stream rate (``Device.optimizer_bytes_per_s``) over old."""
+    latency_scale: float
+    """New link latency (intra- and inter-node) over old."""
+    compute_ratio_before: float
+    compute_ratio_after: float
+    step_log_error: float
+    """Median |log(predicted / measured step seconds)| over the runs after the refit."""
+    runs: int
+    kernel_overhead_s: float = 0.0
+    """Fitted framework seconds per dispatched operator (``Device.kernel_overhead_s``)."""
+    p2p_latency_s: float | None = None
+    """Fitted seconds per pipeline message (``Cluster.p2p_latency_s``)."""
+    step_overhead_s: float = 0.0
+    """Fitted host seconds per step (``Device.step_overhead_s``)."""
+    offload_call_s: float = 0.0
+    """Fitted seconds per offloaded tensor per copy (``Device.offload_call_s``)."""
+    optimizer_tensor_s: float = 0.0
+    """Fitted optimizer seconds per tensor stepped (``Device.optimizer_tensor_s``)."""
+    sync_latency_scale: float | None = None
+    """Fitted multiplier of the (refitted) link α for the step-end collectives
+    (``Cluster.sync_latency_scale``); ``None`` when the runs cannot tell them from the
+    tensor-parallel ones (all or none have tp or cp)."""
+
+    def overheads_text(self) -> str:
+        """The fitted overheads in one line, as the CLI and the calibration file's header print them."""
+        sync = f"x{self.sync_latency_scale:.3g}" if self.sync_latency_scale is not None else "x1"
+        return (f"per-op overhead {self.kernel_overhead_s * 1e6:.3g} us, pipeline message "
+                f"{(self.p2p_latency_s or 0.0) * 1e3:.3g} ms, step-end collectives {sync} the link's α, step overhead "
+                f"{self.step_overhead_s * 1e3:.3g} ms, offload call {self.offload_call_s * 1e6:.3g} us, "
+                f"optimizer {self.optimizer_tensor_s * 1e6:.3g} us a tensor")
+
+
+def load_run(path: str | Path, skip_first: int = 1) -> RunData:
+    """Read ``plan.json`` and ``measurements.json`` of run directory ``path``."""
+    path = Path(path)
+    plan_file, meas_file = path / "plan.json", path / "measurements.json"
+    for f in (plan_file, meas_file):
+        if not f.is_file():
+            raise ConfigError(f"refit: {f} is missing; a run directory needs plan.json and measurements.json "
+                              f"(write them with RunMeasurements.write and Plan.to_json)")
+    plan = Plan.from_json(plan_file.read_text())
+    data = json.loads(meas_file.read_text())
+    steps = data.get("steps")
+    if not steps or not all(steps):
+        raise ConfigError(f"refit: {meas_file} has no steps; run at least two steps")
+    comp, opt, wall, p2p, other, coll = [], [], [], [], [], []
+    for rank_steps in steps:
+        kept = rank_steps[skip_first:] or rank_steps
+        comp.append(statistics.median(s["compute_s"] for s in kept) / plan.num_micro_batches)
+        opt.append(statistics.median(s["optimizer_s"] for s in kept))
+        wall.append(statistics.median(s["wall_s"] for s in kept))
+        other.append(statistics.median(s.get("other_s", 0.0) for s in kept))
+        coll.append(statistics.median(s.get("collective_s", 0.0) for s in kept))
+        p2p.append(statistics.median(s.get("recv_wait_s", 0.0) + s.get("send_wait_s", 0.0) + s.get("p2p_post_s", 0.0)
+                                     for s in kept))
+    if len(steps) != plan.world_size:
+        raise ConfigError(f"refit: {meas_file} has {len(steps)} ranks but plan.json needs {plan.world_size}")
+    return RunData(plan=plan, compute_per_mb_s=tuple(comp), optimizer_s=tuple(opt), step_s=tuple(wall),
+                   p2p_s=tuple(p2p), other_s=tuple(other), collective_s=tuple(coll))
+
+
+def _pp_index(plan: Plan, rank: int) -> int:
+    return rank // (plan.config.dp_cp * plan.tp)  # runtime.dist.mesh: tp fastest, then dp x cp, then pp
+
+
+def _reevaluate(plan: Plan, cluster: Cluster, profiles: dict) -> Plan:
+    from partitioner.search.replay import predict_step_time
+    from partitioner.cost.profile import profile_model
+
+    if plan.model not in profiles:
+        profiles[plan.model] = profile_model(plan.model, dtype=_dtype(plan))
+    return predict_step_time(profiles[plan.model], cluster, plan.knobs(), global_batch=plan.global_batch)
+
+
+def _dtype(plan: Plan) -> str:
+    return plan.config.dtype  # a 16-bit plan ran the model captured in that dtype
+
+
+def _compute_ratio(runs: Sequence[RunData], plans: Sequence[Plan]) -> float:
+    # The runtime's compute seconds include the tp collectives (and offload copies) called inside
+    # forward/backward; runs without them (_plain) give the kernels alone, so they are used when
+    # there are any, and the link-latency fit then accounts for the collectives.
+    plain = {id(r) for r in _plain(runs)}
+    pure = [(r, p) for r, p in zip(runs, plans) if id(r) in plain]
+    ratios = []
+    for run, plan in (pure or list(zip(runs, plans))):
+        for rank, measured in enumerate(run.compute_per_mb_s):
+            predicted = plan.stages[_pp_index(plan, rank)].time_s
+            if predicted > 0 and measured > 0:
+                ratios.append(measured / predicted)
+    if not ratios:
+        raise ConfigError("refit: no rank has both a measured and a predicted compute time")
+    return statistics.median(ratios)
+
+
+def _scaled(cluster: Cluster, flops: float, bandwidth: float) -> Cluster:
+    pf = cluster.device.peak_flops
+    scaled = PeakFlops(**{f.name: (getattr(pf, f.name) * flops if getattr(pf, f.name) else getattr(pf, f.name))
+                          for f in dataclasses.fields(pf)})
+    device = dataclasses.replace(cluster.device, peak_flops=scaled,
+                                 memory_bandwidth_bytes_per_s=cluster.device.memory_bandwidth_bytes_per_s * bandwidth)
+    return dataclasses.replace(cluster, device=device, name=f"{cluster.name}+refit")
+
+
+_KEEP = object()
+
+
+def sharing_slowdown(run: RunData, cluster: Cluster) -> float:
+    """How much slower a rank of ``run`` computed than alone because a node's ranks shared its
+    compute slots (``Cluster.compute_slots_per_node``): the ranks' measured busy seconds
+    (compute and optimizer) per node, over the part of the step they could spread them over (wall
+    less the gradient all-reduces and the rest of the step, which every rank waits in together),
+    is how many computed at once on average; beyond the slots each ran at ``slots / that`` of
+    its rate. 1 without slots, or with a slot for every rank of a node."""
+    ranks, slots = len(run.compute_per_mb_s), cluster.compute_slots_per_node
+    per_node = min(ranks, cluster.devices_per_node)
+    if slots is None or slots >= per_node:
+        return 1.0
+    m = run.plan.num_micro_batches
+    busy = (sum(c * m for c in run.compute_per_mb_s) + sum(run.optimizer_s)) * per_node / ranks
+    spans = [w - c - o for w, c, o in zip(run.step_s, run.collective_s or (0.0,) * ranks, run.other_s or (0.0,) * ranks)]
+    span = statistics.median(spans)
+    return max(1.0, busy / span / slots) if span > 0 else 1.0
+
+
+def _uncontended(runs: Sequence[RunData], cluster: Cluster) -> list[RunData]:
+    """``runs`` with every rank's compute and optimizer seconds divided by the run's
+    :func:`sharing_slowdown`: what the planner's compute terms price (it adds the sharing back
+    as ``StepTimeTerms.contention``), so that the fitted FLOP rate and overheads do not count it
+    twice."""
+    out = []
+    for run in runs:
+        k = sharing_slowdown(run, cluster)
+        out.append(run if k == 1.0 else dataclasses.replace(
+            run, compute_per_mb_s=tuple(c / k for c in run.compute_per_mb_s),
+            optimizer_s=tuple(o / k for o in run.optimizer_s)))
+    return out
+
+
+def _plain(runs: Sequence[RunData]) -> list[RunData]:
+    """Runs whose compute seconds are kernels alone: no tensor parallelism (its collectives run
+    inside forward/backward) and no activation offload (its copies and saved-tensor hooks run
+    inside them too, and belong to the planner's ``offload`` term). Checkpointed runs stay: their
+    recompute is operators the planner counts."""
+    return [r for r in runs if r.plan.tp == 1 and r.plan.offload != "activations"]
+
+
+def _with_overheads(cluster: Cluster, kernel_s: float | None = None, p2p_s=_KEEP) -> Cluster:
+    """``cluster`` with the per-kernel overhead and the pipeline per-message seconds replaced."""
+    device = cluster.device if kernel_s is None else dataclasses.replace(cluster.device, kernel_overhead_s=kernel_s)
+    return dataclasses.replace(cluster, device=device,
+                               p2p_latency_s=cluster.p2p_latency_s if p2p_s is _KEEP else p2p_s)
+
+
+def _nnls(rows: Sequence[tuple[float, ...]]) -> tuple[float, ...]:
+    """Least squares ``Σ_j a_j·x_j ≈ t`` over ``rows`` of ``(a_1, .., a_n, t)`` with every
+    ``x_j >= 0`` (``scipy.optimize.nnls``), among the solutions whose free (non-zero) unknowns
+    the rows can tell apart (:func:`_separable`): a split between nearly collinear columns (one
+    micro-batch size, one stage depth) would be noise. Of equally good solutions the one with
+    more free unknowns, then the earlier ones (a fit that one FLOP rate explains keeps ``x_1``).
+    Without any such solution, all zeros."""
+    import numpy as np
+
+    m = np.asarray(rows, dtype=np.float64)
+    a, t = m[:, :-1], m[:, -1]
+    x, _, _ = _nnls_separable(a, t, tuple(range(a.shape[1])), {})
+    return tuple(float(v) for v in x)
+
+
+def _nnls_separable(a, t, cols: tuple[int, ...], memo: dict):
+    """(x, squared error, free unknowns): the best separable non-negative least squares over
+    columns ``cols`` of ``a`` (the others held at 0). scipy's solution is the answer when
+    ``cols`` are separable (it is then unique). Otherwise every separable support lies in
+    ``cols`` less one column (separable sets are closed under taking subsets: Fischer's
+    inequality), so the best of scipy's solution (when its support is separable) and of those
+    smaller problems is."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    if cols in memo:
+        return memo[cols]
+    x = np.zeros(a.shape[1])
+    if cols:
+        x[list(cols)] = nnls(a[:, list(cols)], t)[0]
+    support = tuple(c for c in cols if x[c] > 0)
+    found = [(x, float(((a @ x - t) ** 2).sum()), support)] if _separable(a[:, list(support)]) else []
+    if not (found and _separable(a[:, list(cols)])):
+        found += [_nnls_separable(a, t, tuple(c for c in cols if c != drop), memo) for drop in cols]
+    best = found[0]
+    for cand in found[1:]:
+        tie = abs(cand[1] - best[1]) <= 1e-12 * max(cand[1], best[1]) + 1e-15
+        if cand[1] < best[1] and not tie or tie and (-len(cand[2]), cand[2]) < (-len(best[2]), best[2]):
+            best = cand
+    memo[cols] = best
+    return best
+
+
+def _separable(cols) -> bool:
+    """Whether columns ``cols`` (of the rows) can be told apart: their Gram determinant above
+    1e-6 of the product of its diagonal (1 for orthogonal columns, 0 for dependent ones); a column
+    of zeros (an unknown the rows never exercise) cannot."""
+    import numpy as np
+
+    gram = cols.T @ cols
+    scale = float(np.prod(np.diagonal(gram)))
+    return cols.shape[1] == 0 or (scale > 0 and float(np.linalg.det(gram)) > 1e-6 * scale)
+
+
+def _fit_compute(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> tuple[float, float]:
+    """(1 / FLOP/s scale, per-op overhead seconds) fitted to measured compute per micro-batch.
+
+    A stage's predicted seconds per micro-batch are ``A/x_scale + C + K·o``: ``A`` the FLOP-rate
+    part (scales with 1/peak), ``C`` the curve's per-kernel constant, ``K`` its operators
+    (forward and backward) and ``o`` the per-op overhead. ``A``, ``C`` and ``K`` are read off the
+    planner by evaluating each plan at peak x1, x2 and with a unit overhead, so the model is
+    exactly the planner's; (x, o) >= 0 minimise the squared RELATIVE error over ranks (runs
+    without tensor parallelism or offload when there are any, see :func:`_plain`)."""
+    base = _with_overheads(cluster, 0.0)
+    pure = _plain(runs) or list(runs)
+    p1 = [_reevaluate(r.plan, base, profiles) for r in pure]
+    p2 = [_reevaluate(r.plan, _scaled(base, 2.0, 1.0), profiles) for r in pure]
+    pk = [_reevaluate(r.plan, _with_overheads(base, 1e-3), profiles) for r in pure]
+    rows = []
+    for run, a, b, k in zip(pure, p1, p2, pk):
+        for rank, measured in enumerate(run.compute_per_mb_s):
+            i = _pp_index(run.plan, rank)
+            t1, t2, tk = a.stages[i].time_s, b.stages[i].time_s, k.stages[i].time_s
+            flop_part, const, kernels = 2 * (t1 - t2), 2 * t2 - t1, (tk - t1) / 1e-3
+            if measured > 0:
+                rows.append((flop_part / measured, kernels / measured, 1 - const / measured))
+    if not rows:
+        raise ConfigError("refit: no rank has a measured compute time")
+    x, o = _nnls(rows)
+    # one trimming pass: ranks whose relative error is far above the typical one (a run a
+    # neighbour slowed down, a mechanism with its own overhead) do not pull the fit
+    res = [abs(a * x + b * o - t) for a, b, t in rows]
+    cut = max(3 * statistics.median(res), 0.05)
+    kept = [row for row, r in zip(rows, res) if r <= cut]
+    if len(kept) >= 2 and len(kept) < len(rows):
+        x, o = _nnls(kept)
+    return _refine_compute(pure, base, profiles, max(x, 1e-3), o)
+
+
+def _refine_compute(runs: Sequence[RunData], base: Cluster, profiles: dict, x: float, o: float) -> tuple[float, float]:
+    """(x, o) refined on the planner itself: its stage times are a roofline per kernel (the larger
+    of FLOP and byte time), which the linear split above only approximates (a kernel at the
+    bandwidth roof does not speed up with peak FLOP/s). Robust least squares of the relative
+    errors, from the linear solution, with ``o >= 0`` (scipy)."""
+    from scipy.optimize import least_squares
+
+    samples = [(k, _pp_index(run.plan, rank), measured) for k, run in enumerate(runs)
+               for rank, measured in enumerate(run.compute_per_mb_s) if measured > 0]
+
+    def residuals(z) -> list[float]:
+        cluster = _with_overheads(_scaled(base, math.exp(-z[0]), 1.0), z[1] * 1e-6)
+        plans = [_reevaluate(run.plan, cluster, profiles) for run in runs]
+        return [plans[k].stages[i].time_s / measured - 1 for k, i, measured in samples]
+
+    start = [math.log(x), o * 1e6]
+    fit = least_squares(residuals, start, bounds=([math.log(1e-3), 0.0], [math.log(1e4), math.inf]),
+                        loss="soft_l1", f_scale=0.1, diff_step=1e-3)
+    if not fit.success:  # keep the linear solution (least squares never ends above its start)
+        return x, o
+    return math.exp(float(fit.x[0])), float(fit.x[1]) * 1e-6
+
+
+def refit(runs: Sequence[RunData], cluster: Cluster) -> Refit:
+    """Refit ``cluster`` to ``runs``: peak FLOP/s and the per-kernel overhead (least squares on
+    the measured compute seconds per micro-batch), memory bandwidth (optimizer seconds), then the
+    link-latency multiplier and the per-message pipeline overhead (step seconds)."""
+    if not runs:
+        raise ConfigError("refit: give at least one run directory")
+    profiles: dict = {}
+    # compute and optimizer seconds as one rank alone would take them: the planner adds what
+    # sharing the node's cores costs as its own term
+    alone = _uncontended(runs, cluster)
+    plans = [_reevaluate(r.plan, cluster, profiles) for r in runs]
+    before = _compute_ratio(alone, plans)
+    x, kernel_s = _fit_compute(alone, cluster, profiles)
+    flops = 1 / x
+    fitted = _with_overheads(_scaled(cluster, flops, 1.0), kernel_s)
+    plans = [_reevaluate(r.plan, fitted, profiles) for r in runs]
+    ratio = _compute_ratio(alone, plans)
+    bandwidth, tensor_s = _fit_optimizer(alone, fitted, profiles)
+    # the optimizer's stream rate, not the memory bandwidth the graph's memory-bound nodes run at
+    dev = fitted.device
+    fitted = _with_device(fitted, optimizer_bytes_per_s=(dev.optimizer_bytes_per_s or dev.memory_bandwidth_bytes_per_s)
+                          * bandwidth, optimizer_tensor_s=tensor_s)
+    fitted = _with_device(fitted, offload_call_s=_fit_device_seconds(_offloaded(alone), fitted, profiles, "offload_call_s"))
+    p2p_s = _fit_p2p(runs, fitted, profiles)
+    fitted = _with_overheads(fitted, p2p_s=p2p_s)
+    latency, sync, step_err = _fit_latency(runs, fitted, profiles)
+    fitted = _with_step_overhead(runs, _with_sync(_with_latency(fitted, latency), sync))
+    return Refit(cluster=fitted, flops_scale=flops,
+                 bandwidth_scale=bandwidth, latency_scale=latency, compute_ratio_before=before,
+                 compute_ratio_after=ratio, step_log_error=step_err, runs=len(runs),
+                 kernel_overhead_s=kernel_s, p2p_latency_s=p2p_s,
+                 step_overhead_s=fitted.device.step_overhead_s, offload_call_s=fitted.device.offload_call_s,
+                 optimizer_tensor_s=fitted.device.optimizer_tensor_s, sync_latency_scale=sync)
+
+
+def _fit_optimizer(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> tuple[float, float]:
+    """(stream-rate scale, ``Device.optimizer_tensor_s``): per run, the planner's optimizer term
+    is ``a·B + c·n`` (``B``: its streamed-bytes seconds at the cluster's rate; ``n``: tensors
+    stepped, read off the planner at 1 ms a tensor), against the median over ranks of the
+    measured optimizer seconds. ``(a, c) >= 0`` by non-negative least squares on relative errors
+    when the runs' ``n / B`` differ (a ZeRO-1/2 run steps a few flat segments, a pipeline stage
+    fewer tensors than a whole model), the rate at most the memory bandwidth; else the rate alone
+    (``c`` kept), the median ratio."""
+    base = _with_device(cluster, optimizer_tensor_s=0.0)
+    rows = []
+    for run in runs:
+        measured = [m for m in run.optimizer_s if m > 0]
+        t0 = _reevaluate(run.plan, base, profiles).predicted.terms.get("optimizer", 0.0)
+        t1 = _reevaluate(run.plan, _with_device(base, optimizer_tensor_s=1e-3), profiles).predicted.terms.get(
+            "optimizer", 0.0)
+        if measured and t0 > 0:
+            rows.append((t0, (t1 - t0) / 1e-3, statistics.median(measured)))
+    if not rows:
+        return 1.0, cluster.device.optimizer_tensor_s
+    shares = [n / b for b, n, _ in rows]
+    if max(shares) > 1.1 * min(shares):
+        a, c = _nnls([(b / m, n / m, 1.0) for b, n, m in rows])
+        # the stream is never faster than memory: below that (a few small tensors, the bytes do
+        # not show) the rate is the memory bandwidth and the tensors carry the rest
+        dev = cluster.device
+        floor = (dev.optimizer_bytes_per_s or dev.memory_bandwidth_bytes_per_s) / dev.memory_bandwidth_bytes_per_s
+        if a < floor:
+            a = floor
+            (c,) = _nnls([(n / m, 1.0 - a * b / m) for b, n, m in rows])
+        return 1 / a, c
+    ratios = [m / (b + n * cluster.device.optimizer_tensor_s) for b, n, m in rows]
+    return 1 / statistics.median(ratios), cluster.device.optimizer_tensor_s
+
+
+def _with_device(cluster: Cluster, **fields) -> Cluster:
+    return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, **fields))
+
+
+def _fit_device_seconds(runs: Sequence[RunData], cluster: Cluster, profiles: dict, field: str) -> float:
+    """``Device.<field>`` (seconds per call, >= 0) from ``runs``, whose measured forward+backward
+    seconds per micro-batch include those calls: each rank's excess over the planner's stage time
+    without them, over the stage's calls (the slope, read off the planner at 1 ms a call); the
+    median over ranks and runs. The cluster's value is kept without runs."""
+    sols = []
+    for run in runs:
+        e0 = _reevaluate(run.plan, _with_device(cluster, **{field: 0.0}), profiles)
+        e1 = _reevaluate(run.plan, _with_device(cluster, **{field: 1e-3}), profiles)
+        for rank, measured in enumerate(run.compute_per_mb_s):
+            i = _pp_index(run.plan, rank)
+            slope = (e1.stages[i].time_s - e0.stages[i].time_s) / 1e-3
+            if slope > 0 and measured > 0:
+                sols.append((measured - e0.stages[i].time_s) / slope)
+    return max(statistics.median(sols), 0.0) if sols else getattr(cluster.device, field)
+
+
+def _offloaded(runs: Sequence[RunData]) -> list[RunData]:
+    """Runs with activation offload (without checkpointing when there are such): their compute
+    carries the copies and the offload hooks (``Device.offload_call_s``)."""
+    off = [r for r in runs if r.plan.offload == "activations"]
+    return [r for r in off if r.plan.checkpointing == "none"] or off
+
+
+def _with_step_overhead(runs: Sequence[RunData], cluster: Cluster, profiles: dict | None = None) -> Cluster:
+    """``cluster`` with ``Device.step_overhead_s`` = the median over every rank of every run of
+    its measured ``other_s`` less the planner's loss all-reduce (>= 0)."""
+    base = _with_device(cluster, step_overhead_s=0.0)
+    profiles = {} if profiles is None else profiles
+    rest = []
+    for run in runs:
+        loss_ar = _reevaluate(run.plan, base, profiles).predicted.terms.get("framework", 0.0)
+        rest += [o - loss_ar for o in run.other_s]
+    return _with_device(base, step_overhead_s=max(statistics.median(rest), 0.0)) if rest else cluster
+
+
+def _with_latency(cluster: Cluster, scale: float) -> Cluster:
+    links = {name: dataclasses.replace(getattr(cluster, name), latency_s=getattr(cluster, name).latency_s * scale)
+             for name in ("intra_node", "inter_node")}
+    return dataclasses.replace(cluster, **links)
+
+
+def _step_log_errors(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> list[float]:
+    errs = []
+    for run in runs:
+        predicted = _reevaluate(run.plan, cluster, profiles).predicted.step_time_s
+        errs.append(abs(math.log(predicted / statistics.median(run.step_s))))
+    return errs
+
+
+def _fit_p2p(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> float | None:
+    """Seconds per pipeline message (``Cluster.p2p_latency_s``, >= 0): each pipelined rank's
+    measured send/receive seconds (posting and waiting: ``RunData.p2p_s``) against the planner's
+    ``pp_comm + bubble``, which is affine in it (``P0 + α·M``, read off the planner), solved per
+    rank; the median of those solutions (robust to a rank a neighbour slowed down). ``None``
+    (keep the link's α) without pipelined runs."""
+    rows = []
+    # tp runs' bubbles carry their tp collectives, whose latency is fitted after this, and
+    # offload runs' waits their partner's copies: left out when there are other pipelined runs
+    piped = [r for r in runs if r.plan.pp > 1]
+    for run in _plain(piped) or piped:
+        e0 = _reevaluate(run.plan, _with_overheads(cluster, p2p_s=0.0), profiles).predicted.terms
+        e1 = _reevaluate(run.plan, _with_overheads(cluster, p2p_s=1e-3), profiles).predicted.terms
+        p0 = e0.get("pp_comm", 0.0) + e0.get("bubble", 0.0)
+        slope = (e1.get("pp_comm", 0.0) + e1.get("bubble", 0.0) - p0) / 1e-3
+        sols = [(measured - p0) / slope for measured in run.p2p_s if measured > 0 and slope > 0]
+        if sols:  # each rank's exact solution; the run's median
+            rows.append(statistics.median(sols))
+    if not rows:
+        return cluster.p2p_latency_s
+    # the least-contended run: waits in the others also carry a partner's unmodelled slowness
+    # (a recompute or a neighbour), which would be charged to every message of every plan
+    return max(min(rows), 0.0)
+
+
+def _fit_latency(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> tuple[float, float | None, float]:
+    """(link-latency multiplier, step-end multiplier over it or None, median error).
+
+    Two kinds of collective pay the link's latency: those ranks call in step inside forward and
+    backward (tensor parallelism's, context parallelism's exchanges) and those at the step's end
+    (the gradient reduction per bucket, ZeRO-1/2's all-gather, the tied-weight sync, the loss
+    all-reduce), which each rank reaches from its own backward. On CPU ranks sharing cores the
+    second kind costs several times the first (each waits on every member being scheduled), so
+    one multiplier fits neither: the runs without tp or cp fit the step-end one, then the runs
+    with them fit the link's (the step-end one held, kept as ``Cluster.sync_latency_scale``
+    relative to it, so that intra- and inter-node links keep their ratio). When the runs are all
+    of one kind, one multiplier for both (``None``). Each fit: the multiplier on a grid of
+    powers of √2 (1/16 .. 64) with the smallest MEAN |log(predicted / measured)| step time over
+    its runs (a median would let the few runs the collectives dominate go unfitted), with
+    compute, kernel overhead and pipeline messages fitted before (from their own measured
+    seconds) and the step overhead refitted at each candidate (:func:`_with_step_overhead`)."""
+    inside = [r for r in runs if r.plan.tp > 1 or r.plan.cp > 1]
+    outside = [r for r in runs if not (r.plan.tp > 1 or r.plan.cp > 1)]
+    both = _best_latency_scale(outside or runs, runs, lambda k: _with_latency(cluster, k), profiles)
+    if not inside or not outside:
+        return both, None, _median_step_error(runs, _with_latency(cluster, both), profiles)
+    link = _best_latency_scale(inside, runs, lambda k: _with_sync(_with_latency(cluster, k), both / k), profiles)
+    return link, both / link, _median_step_error(runs, _with_sync(_with_latency(cluster, link), both / link),
+                                                 profiles)
+
+
+def _best_latency_scale(fit_on: Sequence[RunData], runs: Sequence[RunData], make, profiles: dict) -> float:
+    """The multiplier ``k`` (powers of √2, 1/16 .. 64) whose cluster ``make(k)`` predicts the
+    step times of ``fit_on`` with the smallest mean |log error|, the step overhead set from
+    ``runs`` at each ``k`` (it is what the measured rest of the step leaves after the loss
+    all-reduce, whose latency is being fitted)."""
+    best = (float("inf"), 1.0)
+    for k in range(-8, 13):
+        scale = 2.0 ** (k / 2)
+        errs = _step_log_errors(fit_on, _with_step_overhead(runs, make(scale), profiles), profiles)
+        best = min(best, (statistics.fmean(errs), scale))
+    return best[1]
+
+
+def _median_step_error(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> float:
+    return statistics.median(_step_log_errors(runs, _with_step_overhead(runs, cluster, profiles), profiles))
+
+
+def _with_sync(cluster: Cluster, scale: float | None) -> Cluster:
+    return dataclasses.replace(cluster, sync_latency_scale=scale)
+
+
+def refit_from_runs(dirs: Sequence[str | Path], cluster: Cluster, out: str | Path) -> Refit:
+    """:func:`refit` over run directories ``dirs`` (each with plan.json and measurements.json;
+    a directory without them is searched one level down); writes the refitted cluster to ``out``."""
+    runs = [load_run(d) for d in expand_run_dirs(dirs)]
+    result = refit(runs, cluster)
+    result.cluster.to_file(out)
+    return result
+
+
+def expand_run_dirs(dirs: Sequence[str | Path]) -> list[Path]:
+    """Run directories under ``dirs``: each itself when it holds plan.json, else its subdirectories
+    (recursively) that do."""
+    out: list[Path] = []
+    for d in dirs:
+        d = Path(d)
+        if (d / "plan.json").is_file():
+            out.append(d)
+        else:
+            out += sorted(p.parent for p in d.rglob("plan.json"))
+    if not out:
+        raise ConfigError(f"refit: no plan.json under {[str(d) for d in dirs]}")
+    return out

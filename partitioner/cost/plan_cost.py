@@ -1,0 +1,920 @@
+"""The cost model applied to one candidate plan: its stage split, per-device memory and step time.
+
+Per micro-batch of ``b`` samples, per layer (numbers per sample come from the ModelProfile):
+
+* compute, a roofline per node: each matmul-class node (``LayerProfile.kernels``) takes the
+  larger of its FLOPs·b/tp at the efficiency curve's rate for that kernel size and dtype and its
+  bytes (activations·b/tp plus its weight shard) at the device memory bandwidth
+  (``cost_model.roofline_time``); its backward is two such kernels of half its backward FLOPs.
+  Every other node (norms, softmax, elementwise ops, dropout, loss) is memory bound: the layer's
+  ``memory_bound_bytes``·b/tp plus ``replicated_memory_bound_bytes``·b (÷tp with sequence
+  parallelism) at the memory bandwidth, twice that in backward. Plus the framework's per-op
+  overhead (``Device.kernel_overhead_s``) for the layer's ``ops`` forward operators and twice as
+  many backward ones (``cost_model.op_overhead_time``; independent of ``b`` and ``tp``);
+* tensor parallel: ``tp_all_reduces`` all-reduces of the boundary tensor ``b·s·h`` in forward and
+  as many in backward over the TP group link (sequence parallel: reduce-scatter + all-gather,
+  the same bytes);
+* recompute: ``full`` checkpointing reruns the layer's forward (compute and TP communication);
+  ``selective`` reruns the attention core only (its attention kernels on the roofline, and for
+  an unfused attention the memory-bound nodes on its [s, s] scores); ``dag`` reruns, in the
+  share of blocks it checkpoints, the memory-bound ops, overheads and TP communication, plus the
+  matmul-class kernels whose outputs it does not keep (``LayerProfile.dag_recompute_flops``).
+
+A stage's time per micro-batch is the sum over its layers. The step is ``m · T_max`` plus the
+bubble (:func:`_bubble_time`): ``(Σ_s T_s − T_max)/v``, the fill and drain through every other
+stage (``(p−1)/v · T_max`` when the stages are balanced, as ``cost_model.pipeline_step_time``;
+exact for GPipe with unequal stages, an upper bound for 1F1B); zero-bubble schedules: their
+simulated idle slots times ``T_max``, with W taking the share of the slowest stage's backward
+that its weight gradients are (``_LayerCost.weight_grad``),
+plus pipeline send/recv of the boundary tensor (scattered over TP ranks, as Megatron does):
+``2·t_p2p·m·v``, each rank's own messages (charging the ``p−1`` fill/drain messages as well
+over-predicted deep pipelines on measured runs; the fill is in the bubble), plus the exposed data-parallel gradient reduction: gradients accumulate
+over micro-batches and the reduction (all-reduce for ZeRO 0, reduce-scatter for ZeRO 1) of the
+last micro-batch overlaps that micro-batch's backward on the stage (bucketed), the rest is
+exposed; ZeRO 1 and 2 then all-gather the updated weights (exposed); ZeRO-3 gathers each
+layer's parameters before its forward and its backward and reduce-scatters its gradients, one
+collective per layer each (:func:`zero3_exposed_time`); ZeRO 2 keeps only a grad
+shard so it reduce-scatters after EVERY micro-batch (each hidden behind its backward); plus the optimizer step (memory bound, or on the host with
+``offload="optimizer"``, and ``Device.optimizer_tensor_s`` per tensor it steps:
+:func:`optimizer_tensors`); ZeRO ≥ 1 adds flattening the grads into the bucket and copying the
+gathered parameters back (``4·grad bytes`` memory bound). With ``pp > 1`` and tied weights (a
+GPT's word embedding and LM head) the first and the last stage all-reduce those gradients after
+their last backward (``tied_comm``, over the pair's link). Every step also pays ``framework``:
+``Device.step_overhead_s`` of host work and the all-reduce of the loss over all ranks
+(``2·⌈log2 world⌉`` latencies; the gradient norm's all-reduce, alike for every plan of a world
+size, is left to the fitted latencies).
+
+The gradient reduction and ZeRO-1/2's all-gather are one collective per gradient bucket
+(:func:`gradient_buckets`, the runtime's layout: tied copies and sequence-parallel norms in late
+buckets of their own), each paying the latency. The collectives over data-parallel ranks and
+between stages (those, ZeRO-3's gathers and reduce-scatters, the tied sync, the loss all-reduce)
+pay the link's α times ``Cluster.sync_latency_scale`` where the calibration fitted one
+(:meth:`PlanContext.sync_link`): on CPU ranks sharing cores they cost several times, per hop, the
+tensor- and context-parallel collectives inside forward and backward, which pay the link's α.
+
+Host devices (``host_to_device.kind == "loopback"``: CPU ranks on gloo): nothing overlaps on a
+rank's one thread, so the dp reduction is fully exposed (no backward hides it), and activation
+offload's copies are added to the stage's time per micro-batch (so they also lengthen the
+bubble). A copy costs ``bytes`` at the host link plus, per saved tensor
+(``LayerProfile.saved_tensors``) and direction, the link's α and ``Device.offload_call_s`` (the
+hook and the op's dispatch).
+
+Shared cores (``Cluster.compute_slots_per_node``, written by the calibration of CPU ranks): when
+a node has more ranks than ranks that can compute at once, the node's busy seconds over its slots
+bound the step (term ``contention``, :func:`_contention_time`): all-rank data parallelism pays for
+its ranks computing together, a pipeline's idle ranks give their cores to the busy ones.
+
+Per-device memory of a stage: model state of its layers (``cost_model.model_state_bytes``,
+ZeRO-sharded over dp, parameters divided by tp; norms are counted as sharded too, a small
+over-count of the saving), plus saved activations of the micro-batches in flight
+(``cost_model.in_flight_microbatches``), plus communication buffers (two 25 MiB gradient
+buckets for dp, send/recv buffers for pp, one all-reduce buffer for tp). Activation terms:
+
+* TP shards the activations except the [b, s, h] ones (norm inputs, residuals, dropout masks),
+  which sequence parallelism shards as well (Korthikanti et al. 2022);
+* ``selective`` drops the [s, s] attention-score tensors (0 with fused attention, which keeps
+  none: selective then saves nothing and is only tried when pinned);
+* ``full`` keeps each layer's input (the boundary tensor) per micro-batch in flight, plus one
+  whole layer's activations for the layer being recomputed;
+* ``dag`` keeps the share of each layer's activations the profile's dag decision keeps
+  (``LayerProfile.dag_activation_bytes``), plus one whole layer's for the layer being recomputed;
+* ``offload="activations"`` keeps at most two micro-batches' activations on the device (the one
+  computing and one being copied); the copies out and back cost ``2·bytes`` at the slower of the
+  host-to-device link and the device's share of host-memory bandwidth
+  (:data:`HOST_MEMORY_BYTES_PER_S`) plus two messages per saved tensor (α and
+  ``Device.offload_call_s`` each); on a GPU the copies out are hidden behind the stage's forward
+  and the reloads, each prefetched while the layers after it run backward, behind its backward
+  (and recompute): only what is longer is charged.
+
+Context parallelism (``cp > 1``; :mod:`passes.rewrites.context_parallel`): every activation holds
+``b·S/cp`` tokens, so every per-sample number above counts ``b/cp`` samples — FLOPs (attention's
+too: the load-balanced layout gives each rank 1/cp of them), bytes moved, saved activations,
+the pipeline message — while parameters, gradients and optimizer state are replicated over the
+cp ranks (not divided). Gradients are averaged, and ZeRO shards, over the ``dp·cp`` ranks that
+hold the same parameters (cp innermost: one all-reduce or reduce-scatter over ``dp·cp`` ranks on
+that group's link). Attention's exchanges (``PlanContext._cp_attention``, term ``cp_comm``) go
+over the cp group's link (a node's when the group fits in one; its cross-node share otherwise):
+ring attention sends K/V blocks round the ring ``cp−1`` times per forward and again per backward,
+each step hidden behind the block's compute where it is shorter (``max(compute, comm)`` per
+step), and its fp32 dK/dV blocks ``cp`` times per backward (exposed); the ring kernel computes in
+fp32 (:data:`RING_COMPUTE_DTYPE`) with unfused score blocks, and holds a few fp32 ``[b, H, c, c]``
+score blocks (``c = S/(2·cp)``) while it runs (``buffers``). Ulysses all-to-alls q, k, v and the
+output forward and back in backward, ``(cp−1)/cp`` of each tensor, exposed, and saves the
+head-sharded q, k, v besides. The loss adds two scalar all-reduces over the cp group. Recompute
+(full or selective checkpointing) reruns the exchanges of the forward it repeats. With tp, a
+rank attends with its ``H/tp`` heads: the exchanged tensors and the ring's blocks divide by tp,
+and the cp group's ranks lie ``tp`` apart (inside a node while ``tp·cp`` fits in one).
+
+Stage boundaries (non-interleaved): the chain ``embedding, blocks, head`` is split into ``pp``
+contiguous stages minimising the slowest stage's time subject to each stage's memory limit
+(parametric search over the possible bottleneck times with a greedy feasibility check, which is
+exact for contiguous chains with additive per-stage costs). Interleaved: ``L/(p·v)`` blocks per
+chunk, embedding on stage 0, head on stage p−1.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from partitioner.cost.cluster import Cluster
+from partitioner.cost.cost_model import (
+    StepTimeTerms,
+    all_gather_time,
+    all_reduce_time,
+    compute_time,
+    ring_attention_pairs,
+    ring_exposed_time,
+    ulysses_all_to_all_time,
+    group_link,
+    in_flight_microbatches,
+    _bubble_slots,
+    memory_bound_time,
+    model_state_bytes,
+    op_overhead_time,
+    reduce_scatter_time,
+    roofline_time,
+    send_recv_time,
+)
+from partitioner.cost.profile import LayerProfile, ModelProfile
+from passes.ir.config import ParallelConfig
+from passes.ir.grad_buckets import DEFAULT_BUCKET_BYTES, FIRST_BUCKET_BYTES
+from passes.ir.plan import StagePlan
+from passes.ir.zero3_ops import ZERO3_PREFETCH
+
+HOST_MEMORY_BYTES_PER_S = 100e9
+"""Usable host-memory bandwidth of one node, shared by its devices: bounds the CPU optimizer step
+and activation offload copies (an assumption; the cluster file has no such field yet)."""
+
+RING_COMPUTE_DTYPE = "fp32"
+"""The dtype ring attention's kernel computes in (``runtime.kernels.context_parallel``: q, K, V
+cast to float32, scores, running log-sum-exp and dK/dV in float32, matmuls without TF32): its
+FLOPs are timed at this peak. A fused low-precision ring kernel would make it the training dtype."""
+RING_SCORE_PASSES_FWD = 9
+"""fp32 score-block passes per (query, key) chunk pair in the ring's forward: the QKᵀ output, the
+scale (read+write), logsumexp (read), ``s - lse`` and ``exp`` (read+write each), PV's read."""
+RING_SCORE_PASSES_BWD = 16
+"""As :data:`RING_SCORE_PASSES_FWD` in backward: the scores again (1 + 2 + 2 + 2), ``dO·Vᵀ``
+written, ``p·(dP − δ)`` (3), and the reads of pᵀ·dO, dS·K and dSᵀ·Q (3)."""
+RING_OPS_PER_PAIR_FWD, RING_OPS_PER_STEP_FWD = 10, 6
+RING_OPS_PER_PAIR_BWD, RING_OPS_PER_STEP_BWD = 16, 12
+"""Dispatched ops of the ring kernel per chunk pair and per ring step (framework overhead)."""
+RING_WORKING_BLOCKS = 4
+"""fp32 ``[b, H, c, c]`` score blocks alive at once in the ring's backward (p, dP, dS, a temporary)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _CpAttention:
+    """What context parallelism adds to one layer, one micro-batch, one device (zeros without it)."""
+
+    fwd: float = 0.0
+    """Compute seconds added to the forward (ring: its fp32 kernel minus the SDPA it replaces)."""
+    bwd: float = 0.0
+    comm_fwd: float = 0.0
+    """Exposed exchange seconds in forward (K/V ring steps or all-to-alls; the loss's all-reduces)."""
+    comm_bwd: float = 0.0
+    saved_bytes: float = 0.0
+    """Saved activations beyond the profile's (Ulysses: the head-sharded q, k, v)."""
+    working_bytes: float = 0.0
+    recompute: float = 0.0
+    """Seconds to rerun the attention core's cp part (selective checkpointing): compute and exchanges."""
+
+
+@dataclass(frozen=True, slots=True)
+class _LayerCost:
+    """One layer, one micro-batch, one device: seconds and bytes."""
+
+    fwd: float
+    bwd: float
+    tp_comm: float
+    recompute: float
+    act_bytes: float
+    """Saved activations of one micro-batch on one device, under the checkpointing policy."""
+    full_act_bytes: float
+    """Saved activations without checkpointing (the working set while recomputing)."""
+    params: float
+    """Parameters on one device (tp-sharded)."""
+    cp_comm: float = 0.0
+    """Context-parallel exchanges not hidden by compute, forward and backward (:class:`_CpAttention`)."""
+    working_bytes: float = 0.0
+    """Transient bytes of the layer's context-parallel attention while it runs (received blocks,
+    fp32 score blocks): held once per device, not per micro-batch."""
+    remat_working_bytes: float = 0.0
+    """``tensor`` checkpointing: what its recomputes hold at the fullest moment of backward, on top
+    of the saved activations (once per device, for the micro-batch whose backward runs)."""
+    weight_grad: float = 0.0
+    """Seconds of ``bwd`` that compute weight gradients (a split backward's W): the matmul-class
+    kernels' weight-gradient halves, and half of the split's extra overhead."""
+
+    @property
+    def time(self) -> float:
+        return self.fwd + self.bwd + self.tp_comm + self.recompute + self.cp_comm
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluated:
+    config: ParallelConfig
+    feasible: bool
+    step_time: float
+    peak: float
+    stages: tuple[StagePlan, ...]
+    terms: StepTimeTerms
+
+
+class PlanContext:
+    """Everything fixed while costing candidates of one model on one cluster: profile, cluster, caches of links and layer costs."""
+
+    def __init__(self, profile: ModelProfile, cluster: Cluster, global_batch: int, optimizer: str):
+        self.profile = profile
+        self.cluster = cluster
+        self.global_batch = global_batch
+        self.optimizer = optimizer
+        self.dtype = profile.dtype
+        self.precision = "fp32" if profile.dtype == "fp32" else "mixed"
+        self.cap = cluster.device.memory_bytes
+        self.host_cap = cluster.host_memory_bytes / cluster.devices_per_node
+        self.host_rate = HOST_MEMORY_BYTES_PER_S / cluster.devices_per_node  # per device, bytes/s
+        self.L = len(profile.blocks)
+        self.itemsize = 4 if self.precision == "fp32" else 2
+        # device memory IS host memory (CPU ranks): copies and collectives are not overlapped
+        self.on_host = cluster.host_to_device.kind == "loopback"
+        self._links: dict = {}
+        self._costs: dict = {}
+
+    def link(self, size: int, stride: int):
+        key = (size, stride)
+        if key not in self._links:
+            self._links[key] = group_link(self.cluster, size=size, stride=stride)
+        return self._links[key]
+
+    def sync_link(self, size: int, stride: int):
+        """The link of a collective over data-parallel ranks or between stages (gradient buckets,
+        ZeRO's gathers and reduce-scatters, the tied-weight sync, the loss all-reduce): its α times
+        the calibrated ``Cluster.sync_latency_scale`` when there is one."""
+        link = self.link(size, stride)
+        scale = self.cluster.sync_latency_scale
+        return link if scale is None else dataclasses.replace(link, latency_s=link.latency_s * scale)
+
+    def pp_link(self, c: ParallelConfig):
+        return self.link(2, c.dp_cp * c.tp)
+
+    def cp_links(self, cp: int, tp: int):
+        """(collective link, ring-step link) of a cp group: ``cp`` consecutive ranks (stride
+        ``tp``). The ring's point-to-point step is as slow as its slowest hop: inside a node the
+        node's link; across nodes one device's share of the node's NICs (a pair on two nodes)."""
+        group = self.link(cp, tp)
+        one_node = self.cluster.node_of(0) == self.cluster.node_of((cp - 1) * tp)
+        return group, (group if one_node else self.link(2, self.cluster.devices_per_node))
+
+    def layer_costs(self, c: ParallelConfig) -> tuple[_LayerCost, _LayerCost, _LayerCost]:
+        """Costs of (embedding, a block, head) for ``c``'s tp, micro-batch, sp, checkpointing, cp."""
+        cp = (c.cp, c.cp_mode if c.cp > 1 else "ring")
+        key = (c.tp, c.micro_batch_size, c.sequence_parallel, c.checkpointing, c.split_backward, *cp)
+        if key not in self._costs:
+            p = self.profile
+            # checkpoint regions are blocks (passes.lowering.lower): embedding and head keep theirs
+            ends = (c.tp, c.micro_batch_size, c.sequence_parallel, "none", c.split_backward, *cp)
+            self._costs[key] = (self._layer_cost(p.embedding, *ends), self._layer_cost(p.blocks[0], *key),
+                                self._layer_cost(p.head, *ends, loss=True))
+        return self._costs[key]
+
+    def _layer_cost(self, layer: LayerProfile, tp: int, mbs: int, sp: bool, ckpt: str, split: bool = False,
+                    cp: int = 1, mode: str = "ring", *, loss: bool = False) -> _LayerCost:
+        dev = self.cluster.device
+        # Context parallelism cuts every activation's sequence over cp ranks: a rank holds
+        # mbs·S/cp tokens, so every per-sample number of the profile (FLOPs, bytes moved, saved
+        # activations, the boundary tensor) counts ``mbs / cp`` samples. This holds for the
+        # attention too: its FLOPs are quadratic in S, and the load-balanced layout gives each
+        # rank 1/cp of them (mbs·S/cp queries against S keys). What cp changes beyond that is
+        # the attention kernel and its exchanges (:meth:`_cp_attention`).
+        b = mbs / cp
+        fwd, bwd = self._matmul_times(layer, tp, b)
+        matmul_fwd = fwd
+        wgrad = bwd / 2  # of each matmul-class kernel's two backward kernels, the weight gradient's
+        mem_fwd = memory_bound_time(self._memory_bound_bytes(layer, tp, b, sp), dev)
+        # an elementwise op's backward reads the output gradient and its saved input and writes
+        # the input gradient: about twice its forward's bytes
+        fwd += mem_fwd
+        bwd += 2 * mem_fwd
+        # framework overhead per dispatched op (independent of b and tp); backward twice the forward's
+        ops = layer.ops or layer.matmuls  # profiles made before op counting: the matmul kernels
+        fwd += op_overhead_time(ops, dev)
+        bwd += op_overhead_time(2 * ops, dev)
+        if split:  # a split backward runs every weight-reading op's backward a second time (W)
+            extra = op_overhead_time(SPLIT_OPS_PER_MATMUL * layer.matmuls, dev)
+            bwd += extra
+            wgrad += extra / 2  # W's engine pass; I's capture of the output gradients is the other half
+        msg = layer.boundary_bytes * b
+        link = self.link(tp, 1)
+        one = (reduce_scatter_time(msg, tp, link) + all_gather_time(msg, tp, link)) if sp else all_reduce_time(msg, tp, link)
+        fwd_comm = layer.tp_all_reduces * one
+        repl = layer.replicated_activation_bytes / (tp if sp else 1)
+        full = (repl + (layer.activation_bytes - layer.replicated_activation_bytes) / tp) * b
+        cpa = _CpAttention()
+        if cp > 1 and self.profile.attention is not None and any(k.fused_attention for k in layer.kernels):
+            cpa = self._cp_attention(layer, mbs, cp, mode, tp)
+        elif cp > 1 and loss:  # the mean loss: a sum and a token count, each all-reduced over the cp group
+            cpa = _CpAttention(comm_fwd=2 * all_reduce_time(4.0, cp, self.cp_links(cp, tp)[0]))
+        fwd += cpa.fwd
+        bwd += cpa.bwd
+        remat_working = 0.0
+        if ckpt == "full":
+            act = layer.boundary_bytes * b / (tp if sp else 1)
+            recompute = fwd + fwd_comm + cpa.comm_fwd  # the rerun forward exchanges again
+            full += cpa.saved_bytes  # the working set of the block being recomputed
+        elif ckpt == "dag" and layer.dag_activation_bytes is not None:
+            # the profile's dag decision: a share of the saved bytes kept; a checkpointed block
+            # replays its memory-bound ops, its overheads and its exchanges, and of its matmul-class
+            # kernels those whose outputs it does not keep
+            keep = layer.dag_activation_bytes / layer.activation_bytes if layer.activation_bytes else 1.0
+            act = full * keep + cpa.saved_bytes
+            share = layer.dag_recompute_flops / layer.fwd_flops if layer.fwd_flops else 0.0
+            recompute = (layer.dag_checkpointed * (mem_fwd + op_overhead_time(ops, dev) + fwd_comm + cpa.comm_fwd)
+                         + share * (matmul_fwd + cpa.fwd))
+            full += cpa.saved_bytes  # the working set of the block being recomputed
+        elif ckpt == "tensor" and layer.tensor_activation_bytes is not None:
+            # the profile's per-tensor decision: a share of the saved bytes kept; each recomputed
+            # op runs again once in backward (its matmul FLOPs, its share of the memory-bound
+            # work and op overheads); collectives and cp exchanges are kept, never run again
+            keep = layer.tensor_activation_bytes / layer.activation_bytes if layer.activation_bytes else 1.0
+            act = full * keep + cpa.saved_bytes
+            share = layer.tensor_recompute_flops / layer.fwd_flops if layer.fwd_flops else 0.0
+            recompute = (layer.tensor_recomputed_ops * (mem_fwd + op_overhead_time(ops, dev))
+                         + share * matmul_fwd)
+            # its forward runs node by node through the executor (pack hooks, bookkeeping): about
+            # one more op overhead per op (bench/remat_policies.py: the ResNet's 2.3 ms step took
+            # 4.6 ms with nothing recomputed, BERT's 2.9 ms 8.3 ms)
+            fwd += op_overhead_time(ops, dev)
+            remat_working = layer.tensor_working_bytes * b  # what its recomputes hold in backward
+        elif ckpt == "selective":  # the attention core reruns: its exchanges too, its extra saves are not kept
+            act = full - layer.attention_score_bytes * b / tp
+            recompute = self._attention_recompute_time(layer, tp, b) + cpa.recompute
+        else:
+            act, recompute = full + cpa.saved_bytes, 0.0
+            full = act
+        return _LayerCost(fwd=fwd, bwd=bwd, tp_comm=2 * fwd_comm, recompute=recompute, act_bytes=act,
+                          full_act_bytes=full, params=layer.param_count / tp, cp_comm=cpa.comm_fwd + cpa.comm_bwd,
+                          working_bytes=cpa.working_bytes, weight_grad=wgrad, remat_working_bytes=remat_working)
+
+    def _cp_attention(self, layer: LayerProfile, mbs: int, cp: int, mode: str, tp: int = 1) -> _CpAttention:
+        """What context parallelism adds to one block's attention for a micro-batch of ``mbs``
+        samples, per rank, over the sites of the block (``AttentionProfile.sites``). The block's
+        SDPA kernels are already costed at ``mbs/cp`` samples by the caller (the right FLOPs and
+        bytes for each rank's share). With ``tp > 1`` a rank attends with its ``H/tp`` heads (and
+        kv heads), so every tensor, block and FLOP below is divided by ``tp``, and the cp group's
+        ranks lie ``tp`` apart.
+
+        **ring** (``runtime.kernels.context_parallel``): the SDPA kernel is replaced by blocks of
+        ``c = S/(2cp)`` queries by ``c`` keys computed in *fp32* (:data:`RING_COMPUTE_DTYPE`) with
+        unfused score ops; its FLOPs are the SDPA kernel's (the profile's count, divided by cp as
+        for every plan, so cp=1, ring and Ulysses compare on one count), timed at the fp32 rate,
+        plus the fp32 score blocks' traffic of the pairs it computes (:func:`ring_attention_pairs`)
+        and its per-op overhead. Forward: ``cp−1`` steps each send this rank's stacked K/V
+        ``[2, b, H_kv, S/cp, D]`` to the next rank while the block it holds is computed (the next
+        block is posted before the current one runs): exposed ``max(0, comm − compute)`` per step.
+        Backward: ``cp−1`` K/V steps again, overlapped likewise, plus ``cp`` steps of the fp32
+        dK/dV blocks, each waited right after the block's compute (exposed whole: the kernel
+        waits for it before the next step). On a host device nothing overlaps.
+
+        **ulysses**: SDPA over the whole sequence with ``H/cp`` heads (the same FLOPs and bytes as
+        the caller's ``mbs/cp`` samples), plus all-to-alls of q, k, v and the output forward and
+        the four back in backward, each moving ``(cp−1)/cp`` of its local tensor, nothing hidden;
+        K and V move with their kv heads when those divide by ``tp·cp`` (else repeated to all
+        heads, as the rewrite does). The head-sharded q, k, v that SDPA saves are new storages: saved bytes
+        beyond the profile's."""
+        dev, att, S = self.cluster.device, self.profile.attention, self.profile.seq
+        b, item = mbs / cp, self.itemsize
+        sites, H, D = att.sites, att.heads, att.head_dim
+        link, ring_link = self.cp_links(cp, tp)
+        q_bytes = b * S * H * D * item / tp  # one local [b, H/tp, S/cp, D] tensor on a rank
+        sdpa = [k for k in layer.kernels if k.fused_attention]
+        if mode == "ulysses":
+            kvh = att.kv_heads if att.kv_heads % (cp * tp) == 0 else H
+            kv_bytes = b * S * kvh * D * item / tp
+            moved = (q_bytes, kv_bytes, kv_bytes, q_bytes)
+            comm = sites * ulysses_all_to_all_time(moved, cp, link)
+            # each exchange also copies its tensor into and out of the [cp, ...] layout
+            copies = memory_bound_time(2 * sum(moved), dev) * sites + op_overhead_time(4 * len(moved) * sites, dev)
+            saved = sites * (q_bytes + 2 * kv_bytes)
+            working = 3 * q_bytes
+            return _CpAttention(fwd=copies, bwd=copies, comm_fwd=comm, comm_bwd=comm, saved_bytes=saved,
+                                working_bytes=working, recompute=copies + comm)
+        kv_bytes = b * S * (att.kv_heads if att.kv_heads % tp == 0 else H) * D * item / tp
+        pairs = ring_attention_pairs(cp, att.causal)
+        c = S / (2 * cp)
+        block = mbs * H * c * c * 4 / tp  # one fp32 [b, H/tp, c, c] score block
+        bt = b / tp  # the SDPA kernels' per-sample counts, for a rank's share of samples and heads
+        sdpa_fwd = sum(self._kernel_time(k.fwd_flops * bt, k.bytes * bt, k.weight_bytes) for k in sdpa)
+        sdpa_bwd = sum(2 * self._kernel_time(k.bwd_flops * bt / 2, k.bytes * bt, k.weight_bytes)
+                       for k in sdpa if k.bwd_flops)
+        flops_f = sum(k.fwd_flops for k in sdpa) * bt
+        flops_b = sum(k.bwd_flops for k in sdpa) * bt
+
+        def matmuls(flops: float, n: int) -> float:  # n equal fp32 matmul kernels
+            return n * compute_time(flops / n, dev, RING_COMPUTE_DTYPE, overhead=False) if flops else 0.0
+
+        ring_f = (matmuls(flops_f, 2 * pairs) + memory_bound_time(RING_SCORE_PASSES_FWD * block * pairs, dev)
+                  + op_overhead_time(RING_OPS_PER_PAIR_FWD * pairs + RING_OPS_PER_STEP_FWD * cp, dev))
+        ring_b = (matmuls(flops_b, 5 * pairs) + memory_bound_time(RING_SCORE_PASSES_BWD * block * pairs, dev)
+                  + op_overhead_time(RING_OPS_PER_PAIR_BWD * pairs + RING_OPS_PER_STEP_BWD * cp, dev))
+        kv_msg = 2 * kv_bytes  # K and V stacked: one message per step
+        dkv_msg = kv_msg * 4 / item  # their gradients travel in fp32
+        hide = 0.0 if self.on_host else 1.0
+        comm_f = ring_exposed_time(kv_msg, cp - 1, ring_link, hide * ring_f / cp)
+        comm_b = ring_exposed_time(kv_msg, cp - 1, ring_link, hide * ring_b / cp) + ring_exposed_time(dkv_msg, cp, ring_link)
+        q32, kv32 = q_bytes * 4 / item, kv_bytes * 4 / item
+        # backward's peak: score blocks (p, dP, dS), fp32 q/dO/dq, K/V expanded to all heads and
+        # their per-step gradients, the travelling dK/dV and the one received
+        working = RING_WORKING_BLOCKS * block + 7 * q32 + 4 * kv32
+        return _CpAttention(fwd=sites * (ring_f - sdpa_fwd), bwd=sites * (ring_b - sdpa_bwd), comm_fwd=sites * comm_f,
+                            comm_bwd=sites * comm_b, working_bytes=working,
+                            recompute=sites * (ring_f - sdpa_fwd + comm_f))
+
+    def _kernel_time(self, flops: float, act_bytes: float, weight_bytes: float) -> float:
+        """Seconds of one matmul-class kernel on one device: the roofline of its FLOPs and bytes
+        (activations and its weight shard), framework overhead left to the op count."""
+        return roofline_time(flops, act_bytes + weight_bytes, self.cluster.device, self.dtype, overhead=False)
+
+    def _matmul_times(self, layer: LayerProfile, tp: int, b: int) -> tuple[float, float]:
+        """(forward, backward) seconds of the layer's matmul-class kernels for a micro-batch of
+        ``b`` on one of ``tp`` ranks, each kernel on the roofline. A kernel's FLOPs, activations
+        and weights are split over the tp ranks (column/row-parallel shards; the replicated input
+        of a column-parallel matmul is a small part of its bytes). Its backward is two kernels
+        (input and weight gradient) of half its backward FLOPs, each moving the forward's bytes."""
+        if not layer.kernels:  # a profile without per-node costs: ``matmuls`` equal kernels
+            k = layer.matmuls
+            fwd = k * self._kernel_time(layer.fwd_flops * b / tp / k, 0.0, 0.0) if layer.fwd_flops else 0.0
+            bwd = 2 * k * self._kernel_time(layer.bwd_flops * b / tp / (2 * k), 0.0, 0.0) if layer.bwd_flops else 0.0
+            return fwd, bwd
+        fwd = bwd = 0.0
+        for kern in layer.kernels:
+            moved, weights = kern.bytes * b / tp, kern.weight_bytes / tp
+            fwd += self._kernel_time(kern.fwd_flops * b / tp, moved, weights)
+            if kern.bwd_flops:
+                bwd += 2 * self._kernel_time(kern.bwd_flops * b / tp / 2, moved, weights)
+        return fwd, bwd
+
+    @staticmethod
+    def _memory_bound_bytes(layer: LayerProfile, tp: int, b: int, sp: bool) -> float:
+        """Bytes the layer's non-matmul kernels move in one forward of ``b`` samples on one device:
+        tensor parallelism shards the [.., 4h]/vocab-sized tensors; the [.., h] ones (norms,
+        residuals, dropout) stay whole on every rank unless sequence parallelism shards them."""
+        return (layer.memory_bound_bytes / tp + layer.replicated_memory_bound_bytes / (tp if sp else 1)) * b
+
+    def _attention_recompute_time(self, layer: LayerProfile, tp: int, b: int) -> float:
+        """Seconds of selective checkpointing's extra forward: the attention-core kernels again."""
+        dev = self.cluster.device
+        if not layer.kernels:
+            return compute_time(layer.attention_flops * b / tp, dev, self.dtype) if layer.attention_flops else 0.0
+        core = [k for k in layer.kernels if k.attention]
+        # an unfused core also reruns its mask, softmax and dropout on the [s, s] scores
+        scores = memory_bound_time(layer.score_memory_bound_bytes * b / tp, dev)
+        return (sum(self._kernel_time(k.fwd_flops * b / tp, k.bytes * b / tp, k.weight_bytes / tp) for k in core)
+                + scores + op_overhead_time(len(core), dev))
+
+
+
+
+def optimizer_tensors(profile: ModelProfile, ranges: list[tuple[int, int]], zero_stage: int, shards: int) -> float:
+    """Tensors one rank's optimizer steps for a stage of the layers in ``ranges`` (0: embedding,
+    1..L: blocks, L+1: head): every parameter tensor, each shard of one under ZeRO-3; under
+    ZeRO-1/2 the segments of the rank's flat chunk (:class:`runtime.optim.grad_sync.ShardedOptimizer`
+    cuts it where the weight-decay group changes), about the stage's runs over ``shards``."""
+    layers = [profile.layers[i] for start, stop in ranges for i in range(start, stop)]
+    if zero_stage in (1, 2):
+        return max(1.0, sum(layer.param_runs for layer in layers) / shards)
+    return float(sum(layer.param_tensors for layer in layers))
+
+
+def _state_per_param(ctx: PlanContext, c: ParallelConfig) -> tuple[float, float, float]:
+    """Device bytes per (tp-sharded) parameter: (params, grads, optimizer) under ZeRO/offload.
+    ZeRO shards over the ``dp * cp`` ranks that hold the same parameters (cp ranks replicate them)."""
+    ms = model_state_bytes(1.0, c.shard_degree if c.zero_stage == 3 else c.dp_cp, c.zero_stage, ctx.precision,
+                           ctx.optimizer)
+    opt = 0.0 if c.offload == "optimizer" else ms.optimizer
+    if c.zero_stage in (1, 2) and ctx.precision == "fp32" and opt:
+        opt += 4.0 / c.dp_cp  # runtime.optim.grad_sync.ShardedOptimizer steps an fp32 copy of its chunk
+    grads = ms.grads
+    if c.zero_stage == 2 and ctx.precision != "fp32":
+        grads = 4.0 / c.dp_cp  # the sharded accumulator sums in fp32 (runtime.optim.grad_sync)
+    # ZeRO-3: the optimizer steps the shards themselves, whose gradients are in the parameters' dtype
+    return ms.params, grads, opt
+
+
+def _inflight(c: ParallelConfig, stage: int) -> float:
+    n = in_flight_microbatches(c.schedule, stage, c.pp, c.num_micro_batches, c.virtual_pp)
+    if c.offload == "activations":
+        n = min(n, 2.0 / c.virtual_pp if c.virtual_pp > 1 else 2.0)
+    return n
+
+
+def boundary_message_bytes(ctx: PlanContext, c: ParallelConfig) -> float:
+    """Bytes of one pipeline message of one rank (a micro-batch's boundary activations, or
+    their gradients): every tp rank sends the whole boundary tensor to its peer of the next
+    stage (tensor parallelism replicates it), or under sequence parallelism its sequence chunk
+    (:func:`passes.rewrites.sequence_parallel.shard_stage_io`). Under context parallelism each cp rank
+    sends its share of the sequence (``1/cp``) to its peer of the next stage."""
+    return ctx.profile.blocks[0].boundary_bytes * c.micro_batch_size / (c.tp if c.sequence_parallel else 1) / c.cp
+
+
+def _buffers(ctx: PlanContext, c: ParallelConfig, grads: float | None = None) -> float:
+    """Communication buffers of one device, bytes: pp and tp buffers, plus the dp gradient
+    buckets (``min(2 buckets, grads)`` when the stage's full-size ``grads`` bytes are given), plus
+    the working set of a block's context-parallel attention (received blocks, fp32 score blocks)."""
+    msg = boundary_message_bytes(ctx, c)
+    out = ctx.layer_costs(c)[1].working_bytes if c.cp > 1 else 0.0
+    if c.dp_cp > 1 and grads is not None:
+        out += min(2 * DEFAULT_BUCKET_BYTES, grads)
+    if c.pp > 1:
+        out += 4 * msg  # send and receive, forward activations and backward gradients
+    if c.tp > 1:
+        out += msg
+    return out
+
+
+def _assignment(ctx: PlanContext, c: ParallelConfig, costs, limit: float | None) -> list[list[tuple[int, int]]] | None:
+    """Chain ranges per stage; ``limit`` bytes per device (None: ignore memory)."""
+    L, p, v = ctx.L, c.pp, c.virtual_pp
+    if v > 1:  # interleaved, zbv: equal chunks, placed as the schedule places its stages
+        per = L // (p * v)
+        chunks = [[] for _ in range(p)]
+        for j in range(p * v):
+            start, stop = 1 + j * per, 1 + (j + 1) * per
+            if j == 0:
+                start = 0
+            if j == p * v - 1:
+                stop = L + 2
+            chunks[c.stage_rank(j)].append((start, stop))
+        return chunks
+    emb, blk, head = costs
+    times = [emb.time, blk.time, head.time]
+    # Possible bottleneck times: contiguous sums of the chain (n blocks, with or without the ends).
+    cands = sorted({n * blk.time + e * emb.time + h * head.time
+                    for n in range(L + 1) for e in (0, 1) for h in (0, 1) if n + e + h > 0})
+    lo = bisect.bisect_left(cands, max(sum(times[i] * (L if i == 1 else 1) for i in range(3)) / p, max(times)) * (1 - 1e-12))
+    if _greedy(ctx, c, costs, float("inf"), limit) is None:
+        return None
+    hi = len(cands) - 1
+    lo = min(lo, hi)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _greedy(ctx, c, costs, cands[mid], limit) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    return _greedy(ctx, c, costs, cands[lo], limit) or _greedy(ctx, c, costs, float("inf"), limit)
+
+
+def _greedy(ctx: PlanContext, c: ParallelConfig, costs, T: float, limit: float | None):
+    """Fill stages left to right with as many layers as time ``T`` and memory allow."""
+    L, p = ctx.L, c.pp
+    emb, blk, head = costs
+    wp, wg, wo = _state_per_param(ctx, c)
+    per_param = wp + wg + wo
+    shared = ctx.profile.shared_param_count / c.tp
+    runs = [(emb, 1, shared if p > 1 else 0.0), (blk, L, 0.0), (head, 1, shared)]
+    eps = 1e-12 * max(T, 1e-30) if math.isfinite(T) else 0.0
+    counts = []
+    run, left = 0, runs[0][1]
+    for stage in range(p):
+        n_in = _inflight(c, stage)
+        t = grads = 0.0
+        taken = 0
+        mem = _buffers(ctx, c) + _recompute_working_set(c, blk)
+        bucket = 2 * DEFAULT_BUCKET_BYTES if c.dp_cp > 1 else 0.0
+        while run < 3:
+            cost, _, extra = runs[run]
+            w = (cost.params + extra) * per_param + n_in * cost.act_bytes
+            g = (cost.params + extra) * ctx.itemsize if c.dp_cp > 1 else 0.0  # gradient bucket growth
+            n = left
+            if cost.time > 0:
+                n = min(n, int((T - t + eps) // cost.time)) if math.isfinite(T) else n
+            if limit is not None and w + g > 0:
+                # fits when mem + n·w + min(bucket, grads + n·g) <= limit: either bound suffices
+                full = (limit - mem - bucket) // w if w > 0 else float("inf")
+                growing = (limit - mem - grads) // (w + g)
+                n = min(n, int(max(full, growing)))
+            n = max(n, 0)
+            t += n * cost.time
+            mem += n * w
+            grads += n * g
+            taken += n
+            left -= n
+            if left > 0:
+                break
+            run += 1
+            left = runs[run][1] if run < 3 else 0
+        if taken == 0 and run < 3:
+            return None
+        counts.append(taken)
+    if run < 3:
+        return None
+    # Stages the greedy left empty (it packs early stages full) take one layer from the nearest
+    # earlier stage with several; counts stay contiguous ranges, the caller re-checks memory.
+    for st in range(p):
+        if counts[st] == 0:
+            donors = [i for i in range(st) if counts[i] > 1]
+            if not donors:
+                return None
+            counts[donors[-1]] -= 1
+            counts[st] += 1
+    ranges, start = [], 0
+    for n in counts:
+        ranges.append([(start, start + n)])
+        start += n
+    return ranges
+
+
+def _stage_numbers(ctx: PlanContext, c: ParallelConfig, costs, ranges: list[tuple[int, int]], stage: int):
+    """Time per micro-batch (fwd, bwd, tp, recompute), params on device, memory breakdown."""
+    emb, blk, head = costs
+    L, p = ctx.L, c.pp
+    f = b = tpc = rc = cpc = params = act = w_grad = 0.0
+    shared = ctx.profile.shared_param_count / c.tp
+    largest = 0.0  # the most parameters one layer of the stage has (ZeRO-3 gathers a layer at a time)
+    kept = 0.0  # parameters of the layers whose backward reads them (the embedding's reads only ids)
+    for start, stop in ranges:
+        for i in range(start, stop):
+            cost = emb if i == 0 else head if i == L + 1 else blk
+            largest = max(largest, cost.params + (shared if (i == 0 and p > 1) or i == L + 1 else 0.0))
+            if i > 0:
+                kept += cost.params + (shared if i == L + 1 else 0.0)
+            f += cost.fwd
+            b += cost.bwd
+            w_grad += cost.weight_grad
+            tpc += cost.tp_comm
+            rc += cost.recompute
+            cpc += cost.cp_comm
+            params += cost.params
+            act += cost.act_bytes
+            if (i == 0 and p > 1) or i == L + 1:
+                params += shared
+    wp, wg, wo = _state_per_param(ctx, c)
+    memory = {
+        "parameters": params * wp,
+        "gradients": params * wg,
+        "optimizer": params * wo,
+        "activations": act * _inflight(c, stage) + _recompute_working_set(c, blk),
+        "buffers": _buffers(ctx, c, None if c.zero_stage == 3 else params * ctx.itemsize),
+    }
+    if c.zero_stage == 3:  # the gathered full parameters count as communication buffers
+        memory["buffers"] += zero3_gathered_bytes(largest, ctx.itemsize,
+                                                  kept_params=None if c.reshard_after_forward else kept)
+    return f, b, tpc, rc, cpc, params, act, memory, w_grad
+
+
+def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str = "device") -> Evaluated:
+    """Partition, memory and step time of one candidate; ``limit=None`` splits the stages by time
+    only (to say how much memory the candidate needs)."""
+    costs = ctx.layer_costs(c)
+    assignment = _assignment(ctx, c, costs, ctx.cap if limit == "device" else limit)
+    feasible = assignment is not None
+    if assignment is None:  # how much it would need: the time-balanced split, memory ignored
+        assignment = _assignment(ctx, c, costs, None)
+    dev = ctx.cluster.device
+    # ranks the sharded model state is spread over: dp x cp hold the same parameters
+    shards = c.shard_degree if c.zero_stage == 3 else c.dp_cp
+    ms1 = model_state_bytes(1.0, shards, c.zero_stage, ctx.precision, ctx.optimizer)
+    stages, per_stage = [], []
+    for s, ranges in enumerate(assignment):
+        f, b, tpc, rc, cpc, params, act, memory, w_grad = _stage_numbers(ctx, c, costs, ranges, s)
+        t_mb = f + b + tpc + rc + cpc
+        # data parallel: grads of this stage; the last micro-batch's backward hides part of it.
+        # Gradients are averaged over the dp x cp ranks holding the same parameters (cp innermost)
+        grads = params * ctx.itemsize
+        link = ctx.sync_link(c.dp_cp, c.tp)
+        extra = gradient_buckets(ctx, c, ranges, grads) - 1
+
+        def per_bucket(collective) -> float:  # one call per gradient bucket, each paying the latency
+            return collective(grads, c.dp_cp, link) + extra * collective(0.0, c.dp_cp, link)
+
+        rs, ag, ar = per_bucket(reduce_scatter_time), per_bucket(all_gather_time), per_bucket(all_reduce_time)
+        # on a host device (gloo on CPU) the bucket's collective shares the rank's one thread
+        # with backward: nothing hides it
+        hide = 0.0 if ctx.on_host else b
+        if c.zero_stage == 3:
+            layers = sum(stop - start for start, stop in ranges)
+            replicas = c.dp_cp // shards  # HSDP: gathers and reduce-scatters inside a shard group, all-reduce across
+            dp_exposed = zero3_exposed_time(params * ctx.itemsize, params * 4, c, ctx.sync_link(shards, c.tp), f, b + rc,
+                                            ctx.on_host, layers=layers,
+                                            replicas=(replicas, ctx.sync_link(replicas, c.tp * shards)))
+        elif c.zero_stage == 0:    # one all-reduce after the last micro-batch, hidden behind its backward
+            dp_exposed = max(0.0, ar - hide)
+        elif c.zero_stage == 1:  # reduce-scatter hidden likewise; all-gather of new weights after the step
+            dp_exposed = max(0.0, rs - hide) + ag
+        else:                    # sharded grads: a reduce-scatter per micro-batch, each behind its backward
+            dp_exposed = c.num_micro_batches * max(0.0, rs - hide) + ag
+        updated = params / (shards if c.zero_stage >= 1 else 1)  # parameters this rank updates
+        opt_bytes = updated * ms1.optimizer * (shards if c.zero_stage >= 1 else 1)
+        if c.offload == "optimizer":
+            h2d = ctx.cluster.host_to_device.bandwidth_bytes_per_s
+            t_opt = (updated * 2 * ctx.itemsize) / h2d + 2 * opt_bytes / ctx.host_rate
+        else:
+            t_opt = memory_bound_time(2 * opt_bytes + updated * 2 * ctx.itemsize, dev.optimizer_bytes_per_s or dev)
+        t_opt += optimizer_tensors(ctx.profile, ranges, c.zero_stage, shards) * dev.optimizer_tensor_s
+        if c.zero_stage in (1, 2):  # flatten the stage's grads into the bucket, copy the gathered params back
+            t_opt += memory_bound_time(4 * grads, dev.optimizer_bytes_per_s or dev)
+        t_off = 0.0
+        host = opt_bytes if c.offload == "optimizer" else 0.0
+        if c.offload == "activations":
+            copy = 2 * act / min(ctx.cluster.host_to_device.bandwidth_bytes_per_s, ctx.host_rate)
+            # each saved tensor is one copy out and one back: the link's α and the framework call
+            copy += 2 * _saved_tensors(ctx, c, ranges) * (ctx.cluster.host_to_device.latency_s + dev.offload_call_s)
+            if ctx.on_host:  # copies and saved-tensor hooks run inside forward/backward: stage time
+                t_mb += copy
+                t_off = c.num_micro_batches * copy
+            else:  # copies out behind the forward (side stream); each reload prefetched behind the
+                # backward of the layers after it (runtime/kernels/offload.py)
+                t_off = c.num_micro_batches * (max(0.0, copy / 2 - f) + max(0.0, copy / 2 - (b + rc)))
+            host = act * in_flight_microbatches(c.schedule, s, c.pp, c.num_micro_batches, c.virtual_pp)
+        if host > ctx.host_cap:
+            feasible = False
+        peak = sum(memory.values())
+        names = tuple(f"{_name(ctx, a)}..{_name(ctx, z - 1)}" for a, z in ranges)
+        stages.append(StagePlan(index=s, layers=tuple(tuple(r) for r in ranges), layer_names=names,
+                                param_bytes=params * ctx.itemsize, peak_memory_bytes=peak, memory=memory,
+                                time_s=t_mb))
+        per_stage.append((t_mb, f + b, tpc, rc, dp_exposed, t_opt, t_off, cpc, w_grad / b if b > 0 else 0.0))
+    p, v, m = c.pp, c.virtual_pp, c.num_micro_batches
+    slow = max(range(p), key=lambda i: (per_stage[i][0], -i))
+    t_max, comp, tpc, rc = per_stage[slow][:4]
+    cpc = per_stage[slow][7]
+    t_p2p = 0.0
+    if p > 1:
+        pp_link = ctx.pp_link(c)
+        if ctx.cluster.p2p_latency_s is not None:  # calibrated per-message seconds of pipeline sends
+            pp_link = dataclasses.replace(pp_link, latency_s=ctx.cluster.p2p_latency_s)
+        t_p2p = send_recv_time(boundary_message_bytes(ctx, c), pp_link)
+    tail = max(range(p), key=lambda i: (sum(per_stage[i][4:7]), -i))
+    terms = StepTimeTerms(
+        # a split backward recomputes a checkpointed region for its input half and again for its
+        # weight half (runtime.exec.split_backward)
+        compute=m * comp, tp_comm=m * tpc, cp_comm=m * cpc, recompute=m * rc * (2 if c.split_backward else 1),
+        pp_comm=2 * t_p2p * m * v if p > 1 else 0.0,
+        # a zero-bubble schedule fills its bubble with W: how much depends on W's share of the
+        # slowest stage's backward (matmul-heavy on GPUs, about half; dispatch-bound CPU ranks less)
+        bubble=_bubble_time(c, [st[0] for st in per_stage], per_stage[slow][8]),
+        dp_comm=per_stage[tail][4], optimizer=per_stage[tail][5], offload=per_stage[tail][6],
+        tied_comm=_tied_sync_time(ctx, c), framework=_framework_time(ctx))
+    busy = [m * (st[1] + st[3] * (2 if c.split_backward else 1)) + st[5] + st[6] for st in per_stage]
+    terms = dataclasses.replace(terms, contention=_contention_time(ctx, c, busy, terms))
+    peak = max(s.peak_memory_bytes for s in stages)
+    feasible = feasible and peak <= ctx.cap
+    return Evaluated(config=c, feasible=feasible, step_time=terms.total, peak=peak, stages=tuple(stages), terms=terms)
+
+
+def _bubble_time(c: ParallelConfig, stage_s: list[float], weight_share: float) -> float:
+    """Idle seconds of the slowest pipeline rank per step, from each rank's seconds per
+    micro-batch ``stage_s``. GPipe, 1F1B and interleaved: the first micro-batch's forward and the
+    last one's backward pass once through every other rank, so ``(Σ stage_s − max) / v`` (exact
+    for GPipe, whose step is ``Σ t + (m − 1)·max``; an upper bound for 1F1B and interleaved,
+    which can start their slowest rank earlier; ``(p − 1)/v · max`` when balanced). Zero-bubble
+    schedules: their simulated idle slots on balanced stages, times the slowest rank's seconds,
+    with W the slowest rank's weight-gradient share of its backward."""
+    t_max = max(stage_s)
+    if c.split_backward:
+        return _bubble_slots(c.schedule, c.pp, c.num_micro_batches, c.virtual_pp, weight_share) * t_max
+    return (sum(stage_s) - t_max) / c.virtual_pp
+
+
+def zero3_gathered_bytes(largest_layer_params: float, itemsize: int, prefetch: int = ZERO3_PREFETCH, *,
+                         kept_params: float | None = None) -> float:
+    """Bytes of full parameters ZeRO-3 holds at once on a device: the running layer's and the
+    ``prefetch`` layers gathered ahead (each at most the stage's largest layer), plus, at a
+    layer's backward, its full gradients and their fp32 reduce-scatter buffer.
+    ``kept_params`` (``reshard_after_forward=False``): the parameters kept gathered from the
+    forward to the backward instead (every layer whose backward reads its weights)."""
+    grads = largest_layer_params * (itemsize + 4)
+    if kept_params is not None:
+        return max(kept_params, (1 + prefetch) * largest_layer_params) * itemsize + grads
+    return (1 + prefetch) * largest_layer_params * itemsize + grads
+
+
+def zero3_exposed_time(param_bytes: float, grad_bytes_fp32: float, c: ParallelConfig, link, fwd: float, bwd: float,
+                       on_host: bool, *, layers: int = 1, replicas: tuple[int, object] = (1, None)) -> float:
+    """Seconds per step of ZeRO-3 communication that compute does not hide, on one stage of
+    ``layers`` layers: per micro-batch an all-gather of each layer's parameters before its forward
+    and again before its backward (not again with ``reshard_after_forward=False``: the forward's
+    gather is kept), and a reduce-scatter of its gradients (fp32) after it: one collective per
+    layer and pass (a gather site of :mod:`runtime.kernels.zero3`), each paying the link's
+    latency, the stage's bytes split evenly over them. With prefetch (the runtime's default, one
+    site ahead) each layer's gather overlaps the layer before it, except the first layer's of each
+    pass; on a host device (gloo on CPU) the collectives share the rank's thread with compute and
+    nothing hides. ``link``: the shard group's; HSDP's ``replicas``: (replica groups, their link),
+    across which each reduce-scattered shard is all-reduced."""
+    degree, n = c.shard_degree, max(layers, 1)
+    first = all_gather_time(param_bytes / n, degree, link)  # one layer's gather
+    ag = n * first
+    rs = n * reduce_scatter_time(grad_bytes_fp32 / n, degree, link)
+    if replicas[0] > 1:
+        rs += n * all_reduce_time(grad_bytes_fp32 / n / degree, replicas[0], replicas[1])
+    again = 1 if c.reshard_after_forward else 0  # gathers of the stage's parameters in backward
+    if on_host:
+        return c.num_micro_batches * ((1 + again) * ag + rs)
+    return c.num_micro_batches * ((1 + again) * first + max(0.0, ag - first - fwd)
+                                  + max(0.0, again * (ag - first) + rs - bwd))
+
+
+SPLIT_OPS_PER_MATMUL = 12
+"""Framework overhead of a split backward (zero-bubble schedules), in dispatched ops per matmul
+of the layer: W runs the autograd engine once more per weight-reading op, I walks the graph and
+captures each such op's output gradient. Measured with bench/schedule_bubbles.py on the 2-core
+development machine: I + W took 8.5 ms more than B per micro-batch through 2 GPT blocks (12
+matmuls) at 59 us per dispatched op (its calibrated ``kernel_overhead_s``)."""
+
+
+def _recompute_working_set(c: ParallelConfig, blk: _LayerCost) -> float:
+    """Bytes a recomputed block holds while its backward runs (its activations without
+    checkpointing), on top of what the in-flight micro-batches keep: full and dag checkpointing;
+    ``tensor``: what its recomputes hold at the fullest moment of backward (the profile's)."""
+    if c.checkpointing == "tensor":
+        return blk.remat_working_bytes
+    return blk.full_act_bytes if c.checkpointing in ("full", "dag") else 0.0
+
+
+def _saved_tensors(ctx: PlanContext, c: ParallelConfig, ranges) -> int:
+    """Saved tensors one micro-batch offloads on a stage (``LayerProfile.saved_tensors``; a block
+    under full checkpointing keeps only its input): each costs a copy out and one back, each a
+    message on the host link (its α) and a framework call (``Device.offload_call_s``)."""
+    def count(i: int) -> int:
+        block = 0 < i <= ctx.L
+        return 1 if block and c.checkpointing == "full" else ctx.profile.layers[i].saved_tensors
+    return sum(count(i) for start, stop in ranges for i in range(start, stop))
+
+
+def _contention_time(ctx: PlanContext, c: ParallelConfig, busy: list[float], terms: StepTimeTerms) -> float:
+    """Seconds the step lasts longer because a node's ranks share its compute slots
+    (``Cluster.compute_slots_per_node``: CPU ranks on fewer cores than ranks).
+
+    ``busy[i]``: one rank of pipeline rank ``i`` computing per step (forward, backward,
+    recompute, optimizer, offload copies; collectives wait, they do not compute). A node's ranks
+    need at least ``W / slots`` seconds for their ``W`` busy seconds; they can spread that over
+    the step but for the phases every rank waits in together at its end (the dp gradient
+    reduction, the tied-weight sync, the loss all-reduce). What the rest of the step leaves
+    uncovered is added: ``max(0, W / slots − (T − dp − tied − framework))``. Data parallelism on 4
+    ranks of 2 cores doubles its compute; a pipeline's bubble is time its idle ranks give the
+    others, so few micro-batches in a deep pipeline cost less than the bubble alone says."""
+    slots = ctx.cluster.compute_slots_per_node
+    per_node = ctx.cluster.devices_per_node
+    if slots is None or slots >= per_node:
+        return 0.0
+    ranks_per_stage = c.dp_cp * c.tp
+    work: dict[int, float] = {}
+    for rank in range(c.world_size):
+        node = rank // per_node
+        work[node] = work.get(node, 0.0) + busy[rank // ranks_per_stage]
+    span = terms.total - terms.contention - terms.dp_comm - terms.tied_comm - terms.framework
+    return max(0.0, max(work.values()) / slots - span)
+
+
+def gradient_buckets(ctx: PlanContext, c: ParallelConfig, ranges, grad_bytes: float) -> int:
+    """Collectives one gradient reduction of a stage issues (``grad_bytes``: its gradients): one
+    per bucket of the runtime's layout (:func:`passes.ir.grad_buckets.bucket_layout`). The first
+    bucket holds at most ``FIRST_BUCKET_BYTES``, the others at most ``DEFAULT_BUCKET_BYTES``;
+    "late" gradients travel in buckets of their own after the rest: the stage's copy of tied
+    weights (the embedding on the first stage, the head on the last) when they lie on two
+    stages, and with sequence parallelism the norms' partial gradients. Counted by bytes: a
+    parameter is never split, so the runtime may cut one bucket more."""
+    late = 0.0
+    if c.pp > 1 and ctx.profile.shared_param_count and any(
+            start == 0 < stop or start <= ctx.L + 1 < stop for start, stop in ranges):
+        late = ctx.profile.shared_param_count / c.tp * ctx.itemsize
+    early = max(0.0, grad_bytes - late)
+    n = 1 + math.ceil(max(0.0, early - FIRST_BUCKET_BYTES) / DEFAULT_BUCKET_BYTES) if early > 0 else 0
+    if late > 0:
+        n += math.ceil(late / DEFAULT_BUCKET_BYTES)
+    elif c.sequence_parallel and c.tp > 1 and any(start <= ctx.L and stop > 1 for start, stop in ranges):
+        n += 1  # the blocks' norm weights: small, one bucket
+    return max(n, 1)
+
+
+def _tied_sync_time(ctx: PlanContext, c: ParallelConfig) -> float:
+    """Seconds of the all-reduce of tied-weight gradients between the first and the last stage
+    (``runtime.optim.grad_sync.TiedSync``), after the last backward: nothing hides it."""
+    shared = ctx.profile.shared_param_count
+    if c.pp == 1 or not shared:
+        return 0.0
+    grads = shared / c.tp * ctx.itemsize  # vocab-parallel: each tp rank syncs its shard
+    return all_reduce_time(grads, 2, ctx.sync_link(2, c.dp_cp * c.tp * (c.pp - 1)))
+
+
+def _framework_time(ctx: PlanContext) -> float:
+    """Seconds per step of host work (``Device.step_overhead_s``) plus the all-reduce of the
+    step's loss over every rank: a scalar, so latency only, over a tree (``2·⌈log2 n⌉`` hops, as
+    NCCL does for small messages) rather than a ring's ``2(n−1)``."""
+    world = ctx.cluster.world_size
+    loss = 2 * math.ceil(math.log2(world)) * ctx.sync_link(world, 1).latency_s if world > 1 else 0.0
+    return ctx.cluster.device.step_overhead_s + loss
+
+
+def _name(ctx: PlanContext, i: int) -> str:
+    return ctx.profile.layers[i].name
+
+
+def lower_bound(ctx: PlanContext, c: ParallelConfig) -> float:
+    """A step time no partition of ``c`` beats: perfect balance, bubble, no dp/optimizer cost."""
+    emb, blk, head = ctx.layer_costs(c)
+    total = emb.time + ctx.L * blk.time + head.time
+    per_stage = max(total / c.pp, blk.time * math.ceil(ctx.L / c.pp) if c.virtual_pp > 1 else 0.0)
+    return (c.num_micro_batches + _bubble_slots(c.schedule, c.pp, c.num_micro_batches, c.virtual_pp)) * per_stage

@@ -1,0 +1,328 @@
+"""The lowering: an analysed training step and a :class:`ParallelConfig` become rank programs.
+
+One function, :func:`lower`, of named steps; it is what the dumps show and what the runtime
+runs (there is no other)::
+
+    whole graph   context_parallel      (cp > 1: every cp rank's program, sequence-sharded; shapes, FLOPs again)
+                  tag_tensor_parallel   (tp > 1: column/row/vocab per node, one sharding per param)
+                  checkpoint_policy     (checkpointing: which blocks recompute)
+                  offload_policy        (activation offload without checkpointing)
+                  tag_pipeline_stages   (the stage of every node, from the chain boundaries)
+    split         split_pipeline_stages (one module per stage, with its I/O contract)
+    per stage,    apply_tensor_parallel (this tp rank's shards and collectives)
+    per tp rank   restrict_checkpoint_plan, apply_checkpoint (the stage's regions, outlined)
+                  [annotate_shapes, annotate_flops, offload_policy]  (offload under checkpointing)
+                  apply_offload         (begin/saver/end brackets, last)
+                  annotate_shapes, annotate_flops, annotate_memory   (re-analysis of the program)
+    assemble      RankProgram per global rank: its stages' programs, comms, schedule
+
+Why this order (the rules are :data:`passes.lowering.pipelines.ORDER`, checked by every manager):
+tagging on the whole graph sees every use of a parameter (the tied embedding and LM head end up
+on the first and last stage) and gives both copies one sharding; splitting before the tp rewrite
+keeps the shapes the split's contracts need; the checkpointed regions are outlined after the tp
+rewrite so that they contain its collectives; offload brackets go in last.
+
+``instrument_for(name)`` gives the :class:`passes.lowering.manager.Instrument` of each pipeline
+(``"whole_graph"`` and ``"stage<s>_tp<r>"``), e.g. an IR dump writer; the runtime passes none.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
+
+import sympy
+from torch import fx
+
+from passes.ir.config import TORCH_DTYPES, ParallelConfig, dtype_name
+from passes.ir.cp_ops import CONTEXT_PARALLEL, CP_OPS
+from passes.ir.cost import CostHooks
+from passes.ir.errors import ConfigError, PassError
+from passes.ir.meta import (CAPTURE, CHECKPOINT_PLAN, LAYER_CHAIN, OFFLOAD_PLAN, PIPELINE_STAGE, REMAT, STAGE_IO,
+                            TENSOR_PARALLEL_PLAN, TENSOR_REMAT,
+                            InputSpec, PipelineSplit, StageAssignment, StageIO, dim_symbol)
+from passes.ir.ops import TP_OPS, op_name
+from passes.ir.program import Comm, RankProgram, TiedParam, global_rank, local_shape, mesh_coords
+from passes.ir.schedule import build as build_schedule
+from passes.ir.zero3_ops import shard_numel
+from passes.lowering.manager import Instrument, PassContext, pipeline_text
+from passes.policies.pipeline_stages import chain_starts
+from passes.rewrites.pipeline_split import split_pipeline_stages
+from passes.lowering.pipelines import cp_group, manager, stage_passes, whole_graph_passes
+from passes.rewrites.sequence_parallel import sequence_size, shard_stage_io
+from passes.analysis.weight_decay import no_weight_decay_names
+
+# graph-level decisions of the whole graph that each stage program inherits
+_INHERITED = (TENSOR_PARALLEL_PLAN, CHECKPOINT_PLAN, OFFLOAD_PLAN, LAYER_CHAIN, CONTEXT_PARALLEL)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineRecord:
+    """One pipeline the lowering ran: its name (the dump subdirectory of a stage program) and text."""
+
+    name: str
+    text: str
+
+
+@dataclass(kw_only=True)
+class Lowering:
+    """What :func:`lower` made: the tagged whole graph, the split, and the program of each
+    (stage, tp rank) it was asked for. :meth:`rank_program` assembles one rank's share."""
+
+    config: ParallelConfig
+    graph: fx.GraphModule = field(repr=False)
+    split: PipelineSplit = field(repr=False)
+    programs: dict[tuple[int, int], fx.GraphModule] = field(repr=False)
+    io: tuple[StageIO, ...] = field(repr=False)
+    """Every stage's contract as a tp rank runs it (:func:`rank_io`)."""
+    pipelines: tuple[PipelineRecord, ...] = ()
+    tp_group: str = "tp"
+
+    def rank_program(self, rank: int, *, first: int = 0) -> RankProgram:
+        """The program of global ``rank`` (the mesh spans ``first .. first + world_size - 1``)."""
+        c = self.config
+        if not first <= rank < first + c.world_size:
+            raise ConfigError(f"rank {rank} is outside the mesh ranks {first}..{first + c.world_size - 1} of "
+                              f"dp*tp*pp = {c.world_size}")
+        pp_index, dp_index, tp_index = mesh_coords(rank, dp=c.dp_cp, tp=c.tp, first=first)
+        mine = c.rank_stages(pp_index)
+        missing = [s for s in mine if (s, tp_index) not in self.programs]
+        if missing:
+            raise ConfigError(f"rank {rank} runs stages {list(mine)} on tp rank {tp_index}, but the lowering made "
+                              f"no program of stage(s) {missing} for it; lower with programs= that include them")
+        modules = {s: self.programs[(s, tp_index)] for s in mine}
+        plan = self.graph.meta.get(TENSOR_PARALLEL_PLAN)
+        cp_plan = self.graph.meta.get(CONTEXT_PARALLEL)
+        sp_grads = sorted({g for m in modules.values() if TENSOR_PARALLEL_PLAN in m.meta
+                           for g in m.meta[TENSOR_PARALLEL_PLAN].sequence_parallel_grads})
+        actions = build_schedule(c.schedule, c.pp, c.num_micro_batches, c.virtual_pp)[pp_index]
+        info = self.graph.meta[CAPTURE]
+        canonical = info.canonical_names()
+        for key, aliases in self.split.aliases.items():
+            canon = canonical.get(key, key)
+            canonical.update({a: canon for a in aliases})
+        return RankProgram(
+            rank=rank, first=first, config=c, pp_index=pp_index, dp_index=dp_index, tp_index=tp_index, stages=mine,
+            modules=modules, io=self.io, tied=self._tied(plan), canonical_names=canonical, tp_plan=plan,
+            tp_group=self.tp_group, cp_plan=cp_plan,
+            comms=tuple(_comms(self.split, modules, mine, c, pp_index, dp_index, tp_index, first, self.tp_group)),
+            actions=tuple(actions), inputs=info.inputs, sp_grad_params=tuple(sp_grads),
+            no_weight_decay=self._no_weight_decay(canonical))
+
+    def digest(self) -> str:
+        """A hash of what every rank will run: the config and, for each (stage, tp rank) program
+        lowered, the generated code of it and of its submodules (checkpointed regions), the
+        nodes whose outputs a selective region keeps and each per-tensor decision's actions.
+        Processes that lower the same programs of one plan must get the same string
+        (:func:`passes.checks.communication_check.check_lowered_ranks` compares them)."""
+        h = hashlib.sha256(repr(self.config).encode())
+        for key in sorted(self.programs):
+            h.update(repr(key).encode())
+            for name, module in self.programs[key].named_modules():
+                if isinstance(module, fx.GraphModule):
+                    h.update(name.encode())
+                    h.update(module.code.encode())
+                    h.update(" ".join(n.name for n in module.graph.nodes
+                                      if REMAT in n.meta and n.meta[REMAT].cached).encode())
+                    h.update(" ".join(f"{n.name}:{n.meta[TENSOR_REMAT].action}" for n in module.graph.nodes
+                                      if TENSOR_REMAT in n.meta).encode())
+        return h.hexdigest()[:16]
+
+    def _no_weight_decay(self, canonical: Mapping[str, str]) -> frozenset[str]:
+        names = no_weight_decay_names(self.graph)
+        canon = {canonical.get(n, n) for n in names}
+        return frozenset(names | {a for a, c in canonical.items() if c in canon})
+
+    def _tied(self, plan) -> dict[str, TiedParam]:
+        out = {}
+        for name, stages in sorted(self.split.tied.items()):
+            module = self.split.modules[stages[0]]
+            alias = next(a for a in self.split.aliases[name] if _has_param(module, a))
+            full = module.get_parameter(alias)
+            sharding = plan.params.get(name) if plan is not None else None
+            shape = local_shape(full.shape, sharding, self.config.tp)
+            if self.config.zero_stage == 3:  # every copy is its dp shard
+                shape = (shard_numel(math.prod(shape), self.config.shard_degree),)
+            out[name] = TiedParam(name=name, stages=tuple(stages), aliases=tuple(self.split.aliases[name]),
+                                  local_shape=shape, dtype=full.dtype)
+        return out
+
+
+def lower(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
+          programs: Iterable[tuple[int, int]] | None = None, tp_group: str = "tp",
+          instrument_for: Callable[[str], Instrument | None] | None = None,
+          ctx: PassContext | None = None) -> Lowering:
+    """Lower the analysed training step ``gm`` (capture, then :func:`passes.lowering.pipelines.analysis_passes`)
+    under ``config``; ``gm`` is deep-copied, never changed.
+
+    ``cost``: the cost hooks of the cluster the plan is for (the offload policy needs them; None
+    is refused when it does). ``programs``: the (stage, tp rank) programs to make (default:
+    all; a rank of a job makes only its own). ``tp_group``: the name the programs' collectives
+    look their tp group up by. ``ctx``: the optimizer and precision the re-analysis counts.
+    Raises :class:`ConfigError` for a config the model cannot take, :class:`PassError` from passes.
+    """
+    for key in (CAPTURE, LAYER_CHAIN):
+        if key not in gm.meta:
+            raise PassError(f"lower: gm.meta has no {key!r}; capture the model and run the analysis passes "
+                            f"(passes.lowering.pipelines.analysis_passes) first")
+    ctx = ctx or PassContext(mixed_precision=config.mixed_precision)
+    blocks = gm.meta[LAYER_CHAIN].n_blocks
+    config.validate(blocks=blocks)
+    captured = gm.meta[CAPTURE].dtype
+    if captured != TORCH_DTYPES[config.dtype]:
+        # the stage programs run in the dtype they were captured in: a bf16 plan needs a bf16 graph
+        raise ConfigError(f"lower: the plan trains in {config.dtype} but the graph was captured in {captured}; "
+                          f"capture the model cast to {config.dtype} (ModelSpec.cast, as auto_parallelize(dtype=...) "
+                          f"does) or plan with dtype={dtype_name(captured)}")
+    if config.n_stages > 1 and blocks == 0:
+        raise ConfigError("pp*virtual_pp > 1 needs repeated blocks to cut stages between, and the model has none "
+                          "(no module path like 'blocks.0'); use pp=1")
+    starts = chain_starts(blocks, config.n_stages, config.stage_boundaries)
+    wanted = sorted(set(programs) if programs is not None else
+                    {(s, t) for s in range(config.n_stages) for t in range(config.tp)})
+    for s, t in wanted:
+        if not (0 <= s < config.n_stages and 0 <= t < config.tp):
+            raise ConfigError(f"lower: no program (stage {s}, tp rank {t}) in a plan of {config.n_stages} stages "
+                              f"and tp={config.tp}")
+    instrument_for = instrument_for or (lambda name: None)
+
+    gm = copy.deepcopy(gm)
+    whole = manager(whole_graph_passes(config, cost=cost, starts=starts, tp_group=tp_group),
+                    instrument=instrument_for("whole_graph"))
+    gm = whole.run(gm, ctx)
+    records = [PipelineRecord(name="whole_graph", text=whole.text())]
+
+    assignment = StageAssignment(n_stages=config.n_stages, stage_of={
+        n.name: n.meta[PIPELINE_STAGE] for n in gm.graph.nodes if n.op != "output"})
+    split = split_pipeline_stages(gm, assignment)
+    io = rank_io(gm, split, config)
+    made: dict[tuple[int, int], fx.GraphModule] = {}
+    for s, t in wanted:
+        stage = split.modules[s]
+        if config.tp > 1 or config.zero_stage == 3 or sum(1 for w in wanted if w[0] == s) > 1:
+            # several programs start from one split module, or ZeRO-3 replaces its parameters
+            stage = copy.deepcopy(stage)
+        stage.meta[CAPTURE] = stage_capture(gm, split.io[s])
+        stage.meta[STAGE_IO] = split.io[s]
+        stage.meta.update({k: gm.meta[k] for k in _INHERITED if k in gm.meta})
+        name = f"stage{s}_tp{t}"
+        grad_inputs = tuple(inp.name for inp in split.io[s].inputs if inp.kind == "recv" and inp.meta.requires_grad)
+        pm = manager(stage_passes(config, stage=s, tp_rank=t, tp_group=tp_group, cost=cost, ctx=ctx,
+                                  grad_inputs=grad_inputs),
+                     instrument=instrument_for(name))
+        made[(s, t)] = pm.run(stage, ctx)
+        made[(s, t)].meta.pop(STAGE_IO, None)
+        records.append(PipelineRecord(name=name, text=pm.text()))
+    return Lowering(config=config, graph=gm, split=split, programs=made, pipelines=tuple(records), tp_group=tp_group,
+                    io=io)
+
+
+def rank_io(gm: fx.GraphModule, split: PipelineSplit, config: ParallelConfig) -> tuple[StageIO, ...]:
+    """Every stage's contract as a tp rank runs it: the split's, with the boundary tensors that
+    sequence parallelism sends as each tp rank's chunk (:func:`passes.rewrites.sequence_parallel.shard_stage_io`)
+    at the chunk's size."""
+    if not (config.sequence_parallel and config.tp > 1):
+        return split.io
+    seq = sequence_size(gm, config.tp)
+    return tuple(shard_stage_io(io, config.tp, seq) for io in split.io)
+
+
+def lower_rank(gm: fx.GraphModule, config: ParallelConfig, rank: int, *, cost: CostHooks | None, first: int = 0,
+               tp_group: str = "tp", ctx: PassContext | None = None) -> RankProgram:
+    """The program of global ``rank`` only (what one process of a job lowers for itself)."""
+    lowering = lower(gm, config, cost=cost, programs=programs_of(config, rank, first=first), tp_group=tp_group,
+                     ctx=ctx)
+    return lowering.rank_program(rank, first=first)
+
+
+def programs_of(config: ParallelConfig, rank: int, *, first: int = 0) -> tuple[tuple[int, int], ...]:
+    """The (stage, tp rank) programs global ``rank`` runs (the mesh spans ``first ..``)."""
+    pp_index, _, tp_index = mesh_coords(rank, dp=config.dp_cp, tp=config.tp, first=first)
+    return tuple((s, tp_index) for s in config.rank_stages(pp_index))
+
+
+def pipeline_texts(lowering: Lowering) -> dict[str, str]:
+    """Pipeline name -> its text (what a dump manifest records)."""
+    return {r.name: r.text for r in lowering.pipelines}
+
+
+# ---------------------------------------------------------------------------------------------
+def stage_capture(gm: fx.GraphModule, io: StageIO):
+    """The whole graph's CaptureInfo with the stage's own tensor inputs, so fake runs of the
+    stage (re-analysis, apply_offload's observation of saved tensors) feed it what the runtime does."""
+    info = gm.meta[CAPTURE]
+    by_name = {i.name: i for i in info.inputs}
+    names = {dim_symbol(n): n for n, _ in info.dims}
+    inputs = []
+    for inp in io.inputs:
+        if inp.kind == "size":
+            continue  # not a tensor: the fake run evaluates it from the dims
+        if inp.kind == "graph_input":
+            inputs.append(by_name[inp.name])
+            continue
+        shape = []
+        for d in inp.meta.shape:
+            d = sympy.sympify(d)
+            shape.append(int(d) if d.is_Integer else names.get(d, str(d)))
+        inputs.append(InputSpec(name=inp.name, shape=tuple(shape), dtype=inp.meta.dtype))
+    return dataclasses.replace(info, inputs=tuple(inputs))
+
+
+def _comms(split: PipelineSplit, modules: Mapping[int, fx.GraphModule], mine, c: ParallelConfig, pp_index: int,
+           dp_index: int, tp_index: int, first: int, tp_group: str) -> list[Comm]:
+    dp, tp = c.dp_cp, c.tp  # the data axis: dp x cp ranks average gradients
+
+    def rank_of(p, d=dp_index, t=tp_index):
+        return global_rank(p, d, t, dp=dp, tp=tp, first=first)
+
+    out: list[Comm] = []
+    for s in mine:
+        io = split.io[s]
+        recv: dict[int, list[str]] = {}
+        for inp in io.inputs:
+            if inp.kind == "recv":
+                recv.setdefault(inp.source, []).append(inp.name)
+        for src, names in sorted(recv.items()):
+            if c.stage_rank(src) != pp_index:  # a neighbour on this rank hands over in memory
+                out.append(Comm("recv", (rank_of(c.stage_rank(src)),), stage=s, peer_stage=src, tensors=tuple(names)))
+        sends: dict[int, list[str]] = {}
+        for o in io.outputs:
+            for d in o.dests:
+                sends.setdefault(d, []).append(o.name)
+        for dst, names in sorted(sends.items()):
+            if c.stage_rank(dst) != pp_index:
+                out.append(Comm("send", (rank_of(c.stage_rank(dst)),), stage=s, peer_stage=dst, tensors=tuple(names)))
+        tp_ranks = tuple(rank_of(pp_index, dp_index, t) for t in range(tp))
+        replica = dp_index - dp_index % c.cp
+        cp_ranks = tuple(rank_of(pp_index, replica + j) for j in range(c.cp))
+        # the stage's graph and its checkpointed regions' (collectives recomputed there too)
+        for sub in modules[s].modules():
+            if not isinstance(sub, fx.GraphModule):
+                continue
+            for node in sub.graph.nodes:
+                op = op_name(node.target) if node.op == "call_function" else None
+                if op in TP_OPS:
+                    out.append(Comm("tp", tp_ranks, stage=s, op=op, node=node.name, group=tp_group))
+                elif op in CP_OPS:
+                    out.append(Comm("cp", cp_ranks, stage=s, op=op, node=node.name, group=cp_group(tp_group)))
+    if dp > 1:
+        out.append(Comm("dp_all_reduce", tuple(rank_of(pp_index, d) for d in range(dp))))
+    for name in sorted(split.tied):
+        holders = sorted({c.stage_rank(st) for st in split.tied[name]})
+        if pp_index in holders and len(holders) > 1:
+            out.append(Comm("tied_all_reduce", tuple(rank_of(h) for h in holders), tensors=split.aliases[name]))
+    return out
+
+
+def _has_param(module, name: str) -> bool:
+    try:
+        module.get_parameter(name)
+        return True
+    except AttributeError:
+        return False
+
+
+__all__ = ["Lowering", "PipelineRecord", "lower", "lower_rank", "programs_of", "stage_capture", "pipeline_texts", "pipeline_text"]

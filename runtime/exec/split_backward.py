@@ -1,0 +1,181 @@
+"""A stage's backward in two halves: the input gradient now, the weight gradients later.
+
+Zero-bubble schedules (``zb1p``, ``zbv``: :mod:`passes.ir.schedule.build`) run the part of a
+backward the previous stage waits for (I: the gradient of the stage's received inputs) as soon
+as its output gradient arrives, and the rest (W: the parameters' gradients) when the rank would
+otherwise idle. Both halves run on the autograd graph the forward recorded:
+
+* **I** finds the *mixing* nodes of the graph: nodes on a path from the outputs to a target (a
+  received input, or an entry point of the stage's data, see below) with an edge that leads only
+  to parameters (a matmul's weight side, a layer norm's weight and bias). It captures the gradient
+  flowing into each of them (a pre-hook) while one ``torch.autograd.grad`` computes the targets'
+  gradients; the engine runs only the activation side of each node (its output mask leaves the
+  weight side out), so I costs what the input gradient costs.
+* **W**, per mixing node, runs that node once more from its captured gradient to its weight-side
+  edges only (``GradientEdge`` inputs: the engine stops there, so no activation gradient is
+  computed twice and none is counted twice), then one ``torch.autograd.backward`` from all those
+  edges into the parameters, which accumulates ``.grad`` and fires their post-accumulate hooks
+  (data-parallel buckets, ZeRO) as a full backward does.
+
+Entry points: a stage whose inputs carry no gradient (the first stage: token ids) has no target,
+so its whole backward would land in W. The lowering marks where the parameters first meet the
+data (``partitioner::split_point`` after an embedding lookup, :mod:`passes.rewrites.split_backward`); the
+marker's node is a target of I, and W starts there.
+
+A weight-side edge two mixing nodes share (one parameter tensor read directly by two ops of one
+stage) would let W's walk from the later node reach it through the activation side; the lowering
+gives each use its own view (:mod:`passes.rewrites.split_backward`), and :func:`backward_input` refuses a
+graph where two mixing nodes still share one.
+
+Checkpointed regions recompute in I and again in W (W's calls run in one
+``torch.utils.checkpoint.GraphExecGroup``, so once for all of them, in the order W walks its
+mixing nodes: the engine's order, the same on every rank, so the collectives a replayed region
+issues meet the same region's on the other tp / cp ranks); offloaded activations are reloaded
+for each half. The graph (every saved tensor) is kept from F until W.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+from passes.ir.errors import PartitionerError
+from passes.ir.ops import SPLIT_POINT_AUTOGRAD_NAME
+
+
+@dataclass
+class PendingWeights:
+    """What W needs of one (stage, micro-batch): per mixing node its captured output gradients
+    and weight-side edges; the gradients at the entry points; or, without any target, the whole
+    backward (``outputs`` and ``grads``)."""
+
+    mixing: list[tuple[Node, tuple[torch.Tensor | None, ...], list[GradientEdge]]] = field(default_factory=list)
+    entries: list[tuple[GradientEdge, torch.Tensor]] = field(default_factory=list)
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    grads: list[torch.Tensor | None] = field(default_factory=list)
+
+
+def _accumulate_grad_node(t: torch.Tensor) -> Node:
+    # A leaf's AccumulateGrad node is made lazily: a view brings it into being.
+    node = t.view_as(t).grad_fn
+    assert node is not None
+    return node.next_functions[0][0]
+
+
+def _nodes_reaching(roots: Sequence[Node], targets: set[Node]) -> set[Node]:
+    """Every node from which some target is reachable along ``next_functions`` (targets included)."""
+    reach: dict[Node, bool] = {}
+    for root in roots:
+        stack: list[tuple[Node, bool]] = [(root, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if node in reach and not expanded:
+                continue
+            children = [c for c, _ in node.next_functions if c is not None]
+            if expanded:
+                reach[node] = node in targets or any(reach.get(c, False) for c in children)
+                continue
+            if node in targets:
+                reach[node] = True
+                continue
+            reach[node] = False  # visiting: a DAG, so no cycle comes back here
+            stack.append((node, True))
+            stack.extend((c, False) for c in children if c not in reach)
+    return {n for n, r in reach.items() if r}
+
+
+def _entry_edges(roots: Sequence[Node]) -> list[GradientEdge]:
+    """The split-point markers of the graph below ``roots``."""
+    seen: set[Node] = set()
+    stack = list(roots)
+    out = []
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if SPLIT_POINT_AUTOGRAD_NAME in node.name():
+            out.append(GradientEdge(node, 0))
+            continue  # below a marker is the embedding: W's
+        stack.extend(c for c, _ in node.next_functions if c is not None)
+    return out
+
+
+def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+                   inputs: Sequence[torch.Tensor]) -> PendingWeights:
+    """Run I: set ``inputs[k].grad`` (received tensors that require grad) from the output
+    gradients, and return what W needs. ``grads[k]`` is None for a scalar loss."""
+    roots = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    entries = _entry_edges(roots)
+    leaves = [t for t in inputs if t.requires_grad]
+    targets = {_accumulate_grad_node(t) for t in leaves} | {e.node for e in entries}
+    if not targets:
+        return PendingWeights(outputs=list(outputs), grads=list(grads))
+    closure = _nodes_reaching(roots, targets)
+    mixing: list[tuple[Node, list[GradientEdge]]] = []
+    owner: dict[tuple[int, int], Node] = {}
+    # In the order the engine runs them (latest forward op first), the same on every rank: W
+    # walks them in this order and the first walk into a checkpointed region replays its
+    # forward, whose tp / cp collectives must meet the same region's on the other ranks (a set's
+    # order, by address, pairs one rank's region with another's: same sizes, wrong sums).
+    for node in sorted(closure - targets, key=lambda n: n._sequence_nr(), reverse=True):
+        weight_side = [GradientEdge(c, nr) for c, nr in node.next_functions if c is not None and c not in closure]
+        if not weight_side:
+            continue
+        for edge in weight_side:
+            key = (id(edge.node), edge.output_nr)
+            if key in owner:
+                raise PartitionerError(
+                    f"split backward: {owner[key].name()} and {node.name()} both read {edge.node.name()} directly; "
+                    f"the lowering gives every use of a parameter its own view under a split-backward schedule "
+                    f"(passes.rewrites.split_backward). Run this plan with schedule=1f1b, or report the model")
+            owner[key] = node
+        mixing.append((node, weight_side))
+    captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+    handles = [node.register_prehook(lambda g, node=node: captured.__setitem__(node, tuple(g)))
+               for node, _ in mixing]
+    try:
+        got = torch.autograd.grad(list(outputs), leaves + entries, list(grads), retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    for t, g in zip(leaves, got[:len(leaves)]):
+        if g is not None:
+            t.grad = g if t.grad is None else t.grad + g
+    pending = PendingWeights()
+    pending.entries = [(e, g) for e, g in zip(entries, got[len(leaves):]) if g is not None]
+    pending.mixing = [(node, captured[node], side) for node, side in mixing
+                      if node in captured and any(g is not None for g in captured[node])]
+    return pending
+
+
+def backward_weight(pending: PendingWeights) -> None:
+    """Run W: accumulate the parameters' gradients of one (stage, micro-batch)."""
+    if pending.outputs:  # no target: the whole backward is W
+        torch.autograd.backward(pending.outputs, pending.grads)
+        return
+    edges: list[GradientEdge] = []
+    grads: list[torch.Tensor] = []
+    with _one_recompute():
+        for node, captured, weight_side in pending.mixing:
+            roots = [(GradientEdge(node, k), g) for k, g in enumerate(captured) if g is not None]
+            got = torch.autograd.grad([e for e, _ in roots], weight_side, [g for _, g in roots],
+                                      retain_graph=True, allow_unused=True)
+            for edge, g in zip(weight_side, got):
+                if g is not None:
+                    edges.append(edge)
+                    grads.append(g)
+        for edge, g in pending.entries:
+            edges.append(edge)
+            grads.append(g)
+        if edges:
+            torch.autograd.backward(edges, grads)
+
+
+def _one_recompute():
+    # Checkpointed regions recompute once per graph task; one group makes W's calls share it.
+    group = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
+    return group() if group is not None else contextlib.nullcontext()

@@ -11,7 +11,7 @@ and left out of the times (its peak is lower: no gradients or optimizer state ex
   measured by :class:`runtime.observe.measure.StepTimer` (live tensor
   storage bytes on CPU), max over the steps;
 * time, predicted by the planner (:func:`partitioner.search.replay.predict_step_time`) on
-  ``Cluster.local(4)`` (a quick calibration is made first when this machine has no calibration
+  ``local_cluster(4)`` (a quick calibration is made first when this machine has no calibration
   file), measured as the median wall seconds of a step after the warm-up, per rank;
 * refit: every case writes ``<out>/<model>/<plan>/{plan.json,measurements.json}``; per model,
   :func:`partitioner.calibration.refit.refit` (FLOP/s, per-op overhead, bandwidth, offload calls, pipeline message
@@ -33,6 +33,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from partitioner.calibration.job_cluster import local_cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -107,7 +108,7 @@ def _rank_main(models: dict, cases: tuple, steps: int, boundaries: dict) -> list
     from partitioner.search.replay import predict_memory
     from partitioner.inputs.models import build_model
     from runtime.observe.measure import StepTimer
-    from partitioner.api.build import build_parallel_model, capture_for_pipeline
+    from partitioner.compile.build import build_parallel_model, capture_for_pipeline
     from passes.ir.config import TORCH_DTYPES, ParallelConfig
     from runtime.dist.mesh import Mesh, init_distributed
 
@@ -137,7 +138,7 @@ def _rank_main(models: dict, cases: tuple, steps: int, boundaries: dict) -> list
                     GLOBAL_BATCH, dp=c.dp, pp=c.pp, tp=c.tp, schedule=c.schedule, num_micro_batches=c.num_micro_batches,
                     virtual_pp=c.virtual_pp, zero_stage=c.zero, checkpointing=c.checkpointing, offload=c.offload,
                     dtype=c.dtype, stage_boundaries=boundaries.get((model, c.name)))
-                pm = build_parallel_model(graph, config, meshes[(c.dp, c.pp, c.tp)], optimizer=ADAMW)
+                pm = build_parallel_model(graph, config, meshes[(c.dp, c.pp, c.tp)], optimizer=ADAMW, cluster=local_cluster(meshes[c.dp, c.pp, c.tp].size))
                 dims = {**dict(pm.micro_batches(batches[0])[1])}
                 t0 = time.perf_counter()
                 try:  # a failed prediction must not skip training: the other ranks would wait
@@ -174,12 +175,13 @@ def _median(xs):
 def _cluster(out: Path, preset: str | None = None):
     import dataclasses
 
-    from partitioner.cost.cluster import CLUSTER_FILE_ENV, DEFAULT_LOCAL_FILE, Cluster
+    from partitioner.calibration.cache import local_cache_file
+    from partitioner.cost.cluster import CLUSTER_FILE_ENV, Cluster
 
     if preset is not None:  # e.g. dgx-h200 for --world 1 on a GPU: one node of WORLD devices
         return dataclasses.replace(Cluster.preset(preset), nodes=1, devices_per_node=WORLD)
 
-    if not os.environ.get(CLUSTER_FILE_ENV) and not DEFAULT_LOCAL_FILE.expanduser().is_file():
+    if not os.environ.get(CLUSTER_FILE_ENV) and not local_cache_file(WORLD).is_file():
         from partitioner.calibration.calibrate import run_calibration
 
         path = out / "local-cluster.yaml"
@@ -187,14 +189,14 @@ def _cluster(out: Path, preset: str | None = None):
             print(f"no calibration file: quick calibration into {path}", flush=True)
             run_calibration(WORLD, path, True)
         os.environ[CLUSTER_FILE_ENV] = str(path)
-    return Cluster.local(WORLD)
+    return local_cluster(WORLD)
 
 
 def _cross_validate(models: dict, run_dirs: dict, plans: dict, cluster) -> None:
     """Leave-one-plan-out: per model and plan, refit on the model's OTHER plans and predict this
     one; every error is out of sample."""
     from partitioner.search.replay import predict_step_time
-    from partitioner.cost.profile import profile_model
+    from partitioner.search.profile import profile_model
     from partitioner.calibration.refit import load_run, refit
 
     print("\nleave-one-plan-out (refit on the model's other plans): step time |err| median over ranks")
@@ -238,12 +240,12 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    from partitioner.api.build import capture_for_pipeline
+    from partitioner.compile.build import capture_for_pipeline
     from partitioner.search.replay import predict_step_time
     from partitioner.search.memory_check import replay_check
     from passes.ir.config import TORCH_DTYPES
     from partitioner.inputs.models import build_model
-    from partitioner.cost.profile import profile_model
+    from partitioner.search.profile import profile_model
     from partitioner.calibration.refit import load_run, refit
     from runtime.dist.launch import spawn
     from runtime.observe.measure import RunMeasurements, StepMeasurement

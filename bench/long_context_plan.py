@@ -6,7 +6,7 @@ runs on a CPU in seconds. Prints each plan's knobs, predicted step time, peak me
 (by stage memory term) and step-time terms; the chosen plan must have cp > 1 and fit the device,
 and the cp=1 plan must not fit or be slower (a line says whether both held). Also prints the best
 ring-attention plans at the chosen cp, a node's and all GPUs' cp: the ring kernel computes in
-fp32 (``partitioner.cost.plan_cost.RING_COMPUTE_DTYPE``) and holds fp32 score blocks of S/(2cp)
+fp32 (``partitioner.search.plan_cost.RING_COMPUTE_DTYPE``) and holds fp32 score blocks of S/(2cp)
 queries by S/(2cp) keys, so it loses to Ulysses wherever the heads let Ulysses run.
 
 Run: python bench/long_context_plan.py [--global-batch 8] [--nodes 4]
@@ -16,7 +16,7 @@ import time
 
 from partitioner.cost.cluster import Cluster
 from partitioner.errors import InfeasiblePlanError
-from partitioner.cost.profile import profile_model
+from partitioner.search.profile import profile_model
 from partitioner.search.search import candidates, plan
 
 SPEC = ("llama:layers=32,hidden=4096,heads=32,kv_heads=8,vocab=128256,seq=131072,intermediate=14336,"

@@ -38,11 +38,11 @@ of predicted against measured over the plans run (``scipy.stats.spearmanr``), th
 of the pick and the measured fastest next to the measured time split, the first-step loss of every
 plan against single-process eager training, and the total wall time.
 
-Clusters: ``calibrated`` (the primary one by default) is ``Cluster.local(4)`` without
+Clusters: ``calibrated`` (the primary one by default) is ``local_cluster(4)`` without
 ``$PARTITIONER_CLUSTER_FILE``: this machine's cached calibration (``$PARTITIONER_CACHE_DIR``, else
 ``~/.cache/partitioner``; measured once on a miss), which is what ``auto_parallelize`` plans
 against on a local gloo job; ``local-cpu`` is the preset ``partitioner/cost/presets/local-cpu.yaml`` as
-``Cluster.local(4)`` reads it through ``$PARTITIONER_CLUSTER_FILE`` (a rough description without
+``local_cluster(4)`` reads it through ``$PARTITIONER_CLUSTER_FILE`` (a rough description without
 overheads or shared cores, which the tests use); any other value is a cluster file path. Every
 plan is lowered against the primary cluster.
 """
@@ -64,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from partitioner.cost.cluster import CLUSTER_FILE_ENV, PRESET_DIR, Cluster  # noqa: E402
 from passes.ir.config import KNOBS, ParallelConfig  # noqa: E402
 from passes.ir.plan import Plan  # noqa: E402
+from partitioner.calibration.job_cluster import local_cluster
 
 MODELS = {  # as bench/fidelity.py: a step on 4 gloo ranks takes 0.03-0.5 s here
     "gpt": "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=16,dropout=0.0",
@@ -294,10 +295,10 @@ def _cluster_file(value: str | None) -> Iterator[None]:
 
 def load_cluster(name: str) -> Cluster:
     """``local-cpu`` (the preset), ``calibrated`` (this machine's cached calibration) or a
-    cluster file, as ``Cluster.local(WORLD)`` reads it."""
+    cluster file, as ``local_cluster(WORLD)`` reads it."""
     path = {"local-cpu": str(PRESET_DIR / "local-cpu.yaml"), "calibrated": None}.get(name, name)
     with _cluster_file(path):
-        return Cluster.local(WORLD)
+        return local_cluster(WORLD)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,7 +344,7 @@ def _rank_main(work: tuple, warmup: int, steps: int, cluster: Cluster, final: in
     config, a dict of ``error``, ``steps`` and ``final``."""
     import torch.distributed as dist
 
-    from partitioner.api.build import build_parallel_model
+    from partitioner.compile.build import build_parallel_model
     from partitioner.inputs.models import build_model
     from passes.ir.graph_transfer import unpack_graph
     from passes.ir.schedule.validate import stream_count
@@ -437,10 +438,10 @@ def _eager_loss(spec_str: str) -> float:
 
 def run(settings: Settings) -> list[ModelReport]:
     """Plan, sample, measure; one :class:`ModelReport` per model of ``settings``."""
-    from partitioner.api.build import capture_for_pipeline
+    from partitioner.compile.build import capture_for_pipeline
     from partitioner.search.memory_check import replay_check
     from partitioner.inputs.models import build_model
-    from partitioner.cost.profile import profile_model
+    from partitioner.search.profile import profile_model
     from partitioner.search.search import feasible_plans, plan
     from passes.ir.graph_transfer import pack_graph
     from runtime.dist.launch import spawn

@@ -13,7 +13,7 @@ import dataclasses
 import time
 
 from partitioner.cost.cluster import Cluster
-from partitioner.cost.profile import profile_model
+from partitioner.search.profile import profile_model
 from partitioner.search.search import candidates, plan
 
 CAPTURED = (
@@ -68,9 +68,9 @@ def main() -> None:
 def captured() -> None:
     """Plan each :data:`CAPTURED` model as a job does, on the ``local-cpu`` preset (no calibration)."""
     from partitioner.api.auto import choose_plan
-    from partitioner.api.build import analyse, capture_training_step
+    from partitioner.compile.build import analyse, capture_training_step
     from partitioner.inputs.models import build_model
-    from partitioner.cost.profile import profile_graph
+    from partitioner.search.profile import profile_graph
 
     import torch
 

@@ -50,8 +50,8 @@ from torch import nn
 
 from partitioner.cost.cluster import Cluster
 from partitioner.inputs.models import build_model
-from partitioner.cost.plan_cost import Evaluated, PlanContext, evaluate
-from partitioner.cost.profile import ModelProfile, profile_spec
+from partitioner.search.plan_cost import Evaluated, PlanContext, evaluate
+from partitioner.search.profile import ModelProfile, profile_spec
 from partitioner.search.search import candidates
 
 SEQ = 2048

@@ -46,6 +46,7 @@ if __package__ in (None, ""):  # run as a script: make the repo importable witho
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from partitioner.inputs.models import build_model  # noqa: E402
+from partitioner.calibration.job_cluster import local_cluster
 
 WORLD = 4
 PAIRS = ("pp-1f1b", "pp-gpipe", "pp-zb1p", "dp", "tp")
@@ -181,12 +182,12 @@ def _world_mean_loss(loss: torch.Tensor | None, contributors: int) -> float:
 # ------------------------------------------------------------------------------------------------
 # Step functions: each returns ``step(batch) -> float`` (the global batch's mean loss, every rank).
 def _ours(spec, graph, mesh, config: BenchConfig, *, dp=1, pp=1, tp=1, schedule="1f1b", m=1):
-    from partitioner.api.build import build_parallel_model
+    from partitioner.compile.build import build_parallel_model
     from passes.ir.config import ParallelConfig
 
     parallel = ParallelConfig.for_global_batch(config.global_batch, dp=dp, pp=pp, tp=tp, schedule=schedule,
                                                num_micro_batches=m)
-    return build_parallel_model(graph, parallel, mesh, optimizer=ADAMW).train_step
+    return build_parallel_model(graph, parallel, mesh, optimizer=ADAMW, cluster=local_cluster(mesh.size)).train_step
 
 
 def _torch_pipeline(spec, config: BenchConfig, schedule: str, ends_group):
@@ -273,7 +274,7 @@ def run_rank(config: BenchConfig, pairs: tuple[str, ...]) -> list[PairResult]:
     and return rank 0's timings and the losses."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from partitioner.api.build import capture_for_pipeline
+    from partitioner.compile.build import capture_for_pipeline
     from runtime.dist.mesh import Mesh, init_distributed
 
     init_distributed(timeout_s=TIMEOUT_S)

@@ -29,6 +29,7 @@ import time
 import torch
 
 from runtime.dist.launch import spawn
+from partitioner.calibration.job_cluster import local_cluster
 
 MODEL = "gpt:layers=8,hidden=384,heads=4,vocab=128,seq=128,dropout=0.0"
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1p", 1), ("zbv", 2))
@@ -44,7 +45,7 @@ def _kind(label: str) -> str | None:
 
 
 def _rank(pp: int, m: int, steps: int, warmup: int, model: str = MODEL) -> dict:
-    from partitioner.api.build import build_parallel_model, capture_for_pipeline
+    from partitioner.compile.build import build_parallel_model, capture_for_pipeline
     from partitioner.inputs.models import build_model
     from passes.ir.config import ParallelConfig
     from passes.ir.schedule.validate import stream_count
@@ -59,7 +60,7 @@ def _rank(pp: int, m: int, steps: int, warmup: int, model: str = MODEL) -> dict:
     models, timers = {}, {}
     for name, v in SCHEDULES:
         config = ParallelConfig.for_global_batch(2 * m, pp=pp, schedule=name, virtual_pp=v, num_micro_batches=m)
-        models[name] = build_parallel_model(graph, config, meshes[stream_count(name)], optimizer={"lr": 1e-4})
+        models[name] = build_parallel_model(graph, config, meshes[stream_count(name)], optimizer={"lr": 1e-4}, cluster=local_cluster(meshes[stream_count(name)].size))
         timers[name] = StepTimer(models[name], track_memory=False)
     batch = spec.example_inputs({"batch": 2 * m}, seed=1)
     out: dict = {name: [] for name, _ in SCHEDULES}

@@ -28,12 +28,13 @@ import time
 import torch
 
 from runtime.dist.launch import spawn
+from partitioner.calibration.job_cluster import local_cluster
 
 MODEL = "gpt:layers=8,hidden=256,heads=4,vocab=512,seq=64,dropout=0.0"
 
 
 def _rank(dp: int, steps: int, warmup: int, batch: int) -> dict:
-    from partitioner.api.build import build_parallel_model, capture_for_pipeline
+    from partitioner.compile.build import build_parallel_model, capture_for_pipeline
     from partitioner.inputs.models import build_model
     from passes.ir.config import ParallelConfig
     from runtime.dist.mesh import Mesh, init_distributed
@@ -46,10 +47,10 @@ def _rank(dp: int, steps: int, warmup: int, batch: int) -> dict:
     config = ParallelConfig.for_global_batch(batch, dp=dp, zero_stage=3, num_micro_batches=2)
     # two models in one process: each its own group names (the ops look their groups up by name)
     models = {f"prefetch={k}": build_parallel_model(graph, config, mesh, optimizer={"lr": 1e-3}, zero3_prefetch=k,
-                                                    tp_group=f"tp{k}") for k in (1, 0)}
+                                                    tp_group=f"tp{k}", cluster=local_cluster(mesh.size)) for k in (1, 0)}
     # the gathered parameters kept from forward to backward: one gather per site and micro-batch
     models["prefetch=1 keep"] = build_parallel_model(graph, config.replace(reshard_after_forward=False), mesh,
-                                                     optimizer={"lr": 1e-3}, tp_group="tpkeep")
+                                                     optimizer={"lr": 1e-3}, tp_group="tpkeep", cluster=local_cluster(mesh.size))
     ddp = torch.nn.parallel.DistributedDataParallel(build_model(MODEL).module)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     rows = batch // dp

@@ -8,7 +8,7 @@ here spread out::
       "format": "partitioner-ir/1",
       "pass":   "annotate_shapes",        # pass that produced this graph ("input" for the captured graph)
       "index":  1,                        # position in the pipeline (0 = input graph)
-      "graph": {                          # project facts of gm.meta, by key (see passes/meta.py)
+      "graph": {                          # project facts of gm.meta, by key (see passes/ir/meta.py)
         "capture": {"model": "gpt:...", "dims": [["batch", 2], ["seq", 16]], ...},
         "flop_summary": {"fwd": "<sympy expr>", "bwd": "<sympy expr>"},
         ...

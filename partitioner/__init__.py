@@ -13,13 +13,20 @@ from passes.ir.errors import (  # noqa: F401
 )
 
 _LAZY = {
-    "build_model": "partitioner.inputs.models",
-    "ModelSpec": "partitioner.inputs.model_spec",
-    "analyze": "partitioner.api.analysis",
+    "auto_parallelize": "partitioner.api.auto",
     "plan": "partitioner.api.planning",
-    "Plan": "passes.ir.plan",
+    "analyze": "partitioner.compile.analysis",
     "Cluster": "partitioner.cost.cluster",
+    "local_cluster": "partitioner.calibration.job_cluster",
+    "detect_cluster": "partitioner.calibration.job_cluster",
+    "ParallelConfig": "passes.ir.config",
+    "Plan": "passes.ir.plan",
+    "ModelSpec": "partitioner.inputs.model_spec",
+    "build_model": "partitioner.inputs.models",
+    "capture_for_pipeline": "partitioner.compile.build",
+    "build_parallel_model": "partitioner.compile.build",
 }
+__all__ = [*_LAZY, "AnalysisError", "CaptureError", "ConfigError", "ModelSpecError", "PartitionerError", "PassError"]
 
 
 def __getattr__(name: str):

@@ -5,7 +5,7 @@
 # installed there rather than the pinned CPU build, with this repository on PYTHONPATH. Results
 # go to $OUT (default /tmp/device_out), four files:
 #   env.txt       the GPU (nvidia-smi -L), the torch version and whether CUDA is available
-#   detect.txt    Cluster.detect() on this machine (the GPU table's match, the links), then a
+#   detect.txt    detect_cluster() on this machine (the GPU table's match, the links), then a
 #                 first run as a user makes it: torchrun, one NCCL rank, no --cluster, an empty
 #                 calibration cache; the plan (predicted) and the measured steps
 #   parity.txt    NCCL/CUDA: one-rank ParallelModel trains like plain AdamW on the GPU, with and
@@ -19,7 +19,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 { nvidia-smi -L; $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"; } \
     > "$OUT/env.txt" 2>&1
-{ $PY -c "from partitioner.cost.cluster import Cluster; from partitioner.cost.detect import describe; print(describe(Cluster.detect()))"
+{ $PY -c "from partitioner.cost.cluster import Cluster; from partitioner.calibration.detect import describe; print(describe(detect_cluster()))"
   PARTITIONER_CACHE_DIR=$(mktemp -d) timeout 240 $PY -m torch.distributed.run --nproc-per-node 1 -m partitioner train \
       --model gpt:layers=4,hidden=256,heads=8,vocab=1024,seq=128 --global-batch 8 --steps 12 --dump-dir /tmp/device_train
   echo "train exit $?"

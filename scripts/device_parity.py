@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from partitioner.calibration.job_cluster import local_cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -26,7 +27,7 @@ def _rank(steps: int) -> list[tuple[str, list[float], list[float], int | None]]:
 
     from partitioner.inputs.models import build_model
     from runtime.observe.measure import StepTimer
-    from partitioner.api.build import build_parallel_model, capture_for_pipeline
+    from partitioner.compile.build import build_parallel_model, capture_for_pipeline
     from passes.ir.config import ParallelConfig
     from runtime.dist.mesh import Mesh, init_distributed
 
@@ -49,7 +50,7 @@ def _rank(steps: int) -> list[tuple[str, list[float], list[float], int | None]]:
     out = []
     for ckpt, offload in CONFIGS:
         config = ParallelConfig.for_global_batch(GLOBAL_BATCH, num_micro_batches=2, checkpointing=ckpt, offload=offload)
-        pm = build_parallel_model(graph, config, mesh, optimizer=ADAMW)
+        pm = build_parallel_model(graph, config, mesh, optimizer=ADAMW, cluster=local_cluster(mesh.size))
         timer = StepTimer(pm)
         losses = [timer.measure(k + 1, lambda b=b: pm.train_step(b)).loss for k, b in enumerate(batches)]
         out.append((f"checkpointing={ckpt} offload={offload} on {device}", losses, ref,

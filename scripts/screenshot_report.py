@@ -1,6 +1,6 @@
 """Render a report.html in headless Chromium, fail on console errors, save a PNG.
 
-    python scripts/screenshot_report.py                       # plan zoo gpt on Cluster.local(4), pp=4
+    python scripts/screenshot_report.py                       # plan zoo gpt on local_cluster(4), pp=4
     python scripts/screenshot_report.py --html DIR/report.html --out docs/report.png
 
 Needs the Debian ``chromium`` package (``apt-get install -y chromium``). Chromium runs with no
@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from partitioner.calibration.job_cluster import local_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 CONSOLE_ERROR = re.compile(r"Uncaught|ERROR:CONSOLE|Failed to load resource", re.IGNORECASE)
@@ -51,11 +52,10 @@ def make_report(path: Path) -> Path:
     """Plan a small zoo GPT on 4 local ranks with pp=4 (so the timeline shows a bubble) and
     write its report with made-up-free inputs: the plan's own prediction only."""
     sys.path.insert(0, str(ROOT))
-    from partitioner.cost.cluster import Cluster
     from partitioner.api.planning import plan
 
     dump = path.parent
-    plan("gpt:layers=8,hidden=256,heads=8,vocab=1024,seq=128", Cluster.local(4), global_batch=16,
+    plan("gpt:layers=8,hidden=256,heads=8,vocab=1024,seq=128", local_cluster(4), global_batch=16,
          fix="pp=4,schedule=1f1b,num_micro_batches=8", dump_dir=dump)
     return dump / "report.html"
 

@@ -1,6 +1,6 @@
 """Session set-up: the suite never calibrates this machine by itself, nor touches the user's cache.
 
-``Cluster.local`` calibrates and caches this machine on first use; here every test (and every rank
+``local_cluster`` calibrates and caches this machine on first use; here every test (and every rank
 process it spawns, which inherits the environment) sees the ``local-cpu`` preset through
 ``$PARTITIONER_CLUSTER_FILE`` (the numbers the tests were written against, the same on every
 machine) and a cache directory of its own. Tests of the calibration cache unset the file and point
@@ -10,11 +10,13 @@ import os
 import shutil
 import tempfile
 
-from partitioner.cost.cluster import CACHE_DIR_ENV, CLUSTER_FILE_ENV, PRESET_DIR
+from partitioner.calibration.cache import CACHE_DIR_ENV
+
+from partitioner.cost.cluster import CLUSTER_FILE_ENV, PRESET_DIR
 from runtime.dist.launch import preload
 
 # What the suite's ranks import: loaded once by the fork server that starts them, not by each.
-preload("partitioner.api.auto", "partitioner.api.build", "partitioner.calibration.reference_runs", "partitioner.cli.demo", "passes.lowering.lower",
+preload("partitioner.api.auto", "partitioner.compile.build", "partitioner.calibration.reference_runs", "partitioner.cli.demo", "passes.lowering.lower",
         "ir_dumps.report", "tests.one_device", "tests.runtime_cases")
 
 _CACHE = tempfile.mkdtemp(prefix="partitioner-test-cache-")

@@ -14,9 +14,9 @@ from passes.ir.config import ParallelConfig
 from partitioner.inputs.models import build_model
 from passes.capture.capture import capture_spec
 from ir_dumps.writer import DumpWriter
-from partitioner.api.build import analyse
+from partitioner.compile.build import analyse
 from ir_dumps.writer import write_program
-from partitioner.api.build import lower_all
+from partitioner.compile.build import lower_all
 from partitioner.cost.cluster import Cluster
 
 GOLDEN_SPEC = "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=16"

@@ -23,6 +23,7 @@ from passes.ir.config import ParallelConfig
 from passes.ir.schedule.validate import stream_count
 from runtime.optim.lr_schedules import warmup_cosine
 from tests.one_device import train_one_device
+from partitioner.calibration.job_cluster import local_cluster
 
 # Dropout 0 everywhere: parity must be exact, and pipelining or micro-batching change the order
 # in which dropout draws its masks.
@@ -120,7 +121,7 @@ def packed_graph(model: str) -> GraphPayload:
     test) process and packed (:mod:`passes.ir.graph_transfer`, as a job's rank 0 ships its
     capture): spawned ranks unpack it instead of each exporting the model, the slow part of their
     start-up on a shared machine. Cached for the session: every test file of the same spec shares it."""
-    from partitioner.api.build import capture_for_pipeline
+    from partitioner.compile.build import capture_for_pipeline
     spec = build_model(model)
     return pack_graph(capture_for_pipeline(spec), spec.module)
 
@@ -147,7 +148,7 @@ def train_plans(plans: list[Plan], payloads: dict[str, GraphPayload] | None = No
     one runtime bug does not hide the verdict on the other plans. ``payloads``: the
     :func:`packed_graph` of each model the plans train (by MODELS key); without, each rank captures.
     """
-    from partitioner.api.build import build_parallel_model, capture_for_pipeline
+    from partitioner.compile.build import build_parallel_model, capture_for_pipeline
     from runtime.dist.mesh import Mesh, init_distributed
 
     started, start = time.time(), time.perf_counter()
@@ -177,7 +178,7 @@ def train_plans(plans: list[Plan], payloads: dict[str, GraphPayload] | None = No
         t0 = time.perf_counter()
         try:
             pm = build_parallel_model(graphs[plan.model], plan.config(), mesh, optimizer=ADAMW,
-                                      lr_scheduler=SCHEDULE, clip_grad_norm=CLIP)
+                                      lr_scheduler=SCHEDULE, clip_grad_norm=CLIP, cluster=local_cluster(mesh.size))
             losses, norms, lrs = [], [], []
             for b in batches(specs[plan.model], plan.global_batch):
                 losses.append(pm.train_step(b))
@@ -201,7 +202,7 @@ def measure_memory(plans: list[Plan], payloads: dict[str, GraphPayload], models:
     held after them (bytes of parameters, gradients, optimizer state). ``models``: the spec of
     each model key the plans use, when not all in :data:`MODELS`."""
     import runtime.observe.measure as measure
-    from partitioner.api.build import build_parallel_model
+    from partitioner.compile.build import build_parallel_model
     from runtime.dist.mesh import Mesh, init_distributed
 
     models = {**MODELS, **(models or {})}
@@ -219,7 +220,7 @@ def measure_memory(plans: list[Plan], payloads: dict[str, GraphPayload], models:
             continue
         start = time.perf_counter()
         spec, graph = graphs[plan.model]
-        pm = build_parallel_model(graph, plan.config(), mesh, optimizer=ADAMW)
+        pm = build_parallel_model(graph, plan.config(), mesh, optimizer=ADAMW, cluster=local_cluster(mesh.size))
         timer = measure.StepTimer(pm, track_memory=True)
         peak = 0
         for k in range(steps):

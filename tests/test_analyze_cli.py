@@ -6,7 +6,7 @@ import time
 import pytest
 import sympy
 
-from partitioner.api.analysis import analyze
+from partitioner.compile.analysis import analyze
 from partitioner.cli.main import main
 
 SMALL_GPT = "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=32"

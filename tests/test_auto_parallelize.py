@@ -14,10 +14,10 @@ import torch
 from tests.one_device import train_one_device
 
 from partitioner.api.auto import check_world_size, choose_plan
-from partitioner.cost.cluster import Cluster
 from partitioner.errors import ConfigError, InfeasiblePlanError
 from partitioner.inputs.models import build_model
 from runtime.dist.launch import spawn
+from partitioner.calibration.job_cluster import local_cluster
 
 GPT = "gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 GLOBAL_BATCH, STEPS, WORLD = 8, 3, 4
@@ -41,7 +41,7 @@ def _rank():
             for p in spec.module.parameters():
                 p.add_(1.0)
     start = time.perf_counter()
-    trainer = auto_parallelize(spec.module, Cluster.local(WORLD), inputs=spec.inputs, loss_fn=spec.loss,
+    trainer = auto_parallelize(spec.module, local_cluster(WORLD), inputs=spec.inputs, loss_fn=spec.loss,
                                dims={"seq": 8}, optimizer=ADAMW, global_batch_size=GLOBAL_BATCH, fix=FIX,
                                timeout_s=30)
     built = time.perf_counter() - start
@@ -95,10 +95,10 @@ def test_plan_is_the_pinned_pipeline_cut_where_the_plan_cuts(distributed):
 
 
 def test_plan_config_carries_the_plan_stage_split():
-    plan = choose_plan(GPT, Cluster.local(4), world_size=4, global_batch_size=GLOBAL_BATCH, fix=FIX)
+    plan = choose_plan(GPT, local_cluster(4), world_size=4, global_batch_size=GLOBAL_BATCH, fix=FIX)
     (first,), (second,) = (s.layers for s in plan.stages)
     assert plan.config.stage_boundaries == (second[0],) and first == (0, second[0])
-    inter = choose_plan(GPT, Cluster.local(4), world_size=4, global_batch_size=GLOBAL_BATCH,
+    inter = choose_plan(GPT, local_cluster(4), world_size=4, global_batch_size=GLOBAL_BATCH,
                         fix="dp=2,pp=2,schedule=interleaved,virtual_pp=2,num_micro_batches=2")
     # chunk k of pipeline rank s is virtual stage k*pp + s: the boundaries are its chunks' starts
     starts = {k * 2 + st.index: r[0] for st in inter.stages for k, r in enumerate(st.layers)}
@@ -106,11 +106,11 @@ def test_plan_config_carries_the_plan_stage_split():
 
 
 def test_a_stage_without_blocks_is_lowered_as_planned():
-    from partitioner.api.build import capture_for_pipeline, lower_all
+    from partitioner.compile.build import capture_for_pipeline, lower_all
     from passes.ir.config import ParallelConfig
 
     graph = capture_for_pipeline(build_model(GPT))
-    lowering = lower_all(graph, ParallelConfig(pp=2, stage_boundaries=(1,)), cluster=Cluster.local(2))
+    lowering = lower_all(graph, ParallelConfig(pp=2, stage_boundaries=(1,)), cluster=local_cluster(2))
     first = {n for n, _ in lowering.programs[(0, 0)].named_parameters()}
     assert first == {"wte.weight", "wpe.weight"}  # the embedding alone: chain index 0
     assert "blocks.0.ln_1.weight" in {n for n, _ in lowering.programs[(1, 0)].named_parameters()}
@@ -140,11 +140,11 @@ def test_measurements_add_up(distributed):
 
 def test_world_size_not_matching_plan_is_refused_with_numbers():
     with pytest.raises(ConfigError, match=r"plan needs 4 ranks \(dp=2 tp=1 pp=2 cp=1\) but the job has 2"):
-        choose_plan(GPT, Cluster.local(4), world_size=2, global_batch_size=GLOBAL_BATCH, fix=FIX)
+        choose_plan(GPT, local_cluster(4), world_size=2, global_batch_size=GLOBAL_BATCH, fix=FIX)
 
 
 def test_plan_that_fits_no_device_is_infeasible_at_start():
-    tiny = Cluster.local(4)
+    tiny = local_cluster(4)
     tiny = dataclasses.replace(tiny, device=dataclasses.replace(tiny.device, memory_bytes=64 * 1024))
     with pytest.raises(InfeasiblePlanError, match="no plan fits"):
         choose_plan(GPT, tiny, world_size=4, global_batch_size=GLOBAL_BATCH)
@@ -152,21 +152,21 @@ def test_plan_that_fits_no_device_is_infeasible_at_start():
 
 def test_the_search_offers_only_what_runs():
     from partitioner.api.auto import auto_parallelize
-    from partitioner.cost.profile import profile_model
+    from partitioner.search.profile import profile_model
     from partitioner.search.search import candidates
 
     profile = profile_model(GPT, dtype="fp32")
-    cands = candidates(profile, Cluster.local(4), GLOBAL_BATCH)
+    cands = candidates(profile, local_cluster(4), GLOBAL_BATCH)
     # CPU ranks: offload (to the ranks' own memory) only when pinned
     assert {c.zero_stage for c in cands} == {0, 1, 2, 3} and {c.offload for c in cands} == {"none"}
-    pinned = candidates(profile, Cluster.local(4), GLOBAL_BATCH, fix={"offload": "optimizer"})
+    pinned = candidates(profile, local_cluster(4), GLOBAL_BATCH, fix={"offload": "optimizer"})
     assert pinned and {c.offload for c in pinned} == {"optimizer"}
     assert not [c for c in pinned if c.zero_stage]  # host AdamW is unsharded
     with pytest.raises(ConfigError, match="no candidate plan.*offload='optimizer'.*zero_stage=1"):
-        candidates(profile, Cluster.local(4), GLOBAL_BATCH, fix={"offload": "optimizer", "zero_stage": 1, "dp": 4})
+        candidates(profile, local_cluster(4), GLOBAL_BATCH, fix={"offload": "optimizer", "zero_stage": 1, "dp": 4})
     with pytest.raises(ConfigError, match="dtype 'fp8'.*fp32, bf16, fp16"):
         auto_parallelize(GPT, global_batch_size=GLOBAL_BATCH, dtype="fp8")
-    plan = choose_plan(GPT, Cluster.local(4), world_size=4, global_batch_size=GLOBAL_BATCH, fix=FIX)
+    plan = choose_plan(GPT, local_cluster(4), world_size=4, global_batch_size=GLOBAL_BATCH, fix=FIX)
     check_world_size(plan, 4)
     with pytest.raises(ConfigError, match="the plan trains in fp32, not bf16"):  # before any process work
         auto_parallelize(GPT, global_batch_size=GLOBAL_BATCH, plan=plan, dtype="bf16")
@@ -208,14 +208,14 @@ def test_planner_counts_tied_weights_once(spec):
     """The embedding and the LM head share one tensor: the plan's parameter count and model-state
     bytes are the module's own (not the untied copy's, +13% on these models)."""
     from partitioner.inputs.model_spec import meta_copy
-    from partitioner.cost.profile import profile_spec
+    from partitioner.search.profile import profile_spec
 
     model = build_model(spec)
     own = sum(p.numel() for p in model.module.parameters())  # each tensor once
     names = [n for n, _ in model.module.named_parameters(remove_duplicate=False)]
     assert len(names) > len(dict(model.module.named_parameters()))  # the model does tie weights
     assert profile_spec(meta_copy(model)).param_count == own
-    plan = choose_plan(model, Cluster.local(1), world_size=1, global_batch_size=4,
+    plan = choose_plan(model, local_cluster(1), world_size=1, global_batch_size=4,
                        fix="dp=1,tp=1,pp=1,offload=none,checkpointing=none")
     memory = plan.stages[0].memory
     assert (memory["parameters"], memory["gradients"], memory["optimizer"]) == (4 * own, 4 * own, 8 * own)

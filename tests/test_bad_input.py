@@ -32,7 +32,7 @@ from partitioner.errors import (
 from partitioner.inputs.knobs import check_fix
 from partitioner.inputs.models import build_model
 from partitioner.api.planning import parse_fix
-from partitioner.cost.profile import profile_model
+from partitioner.search.profile import profile_model
 from partitioner.search.search import candidates
 from partitioner.search.search import plan as search
 
@@ -431,7 +431,7 @@ def test_a_mesh_that_cannot_run_the_plan_is_refused_before_any_lowering(monkeypa
     before any lowering starts (nothing lowered, no collective issued)."""
     import types
 
-    import partitioner.api.build as build
+    import partitioner.compile.build as build
     from passes.ir.config import ParallelConfig
 
     lowered = []

@@ -14,7 +14,7 @@ sys.path.insert(0, str(BENCH))  # bench/ is scripts, not a package; spawned rank
 
 import plan_quality as bench  # noqa: E402
 
-from partitioner.cost.profile import profile_model  # noqa: E402
+from partitioner.search.profile import profile_model  # noqa: E402
 from partitioner.search.search import candidates, feasible_plans, plan  # noqa: E402
 from passes.ir.config import KNOBS  # noqa: E402
 

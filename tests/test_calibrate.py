@@ -9,13 +9,14 @@ import math
 
 import pytest
 
-from partitioner.calibration.calibrate import (
-    Calibration, fit_alpha_beta, fit_efficiency, measure_gloo, rank_threads, run_calibration,
-)
+from partitioner.calibration.calibrate import Calibration, run_calibration
+
+from partitioner.calibration.measure import fit_alpha_beta, fit_efficiency, measure_gloo, rank_threads
 from partitioner.cli.main import main
 from partitioner.cost.cluster import Cluster
 from partitioner.cost.cost_model import EfficiencyCurve, Link, all_reduce_time, compute_time, send_recv_time
 from partitioner.errors import ConfigError
+from partitioner.calibration.job_cluster import local_cluster
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +37,9 @@ def test_file_loads_and_cluster_local_picks_it_up(cal, monkeypatch):
     assert cal.path.read_text().startswith("# Written by `partitioner calibrate`")
 
     monkeypatch.setenv("PARTITIONER_CLUSTER_FILE", str(cal.path))
-    local = Cluster.local(2)
+    local = local_cluster(2)
     assert local == cal.cluster
-    assert Cluster.local(4).device.peak_flops.fp32 == cal.efficiency["fp32"].peak_flops_per_s
+    assert local_cluster(4).device.peak_flops.fp32 == cal.efficiency["fp32"].peak_flops_per_s
 
 
 def test_calibration_json_holds_samples_and_fits(cal):
@@ -191,7 +192,7 @@ def test_reference_runs_make_the_refit_predict_this_machine(tmp_path):
 
     def log_err(c):
         from partitioner.search.replay import predict_step_time
-        from partitioner.cost.profile import profile_model
+        from partitioner.search.profile import profile_model
         from partitioner.calibration.reference_runs import REFERENCE_MODEL
 
         prof = profile_model(REFERENCE_MODEL, dtype="fp32")
@@ -202,17 +203,18 @@ def test_reference_runs_make_the_refit_predict_this_machine(tmp_path):
 
 
 def test_calibrate_command_refreshes_the_cache(tmp_path, monkeypatch, capsys):
-    """`partitioner calibrate` (no --out) rewrites the cache file Cluster.local reads."""
+    """`partitioner calibrate` (no --out) rewrites the cache file local_cluster reads."""
     from partitioner.calibration.calibrate import TINY_RECIPE
-    from partitioner.cost.cluster import CACHE_DIR_ENV, CLUSTER_FILE_ENV, local_cache_file
+    from partitioner.calibration.cache import CACHE_DIR_ENV, local_cache_file
+    from partitioner.cost.cluster import CLUSTER_FILE_ENV
 
     monkeypatch.delenv(CLUSTER_FILE_ENV, raising=False)
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
     monkeypatch.setattr("partitioner.calibration.calibrate.QUICK_RECIPE", TINY_RECIPE)  # the least that measures everything
     path = local_cache_file(2)
     dataclasses.replace(Cluster.preset("local-cpu"), name="stale").to_file(path)
-    assert Cluster.local(2).name == "stale"
+    assert local_cluster(2).name == "stale"
     assert main(["calibrate", "--world-size", "2", "--quick"]) == 0
     assert f"cluster file written to {path}" in capsys.readouterr().out
-    assert Cluster.local(2).name == "local-calibrated"  # the refreshed file, read without calibrating again
+    assert local_cluster(2).name == "local-calibrated"  # the refreshed file, read without calibrating again
     assert json.loads(path.with_name(path.name + ".calibration.json").read_text())["recipe"] == "tiny"

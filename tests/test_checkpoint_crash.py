@@ -21,6 +21,7 @@ from passes.ir.errors import CheckpointError
 from runtime.checkpoint import directory as cd
 from runtime.checkpoint.io import load_into_module
 from runtime.dist.launch import LaunchError, spawn
+from partitioner.calibration.job_cluster import local_cluster
 
 GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 FIX = ("dp=1,pp=2,tp=1,zero_stage=0,schedule=1f1b,num_micro_batches=2,checkpointing=none,offload=none,"
@@ -35,9 +36,8 @@ def _batches(spec):
 
 def _trainer():
     from partitioner.api.auto import auto_parallelize
-    from partitioner.cost.cluster import Cluster
 
-    trainer = auto_parallelize(GPT, Cluster.local(WORLD), optimizer={"lr": 1e-2}, global_batch_size=GLOBAL_BATCH,
+    trainer = auto_parallelize(GPT, local_cluster(WORLD), optimizer={"lr": 1e-2}, global_batch_size=GLOBAL_BATCH,
                                fix=FIX, timeout_s=30)
     pm = trainer.model
     if getattr(pm, "lr_scheduler", None) is None:  # a schedule whose lr changes every step

@@ -20,12 +20,12 @@ import time
 
 import pytest
 
-from partitioner.cost.cluster import Cluster
 from partitioner.search.memory_check import replay_rank_memory
 from passes.ir.meta import DAG_CHECKPOINT_PLAN
 from runtime.dist.launch import spawn
 from tests import runtime_cases
 from tests.runtime_cases import Plan
+from partitioner.calibration.job_cluster import local_cluster
 
 WORLD, BATCH = 4, 16
 TOLERANCE = 0.05
@@ -62,7 +62,7 @@ def _graph(model: str):
 @pytest.mark.slow
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.id)
 def test_replayed_peak_matches_each_rank_measured(measured, plan):
-    replayed = replay_rank_memory(_graph(plan.model), plan.config(), Cluster.local(plan.size))
+    replayed = replay_rank_memory(_graph(plan.model), plan.config(), local_cluster(plan.size))
     rows = []
     for rank in range(plan.size):
         got, predicted = measured[rank][plan.id]["peak"], replayed[rank].peak_bytes
@@ -70,7 +70,7 @@ def test_replayed_peak_matches_each_rank_measured(measured, plan):
                     f"({(predicted - got) / got:+.1%})")
     print(f"\n{plan.id}\n  " + "\n  ".join(rows))
     bounds = {ck: replay_rank_memory(_graph(plan.model), dataclasses.replace(plan.config(), checkpointing=ck),
-                                     Cluster.local(plan.size)) for ck in ("full", "none")}
+                                     local_cluster(plan.size)) for ck in ("full", "none")}
     for rank in range(plan.size):
         assert bounds["full"][rank].peak_bytes < replayed[rank].peak_bytes < bounds["none"][rank].peak_bytes, rank
         assert replayed[rank].peak_bytes == pytest.approx(measured[rank][plan.id]["peak"], rel=TOLERANCE), rows[rank]
@@ -79,9 +79,9 @@ def test_replayed_peak_matches_each_rank_measured(measured, plan):
 def test_the_plans_recompute_part_of_each_stage_and_keep_some_outputs():
     """What the peaks above are of: every stage checkpoints some of its blocks and keeps the
     outputs of some nodes in them (a dag decision, not full or none)."""
-    from partitioner.api.build import lower_all
+    from partitioner.compile.build import lower_all
 
     for plan in PLANS:
-        lowering = lower_all(_graph(plan.model), plan.config(), cluster=Cluster.local(plan.size))
+        lowering = lower_all(_graph(plan.model), plan.config(), cluster=local_cluster(plan.size))
         dag = lowering.graph.meta[DAG_CHECKPOINT_PLAN]
         assert dag.cached and len(dag.stage_budget_bytes) == 2, plan.id

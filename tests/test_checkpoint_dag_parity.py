@@ -1,6 +1,6 @@
 """``checkpointing="dag"`` on two gloo ranks: the zoo ResNet, the zoo U-Net and Hugging Face BERT
 (dropout off) trained with ``ParallelConfig(dp=2, checkpointing="dag")`` through
-:func:`partitioner.api.build.build_parallel_model` give, after three AdamW steps, bit-identical losses
+:func:`partitioner.compile.build.build_parallel_model` give, after three AdamW steps, bit-identical losses
 and parameters to the same plan without checkpointing (selective activation checkpointing replays
 the uncached ops exactly), and the same as one device. The rank program must really have cached
 some op outputs and recomputed others inside its checkpointed regions, or the parity proves nothing.
@@ -20,6 +20,7 @@ from runtime.dist.launch import spawn
 from runtime.optim.optimizers import as_factory
 from tests.one_device import train_one_device
 from tests.runtime_cases import packed_graph, unpacked_graph
+from partitioner.calibration.job_cluster import local_cluster
 
 MODELS = {
     "resnet": "resnet:blocks=1-1,widths=8-16,image=16,classes=10,batch=8",
@@ -62,7 +63,7 @@ def _remat_counts(program) -> dict[str, int]:
 def _run(payloads):
     """On each rank: per (model, policy) the per-step losses, the trained parameters and the
     rank program's rematerialization counts."""
-    from partitioner.api.build import build_parallel_model
+    from partitioner.compile.build import build_parallel_model
     from passes.ir.config import ParallelConfig
     from runtime.dist.mesh import Mesh, init_distributed
 
@@ -74,7 +75,7 @@ def _run(payloads):
         for policy in POLICIES:
             torch.distributed.barrier()
             config = ParallelConfig.for_global_batch(GLOBAL_BATCH, dp=DP, checkpointing=policy)
-            pm = build_parallel_model(graph, config, mesh, optimizer=as_factory(ADAMW))
+            pm = build_parallel_model(graph, config, mesh, optimizer=as_factory(ADAMW), cluster=local_cluster(mesh.size))
             losses = [pm.train_step(b) for b in _batches(spec)]
             out[(model, policy)] = {"losses": losses, "params": pm.full_parameters(),
                                     "remat": _remat_counts(pm.program)}

@@ -22,6 +22,7 @@ from runtime.checkpoint.io import (
 )
 from runtime.dist.launch import spawn
 from tests.runtime_cases import packed_graph, unpacked_graph
+from partitioner.calibration.job_cluster import local_cluster
 
 GPT = "gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 GLOBAL_BATCH, SAVE_AT, STEPS, WORLD = 16, 3, 5, 4
@@ -46,7 +47,7 @@ def _run_cases(root: str, payload):
     """On each rank: the losses of every save case (steps 1..SAVE_AT) and load case (the rest).
     ``payload``: the model's graph, captured once by the test process (``packed_graph``)."""
     from runtime.checkpoint.io import load_checkpoint, save_checkpoint
-    from partitioner.api.build import build_parallel_model
+    from partitioner.compile.build import build_parallel_model
     from passes.ir.config import ParallelConfig
     from runtime.dist.mesh import Mesh, init_distributed
 
@@ -62,7 +63,7 @@ def _run_cases(root: str, payload):
             continue
         config = ParallelConfig.for_global_batch(GLOBAL_BATCH, dp=dp, pp=pp, tp=tp, num_micro_batches=m,
                                                  zero_stage=int(zero))
-        model = build_parallel_model(graph, config, mesh, optimizer=ADAMW)
+        model = build_parallel_model(graph, config, mesh, optimizer=ADAMW, cluster=local_cluster(mesh.size))
         if kind == "save":
             losses = [model.train_step(b) for b in batches[:SAVE_AT]]
             save_checkpoint(model, f"{root}/{name}", step=SAVE_AT)

@@ -16,6 +16,7 @@ from runtime.checkpoint.io import (
     checkpoint_keys, load_into_module, load_optimizer_state_into, save_module,
 )
 from runtime.dist.launch import spawn
+from partitioner.calibration.job_cluster import local_cluster
 
 GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 
@@ -127,10 +128,9 @@ def _train_state_case(root: str, pwned: str):
     """One rank: save a checkpoint directory, then load it after replacing its train state and
     then its .metadata by pickles that would run code."""
     from partitioner.api.auto import auto_parallelize
-    from partitioner.cost.cluster import Cluster
     from runtime.checkpoint import directory as cd
 
-    trainer = auto_parallelize(GPT, Cluster.local(1), global_batch_size=2, fix="dp=1", timeout_s=60)
+    trainer = auto_parallelize(GPT, local_cluster(1), global_batch_size=2, fix="dp=1", timeout_s=60)
     spec = build_model(GPT)
     trainer.train_step(spec.example_inputs({"batch": 2}, seed=0))
     path = trainer.save(root)

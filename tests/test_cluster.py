@@ -8,11 +8,10 @@ import pytest
 from pathlib import Path
 
 from partitioner.calibration.calibrate import TINY_RECIPE
-from partitioner.cost.cluster import (
-    CACHE_DIR_ENV, CLUSTER_FILE_ENV, Cluster, Device, Link, MachineKey, PeakFlops, cache_dir, local_cache_file,
-    parse_quantity,
-)
+from partitioner.calibration.cache import CACHE_DIR_ENV, MachineKey, cache_dir, local_cache_file
+from partitioner.cost.cluster import CLUSTER_FILE_ENV, Cluster, Device, Link, PeakFlops, parse_quantity
 from partitioner.errors import ClusterSpecError, ConfigError
+from partitioner.calibration.job_cluster import local_cluster
 
 GiB = 2**30
 
@@ -47,12 +46,12 @@ def test_local_reads_an_explicit_cluster_file(tmp_path, monkeypatch):
                                      intra_node=Link(kind="loopback", bandwidth_bytes_per_s=2e9, latency_s=1e-5))
     path = calibrated.to_file(tmp_path / "local.yaml")
     monkeypatch.setenv("PARTITIONER_CLUSTER_FILE", str(path))
-    got = Cluster.local(3)
+    got = local_cluster(3)
     assert (got.name, got.world_size, got.intra_node.bandwidth_bytes_per_s) == ("my-box", 3, 2e9)
 
     monkeypatch.setenv("PARTITIONER_CLUSTER_FILE", str(tmp_path / "nope.yaml"))
     with pytest.raises(ClusterSpecError, match="cannot read cluster file .*nope.yaml"):
-        Cluster.local(2)
+        local_cluster(2)
 
 
 # ---- the per-machine calibration cache ---------------------------------------------------------
@@ -69,12 +68,12 @@ def cache(tmp_path, monkeypatch):
 
 
 def test_local_calibrates_once_then_reads_the_cache(cache, monkeypatch, capfd):
-    import partitioner.calibration.calibrate as calibrate
+    import partitioner.calibration.job_cluster as job_cluster
 
     calls = []
-    real = calibrate.auto_calibrate
-    monkeypatch.setattr(calibrate, "auto_calibrate", lambda w, path: calls.append((w, path)) or real(w, path))
-    first = Cluster.local(2)
+    real = job_cluster.auto_calibrate
+    monkeypatch.setattr(job_cluster, "auto_calibrate", lambda w, path: calls.append((w, path)) or real(w, path))
+    first = local_cluster(2)
     err = capfd.readouterr().err.strip().splitlines()
     path = local_cache_file(2)
     assert path.parent == cache and path.is_file() and calls == [(2, path)]
@@ -88,12 +87,12 @@ def test_local_calibrates_once_then_reads_the_cache(cache, monkeypatch, capfd):
     assert first.compute_slots_per_node == max(1, key.cores // key.threads_per_rank)
 
     mtime = path.stat().st_mtime_ns
-    again = Cluster.local(2)
+    again = local_cluster(2)
     assert calls == [(2, path)]  # a second calibration would have been recorded here
     assert again == first and path.stat().st_mtime_ns == mtime
     assert "partitioner:" not in capfd.readouterr().err  # nothing printed on a cache hit
     with pytest.raises(ClusterSpecError, match="no CUDA device .* dgx-h100"):  # GPUs: not what it measures
-        Cluster.local(2, backend="nccl")
+        local_cluster(2, backend="nccl")
 
 
 def test_cache_key_separates_machines_and_setups(cache, monkeypatch):
@@ -106,7 +105,7 @@ def test_cache_key_separates_machines_and_setups(cache, monkeypatch):
     assert key.file_name().startswith("local-w4-t1-c2-torch2.13.0_cpu-")
     here = local_cache_file(2)
     assert here.parent == cache and here != local_cache_file(4)
-    monkeypatch.setattr("partitioner.calibration.calibrate.cpu_name", lambda: "Another CPU")
+    monkeypatch.setattr("partitioner.calibration.measure.cpu_name", lambda: "Another CPU")
     assert local_cache_file(2) != here
 
 
@@ -125,12 +124,12 @@ def test_a_corrupt_cache_file_is_an_error_naming_it_and_the_fix(cache):
     path.parent.mkdir(parents=True)
     path.write_text("name: [unclosed\n")
     with pytest.raises(ClusterSpecError) as e:
-        Cluster.local(2)
+        local_cluster(2)
     assert f"the cached calibration {path} is corrupt" in str(e.value)
     assert "partitioner calibrate --world-size 2" in str(e.value)
     path.write_text("name: half a file\n")  # valid YAML, not a cluster
     with pytest.raises(ClusterSpecError, match="corrupt.*missing key"):
-        Cluster.local(2)
+        local_cluster(2)
 
 
 def test_unknown_preset_lists_known_ones():
@@ -253,7 +252,7 @@ def test_docs_example_parses(tmp_path):
 
 
 def _local_two():
-    return Cluster.local(2)
+    return local_cluster(2)
 
 
 def test_a_rank_asking_for_another_world_size_says_where_to_calibrate(cache):

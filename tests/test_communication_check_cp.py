@@ -8,14 +8,14 @@ import functools
 
 import pytest
 
-from partitioner.api.build import capture_for_pipeline
-from partitioner.cost.cluster import Cluster
+from partitioner.compile.build import capture_for_pipeline
 from partitioner.cost.cost_model import cost_hooks
 from partitioner.inputs.models import build_model
 from passes.checks.communication_check import check_communication, check_lowering, rank_calls
 from passes.ir.config import ParallelConfig
 from passes.ir.errors import CommunicationMismatchError
 from passes.lowering.lower import lower
+from partitioner.calibration.job_cluster import local_cluster
 
 GPT = "gpt:layers=2,hidden=32,heads=4,vocab=64,seq=16,dropout=0.0"
 
@@ -27,7 +27,7 @@ def _graph():
 
 def _lowering(**knobs):
     config = ParallelConfig.for_global_batch(4, **knobs)
-    return lower(_graph(), config, cost=cost_hooks(Cluster.local(config.world_size)))
+    return lower(_graph(), config, cost=cost_hooks(local_cluster(config.world_size)))
 
 
 def _cp_calls(lowering, rank: int):

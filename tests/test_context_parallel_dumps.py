@@ -11,14 +11,14 @@ import pytest
 
 from ir_dumps.onnx_export import export_rank_programs
 from ir_dumps.writer import program_text
-from partitioner.api.build import capture_for_pipeline
-from partitioner.cost.cluster import Cluster
+from partitioner.compile.build import capture_for_pipeline
 from partitioner.cost.cost_model import cost_hooks
 from partitioner.inputs.models import build_model
 from passes.ir.config import ParallelConfig
 from passes.ir.meta import CAPTURE
 from passes.lowering.lower import lower
 from runtime.kernels.collectives import trace_groups
+from partitioner.calibration.job_cluster import local_cluster
 
 GPT = "gpt:layers=2,hidden=32,heads=4,vocab=64,seq=16,dropout=0.0"
 
@@ -30,7 +30,7 @@ def _graph():
 
 def _lowering(mode: str):
     config = ParallelConfig.for_global_batch(4, cp=2, cp_mode=mode, pp=2, num_micro_batches=2)
-    return lower(_graph(), config, cost=cost_hooks(Cluster.local(config.world_size)))
+    return lower(_graph(), config, cost=cost_hooks(local_cluster(config.world_size)))
 
 
 def test_program_text_shows_the_cp_ops_and_local_sequence():

@@ -12,11 +12,11 @@ import time
 import pytest
 import torch
 
-from partitioner.cost.cluster import Cluster
 from partitioner.search.memory_check import replay_rank_memory
 from runtime.dist.launch import spawn
 from tests import runtime_cases
 from tests.runtime_cases import Plan
+from partitioner.calibration.job_cluster import local_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ def _with_model() -> None:
 def _measure(plans, payloads):
     """On each rank: per plan, the peak live bytes of steps 0-2 and the model state after them."""
     import runtime.observe.measure as measure
-    from partitioner.api.build import build_parallel_model
+    from partitioner.compile.build import build_parallel_model
     from runtime.dist.mesh import Mesh, init_distributed
 
     _with_model()
@@ -55,7 +55,7 @@ def _measure(plans, payloads):
         torch.distributed.barrier()
         if not mesh.active:
             continue
-        pm = build_parallel_model(graph, plan.config(), mesh, optimizer=runtime_cases.ADAMW)
+        pm = build_parallel_model(graph, plan.config(), mesh, optimizer=runtime_cases.ADAMW, cluster=local_cluster(mesh.size))
         timer = measure.StepTimer(pm, track_memory=True)
         peak = 0
         for k in range(3):
@@ -79,7 +79,7 @@ def measured():
 def replayed():
     _with_model()
     _, graph = runtime_cases.unpacked_graph(MODEL[1], runtime_cases.packed_graph(MODEL[1]))
-    return {p.id: replay_rank_memory(graph, p.config(), Cluster.local(p.size)) for p in PLANS}
+    return {p.id: replay_rank_memory(graph, p.config(), local_cluster(p.size)) for p in PLANS}
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.id)

@@ -210,7 +210,7 @@ def test_unequal_pipeline_stages_pay_the_fill_and_drain_of_each_stage_once(m):
     import dataclasses
 
     from partitioner.search.replay import predict_step_time
-    from partitioner.cost.profile import profile_model
+    from partitioner.search.profile import profile_model
     from passes.ir.schedule import build, simulate
 
     profile = profile_model("hf-gpt2:n_layer=4,n_embd=64,n_head=4,vocab_size=128,n_positions=32,"

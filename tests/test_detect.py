@@ -2,7 +2,7 @@
 import pytest
 
 from partitioner.cost.cluster import Cluster, Link
-from partitioner.cost.detect import (
+from partitioner.calibration.detect import (
     DEFAULT_INTER_NODE, GPU_TABLE, GpuProperties, describe, gpu_cluster, gpu_device, job_shape, match_gpu,
     parse_nvidia_smi_topo,
 )
@@ -58,7 +58,7 @@ def test_known_gpus_get_datasheet_peaks_and_reported_memory(props, name, fp32, b
 ])
 def test_disambiguation_by_name_words_memory_and_sms(props, name):
     if name is None:
-        with pytest.raises(ClusterSpecError, match="not in partitioner.cost.detect.GPU_TABLE"):
+        with pytest.raises(ClusterSpecError, match="not in partitioner.calibration.detect.GPU_TABLE"):
             match_gpu(props)
     else:
         assert match_gpu(props).name == name
@@ -203,7 +203,7 @@ def test_parse_nvidia_smi_topo_refuses_other_text():
 def test_detect_reads_the_launchers_shape_with_a_cluster_file(tmp_path):
     # A CPU job with a cluster file of its own: the file describes the devices, the launcher the shape.
     from partitioner.cost.cluster import CLUSTER_FILE_ENV, PRESET_DIR
-    from partitioner.cost.detect import detect_cluster
+    from partitioner.calibration.job_cluster import detect_cluster
 
     env = {CLUSTER_FILE_ENV: str(PRESET_DIR / "dgx-h100.yaml"), "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
     cluster = detect_cluster(env=env)

@@ -12,12 +12,13 @@ import sympy
 from partitioner.cost.cluster import Cluster
 from partitioner.search.replay import predict_rank, predict_step_time
 from partitioner.inputs.models import build_model
-from partitioner.cost.profile import profile_model
+from partitioner.search.profile import profile_model
 from partitioner.calibration.refit import load_run, refit, refit_from_runs
 from passes.analysis.annotate_memory import annotate_memory
 from passes.ir.meta import CAPTURE, MEMORY_SUMMARY, dim_symbol
-from partitioner.api.build import capture_for_pipeline, lower_all, rank_program
+from partitioner.compile.build import capture_for_pipeline, lower_all, rank_program
 from passes.ir.config import ParallelConfig
+from partitioner.calibration.job_cluster import local_cluster
 
 GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 DIMS = {"batch": 4, "seq": 8}
@@ -32,9 +33,9 @@ def graph():
 
 def test_pipeline_ranks_hold_every_parameter_once_plus_tied_copies(graph):
     knobs = {**BASE, "pp": 2, "num_micro_batches": 2}
-    preds = [predict_rank(graph, knobs, r, DIMS) for r in range(2)]
+    preds = [predict_rank(graph, knobs, r, DIMS, cluster=local_cluster(2)) for r in range(2)]
     split = lower_all(graph, ParallelConfig(pp=2, num_micro_batches=2, micro_batch_size=4),
-                      cluster=Cluster.local(2)).split
+                      cluster=local_cluster(2)).split
     model = sum(t.numel() * t.element_size() for t in graph.parameters())  # tied weights once
     # a weight tied across stages (embedding / LM head) has a copy on each stage holding it
     tied_extra = sum((len(stages) - 1) * _param_bytes(graph, split.aliases[name][0])
@@ -47,7 +48,7 @@ def test_one_stage_one_micro_batch_equals_whole_graph_analysis(graph):
     # With one stage and one micro-batch the replay is the whole step's liveness (plus the batch).
     # the whole graph's analysis counts its inputs (token ids, targets): the batch the rank slices
     batch_bytes = sum(t.untyped_storage().nbytes() for t in build_model(GPT).example_inputs(DIMS))
-    pred = predict_rank(graph, BASE, 0, DIMS, global_batch_bytes=batch_bytes)
+    pred = predict_rank(graph, BASE, 0, DIMS, global_batch_bytes=batch_bytes, cluster=local_cluster(1))
     gm = copy.deepcopy(graph)
     info = gm.meta[CAPTURE]
     gm.meta[CAPTURE] = dataclasses.replace(info, dims=tuple((n, DIMS.get(n, v)) for n, v in info.dims))
@@ -60,16 +61,16 @@ def test_one_stage_one_micro_batch_equals_whole_graph_analysis(graph):
 def test_gpipe_keeps_more_micro_batches_in_flight_than_1f1b(graph):
     knobs = {**BASE, "pp": 2, "num_micro_batches": 4, "micro_batch_size": 1}
     dims = {"batch": 1, "seq": 8}
-    gpipe = predict_rank(graph, {**knobs, "schedule": "gpipe"}, 0, dims)
-    one_f = predict_rank(graph, knobs, 0, dims)
+    gpipe = predict_rank(graph, {**knobs, "schedule": "gpipe"}, 0, dims, cluster=local_cluster(2))
+    one_f = predict_rank(graph, knobs, 0, dims, cluster=local_cluster(2))
     assert gpipe.peak_bytes > one_f.peak_bytes
     assert gpipe.parts["activations"] > one_f.parts["activations"]
 
 
 @pytest.mark.parametrize("zero", [1, 2])
 def test_zero_shards_optimizer_state(graph, zero):
-    full = predict_rank(graph, {**BASE, "dp": 2}, 0, DIMS)
-    sharded = predict_rank(graph, {**BASE, "dp": 2, "zero_stage": zero}, 0, DIMS)
+    full = predict_rank(graph, {**BASE, "dp": 2}, 0, DIMS, cluster=local_cluster(2))
+    sharded = predict_rank(graph, {**BASE, "dp": 2, "zero_stage": zero}, 0, DIMS, cluster=local_cluster(2))
     # params + AdamW state (2 x params + steps) vs params + 3 fp32 chunks (master, exp_avg,
     # exp_avg_sq) of 1/dp of every gradient bucket (padded to a multiple of dp)
     chunk = 4 * (-(-full.param_bytes // 4 // 2))
@@ -85,7 +86,7 @@ def test_zero2_replay_holds_one_round_of_gradients_whatever_the_micro_batches(gr
     held = []
     for m in (2, 8):
         r = predict_rank(graph, {**BASE, "dp": 2, "num_micro_batches": m, "micro_batch_size": 1,
-                                 "zero_stage": 2}, 0, dims)
+                                 "zero_stage": 2}, 0, dims, cluster=local_cluster(2))
         chunk = 4 * (-(-r.param_bytes // 4 // 2))
         assert r.parts["grads"] <= 2 * r.param_bytes + chunk
         held.append(r.parts["grads"])
@@ -158,8 +159,8 @@ def _param_bytes(gm, name) -> int:
 def test_offload_events_add_a_host_copy_and_a_reload_per_offloaded_storage(graph):
     from partitioner.search.replay import stage_events
 
-    plain = rank_program(graph, ParallelConfig(micro_batch_size=4), 0)
-    offl = rank_program(graph, ParallelConfig(micro_batch_size=4, offload="activations"), 0)
+    plain = rank_program(graph, ParallelConfig(micro_batch_size=4), 0, cluster=local_cluster(1))
+    offl = rank_program(graph, ParallelConfig(micro_batch_size=4, offload="activations"), 0, cluster=local_cluster(1))
     ev = stage_events(offl.modules[0], DIMS)
     base = stage_events(plain.modules[0], DIMS)
     host = {e.key: e.bytes for e in ev.forward if e.op == "+" and _copy(e.key) == "offload_host"}
@@ -170,8 +171,8 @@ def test_offload_events_add_a_host_copy_and_a_reload_per_offloaded_storage(graph
     assert sorted(freed) == sorted([*host, *reload])  # every copy is released by its last backward
     # the copies hold what the un-offloaded graph keeps for backward (bytes saved at least once)
     assert sum(host.values()) <= base.activation_bytes + sum(reload.values())
-    pred_off = predict_rank(graph, {**BASE, "offload": "activations"}, 0, DIMS)
-    pred = predict_rank(graph, BASE, 0, DIMS)
+    pred_off = predict_rank(graph, {**BASE, "offload": "activations"}, 0, DIMS, cluster=local_cluster(1))
+    pred = predict_rank(graph, BASE, 0, DIMS, cluster=local_cluster(1))
     assert pred_off.peak_bytes > pred.peak_bytes  # on CPU offload costs memory: copies in the same RAM
 
 
@@ -306,8 +307,8 @@ def test_offload_of_checkpointed_regions_costs_memory_on_cpu(graph):
     # On CPU the "host" copy of a region's input lives in the same memory, and backward reloads
     # it for the recompute: the replay must not see a saving (it did, when the offload hooks hid
     # the recompute's saves from the memory pass).
-    ckpt = predict_rank(graph, {**BASE, "checkpointing": "full"}, 0, DIMS)
-    both = predict_rank(graph, {**BASE, "checkpointing": "full", "offload": "activations"}, 0, DIMS)
+    ckpt = predict_rank(graph, {**BASE, "checkpointing": "full"}, 0, DIMS, cluster=local_cluster(1))
+    both = predict_rank(graph, {**BASE, "checkpointing": "full", "offload": "activations"}, 0, DIMS, cluster=local_cluster(1))
     assert both.peak_bytes >= ckpt.peak_bytes
 
 
@@ -318,6 +319,6 @@ def test_fake_runs_leave_no_offload_state_behind(graph):
 
     oo.reset_offload_counters()
     alive = sum(v() is not None for v in oo._LIVE.values())
-    predict_rank(graph, {**BASE, "offload": "activations"}, 0, DIMS)
+    predict_rank(graph, {**BASE, "offload": "activations"}, 0, DIMS, cluster=local_cluster(1))
     assert sum(v() is not None for v in oo._LIVE.values()) == alive
     assert oo.offload_counters().offloaded_storages == 0

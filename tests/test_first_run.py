@@ -15,9 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from partitioner.cost.cluster import CACHE_DIR_ENV, CLUSTER_FILE_ENV
+from partitioner.calibration.cache import CACHE_DIR_ENV
+
+from partitioner.cost.cluster import CLUSTER_FILE_ENV
 from passes.ir.launcher_env import is_launcher_var, scrubbed_env
 from runtime.dist.launch import spawn
+from partitioner.calibration.job_cluster import local_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 CALIBRATING = "calibrating inside the job"
@@ -71,15 +74,14 @@ def test_readme_torchrun_on_an_empty_cache_calibrates_inside_the_job_then_reuses
 
 
 def _spawned_user_script(cache: str) -> tuple[str, float, list[str]]:
-    """A user's own rank function: ``auto_parallelize`` with ``Cluster.local(2)`` on a fresh cache."""
+    """A user's own rank function: ``auto_parallelize`` with ``local_cluster(2)`` on a fresh cache."""
     import torch
 
     from partitioner.api.auto import auto_parallelize
-    from partitioner.cost.cluster import Cluster
 
     os.environ.pop(CLUSTER_FILE_ENV, None)
     os.environ[CACHE_DIR_ENV] = cache
-    trainer = auto_parallelize("gpt:layers=2,hidden=32,heads=2,vocab=64,seq=16,dropout=0.0", Cluster.local(2),
+    trainer = auto_parallelize("gpt:layers=2,hidden=32,heads=2,vocab=64,seq=16,dropout=0.0", local_cluster(2),
                                global_batch_size=4, fix="dp=2")
     batch = trainer.spec.example_inputs({"batch": 4}, seed=0)
     loss = trainer.train_step(batch)

@@ -17,6 +17,7 @@ from passes.ir.plan import Prediction
 from runtime.dist.launch import spawn
 from runtime.observe.metrics import (MetricsLogger, StepMetrics, dim_sizes, format_line, measured_mfu, step_tokens,
                              tensorboard_available)
+from partitioner.calibration.job_cluster import local_cluster
 
 FIELDS = {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens", "tokens_per_s", "mfu", "peak_memory_bytes",
           "skipped"}
@@ -122,11 +123,10 @@ def _rank(jsonl: str):
     import os
 
     from partitioner.api.auto import auto_parallelize
-    from partitioner.cost.cluster import Cluster
     from partitioner.inputs.models import build_model
 
     spec = build_model(GPT)
-    trainer = auto_parallelize(GPT, Cluster.local(WORLD), global_batch_size=GLOBAL_BATCH, fix=FIX,
+    trainer = auto_parallelize(GPT, local_cluster(WORLD), global_batch_size=GLOBAL_BATCH, fix=FIX,
                                optimizer={"lr": 1e-3}, timeout_s=60, track_memory=TRACKED)
     logger = MetricsLogger(jsonl=jsonl, total_steps=STEPS) if os.environ["RANK"] == "0" else None
     trainer.attach_metrics(logger)

@@ -18,6 +18,7 @@ import torch
 from partitioner.inputs.models import build_model
 from runtime.dist.launch import spawn
 from tests.one_device import train_one_device_16bit
+from partitioner.calibration.job_cluster import local_cluster
 
 GPT = "gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 GLOBAL_BATCH, STEPS, WORLD = 8, 4, 4
@@ -63,12 +64,11 @@ def _batches(spec):
 
 def _rank(checkpoint: str):
     from partitioner.api.auto import auto_parallelize
-    from partitioner.cost.cluster import Cluster
 
     out = {}
     for k, case in enumerate(CASES):
         spec = build_model(GPT)
-        trainer = auto_parallelize(GPT, Cluster.local(WORLD), optimizer={**ADAMW, "lr": case.lr},
+        trainer = auto_parallelize(GPT, local_cluster(WORLD), optimizer={**ADAMW, "lr": case.lr},
                                    global_batch_size=GLOBAL_BATCH, fix=case.fix, dtype=case.dtype, timeout_s=60)
         pm = trainer.model
         if case.loss_scale is not None:
@@ -77,7 +77,7 @@ def _rank(checkpoint: str):
             trainer.load(checkpoint)
             out["loaded"] = pm.full_master_parameters()
             # a fresh trainer of the same plan (the search already ran for it: no second one)
-            trainer = auto_parallelize(GPT, Cluster.local(WORLD), optimizer={**ADAMW, "lr": case.lr},
+            trainer = auto_parallelize(GPT, local_cluster(WORLD), optimizer={**ADAMW, "lr": case.lr},
                                        global_batch_size=GLOBAL_BATCH, plan=trainer.plan, dtype=case.dtype,
                                        timeout_s=60)
             pm = trainer.model

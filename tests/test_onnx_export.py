@@ -27,11 +27,11 @@ from passes.policies.checkpoint_policy import checkpoint_policy
 from passes.ir.meta import PIPELINE_STAGE
 from passes.policies.pipeline_stages import assign_stages, assign_stages_by_layers, balanced_boundaries
 from passes.rewrites.pipeline_split import split_pipeline_stages
-from partitioner.api.build import lower_all
-from partitioner.cost.cluster import Cluster
+from partitioner.compile.build import lower_all
 from passes.ir.config import ParallelConfig
 from passes.ir.program import global_rank
 from runtime.kernels.collectives import trace_groups
+from partitioner.calibration.job_cluster import local_cluster
 
 GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 
@@ -137,7 +137,7 @@ TP_OPS = {"CopyToTP", "ReduceFromTP", "AllReduce", "VocabParallelCrossEntropy"}
 def _programs(gm, **knobs):
     """The rank programs of dp 0 for every (pipeline index, tp rank), in that order."""
     config = ParallelConfig(**knobs)
-    lowering = lower_all(gm, config, cluster=Cluster.local(config.world_size))
+    lowering = lower_all(gm, config, cluster=local_cluster(config.world_size))
     return [lowering.rank_program(global_rank(p, 0, t, dp=1, tp=config.tp))
             for p in range(config.pp) for t in range(config.tp)]
 
@@ -388,7 +388,7 @@ def test_a_zero3_program_exports_its_gathers_over_the_shards(gpt, tmp_path):
 
     _, gm = gpt
     config = ParallelConfig.for_global_batch(8, dp=2, zero_stage=3)
-    lowering = lower_all(gm, config, cluster=Cluster.local(2))
+    lowering = lower_all(gm, config, cluster=local_cluster(2))
     program = lowering.rank_program(0)
     (path,) = _export([program], tmp_path)
     model = onnx.load(str(path))

@@ -11,8 +11,8 @@ import pytest
 from partitioner.cost.cluster import Cluster
 from partitioner.search.replay import predict_step_time
 from partitioner.inputs.models import build_model
-from partitioner.cost.plan_cost import optimizer_tensors
-from partitioner.cost.profile import profile_model
+from partitioner.search.plan_cost import optimizer_tensors
+from partitioner.search.profile import profile_model
 from partitioner.calibration.reference_runs import REFERENCE_MODEL
 from partitioner.calibration.refit import RunData, refit
 

@@ -27,6 +27,7 @@ from runtime.optim.optimizers import (
 from runtime.optim.lr_schedules import warmup_cosine, warmup_cosine_factor
 from tests.one_device import train_one_device
 from tests.runtime_cases import packed_graph, unpacked_graph
+from partitioner.calibration.job_cluster import local_cluster
 
 GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 WORLD, STEPS, GLOBAL_BATCH, CLIP = 4, 3, 8, 0.05
@@ -75,7 +76,7 @@ def _batches(spec):
 
 def _run_cases(cases, payload):
     """On each rank: every case's results. ``payload``: the model's graph, captured once by the test process."""
-    from partitioner.api.build import build_parallel_model
+    from partitioner.compile.build import build_parallel_model
     from passes.ir.config import ParallelConfig
     from passes.ir.errors import NonFiniteError
     from runtime.dist.mesh import Mesh, init_distributed
@@ -95,7 +96,7 @@ def _run_cases(cases, payload):
                                                  num_micro_batches=2, zero_stage=case.zero)
         try:
             pm = build_parallel_model(graph, config, mesh, optimizer=FACTORIES[case.optimizer], lr_scheduler=SCHEDULE,
-                                      clip_grad_norm=CLIP, nonfinite=case.nonfinite or "stop")
+                                      clip_grad_norm=CLIP, nonfinite=case.nonfinite or "stop", cluster=local_cluster(mesh.size))
         except ConfigError as exc:
             out[case.id] = {"refused": str(exc)}
             continue
@@ -198,7 +199,6 @@ def test_default_groups_leave_norms_biases_and_embeddings_without_decay():
 
 
 def test_lowering_records_the_same_groups_on_every_rank():
-    from partitioner.cost.cluster import Cluster
     from partitioner.cost.cost_model import cost_hooks
     from passes.ir.config import ParallelConfig
     from passes.lowering.lower import lower
@@ -210,7 +210,7 @@ def test_lowering_records_the_same_groups_on_every_rank():
         aliases.setdefault(id(p), set()).add(n)
     expected = {a for p in groups[1]["params"] for a in aliases[id(p)]}
     config = ParallelConfig.for_global_batch(4, dp=1, pp=2, num_micro_batches=2)
-    lowering = lower(graph, config, cost=cost_hooks(Cluster.local(2)))
+    lowering = lower(graph, config, cost=cost_hooks(local_cluster(2)))
     for rank in range(2):
         program = lowering.rank_program(rank)
         held = {n for m in program.modules.values() for n, _ in m.named_parameters(remove_duplicate=False)}

@@ -6,7 +6,7 @@ import pytest
 from partitioner.cost.cluster import Cluster
 from partitioner.errors import ConfigError
 from passes.ir.plan import Plan
-from partitioner.cost.profile import profile_model
+from partitioner.search.profile import profile_model
 from partitioner.search.search import plan
 
 

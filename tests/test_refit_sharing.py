@@ -16,7 +16,7 @@ import pytest
 
 from partitioner.cost.cluster import Cluster
 from partitioner.search.replay import predict_step_time
-from partitioner.cost.profile import profile_model
+from partitioner.search.profile import profile_model
 from partitioner.calibration.reference_runs import REFERENCE_MODEL
 from partitioner.calibration.refit import RunData, refit, sharing_slowdown
 

@@ -15,6 +15,7 @@ from partitioner.cost.cluster import Cluster
 from passes.ir.config import ParallelConfig
 from passes.ir.plan import MEMORY_TERMS, Alternative, Plan, Prediction, StagePlan
 from passes.ir.schedule import compute_only
+from partitioner.calibration.job_cluster import local_cluster
 
 GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 
@@ -186,7 +187,7 @@ def test_report_with_graph_counts_nodes_per_stage(dumped):
 def test_planning_writes_report_beside_plan_json(tmp_path):
     from partitioner.api.planning import plan
 
-    chosen = plan("gpt:layers=2,hidden=64,heads=2,vocab=128,seq=32", Cluster.local(2), global_batch=4,
+    chosen = plan("gpt:layers=2,hidden=64,heads=2,vocab=128,seq=32", local_cluster(2), global_batch=4,
                   fix="pp=2", dump_dir=tmp_path)
     assert json.loads((tmp_path / "plan.json").read_text())["config"]["pp"] == 2
     doc = parse((tmp_path / "report.html").read_text())

@@ -4,12 +4,12 @@ import dataclasses
 
 import pytest
 
-from partitioner.api.analysis import DTYPES, analyze
+from partitioner.compile.analysis import DTYPES, analyze
 from partitioner.cost.cluster import Cluster
 from partitioner.cost.cost_model import memory_bound_time, roofline_time
 from partitioner.inputs.models import build_model
-from partitioner.cost.plan_cost import PlanContext
-from partitioner.cost.profile import _moved_bytes, profile_model
+from partitioner.search.plan_cost import PlanContext
+from partitioner.search.profile import _moved_bytes, profile_model
 from passes.ir.meta import SHAPE
 
 SPEC = "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=16"

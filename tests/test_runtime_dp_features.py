@@ -21,6 +21,7 @@ from partitioner.inputs.models import build_model
 from runtime.dist.launch import spawn
 from tests.one_device import train_one_device
 from tests.runtime_cases import packed_graph, unpacked_graph
+from partitioner.calibration.job_cluster import local_cluster
 
 GPT = "gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 GLOBAL_BATCH, STEPS, WORLD = 16, 3, 4
@@ -71,7 +72,7 @@ def _batches(spec):
 
 def _train_cases(cases, payload):
     """On each rank: every case's results. ``payload``: the model's graph, captured once by the test process."""
-    from partitioner.api.build import build_parallel_model
+    from partitioner.compile.build import build_parallel_model
     from passes.ir.config import ParallelConfig
     from runtime.dist.mesh import Mesh, init_distributed
 
@@ -87,7 +88,7 @@ def _train_cases(cases, payload):
         config = ParallelConfig.for_global_batch(GLOBAL_BATCH, dp=case.dp, pp=case.pp, schedule="1f1b",
                                                  num_micro_batches=case.m, zero_stage=case.zero)
         model = build_parallel_model(graph, config, mesh, optimizer=ADAMW, bucket_bytes=BUCKET_BYTES,
-                                     overlap_grad_sync=case.overlap)
+                                     overlap_grad_sync=case.overlap, cluster=local_cluster(mesh.size))
         held_after_backward = _record_gradient_bytes(model)
         start = time.perf_counter()
         losses = [model.train_step(b) for b in batches]

@@ -16,6 +16,7 @@ from partitioner.inputs.models import build_model
 from runtime.dist.launch import LaunchError, spawn
 from tests.one_device import train_one_device
 from tests.runtime_cases import packed_graph, unpacked_graph
+from partitioner.calibration.job_cluster import local_cluster
 
 GPT = "gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 GLOBAL_BATCH, STEPS, WORLD = 16, 3, 4
@@ -54,7 +55,7 @@ def _batches(spec):
 def _train_cases(cases, payload):
     """On each rank: every case's per-step losses and this rank's final parameters. ``payload``:
     the model's graph, captured once by the test process (``packed_graph``)."""
-    from partitioner.api.build import build_parallel_model
+    from partitioner.compile.build import build_parallel_model
     from passes.ir.config import ParallelConfig
     from runtime.dist.mesh import Mesh, init_distributed
 
@@ -76,7 +77,7 @@ def _train_cases(cases, payload):
         start = time.perf_counter()
         config = ParallelConfig.for_global_batch(GLOBAL_BATCH, dp=dp, pp=pp, schedule=schedule, num_micro_batches=m,
                                                  virtual_pp=v, zero_stage=int(zero))
-        model = build_parallel_model(graph, config, mesh, optimizer=ADAMW)
+        model = build_parallel_model(graph, config, mesh, optimizer=ADAMW, cluster=local_cluster(mesh.size))
         built = time.perf_counter()
         losses = [model.train_step(b) for b in batches]
         params = {name: p.detach().clone() for name, p in model.named_parameters().items()}

@@ -18,6 +18,7 @@ from passes.ir.config import ParallelConfig
 from runtime.dist.launch import spawn
 from tests.one_device import train_one_device
 from tests.runtime_cases import packed_graph, unpacked_graph
+from partitioner.calibration.job_cluster import local_cluster
 
 MODELS = {
     "gpt": "gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0",
@@ -63,7 +64,7 @@ def _batches(spec):
 def _train_cases(cases, payloads):
     """On each rank: every case's per-step losses and the full (tp-gathered) parameters/grads.
     ``payloads``: each model's graph, captured once by the test process (``packed_graph``)."""
-    from partitioner.api.build import build_parallel_model
+    from partitioner.compile.build import build_parallel_model
     from runtime.dist.mesh import Mesh, init_distributed
 
     start = time.perf_counter()
@@ -90,7 +91,7 @@ def _train_cases(cases, payloads):
         config = ParallelConfig.for_global_batch(GLOBAL_BATCH, dp=dp, tp=tp, pp=pp, schedule="1f1b",
                                                  num_micro_batches=m, zero_stage=int(zero), checkpointing=ckpt,
                                                  offload=offload)
-        pm = build_parallel_model(graphs[model], config, mesh, optimizer=ADAMW)
+        pm = build_parallel_model(graphs[model], config, mesh, optimizer=ADAMW, cluster=local_cluster(mesh.size))
         built = time.perf_counter()
         losses = [pm.train_step(b) for b in _batches(specs[model])]
         trained = time.perf_counter()
@@ -180,9 +181,8 @@ def gpt_graph():
 
 @pytest.fixture(scope="module")
 def programs_222(gpt_graph):
-    from partitioner.api.build import lower_all
-    from partitioner.cost.cluster import Cluster
-    lowering = lower_all(gpt_graph, ParallelConfig(dp=2, tp=2, pp=2), cluster=Cluster.local(8))
+    from partitioner.compile.build import lower_all
+    lowering = lower_all(gpt_graph, ParallelConfig(dp=2, tp=2, pp=2), cluster=local_cluster(8))
     return [lowering.rank_program(r) for r in range(8)]
 
 
@@ -238,8 +238,8 @@ def test_communication_lists(programs_222):
 
 
 def test_checkpointing_wraps_tp_collectives_into_the_regions(gpt_graph):
-    from partitioner.api.build import rank_program
-    prog = rank_program(gpt_graph, ParallelConfig(tp=2, pp=2, checkpointing="full"), 0)
+    from partitioner.compile.build import rank_program
+    prog = rank_program(gpt_graph, ParallelConfig(tp=2, pp=2, checkpointing="full"), 0, cluster=local_cluster(4))
     stage = prog.modules[0]
     regions = {n: m for n, m in stage.named_children() if n.startswith("checkpoint_")}
     assert sorted(regions) == ["checkpoint_blocks_0", "checkpoint_blocks_1"]
@@ -251,11 +251,11 @@ def test_checkpointing_wraps_tp_collectives_into_the_regions(gpt_graph):
 
 
 def test_bad_arguments_name_the_fix(gpt_graph):
-    from partitioner.api.build import rank_program
+    from partitioner.compile.build import rank_program
     from partitioner.errors import ConfigError
     with pytest.raises(ConfigError, match="outside the mesh"):
-        rank_program(gpt_graph, ParallelConfig(tp=2), 2)
+        rank_program(gpt_graph, ParallelConfig(tp=2), 2, cluster=local_cluster(2))
     with pytest.raises(ConfigError, match="checkpointing"):
-        rank_program(gpt_graph, ParallelConfig(checkpointing="some"), 0)
+        rank_program(gpt_graph, ParallelConfig(checkpointing="some"), 0, cluster=local_cluster(1))
     with pytest.raises(ConfigError, match="at most 4 stages"):
-        rank_program(gpt_graph, ParallelConfig(pp=8), 0)
+        rank_program(gpt_graph, ParallelConfig(pp=8), 0, cluster=local_cluster(8))

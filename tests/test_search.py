@@ -4,12 +4,13 @@ import math
 
 import pytest
 
-from partitioner.api.analysis import analyze
+from partitioner.compile.analysis import analyze
 from partitioner.cost.cluster import Cluster
 from partitioner.errors import ConfigError, InfeasiblePlanError
 from passes.ir.plan import format_bytes
-from partitioner.cost.profile import profile_model
+from partitioner.search.profile import profile_model
 from partitioner.search.search import candidates, min_memory, plan
+from partitioner.calibration.job_cluster import local_cluster
 
 SPEC = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq=32"
 
@@ -284,7 +285,7 @@ def test_offload_of_checkpointed_blocks_moves_one_tensor_per_block():
     from partitioner.search.replay import predict_step_time
 
     prof = profile_model("gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0", dtype="fp32")
-    c = Cluster.local(2)
+    c = local_cluster(2)
     knobs = _knobs(pp=2, num_micro_batches=2, micro_batch_size=2, offload="activations")
 
     def per_call_seconds(ckpt: str) -> float:  # d(offload term) / d(offload_call_s)
@@ -320,7 +321,7 @@ EXHAUSTIVE_CLUSTERS = (("dgx-a100-80gb", 1, None), ("dgx-h100", 2, None), ("dgx-
 def test_search_returns_the_exhaustive_optimum(spec, cluster_args):
     """Branch and bound must return what evaluating EVERY candidate returns: the fastest feasible
     plan, ties to the simpler one."""
-    from partitioner.cost.plan_cost import PlanContext, evaluate
+    from partitioner.search.plan_cost import PlanContext, evaluate
     from partitioner.search.search import _key
 
     profile = profile_model(spec, dtype="bf16")

@@ -10,8 +10,8 @@ from partitioner.cost.cluster import Cluster
 from partitioner.cost.cost_model import all_reduce_time, ring_exposed_time, send_recv_time
 from partitioner.errors import ConfigError, InfeasiblePlanError
 from partitioner.inputs.knobs import parse_fix
-from partitioner.cost.plan_cost import RING_WORKING_BLOCKS
-from partitioner.cost.profile import AttentionProfile, profile_model
+from partitioner.search.plan_cost import RING_WORKING_BLOCKS
+from partitioner.search.profile import AttentionProfile, profile_model
 from partitioner.search.search import candidates, min_memory, plan
 
 # Six heads: tensor parallelism stops at tp=2 on an 8-GPU node (tp divides the heads and the node)

@@ -1,4 +1,4 @@
-"""The search's analytic memory (:mod:`partitioner.cost.plan_cost`, what it screens every candidate
+"""The search's analytic memory (:mod:`partitioner.search.plan_cost`, what it screens every candidate
 with) against the exact replay of the lowered rank programs (:mod:`partitioner.search.memory_check`,
 what ``auto_parallelize`` returns for the plans it keeps), stage by stage.
 
@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import pytest
 
-from partitioner.api.build import capture_for_pipeline
-from partitioner.cost.cluster import Cluster
+from partitioner.compile.build import capture_for_pipeline
 from partitioner.search.memory_check import replay_config_peaks
 from partitioner.inputs.models import build_model
-from partitioner.cost.profile import profile_model
+from partitioner.search.profile import profile_model
 from partitioner.search.search import plan
 from passes.ir.program import global_rank
+from partitioner.calibration.job_cluster import local_cluster
 
 MODELS = {
     "gpt": "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=32,dropout=0.0",
@@ -60,7 +60,7 @@ def _model(captured, name):
 def test_search_memory_is_the_replay_of_each_stage(captured, model, shape, ckpt):
     profile, graph = _model(captured, model)
     fix = {**SHAPES[shape], "checkpointing": ckpt, "zero_stage": 0, "offload": "none", "cp": 1}
-    cluster = Cluster.local(fix["tp"] * fix["pp"])
+    cluster = local_cluster(fix["tp"] * fix["pp"])
     chosen = plan(profile, cluster, global_batch=8, fix=fix)
     c = chosen.config
     assert (c.checkpointing, c.tp, c.pp) == (ckpt, fix["tp"], fix["pp"])

@@ -15,17 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import partitioner.cost.profile as profile_mod
+import partitioner.search.profile as profile_mod
 from partitioner.api.auto import choose_plan
-from partitioner.api.build import analyse, capture_training_step
-from partitioner.cost.cluster import Cluster
+from partitioner.compile.build import analyse, capture_training_step
 from partitioner.inputs.model_spec import ModelSpec
 from partitioner.inputs.models import build_model
-from partitioner.cost.profile import TENSOR_NOT_ASKED, profile_graph
+from partitioner.search.profile import TENSOR_NOT_ASKED, profile_graph
 from partitioner.search.search import candidates, plan
 from passes.ir.errors import ConfigError
 from passes.ir.meta import InputSpec
 from passes.rewrites.sequence_parallel import sequence_parallel_refusal
+from partitioner.calibration.job_cluster import local_cluster
 
 GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 GLOBAL_BATCH, WORLD = 8, 4
@@ -61,11 +61,11 @@ def test_profile_runs_no_tensor_milp_unless_pinned(gpt, milp_calls):
     profile = profile_graph(graph, name=spec.name)
     assert profile.blocks[0].tensor_activation_bytes is None and profile.blocks[0].tensor_refusal == TENSOR_NOT_ASKED
     assert not profile.tensor_remat_asked
-    assert "tensor" not in {c.checkpointing for c in candidates(profile, Cluster.local(WORLD), GLOBAL_BATCH)}
-    chosen = choose_plan(spec, Cluster.local(WORLD), world_size=WORLD, global_batch_size=GLOBAL_BATCH,
+    assert "tensor" not in {c.checkpointing for c in candidates(profile, local_cluster(WORLD), GLOBAL_BATCH)}
+    chosen = choose_plan(spec, local_cluster(WORLD), world_size=WORLD, global_batch_size=GLOBAL_BATCH,
                          profile=profile, graph=graph)
     assert chosen.config.checkpointing != "tensor"
-    choose_plan(spec, Cluster.local(WORLD), world_size=WORLD, global_batch_size=GLOBAL_BATCH,
+    choose_plan(spec, local_cluster(WORLD), world_size=WORLD, global_batch_size=GLOBAL_BATCH,
                 fix="dp=4,checkpointing=full")  # profiles the ModelSpec itself
     assert milp_calls == []
 
@@ -73,7 +73,7 @@ def test_profile_runs_no_tensor_milp_unless_pinned(gpt, milp_calls):
 def test_a_pinned_tensor_still_plans_and_lowers(gpt, milp_calls):
     spec, graph = gpt
     profile = profile_graph(graph, name=spec.name)  # as auto_parallelize profiles: nothing pinned yet
-    chosen = choose_plan(spec, Cluster.local(WORLD), world_size=WORLD, global_batch_size=GLOBAL_BATCH,
+    chosen = choose_plan(spec, local_cluster(WORLD), world_size=WORLD, global_batch_size=GLOBAL_BATCH,
                          fix="dp=4,checkpointing=tensor", profile=profile, graph=graph)
     assert chosen.config.checkpointing == "tensor"
     assert chosen.predicted.memory_model == "replay"  # its rank programs were lowered and replayed
@@ -81,7 +81,7 @@ def test_a_pinned_tensor_still_plans_and_lowers(gpt, milp_calls):
     priced = profile_graph(graph, name=spec.name, tensor_remat=True)
     assert priced.tensor_remat_asked and priced.blocks[0].tensor_activation_bytes is not None
     assert priced.blocks[0].tensor_mip_gap is not None and priced.blocks[0].tensor_mip_gap <= 1e-6  # solved
-    assert "tensor" in {c.checkpointing for c in candidates(priced, Cluster.local(WORLD), GLOBAL_BATCH)}
+    assert "tensor" in {c.checkpointing for c in candidates(priced, local_cluster(WORLD), GLOBAL_BATCH)}
 
 
 def test_a_pinned_tensor_on_a_profile_made_without_it_names_the_way_out(gpt):
@@ -89,7 +89,7 @@ def test_a_pinned_tensor_on_a_profile_made_without_it_names_the_way_out(gpt):
     profile = profile_graph(graph, name=spec.name)
     with pytest.raises(ConfigError, match=r"checkpointing='tensor' is pinned but this profile was made without "
                                           r"pricing it.*tensor_remat=True.*with_tensor_remat"):
-        plan(profile, Cluster.local(WORLD), global_batch=GLOBAL_BATCH, fix={"checkpointing": "tensor"})
+        plan(profile, local_cluster(WORLD), global_batch=GLOBAL_BATCH, fix={"checkpointing": "tensor"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,9 +166,9 @@ def test_a_model_without_a_seq_dim_is_not_offered_sequence_parallelism_and_lower
     spec, graph = vit
     profile = profile_graph(graph, name=spec.name)
     assert profile.seq == 0 and profile.sequence_parallel_refusal(2) == sequence_parallel_refusal(None, 2)
-    cands = candidates(profile, Cluster.local(WORLD), GLOBAL_BATCH, fix={"tp": 2, "pp": 2})
+    cands = candidates(profile, local_cluster(WORLD), GLOBAL_BATCH, fix={"tp": 2, "pp": 2})
     assert cands and not any(c.sequence_parallel for c in cands)
-    chosen = choose_plan(spec, Cluster.local(WORLD), world_size=WORLD, global_batch_size=GLOBAL_BATCH,
+    chosen = choose_plan(spec, local_cluster(WORLD), world_size=WORLD, global_batch_size=GLOBAL_BATCH,
                          fix="tp=2,pp=2", profile=profile, graph=graph)
     assert (chosen.config.tp, chosen.config.pp, chosen.config.sequence_parallel) == (2, 2, False)
     assert chosen.predicted.memory_model == "replay"  # every rank program was lowered and replayed
@@ -183,12 +183,12 @@ def test_a_pinned_sequence_parallel_without_a_seq_dim_is_refused_before_any_work
     monkeypatch.setattr("partitioner.api.auto.profile_spec", no_work)
     with pytest.raises(ConfigError, match=r"choose_plan: fix: sequence_parallel=true is pinned, but sequence "
                                           r"parallelism needs a named sequence dim 'seq'.*sequence_parallel=false"):
-        choose_plan(spec, Cluster.local(WORLD), world_size=WORLD, global_batch_size=GLOBAL_BATCH,
+        choose_plan(spec, local_cluster(WORLD), world_size=WORLD, global_batch_size=GLOBAL_BATCH,
                     fix="tp=2,pp=2,sequence_parallel=true")
     # from a profile (the search's own check), the same rule and words
     profile = profile_graph(graph, name=spec.name)
     with pytest.raises(ConfigError, match=r"no candidate plan .*needs a named sequence dim 'seq'"):
-        candidates(profile, Cluster.local(WORLD), GLOBAL_BATCH, fix={"sequence_parallel": True})
+        candidates(profile, local_cluster(WORLD), GLOBAL_BATCH, fix={"sequence_parallel": True})
 
 
 def test_the_front_doors_price_a_pinned_tensor_and_refuse_a_pinned_sp_before_capture(vit, monkeypatch):
@@ -196,7 +196,7 @@ def test_the_front_doors_price_a_pinned_tensor_and_refuse_a_pinned_sp_before_cap
     from partitioner.api.auto import auto_parallelize
 
     spec = build_model(GPT)
-    chosen = partitioner.plan(spec, Cluster.local(WORLD), global_batch=GLOBAL_BATCH,
+    chosen = partitioner.plan(spec, local_cluster(WORLD), global_batch=GLOBAL_BATCH,
                               fix="dp=4,checkpointing=tensor")
     assert chosen.config.checkpointing == "tensor"
 

@@ -1,4 +1,4 @@
-"""How the planner prices the collectives at a step's end (partitioner/cost/plan_cost.py).
+"""How the planner prices the collectives at a step's end (partitioner/search/plan_cost.py).
 
 * One collective per gradient bucket: the planner's count (``plan_cost.gradient_buckets``) is
   the number of data-parallel reductions and ZeRO all-gathers the runtime issues, as the
@@ -15,11 +15,11 @@ import functools
 
 import pytest
 
-from partitioner.api.build import capture_for_pipeline, lower_all
+from partitioner.compile.build import capture_for_pipeline, lower_all
 from partitioner.cost.cluster import Cluster
 from partitioner.inputs.models import build_model
-from partitioner.cost.plan_cost import PlanContext, evaluate, gradient_buckets
-from partitioner.cost.profile import profile_model
+from partitioner.search.plan_cost import PlanContext, evaluate, gradient_buckets
+from partitioner.search.profile import profile_model
 from passes.checks.communication_check import rank_calls
 from passes.ir.config import ParallelConfig
 

@@ -1,7 +1,7 @@
 """``checkpointing="tensor"`` on two gloo ranks: the zoo ResNet, the zoo U-Net and Hugging Face BERT
 (dropout off) trained at dp=2, and BERT (its MLM head tied to the word embeddings) at pp=2 and at
 tp=2 (its collectives kept, never run again) with two micro-batches, through
-:func:`partitioner.api.build.build_parallel_model`:
+:func:`partitioner.compile.build.build_parallel_model`:
 
 * three AdamW steps give bit-identical losses and parameters to the same plan without
   checkpointing (the executor runs the same ops on the same values), and the same as one device;
@@ -23,13 +23,13 @@ import time
 import pytest
 import torch
 
-from partitioner.cost.cluster import Cluster
 from partitioner.search.memory_check import replay_rank_memory
 from passes.ir.config import ParallelConfig
 from runtime.dist.launch import spawn
 from runtime.optim.optimizers import as_factory
 from tests.runtime_cases import packed_graph, unpacked_graph
 from tests.test_checkpoint_dag_parity import ADAMW, GLOBAL_BATCH, MODELS, _batches, assert_trains_like_one_device
+from partitioner.calibration.job_cluster import local_cluster
 
 POLICIES = ("tensor", "none")
 CASES = [("resnet", "dp2"), ("unet", "dp2"), ("hf-bert", "dp2"), ("hf-bert", "pp2"), ("hf-bert", "tp2")]
@@ -61,7 +61,7 @@ def _run(payloads):
     """On each rank, per (model, layout, policy): per-step losses, trained parameters, the nodes
     each of its stages recomputes, and the peak live bytes over the steps."""
     import runtime.observe.measure as measure
-    from partitioner.api.build import build_parallel_model
+    from partitioner.compile.build import build_parallel_model
     from runtime.dist.mesh import Mesh, init_distributed
 
     init_distributed(timeout_s=300)
@@ -73,7 +73,7 @@ def _run(payloads):
         spec, graph = graphs[model]
         for policy in POLICIES:
             torch.distributed.barrier()
-            pm = build_parallel_model(graph, _config(layout, policy), meshes[layout], optimizer=as_factory(ADAMW))
+            pm = build_parallel_model(graph, _config(layout, policy), meshes[layout], optimizer=as_factory(ADAMW), cluster=local_cluster(meshes[layout].size))
             timer = measure.StepTimer(pm, track_memory=True)
             losses, peak = [], 0
             for k, batch in enumerate(_batches(spec)):
@@ -124,7 +124,7 @@ def test_tensor_plan_trains_like_one_device(distributed, case):
 def test_replayed_peak_matches_each_rank_measured(distributed, case):
     model, layout = case
     graph = unpacked_graph(MODELS[model], packed_graph(MODELS[model]))[1]
-    replayed = {p: replay_rank_memory(graph, _config(layout, p), Cluster.local(WORLD)) for p in POLICIES}
+    replayed = {p: replay_rank_memory(graph, _config(layout, p), local_cluster(WORLD)) for p in POLICIES}
     rows = []
     for rank, r in enumerate(distributed):
         got, predicted = r[(*case, "tensor")]["peak"], replayed["tensor"][rank].peak_bytes

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from partitioner.api.build import capture_training_step
+from partitioner.compile.build import capture_training_step
 from partitioner.inputs.model_spec import ModelSpec
 from partitioner.inputs.models import build_model
 from passes.ir.errors import CaptureError, ConfigError

@@ -19,6 +19,7 @@ import torch
 from runtime.dist.launch import spawn
 from tests import runtime_cases
 from tests.runtime_cases import Plan, payloads_for, reference
+from partitioner.calibration.job_cluster import local_cluster
 
 LLAMA = "llama:layers=4,hidden=32,heads=4,kv_heads=2,vocab=64,seq=8"
 WORLD = 4
@@ -54,7 +55,7 @@ def _states(plan: Plan, payload) -> dict:
     """One rank's view of a ZeRO-3 plan after two steps, with prefetch and without (each model its
     own group names), and of the same model under ZeRO-0 on pp=2 (ranks 0 and 1): parameter and
     optimizer-state elements, gathers issued, the sites, the losses."""
-    from partitioner.api.build import build_parallel_model
+    from partitioner.compile.build import build_parallel_model
     from runtime.observe.measure import StepTimer
     from runtime.dist.mesh import Mesh, init_distributed
 
@@ -66,7 +67,7 @@ def _states(plan: Plan, payload) -> dict:
     out = {}
     for prefetch, key in ((1, "prefetch"), (0, "none")):
         pm = build_parallel_model(graph, plan.config(), mesh, optimizer=runtime_cases.ADAMW, zero3_prefetch=prefetch,
-                                  tp_group=f"tp{prefetch}")
+                                  tp_group=f"tp{prefetch}", cluster=local_cluster(mesh.size))
         losses = [pm.train_step(b) for b in batches[:2]]
         state = sum(t.numel() for s in pm.torch_optimizer.state.values() for t in s.values() if t.dim() > 0)
         g = pm.zero3
@@ -82,7 +83,7 @@ def _states(plan: Plan, payload) -> dict:
     torch.distributed.barrier()
     if plain.active:
         pm = build_parallel_model(graph, plan.config().replace(dp=1, zero_stage=0, micro_batch_size=4), plain,
-                                  optimizer=runtime_cases.ADAMW)
+                                  optimizer=runtime_cases.ADAMW, cluster=local_cluster(plain.size))
         pm.train_step(batches[0])
         state = sum(t.numel() for s in pm.torch_optimizer.state.values() for t in s.values() if t.dim() > 0)
         out["zero0"] = {"param_elems": sum(p.numel() for p in pm.params), "state_elems": state}
@@ -195,7 +196,7 @@ def _checkpoint_round_trip(directory: str, payload):
     optimizer state), must be the same everywhere."""
     import os
 
-    from partitioner.api.build import build_parallel_model
+    from partitioner.compile.build import build_parallel_model
     from runtime.checkpoint.io import load_checkpoint, save_checkpoint
     from runtime.dist.mesh import Mesh, init_distributed
 
@@ -208,7 +209,7 @@ def _checkpoint_round_trip(directory: str, payload):
                        ("zero3_dp4", _plan("gpt", 4, m=1))):
         config = plan.config() if name != "tp2pp2" else plan.config().replace(zero_stage=0)
         mesh = Mesh(plan.dp, plan.pp, plan.tp, timeout_s=runtime_cases.TIMEOUT_S)
-        pm = build_parallel_model(graph, config, mesh, optimizer=runtime_cases.ADAMW)
+        pm = build_parallel_model(graph, config, mesh, optimizer=runtime_cases.ADAMW, cluster=local_cluster(mesh.size))
         if name == "zero3":
             pm.train_step(batches[0])
             save_checkpoint(pm, os.path.join(directory, "ckpt"), step=1)
@@ -245,7 +246,7 @@ HSDP = [("gpt", 2, "none"), ("hf-gpt2", 2, "none"), ("llama", 2, "full")]  # dp=
 def _train_hsdp(cases, payloads):
     """HSDP plans (dp=4, shard groups of 2): per case, the losses, norms, full parameters and
     gradients, as :func:`tests.runtime_cases.train_plans` reports them."""
-    from partitioner.api.build import build_parallel_model
+    from partitioner.compile.build import build_parallel_model
     from runtime.dist.mesh import Mesh, init_distributed
 
     _with_llama()
@@ -256,7 +257,7 @@ def _train_hsdp(cases, payloads):
         spec, graph = runtime_cases.unpacked_graph(runtime_cases.MODELS[model], payloads[model])
         config = _plan(model, 4, m=1, ckpt=ckpt).config().replace(hsdp_shard=shard)
         pm = build_parallel_model(graph, config, mesh, optimizer=runtime_cases.ADAMW,
-                                  lr_scheduler=runtime_cases.SCHEDULE, clip_grad_norm=runtime_cases.CLIP)
+                                  lr_scheduler=runtime_cases.SCHEDULE, clip_grad_norm=runtime_cases.CLIP, cluster=local_cluster(mesh.size))
         losses, norms = [], []
         for b in runtime_cases.batches(spec, 8):
             losses.append(pm.train_step(b))

@@ -15,11 +15,11 @@ import time
 
 import pytest
 
-from partitioner.cost.cluster import Cluster
 from partitioner.search.memory_check import replay_rank_memory
 from runtime.dist.launch import spawn
 from tests import runtime_cases
 from tests.runtime_cases import Plan
+from partitioner.calibration.job_cluster import local_cluster
 
 LLAMA = "llama:layers=4,hidden=32,heads=4,kv_heads=2,vocab=64,seq=8"
 WORLD, BATCH = 4, 8
@@ -62,7 +62,7 @@ def replayed():
     for plan in PLANS:
         _, graph = runtime_cases.unpacked_graph(runtime_cases.MODELS[plan.model],
                                                 runtime_cases.packed_graph(runtime_cases.MODELS[plan.model]))
-        out[plan.id] = replay_rank_memory(graph, plan.config(), Cluster.local(plan.size))
+        out[plan.id] = replay_rank_memory(graph, plan.config(), local_cluster(plan.size))
     return out
 
 
@@ -104,7 +104,7 @@ def test_zero3_model_state_is_one_dp_th_of_zero0(measured, replayed):
 def test_replay_places_the_prefetched_gather_and_refuses_a_mismatched_zero_stage():
     """Without prefetch the replay's peak is lower (one site's gather less in flight), and a
     program lowered with ZeRO-3 replayed as ZeRO-0 (or the reverse) is refused."""
-    from partitioner.api.build import lower_all
+    from partitioner.compile.build import lower_all
     from partitioner.errors import ConfigError
     from partitioner.search.replay import predict_memory
     from partitioner.search.memory_check import global_batch_bytes
@@ -114,7 +114,7 @@ def test_replay_places_the_prefetched_gather_and_refuses_a_mismatched_zero_stage
     _, graph = runtime_cases.unpacked_graph(runtime_cases.MODELS["gpt"],
                                             runtime_cases.packed_graph(runtime_cases.MODELS["gpt"]))
     c = plan.config()
-    program = lower_all(graph, c, cluster=Cluster.local(2)).rank_program(0)
+    program = lower_all(graph, c, cluster=local_cluster(2)).rank_program(0)
     dims = {**dict(graph.meta[CAPTURE].dims), "batch": c.micro_batch_size}
     kw = dict(schedule=c.schedule, num_micro_batches=c.num_micro_batches, dims=dims,
               global_batch_bytes=global_batch_bytes(graph, BATCH))

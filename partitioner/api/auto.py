@@ -12,12 +12,12 @@ What happens, in order (every rank, unless said):
 
 1. ``torch.distributed`` is initialised from env:// if it is not yet (the default group gets a
    long timeout: it only carries start-up and the plan broadcast);
-2. rank 0 captures the model (:func:`partitioner.api.build.capture_training_step`, every named dim
+2. rank 0 captures the model (:func:`partitioner.compile.build.capture_training_step`, every named dim
    symbolic) and runs the analysis passes (shapes, blocks, FLOPs, memory per sample); the
    analysed graph travels to every rank (:mod:`passes.ir.graph_transfer`), which rebuilds it
    around its own module, and rank 0's weights are broadcast into it: the job captures once;
-3. rank 0 profiles that graph (:func:`partitioner.cost.profile.profile_graph`) and searches the plan
-   (:mod:`partitioner.search.search`) on ``cluster`` (default ``Cluster.detect()``, printed in one line) with ``fix``
+3. rank 0 profiles that graph (:func:`partitioner.search.profile.profile_graph`) and searches the plan
+   (:mod:`partitioner.search.search`) on ``cluster`` (default ``detect_cluster()``, printed in one line) with ``fix``
    pinned; the plan, or the error, is broadcast so every rank starts the same plan or fails with
    the same message. The search offers only configs the lowering and the runtime carry out;
 4. the plan must use exactly the job's ranks (``dp * tp * pp == world_size``), else
@@ -44,16 +44,17 @@ from torch import fx, nn
 
 from ir_dumps.report import write_report
 from ir_dumps.writer import DumpWriter
-from partitioner.api.build import analyse, capture_training_step, check_before_launch, lower_own_checked
+from partitioner.compile.build import analyse, capture_training_step, check_before_launch, lower_own_checked
+from partitioner.calibration.job_cluster import detect_cluster
 from partitioner.cost.cluster import Cluster
-from partitioner.cost.detect import describe
+from partitioner.calibration.detect import describe
 from partitioner.api.dumps import write_plan_dumps
 from partitioner.search.memory_check import replay_check
 from partitioner.inputs.model_spec import ModelSpec, meta_copy
 from partitioner.inputs.models import as_spec
 from partitioner.inputs.knobs import check_fix
 from partitioner.inputs.run_options import check_option
-from partitioner.cost.profile import ModelProfile, profile_graph, profile_model, profile_spec, with_tensor_remat
+from partitioner.search.profile import ModelProfile, profile_graph, profile_model, profile_spec, with_tensor_remat
 from partitioner.search.search import check_pinned_inputs
 from partitioner.search.search import plan as search
 from passes.ir.config import TORCH_DTYPES
@@ -121,7 +122,7 @@ def check_world_size(plan: Plan, world_size: int) -> None:
         raise ConfigError(
             f"plan needs {plan.world_size} ranks (dp={plan.dp} tp={plan.tp} pp={plan.pp} cp={plan.config.cp}) but "
             f"the job has {world_size}; launch {plan.world_size} processes (torchrun --nproc-per-node {plan.world_size}) or "
-            f"plan for {world_size} devices (cluster=Cluster.local({world_size}), or fix knobs whose product is "
+            f"plan for {world_size} devices (cluster=local_cluster({world_size}), or fix knobs whose product is "
             f"{world_size})")
 
 
@@ -341,7 +342,7 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     ``model``: a spec string (``"gpt:layers=4,hidden=64"``), a :class:`ModelSpec`, or an
     ``nn.Module`` with ``inputs`` (InputSpecs with named dims, e.g. ``("batch", "seq")``),
     ``loss_fn(module, *inputs) -> scalar`` and ``dims`` (default sizes of the named dims other
-    than batch). ``cluster``: a Cluster or preset name (default :meth:`Cluster.detect`: the GPUs and
+    than batch). ``cluster``: a Cluster or preset name (default :func:`detect_cluster`: the GPUs and
     launcher this job sees, or this machine's CPU calibration, measured by the job's ranks the first time).
     ``optimizer``: None (AdamW, no weight decay on norms, biases and embeddings), AdamW's keyword
     arguments (``{"lr": 1e-3}``), or a factory ``f(param_groups) -> torch.optim.Optimizer``
@@ -386,7 +387,7 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     detected = cluster is None
     if isinstance(cluster, str):
         cluster = Cluster.load(cluster)
-    cluster = cluster or Cluster.detect(world)
+    cluster = cluster or detect_cluster(world)
     if detected and rank == 0:
         print(f"partitioner: detected cluster: {describe(cluster)} ({cluster.name}; pass cluster= to override)",
               file=sys.stderr, flush=True)

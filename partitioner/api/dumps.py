@@ -28,7 +28,7 @@ from torch import fx
 from ir_dumps.onnx_export import export_rank_programs
 from ir_dumps.stage_dot import write_stage_dot
 from ir_dumps.writer import DumpWriter, write_program
-from partitioner.api.build import lower_all
+from partitioner.compile.build import lower_all
 from partitioner.cost.cluster import Cluster
 from passes.ir.errors import PartitionerError
 from passes.ir.plan import Plan
@@ -62,7 +62,7 @@ def reproduce_command(plan_path: str, cluster: Cluster, out: str = "OUT", extra:
 def write_plan_dumps(root: str | Path, *, graph: fx.GraphModule, plan: Plan, cluster: Cluster,
                      writer: DumpWriter | None = None, onnx: bool = True, report_graph: bool = True,
                      reproduce_args: tuple[str, ...] = ()) -> PlanDumps:
-    """Lower ``graph`` (captured and analysed, see :func:`partitioner.api.build.capture_for_pipeline`)
+    """Lower ``graph`` (captured and analysed, see :func:`partitioner.compile.build.capture_for_pipeline`)
     under ``plan.config`` for every (stage, tp rank) and write the whole tree into ``root``.
 
     ``writer``: the writer the analysis passes were dumped with (default: a new one, and the

@@ -12,10 +12,10 @@ from partitioner.cost.cluster import Cluster
 from passes.ir.config import TORCH_DTYPES
 from passes.ir.plan import Plan
 from partitioner.inputs.knobs import check_fix, parse_fix  # noqa: F401  (parse_fix: read here by the CLI and users)
-from partitioner.cost.profile import ModelProfile, profile_model, profile_spec
+from partitioner.search.profile import ModelProfile, profile_model, profile_spec
 from partitioner.search.search import plan as search
 from ir_dumps.writer import DumpWriter
-from partitioner.api.build import analyse, capture_training_step
+from partitioner.compile.build import analyse, capture_training_step
 from partitioner.api.dumps import write_plan_dumps
 from partitioner.inputs.model_spec import ModelSpec, meta_copy
 from partitioner.inputs.models import as_spec, build_model, check_dim, check_spec

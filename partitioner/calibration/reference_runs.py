@@ -23,11 +23,11 @@ from partitioner.cost.cluster import Cluster
 from passes.ir.errors import ConfigError
 from partitioner.inputs.models import build_model
 from runtime.observe.measure import StepTimer
-from partitioner.api.build import build_parallel_model, capture_for_pipeline
+from partitioner.compile.build import build_parallel_model, capture_for_pipeline
 from passes.ir.config import ParallelConfig
 from runtime.dist.mesh import Mesh, init_distributed
 from partitioner.search.replay import predict_step_time
-from partitioner.cost.profile import profile_model
+from partitioner.search.profile import profile_model
 from runtime.dist.launch import preload, spawn
 from runtime.observe.measure import RunMeasurements, StepMeasurement
 
@@ -124,8 +124,8 @@ def _rank_main(plans: tuple[ReferencePlan, ...], steps: int, cluster: Cluster,
                comm_sizes: tuple[int, ...], comm_repeats: int) -> tuple[dict, list[list[dict]]]:
     """On every rank: the gloo timings (``comm_sizes``; first, while the ranks do nothing else),
     then each plan's measured steps. ``cluster`` is what the lowering costs against
-    (``Cluster.local`` here would start the very calibration these runs are part of)."""
-    from partitioner.calibration.calibrate import time_gloo
+    (``local_cluster`` here would start the very calibration these runs are part of)."""
+    from partitioner.calibration.measure import time_gloo
 
     init_distributed(timeout_s=300)
     comm = time_gloo(comm_sizes, comm_repeats) if comm_sizes else {}

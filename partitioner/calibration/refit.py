@@ -155,7 +155,7 @@ def _pp_index(plan: Plan, rank: int) -> int:
 
 def _reevaluate(plan: Plan, cluster: Cluster, profiles: dict) -> Plan:
     from partitioner.search.replay import predict_step_time
-    from partitioner.cost.profile import profile_model
+    from partitioner.search.profile import profile_model
 
     if plan.model not in profiles:
         profiles[plan.model] = profile_model(plan.model, dtype=_dtype(plan))

@@ -1,7 +1,7 @@
 """``partitioner demo`` and ``partitioner train``: plan and train a model on real text.
 
 ``partitioner demo`` (no arguments needed) plans the zoo GPT for 4 local gloo ranks on
-``Cluster.local(4)`` (this machine, calibrated the first time), letting the search choose every
+``local_cluster(4)`` (this machine, calibrated the first time), letting the search choose every
 knob (``--fix`` pins some), prints the chosen plan and the runner-up with how much it lost, spawns the 4 ranks
 (:func:`runtime.dist.launch.spawn`), trains on the byte-level stdlib corpus (:mod:`partitioner.cli.corpus`),
 prints the loss per step (and a tqdm bar when stderr is a terminal), checks the first steps
@@ -304,7 +304,6 @@ def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str | None = DEMO
              dtype: str = "fp32", out=None) -> dict:
     """The whole demo; returns a summary dict. Raises :class:`ParityError` when the first
     :data:`CHECK_STEPS` losses differ from single-process training by more than :data:`CHECK_RTOL`."""
-    from partitioner.cost.cluster import Cluster
     from runtime.dist.launch import preload, spawn
 
     preload("partitioner.cli.demo", "partitioner.api.auto")  # imported once, by the server the ranks fork from
@@ -316,7 +315,9 @@ def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str | None = DEMO
     dump = str(Path(dump_dir).resolve())
     # once, before the ranks start: the demo's ranks are this machine's CPU processes, whatever
     # GPUs it has, and the cluster is printed before anything else happens
-    cluster = Cluster.local(DEMO_WORLD)
+    from partitioner.calibration.job_cluster import local_cluster
+
+    cluster = local_cluster(DEMO_WORLD)
     say(f"demo: {model} on {DEMO_WORLD} local gloo ranks ({cluster.name}), {f'fix {fix}' if fix else 'nothing pinned'}, "
         f"global batch {global_batch}, {steps} steps")
     results = spawn(_demo_rank, DEMO_WORLD, model, steps, fix, dump, global_batch, timeout_s, track_memory, cluster,

@@ -39,7 +39,7 @@ def _table(rows: list[tuple[str, ...]]) -> str:
 
 
 def _cmd_analyze(args: argparse.Namespace) -> int:
-    from partitioner.api.analysis import analyze
+    from partitioner.compile.analysis import analyze
 
     start = time.perf_counter()
     result = analyze(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, optimizer=args.optimizer,
@@ -124,7 +124,9 @@ def _cmd_lower(args: argparse.Namespace) -> int:
 
     plan = Plan.from_json(text)
     if args.cluster == "local":
-        cluster = Cluster.local(args.world_size or plan.world_size)
+        from partitioner.calibration.job_cluster import local_cluster
+
+        cluster = local_cluster(args.world_size or plan.world_size)
     else:
         cluster = Cluster.load(args.cluster, nodes=args.nodes)
     dumps = write_model_plan_dumps(args.dump_dir, model=plan.model, plan=plan, cluster=cluster,
@@ -136,11 +138,12 @@ def _cmd_lower(args: argparse.Namespace) -> int:
 
 
 def _cmd_refit(args: argparse.Namespace) -> int:
-    from partitioner.cost.cluster import Cluster, local_cache_file
+    from partitioner.calibration.cache import local_cache_file
+    from partitioner.calibration.job_cluster import local_cluster
     from partitioner.calibration.refit import refit_from_runs
 
     out = args.out or local_cache_file(args.world_size)
-    result = refit_from_runs(args.from_run, Cluster.local(args.world_size), out)
+    result = refit_from_runs(args.from_run, local_cluster(args.world_size), out)
     print(f"refit from {result.runs} run(s): peak FLOP/s x{result.flops_scale:.3g}, optimizer stream "
           f"x{result.bandwidth_scale:.3g}, link latency x{result.latency_scale:.3g}; median measured/predicted "
           f"compute {result.compute_ratio_before:.3g} -> {result.compute_ratio_after:.3g}")
@@ -215,8 +218,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             ("device memory (host / ranks)", _human(cal.cluster.device.memory_bytes, "B"))]
     print(_table(rows))
     print(f"\ncluster file written to {cal.path} (samples in {cal.path.name}.calibration.json); "
-          + ("Cluster.local reads it (the cache of this machine)" if args.out is None
-             else "Cluster.local reads it with PARTITIONER_CLUSTER_FILE set to it"))
+          + ("local_cluster reads it (the cache of this machine)" if args.out is None
+             else "local_cluster reads it with PARTITIONER_CLUSTER_FILE set to it"))
     return 0
 
 
@@ -230,7 +233,7 @@ def _calibrate_job(args: argparse.Namespace):
     from pathlib import Path
 
     from partitioner.calibration.calibrate import FULL_RECIPE, QUICK_RECIPE, calibrate_in_job
-    from partitioner.cost.cluster import local_cache_file
+    from partitioner.calibration.cache import local_cache_file
     from runtime.dist.mesh import START_TIMEOUT_S, init_distributed
 
     world = int(os.environ["WORLD_SIZE"])
@@ -251,7 +254,8 @@ def _calibrate_job(args: argparse.Namespace):
 def _show_calibrations() -> int:
     """``partitioner calibrate --show``: every cached calibration of this machine, with the
     summary its file's header holds."""
-    from partitioner.cost.cluster import Cluster, cache_dir
+    from partitioner.cost.cluster import Cluster
+    from partitioner.calibration.cache import cache_dir
 
     root = cache_dir()
     files = sorted(root.glob("local-*.yaml")) if root.is_dir() else []
@@ -368,10 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("models", help="list the model zoo")
     p.set_defaults(fn=_cmd_models)
 
-    p = sub.add_parser("calibrate", help="measure this machine; write the cluster file Cluster.local reads")
+    p = sub.add_parser("calibrate", help="measure this machine; write the cluster file local_cluster reads")
     p.add_argument("--world-size", type=int, help="local gloo ranks to calibrate for (default 4; under torchrun "
                                                   "the job's own ranks)")
-    p.add_argument("--out", help="cluster file to write (default: this machine's cache file, which Cluster.local "
+    p.add_argument("--out", help="cluster file to write (default: this machine's cache file, which local_cluster "
                                  "reads; a calibration refreshes it)")
     p.add_argument("--show", action="store_true", help="print the calibrations cached for this machine and exit")
     p.add_argument("--quick", action="store_true",

@@ -12,16 +12,11 @@ documented in ``docs/cluster_schema.md``; presets live in ``partitioner/cost/pre
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import hashlib
 import json
 import math
-import multiprocessing
 import os
 import re
-import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +24,6 @@ from typing import Any
 import yaml
 
 from passes.ir.errors import ClusterSpecError
-from passes.ir.launcher_env import under_launcher
 
 LINK_KINDS = ("nvlink", "nvswitch", "pcie", "infiniband", "roce", "ethernet", "loopback")
 BACKENDS = ("nccl", "gloo")
@@ -39,14 +33,8 @@ _DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "tf32": "t
 
 PRESET_DIR = Path(__file__).parent / "presets"
 CLUSTER_FILE_ENV = "PARTITIONER_CLUSTER_FILE"
-"""An explicit cluster file for ``Cluster.local``: used as it is (it must exist), no calibration."""
-CACHE_DIR_ENV = "PARTITIONER_CACHE_DIR"
-"""Overrides where calibrations are cached (default: the user cache directory, see :func:`cache_dir`)."""
-DEFAULT_LOCAL_FILE = Path("~/.cache/partitioner/local-cluster.yaml")
-"""Where ``calibrate`` wrote before calibrations were cached per machine; no longer read."""
-CALIBRATION_VERSION = 6
-"""Part of every cache key: raise it when what a calibration measures or fits changes, so that
-an older cached file is not read as a current one."""
+"""An explicit cluster file for ``local_cluster`` and ``detect_cluster``: used as it is (it must
+exist), no calibration."""
 
 # ---------------------------------------------------------------------------------------------
 # Quantities with units
@@ -481,229 +469,6 @@ class Cluster:
         is_path = isinstance(preset_or_path, Path) or text.endswith((".yaml", ".yml", ".json")) or os.sep in text
         cluster = cls.from_file(text) if is_path else cls.preset(text)
         return cluster if nodes is None else cluster.with_nodes(nodes)
-
-    @classmethod
-    def detect(cls, world_size: int | None = None) -> Cluster:
-        """The cluster this job runs on, as far as this process can see it: the default of
-        ``auto_parallelize`` and ``partitioner train`` (see :func:`partitioner.cost.detect.detect_cluster`).
-
-        The job's shape from the process group or the launcher (nodes = world / local world);
-        GPUs from their properties (a table of datasheet peaks, NVLink or PCIe between them, the
-        node preset's inter-node link); CPU ranks from this machine's calibration, measured by the
-        job's own ranks the first time. ``$PARTITIONER_CLUSTER_FILE`` overrides the description
-        (the job's shape still applies). ``world_size``: the job's ranks when no launcher says.
-        """
-        from partitioner.cost.detect import detect_cluster
-
-        return detect_cluster(world_size)
-
-    @classmethod
-    def local(cls, world_size: int, backend: str = "gloo") -> Cluster:
-        """This machine as one node of ``world_size`` ranks.
-
-        Reads the file named by ``$PARTITIONER_CLUSTER_FILE`` when set (it must exist). Otherwise,
-        for gloo, this machine's cached calibration (:func:`cached_local_cluster`), measured the
-        first time it is needed; for nccl, this machine's GPUs as :meth:`detect` sees them (an
-        error without CUDA: the CPU calibration says nothing about GPUs).
-        """
-        env = os.environ.get(CLUSTER_FILE_ENV)
-        if env:
-            base = cls.from_file(env)  # an explicit request: a missing file is an error
-        elif backend == "gloo":
-            base = cached_local_cluster(world_size)
-        else:  # the calibration measures CPU processes on gloo: it says nothing about GPUs
-            import torch
-
-            from partitioner.cost.detect import detect_cluster
-
-            if not torch.cuda.is_available():
-                raise ClusterSpecError(
-                    f"Cluster.local({world_size}, backend={backend!r}): no CUDA device is visible to this process; "
-                    f"plan CPU ranks with backend='gloo', or GPUs elsewhere with a preset "
-                    f"({', '.join(cls.presets())}) or a cluster file")
-            return dataclasses.replace(detect_cluster(world_size), nodes=1, devices_per_node=world_size)
-        return dataclasses.replace(base, nodes=1, devices_per_node=world_size, backend=backend)
-
-
-# ---------------------------------------------------------------------------------------------
-# The per-machine calibration cache
-# ---------------------------------------------------------------------------------------------
-
-
-def cache_dir() -> Path:
-    """Where calibrations are cached: ``$PARTITIONER_CACHE_DIR``, else ``$XDG_CACHE_HOME/partitioner``,
-    else ``~/.cache/partitioner``."""
-    env = os.environ.get(CACHE_DIR_ENV)
-    if env:
-        return Path(env).expanduser()
-    # the XDG base-directory rule (platformdirs is not a dependency): a relative
-    # $XDG_CACHE_HOME is invalid and ignored
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    base = Path(xdg) if os.path.isabs(xdg) else Path("~/.cache").expanduser()
-    return base / "partitioner"
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
-class MachineKey:
-    """What a local calibration depends on: two setups that differ in any field are measured
-    separately (a copied home directory, a new torch, another world size)."""
-
-    cpu: str
-    """CPU model name (``/proc/cpuinfo``)."""
-    cores: int
-    """Cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
-    torch_version: str
-    """``torch.__version__``: kernels and dispatch overheads change between releases."""
-    world_size: int
-    """Local gloo ranks the calibration was measured for."""
-    threads_per_rank: int
-    """torch threads per rank (``calibrate.rank_threads``)."""
-    version: int = CALIBRATION_VERSION
-    """:data:`CALIBRATION_VERSION` when it was written."""
-
-    @classmethod
-    def this_machine(cls, world_size: int) -> MachineKey:
-        """The key of this machine for ``world_size`` local ranks."""
-        import torch
-
-        from partitioner.calibration.calibrate import cpu_count, cpu_name, rank_threads
-
-        return cls(cpu=cpu_name(), cores=cpu_count(), torch_version=torch.__version__,
-                   world_size=world_size, threads_per_rank=rank_threads(world_size))
-
-    def file_name(self) -> str:
-        """``local-w<ranks>-t<threads>-c<cores>-torch<version>-<hash>.yaml``: readable, and the
-        hash of every field (the CPU name too) makes it unique."""
-        digest = hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:12]
-        torch_tag = re.sub(r"[^0-9A-Za-z.]+", "_", self.torch_version)
-        return f"local-w{self.world_size}-t{self.threads_per_rank}-c{self.cores}-torch{torch_tag}-{digest}.yaml"
-
-
-def local_cache_file(world_size: int) -> Path:
-    """The cached calibration of this machine for ``world_size`` gloo ranks (it may not exist yet)."""
-    return cache_dir() / MachineKey.this_machine(world_size).file_name()
-
-
-def cached_local_cluster(world_size: int) -> Cluster:
-    """This machine's calibrated cluster for ``world_size`` gloo ranks, from the cache; on a miss
-    it is measured, cached, and one line on stderr says so.
-
-    Inside a job of ``world_size`` ranks (a process group initialised: torchrun, ``spawn``, any
-    launcher; every rank calls this) the job's own ranks calibrate
-    (:func:`partitioner.calibration.calibrate.calibrate_in_job`) and rank 0's answer, read or measured, is
-    every rank's. Outside a job, :func:`partitioner.calibration.calibrate.auto_calibrate` starts the ranks;
-    concurrent callers wait for one calibration, not run four."""
-    path = local_cache_file(world_size)
-    job = _job_world(world_size)
-    if job is not None:
-        if job != world_size:
-            raise ClusterSpecError(
-                f"no calibration of this machine for {world_size} rank(s) can be measured inside this job of {job} "
-                f"rank(s); plan for the job's own {job} ranks, or run `partitioner calibrate --world-size "
-                f"{world_size}` outside the job first")
-        return _cached_in_job(path, world_size)
-    if path.is_file():
-        return read_cached(path, world_size)
-    with exclusive_lock(path):
-        if path.is_file():  # another process calibrated while this one waited
-            return read_cached(path, world_size)
-        _refuse_in_daemon(path, world_size)
-        from partitioner.calibration.calibrate import auto_calibrate
-
-        _say(f"partitioner: no calibration of this machine for {world_size} gloo rank(s) in {path.parent}; "
-             f"measuring it now (about a minute, once)")
-        cal = auto_calibrate(world_size, path)
-    _say(f"partitioner: calibrated this machine for {world_size} gloo rank(s) in {cal.elapsed_s:.0f} s; "
-         f"cached in {path}")
-    return cal.cluster
-
-
-def _job_world(world_size: int) -> int | None:
-    """The world size of the job this process is a rank of, else None: its initialised default
-    process group, or the launcher's environment (torchrun, ``spawn``), in which case the default
-    group is initialised here from env://, as ``auto_parallelize`` would next."""
-    launched = under_launcher()
-    if "torch.distributed" not in sys.modules and not launched:
-        return None  # nothing imported it: no job (and no 2 s import)
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    if not launched:
-        return None
-    world = int(os.environ["WORLD_SIZE"])
-    if world == world_size:
-        from runtime.dist.mesh import START_TIMEOUT_S, init_distributed
-
-        init_distributed(timeout_s=START_TIMEOUT_S)
-    return world
-
-
-def _cached_in_job(path: Path, world_size: int) -> Cluster:
-    """Rank 0 reads the cache and tells the others; on a miss every rank calibrates together.
-    One decision for all ranks: a rank that read a file another had just written would otherwise
-    skip the collectives the others are in."""
-    import torch.distributed as dist
-
-    from runtime.dist import comm
-
-    rank = dist.get_rank()
-    cached = None
-    if rank == 0 and path.is_file():
-        try:
-            cached = ("ok", read_cached(path, world_size).to_dict())
-        except ClusterSpecError as e:
-            cached = ("error", str(e))
-    cached = comm.broadcast_object(cached, src=0)
-    if cached is not None:
-        if cached[0] == "error":
-            raise ClusterSpecError(cached[1])
-        return Cluster.from_dict(cached[1])
-    from partitioner.calibration.calibrate import calibrate_in_job
-
-    if rank == 0:
-        _say(f"partitioner: no calibration of this machine for {world_size} gloo rank(s) in {path.parent}; "
-             f"calibrating inside the job with its {world_size} rank(s) (under a minute, once)")
-    cal = calibrate_in_job(path)
-    if rank == 0:
-        _say(f"partitioner: calibrated this machine inside the job in {cal.elapsed_s:.0f} s; cached in {path}")
-    return cal.cluster
-
-
-def _say(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
-def read_cached(path: Path, world_size: int) -> Cluster:
-    """The cluster of cache file ``path``; a file that does not read raises
-    :class:`ClusterSpecError` naming it and how to rewrite it."""
-    try:
-        return Cluster.from_file(path)
-    except ClusterSpecError as e:
-        raise ClusterSpecError(f"the cached calibration {path} is corrupt ({e}); rewrite it with `partitioner "
-                               f"calibrate --world-size {world_size}`, or delete it to recalibrate on next use") from None
-
-
-@contextlib.contextmanager
-def exclusive_lock(path: Path) -> Iterator[None]:
-    """Hold the exclusive lock of cache file ``path`` (``<path>.lock``; ``filelock``, a torch
-    dependency) for the block: one writer at a time."""
-    from filelock import FileLock
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(path.with_name(path.name + ".lock")):
-        yield
-
-
-def _refuse_in_daemon(path: Path, world_size: int) -> None:
-    """A daemonic process (a rank of ``runtime.dist.launch.spawn``) may not start the calibration's
-    processes: say what to do instead of failing inside multiprocessing."""
-    if multiprocessing.current_process().daemon:
-        raise ClusterSpecError(
-            f"no cached calibration of this machine for {world_size} rank(s) ({path}), and this process (a "
-            f"daemonic process) cannot start the calibration's processes and is not a rank of a {world_size}-rank "
-            f"job: call Cluster.local({world_size}) in the launching process or inside the job, or run "
-            f"`partitioner calibrate --world-size {world_size}`")
 
 
 class _Loader(yaml.SafeLoader):

@@ -1,8 +1,8 @@
 """The planner's memory numbers, from the exact replay of the rank programs the plan will run.
 
-The search prunes and ranks candidates with the analytic per-layer model (:mod:`partitioner.cost.plan_cost`,
+The search prunes and ranks candidates with the analytic per-layer model (:mod:`partitioner.search.plan_cost`,
 fast, a few percent off). Before a plan is returned, :func:`replay_check` lowers it exactly as the
-job will (:func:`partitioner.api.build.lower_all`, one lowering for every rank program) and replays
+job will (:func:`partitioner.compile.build.lower_all`, one lowering for every rank program) and replays
 each distinct rank program's step (:func:`partitioner.search.replay.predict_memory`: the liveness of
 its own stage modules along its schedule, with the gradient buckets, ZeRO chunks, receive buffers
 and optimizer the runtime adds). That replay is what the plan reports as its per-rank and
@@ -20,7 +20,7 @@ import dataclasses
 import torch
 from torch import fx
 
-from partitioner.api.build import lower_all
+from partitioner.compile.build import lower_all
 from partitioner.cost.cluster import Cluster
 from partitioner.search.replay import MemoryPrediction, predict_memory
 from passes.ir.config import ParallelConfig
@@ -46,7 +46,7 @@ def global_batch_bytes(graph: fx.GraphModule, global_batch: int) -> int:
 def replay_rank_peaks(graph: fx.GraphModule, plan: Plan, cluster: Cluster, *,
                       optimizer: str = "adamw", zero3_prefetch: int = ZERO3_PREFETCH) -> tuple[int, ...]:
     """Peak live bytes of every global rank of ``plan`` (index = rank), by the exact replay of
-    its rank program on ``graph`` (the analysed capture :func:`partitioner.api.build.analyse` made).
+    its rank program on ``graph`` (the analysed capture :func:`partitioner.compile.build.analyse` made).
     ``zero3_prefetch``: ZeRO-3 gather sites issued ahead (the runtime's ``zero3_prefetch``)."""
     return replay_config_peaks(graph, plan.config, cluster, global_batch=plan.global_batch, optimizer=optimizer,
                                zero3_prefetch=zero3_prefetch)

@@ -50,7 +50,7 @@ The rank's peak is the largest live total of that replay. Everything is in bytes
 storages, which is what :class:`runtime.observe.measure.LiveBytes` counts on CPU.
 
 TIME is the planner's :func:`partitioner.search.search.plan` with every knob pinned, evaluated on a
-cluster (``Cluster.local(world_size)`` reads the calibrated file); the step time is the same on
+cluster (``local_cluster(world_size)`` reads the calibrated file); the step time is the same on
 every rank (ranks wait for each other at the end of a step).
 """
 from __future__ import annotations
@@ -78,7 +78,8 @@ from passes.ir.schedule.actions import Kind
 from passes.rewrites.split_backward import held_gradient_meta
 from partitioner.search.search import plan
 from runtime.optim.grad_sync import MAX_IN_FLIGHT, bucket_groups
-from partitioner.api.build import rank_program
+from partitioner.compile.build import rank_program
+from partitioner.cost.cluster import Cluster
 from passes.ir.config import KNOBS, ParallelConfig
 
 _STEP_BYTES = 4  # AdamW's 0-dim float32 ``step`` per parameter tensor
@@ -951,18 +952,19 @@ def predict_step_time(profile, cluster, knobs: Mapping[str, object], *, global_b
 
 
 def predict_rank(gm: fx.GraphModule, knobs: Mapping[str, object], rank: int, dims: Mapping[str, int], *,
-                 global_batch_bytes: int = 0, step_time_s: float = float("nan"),
+                 cluster: Cluster, global_batch_bytes: int = 0, step_time_s: float = float("nan"),
                  optimizer: str = "adamw") -> RankPrediction:
     """Predicted peak bytes of rank ``rank`` for the plan ``knobs`` (``dp``, ``tp``, ``pp``,
     ``virtual_pp``, ``schedule``, ``num_micro_batches``, ``zero_stage``, ``checkpointing``,
-    ``offload``) over ``gm`` (from :func:`partitioner.api.build.capture_for_pipeline`), with ONE
+    ``offload``) over ``gm`` (from :func:`partitioner.compile.build.capture_for_pipeline`), with ONE
     micro-batch of named ``dims``. ``step_time_s``: the planner's step time
     (:func:`predict_step_time`), the same on every rank. The rank program is the one the
-    runtime would run (:func:`partitioner.api.build.rank_program`)."""
+    runtime would run (:func:`partitioner.compile.build.rank_program`), lowered for ``cluster`` as
+    the job lowers it."""
 
     config = ParallelConfig(**{k: knobs[k] for k in KNOBS if k in knobs and k != "micro_batch_size"},
                             micro_batch_size=int(dims.get("batch", knobs.get("micro_batch_size", 1))))
-    program = rank_program(gm, config, rank)
+    program = rank_program(gm, config, rank, cluster=cluster)
     mem = predict_memory(
         program, schedule=str(knobs["schedule"]), num_micro_batches=int(knobs["num_micro_batches"]), dims=dims,
         global_batch_bytes=global_batch_bytes, zero=int(knobs.get("zero_stage", 0)), optimizer=optimizer)

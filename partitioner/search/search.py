@@ -5,7 +5,7 @@ Rank layout (Megatron order): tensor-parallel ranks are adjacent (``tp`` innermo
 stays in one node when ``tp <= devices_per_node``), then context-parallel, then data-parallel,
 then pipeline stages: ``rank = stage * dp * cp * tp + (dp_rank * cp + cp_rank) * tp + tp_rank``.
 
-The cost of one candidate (its stage split, memory and step time) is :mod:`partitioner.cost.plan_cost`;
+The cost of one candidate (its stage split, memory and step time) is :mod:`partitioner.search.plan_cost`;
 the search enumerates and prunes the candidates and returns the best as a :class:`Plan`.
 
 Pruning: tp divides the heads and (unless fixed) divides the devices of a node, so every TP
@@ -33,8 +33,8 @@ from typing import Callable, Sequence
 from partitioner.cost.cluster import Cluster
 from partitioner.cost.cost_model import bubble_fraction
 from partitioner.inputs.knobs import check_fix, fix_text
-from partitioner.cost.plan_cost import Evaluated, PlanContext, evaluate, lower_bound
-from partitioner.cost.profile import ModelProfile
+from partitioner.search.plan_cost import Evaluated, PlanContext, evaluate, lower_bound
+from partitioner.search.profile import ModelProfile
 from passes.ir.config import CHECKPOINTING, CP_MODES, KNOBS, OFFLOAD, SCHEDULES, ZERO_STAGES, ParallelConfig
 from passes.ir.errors import ConfigError, InfeasiblePlanError
 from passes.ir.meta import InputSpec
@@ -183,7 +183,7 @@ def _tensor_problem(profile: ModelProfile) -> str:
     if not profile.tensor_remat_asked:  # the profile skipped the whole-graph MILP: ask for it
         return ("checkpointing='tensor' is pinned but this profile was made without pricing it; profile with "
                 "tensor_remat=True (profile_graph, profile_spec) or add it with "
-                "partitioner.cost.profile.with_tensor_remat(profile, graph)")
+                "partitioner.search.profile.with_tensor_remat(profile, graph)")
     why = profile.blocks[0].tensor_refusal or "its blocks own no activations"
     return f"checkpointing='tensor' cannot be priced on this model: {why}; pin none, selective or full"
 

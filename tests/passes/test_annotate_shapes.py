@@ -84,7 +84,7 @@ def test_symbolic_shapes_from_export_equal_the_symbolic_fake_run(spec):
     # a fresh capture takes its symbolic shapes from export and requires_grad from a run at the hints
     import copy
 
-    from partitioner.api.build import capture_training_step
+    from partitioner.compile.build import capture_training_step
     from partitioner.inputs.models import build_model
     from passes.analysis import annotate_shapes as shapes
 

@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partitioner.api.build import capture_for_pipeline, lower_all, lower_checked_all
-from partitioner.cost.cluster import Cluster
+from partitioner.compile.build import capture_for_pipeline, lower_all, lower_checked_all
 from partitioner.inputs.models import build_model
 from passes.checks.communication_check import (
     CommunicationMismatchError,
@@ -33,6 +32,7 @@ from passes.ir.config import ParallelConfig
 from passes.ir.errors import ConfigError
 from passes.ir.grad_buckets import GradSlot, bucket_layout
 from passes.ir.ops import op_name
+from partitioner.calibration.job_cluster import local_cluster
 
 GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 GPT4 = "gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
@@ -48,7 +48,7 @@ def _graph(model: str):
 @functools.cache
 def _lowering(model: str, global_batch: int = 8, **knobs):
     config = ParallelConfig.for_global_batch(global_batch, **{"schedule": "1f1b", "num_micro_batches": 2, **knobs})
-    return lower_all(_graph(model), config, cluster=Cluster.local(config.world_size))
+    return lower_all(_graph(model), config, cluster=local_cluster(config.world_size))
 
 
 def _programs(model: str, **knobs):
@@ -110,7 +110,7 @@ def test_lowered_plans_pass(name):
 def test_launch_path_checks_and_returns_the_rank_program():
     config = ParallelConfig.for_global_batch(8, dp=1, tp=2, pp=2, schedule="1f1b", num_micro_batches=2)
     start = time.perf_counter()
-    program = lower_checked_all(_graph(GPT), config, cluster=Cluster.local(4)).rank_program(3)
+    program = lower_checked_all(_graph(GPT), config, cluster=local_cluster(4)).rank_program(3)
     print(f"\nlower every program + check, tp2 pp2: {time.perf_counter() - start:.2f} s")
     assert (program.rank, program.stages, program.tp_index) == (3, (1,), 1)
     assert program.comms == _lowering(GPT, dp=1, tp=2, pp=2).rank_program(3).comms
@@ -331,7 +331,7 @@ def _lowered_ranks(model: str, config: ParallelConfig, *, plan: str = "plan"):
 
     out = []
     for r in range(config.world_size):
-        lowering = lower(_graph(model), config, cost=cost_hooks(Cluster.local(config.world_size)),
+        lowering = lower(_graph(model), config, cost=cost_hooks(local_cluster(config.world_size)),
                          programs=programs_of(config, r))
         out.append(LoweredRank(rank=r, plan=plan, programs=tuple(sorted(lowering.programs)), digest=lowering.digest(),
                                calls=rank_calls(lowering.rank_program(r))))
@@ -339,14 +339,14 @@ def _lowered_ranks(model: str, config: ParallelConfig, *, plan: str = "plan"):
 
 
 def test_each_rank_lowering_only_its_own_programs_gets_the_calls_of_the_whole_lowering():
-    """A process lowers only its rank's programs (partitioner.api.build.build_parallel_model); its
+    """A process lowers only its rank's programs (partitioner.compile.build.build_parallel_model); its
     calls are those of the same rank in a lowering of every program, and the ranks' gathered
     summaries pass the check, where one rank's calls from another plan do not."""
     from passes.checks.communication_check import check_lowered_ranks
 
     config = ParallelConfig.for_global_batch(8, dp=1, tp=2, pp=2, schedule="1f1b", num_micro_batches=2)
     ranks = _lowered_ranks(GPT, config)
-    whole = lower_all(_graph(GPT), config, cluster=Cluster.local(4))
+    whole = lower_all(_graph(GPT), config, cluster=local_cluster(4))
     assert [r.calls for r in ranks] == [rank_calls(whole.rank_program(r)) for r in range(4)]
     assert [r.programs for r in ranks] == [((0, 0),), ((0, 1),), ((1, 0),), ((1, 1),)]
     assert check_lowered_ranks(ranks, config=config).ranks == 4

@@ -8,12 +8,13 @@ import torch
 from torch import nn
 
 from ir_dumps.writer import program_text
-from partitioner.api.build import capture_for_pipeline, rank_program
+from partitioner.compile.build import capture_for_pipeline, rank_program
 from partitioner.inputs.models import build_model
 from passes.ir.config import ParallelConfig
 from passes.ir.errors import PassError
 from passes.ir.graph_transfer import PASS_KEYS, pack_graph, unpack_graph
 from passes.ir.meta import EXPORT_MODULE_STACK, module_path
+from partitioner.calibration.job_cluster import local_cluster
 
 MODELS = {
     "gpt": "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0",
@@ -59,7 +60,7 @@ def test_the_rebuilt_graph_computes_the_same_loss_and_lowering():
     config = ParallelConfig(dp=1, tp=2, pp=2, micro_batch_size=2, num_micro_batches=2, checkpointing="full",
                             sequence_parallel=True)
     for rank in range(config.world_size):
-        mine, theirs = rank_program(graph, config, rank), rank_program(rebuilt, config, rank)
+        mine, theirs = rank_program(graph, config, rank, cluster=local_cluster(config.world_size)), rank_program(rebuilt, config, rank, cluster=local_cluster(config.world_size))
         for s in mine.stages:
             assert program_text(theirs.modules[s], "p") == program_text(mine.modules[s], "p")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from partitioner.api.build import capture_for_pipeline
+from partitioner.compile.build import capture_for_pipeline
 from partitioner.cost.cluster import Cluster
 from partitioner.cost.cost_model import cost_hooks
 from partitioner.inputs.models import build_model

@@ -20,6 +20,7 @@ from passes.ir.meta import SHAPE, TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN, dim_sym
 from passes.policies.tensor_parallel_patterns import tag_tensor_parallel
 from tests.passes.tp_graphs import run_simulated_step, tagged_tp2
 from tests.runtime_cases import packed_graph, unpacked_graph
+from partitioner.calibration.job_cluster import local_cluster
 
 RTOL = 1e-5
 SPECS = {
@@ -106,12 +107,11 @@ def test_sequence_not_divisible_by_tp_is_a_config_error():
 
 
 def test_rank_programs_of_a_pipeline_split():
-    from partitioner.api.build import capture_for_pipeline, lower_all
-    from partitioner.cost.cluster import Cluster
+    from partitioner.compile.build import capture_for_pipeline, lower_all
     from passes.ir.config import ParallelConfig
 
     graph = capture_for_pipeline(build_model(SPECS["gpt"], device="meta"))
-    lowering = lower_all(graph, ParallelConfig(tp=2, pp=2, sequence_parallel=True), cluster=Cluster.local(4))
+    lowering = lower_all(graph, ParallelConfig(tp=2, pp=2, sequence_parallel=True), cluster=local_cluster(4))
     progs = [lowering.rank_program(r) for r in range(4)]
     ops = {r: sorted({c.op for c in p.comms_of("tp")}) for r, p in enumerate(progs)}
     # the residual stream crosses the stage boundary as each tp rank's sequence chunk: stage 0
@@ -149,7 +149,7 @@ def _batches(spec):
 
 def _train(cases, payload):
     """On each rank: every case's results. ``payload``: the model's graph, captured once by the test process."""
-    from partitioner.api.build import build_parallel_model
+    from partitioner.compile.build import build_parallel_model
     from passes.ir.config import ParallelConfig
     from runtime.dist.mesh import Mesh, init_distributed
 
@@ -163,7 +163,7 @@ def _train(cases, payload):
             continue
         config = ParallelConfig.for_global_batch(GLOBAL_BATCH, dp=dp, tp=tp, pp=pp, schedule=schedule,
                                                  num_micro_batches=m, sequence_parallel=True, checkpointing=ckpt)
-        pm = build_parallel_model(graph, config, mesh, optimizer=ADAMW)
+        pm = build_parallel_model(graph, config, mesh, optimizer=ADAMW, cluster=local_cluster(mesh.size))
         losses = [pm.train_step(b) for b in _batches(spec)]
         # the stage graphs and their checkpointed regions' graphs
         code = "".join(m.code for st in pm.stages.values() for m in st.module.modules() if isinstance(m, fx.GraphModule))

@@ -8,8 +8,7 @@ import math
 import pytest
 import torch
 
-from partitioner.api.build import capture_for_pipeline
-from partitioner.cost.cluster import Cluster
+from partitioner.compile.build import capture_for_pipeline
 from partitioner.cost.cost_model import cost_hooks
 from partitioner.inputs.models import build_model
 from passes.checks.communication_check import check_lowering, rank_calls
@@ -17,6 +16,7 @@ from passes.ir.config import ParallelConfig
 from passes.ir.errors import CommunicationMismatchError, ConfigError
 from passes.ir.zero3_ops import ZERO3_GATHER, ZERO3_PLAN, GatherSchedule, GatherSite, shard_of, unshard
 from passes.lowering.lower import lower
+from partitioner.calibration.job_cluster import local_cluster
 
 GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 
@@ -28,7 +28,7 @@ def graph():
 
 def _lower(graph, **knobs):
     config = ParallelConfig.for_global_batch(8, **knobs)
-    return lower(graph, config, cost=cost_hooks(Cluster.local(config.world_size)))
+    return lower(graph, config, cost=cost_hooks(local_cluster(config.world_size)))
 
 
 def _gathers(gm):

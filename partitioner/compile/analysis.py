@@ -28,7 +28,7 @@ from passes.ir.meta import (
     dim_symbol,
 )
 from ir_dumps.writer import DumpWriter
-from partitioner.api.build import analyse
+from partitioner.compile.build import analyse
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZERS = ("adamw", "adam", "sgd")

@@ -74,20 +74,20 @@ def capture_for_pipeline(spec: ModelSpec, symbolic: Sequence[str] | None = None,
 
 
 def build_parallel_model(graph: fx.GraphModule, config: ParallelConfig, mesh: Mesh, *,
-                         cluster: Cluster | None = None, optimizer=None, overlap_grad_sync: bool = True,
+                         cluster: Cluster, optimizer=None, overlap_grad_sync: bool = True,
                          bucket_bytes: int | None = None, tp_group: str = "tp", zero3_prefetch: int = ZERO3_PREFETCH,
                          **runtime) -> ParallelModel:
     """Lower ``graph`` (from :func:`capture_for_pipeline`) for this rank of ``mesh`` under
     ``config`` and return the runtime's :class:`ParallelModel` executing it.
 
-    ``cluster``: what the policy passes cost against (default ``Cluster.local`` of the mesh's
-    size: this machine). ``tp_group``: the name the programs look their tp group up by (give
+    ``cluster``: what the policy passes cost against (``local_cluster(mesh.size)`` for this
+    machine). ``tp_group``: the name the programs look their tp group up by (give
     models that live side by side in one process different names). ``zero3_prefetch``: ZeRO-3
     gather sites issued ahead of the running one. ``optimizer`` and ``runtime``
     (``lr_scheduler``, ``clip_grad_norm``, ``nonfinite``): as :class:`ParallelModel` takes them.
     """
 
-    program = lower_own_checked(graph, config, mesh, cluster=cluster or Cluster.local(mesh.size), tp_group=tp_group,
+    program = lower_own_checked(graph, config, mesh, cluster=cluster, tp_group=tp_group,
                                 bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
                                 overlap_grad_sync=overlap_grad_sync, zero3_prefetch=zero3_prefetch)
     kwargs = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
@@ -166,9 +166,8 @@ def lower_all(graph: fx.GraphModule, config: ParallelConfig, *, cluster: Cluster
     return lowering
 
 
-def rank_program(graph: fx.GraphModule, config: ParallelConfig, rank: int, *, cluster: Cluster | None = None,
+def rank_program(graph: fx.GraphModule, config: ParallelConfig, rank: int, *, cluster: Cluster,
                  first: int = 0, tp_group: str = "tp"):
     """The :class:`passes.ir.program.RankProgram` of global ``rank`` (no process group needed)."""
-    cluster = cluster or Cluster.local(config.world_size)
     return lower_rank(graph, config, rank, cost=cost_hooks(cluster), first=first, tp_group=tp_group,
                       ctx=PassContext(mixed_precision=config.mixed_precision))

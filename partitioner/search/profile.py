@@ -298,7 +298,7 @@ def profile_model(spec: str, *, seq: int | None = None, dtype: str = "bf16",
     its cost does not grow with the layer count unless ``sample_layers=None``).
     All numbers are per sample; multiply by the micro-batch size (linear in batch).
     """
-    from partitioner.api.analysis import analyze
+    from partitioner.compile.analysis import analyze
 
     name, kwargs = parse_spec(spec)
     key = _layer_count_key(name, kwargs)
@@ -308,7 +308,7 @@ def profile_model(spec: str, *, seq: int | None = None, dtype: str = "bf16",
     layers = int(kwargs[key]) if key in kwargs else _default_layers(name, key)
     captured = layers if sample_layers is None else min(layers, max(1, sample_layers))
     small = format_spec(name, {**kwargs, key: captured})
-    from partitioner.api.analysis import DTYPES
+    from partitioner.compile.analysis import DTYPES
 
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -650,7 +650,7 @@ def profile_spec(spec: ModelSpec, *, dtype: str = "fp32", optimizer: str = "adam
     zoo spec strings, which captures two blocks and replicates them. ``tensor_remat``: price
     ``checkpointing="tensor"`` (a MILP over the whole graph, whose time grows with depth: off
     unless the user pins it; the search offers ``tensor`` only when priced)."""
-    from partitioner.api.analysis import analyze
+    from partitioner.compile.analysis import analyze
 
     analysis = analyze(spec, batch=1, dtype=dtype, optimizer=optimizer)
     seq = int(analysis.dims.get("seq", 0) or 0)

@@ -32,9 +32,9 @@ import os
 import re
 import subprocess
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from partitioner.cost.cluster import CLUSTER_FILE_ENV, Cluster, Device, Link, PeakFlops
+from partitioner.cost.cluster import Cluster, Device, Link, PeakFlops
 from passes.ir.errors import ClusterSpecError
 from passes.ir.launcher_env import scrubbed_env
 
@@ -77,7 +77,7 @@ class GpuProperties:
 
         if not torch.cuda.is_available():
             raise ClusterSpecError("no CUDA device is visible to this process, so there is no GPU to detect; "
-                                   "pass a cluster preset or file instead (see partitioner.cost.detect.match_gpu)")
+                                   "pass a cluster preset or file instead (see partitioner.calibration.detect.match_gpu)")
         p = torch.cuda.get_device_properties(index)
         return cls(name=p.name, total_memory_bytes=int(p.total_memory), multi_processor_count=p.multi_processor_count,
                    major=p.major, minor=p.minor)
@@ -125,7 +125,7 @@ class GpuSpec:
     pcie_bytes_per_s: float
     """Host link (PCIe generation x16) bandwidth per direction, bytes/s."""
     preset: str | None
-    """The built-in preset of this GPU's DGX node (``partitioner/presets``), or ``None``."""
+    """The built-in preset of this GPU's DGX node (``partitioner/cost/presets``), or ``None``."""
 
     def matches(self, props: GpuProperties) -> bool:
         """Whether ``props`` is this GPU: name words, reported memory range, SM count and capability."""
@@ -227,10 +227,10 @@ def match_gpu(props: GpuProperties) -> GpuSpec:
     if len(found) == 1:
         return found[0]
     if found:
-        raise ClusterSpecError(f"GPU {props.summary()} matches several entries of partitioner.cost.detect.GPU_TABLE "
+        raise ClusterSpecError(f"GPU {props.summary()} matches several entries of partitioner.calibration.detect.GPU_TABLE "
                                f"({', '.join(s.name for s in found)}); pass a cluster preset or file instead")
     raise ClusterSpecError(
-        f"cannot describe GPU {props.summary()}: it is not in partitioner.cost.detect.GPU_TABLE "
+        f"cannot describe GPU {props.summary()}: it is not in partitioner.calibration.detect.GPU_TABLE "
         f"({', '.join(s.name for s in GPU_TABLE)}), or it is a MIG slice of one. Say what the machine is instead: "
         f"a preset, e.g. cluster=\"dgx-h100\" (presets: {', '.join(Cluster.presets())}), or a cluster file, "
         f"written by hand (docs/cluster_schema.md) or measured by `partitioner calibrate`, passed as "
@@ -397,14 +397,14 @@ def gpu_cluster(props: GpuProperties, shape: JobShape, *, intra_node_kind: str, 
     ``inter_node`` is what detection cannot see: pass the link of a calibration or a named preset;
     without it, the GPU's DGX preset's NICs where the table names a preset, else
     :data:`DEFAULT_INTER_NODE` (a guess). ``host_memory_bytes``: bytes of CPU memory per node,
-    default this host's (``partitioner.calibration.calibrate.host_memory_bytes``). Latencies are estimates.
+    default this host's (``partitioner.calibration.measure.host_memory_bytes``). Latencies are estimates.
     """
     spec = match_gpu(props)
     preset = Cluster.preset(spec.preset) if spec.preset else None
     if inter_node is None:
         inter_node = preset.inter_node if preset is not None else DEFAULT_INTER_NODE
     if host_memory_bytes is None:
-        from partitioner.calibration.calibrate import host_memory_bytes as this_host_memory  # lazily: it imports the runtime
+        from partitioner.calibration.measure import host_memory_bytes as this_host_memory  # lazily: it imports the runtime
 
         host_memory_bytes = this_host_memory()
     return Cluster(
@@ -413,35 +413,6 @@ def gpu_cluster(props: GpuProperties, shape: JobShape, *, intra_node_kind: str, 
         intra_node=_intra_link(spec, intra_node_kind, preset), inter_node=inter_node,
         host_memory_bytes=host_memory_bytes,
         host_to_device=Link(kind="pcie", bandwidth_bytes_per_s=spec.pcie_bytes_per_s, latency_s=PCIE_LATENCY_S))
-
-
-def detect_cluster(world_size: int | None = None, *, env: Mapping[str, str] | None = None,
-                   inter_node: Link | None = None, host_memory_bytes: int | None = None) -> Cluster:
-    """This job's Cluster (what :meth:`Cluster.detect` returns).
-
-    The shape: an initialised process group's world size, else ``world_size``, else the
-    launcher's ``WORLD_SIZE``; nodes = world / ``LOCAL_WORLD_SIZE``. Then, in this order:
-    ``$PARTITIONER_CLUSTER_FILE`` (a description of one node, given that job shape); this
-    process's CUDA device (:func:`gpu_cluster`; ``inter_node`` and ``host_memory_bytes`` as
-    there); else CPU ranks: this machine's calibration for the job's ranks
-    (:meth:`Cluster.local`, measured by the job's own ranks the first time).
-    """
-    import torch
-
-    env = os.environ if env is None else env
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        world_size = dist.get_world_size()
-    shape = job_shape(env, world_size=world_size)
-    if env.get(CLUSTER_FILE_ENV):
-        base = Cluster.from_file(env[CLUSTER_FILE_ENV])
-        return replace(base, nodes=shape.nodes, devices_per_node=shape.local_world_size)
-    if torch.cuda.is_available():
-        props = GpuProperties.from_torch(torch.cuda.current_device())
-        return gpu_cluster(props, shape, intra_node_kind=intra_node_kind(shape.local_world_size, spec=match_gpu(props)),
-                           inter_node=inter_node, host_memory_bytes=host_memory_bytes)
-    base = Cluster.local(shape.world_size)
-    return replace(base, nodes=shape.nodes, devices_per_node=shape.local_world_size)
 
 
 def _si(value: float, unit: str) -> str:

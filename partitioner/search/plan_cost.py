@@ -137,7 +137,7 @@ from partitioner.cost.cost_model import (
     roofline_time,
     send_recv_time,
 )
-from partitioner.cost.profile import LayerProfile, ModelProfile
+from partitioner.search.profile import LayerProfile, ModelProfile
 from passes.ir.config import ParallelConfig
 from passes.ir.grad_buckets import DEFAULT_BUCKET_BYTES, FIRST_BUCKET_BYTES
 from passes.ir.plan import StagePlan

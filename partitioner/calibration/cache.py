@@ -1,0 +1,98 @@
+"""The per-machine cache of calibrations: where it lives, how a file is keyed, how it is read and
+written one writer at a time. What fills it: :mod:`partitioner.calibration.local`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from partitioner.cost.cluster import Cluster
+from passes.ir.errors import ClusterSpecError
+
+CACHE_DIR_ENV = "PARTITIONER_CACHE_DIR"
+"""Overrides where calibrations are cached (default: the user cache directory, see :func:`cache_dir`)."""
+CALIBRATION_VERSION = 6
+"""Part of every cache key: raise it when what a calibration measures or fits changes, so that
+an older cached file is not read as a current one."""
+
+
+def cache_dir() -> Path:
+    """Where calibrations are cached: ``$PARTITIONER_CACHE_DIR``, else ``$XDG_CACHE_HOME/partitioner``,
+    else ``~/.cache/partitioner``."""
+    env = os.environ.get(CACHE_DIR_ENV)
+    if env:
+        return Path(env).expanduser()
+    # the XDG base-directory rule (platformdirs is not a dependency): a relative
+    # $XDG_CACHE_HOME is invalid and ignored
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else Path("~/.cache").expanduser()
+    return base / "partitioner"
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class MachineKey:
+    """What a local calibration depends on: two setups that differ in any field are measured
+    separately (a copied home directory, a new torch, another world size)."""
+
+    cpu: str
+    """CPU model name (``/proc/cpuinfo``)."""
+    cores: int
+    """Cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
+    torch_version: str
+    """``torch.__version__``: kernels and dispatch overheads change between releases."""
+    world_size: int
+    """Local gloo ranks the calibration was measured for."""
+    threads_per_rank: int
+    """torch threads per rank (``calibrate.rank_threads``)."""
+    version: int = CALIBRATION_VERSION
+    """:data:`CALIBRATION_VERSION` when it was written."""
+
+    @classmethod
+    def this_machine(cls, world_size: int) -> MachineKey:
+        """The key of this machine for ``world_size`` local ranks."""
+        import torch
+
+        from partitioner.calibration.measure import cpu_count, cpu_name, rank_threads
+
+        return cls(cpu=cpu_name(), cores=cpu_count(), torch_version=torch.__version__,
+                   world_size=world_size, threads_per_rank=rank_threads(world_size))
+
+    def file_name(self) -> str:
+        """``local-w<ranks>-t<threads>-c<cores>-torch<version>-<hash>.yaml``: readable, and the
+        hash of every field (the CPU name too) makes it unique."""
+        digest = hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        torch_tag = re.sub(r"[^0-9A-Za-z.]+", "_", self.torch_version)
+        return f"local-w{self.world_size}-t{self.threads_per_rank}-c{self.cores}-torch{torch_tag}-{digest}.yaml"
+
+
+def local_cache_file(world_size: int) -> Path:
+    """The cached calibration of this machine for ``world_size`` gloo ranks (it may not exist yet)."""
+    return cache_dir() / MachineKey.this_machine(world_size).file_name()
+
+
+def read_cached(path: Path, world_size: int) -> Cluster:
+    """The cluster of cache file ``path``; a file that does not read raises
+    :class:`ClusterSpecError` naming it and how to rewrite it."""
+    try:
+        return Cluster.from_file(path)
+    except ClusterSpecError as e:
+        raise ClusterSpecError(f"the cached calibration {path} is corrupt ({e}); rewrite it with `partitioner "
+                               f"calibrate --world-size {world_size}`, or delete it to recalibrate on next use") from None
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path) -> Iterator[None]:
+    """Hold the exclusive lock of cache file ``path`` (``<path>.lock``; ``filelock``, a torch
+    dependency) for the block: one writer at a time."""
+    from filelock import FileLock
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(path.with_name(path.name + ".lock")):
+        yield

@@ -68,7 +68,7 @@ def main() -> None:
 def captured() -> None:
     """Plan each :data:`CAPTURED` model as a job does, on the ``local-cpu`` preset (no calibration)."""
     from partitioner.api.auto import choose_plan
-    from partitioner.compile.build import analyse, capture_training_step
+    from partitioner.compile.build import run_analysis_passes, capture_training_step
     from partitioner.inputs.models import build_model
     from partitioner.search.profile import profile_graph
 
@@ -79,11 +79,11 @@ def captured() -> None:
         cluster = dataclasses.replace(Cluster.preset("local-cpu"), nodes=1, devices_per_node=ranks)
         t0 = time.perf_counter()
         spec = build_model(spec_text)
-        graph = analyse(capture_training_step(spec, device="cpu"), memory_batch=1)
+        graph = run_analysis_passes(capture_training_step(spec, device="cpu"), memory_batch=1)
         t1 = time.perf_counter()
         profile = profile_graph(graph, dtype="fp32", name=spec.name)
         t2 = time.perf_counter()
-        chosen = choose_plan(spec, cluster, world_size=ranks, global_batch_size=batch, profile=profile, graph=graph)
+        chosen = choose_plan(spec, cluster, world_size=ranks, global_batch=batch, profile=profile, graph=graph)
         t3 = time.perf_counter()
         print(f"{label}: {spec_text} on {ranks} local-cpu ranks, global batch {batch}, fp32")
         print(f"  capture + analysis {t1 - t0:.1f} s; planning {t3 - t1:.2f} s (profile {t2 - t1:.2f} s, search and "

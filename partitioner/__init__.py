@@ -22,6 +22,7 @@ _LAZY = {
     "ParallelConfig": "passes.ir.config",
     "Plan": "passes.ir.plan",
     "ModelSpec": "partitioner.inputs.model_spec",
+    "InputSpec": "passes.ir.meta",
     "build_model": "partitioner.inputs.models",
     "capture_for_pipeline": "partitioner.compile.build",
     "build_parallel_model": "partitioner.compile.build",

@@ -14,7 +14,7 @@ from passes.ir.config import ParallelConfig
 from partitioner.inputs.models import build_model
 from passes.capture.capture import capture_spec
 from ir_dumps.writer import DumpWriter
-from partitioner.compile.build import analyse
+from partitioner.compile.build import run_analysis_passes
 from ir_dumps.writer import write_program
 from partitioner.compile.build import lower_all
 from partitioner.cost.cluster import Cluster
@@ -48,7 +48,7 @@ def generate(out_dir: Path) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        analyse(_graph(), writer=DumpWriter(tmp))
+        run_analysis_passes(_graph(), writer=DumpWriter(tmp))
         return _copy_text(Path(tmp), out_dir, lambda rel: True)
 
 
@@ -63,7 +63,7 @@ def generate_transforms(out_dir: Path, *, dump_dir: Path | None = None) -> list[
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(dump_dir) if dump_dir is not None else Path(tmp)
         writer = DumpWriter(root)
-        gm = analyse(_graph(), writer=writer)
+        gm = run_analysis_passes(_graph(), writer=writer)
         first = len(writer.entries)
         lowering = lower_all(gm, TRANSFORM_CONFIG, cluster=Cluster.preset("local-cpu"), writer=writer)
         for (s, t), module in sorted(lowering.programs.items()):

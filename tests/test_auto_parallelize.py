@@ -42,7 +42,7 @@ def _rank():
                 p.add_(1.0)
     start = time.perf_counter()
     trainer = auto_parallelize(spec.module, local_cluster(WORLD), inputs=spec.inputs, loss_fn=spec.loss,
-                               dims={"seq": 8}, optimizer=ADAMW, global_batch_size=GLOBAL_BATCH, fix=FIX,
+                               dims={"seq": 8}, optimizer=ADAMW, global_batch=GLOBAL_BATCH, fix=FIX,
                                timeout_s=30)
     built = time.perf_counter() - start
     batches = _batches(spec)
@@ -95,10 +95,10 @@ def test_plan_is_the_pinned_pipeline_cut_where_the_plan_cuts(distributed):
 
 
 def test_plan_config_carries_the_plan_stage_split():
-    plan = choose_plan(GPT, local_cluster(4), world_size=4, global_batch_size=GLOBAL_BATCH, fix=FIX)
+    plan = choose_plan(GPT, local_cluster(4), world_size=4, global_batch=GLOBAL_BATCH, fix=FIX)
     (first,), (second,) = (s.layers for s in plan.stages)
     assert plan.config.stage_boundaries == (second[0],) and first == (0, second[0])
-    inter = choose_plan(GPT, local_cluster(4), world_size=4, global_batch_size=GLOBAL_BATCH,
+    inter = choose_plan(GPT, local_cluster(4), world_size=4, global_batch=GLOBAL_BATCH,
                         fix="dp=2,pp=2,schedule=interleaved,virtual_pp=2,num_micro_batches=2")
     # chunk k of pipeline rank s is virtual stage k*pp + s: the boundaries are its chunks' starts
     starts = {k * 2 + st.index: r[0] for st in inter.stages for k, r in enumerate(st.layers)}
@@ -140,14 +140,14 @@ def test_measurements_add_up(distributed):
 
 def test_world_size_not_matching_plan_is_refused_with_numbers():
     with pytest.raises(ConfigError, match=r"plan needs 4 ranks \(dp=2 tp=1 pp=2 cp=1\) but the job has 2"):
-        choose_plan(GPT, local_cluster(4), world_size=2, global_batch_size=GLOBAL_BATCH, fix=FIX)
+        choose_plan(GPT, local_cluster(4), world_size=2, global_batch=GLOBAL_BATCH, fix=FIX)
 
 
 def test_plan_that_fits_no_device_is_infeasible_at_start():
     tiny = local_cluster(4)
     tiny = dataclasses.replace(tiny, device=dataclasses.replace(tiny.device, memory_bytes=64 * 1024))
     with pytest.raises(InfeasiblePlanError, match="no plan fits"):
-        choose_plan(GPT, tiny, world_size=4, global_batch_size=GLOBAL_BATCH)
+        choose_plan(GPT, tiny, world_size=4, global_batch=GLOBAL_BATCH)
 
 
 def test_the_search_offers_only_what_runs():
@@ -165,11 +165,11 @@ def test_the_search_offers_only_what_runs():
     with pytest.raises(ConfigError, match="no candidate plan.*offload='optimizer'.*zero_stage=1"):
         candidates(profile, local_cluster(4), GLOBAL_BATCH, fix={"offload": "optimizer", "zero_stage": 1, "dp": 4})
     with pytest.raises(ConfigError, match="dtype 'fp8'.*fp32, bf16, fp16"):
-        auto_parallelize(GPT, global_batch_size=GLOBAL_BATCH, dtype="fp8")
-    plan = choose_plan(GPT, local_cluster(4), world_size=4, global_batch_size=GLOBAL_BATCH, fix=FIX)
+        auto_parallelize(GPT, global_batch=GLOBAL_BATCH, dtype="fp8")
+    plan = choose_plan(GPT, local_cluster(4), world_size=4, global_batch=GLOBAL_BATCH, fix=FIX)
     check_world_size(plan, 4)
     with pytest.raises(ConfigError, match="the plan trains in fp32, not bf16"):  # before any process work
-        auto_parallelize(GPT, global_batch_size=GLOBAL_BATCH, plan=plan, dtype="bf16")
+        auto_parallelize(GPT, global_batch=GLOBAL_BATCH, plan=plan, dtype="bf16")
 
 
 def test_live_bytes_counts_storages_once_and_frees_them():
@@ -215,7 +215,7 @@ def test_planner_counts_tied_weights_once(spec):
     names = [n for n, _ in model.module.named_parameters(remove_duplicate=False)]
     assert len(names) > len(dict(model.module.named_parameters()))  # the model does tie weights
     assert profile_spec(meta_copy(model)).param_count == own
-    plan = choose_plan(model, local_cluster(1), world_size=1, global_batch_size=4,
+    plan = choose_plan(model, local_cluster(1), world_size=1, global_batch=4,
                        fix="dp=1,tp=1,pp=1,offload=none,checkpointing=none")
     memory = plan.stages[0].memory
     assert (memory["parameters"], memory["gradients"], memory["optimizer"]) == (4 * own, 4 * own, 8 * own)

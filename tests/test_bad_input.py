@@ -108,7 +108,7 @@ def _cluster(name):
 
 
 def _auto(**kw):
-    return lambda ctx: auto_parallelize(GPT, **{"global_batch_size": 4, **kw})
+    return lambda ctx: auto_parallelize(GPT, **{"global_batch": 4, **kw})
 
 
 API = [
@@ -235,9 +235,9 @@ API = [
      r"cannot read cluster file \S*nope\.yaml: No such file"),
     ("cluster-with-nodes", lambda ctx: Cluster.load(DGX, nodes=0), ClusterSpecError, r"Cluster\.nodes must be > 0, got 0"),
     # run options of auto_parallelize, refused before any rank joins
-    ("auto-batch", _auto(global_batch_size=0), ConfigError,
-     r"auto_parallelize: global_batch_size must be >= 1 samples, got 0; give the samples per optimizer step"),
-    ("auto-batch-float", _auto(global_batch_size=2.5), ConfigError, r"global_batch_size must be an integer >= 1"),
+    ("auto-batch", _auto(global_batch=0), ConfigError,
+     r"auto_parallelize: global_batch must be >= 1 samples, got 0; give the samples per optimizer step"),
+    ("auto-batch-float", _auto(global_batch=2.5), ConfigError, r"global_batch must be an integer >= 1"),
     ("auto-timeout", _auto(timeout_s=-1), ConfigError, r"auto_parallelize: timeout_s must be > 0 seconds, got -1"),
     ("auto-timeout-zero", _auto(timeout_s=0), ConfigError, r"timeout_s must be > 0 seconds, got 0"),
     ("auto-clip", _auto(clip_grad_norm=0), ConfigError, r"clip_grad_norm must be > 0, got 0; give a global norm"),

@@ -37,7 +37,7 @@ def _batches(spec):
 def _trainer():
     from partitioner.api.auto import auto_parallelize
 
-    trainer = auto_parallelize(GPT, local_cluster(WORLD), optimizer={"lr": 1e-2}, global_batch_size=GLOBAL_BATCH,
+    trainer = auto_parallelize(GPT, local_cluster(WORLD), optimizer={"lr": 1e-2}, global_batch=GLOBAL_BATCH,
                                fix=FIX, timeout_s=30)
     pm = trainer.model
     if getattr(pm, "lr_scheduler", None) is None:  # a schedule whose lr changes every step

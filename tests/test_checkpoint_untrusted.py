@@ -130,7 +130,7 @@ def _train_state_case(root: str, pwned: str):
     from partitioner.api.auto import auto_parallelize
     from runtime.checkpoint import directory as cd
 
-    trainer = auto_parallelize(GPT, local_cluster(1), global_batch_size=2, fix="dp=1", timeout_s=60)
+    trainer = auto_parallelize(GPT, local_cluster(1), global_batch=2, fix="dp=1", timeout_s=60)
     spec = build_model(GPT)
     trainer.train_step(spec.example_inputs({"batch": 2}, seed=0))
     path = trainer.save(root)

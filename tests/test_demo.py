@@ -38,7 +38,7 @@ def test_demo_runs_matches_one_process_and_writes_every_file(tmp_path, capfd):
 
     plan = Plan.from_json((out / "plan.json").read_text())
     # nothing pinned: the demo runs the search's own choice, and says what came second and by how much
-    searched = choose_plan(SMALL, local_cluster(4), world_size=4, global_batch_size=DEMO_GLOBAL_BATCH)
+    searched = choose_plan(SMALL, local_cluster(4), world_size=4, global_batch=DEMO_GLOBAL_BATCH)
     assert plan.knobs() == searched.knobs()
     assert f"plan (nothing pinned; the search chose the rest): {plan.summary()}" in text
     second = runner_up(plan)
@@ -84,7 +84,7 @@ def test_corpus_is_real_text_deterministic_bytes():
 
 
 def test_plan_lines_name_the_runner_up_and_its_loss():
-    plan = choose_plan(SMALL, local_cluster(4), world_size=4, global_batch_size=DEMO_GLOBAL_BATCH)
+    plan = choose_plan(SMALL, local_cluster(4), world_size=4, global_batch=DEMO_GLOBAL_BATCH)
     best = plan.predicted.step_time_s
     slower = Alternative(knobs={**plan.knobs(), "zero_stage": 2}, step_time_s=1.25 * best, peak_memory_bytes=1.0,
                          reason="slower")

@@ -48,7 +48,7 @@ def _rank(root: str):
     for name, fix in PLANS.items():
         before = capture_count()
         start = time.perf_counter()
-        trainer = auto_parallelize(MODEL, global_batch_size=GLOBAL_BATCH, fix=fix, dump_dir=f"{root}/{name}",
+        trainer = auto_parallelize(MODEL, global_batch=GLOBAL_BATCH, fix=fix, dump_dir=f"{root}/{name}",
                                    timeout_s=60, track_memory=False)
         built = time.perf_counter() - start
         captures = capture_count() - before

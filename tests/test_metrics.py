@@ -126,7 +126,7 @@ def _rank(jsonl: str):
     from partitioner.inputs.models import build_model
 
     spec = build_model(GPT)
-    trainer = auto_parallelize(GPT, local_cluster(WORLD), global_batch_size=GLOBAL_BATCH, fix=FIX,
+    trainer = auto_parallelize(GPT, local_cluster(WORLD), global_batch=GLOBAL_BATCH, fix=FIX,
                                optimizer={"lr": 1e-3}, timeout_s=60, track_memory=TRACKED)
     logger = MetricsLogger(jsonl=jsonl, total_steps=STEPS) if os.environ["RANK"] == "0" else None
     trainer.attach_metrics(logger)

@@ -69,7 +69,7 @@ def _rank(checkpoint: str):
     for k, case in enumerate(CASES):
         spec = build_model(GPT)
         trainer = auto_parallelize(GPT, local_cluster(WORLD), optimizer={**ADAMW, "lr": case.lr},
-                                   global_batch_size=GLOBAL_BATCH, fix=case.fix, dtype=case.dtype, timeout_s=60)
+                                   global_batch=GLOBAL_BATCH, fix=case.fix, dtype=case.dtype, timeout_s=60)
         pm = trainer.model
         if case.loss_scale is not None:
             pm.loss_scaler.scale = case.loss_scale
@@ -78,7 +78,7 @@ def _rank(checkpoint: str):
             out["loaded"] = pm.full_master_parameters()
             # a fresh trainer of the same plan (the search already ran for it: no second one)
             trainer = auto_parallelize(GPT, local_cluster(WORLD), optimizer={**ADAMW, "lr": case.lr},
-                                       global_batch_size=GLOBAL_BATCH, plan=trainer.plan, dtype=case.dtype,
+                                       global_batch=GLOBAL_BATCH, plan=trainer.plan, dtype=case.dtype,
                                        timeout_s=60)
             pm = trainer.model
         initial = {n: p.detach().float().clone() for n, p in pm.full_master_parameters().items()}

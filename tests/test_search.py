@@ -17,7 +17,7 @@ SPEC = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq=32"
 
 @pytest.fixture(scope="module")
 def profile():
-    return profile_model(SPEC, dtype="bf16")
+    return profile_model(SPEC, dtype="bf16", tensor_remat=True)  # the search offers every checkpointing
 
 
 def _cluster(memory_bytes: float | None = None, nodes: int = 1, devices: int | None = None) -> Cluster:
@@ -30,7 +30,7 @@ def _cluster(memory_bytes: float | None = None, nodes: int = 1, devices: int | N
 
 
 def test_replicated_profile_matches_full_capture_and_analysis(profile):
-    direct = profile_model(SPEC, dtype="bf16", sample_layers=None)  # all 4 blocks captured
+    direct = profile_model(SPEC, dtype="bf16", sample_layers=None, tensor_remat=True)  # all 4 blocks captured
     assert len(profile.blocks) == len(direct.blocks) == 4
     for key in ("param_count", "param_bytes", "fwd_flops", "bwd_flops", "activation_bytes"):
         assert getattr(profile, key) == getattr(direct, key), key
@@ -83,7 +83,7 @@ def test_dag_checkpointing_is_costed_between_none_and_full(profile):
 def test_a_model_dag_cannot_be_priced_on_is_not_offered_and_pinning_dag_says_why(monkeypatch):
     """Where the dag policy fails on the profiled graph, the profile records what it said, the
     search does not offer dag, and a pinned dag is refused with that reason."""
-    from partitioner.cost import profile as profiling
+    from partitioner.search import profile as profiling
     from passes.ir.errors import PassError
 
     def fails(gm, *args, **kwargs):

@@ -52,7 +52,7 @@ def captured():
 def _model(captured, name):
     if name not in captured:
         spec = MODELS[name]
-        captured[name] = (profile_model(spec, dtype="fp32"), capture_for_pipeline(build_model(spec)))
+        captured[name] = (profile_model(spec, dtype="fp32", tensor_remat=True), capture_for_pipeline(build_model(spec)))
     return captured[name]
 
 

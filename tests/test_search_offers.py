@@ -17,7 +17,7 @@ from torch import nn
 
 import partitioner.search.profile as profile_mod
 from partitioner.api.auto import choose_plan
-from partitioner.compile.build import analyse, capture_training_step
+from partitioner.compile.build import run_analysis_passes, capture_training_step
 from partitioner.inputs.model_spec import ModelSpec
 from partitioner.inputs.models import build_model
 from partitioner.search.profile import TENSOR_NOT_ASKED, profile_graph
@@ -33,7 +33,7 @@ GLOBAL_BATCH, WORLD = 8, 4
 
 def _captured(spec: ModelSpec):
     """The analysed capture a job plans from (as ``auto_parallelize`` makes it)."""
-    return analyse(capture_training_step(spec, device="cpu"), memory_batch=1)
+    return run_analysis_passes(capture_training_step(spec, device="cpu"), memory_batch=1)
 
 
 @pytest.fixture
@@ -62,10 +62,10 @@ def test_profile_runs_no_tensor_milp_unless_pinned(gpt, milp_calls):
     assert profile.blocks[0].tensor_activation_bytes is None and profile.blocks[0].tensor_refusal == TENSOR_NOT_ASKED
     assert not profile.tensor_remat_asked
     assert "tensor" not in {c.checkpointing for c in candidates(profile, local_cluster(WORLD), GLOBAL_BATCH)}
-    chosen = choose_plan(spec, local_cluster(WORLD), world_size=WORLD, global_batch_size=GLOBAL_BATCH,
+    chosen = choose_plan(spec, local_cluster(WORLD), world_size=WORLD, global_batch=GLOBAL_BATCH,
                          profile=profile, graph=graph)
     assert chosen.config.checkpointing != "tensor"
-    choose_plan(spec, local_cluster(WORLD), world_size=WORLD, global_batch_size=GLOBAL_BATCH,
+    choose_plan(spec, local_cluster(WORLD), world_size=WORLD, global_batch=GLOBAL_BATCH,
                 fix="dp=4,checkpointing=full")  # profiles the ModelSpec itself
     assert milp_calls == []
 
@@ -73,7 +73,7 @@ def test_profile_runs_no_tensor_milp_unless_pinned(gpt, milp_calls):
 def test_a_pinned_tensor_still_plans_and_lowers(gpt, milp_calls):
     spec, graph = gpt
     profile = profile_graph(graph, name=spec.name)  # as auto_parallelize profiles: nothing pinned yet
-    chosen = choose_plan(spec, local_cluster(WORLD), world_size=WORLD, global_batch_size=GLOBAL_BATCH,
+    chosen = choose_plan(spec, local_cluster(WORLD), world_size=WORLD, global_batch=GLOBAL_BATCH,
                          fix="dp=4,checkpointing=tensor", profile=profile, graph=graph)
     assert chosen.config.checkpointing == "tensor"
     assert chosen.predicted.memory_model == "replay"  # its rank programs were lowered and replayed
@@ -168,7 +168,7 @@ def test_a_model_without_a_seq_dim_is_not_offered_sequence_parallelism_and_lower
     assert profile.seq == 0 and profile.sequence_parallel_refusal(2) == sequence_parallel_refusal(None, 2)
     cands = candidates(profile, local_cluster(WORLD), GLOBAL_BATCH, fix={"tp": 2, "pp": 2})
     assert cands and not any(c.sequence_parallel for c in cands)
-    chosen = choose_plan(spec, local_cluster(WORLD), world_size=WORLD, global_batch_size=GLOBAL_BATCH,
+    chosen = choose_plan(spec, local_cluster(WORLD), world_size=WORLD, global_batch=GLOBAL_BATCH,
                          fix="tp=2,pp=2", profile=profile, graph=graph)
     assert (chosen.config.tp, chosen.config.pp, chosen.config.sequence_parallel) == (2, 2, False)
     assert chosen.predicted.memory_model == "replay"  # every rank program was lowered and replayed
@@ -183,7 +183,7 @@ def test_a_pinned_sequence_parallel_without_a_seq_dim_is_refused_before_any_work
     monkeypatch.setattr("partitioner.api.auto.profile_spec", no_work)
     with pytest.raises(ConfigError, match=r"choose_plan: fix: sequence_parallel=true is pinned, but sequence "
                                           r"parallelism needs a named sequence dim 'seq'.*sequence_parallel=false"):
-        choose_plan(spec, local_cluster(WORLD), world_size=WORLD, global_batch_size=GLOBAL_BATCH,
+        choose_plan(spec, local_cluster(WORLD), world_size=WORLD, global_batch=GLOBAL_BATCH,
                     fix="tp=2,pp=2,sequence_parallel=true")
     # from a profile (the search's own check), the same rule and words
     profile = profile_graph(graph, name=spec.name)
@@ -206,4 +206,4 @@ def test_the_front_doors_price_a_pinned_tensor_and_refuse_a_pinned_sp_before_cap
     monkeypatch.setattr("partitioner.api.auto.capture_training_step", no_capture)
     with pytest.raises(ConfigError, match=r"auto_parallelize: fix: sequence_parallel=true is pinned, but sequence "
                                           r"parallelism needs a named sequence dim 'seq'"):
-        auto_parallelize(vit[0], global_batch_size=GLOBAL_BATCH, fix="tp=2,pp=2,sequence_parallel=true")
+        auto_parallelize(vit[0], global_batch=GLOBAL_BATCH, fix="tp=2,pp=2,sequence_parallel=true")

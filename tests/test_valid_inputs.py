@@ -297,7 +297,7 @@ def _mlp_batches():
 def _mlp_rank():
     from partitioner.api.auto import auto_parallelize
 
-    trainer = auto_parallelize(MLP, global_batch_size=GLOBAL_BATCH, fix="pp=2", timeout_s=60)
+    trainer = auto_parallelize(MLP, global_batch=GLOBAL_BATCH, fix="pp=2", timeout_s=60)
     batches = _mlp_batches()
     names = [i.name for i in trainer.model.inputs]
     losses = [trainer.train_step(b) for b in batches[:2]]  # tuples

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from partitioner.api.auto import auto_parallelize
     from partitioner.cli.demo import batch_for, train_loop
 
-    trainer = auto_parallelize(args.model, args.cluster, global_batch_size=args.global_batch, fix=args.fix,
+    trainer = auto_parallelize(args.model, args.cluster, global_batch=args.global_batch, fix=args.fix,
                                timeout_s=args.timeout)
     losses = train_loop(trainer, args.steps, lambda k: batch_for(trainer.spec, k, args.global_batch), echo=False)
     mesh = trainer.model.mesh

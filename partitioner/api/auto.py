@@ -2,7 +2,7 @@
 
 Called on every rank of a job (torchrun, or :func:`runtime.dist.launch.spawn`)::
 
-    model = auto_parallelize("gpt:layers=4,hidden=64,dropout=0.0", global_batch_size=8,
+    model = auto_parallelize("gpt:layers=4,hidden=64,dropout=0.0", global_batch=8,
                              fix="dp=2,pp=2", dump_dir="out")
     for step in range(n):
         loss = model.train_step(batch(step))      # the global batch, the same on every rank
@@ -44,7 +44,7 @@ from torch import fx, nn
 
 from ir_dumps.report import write_report
 from ir_dumps.writer import DumpWriter
-from partitioner.compile.build import analyse, capture_training_step, check_before_launch, lower_own_checked
+from partitioner.compile.build import run_analysis_passes, capture_training_step, check_before_launch, lower_own_checked
 from partitioner.calibration.job_cluster import detect_cluster
 from partitioner.cost.cluster import Cluster
 from partitioner.calibration.detect import describe
@@ -80,7 +80,7 @@ from runtime.optim.lr_schedules import SchedulerFactory
 # ---------------------------------------------------------------------------------------------
 # Planning (no process group needed: testable on its own)
 
-def choose_plan(model: str | ModelSpec, cluster: Cluster, *, world_size: int, global_batch_size: int,
+def choose_plan(model: str | ModelSpec, cluster: Cluster, *, world_size: int, global_batch: int,
                 fix: dict | str | None = None, dtype: str = "fp32", optimizer: str = "adamw",
                 profile: ModelProfile | None = None, graph: fx.GraphModule | None = None) -> Plan:
     """The planner's best plan for ``model`` on ``cluster``, checked against the job's ``world_size``.
@@ -106,12 +106,12 @@ def choose_plan(model: str | ModelSpec, cluster: Cluster, *, world_size: int, gl
     # checkpointing='tensor' is priced by a MILP over the whole graph: only when pinned
     tensor = pinned.get("checkpointing") == "tensor"
     if profile is None:
-        profile = (profile_model(model, dtype=dtype, optimizer=optimizer) if isinstance(model, str)
+        profile = (profile_model(model, dtype=dtype, optimizer=optimizer, tensor_remat=tensor) if isinstance(model, str)
                    else profile_spec(meta_copy(model), dtype=dtype, optimizer=optimizer, tensor_remat=tensor))
     elif tensor and graph is not None and not profile.tensor_remat_asked:
         profile = with_tensor_remat(profile, graph)
     check = replay_check(graph, cluster, optimizer=optimizer) if graph is not None else None
-    chosen = search(profile, cluster, global_batch=global_batch_size, fix=pinned, optimizer=optimizer, check=check)
+    chosen = search(profile, cluster, global_batch=global_batch, fix=pinned, optimizer=optimizer, check=check)
     check_world_size(chosen, world_size)
     return chosen
 
@@ -334,7 +334,7 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
                      inputs: Sequence[InputSpec] | None = None, loss_fn: Callable[..., torch.Tensor] | None = None,
                      dims: dict[str, int] | None = None, optimizer: dict | OptimizerFactory | None = None,
                      lr_scheduler: SchedulerFactory | None = None, clip_grad_norm: float | None = None,
-                     nonfinite: str = "stop", global_batch_size: int,
+                     nonfinite: str = "stop", global_batch: int,
                      dump_dir: str | Path | None = None, fix: dict | str | None = None, plan: Plan | None = None,
                      dtype: str = "fp32", timeout_s: float = 60.0, track_memory: bool | int = 2) -> AutoParallel:
     """Plan ``model`` for this job and build this rank's trainer (call on every rank).
@@ -361,7 +361,7 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     """
 
     # Scalar arguments and the pinned knobs are refused here, before any rank joins the job.
-    check_option("global_batch", global_batch_size, spelled="auto_parallelize: global_batch_size")
+    check_option("global_batch", global_batch, spelled="auto_parallelize: global_batch")
     check_option("timeout", timeout_s, spelled="auto_parallelize: timeout_s")
     if clip_grad_norm is not None:
         check_option("clip_grad_norm", clip_grad_norm, spelled="auto_parallelize: clip_grad_norm")
@@ -401,7 +401,7 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     def capture_and_analyse():
         captured = capture_training_step(spec, device=device.type)
         clock.lap("capture")
-        analyse(captured, optimizer=planned_optimizer, mixed_precision=dtype != "fp32", writer=writer, memory_batch=1)
+        run_analysis_passes(captured, optimizer=planned_optimizer, mixed_precision=dtype != "fp32", writer=writer, memory_batch=1)
         clock.lap("analysis")
         return pack_graph(captured, spec.module)
 
@@ -411,7 +411,7 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     clock.lap("weights")
     if plan is None:
         chosen = Plan.from_json(_from_rank0(lambda: choose_plan(
-            spec, cluster, world_size=world, global_batch_size=global_batch_size, fix=fix, dtype=dtype,
+            spec, cluster, world_size=world, global_batch=global_batch, fix=fix, dtype=dtype,
             optimizer=planned_optimizer,
             profile=profile_graph(graph, dtype=dtype, name=spec.name), graph=graph).to_json()))
     else:
@@ -419,9 +419,9 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
         chosen = plan
     # plan.json says what the job planned on (detected, calibrated or given), not only a name
     chosen = dataclasses.replace(chosen, cluster_spec=cluster.to_dict())
-    if chosen.global_batch != global_batch_size:
+    if chosen.global_batch != global_batch:
         raise ConfigError(f"auto_parallelize: the plan is for global batch {chosen.global_batch}, "
-                          f"not {global_batch_size}; re-plan or pass the plan's batch size")
+                          f"not {global_batch}; re-plan or pass the plan's batch size")
     clock.lap("plan")
 
     mesh = Mesh.for_config(chosen.config, timeout_s=timeout_s)

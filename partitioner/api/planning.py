@@ -15,7 +15,7 @@ from partitioner.inputs.knobs import check_fix, parse_fix  # noqa: F401  (parse_
 from partitioner.search.profile import ModelProfile, profile_model, profile_spec
 from partitioner.search.search import plan as search
 from ir_dumps.writer import DumpWriter
-from partitioner.compile.build import analyse, capture_training_step
+from partitioner.compile.build import run_analysis_passes, capture_training_step
 from partitioner.api.dumps import write_plan_dumps
 from partitioner.inputs.model_spec import ModelSpec, meta_copy
 from partitioner.inputs.models import as_spec, build_model, check_dim, check_spec
@@ -64,7 +64,7 @@ def _profile_any(model, *, seq: int | None, dtype: str, optimizer: str, inputs, 
     rebuild it (a spec string, or a ModelSpec); ``tensor_remat``: price ``checkpointing='tensor'``
     (a whole-graph MILP: only when pinned)."""
     if isinstance(model, str) and not model.partition(":")[0].strip().endswith(".py"):
-        return profile_model(model, seq=seq, dtype=dtype, optimizer=optimizer), model
+        return profile_model(model, seq=seq, dtype=dtype, optimizer=optimizer, tensor_remat=tensor_remat), model
     if dtype not in TORCH_DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(TORCH_DTYPES)}")
     spec = as_spec(model, inputs=inputs, loss_fn=loss_fn, dims=dims, device="meta")
@@ -101,7 +101,7 @@ def write_model_plan_dumps(dump_dir: str | Path, *, model: str | ModelSpec, plan
     if seq is not None:
         spec.dims["seq"] = seq
     writer = DumpWriter(dump_dir, model=plan.model)
-    graph = analyse(capture_training_step(spec, device="cpu"), optimizer=optimizer,
+    graph = run_analysis_passes(capture_training_step(spec, device="cpu"), optimizer=optimizer,
                     mixed_precision=plan.config.mixed_precision, writer=writer)
     return write_plan_dumps(dump_dir, graph=graph, plan=plan, cluster=cluster, writer=writer,
                             reproduce_args=("--seq", str(seq)) if seq is not None else ())

@@ -157,9 +157,11 @@ def _reevaluate(plan: Plan, cluster: Cluster, profiles: dict) -> Plan:
     from partitioner.search.replay import predict_step_time
     from partitioner.search.profile import profile_model
 
-    if plan.model not in profiles:
-        profiles[plan.model] = profile_model(plan.model, dtype=_dtype(plan))
-    return predict_step_time(profiles[plan.model], cluster, plan.knobs(), global_batch=plan.global_batch)
+    tensor = plan.knobs().get("checkpointing") == "tensor"  # priced only for the runs that used it
+    key = (plan.model, _dtype(plan), tensor)
+    if key not in profiles:
+        profiles[key] = profile_model(plan.model, dtype=_dtype(plan), tensor_remat=tensor)
+    return predict_step_time(profiles[key], cluster, plan.knobs(), global_batch=plan.global_batch)
 
 
 def _dtype(plan: Plan) -> str:

@@ -200,7 +200,7 @@ def _demo_rank(model: str, steps: int, fix: str | None, dump_dir: str, global_ba
     from partitioner.api.auto import auto_parallelize
 
     start = time.perf_counter()
-    trainer = auto_parallelize(model, cluster, global_batch_size=global_batch, fix=fix, dtype=dtype,
+    trainer = auto_parallelize(model, cluster, global_batch=global_batch, fix=fix, dtype=dtype,
                                dump_dir=dump_dir, timeout_s=timeout_s, track_memory=track_memory)
     built = time.perf_counter()
     rank0 = dist.get_rank() == 0
@@ -391,7 +391,7 @@ def run_train(*, model: str, global_batch: int, steps: int, fix: str | None, dum
 
     _report_before_sigterm(timeout_s + 5.0)
     job_cluster = Cluster.load(cluster, nodes=nodes) if nodes is not None else cluster
-    trainer = auto_parallelize(model, job_cluster, global_batch_size=global_batch, fix=fix, dump_dir=dump_dir,
+    trainer = auto_parallelize(model, job_cluster, global_batch=global_batch, fix=fix, dump_dir=dump_dir,
                                timeout_s=timeout_s, optimizer={"lr": lr} if lr is not None else None, dtype=dtype,
                                clip_grad_norm=clip_grad_norm,
                                lr_scheduler=warmup_cosine(warmup, steps) if warmup is not None else None)

@@ -431,6 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, metavar="N", help="the job spans N nodes of --cluster (torchrun --nnodes)")
     p.add_argument("--debug", action="store_true", help="on a failure, print the full traceback (default: one line)")
     p.set_defaults(fn=_cmd_train)
+    for p in sub.choices.values():  # every command fails in one line, with the whole traceback on request
+        if not any("--debug" in a.option_strings for a in p._actions):
+            p.add_argument("--debug", action="store_true", help="on a failure, print the full traceback "
+                                                                "(default: one error line)")
     return parser
 
 
@@ -453,7 +457,7 @@ def _failure_lines(exc: Exception) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    debug = getattr(args, "debug", None)  # only train and demo have --debug
+    debug = args.debug
     try:
         _check_run_options(args)
         return args.fn(args)
@@ -468,8 +472,8 @@ def main(argv: list[str] | None = None) -> int:
         for line in lines or [str(exc)]:
             print(f"error: {line}", file=sys.stderr)
         return 2
-    except Exception as exc:  # noqa: BLE001 - train/demo: one line, not a traceback, unless --debug
-        if debug is None or debug:
+    except Exception as exc:  # noqa: BLE001 - one line naming where it failed, not a traceback, unless --debug
+        if debug:
             raise
         from runtime.dist.faults import error_line
 

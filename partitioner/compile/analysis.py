@@ -13,10 +13,11 @@ import sympy
 import torch
 from torch import fx, nn
 
+from passes.ir.optimizers import optimizer_model
 from passes.ir.errors import ConfigError
 from partitioner.inputs.model_spec import ModelSpec
 from partitioner.inputs.models import as_spec, build_model
-from passes.capture.capture import capture_spec, module_path
+from passes.capture.capture import module_path
 from passes.ir.meta import (
     InputSpec,
     BLOCK,
@@ -28,10 +29,9 @@ from passes.ir.meta import (
     dim_symbol,
 )
 from ir_dumps.writer import DumpWriter
-from partitioner.compile.build import analyse
+from partitioner.compile.build import run_analysis_passes, capture_training_step
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-OPTIMIZERS = ("adamw", "adam", "sgd")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,17 +93,16 @@ def analyze(model: ModelSpec | str | nn.Module, *, batch: int | str | None = Non
     """
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    if optimizer not in OPTIMIZERS:
-        raise ConfigError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    optimizer_model(optimizer)  # refused here, before the capture, naming the choices
     if isinstance(model, str) and not model.partition(":")[0].strip().endswith(".py"):
         spec = build_model(model, device="meta", dtype=DTYPES[dtype])
     else:
         spec = as_spec(model, inputs=inputs, loss_fn=loss_fn, dims=dims, device="meta")
     dims, symbolic, rename = _resolve_dims(spec, {"batch": batch, "seq": seq})
-    gm = capture_spec(spec, dims=dims, symbolic=symbolic)
+    gm = capture_training_step(spec, dims=dims, symbolic=symbolic)
 
     writer = DumpWriter(dump_dir, model=spec.name) if dump_dir else None
-    gm = analyse(gm, optimizer=optimizer, mixed_precision=dtype != "fp32", writer=writer)
+    gm = run_analysis_passes(gm, optimizer=optimizer, mixed_precision=dtype != "fp32", writer=writer)
 
     def named(expr) -> sympy.Expr:
         return sympy.expand(sympy.sympify(expr).xreplace(rename))

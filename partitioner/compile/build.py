@@ -37,21 +37,23 @@ if TYPE_CHECKING:
 
 
 def capture_training_step(spec: ModelSpec, *, symbolic: Sequence[str] | None = None,
-                          device: str | None = None) -> fx.GraphModule:
+                          device: str | None = None, dims: dict[str, int] | None = None) -> fx.GraphModule:
     """The training step of ``spec`` captured once, every named dim symbolic by default (a plan
-    picks the micro-batch later). ``device``: the device type the programs will run on. Refuses a
-    model without trainable parameters and a loss that is not a scalar; warns of Python side
-    effects in ``forward`` (:mod:`passes.capture.training_step_checks`)."""
+    picks the micro-batch later). ``device``: the device type the programs will run on; ``dims``:
+    sizes of named dims other than the spec's defaults. Refuses a model without trainable
+    parameters and a loss that is not a scalar; warns of Python side effects in ``forward``
+    (:mod:`passes.capture.training_step_checks`). Every front door captures through here, so
+    ``analyze``, ``plan`` and ``auto_parallelize`` refuse and warn alike."""
     if symbolic is None:
         symbolic = sorted({d for inp in spec.inputs for d in inp.shape if isinstance(d, str)})
     check_trainable(spec.module, spec.name)
     with watch_side_effects(spec.module, spec.name):
-        gm = capture_spec(spec, symbolic=tuple(symbolic), device=device)
+        gm = capture_spec(spec, dims=dims, symbolic=tuple(symbolic), device=device)
     check_loss(gm, spec.name)
     return gm
 
 
-def analyse(gm: fx.GraphModule, *, optimizer: str = "adamw", mixed_precision: bool = False, writer=None,
+def run_analysis_passes(gm: fx.GraphModule, *, optimizer: str = "adamw", mixed_precision: bool = False, writer=None,
             memory: bool = True, memory_batch: int | None = None) -> fx.GraphModule:
     """The analysis passes (shapes, blocks, FLOPs and, with ``memory``, memory) over ``gm``, in
     place; returns it. ``memory_batch``: count memory at that batch, concretely (``1``: the
@@ -70,7 +72,7 @@ def capture_for_pipeline(spec: ModelSpec, symbolic: Sequence[str] | None = None,
                          device: str | None = None) -> fx.GraphModule:
     """Capture and analyse ``spec`` (what :func:`build_parallel_model` lowers): one capture, shared
     by every config built from it (the lowering deep-copies it)."""
-    return analyse(capture_training_step(spec, symbolic=symbolic, device=device))
+    return run_analysis_passes(capture_training_step(spec, symbolic=symbolic, device=device))
 
 
 def build_parallel_model(graph: fx.GraphModule, config: ParallelConfig, mesh: Mesh, *,

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 
 from partitioner.cost.cluster import Cluster, Device, Link
+from passes.ir.optimizers import optimizer_model
 from passes.ir.schedule import build, peak_in_flight, simulate, zb1p_compute, zbv_compute
 from passes.ir.config import SCHEDULES
 from passes.ir.errors import ConfigError
@@ -442,8 +443,7 @@ def in_flight_microbatches(schedule: str, stage: int, p: int, m: int, v: int = 1
 # Model state under ZeRO
 # ---------------------------------------------------------------------------------------------
 
-OPTIMIZERS = ("adam", "adamw", "sgd", "sgd_momentum")
-PRECISIONS = ("fp32", "mixed", "bf16", "fp16")  # bf16/fp16 mean mixed precision with fp32 master weights
+DTYPES = ("fp32", "bf16", "fp16")  # the training dtype; bf16/fp16 train with fp32 master weights
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -462,22 +462,21 @@ class ModelStateBytes:
         return self.params + self.grads + self.optimizer
 
 
-def _bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int]:
-    if precision not in PRECISIONS:
-        raise ConfigError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-    if optimizer not in OPTIMIZERS:
-        raise ConfigError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
-    mixed = precision != "fp32"
+def _bytes_per_param(dtype: str, optimizer: str) -> tuple[int, int, int]:
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    states = optimizer_model(optimizer).state_bytes_per_element  # fp32 moments
+    mixed = dtype != "fp32"
     weight = 2 if mixed else 4
-    states = {"adam": 8, "adamw": 8, "sgd": 0, "sgd_momentum": 4}[optimizer]  # fp32 moments
     master = 4 if mixed else 0
     return weight, weight, states + master
 
 
-def model_state_bytes(params: float, n_dp: int, zero_stage: int, precision: str = "mixed",
+def model_state_bytes(params: float, n_dp: int, zero_stage: int, dtype: str = "bf16",
                       optimizer: str = "adam") -> ModelStateBytes:
     """Model-state bytes per rank for ``params`` parameters over ``n_dp`` data-parallel ranks.
 
+    ``dtype``: the training dtype (bf16/fp16: 16-bit weights and gradients, fp32 master weights).
     Per parameter (Rajbhandari et al. 2020): mixed-precision Adam 2 (16-bit weights) + 2 (grads)
     + 12 (fp32 master, m, v) = 16; fp32 Adam 4 + 4 + 8 = 16; SGD keeps no states (+4 master
     under mixed precision), SGD with momentum +4. ZeRO stage 1 shards the optimizer states,
@@ -488,7 +487,7 @@ def model_state_bytes(params: float, n_dp: int, zero_stage: int, precision: str 
         raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if n_dp < 1 or params < 0:
         raise ConfigError(f"need n_dp >= 1 and params >= 0, got n_dp={n_dp}, params={params}")
-    w, g, o = _bytes_per_param(precision, optimizer)
+    w, g, o = _bytes_per_param(dtype, optimizer)
     shard = {"params": zero_stage >= 3, "grads": zero_stage >= 2, "optimizer": zero_stage >= 1}
     return ModelStateBytes(
         params=params * w / (n_dp if shard["params"] else 1),

@@ -35,6 +35,20 @@ class ModelSpec:
     loss: LossFn
     dims: dict[str, int] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # checked here, where every front door builds one, so a wrong field is named before any work
+        if not isinstance(self.module, nn.Module):
+            raise ModelSpecError(f"{self.name}: ModelSpec.module is {type(self.module).__name__}, not a torch.nn.Module; "
+                                 f"pass the model itself (module=MyModel())")
+        if isinstance(self.inputs, list):
+            self.inputs = tuple(self.inputs)
+        if not isinstance(self.inputs, tuple) or not all(isinstance(i, InputSpec) for i in self.inputs):
+            raise ModelSpecError(f"{self.name}: ModelSpec.inputs must be a tuple of InputSpec (one per tensor the step "
+                                 f"takes, e.g. InputSpec(name='x', shape=('batch', 128))), got {type(self.inputs).__name__}")
+        if not callable(self.loss):
+            raise ModelSpecError(f"{self.name}: ModelSpec.loss is {type(self.loss).__name__}, not callable; pass "
+                                 f"loss(module, *inputs) -> scalar tensor")
+
     def cast(self, dtype: torch.dtype) -> ModelSpec:
         """This model trained in ``dtype``: the module's floating parameters and buffers are cast
         in place (as ``module.to(dtype)``) and the floating inputs declared in ``dtype``; integer

@@ -171,12 +171,23 @@ def _build_from_file(spec: str, seed: int = 0) -> ModelSpec:
     mod_spec = importlib.util.spec_from_file_location(f"user_model_{path.stem}", path)
     assert mod_spec and mod_spec.loader
     module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
+    try:
+        mod_spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - the user's file: say where it failed, not our traceback
+        raise ModelSpecError(f"{_where(exc, path)}: importing {path} raised {type(exc).__name__}: {exc}; fix the "
+                             f"file (run it with python to see the whole traceback)") from exc
     fn = getattr(module, factory, None)
     if fn is None:
         raise ModelSpecError(f"{path} has no function {factory!r}")
     torch.manual_seed(seed)
-    result = fn()
+    try:
+        result = fn()
+    except Exception as exc:  # noqa: BLE001 - the user's factory: say where it failed
+        raise ModelSpecError(f"{_where(exc, path)}: {path}:{factory}() raised {type(exc).__name__}: {exc}; fix "
+                             f"the factory (--debug shows the whole traceback)") from exc
+    if isinstance(result, dict) and "module" in result and not isinstance(result["module"], nn.Module):
+        raise ModelSpecError(f"{path}:{factory}() returned a dict whose 'module' is {type(result['module']).__name__}, "
+                             f"not a torch.nn.Module; put the model itself under 'module'")
     if isinstance(result, dict) and isinstance(result.get("module"), nn.Module):
         unknown = sorted(set(result) - {"module", "inputs", "loss_fn", "dims"})
         if unknown:
@@ -191,6 +202,18 @@ def _build_from_file(spec: str, seed: int = 0) -> ModelSpec:
                              f"'dims': {{'seq': N}}}}")
     result.name = spec
     return result
+
+
+def _where(exc: BaseException, path: Path) -> str:
+    """``file:line`` of the deepest frame of ``exc``'s traceback in the user's file ``path`` (for
+    a syntax error, its own line), else the file alone."""
+    import traceback
+
+    if isinstance(exc, SyntaxError) and exc.lineno:
+        return f"{path}:{exc.lineno}"
+    target = str(path.resolve())
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if str(Path(f.filename).resolve()) == target]
+    return f"{path}:{frames[-1].lineno}" if frames else str(path)
 
 
 def as_spec(model: str | ModelSpec | nn.Module, *, inputs: Sequence[InputSpec] | None = None,

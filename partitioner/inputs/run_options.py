@@ -1,4 +1,4 @@
-"""The scalar options of a run (``--timeout``, ``--steps``, ``global_batch_size=``, ...), checked at the door.
+"""The scalar options of a run (``--timeout``, ``--steps``, ``global_batch=``, ...), checked at the door.
 
 One :class:`Option` per option says its type and range; :func:`check_option` raises
 :class:`ConfigError` naming the option (as the caller spells it), the value, the rule and a fix.

@@ -46,7 +46,7 @@ def global_batch_bytes(graph: fx.GraphModule, global_batch: int) -> int:
 def replay_rank_peaks(graph: fx.GraphModule, plan: Plan, cluster: Cluster, *,
                       optimizer: str = "adamw", zero3_prefetch: int = ZERO3_PREFETCH) -> tuple[int, ...]:
     """Peak live bytes of every global rank of ``plan`` (index = rank), by the exact replay of
-    its rank program on ``graph`` (the analysed capture :func:`partitioner.compile.build.analyse` made).
+    its rank program on ``graph`` (the analysed capture :func:`partitioner.compile.build.run_analysis_passes` made).
     ``zero3_prefetch``: ZeRO-3 gather sites issued ahead (the runtime's ``zero3_prefetch``)."""
     return replay_config_peaks(graph, plan.config, cluster, global_batch=plan.global_batch, optimizer=optimizer,
                                zero3_prefetch=zero3_prefetch)

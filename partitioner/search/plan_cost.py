@@ -231,12 +231,11 @@ class PlanContext:
         self.global_batch = global_batch
         self.optimizer = optimizer
         self.dtype = profile.dtype
-        self.precision = "fp32" if profile.dtype == "fp32" else "mixed"
         self.cap = cluster.device.memory_bytes
         self.host_cap = cluster.host_memory_bytes / cluster.devices_per_node
         self.host_rate = HOST_MEMORY_BYTES_PER_S / cluster.devices_per_node  # per device, bytes/s
         self.L = len(profile.blocks)
-        self.itemsize = 4 if self.precision == "fp32" else 2
+        self.itemsize = 4 if self.dtype == "fp32" else 2
         # device memory IS host memory (CPU ranks): copies and collectives are not overlapped
         self.on_host = cluster.host_to_device.kind == "loopback"
         self._links: dict = {}
@@ -490,13 +489,13 @@ def optimizer_tensors(profile: ModelProfile, ranges: list[tuple[int, int]], zero
 def _state_per_param(ctx: PlanContext, c: ParallelConfig) -> tuple[float, float, float]:
     """Device bytes per (tp-sharded) parameter: (params, grads, optimizer) under ZeRO/offload.
     ZeRO shards over the ``dp * cp`` ranks that hold the same parameters (cp ranks replicate them)."""
-    ms = model_state_bytes(1.0, c.shard_degree if c.zero_stage == 3 else c.dp_cp, c.zero_stage, ctx.precision,
+    ms = model_state_bytes(1.0, c.shard_degree if c.zero_stage == 3 else c.dp_cp, c.zero_stage, ctx.dtype,
                            ctx.optimizer)
     opt = 0.0 if c.offload == "optimizer" else ms.optimizer
-    if c.zero_stage in (1, 2) and ctx.precision == "fp32" and opt:
+    if c.zero_stage in (1, 2) and ctx.dtype == "fp32" and opt:
         opt += 4.0 / c.dp_cp  # runtime.optim.grad_sync.ShardedOptimizer steps an fp32 copy of its chunk
     grads = ms.grads
-    if c.zero_stage == 2 and ctx.precision != "fp32":
+    if c.zero_stage == 2 and ctx.dtype != "fp32":
         grads = 4.0 / c.dp_cp  # the sharded accumulator sums in fp32 (runtime.optim.grad_sync)
     # ZeRO-3: the optimizer steps the shards themselves, whose gradients are in the parameters' dtype
     return ms.params, grads, opt
@@ -675,7 +674,7 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
     dev = ctx.cluster.device
     # ranks the sharded model state is spread over: dp x cp hold the same parameters
     shards = c.shard_degree if c.zero_stage == 3 else c.dp_cp
-    ms1 = model_state_bytes(1.0, shards, c.zero_stage, ctx.precision, ctx.optimizer)
+    ms1 = model_state_bytes(1.0, shards, c.zero_stage, ctx.dtype, ctx.optimizer)
     stages, per_stage = [], []
     for s, ranges in enumerate(assignment):
         f, b, tpc, rc, cpc, params, act, memory, w_grad = _stage_numbers(ctx, c, costs, ranges, s)

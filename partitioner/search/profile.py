@@ -289,13 +289,14 @@ def _default_layers(name: str, key: str) -> int:
 
 
 def profile_model(spec: str, *, seq: int | None = None, dtype: str = "bf16",
-                  sample_layers: int | None = 2, optimizer: str = "adamw", tensor_remat: bool = True) -> ModelProfile:
+                  sample_layers: int | None = 2, optimizer: str = "adamw", tensor_remat: bool = False) -> ModelProfile:
     """Profile ``spec`` (a zoo or ``hf-*`` spec string) at sequence length ``seq``, batch 1.
 
     ``sample_layers``: capture only this many blocks and replicate the measured block to the
     spec's layer count (``None``: capture the full model; used to check the replication).
     ``tensor_remat``: price ``checkpointing="tensor"`` (its MILP runs on the captured sample, so
-    its cost does not grow with the layer count unless ``sample_layers=None``).
+    its cost does not grow with the layer count unless ``sample_layers=None``; seconds even so, up
+    to :data:`TENSOR_TIME_LIMIT_S`: off unless the user pins ``tensor``, as for a captured graph).
     All numbers are per sample; multiply by the micro-batch size (linear in batch).
     """
     from partitioner.compile.analysis import analyze

@@ -3,7 +3,7 @@
 Three facts, all sympy expressions in the named dims (integers when the capture is concrete):
 
 1. **Model state** per parameter (``get_attr`` of a ``Parameter``; tied parameters once):
-   parameter, gradient and optimizer-state bytes from :data:`OPTIMIZERS`.
+   parameter, gradient and optimizer-state bytes from :data:`passes.ir.optimizers.OPTIMIZERS`.
 2. **Saved activations**: what autograd really keeps. The graph runs forward on fake tensors
    inside ``torch.autograd.graph.saved_tensors_hooks``; every packed tensor is attributed to the
    node running at that moment (its *saver*). Storages are deduplicated (views count once) and
@@ -23,7 +23,7 @@ Three facts, all sympy expressions in the named dims (integers when the capture 
      is freed after the node's backward, and so are the saved storages whose earliest saver
      (the last to run backward) it is. Parameter gradients accumulate and stay;
    * optimizer step: parameters + gradients + state, plus the update's temporaries (see
-     :class:`OptimizerModel`).
+     :class:`passes.ir.optimizers.OptimizerModel`).
 
    ``peak_phase``/``peak_node`` say where the peak is at the dims' hint values; ``peak_bytes``
    is the ``sympy.Max`` of the live totals at the step's local maxima that are the largest
@@ -62,10 +62,10 @@ import torch
 from torch import fx
 
 from passes.capture.fake_execution import capture_info
-from passes.ir.errors import ConfigError
 from passes.ir.meta import CAPTURE, MEMORY, MEMORY_SUMMARY, MemoryMeta, MemorySummary, SavedTensor
 from passes.analysis.saved_tensors import _ForwardRun, observe_saved_tensors  # noqa: F401  (shared with other passes)
-from passes.analysis.step_simulation import (OPTIMIZERS, OptimizerModel, _model_state, _ModelState,  # noqa: F401
+from passes.ir.optimizers import optimizer_model
+from passes.analysis.step_simulation import (_model_state, _ModelState,  # noqa: F401
                                     _simulate_step, tensor_remat_events)
 
 _ZERO = sympy.Integer(0)
@@ -76,7 +76,7 @@ def annotate_memory(gm: fx.GraphModule, ctx: Any = None, *, optimizer: str = "ad
     """Write :class:`MemoryMeta` (bytes) under ``node.meta[MEMORY]`` for every node and the
     step's :class:`MemorySummary` (bytes) under ``gm.meta[MEMORY_SUMMARY]``; returns ``gm``.
 
-    ``optimizer`` is one of :data:`OPTIMIZERS`; ``mixed_precision`` models bf16/fp16 parameters
+    ``optimizer`` is one of :data:`passes.ir.optimizers.OPTIMIZERS`; ``mixed_precision`` models bf16/fp16 parameters
     and gradients (2 bytes each per element) with fp32 master weights (4) and fp32 optimizer
     state (Adam: 8), i.e. 16 bytes per parameter element for Adam. Activation bytes always come
     from the graph's own dtypes: capture a bf16 model to get bf16 activations. ``batch``: count
@@ -92,9 +92,7 @@ def annotate_memory(gm: fx.GraphModule, ctx: Any = None, *, optimizer: str = "ad
             return annotate_memory(gm, ctx, optimizer=optimizer, mixed_precision=mixed_precision)
         finally:
             gm.meta[CAPTURE] = info
-    if optimizer not in OPTIMIZERS:
-        raise ConfigError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
-    opt = OPTIMIZERS[optimizer]
+    opt = optimizer_model(optimizer)
     info = capture_info(gm)
     run = observe_saved_tensors(gm)
     state = _model_state(run, opt, mixed_precision)

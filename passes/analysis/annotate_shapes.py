@@ -44,7 +44,7 @@ def _run(gm: fx.GraphModule, info: CaptureInfo) -> tuple[FakeContext, dict[fx.No
     attrs = fake_attrs(fake, gm, info.device, requires_grad=True)
     results: dict[fx.Node, Any] = {}
     with fake.mode:
-        FakeInterpreter(gm, attrs, on_node=lambda n, v: results.__setitem__(n, v)).run(*fake_inputs(fake, info))
+        FakeInterpreter(gm, attrs, on_node=lambda n, v: results.__setitem__(n, v), symbolic=fake.symbolic).run(*fake_inputs(fake, info))
     return fake, results
 
 

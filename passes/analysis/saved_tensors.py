@@ -82,8 +82,8 @@ class _InliningInterpreter(FakeInterpreter):
     submodule, interpreted node by node, so the forward run sees the region's own nodes.
     ``inner[call]`` lists the region's nodes (placeholders and output included) in run order."""
 
-    def __init__(self, gm: fx.GraphModule, attrs: dict[str, torch.Tensor], on_node):
-        super().__init__(gm, attrs, on_node=on_node)
+    def __init__(self, gm: fx.GraphModule, attrs: dict[str, torch.Tensor], on_node, *, symbolic: bool = True):
+        super().__init__(gm, attrs, on_node=on_node, symbolic=symbolic)
         self.inner: dict[fx.Node, list[fx.Node]] = {}
         self.calling: fx.Node | None = None
 
@@ -152,7 +152,7 @@ def observe_saved_tensors(gm: fx.GraphModule) -> _ForwardRun:
     attrs = fake_attrs(fake, gm, info.device, requires_grad=True)
     values: dict[fx.Node, Any] = {}  # strong refs: no storage is recycled during the run
     packed: list[tuple[fx.Node, torch.Tensor]] = []
-    interp = _InliningInterpreter(gm, attrs, on_node=values.__setitem__)
+    interp = _InliningInterpreter(gm, attrs, on_node=values.__setitem__, symbolic=fake.symbolic)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         packed.append((interp.current, t))

@@ -13,6 +13,7 @@ import sympy
 import torch
 from torch import fx
 
+from passes.ir.optimizers import OptimizerModel
 from passes.analysis.graph_view import view_of_run
 from passes.ir.errors import PassError
 from passes.ir.meta import TENSOR_REMAT
@@ -30,34 +31,6 @@ _HALF_BYTES = 2
 _FP32_BYTES = 4
 _STEP_BYTES = 4  # torch.optim keeps a 0-dim float32 ``step`` tensor per parameter for Adam(W)
 
-
-@dataclass(frozen=True, kw_only=True)
-class OptimizerModel:
-    """Memory of one optimizer, as ``torch.optim`` implements it.
-
-    * ``state_tensors``: per-element state tensors per parameter (Adam: ``exp_avg`` and
-      ``exp_avg_sq``; SGD with momentum: ``momentum_buffer``; plain SGD: none). Each has the
-      parameter's dtype (fp32 with mixed precision).
-    * ``step_tensor``: a 0-dim fp32 ``step`` per parameter (Adam/AdamW), counted because
-      ``MemTracker`` counts it.
-    * ``sqrt_temporaries``: the update computes ``exp_avg_sq.sqrt() / c`` — two parameter-sized
-      temporaries live at once in the single-tensor (CPU) implementation, one buffer the size of
-      all parameters in the ``foreach`` (CUDA) implementation.
-    """
-
-    name: str
-    state_tensors: int
-    step_tensor: bool
-    sqrt_temporaries: bool
-
-
-OPTIMIZERS: dict[str, OptimizerModel] = {
-    # "sgd" is SGD without momentum (torch's default): no state, in-place update, no temporaries.
-    "sgd": OptimizerModel(name="sgd", state_tensors=0, step_tensor=False, sqrt_temporaries=False),
-    "sgd_momentum": OptimizerModel(name="sgd_momentum", state_tensors=1, step_tensor=False, sqrt_temporaries=False),
-    "adam": OptimizerModel(name="adam", state_tensors=2, step_tensor=True, sqrt_temporaries=True),
-    "adamw": OptimizerModel(name="adamw", state_tensors=2, step_tensor=True, sqrt_temporaries=True),
-}
 
 # Ops whose backward hands the output gradient to an input unchanged (no new buffer): reshapes
 # (a view of a contiguous gradient), copies and same-dtype casts (identity backward).

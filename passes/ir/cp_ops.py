@@ -45,12 +45,12 @@ import torch
 from torch import Tensor
 
 from passes.ir.errors import ConfigError
+from passes.ir.meta import CONTEXT_PARALLEL  # noqa: F401  (re-exported: the key of ContextParallelPlan)
 from passes.ir.ops import _LIB, qualname
 
 from passes.ir.config import CP_MODES, ContextParallelMode as CPMode  # noqa: F401  (re-exported)
 
-CONTEXT_PARALLEL = "context_parallel"
-"""``gm.meta`` key of :class:`ContextParallelPlan` (written by :mod:`passes.rewrites.context_parallel`)."""
+# ``gm.meta[CONTEXT_PARALLEL]`` (defined with every key in passes.ir.meta): the ContextParallelPlan below
 
 SCHEMAS = {
     "ring_attention":

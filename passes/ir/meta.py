@@ -3,45 +3,10 @@
 One key per owning pass, one frozen dataclass per key. Sizes are sympy expressions: integers
 when the input dims are concrete, polynomials in the named dims (``batch``, ``seq``) otherwise.
 
-Node keys (``node.meta[KEY]``):
-
-====================  ======================  =======================================================
-key                   written by              value
-====================  ======================  =======================================================
-``SHAPE``             ``annotate_shapes``     :class:`ShapeMeta`: shape/dtype of each tensor output
-``FLOPS``             ``annotate_flops``      :class:`FlopMeta`: forward and backward FLOPs
-``MEMORY``            ``annotate_memory``     :class:`MemoryMeta`: bytes allocated, kept for backward
-``BLOCK``             ``annotate_blocks``     :class:`BlockMeta`: the node's place in the layer chain
-                                              (embedding, block ``i``, head)
-``CHECKPOINT``        ``checkpoint_policy``   :class:`CheckpointMeta`: region and recompute decision
-``PIPELINE_STAGE``    ``pipeline_split``      ``int``: the pipeline stage the node runs on (also
-                                              ``gm.meta`` of each stage module: its index)
-``TENSOR_PARALLEL``   ``tensor_parallel_``    :class:`TPMeta`: tp role, sharded dim, reason
-                      ``patterns``
-``OFFLOAD``           ``offload_policy``      :class:`OffloadMeta`: are the activations this node
-                                              owns (kept for backward) moved to host, and why
-``TENSOR_REMAT``      ``tensor_remat_``       :class:`TensorRematMeta`: save, recompute on demand
-                      ``policy``              in backward, or nothing kept (per-tensor remat)
-====================  ======================  =======================================================
-
-Graph keys (``gm.meta[KEY]``):
-
-====================  ======================  =======================================================
-``CAPTURE``           ``capture_model``       :class:`CaptureInfo`: inputs, named dims, origin
-``FLOP_SUMMARY``      ``annotate_flops``      :class:`FlopSummary`: totals over the graph
-``LAYER_CHAIN``       ``annotate_blocks``     :class:`LayerChain`: the repeated blocks, in order
-``MEMORY_SUMMARY``    ``annotate_memory``     :class:`MemorySummary`: model state, activations, peak
-``CHECKPOINT_PLAN``   ``checkpoint_policy``   :class:`CheckpointPlan`: regions, recompute FLOPs, bytes
-                      (``apply_checkpoint``   fills each region's ``submodule``)
-``TENSOR_PARALLEL_    ``tensor_parallel_``    :class:`TensorParallelPlan`: tp degree, per-parameter
-PLAN``                ``patterns``            :class:`ParamSharding` (``apply_tensor_parallel``
-                                              sets ``rank`` on each rank program)
-``OFFLOAD_PLAN``      ``offload_policy``      :class:`OffloadPlan`: offloaded activation bytes,
-                      (``apply_offload``      link time, optimizer-on-host decision
-                      numbers the regions)
-``TENSOR_REMAT_       ``tensor_remat_``       :class:`TensorRematPlan`: budget, peak, recompute
-PLAN``                ``policy``              FLOPs of the per-tensor decision
-====================  ======================  =======================================================
+Which keys live in ``node.meta`` and which in ``gm.meta``, which pass writes each, and which
+nodes must carry a node key once a pass provides it: the one table :data:`KEYS` at the end of this
+module (the pass manager's checks and messages derive from it). Each key's value is the dataclass
+defined beside the key.
 """
 from __future__ import annotations
 
@@ -676,3 +641,57 @@ class DagCheckpointPlan:
     cached: tuple[str, ...]
     method: str
     stage_budget_bytes: tuple[int, ...] = ()
+
+
+# ---------------------------------------------------------------------------------------------
+# The keys of the rank programs' other records (their dataclasses live with their ops)
+
+CONTEXT_PARALLEL = "context_parallel"
+"""``gm.meta`` key of :class:`passes.ir.cp_ops.ContextParallelPlan` (written by
+:mod:`passes.rewrites.context_parallel`)."""
+ZERO3_PLAN = "zero3_plan"
+"""``gm.meta[ZERO3_PLAN]``: the :class:`passes.ir.zero3_ops.Zero3Plan` of a stage program under
+``zero_stage=3`` (written by :mod:`passes.rewrites.shard_parameters`)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Every key, where it lives and who writes it: the pass manager's checks and messages read this
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KeySpec:
+    """What the pass manager knows of one meta key."""
+
+    scope: Literal["node", "graph"]
+    """``node``: ``node.meta[key]``; ``graph``: ``gm.meta[key]``."""
+    owner: str
+    """The pass (or function) that writes it: named when a pipeline lacks it."""
+    covers: Literal["values", "computes"] | None = None
+    """For node keys a pass provides: which nodes carry it after (``values``: every node that
+    produces a value, the output excluded; ``computes``: call nodes only); None: graph keys and
+    marks written on the nodes a decision picks."""
+
+
+KEYS: dict[str, KeySpec] = {
+    CAPTURE: KeySpec(scope="graph", owner="passes.capture.capture.capture_model"),
+    SHAPE: KeySpec(scope="node", owner="annotate_shapes", covers="values"),
+    BLOCK: KeySpec(scope="node", owner="annotate_blocks", covers="values"),
+    LAYER_CHAIN: KeySpec(scope="graph", owner="annotate_blocks"),
+    FLOPS: KeySpec(scope="node", owner="annotate_flops", covers="computes"),
+    FLOP_SUMMARY: KeySpec(scope="graph", owner="annotate_flops"),
+    MEMORY: KeySpec(scope="node", owner="annotate_memory", covers="values"),
+    MEMORY_SUMMARY: KeySpec(scope="graph", owner="annotate_memory"),
+    CONTEXT_PARALLEL: KeySpec(scope="graph", owner="context_parallel"),
+    TENSOR_PARALLEL: KeySpec(scope="node", owner="tag_tensor_parallel", covers="values"),
+    TENSOR_PARALLEL_PLAN: KeySpec(scope="graph", owner="tag_tensor_parallel"),
+    CHECKPOINT: KeySpec(scope="node", owner="checkpoint_policy", covers="values"),
+    CHECKPOINT_PLAN: KeySpec(scope="graph", owner="checkpoint_policy"),
+    REMAT: KeySpec(scope="node", owner="checkpoint_policy"),
+    DAG_CHECKPOINT_PLAN: KeySpec(scope="graph", owner="checkpoint_policy"),
+    OFFLOAD: KeySpec(scope="node", owner="offload_policy"),
+    OFFLOAD_PLAN: KeySpec(scope="graph", owner="offload_policy"),
+    PIPELINE_STAGE: KeySpec(scope="node", owner="tag_pipeline_stages", covers="values"),
+    STAGE_IO: KeySpec(scope="graph", owner="passes.rewrites.pipeline_split.split_pipeline_stages"),
+    TENSOR_REMAT: KeySpec(scope="node", owner="tensor_remat_policy"),
+    TENSOR_REMAT_PLAN: KeySpec(scope="graph", owner="tensor_remat_policy"),
+    ZERO3_PLAN: KeySpec(scope="graph", owner="shard_parameters"),
+}

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from passes.ir.meta import ZERO3_PLAN  # noqa: F401  (re-exported: the key of Zero3Plan)
 from passes.ir.errors import ConfigError
 from passes.ir.ops import _LIB, qualname
 
@@ -96,8 +97,7 @@ torch.library.register_autograd(qualname("zero3_gather"), _gather_backward, setu
 
 
 # --- the plan record ------------------------------------------------------------------------------
-ZERO3_PLAN = "zero3_plan"
-"""``gm.meta[ZERO3_PLAN]``: the :class:`Zero3Plan` of a stage program under ``zero_stage=3``."""
+# ``gm.meta[ZERO3_PLAN]`` (defined with every key in passes.ir.meta): the Zero3Plan below
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -32,53 +32,22 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 from torch import fx
 
 from passes.ir.errors import PassError
-from passes.ir.meta import (BLOCK, CAPTURE, CHECKPOINT, CHECKPOINT_PLAN, FLOP_SUMMARY, FLOPS, LAYER_CHAIN, MEMORY,
-                            MEMORY_SUMMARY, OFFLOAD_PLAN, PIPELINE_STAGE, SHAPE, TENSOR_PARALLEL,
-                            TENSOR_PARALLEL_PLAN, TENSOR_REMAT, TENSOR_REMAT_PLAN)
+from passes.ir.meta import KEYS
 
 PassFn = Callable[[fx.GraphModule, "PassContext"], fx.GraphModule]
 
-# Keys that live in gm.meta; every other key is a node key.
-GRAPH_KEYS = frozenset({CAPTURE, FLOP_SUMMARY, MEMORY_SUMMARY, CHECKPOINT_PLAN, OFFLOAD_PLAN,
-                        TENSOR_PARALLEL_PLAN, LAYER_CHAIN, TENSOR_REMAT_PLAN})
-
-
-def _not_output(node: fx.Node) -> bool:
-    return node.op != "output"
-
-
-def _computes(node: fx.Node) -> bool:
-    return node.op in ("call_function", "call_method", "call_module")
-
-
-# Which nodes must carry a node key once a pass provides it. Shapes and memory describe every
+# Derived from the one table of keys (passes.ir.meta.KEYS): where each lives, who writes it, and
+# which nodes must carry a node key once a pass provides it. Shapes and memory describe every
 # value (inputs and parameters included); FLOPs only make sense for nodes that compute. The
 # output node produces no value of its own, so it never has to carry a key.
+GRAPH_KEYS = frozenset(k for k, spec in KEYS.items() if spec.scope == "graph")
+KNOWN_PROVIDERS: dict[str, str] = {k: spec.owner for k, spec in KEYS.items()}
+_COVERAGE: dict[str, Callable[[fx.Node], bool]] = {
+    "values": lambda node: node.op != "output",
+    "computes": lambda node: node.op in ("call_function", "call_method", "call_module"),
+}
 NODE_KEY_COVERAGE: dict[str, Callable[[fx.Node], bool]] = {
-    SHAPE: _not_output,
-    FLOPS: _computes,
-    MEMORY: _not_output,
-}
-
-# The pass (or function) that normally writes each key, for error messages.
-KNOWN_PROVIDERS: dict[str, str] = {
-    CAPTURE: "passes.capture.capture.capture_model",
-    SHAPE: "annotate_shapes",
-    BLOCK: "annotate_blocks",
-    LAYER_CHAIN: "annotate_blocks",
-    FLOPS: "annotate_flops",
-    FLOP_SUMMARY: "annotate_flops",
-    MEMORY: "annotate_memory",
-    MEMORY_SUMMARY: "annotate_memory",
-    CHECKPOINT: "checkpoint_policy",
-    CHECKPOINT_PLAN: "checkpoint_policy",
-    OFFLOAD_PLAN: "offload_policy",
-    TENSOR_PARALLEL: "tag_tensor_parallel",
-    TENSOR_PARALLEL_PLAN: "tag_tensor_parallel",
-    PIPELINE_STAGE: "tag_pipeline_stages",
-    TENSOR_REMAT: "tensor_remat_policy",
-    TENSOR_REMAT_PLAN: "tensor_remat_policy",
-}
+    k: _COVERAGE[spec.covers] for k, spec in KEYS.items() if spec.scope == "node" and spec.covers is not None}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -274,7 +243,7 @@ def _missing(gm: fx.GraphModule, key: str) -> str | None:
         return None if key in gm.meta else f"gm.meta has no {key!r}"
     if key in gm.meta:  # an unknown key a pass chose to keep at graph level
         return None
-    should = NODE_KEY_COVERAGE.get(key, _not_output)
+    should = NODE_KEY_COVERAGE.get(key, _COVERAGE["values"])
     lacking = [n.name for n in gm.graph.nodes if should(n) and key not in n.meta]
     if not lacking:
         return None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -44,16 +45,28 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def init_distributed(*, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Initialise the default process group from the environment (``env://``: MASTER_ADDR,
     MASTER_PORT, RANK, WORLD_SIZE, as torchrun and :func:`runtime.dist.launch.spawn` set them).
 
     No-op if already initialised. ``timeout_s`` (seconds) bounds every collective of the default
-    group, so a dead peer turns into an error instead of a hang.
+    group, so a dead peer turns into an error instead of a hang. A process started without any
+    launcher (``python train.py``) is the one rank of a job of one: its rendezvous is set here, on
+    a free local port.
     """
     if dist.is_initialized():
         return
     missing = [k for k in RENDEZVOUS_VARS if k not in os.environ]
+    if len(missing) == len(RENDEZVOUS_VARS):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+                          LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        missing = []
     if missing:
         raise ConfigError(f"mesh: environment variable(s) {missing} not set; run under torchrun or "
                           f"runtime.dist.launch.spawn, or call torch.distributed.init_process_group first")

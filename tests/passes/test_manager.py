@@ -217,3 +217,21 @@ def test_default_pipeline_is_ordered_and_self_consistent():
     for p in pm:
         assert set(p.requires) <= provided, (p.name, p.requires, provided)
         provided |= set(p.provides)
+
+
+def test_every_key_a_registered_pass_reads_or_writes_is_in_the_one_table():
+    from passes.ir.meta import KEYS
+    from passes.lowering.manager import GRAPH_KEYS, KNOWN_PROVIDERS, NODE_KEY_COVERAGE
+    from passes.lowering.pipelines import REGISTRY
+
+    used = {k for d in REGISTRY.values() for k in (*d.requires, *d.provides)}
+    assert used <= set(KEYS), sorted(used - set(KEYS))
+    # the manager's tables are read off it, not written again
+    assert GRAPH_KEYS == {k for k, s in KEYS.items() if s.scope == "graph"}
+    assert all(KNOWN_PROVIDERS[k] == s.owner for k, s in KEYS.items())
+    assert set(NODE_KEY_COVERAGE) == {k for k, s in KEYS.items() if s.covers is not None}
+    # a pass that first writes a key is its owner
+    for d in REGISTRY.values():
+        for k in d.provides:
+            if k not in d.requires:
+                assert KEYS[k].owner == d.name, (d.name, k, KEYS[k].owner)

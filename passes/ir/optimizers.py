@@ -1,0 +1,54 @@
+"""The optimizers the project models, and what each keeps per parameter: one table for the
+memory analysis (:mod:`passes.analysis.step_simulation`), the cost model
+(:mod:`partitioner.cost.cost_model`) and the front doors' ``optimizer=`` check.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from passes.ir.errors import ConfigError
+
+STATE_BYTES = 4
+"""Bytes of one element of optimizer state: torch.optim keeps moments and momentum in fp32
+(the parameter's dtype, and fp32 master weights under mixed precision)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerModel:
+    """Memory of one optimizer, as ``torch.optim`` implements it.
+
+    * ``state_tensors``: per-element state tensors per parameter (Adam: ``exp_avg`` and
+      ``exp_avg_sq``; SGD with momentum: ``momentum_buffer``; plain SGD: none). Each has the
+      parameter's dtype (fp32 with mixed precision).
+    * ``step_tensor``: a 0-dim fp32 ``step`` per parameter (Adam/AdamW), counted because
+      ``MemTracker`` counts it.
+    * ``sqrt_temporaries``: the update computes ``exp_avg_sq.sqrt() / c`` — two parameter-sized
+      temporaries live at once in the single-tensor (CPU) implementation, one buffer the size of
+      all parameters in the ``foreach`` (CUDA) implementation.
+    """
+
+    name: str
+    state_tensors: int
+    step_tensor: bool
+    sqrt_temporaries: bool
+
+    @property
+    def state_bytes_per_element(self) -> int:
+        """Bytes of optimizer state per parameter element (fp32 moments or momentum)."""
+        return self.state_tensors * STATE_BYTES
+
+
+OPTIMIZERS: dict[str, OptimizerModel] = {
+    # "sgd" is SGD without momentum (torch's default): no state, in-place update, no temporaries.
+    "sgd": OptimizerModel(name="sgd", state_tensors=0, step_tensor=False, sqrt_temporaries=False),
+    "sgd_momentum": OptimizerModel(name="sgd_momentum", state_tensors=1, step_tensor=False, sqrt_temporaries=False),
+    "adam": OptimizerModel(name="adam", state_tensors=2, step_tensor=True, sqrt_temporaries=True),
+    "adamw": OptimizerModel(name="adamw", state_tensors=2, step_tensor=True, sqrt_temporaries=True),
+}
+
+
+def optimizer_model(name: str) -> OptimizerModel:
+    """The :class:`OptimizerModel` of ``name``, or a :class:`ConfigError` naming the choices."""
+    if name not in OPTIMIZERS:
+        raise ConfigError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    return OPTIMIZERS[name]

@@ -14,7 +14,7 @@ from ir_dumps.text import graph_text, node_line
 from ir_dumps.writer import DumpWriter
 from passes.lowering.manager import Pass, PassManager
 from passes.ir.meta import (FLOP_SUMMARY, FLOPS, MEMORY, SHAPE, FlopMeta, FlopSummary, MemoryMeta, SavedTensor,
-                         ShapeMeta, TensorMeta, dim_symbol)
+                            ShapeMeta, TensorMeta, dim_symbol)
 
 B, S = dim_symbol("batch"), dim_symbol("seq")
 

@@ -16,7 +16,7 @@ from passes.ir.meta import InputSpec
 from passes.ir.plan import Prediction
 from runtime.dist.launch import spawn
 from runtime.observe.metrics import (MetricsLogger, StepMetrics, dim_sizes, format_line, measured_mfu, step_tokens,
-                             tensorboard_available)
+                                     tensorboard_available)
 from partitioner.calibration.job_cluster import local_cluster
 
 FIELDS = {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens", "tokens_per_s", "mfu", "peak_memory_bytes",

@@ -66,7 +66,7 @@ from passes.ir.meta import CAPTURE, MEMORY, MEMORY_SUMMARY, MemoryMeta, MemorySu
 from passes.analysis.saved_tensors import _ForwardRun, observe_saved_tensors  # noqa: F401  (shared with other passes)
 from passes.ir.optimizers import optimizer_model
 from passes.analysis.step_simulation import (_model_state, _ModelState,  # noqa: F401
-                                    _simulate_step, tensor_remat_events)
+                                             _simulate_step, tensor_remat_events)
 
 _ZERO = sympy.Integer(0)
 

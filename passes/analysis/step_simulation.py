@@ -20,7 +20,7 @@ from passes.ir.meta import TENSOR_REMAT
 from passes.analysis.liveness import Timeline
 from passes.solvers.remat_solver import may_recompute, problem_from_view, recompute_schedule
 from passes.analysis.saved_tensors import (_ForwardRun, _grad_inputs, _is_getitem, _output_nodes, _requires_grad,
-                                  _Storage)
+                                           _Storage)
 
 aten = torch.ops.aten
 _ZERO = sympy.Integer(0)

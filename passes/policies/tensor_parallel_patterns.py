@@ -38,7 +38,7 @@ from torch import fx
 import passes.ir.cp_ops  # noqa: F401  (defines the context-parallel ops matched below)
 from passes.ir.errors import ConfigError, PassError
 from passes.ir.meta import (SHAPE, TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN, ParamSharding, TensorParallelPlan,
-                         TPMeta)
+                            TPMeta)
 
 aten = torch.ops.aten
 

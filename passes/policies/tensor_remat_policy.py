@@ -25,7 +25,7 @@ from passes.analysis.graph_view import to_networkx
 from passes.ir.errors import ConfigError, PassError
 from passes.ir.meta import TENSOR_REMAT, TENSOR_REMAT_PLAN, TensorRematMeta, TensorRematPlan
 from passes.solvers.remat_solver import (Action, RematCosts, RematDecision, RematProblem, peak_budget, plain_backward_peak,
-                                 problem_from_view, solve_milp)
+                                         problem_from_view, solve_milp)
 
 DEFAULT_BUDGET_FRACTION = 0.5
 """Default budget: this fraction of the way from the fewest saved bytes to the peak of recomputing

@@ -15,7 +15,7 @@ from passes.analysis.annotate_blocks import annotate_blocks
 from passes.analysis.annotate_shapes import annotate_shapes
 from passes.capture.capture import capture_spec
 from passes.policies.checkpoint_policy import (attention_regions, block_of, block_regions, checkpoint_policy, cut_points,
-                                      segments)
+                                               segments)
 from passes.ir.meta import CHECKPOINT, CHECKPOINT_PLAN, FLOPS, MEMORY_SUMMARY, CheckpointMeta
 
 L, B, S, H, V = 3, 2, 16, 64, 128

@@ -23,7 +23,7 @@ from passes.solvers.checkpoint_solver import ChainSegment, solve_chain
 from passes.analysis.graph_view import to_networkx
 from passes.ir.meta import CHECKPOINT_PLAN, MEMORY_SUMMARY
 from passes.solvers.remat_solver import (RematCosts, RematProblem, Storage, backward_peak, evaluate, from_checkpoint_plan,
-                                 problem_from_view, solve_brute_force, solve_milp, solve_min_cut)
+                                         problem_from_view, solve_brute_force, solve_milp, solve_min_cut)
 
 GPU = RematCosts(device_flops_per_s=1e12)  # no host link: save or recompute
 MODELS = {

@@ -33,7 +33,7 @@ from passes.ir.config import ParallelConfig
 from passes.ir.errors import ConfigError, PassError
 from passes.ir.meta import CAPTURE, CHECKPOINT_PLAN, FLOPS, MEMORY_SUMMARY, TENSOR_REMAT, TENSOR_REMAT_PLAN
 from passes.solvers.remat_solver import (RematCosts, backward_peak, evaluate, from_checkpoint_plan, peak_budget,
-                                 problem_from_view)
+                                         problem_from_view)
 from passes.rewrites.tensor_remat import TensorRemat
 from passes.policies.tensor_remat_policy import DEFAULT_BUDGET_FRACTION, tensor_remat_policy
 from runtime.observe.measure import memtracker_step_peak

@@ -3,10 +3,7 @@ programs (simulated tp=2 in threads, and once on real gloo in 2 processes), para
 from __future__ import annotations
 
 import io
-import os
 import pickle
-import tempfile
-import time
 
 import pytest
 import torch
@@ -14,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import runtime.kernels.collectives as tpc
+from runtime.dist.launch import spawn
 from partitioner.inputs.models import build_model
 from passes.rewrites.apply_tensor_parallel import apply_tensor_parallel
 from passes.ir.program import shard_tensor, unshard_tensor
@@ -182,25 +180,25 @@ def test_rank_program_shapes_are_local(captured):
     assert sdpa and all(int(n.meta[SHAPE].tensor.shape[1]) == 2 for n in sdpa)  # 4 heads / tp 2
 
 
-def _gloo_worker(rank: int, world: int, init_file: str, cases: bytes, out_dir: str):
+def _gloo_worker(cases: bytes):
+    """On each rank of a 2-rank job: every case's loss and gradients from this rank's program."""
     import torch.distributed as dist
 
     import runtime.kernels.collectives as collectives  # registers the kernels before the program is loaded
     import runtime.kernels  # noqa: F401
+    from runtime.dist.mesh import init_distributed
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        collectives.register_group("tp", collectives.DistGroup())
-        out = []
-        for programs, inputs, seed in pickle.loads(cases):
-            gm = pickle.loads(programs[rank])
-            torch.manual_seed(seed)  # every tp rank draws from the same stream, as one device would
-            loss = gm(*torch.load(io.BytesIO(inputs)))
-            loss.backward()
-            out.append((loss.detach(), {n: p.grad for n, p in gm.named_parameters(remove_duplicate=False)}))
-        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    init_distributed(timeout_s=60)
+    rank = dist.get_rank()
+    collectives.register_group("tp", collectives.DistGroup())
+    out = []
+    for programs, inputs, seed in pickle.loads(cases):
+        gm = pickle.loads(programs[rank])
+        torch.manual_seed(seed)  # every tp rank draws from the same stream, as one device would
+        loss = gm(*torch.load(io.BytesIO(inputs)))
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad for n, p in gm.named_parameters(remove_duplicate=False)}))
+    return out
 
 
 DROPOUT_SPECS = {  # dropout 0.1 everywhere: on tp shards (attention probabilities) and on sequence chunks
@@ -213,8 +211,6 @@ def test_tp2_on_gloo_matches_single_device_with_and_without_dropout(captured):
     """One spawn of 2 gloo ranks: gpt (dropout 0); hf-gpt2 with dropout 0.1 in the tp regions
     (its attention dropout runs on head shards); gpt with dropout 0.1 under sequence parallelism
     (residual dropouts on sequence chunks). Each equals one device seeded alike."""
-    import torch.multiprocessing as mp
-
     dropout = tagged_tp2(DROPOUT_SPECS)
     cases = [("gpt", captured["gpt"], False), ("hf-gpt2-dropout", dropout["hf-gpt2-dropout"], False),
              ("gpt-dropout-sp", dropout["gpt-dropout"], True)]
@@ -231,16 +227,7 @@ def test_tp2_on_gloo_matches_single_device_with_and_without_dropout(captured):
         buf = io.BytesIO()
         torch.save(inputs, buf)
         payload.append(([pickle.dumps(p) for p in programs], buf.getvalue(), 100 + k))
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.spawn(_gloo_worker, args=(2, os.path.join(tmp, "init"), pickle.dumps(payload), tmp),
-                       nprocs=2, join=False)
-        deadline = time.monotonic() + 90
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                pytest.fail("gloo tp ranks did not finish within 90 s")
-        results = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
+    results = spawn(_gloo_worker, 2, pickle.dumps(payload), timeout_s=120)
     for k, (name, (gm, _), _) in enumerate(cases):
         ref_loss, ref_grads = refs[k]
         grads = [r[k][1] for r in results]

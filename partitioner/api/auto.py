@@ -336,7 +336,7 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
                      lr_scheduler: SchedulerFactory | None = None, clip_grad_norm: float | None = None,
                      nonfinite: str = "stop", global_batch: int,
                      dump_dir: str | Path | None = None, fix: dict | str | None = None, plan: Plan | None = None,
-                     dtype: str = "fp32", timeout_s: float = 60.0, track_memory: bool | int = 2) -> AutoParallel:
+                     dtype: str | None = None, timeout_s: float = 60.0, track_memory: bool | int = 2) -> AutoParallel:
     """Plan ``model`` for this job and build this rank's trainer (call on every rank).
 
     ``model``: a spec string (``"gpt:layers=4,hidden=64"``), a :class:`ModelSpec`, or an
@@ -353,7 +353,8 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     a NaN/inf gradient ``"stop"`` s the run (:class:`NonFiniteError` naming the step) or is
     ``"skip"`` ped.
     ``fix``: knobs to pin (``"dp=2,pp=2"`` or a dict). ``plan``: skip the search and run this
-    plan (still checked against the world size). ``dtype``: ``fp32``, ``bf16`` or ``fp16``: a 16-bit
+    plan (still checked against the world size). ``dtype``: ``fp32``, ``bf16`` or ``fp16`` (default: the
+    plan's, else the cluster's, :attr:`Cluster.default_dtype`: bf16 on GPUs, fp32 on CPU ranks): a 16-bit
     dtype casts the module (in place) and its floating inputs to it before capture, so the model
     trains with 16-bit parameters, gradients and activations and fp32 master weights and AdamW
     state (fp16 with dynamic loss scaling). ``timeout_s``: seconds any training collective or receive may wait
@@ -370,7 +371,9 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     fix = check_fix(fix, where="auto_parallelize: fix")
     factory = as_factory(optimizer)
     planned_optimizer = planner_optimizer(factory)  # what the planner counts state bytes for
-    if dtype not in RUNTIME_DTYPES:
+    if dtype is None and plan is not None:
+        dtype = plan.config.dtype
+    if dtype is not None and dtype not in RUNTIME_DTYPES:
         raise ConfigError(f"auto_parallelize: dtype {dtype!r}; the runtime trains in {', '.join(RUNTIME_DTYPES)}")
     if plan is not None and plan.config.dtype != dtype:  # its byte counts and rank programs are another dtype's
         raise ConfigError(f"auto_parallelize: the plan trains in {plan.config.dtype}, not {dtype}; "
@@ -382,8 +385,6 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     init_distributed(timeout_s=max(timeout_s, START_TIMEOUT_S))
     clock.lap("join")
     world, rank = dist.get_world_size(), dist.get_rank()
-    if dtype != "fp32":  # every rank: the graph is rebuilt around each rank's own (cast) module
-        spec = spec.cast(TORCH_DTYPES[dtype])
     detected = cluster is None
     if isinstance(cluster, str):
         cluster = Cluster.load(cluster)
@@ -391,6 +392,9 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     if detected and rank == 0:
         print(f"partitioner: detected cluster: {describe(cluster)} ({cluster.name}; pass cluster= to override)",
               file=sys.stderr, flush=True)
+    dtype = dtype or cluster.default_dtype
+    if dtype != "fp32":  # every rank: the graph is rebuilt around each rank's own (cast) module
+        spec = spec.cast(TORCH_DTYPES[dtype])
     device = torch.device("cuda", torch.cuda.current_device()) if default_backend() == "nccl" else torch.device("cpu")
     out_dir = Path(dump_dir) if dump_dir is not None else None
     writer = DumpWriter(out_dir, model=spec.name) if out_dir is not None and rank == 0 else None

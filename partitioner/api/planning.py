@@ -24,7 +24,7 @@ from passes.ir.meta import InputSpec
 from partitioner.inputs.run_options import check_option
 
 def plan(model: str | ModelSpec | nn.Module, cluster: Cluster | str, *, global_batch: int, nodes: int | None = None,
-         seq: int | None = None, dtype: str = "bf16", fix: dict | str | None = None,
+         seq: int | None = None, dtype: str | None = None, fix: dict | str | None = None,
          optimizer: str = "adamw", dump_dir: str | Path | None = None, inputs: Sequence[InputSpec] | None = None,
          loss_fn: Callable[..., torch.Tensor] | None = None, dims: dict[str, int] | None = None) -> Plan:
     """The fastest plan for ``model`` on ``cluster`` (a Cluster, preset or file).
@@ -35,6 +35,8 @@ def plan(model: str | ModelSpec | nn.Module, cluster: Cluster | str, *, global_b
     is profiled from two captured blocks; any other model is captured whole on the meta device
     (a copy: the caller's module is left as it is).
 
+    ``dtype``: ``fp32``, ``bf16`` or ``fp16`` (default: :attr:`Cluster.default_dtype`, bf16 on GPUs
+    and fp32 on CPU ranks, as ``auto_parallelize`` and the command line take it).
     ``fix`` pins knobs (dict, or ``"tp=8,pp=4"``); ``dump_dir`` receives the plan's dump tree
     (:mod:`partitioner.api.dumps`: every pass of the lowering, each rank program with its ONNX,
     the stage picture, ``plan.json`` and ``report.html``).
@@ -44,6 +46,7 @@ def plan(model: str | ModelSpec | nn.Module, cluster: Cluster | str, *, global_b
         cluster = Cluster.load(cluster, nodes=nodes)
     elif nodes is not None:
         cluster = cluster.with_nodes(nodes)
+    dtype = dtype or cluster.default_dtype
     check_spec(model)
     pinned = check_fix(fix)
     if seq is not None:

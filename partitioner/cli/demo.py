@@ -364,7 +364,7 @@ def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str | None = DEMO
 
 
 def run_train(*, model: str, global_batch: int, steps: int, fix: str | None, dump_dir: str | None,
-              cluster: str | None, timeout_s: float, lr: float | None, dtype: str = "fp32", data: str | None = None,
+              cluster: str | None, timeout_s: float, lr: float | None, dtype: str | None = None, data: str | None = None,
               tokenizer: str | None = None, seed: int = 0, metrics: str | None = None, save_dir: str | None = None,
               save_every: int | None = None, keep: int | None = None, resume: str | None = None,
               clip_grad_norm: float | None = None, warmup: int | None = None, nodes: int | None = None,

@@ -83,7 +83,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 0
     pred = chosen.predicted
     print(f"plan for {args.model} on {args.cluster} ({chosen.world_size} devices), global batch "
-          f"{args.global_batch}, {args.dtype}  (planned in {elapsed:.1f} s)")
+          f"{args.global_batch}, {chosen.config.dtype}  (planned in {elapsed:.1f} s)")
     rows = [("knob", "value")] + [(k, str(v)) for k, v in chosen.knobs().items()]
     print(_table(rows))
     print()
@@ -352,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, help="number of nodes (default: the preset's)")
     p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
     p.add_argument("--seq", type=int, help="sequence length (default: the spec's)")
-    p.add_argument("--dtype", default="bf16", help="bf16/fp16 (mixed precision) or fp32")
+    p.add_argument("--dtype", help="fp32, or bf16/fp16 (mixed precision) (default: bf16 on a GPU cluster, fp32 on "
+                                   "CPU ranks, as everywhere)")
     p.add_argument("--optimizer", default="adamw", help="adamw, adam or sgd")
     p.add_argument("--fix", help="pin knobs: tp=8,pp=4,schedule=interleaved,virtual_pp=2,...")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -410,9 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-dir", help="write the dump tree, plan.json, report.html, measurements.json here (rank 0)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective/receive may wait (default 60)")
     p.add_argument("--lr", type=float, help="AdamW learning rate (default torch's)")
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
                    help="training precision: fp32, or bf16/fp16 weights, gradients and activations with fp32 "
-                        "master weights (fp16 with dynamic loss scaling)")
+                        "master weights (fp16 with dynamic loss scaling); default: bf16 on GPUs, fp32 on CPU ranks")
     p.add_argument("--data", metavar="FILE", help="train on this text file, each rank reading only its share "
                                                   "(windows of the model's seq + 1 tokens; default: the stdlib corpus)")
     p.add_argument("--tokenizer", metavar="NAME", help="Hugging Face tokenizer for --data (a local directory or a "

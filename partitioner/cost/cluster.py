@@ -374,6 +374,12 @@ class Cluster:
     # ---- derived facts ----------------------------------------------------------------------
 
     @property
+    def default_dtype(self) -> str:
+        """The dtype a plan on this cluster trains in when none is given, at every front door:
+        ``bf16`` on GPUs (NCCL), ``fp32`` on CPU ranks (gloo), whose 16-bit matmuls are no faster."""
+        return "bf16" if self.backend == "nccl" else "fp32"
+
+    @property
     def world_size(self) -> int:
         """Total number of ranks: ``nodes * devices_per_node``."""
         return self.nodes * self.devices_per_node

@@ -48,7 +48,7 @@ def _zoo(key: str):
 def _programs(degree: int) -> dict:
     """(model, mode) -> per rank (pickled rank program, its sharded inputs), and the inputs."""
     from passes.rewrites.context_parallel import apply_context_parallel
-    from passes.ir.cp_ops import CONTEXT_PARALLEL
+    from passes.ir.meta import CONTEXT_PARALLEL
 
     out = {}
     for key in ZOO:

@@ -384,7 +384,7 @@ def test_a_zero3_program_exports_its_gathers_over_the_shards(gpt, tmp_path):
     """ZeRO-3: the initializers are the flat dp shards under the parameters' names, and each
     block's ``zero3_gather`` is a ``Zero3Gather`` node of our domain over its shards, with the dp
     degree, stage and site; the full parameters come out of it as a sequence."""
-    from passes.ir.zero3_ops import ZERO3_PLAN
+    from passes.ir.meta import ZERO3_PLAN
 
     _, gm = gpt
     config = ParallelConfig.for_global_batch(8, dp=2, zero_stage=3)

@@ -57,7 +57,7 @@ from partitioner.inputs.run_options import check_option
 from partitioner.search.profile import ModelProfile, profile_graph, profile_model, profile_spec, with_tensor_remat
 from partitioner.search.search import check_pinned_inputs
 from partitioner.search.search import plan as search
-from passes.ir.config import TORCH_DTYPES
+from passes.ir.config import DTYPES, TORCH_DTYPES
 from passes.ir.errors import CaptureError, ConfigError, InfeasiblePlanError, PartitionerError, PassError
 from passes.ir.graph_transfer import pack_graph, unpack_graph
 from passes.ir.meta import InputSpec
@@ -125,9 +125,6 @@ def check_world_size(plan: Plan, world_size: int) -> None:
             f"plan for {world_size} devices (cluster=local_cluster({world_size}), or fix knobs whose product is "
             f"{world_size})")
 
-
-RUNTIME_DTYPES = ("fp32", "bf16", "fp16")
-"""Precisions the runtime trains in (16-bit: fp32 master weights; fp16 with dynamic loss scaling)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,8 +370,8 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     planned_optimizer = planner_optimizer(factory)  # what the planner counts state bytes for
     if dtype is None and plan is not None:
         dtype = plan.config.dtype
-    if dtype is not None and dtype not in RUNTIME_DTYPES:
-        raise ConfigError(f"auto_parallelize: dtype {dtype!r}; the runtime trains in {', '.join(RUNTIME_DTYPES)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"auto_parallelize: dtype {dtype!r}; the runtime trains in {', '.join(DTYPES)}")
     if plan is not None and plan.config.dtype != dtype:  # its byte counts and rank programs are another dtype's
         raise ConfigError(f"auto_parallelize: the plan trains in {plan.config.dtype}, not {dtype}; "
                           f"pass dtype={plan.config.dtype!r} or re-plan for {dtype}")

@@ -13,6 +13,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from partitioner.calibration import measure
 from partitioner.cost.cluster import Cluster
 from passes.ir.errors import ClusterSpecError
 
@@ -57,12 +60,8 @@ class MachineKey:
     @classmethod
     def this_machine(cls, world_size: int) -> MachineKey:
         """The key of this machine for ``world_size`` local ranks."""
-        import torch
-
-        from partitioner.calibration.measure import cpu_count, cpu_name, rank_threads
-
-        return cls(cpu=cpu_name(), cores=cpu_count(), torch_version=torch.__version__,
-                   world_size=world_size, threads_per_rank=rank_threads(world_size))
+        return cls(cpu=measure.cpu_name(), cores=measure.cpu_count(), torch_version=torch.__version__,
+                   world_size=world_size, threads_per_rank=measure.rank_threads(world_size))
 
     def file_name(self) -> str:
         """``local-w<ranks>-t<threads>-c<cores>-torch<version>-<hash>.yaml``: readable, and the

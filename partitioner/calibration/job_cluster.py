@@ -10,7 +10,6 @@
 """
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing
 import os
 import sys
@@ -18,12 +17,17 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from partitioner.calibration.cache import exclusive_lock, local_cache_file, read_cached
 from partitioner.calibration.calibrate import auto_calibrate, calibrate_in_job
 from partitioner.calibration.detect import GpuProperties, gpu_cluster, intra_node_kind, job_shape, match_gpu
 from partitioner.cost.cluster import CLUSTER_FILE_ENV, Cluster, Link
 from passes.ir.errors import ClusterSpecError
 from passes.ir.launcher_env import under_launcher
+from runtime.dist import comm
+from runtime.dist.mesh import START_TIMEOUT_S, init_distributed
 
 
 def detect_cluster(world_size: int | None = None, *, env: Mapping[str, str] | None = None,
@@ -37,8 +41,6 @@ def detect_cluster(world_size: int | None = None, *, env: Mapping[str, str] | No
     there); else CPU ranks: this machine's calibration for the job's ranks
     (:func:`local_cluster`, measured by the job's own ranks the first time).
     """
-    import torch
-
     env = os.environ if env is None else env
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
@@ -60,8 +62,8 @@ def local_cluster(world_size: int, backend: str = "gloo") -> Cluster:
 
     Reads the file named by ``$PARTITIONER_CLUSTER_FILE`` when set (it must exist). Otherwise,
     for gloo, this machine's cached calibration (:func:`cached_local_cluster`), measured the
-    first time it is needed; for nccl, this machine's GPUs as :func:`partitioner.calibration.detect.detect_cluster` sees them (an
-    error without CUDA: the CPU calibration says nothing about GPUs).
+    first time it is needed; for nccl, this machine's GPUs as :func:`detect_cluster` sees them
+    (an error without CUDA: the CPU calibration says nothing about GPUs).
     """
     env = os.environ.get(CLUSTER_FILE_ENV)
     if env:
@@ -69,15 +71,13 @@ def local_cluster(world_size: int, backend: str = "gloo") -> Cluster:
     elif backend == "gloo":
         base = cached_local_cluster(world_size)
     else:  # the calibration measures CPU processes on gloo: it says nothing about GPUs
-        import torch
-
         if not torch.cuda.is_available():
             raise ClusterSpecError(
                 f"local_cluster({world_size}, backend={backend!r}): no CUDA device is visible to this process; "
                 f"plan CPU ranks with backend='gloo', or GPUs elsewhere with a preset "
                 f"({', '.join(Cluster.presets())}) or a cluster file")
-        return dataclasses.replace(detect_cluster(world_size), nodes=1, devices_per_node=world_size)
-    return dataclasses.replace(base, nodes=1, devices_per_node=world_size, backend=backend)
+        return replace(detect_cluster(world_size), nodes=1, devices_per_node=world_size)
+    return replace(base, nodes=1, devices_per_node=world_size, backend=backend)
 
 
 def cached_local_cluster(world_size: int) -> Cluster:
@@ -117,18 +117,12 @@ def _job_world(world_size: int) -> int | None:
     process group, or the launcher's environment (torchrun, ``spawn``), in which case the default
     group is initialised here from env://, as ``auto_parallelize`` would next."""
     launched = under_launcher()
-    if "torch.distributed" not in sys.modules and not launched:
-        return None  # nothing imported it: no job (and no 2 s import)
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     if not launched:
         return None
     world = int(os.environ["WORLD_SIZE"])
     if world == world_size:
-        from runtime.dist.mesh import START_TIMEOUT_S, init_distributed
-
         init_distributed(timeout_s=START_TIMEOUT_S)
     return world
 
@@ -137,10 +131,6 @@ def _cached_in_job(path: Path, world_size: int) -> Cluster:
     """Rank 0 reads the cache and tells the others; on a miss every rank calibrates together.
     One decision for all ranks: a rank that read a file another had just written would otherwise
     skip the collectives the others are in."""
-    import torch.distributed as dist
-
-    from runtime.dist import comm
-
     rank = dist.get_rank()
     cached = None
     if rank == 0 and path.is_file():

@@ -13,6 +13,7 @@ import sympy
 import torch
 from torch import fx, nn
 
+from passes.ir.config import TORCH_DTYPES
 from passes.ir.optimizers import optimizer_model
 from passes.ir.errors import ConfigError
 from partitioner.inputs.model_spec import ModelSpec
@@ -31,7 +32,7 @@ from passes.ir.meta import (
 from ir_dumps.writer import DumpWriter
 from partitioner.compile.build import run_analysis_passes, capture_training_step
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = TORCH_DTYPES  # the training dtypes, by name (passes.ir.config)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 
 from partitioner.cost.cluster import Cluster, Device, Link
+from passes.ir.config import DTYPES as TRAINING_DTYPES
 from passes.ir.optimizers import optimizer_model
 from passes.ir.schedule import build, peak_in_flight, simulate, zb1p_compute, zbv_compute
 from passes.ir.config import SCHEDULES
@@ -443,7 +444,6 @@ def in_flight_microbatches(schedule: str, stage: int, p: int, m: int, v: int = 1
 # Model state under ZeRO
 # ---------------------------------------------------------------------------------------------
 
-DTYPES = ("fp32", "bf16", "fp16")  # the training dtype; bf16/fp16 train with fp32 master weights
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -463,8 +463,8 @@ class ModelStateBytes:
 
 
 def _bytes_per_param(dtype: str, optimizer: str) -> tuple[int, int, int]:
-    if dtype not in DTYPES:
-        raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if dtype not in TRAINING_DTYPES:  # bf16/fp16 train with fp32 master weights
+        raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(TRAINING_DTYPES)}")
     states = optimizer_model(optimizer).state_bytes_per_element  # fp32 moments
     mixed = dtype != "fp32"
     weight = 2 if mixed else 4

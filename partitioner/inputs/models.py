@@ -8,6 +8,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import inspect
+import traceback
 from pathlib import Path
 from typing import Sequence
 
@@ -207,8 +208,6 @@ def _build_from_file(spec: str, seed: int = 0) -> ModelSpec:
 def _where(exc: BaseException, path: Path) -> str:
     """``file:line`` of the deepest frame of ``exc``'s traceback in the user's file ``path`` (for
     a syntax error, its own line), else the file alone."""
-    import traceback
-
     if isinstance(exc, SyntaxError) and exc.lineno:
         return f"{path}:{exc.lineno}"
     target = str(path.resolve())

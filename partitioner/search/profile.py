@@ -13,6 +13,7 @@ seconds, no weights allocated.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import operator
 from dataclasses import dataclass, replace
@@ -28,8 +29,11 @@ from passes.rewrites.context_parallel import attention_problems, repeat_kv_sourc
 from passes.rewrites.sequence_parallel import sequence_parallel_refusal
 from passes.analysis.weight_decay import no_weight_decay_names
 from passes.ir.errors import AnalysisError, ConfigError, PassError
+from partitioner.compile.analysis import analyze
 from partitioner.inputs.model_spec import ModelSpec
 from partitioner.inputs.models import build_model, format_spec, model_keys, parse_spec
+from partitioner.zoo.registry import REGISTRY
+from passes.ir.config import TORCH_DTYPES
 from passes.ir.meta import BLOCK, CAPTURE, CHECKPOINT_PLAN, FLOPS, LAYER_CHAIN, MEMORY, SHAPE, dim_symbol
 
 LAYER_KEYS = ("layers", "num_hidden_layers", "n_layer", "num_layers")
@@ -278,10 +282,6 @@ def _layer_count_key(name: str, kwargs: dict) -> str | None:
 
 
 def _default_layers(name: str, key: str) -> int:
-    import inspect
-
-    from partitioner.inputs.models import REGISTRY  # the builder's default layer count (zoo loaded)
-
     param = inspect.signature(REGISTRY[name][0]).parameters.get(key)
     if param is None or param.default is inspect.Parameter.empty:
         raise ConfigError(f"model {name!r} needs an explicit {key}= in its spec to be profiled")
@@ -299,8 +299,6 @@ def profile_model(spec: str, *, seq: int | None = None, dtype: str = "bf16",
     to :data:`TENSOR_TIME_LIMIT_S`: off unless the user pins ``tensor``, as for a captured graph).
     All numbers are per sample; multiply by the micro-batch size (linear in batch).
     """
-    from partitioner.compile.analysis import analyze
-
     name, kwargs = parse_spec(spec)
     key = _layer_count_key(name, kwargs)
     if key is None:
@@ -309,11 +307,9 @@ def profile_model(spec: str, *, seq: int | None = None, dtype: str = "bf16",
     layers = int(kwargs[key]) if key in kwargs else _default_layers(name, key)
     captured = layers if sample_layers is None else min(layers, max(1, sample_layers))
     small = format_spec(name, {**kwargs, key: captured})
-    from partitioner.compile.analysis import DTYPES
-
-    if dtype not in DTYPES:
-        raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    model = build_model(small, device="meta", dtype=DTYPES[dtype])
+    if dtype not in TORCH_DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(TORCH_DTYPES)}")
+    model = build_model(small, device="meta", dtype=TORCH_DTYPES[dtype])
     analysis = analyze(model, batch=1, seq=seq, dtype=dtype, optimizer=optimizer)
     seq_len = int(analysis.dims.get("seq", 0) or 0)  # 0: a model without a sequence dim (mlp, resnet)
     shared = _shared_params(model.module)
@@ -651,8 +647,6 @@ def profile_spec(spec: ModelSpec, *, dtype: str = "fp32", optimizer: str = "adam
     zoo spec strings, which captures two blocks and replicates them. ``tensor_remat``: price
     ``checkpointing="tensor"`` (a MILP over the whole graph, whose time grows with depth: off
     unless the user pins it; the search offers ``tensor`` only when priced)."""
-    from partitioner.compile.analysis import analyze
-
     analysis = analyze(spec, batch=1, dtype=dtype, optimizer=optimizer)
     seq = int(analysis.dims.get("seq", 0) or 0)
     shared = _shared_params(spec.module)

@@ -71,7 +71,8 @@ import passes.ir.offload_ops as oo
 from passes.analysis.annotate_memory import annotate_memory
 from passes.ir.meta import CAPTURE, MEMORY_SUMMARY
 from passes.ir.offload_ops import OFFLOAD_BEGIN
-from passes.ir.zero3_ops import ZERO3_PREFETCH, ZERO3_GATHER, ZERO3_PLAN, GatherSchedule, Zero3Plan, keeps_gathered
+from passes.ir.zero3_ops import ZERO3_PREFETCH, ZERO3_GATHER, GatherSchedule, Zero3Plan, keeps_gathered
+from passes.ir.meta import ZERO3_PLAN
 from passes.ir.meta import dim_symbol
 from passes.ir.schedule import build as build_schedule
 from passes.ir.schedule.actions import Kind

@@ -73,7 +73,8 @@ from passes.ir.grad_buckets import (
 from passes.ir.meta import CAPTURE, MEMORY, SHAPE, TensorMeta, dim_symbol
 from passes.ir.ops import SCHEMAS, TP_OPS, op_name
 from passes.ir.program import RankProgram, global_rank, mesh_coords
-from passes.ir.zero3_ops import ZERO3_PREFETCH, ZERO3_PLAN, GatherSchedule, keeps_gathered
+from passes.ir.zero3_ops import ZERO3_PREFETCH, GatherSchedule, keeps_gathered
+from passes.ir.meta import ZERO3_PLAN
 
 CallOp = Literal["all_reduce(sum)", "all_reduce(max)", "reduce_scatter(sum)", "all_gather", "all_to_all",
                  "ring_shift", "send", "recv"]

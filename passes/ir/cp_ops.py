@@ -45,7 +45,6 @@ import torch
 from torch import Tensor
 
 from passes.ir.errors import ConfigError
-from passes.ir.meta import CONTEXT_PARALLEL  # noqa: F401  (re-exported: the key of ContextParallelPlan)
 from passes.ir.ops import _LIB, qualname
 
 from passes.ir.config import CP_MODES, ContextParallelMode as CPMode  # noqa: F401  (re-exported)

@@ -690,7 +690,7 @@ KEYS: dict[str, KeySpec] = {
     OFFLOAD: KeySpec(scope="node", owner="offload_policy"),
     OFFLOAD_PLAN: KeySpec(scope="graph", owner="offload_policy"),
     PIPELINE_STAGE: KeySpec(scope="node", owner="tag_pipeline_stages", covers="values"),
-    STAGE_IO: KeySpec(scope="graph", owner="passes.rewrites.pipeline_split.split_pipeline_stages"),
+    STAGE_IO: KeySpec(scope="graph", owner="passes.lowering.lower.lower"),
     TENSOR_REMAT: KeySpec(scope="node", owner="tensor_remat_policy"),
     TENSOR_REMAT_PLAN: KeySpec(scope="graph", owner="tensor_remat_policy"),
     ZERO3_PLAN: KeySpec(scope="graph", owner="shard_parameters"),

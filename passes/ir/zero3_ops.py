@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from passes.ir.meta import ZERO3_PLAN  # noqa: F401  (re-exported: the key of Zero3Plan)
 from passes.ir.errors import ConfigError
 from passes.ir.ops import _LIB, qualname
 

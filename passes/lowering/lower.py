@@ -38,7 +38,8 @@ import sympy
 from torch import fx
 
 from passes.ir.config import TORCH_DTYPES, ParallelConfig, dtype_name
-from passes.ir.cp_ops import CONTEXT_PARALLEL, CP_OPS
+from passes.ir.meta import CONTEXT_PARALLEL
+from passes.ir.cp_ops import CP_OPS
 from passes.ir.cost import CostHooks
 from passes.ir.errors import ConfigError, PassError
 from passes.ir.meta import (CAPTURE, CHECKPOINT_PLAN, LAYER_CHAIN, OFFLOAD_PLAN, PIPELINE_STAGE, REMAT, STAGE_IO,

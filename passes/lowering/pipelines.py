@@ -38,14 +38,14 @@ from passes.rewrites.apply_tensor_parallel import apply_tensor_parallel
 from passes.rewrites.apply_tensor_remat import apply_tensor_remat
 from passes.policies.checkpoint_policy import checkpoint_policy, restrict_checkpoint_plan
 from passes.rewrites.context_parallel import apply_context_parallel
-from passes.ir.cp_ops import CONTEXT_PARALLEL
+from passes.ir.meta import CONTEXT_PARALLEL
 from passes.ir.config import ParallelConfig
 from passes.ir.cost import CostHooks
 from passes.ir.errors import PassError
 from passes.ir.meta import (BLOCK, CAPTURE, CHECKPOINT, CHECKPOINT_PLAN, FLOP_SUMMARY, FLOPS, LAYER_CHAIN, MEMORY,
                             MEMORY_SUMMARY, OFFLOAD_PLAN, PIPELINE_STAGE, SHAPE, TENSOR_PARALLEL,
                             TENSOR_PARALLEL_PLAN, TENSOR_REMAT_PLAN)
-from passes.ir.zero3_ops import ZERO3_PLAN
+from passes.ir.meta import ZERO3_PLAN
 from passes.lowering.manager import Pass, PassContext, PassManager, PassOrder, adapt
 from passes.policies.offload_policy import offload_policy
 from passes.policies.pipeline_stages import tag_pipeline_stages_by_chain

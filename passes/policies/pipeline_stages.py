@@ -66,7 +66,7 @@ def assign_stages_by_chain(gm: fx.GraphModule, starts: Sequence[int]) -> StageAs
     memo: dict[fx.Node, bool] = {}
     mapping = {}
     for node in gm.graph.nodes:
-        if node.op not in COMPUTE_OPS or (reads_only_placeholders(node, memo) and not is_size(node)):
+        if node.op not in COMPUTE_OPS or (_reads_only_placeholders(node, memo) and not is_size(node)):
             continue
         meta = node.meta.get(BLOCK)
         if meta is None:
@@ -149,21 +149,21 @@ def assign_stages(gm: fx.GraphModule, mapping: Mapping[str | fx.Node, int], *,
             continue
         if node.name in given:
             current = stage[node.name] = given[node.name]
-        elif reads_only_placeholders(node, only_inputs) and not is_size(node):
+        elif _reads_only_placeholders(node, only_inputs) and not is_size(node):
             # Sizes stay early: later stages rebuild them from their own inputs, whereas a
             # size placed late would make that stage read the graph input it is taken from.
             deferred.append(node)
-        elif is_tuple_getitem(node):
+        elif _is_tuple_getitem(node):
             stage[node.name] = stage[node.args[0].name]
         else:
-            inputs = [stage[a.name] for a in compute_inputs(node) if a.name in stage]
+            inputs = [stage[a.name] for a in _compute_inputs(node) if a.name in stage]
             current = stage[node.name] = max([current, *inputs])
     for node in reversed(deferred):
         users = [stage[u.name] for u in node.users if u.name in stage]
         stage[node.name] = min(users, default=0)
     # A multi-output node's getitems run where it does, so only single tensors cross stages.
     for node in gm.graph.nodes:
-        if node.op in COMPUTE_OPS and is_tuple_getitem(node):
+        if node.op in COMPUTE_OPS and _is_tuple_getitem(node):
             stage[node.name] = stage[node.args[0].name]
     order = node_order(gm)
     for node in gm.graph.nodes:
@@ -190,7 +190,7 @@ def validate_assignment(gm: fx.GraphModule, assignment: StageAssignment) -> None
         if not 0 <= s < assignment.n_stages:
             raise PassError(f"pipeline_split: node {node.name!r} is on stage {s}, outside "
                             f"0..{assignment.n_stages - 1}")
-        for a in compute_inputs(node):
+        for a in _compute_inputs(node):
             t = assignment.stage_of.get(a.name, 0)
             if t > s:
                 where = module_path(node) or "top level"
@@ -221,19 +221,19 @@ def tag_pipeline_stages(gm: fx.GraphModule, assignment: StageAssignment) -> fx.G
     return gm
 
 
-def compute_inputs(node: fx.Node) -> list[fx.Node]:
+def _compute_inputs(node: fx.Node) -> list[fx.Node]:
     return [a for a in node.all_input_nodes if a.op in COMPUTE_OPS]
 
 
-def reads_only_placeholders(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
+def _reads_only_placeholders(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
     """True if the node depends on graph inputs only: no parameter, no computed activation."""
     if node not in memo:
-        memo[node] = all(a.op == "placeholder" or (a.op in COMPUTE_OPS and reads_only_placeholders(a, memo))
+        memo[node] = all(a.op == "placeholder" or (a.op in COMPUTE_OPS and _reads_only_placeholders(a, memo))
                          for a in node.all_input_nodes)
     return memo[node]
 
 
-def is_tuple_getitem(node: fx.Node) -> bool:
+def _is_tuple_getitem(node: fx.Node) -> bool:
     return (node.op == "call_function" and node.target is operator.getitem
             and isinstance(node.args[0], fx.Node) and node.args[0].op in COMPUTE_OPS)
 

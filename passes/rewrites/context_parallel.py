@@ -57,14 +57,8 @@ import torch
 from torch import fx
 
 import passes.ir.cp_ops  # noqa: F401  (defines torch.ops.partitioner.ring_attention etc.)
-from passes.ir.cp_ops import (
-    CONTEXT_PARALLEL,
-    CP_MODES,
-    ContextParallelPlan,
-    CPMode,
-    check_heads,
-    check_layout,
-)
+from passes.ir.meta import CONTEXT_PARALLEL
+from passes.ir.cp_ops import CP_MODES, ContextParallelPlan, CPMode, check_heads, check_layout
 from passes.ir.errors import ConfigError, PassError
 from passes.ir.meta import (
     CAPTURE,

@@ -41,8 +41,8 @@ from torch import fx, nn
 
 from passes.ir.errors import PassError
 from passes.ir.meta import BLOCK, SHAPE, ShapeMeta, TensorMeta
-from passes.ir.zero3_ops import (ZERO3_GATHER, ZERO3_PLAN, GatherSite, ShardedParam, Zero3Plan, shard_numel,
-                                 shard_of)
+from passes.ir.zero3_ops import ZERO3_GATHER, GatherSite, ShardedParam, Zero3Plan, shard_numel, shard_of
+from passes.ir.meta import ZERO3_PLAN
 from passes.analysis.saved_tensors import observe_saved_tensors
 
 

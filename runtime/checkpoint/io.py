@@ -71,7 +71,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from passes.ir.errors import CheckpointError, ConfigError
 from passes.ir.meta import TENSOR_PARALLEL_PLAN, ParamSharding, TensorParallelPlan
-from passes.ir.zero3_ops import ZERO3_PLAN, ShardedParam
+from passes.ir.meta import ZERO3_PLAN
+from passes.ir.zero3_ops import ShardedParam
 from runtime.checkpoint.metadata import METADATA_FILE, SafeFileSystemReader, read_metadata_file
 from runtime.optim.mixed_precision import MasterWeightOptimizer
 from runtime.optim.optimizers import init_state, state_keys

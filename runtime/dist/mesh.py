@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
+from runtime.dist.launch import free_port
 from passes.ir.errors import ConfigError
 from passes.ir.launcher_env import RENDEZVOUS_VARS
 from passes.ir.schedule.validate import stream_count
@@ -45,12 +45,6 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(*, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Initialise the default process group from the environment (``env://``: MASTER_ADDR,
     MASTER_PORT, RANK, WORLD_SIZE, as torchrun and :func:`runtime.dist.launch.spawn` set them).
@@ -64,7 +58,7 @@ def init_distributed(*, backend: str | None = None, timeout_s: float = DEFAULT_T
         return
     missing = [k for k in RENDEZVOUS_VARS if k not in os.environ]
     if len(missing) == len(RENDEZVOUS_VARS):
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                           LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         missing = []
     if missing:

@@ -43,7 +43,8 @@ from passes.ir.grad_buckets import unique_params
 from passes.ir.meta import CAPTURE, InputBounds
 from passes.ir.cp_ops import check_layout, shard_sequence
 from passes.ir.program import RankProgram, unshard_tensor
-from passes.ir.zero3_ops import ZERO3_PREFETCH, ZERO3_PLAN, unshard
+from passes.ir.zero3_ops import ZERO3_PREFETCH, unshard
+from passes.ir.meta import ZERO3_PLAN
 from runtime.dist import comm
 from runtime.exec.batch_check import check_batch
 from runtime.optim.grad_sync import (

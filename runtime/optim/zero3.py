@@ -15,7 +15,8 @@ import torch
 from torch import fx
 
 from passes.ir.errors import ConfigError
-from passes.ir.zero3_ops import ZERO3_PREFETCH, ZERO3_PLAN, keeps_gathered, shard_of
+from passes.ir.zero3_ops import ZERO3_PREFETCH, keeps_gathered, shard_of
+from passes.ir.meta import ZERO3_PLAN
 from runtime.kernels.zero3 import ParamGatherer, register_gatherer
 
 

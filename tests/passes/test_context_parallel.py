@@ -21,14 +21,9 @@ from passes.analysis.annotate_shapes import annotate_shapes
 from passes.capture.capture import capture_model, capture_spec
 from passes.rewrites.context_parallel import apply_context_parallel, context_parallel_problems
 from passes.policies.tensor_parallel_patterns import sharded_param_bytes, tag_tensor_parallel
+from passes.ir.meta import CONTEXT_PARALLEL
 from passes.ir.cp_ops import (
-    CONTEXT_PARALLEL,
-    load_balanced_chunks,
-    rank_order_index,
-    true_positions,
-    shard_sequence,
-    true_order_index,
-    unshard_sequence,
+    load_balanced_chunks, rank_order_index, true_positions, shard_sequence, true_order_index, unshard_sequence,
 )
 from passes.ir.errors import ConfigError, PassError
 from passes.ir.meta import CAPTURE, SHAPE, TENSOR_PARALLEL, InputSpec, dim_symbol

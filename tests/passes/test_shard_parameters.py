@@ -14,7 +14,8 @@ from partitioner.inputs.models import build_model
 from passes.checks.communication_check import check_lowering, rank_calls
 from passes.ir.config import ParallelConfig
 from passes.ir.errors import CommunicationMismatchError, ConfigError
-from passes.ir.zero3_ops import ZERO3_GATHER, ZERO3_PLAN, GatherSchedule, GatherSite, shard_of, unshard
+from passes.ir.zero3_ops import ZERO3_GATHER, GatherSchedule, GatherSite, shard_of, unshard
+from passes.ir.meta import ZERO3_PLAN
 from passes.lowering.lower import lower
 from partitioner.calibration.job_cluster import local_cluster
 

@@ -4,8 +4,8 @@ MEMORY is derived from the exact liveness analysis of the rank's own stage modul
 planner's per-layer estimate. For each stage module (tp-sharded, checkpointed or offloaded as the
 runtime runs it; :func:`passes.lowering.lower.lower`) :func:`stage_events` records
 the alloc/free timeline of :func:`passes.analysis.annotate_memory.annotate_memory` at ONE micro-batch's dims
-(the analysis is run unchanged; its :class:`passes.analysis.liveness.Timeline` is swapped for a recording
-one while it runs). :func:`predict_rank` then replays those timelines along the rank's schedule
+(the analysis runs as the planner runs it, with an observer,
+:class:`passes.analysis.liveness.MemoryObserver`, that records its events). :func:`predict_rank` then replays those timelines along the rank's schedule
 (:func:`passes.ir.schedule.build`), keyed per micro-batch, with what the runtime adds
 around them (:mod:`runtime.exec.stage_executor`, :mod:`runtime.optim.grad_sync`)::
 
@@ -55,7 +55,6 @@ every rank (ranks wait for each other at the end of a step).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 from dataclasses import dataclass, field
@@ -65,9 +64,10 @@ import torch
 from torch import fx
 
 from passes.ir.errors import ConfigError
-import passes.analysis.step_simulation as am  # the memory pass's step simulation: its Timeline is swapped below
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from passes.analysis.liveness import MemoryObserver
 from passes.analysis.saved_tensors import _hint
-import passes.ir.offload_ops as oo
 from passes.analysis.annotate_memory import annotate_memory
 from passes.ir.meta import CAPTURE, MEMORY_SUMMARY
 from passes.ir.offload_ops import OFFLOAD_BEGIN
@@ -142,65 +142,33 @@ class MemoryPrediction:
 # One stage: recorded liveness of annotate_memory at one micro-batch's dims
 
 
-@contextlib.contextmanager
-def _recording() -> Iterator[dict]:
-    """Swap annotate_memory's Timeline and AccumulateGrad model for recording ones, and watch the
-    offload hooks (:mod:`passes.ir.offload_ops`) that the fake forward runs."""
-    from torch.multiprocessing.reductions import StorageWeakRef
+class _Recorder(MemoryObserver):
+    """Records the memory pass's simulated step (:class:`passes.analysis.liveness.MemoryObserver`):
+    its alloc/free events by phase (``@`` markers where each node's events start), the buffers
+    that become a parameter's ``.grad``, and the saved storages the offload regions move to host."""
 
-    rec: dict = {"events": [], "param_grads": set(), "offloaded": []}
-    base = am.Timeline
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.param_grads: set = set()
+        self.moved: list = []  # (region, storage, bytes at the dims) of each storage offloaded
+        self._phase = "forward"
 
-    class Recorder(base):  # type: ignore[misc, valid-type]
-        def at(self, phase, node):
-            self._rec_phase = phase
-            rec["events"].append(Event(phase, "@", node, 0))  # a marker: where each node's events start
-            super().at(phase, node)
+    def at(self, phase: str, node: str) -> None:
+        self._phase = phase
+        self.events.append(Event(phase, "@", node, 0))
 
-        def alloc(self, key, size, hint):
-            rec["events"].append(Event(getattr(self, "_rec_phase", "forward"), "+", key, int(hint)))
-            super().alloc(key, size, hint)
+    def alloc(self, key, hint_bytes: int) -> None:
+        self.events.append(Event(self._phase, "+", key, hint_bytes))
 
-        def free(self, key):
-            rec["events"].append(Event(getattr(self, "_rec_phase", "forward"), "-", key, 0))
-            super().free(key)
+    def free(self, key) -> None:
+        self.events.append(Event(self._phase, "-", key, 0))
 
-    orig_acc = am._accumulate_param
+    def param_grad(self, key) -> None:
+        self.param_grads.add(key)
 
-    def accumulate(grads, param_grad, st, key, grad_size, key_hint):
-        orig_acc(grads, param_grad, st, key, grad_size, key_hint)
-        rec["param_grads"].add(param_grad[st])
-
-    orig_pack = oo.OffloadRegion.pack
-    graph_mod = torch.autograd.graph
-    orig_hooks = graph_mod.saved_tensors_hooks
-    outer: list = []  # pack hooks of annotate_memory's observation, innermost last
-
-    class ObservedHooks(orig_hooks):  # type: ignore[misc, valid-type]
-        def __enter__(self):
-            outer.append(self.pack_hook)
-            return super().__enter__()
-
-        def __exit__(self, *exc):
-            outer.pop()
-            return super().__exit__(*exc)
-
-    def pack(region, t):
-        packed = orig_pack(region, t)
-        if isinstance(packed, oo.Packed):  # moved to host: (region, storage, bytes at the dims)
-            rec["offloaded"].append((region.region, StorageWeakRef(t.untyped_storage()),
-                                     _hint(t.untyped_storage().nbytes())))
-        elif outer:  # kept on the device: the observation under the region's hooks must see it
-            outer[-1](t)  # (inside an inlined checkpointed region: what its recompute saves)
-        return packed
-
-    am.Timeline, am._accumulate_param, oo.OffloadRegion.pack = Recorder, accumulate, pack
-    graph_mod.saved_tensors_hooks = ObservedHooks
-    try:
-        yield rec
-    finally:
-        am.Timeline, am._accumulate_param, oo.OffloadRegion.pack = base, orig_acc, orig_pack
-        graph_mod.saved_tensors_hooks = orig_hooks
+    def offloaded(self, region: int, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        self.moved.append((region, StorageWeakRef(storage), _hint(storage.nbytes())))
 
 
 def stage_events(module: fx.GraphModule, dims: Mapping[str, int], *, optimizer: str = "adamw",
@@ -222,10 +190,10 @@ def stage_events(module: fx.GraphModule, dims: Mapping[str, int], *, optimizer: 
     zero3 = gm.meta.get(ZERO3_PLAN)
     if zero3 is not None:
         _unique_region_names(gm)  # each region's gather is told apart from the stage's by its marker
-    with _recording() as rec:
-        annotate_memory(gm, optimizer=optimizer, mixed_precision=mixed_precision)
+    rec = _Recorder()
+    annotate_memory(gm, optimizer=optimizer, mixed_precision=mixed_precision, observer=rec)
     summary = gm.meta[MEMORY_SUMMARY]
-    events = _with_offload_copies(gm, rec["events"], rec["offloaded"], device=info.device)
+    events = _with_offload_copies(gm, rec.events, rec.moved, device=info.device)
     if zero3 is not None:
         events = _with_zero3(gm, events, zero3)
     fwd, bwd, opt_live, opt_peak = [], [], 0, 0
@@ -251,7 +219,7 @@ def stage_events(module: fx.GraphModule, dims: Mapping[str, int], *, optimizer: 
     fwd = [dataclasses.replace(e, bytes=sizes[e.key]) if e.op in "+-" else e for e in fwd]
     bwd = [dataclasses.replace(e, bytes=sizes[e.key]) if e.op in "+-" else e for e in bwd]
     hints = {k: v for k, v in gm.meta[CAPTURE].symbols().items()}
-    return StageEvents(forward=tuple(fwd), backward=tuple(bwd), param_grads=frozenset(rec["param_grads"]),
+    return StageEvents(forward=tuple(fwd), backward=tuple(bwd), param_grads=frozenset(rec.param_grads),
                        optimizer_bytes=opt_peak, param_bytes=_int(summary.param_bytes, hints),
                        activation_bytes=_int(summary.activation_bytes, hints))
 

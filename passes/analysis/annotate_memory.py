@@ -65,6 +65,7 @@ from passes.capture.fake_execution import capture_info
 from passes.ir.meta import CAPTURE, MEMORY, MEMORY_SUMMARY, MemoryMeta, MemorySummary, SavedTensor
 from passes.analysis.saved_tensors import _ForwardRun, observe_saved_tensors  # noqa: F401  (shared with other passes)
 from passes.ir.optimizers import optimizer_model
+from passes.analysis.liveness import MemoryObserver
 from passes.analysis.step_simulation import (_model_state, _ModelState,  # noqa: F401
                                              _simulate_step, tensor_remat_events)
 
@@ -72,7 +73,8 @@ _ZERO = sympy.Integer(0)
 
 
 def annotate_memory(gm: fx.GraphModule, ctx: Any = None, *, optimizer: str = "adamw",
-                    mixed_precision: bool = False, batch: int | None = None) -> fx.GraphModule:
+                    mixed_precision: bool = False, batch: int | None = None,
+                    observer: MemoryObserver | None = None) -> fx.GraphModule:
     """Write :class:`MemoryMeta` (bytes) under ``node.meta[MEMORY]`` for every node and the
     step's :class:`MemorySummary` (bytes) under ``gm.meta[MEMORY_SUMMARY]``; returns ``gm``.
 
@@ -82,24 +84,25 @@ def annotate_memory(gm: fx.GraphModule, ctx: Any = None, *, optimizer: str = "ad
     from the graph's own dtypes: capture a bf16 model to get bf16 activations. ``batch``: count
     one step of ``batch`` samples with every other named dim at its hint (concrete numbers,
     several times faster than the symbolic analysis; ``batch=1`` is what the planner's per-sample
-    profile reads); ``None``: symbolic in the capture's symbolic dims.
+    profile reads); ``None``: symbolic in the capture's symbolic dims. ``observer``: told every
+    event of the simulated step (:class:`passes.analysis.liveness.MemoryObserver`).
     """
     if batch is not None:
         info = capture_info(gm)
         dims = tuple((n, batch if n == "batch" else v) for n, v in info.dims)
         gm.meta[CAPTURE] = dataclasses.replace(info, dims=dims, symbolic=())
         try:
-            return annotate_memory(gm, ctx, optimizer=optimizer, mixed_precision=mixed_precision)
+            return annotate_memory(gm, ctx, optimizer=optimizer, mixed_precision=mixed_precision, observer=observer)
         finally:
             gm.meta[CAPTURE] = info
     opt = optimizer_model(optimizer)
     info = capture_info(gm)
-    run = observe_saved_tensors(gm)
+    run = observe_saved_tensors(gm, observer=observer)
     state = _model_state(run, opt, mixed_precision)
     _write_node_meta(run, state)
     foreach = info.device == "cuda"
     remat = tensor_remat_events(gm, run)
-    peak = _simulate_step(run, state, opt, foreach=foreach, hints=info.symbols(), remat=remat)
+    peak = _simulate_step(run, state, opt, foreach=foreach, hints=info.symbols(), remat=remat, observer=observer)
 
     kept = [s for s in run.storages.values() if s.kept and s.kind in ("activation", "internal")] if remat is None \
         else list(remat.release)  # a per-tensor recompute decision: what its saved nodes keep or hold

@@ -25,6 +25,30 @@ import sympy
 Vector = dict[sympy.Expr, sympy.Expr]  # monomial -> coefficient
 
 
+class MemoryObserver:
+    """Watches the memory pass's simulation of a step as it runs (the planner's memory replay,
+    :mod:`partitioner.search.replay`, records it so). Every method does nothing here; an
+    observer overrides what it needs. Sizes are bytes at the dims' hints."""
+
+    def at(self, phase: str, node: str) -> None:
+        """The following events belong to ``phase`` (``forward``, ``backward``, ``optimizer``) and ``node``."""
+
+    def alloc(self, key: Hashable, hint_bytes: int) -> None:
+        """Buffer ``key`` becomes live."""
+
+    def free(self, key: Hashable) -> None:
+        """Buffer ``key`` is released."""
+
+    def param_grad(self, key: Hashable) -> None:
+        """Buffer ``key`` is (now) a parameter's ``.grad``."""
+
+    def offloaded(self, region: int, tensor) -> None:
+        """Offload region ``region`` moved the storage of ``tensor`` (a saved tensor) to the host."""
+
+
+_SILENT = MemoryObserver()
+
+
 @dataclass(frozen=True, kw_only=True)
 class Peak:
     """The largest live total of a timeline (bytes), and where it happens."""
@@ -42,7 +66,8 @@ class Timeline:
     ``ValueError`` and freeing a dead one ``KeyError`` (both are bugs in the caller).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, observer: MemoryObserver | None = None) -> None:
+        self.observer = observer or _SILENT
         self._sizes: dict[Hashable, tuple[Vector, int]] = {}
         self._live: set[Hashable] = set()
         self._total = 0
@@ -54,10 +79,12 @@ class Timeline:
 
     def at(self, phase: str, node: str) -> None:
         """Tag the following events with ``phase`` and ``node``."""
+        self.observer.at(phase, node)
         self._where = (phase, node)
 
     def alloc(self, key: Hashable, size: sympy.Expr, hint: int) -> None:
         """A buffer of ``size`` bytes (``hint`` bytes at the dims' hints) becomes live."""
+        self.observer.alloc(key, int(hint))
         if key in self._live:
             raise ValueError(f"buffer {key!r} allocated twice")
         vec = _vector(size)
@@ -71,6 +98,7 @@ class Timeline:
 
     def free(self, key: Hashable) -> None:
         """The buffer ``key`` is released."""
+        self.observer.free(key)
         if self._rising:
             self._candidate()
         self._live.remove(key)

@@ -12,6 +12,7 @@ the run (:class:`ForwardRun`); the passes read storage identities that ``MemoryM
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from torch.utils._pytree import tree_leaves
 
 from passes.analysis.annotate_flops import checkpoint_submodule
 from passes.ir.meta import REMAT
+from passes.ir.offload_ops import watch_packs
+from passes.analysis.liveness import MemoryObserver
 from passes.capture.fake_execution import FakeContext, FakeInterpreter, capture_info, fake_attrs, fake_context, fake_inputs
 
 aten = torch.ops.aten
@@ -143,10 +146,12 @@ def tensor_leaves(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def observe_saved_tensors(gm: fx.GraphModule) -> _ForwardRun:
+def observe_saved_tensors(gm: fx.GraphModule, *, observer: MemoryObserver | None = None) -> _ForwardRun:
     """Run ``gm``'s forward on fake tensors under ``saved_tensors_hooks`` and record, per node,
     the storages autograd saves and who owns them. Shared by the memory, checkpoint and offload
-    passes, which need storage identities that :class:`MemoryMeta` only summarizes."""
+    passes, which need storage identities that :class:`MemoryMeta` only summarizes.
+    ``observer``: told each saved tensor an offload region moves to the host; what a region keeps
+    on the device is then recorded here too (:func:`passes.ir.offload_ops.watch_packs`)."""
     info = capture_info(gm)
     fake = fake_context(info)
     attrs = fake_attrs(fake, gm, info.device, requires_grad=True)
@@ -158,7 +163,9 @@ def observe_saved_tensors(gm: fx.GraphModule) -> _ForwardRun:
         packed.append((interp.current, t))
         return t
 
-    with _eager_dropout(info.device), fake.mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    watching = watch_packs(observer.offloaded) if observer is not None else contextlib.nullcontext()
+    with _eager_dropout(info.device), fake.mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            watching:
         interp.run(*fake_inputs(fake, info))
 
     order: list[fx.Node] = []

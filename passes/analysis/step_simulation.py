@@ -17,7 +17,7 @@ from passes.ir.optimizers import OptimizerModel
 from passes.analysis.graph_view import view_of_run
 from passes.ir.errors import PassError
 from passes.ir.meta import TENSOR_REMAT
-from passes.analysis.liveness import Timeline
+from passes.analysis.liveness import MemoryObserver, Timeline
 from passes.solvers.remat_solver import may_recompute, problem_from_view, recompute_schedule
 from passes.analysis.saved_tensors import (_ForwardRun, _grad_inputs, _is_getitem, _output_nodes, _requires_grad,
                                            _Storage)
@@ -227,8 +227,9 @@ def tensor_remat_events(gm: fx.GraphModule, run: _ForwardRun) -> TensorRematEven
 
 
 def _simulate_step(run: _ForwardRun, state: _ModelState, opt: OptimizerModel, *, foreach: bool,
-                   hints: dict[sympy.Symbol, int], remat: TensorRematEvents | None = None):
-    tl = Timeline()
+                   hints: dict[sympy.Symbol, int], remat: TensorRematEvents | None = None,
+                   observer: MemoryObserver | None = None):
+    tl = Timeline(observer)
     tl.at("forward", "(model state)")
     for st in run.storages.values():
         if st.kind == "param" and st in state.param:
@@ -335,6 +336,7 @@ def _simulate_step(run: _ForwardRun, state: _ModelState, opt: OptimizerModel, *,
             if params:
                 _accumulate_param(grads, param_grad, params[0], key, state.grad[params[0]],
                                   _tensor_bytes(run, value)[1])
+                tl.observer.param_grad(param_grad[params[0]])
             elif src.op == "get_attr":
                 grads.unref(key)  # a frozen parameter or buffer: the gradient is dropped
             else:

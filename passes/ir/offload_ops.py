@@ -32,9 +32,10 @@ a pass that reorders nodes must keep each ``begin``, saver, ``end`` triple adjac
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 from torch import fx
@@ -124,14 +125,20 @@ class OffloadRegion:
         self.region = region
         self.host_copy = host_copy
         self.kept = 0  # saved tensors left on the device (weights, activations not chosen)
+        self.outer_pack: Callable[[torch.Tensor], Any] | None = None  # set by begin_region under watch_packs
 
     def pack(self, t: torch.Tensor):
         ref = StorageWeakRef(t.untyped_storage())
+        watcher = _watcher()
         if ref in self.offload or (self.internals and ref not in self.keep):
             host = self.host_copy(t, ref, self.region)
             host.users += 1
+            if watcher is not None:
+                watcher(self.region, t)
             return Packed(host, t.dtype, tuple(t.size()), tuple(t.stride()), t.storage_offset(), t.requires_grad)
         self.kept += 1
+        if watcher is not None and self.outer_pack is not None:
+            self.outer_pack(t)  # an observation of saved tensors outside the region sees what stays
         return t
 
 
@@ -156,8 +163,32 @@ def open_regions() -> list[OffloadRegion]:
     return _OPEN.stack
 
 
+_WATCH = threading.local()  # the watcher of watch_packs, one per thread
+
+
+def _watcher() -> Callable[[int, torch.Tensor], None] | None:
+    return getattr(_WATCH, "on_offload", None)
+
+
+@contextlib.contextmanager
+def watch_packs(on_offload: Callable[[int, torch.Tensor], None]) -> Iterator[None]:
+    """While open (on this thread), every region tells ``on_offload(region, tensor)`` each saved
+    tensor it moves to the host, and hands each one it keeps on the device to the saved-tensor
+    hooks that were innermost when the region began (region hooks replace outer ones, so without
+    this an observation of saved tensors outside the region would not see them)."""
+    previous = _watcher()
+    _WATCH.on_offload = on_offload
+    try:
+        yield
+    finally:
+        _WATCH.on_offload = previous
+
+
 def begin_region(region: OffloadRegion) -> None:
     """Push ``region``'s saved-tensor hooks (what an ``offload_begin`` kernel does)."""
+    if _watcher() is not None:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        region.outer_pack = top[0] if top is not None else None
     torch._C._autograd._push_saved_tensors_default_hooks(region.pack, unpack)
     open_regions().append(region)
 

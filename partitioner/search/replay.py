@@ -58,7 +58,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Hashable, Iterator, Mapping
+from typing import Hashable, Mapping
 
 import torch
 from torch import fx
@@ -78,7 +78,7 @@ from passes.ir.schedule import build as build_schedule
 from passes.ir.schedule.actions import Kind
 from passes.rewrites.split_backward import held_gradient_meta
 from partitioner.search.search import plan
-from runtime.optim.grad_sync import MAX_IN_FLIGHT, bucket_groups
+from passes.ir.grad_buckets import MAX_IN_FLIGHT, BucketMachine, GradSlot, Launch, bucket_layout
 from partitioner.compile.build import rank_program
 from partitioner.cost.cluster import Cluster
 from passes.ir.config import KNOBS, ParallelConfig
@@ -100,14 +100,14 @@ class StageEvents:
     """The liveness timeline of one stage module for one micro-batch (bytes).
 
     ``forward``/``backward``: activation and gradient events (model state and graph inputs are
-    left out: the rank replay places them). ``param_grads``: keys of gradient buffers that become
-    a parameter's ``.grad``. ``optimizer_bytes``: the optimizer's largest temporaries.
+    left out: the rank replay places them). ``param_grads``: the gradient buffers that become a
+    parameter's ``.grad``, each with the parameter's qualified name in the stage module. ``optimizer_bytes``: the optimizer's largest temporaries.
     ``param_bytes``: parameter storages of the module (bytes), for checks.
     """
 
     forward: tuple[Event, ...]
     backward: tuple[Event, ...]
-    param_grads: frozenset
+    param_grads: Mapping[Hashable, str]
     optimizer_bytes: int
     param_bytes: int
     activation_bytes: int
@@ -149,7 +149,7 @@ class _Recorder(MemoryObserver):
 
     def __init__(self) -> None:
         self.events: list[Event] = []
-        self.param_grads: set = set()
+        self.param_grads: dict = {}
         self.moved: list = []  # (region, storage, bytes at the dims) of each storage offloaded
         self._phase = "forward"
 
@@ -163,8 +163,8 @@ class _Recorder(MemoryObserver):
     def free(self, key) -> None:
         self.events.append(Event(self._phase, "-", key, 0))
 
-    def param_grad(self, key) -> None:
-        self.param_grads.add(key)
+    def param_grad(self, key, param: str) -> None:
+        self.param_grads[key] = param
 
     def offloaded(self, region: int, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -219,7 +219,7 @@ def stage_events(module: fx.GraphModule, dims: Mapping[str, int], *, optimizer: 
     fwd = [dataclasses.replace(e, bytes=sizes[e.key]) if e.op in "+-" else e for e in fwd]
     bwd = [dataclasses.replace(e, bytes=sizes[e.key]) if e.op in "+-" else e for e in bwd]
     hints = {k: v for k, v in gm.meta[CAPTURE].symbols().items()}
-    return StageEvents(forward=tuple(fwd), backward=tuple(bwd), param_grads=frozenset(rec.param_grads),
+    return StageEvents(forward=tuple(fwd), backward=tuple(bwd), param_grads=dict(rec.param_grads),
                        optimizer_bytes=opt_peak, param_bytes=_int(summary.param_bytes, hints),
                        activation_bytes=_int(summary.activation_bytes, hints))
 
@@ -553,7 +553,8 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
     # shards, which an unsharded AdamW steps (the parameters are the shards)
     sharded_state = zero in (1, 2)
     sync = (dp > 1 or zero > 0) and zero != 3  # runtime.exec.parallel_model builds gradient buckets
-    buckets = bucket_numels(params, dp if sharded_state else 1) if zero != 3 else []
+    layout = _bucket_layout(params, dp if sharded_state else 1, shard=sharded_state) if zero != 3 else ()
+    buckets = [b.numel for b in layout]
     chunk_bytes = sum(4 * b // dp for b in buckets) if sharded_state else 0  # this rank's fp32 chunk of every bucket
     host_optimizer = program.config.offload == "optimizer"  # runtime.optim.optimizer_offload: state on the host
     host_is_device = bool(params) and params[0].device.type == "cpu"
@@ -582,7 +583,8 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
     grads_made: set[int] = set()
     sent: list[Hashable] = []
     bucket_launched = False
-    zero2 = _Zero2Buckets(live, buckets, params, dp) if zero == 2 else None
+    zero2 = _Zero2Buckets(live, layout, dp) if zero == 2 else None
+    member = {id(p): i for i, p in enumerate(params)}
     for k, a in enumerate(actions):
         where = f"{a}"
         s, i = a.stage, a.microbatch
@@ -630,7 +632,8 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
                     continue
                 if e.key in ev[s].param_grads:
                     if zero2 is not None:  # every backward's gradients, reduced bucket by bucket
-                        zero2.grad(e, ("pgrad", s, i, e.key), where)
+                        param = program.modules[s].get_parameter(ev[s].param_grads[e.key])
+                        zero2.grad(e, ("pgrad", s, i, e.key), member[id(param)], where)
                     elif first:
                         _apply(live, e, ("pgrad", s), "grads", where)
                     elif z3 is not None and e.op == "+":  # a site's shards live until its reduce-scatter returns
@@ -639,8 +642,6 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
                         live.bump(e.bytes, "grads", where)  # accumulated in place, then released
                     continue
                 _apply(live, e, (s, i), "activations", where)
-            if zero2 is not None:
-                zero2.flush(where)  # the last (partial) bucket completes at the end of backward
             if s > 0 and not weight_half:  # the gradient of each received input, held until its send completes
                 for inp in boundary[s - 1]:
                     if inp.meta.requires_grad:
@@ -790,12 +791,11 @@ class _Zero3Gathers:
         self.schedule.reset()
 
 
-def bucket_numels(params, size: int) -> list[int]:
-    """Element counts of the gradient buckets :class:`runtime.optim.grad_sync.BucketedGradSync` makes
-    of ``params`` (:func:`runtime.optim.grad_sync.bucket_groups` in backward order), padded to a
-    multiple of ``size``. Tied copies, which the runtime puts in buckets of their own, are not
-    told apart here."""
-    return [-(-sum(p.numel() for p in g) // size) * size for g in bucket_groups(list(reversed(params)))]
+def _bucket_layout(params, size: int, *, shard: bool):
+    """The gradient buckets :class:`runtime.optim.grad_sync.BucketedGradSync` makes of ``params``
+    (:func:`passes.ir.grad_buckets.bucket_layout`; sharded ones padded to a multiple of ``size``).
+    Tied copies, which the runtime puts in buckets of their own, are not told apart here."""
+    return bucket_layout([GradSlot(p.numel(), p.dtype) for p in params], size=size, shard=shard)
 
 
 def _own(numel: int, params) -> int:
@@ -804,78 +804,52 @@ def _own(numel: int, params) -> int:
 
 
 class _Zero2Buckets:
-    """ZeRO-2 in the replay, as :class:`runtime.optim.grad_sync.BucketedGradSync` runs it: gradients
-    made by a backward fill the current bucket; a full bucket is launched: its fp32 flat copy is
-    made while its gradients still exist, then they are freed and the reduce-scatter's output
-    chunk is made. At most ``MAX_IN_FLIGHT`` launches stay in flight, and a bucket's last launch
-    is retired when its next round begins; a retired launch frees its flat copy, and its chunk
-    becomes the bucket's summed chunk (the first time) or is added into it and freed."""
+    """ZeRO-2 in the replay: :class:`passes.ir.grad_buckets.BucketMachine` says when each bucket
+    starts and is waited, as it does for the runtime. A parameter's gradient made by a backward
+    joins its bucket's round; a launch makes the bucket's fp32 flat copy while its gradients still
+    exist, frees them and makes the reduce-scatter's output chunk; a retired launch frees its flat
+    copy, and its chunk becomes the bucket's summed chunk (the first time) or is added into it
+    and freed."""
 
-    def __init__(self, live: _Live, buckets: list[int], params, dp: int) -> None:
-        self.live, self.params = live, params
-        self.caps = [_own(b, params) for b in buckets] or [0]
-        self.chunks = [4 * b // dp for b in buckets] or [0]  # bytes of one bucket's fp32 chunk
-        self.pending: list[Hashable] = []
-        self.filled = 0
-        self.index = 0
-        self.in_flight: list[tuple[int, Hashable, Hashable]] = []  # (bucket, its flat copy, its chunk)
+    def __init__(self, live: _Live, layout, dp: int) -> None:
+        self.live, self.layout, self.dp = live, layout, dp
+        self.machine = BucketMachine(layout, "reduce_scatter_each")
+        self.pending: dict[int, list[Hashable]] = {}  # bucket -> its gradients made since its last launch
         self.summed: set[int] = set()  # buckets whose summed chunk exists
-        self.launches = 0
 
-    def grad(self, e: Event, key: Hashable, where: str) -> None:
-        """One parameter-gradient event of a backward: a partial gradient freed once summed
-        ("-") leaves the bucket; a full bucket launches."""
+    def grad(self, e: Event, key: Hashable, member: int, where: str) -> None:
+        """One parameter-gradient event of a backward (``member``: the parameter's index in the
+        layout): a partial gradient freed once summed ("-") leaves its bucket; a new gradient
+        is the parameter's accumulation, on which the machine may launch or retire."""
+        k = self.machine.bucket_of[member]
         if e.op != "+":
-            if key in self.pending:
-                self.pending.remove(key)
-                self.filled -= self.live.size[key][0]
+            if key in self.pending.get(k, ()):
+                self.pending[k].remove(key)
                 self.live.free(key)
             return
-        if not self.pending:  # a new round of this bucket: its last launch is retired
-            for f in [f for f in self.in_flight if f[0] == self._bucket()]:
-                self._retire(f)
         self.live.alloc(key, e.bytes, "grads", where)
-        self.pending.append(key)
-        self.filled += e.bytes
-        if self.filled >= self.caps[self._bucket()]:
-            self._launch(where)
-
-    def _bucket(self) -> int:
-        return self.index % len(self.caps)
-
-    def flush(self, where: str) -> None:
-        if self.pending:
-            self._launch(where)
-        self.index = 0
-
-    def _launch(self, where: str) -> None:
-        self.launches += 1
-        b = self._bucket()
-        flat = 4 * self.filled // (self.params[0].element_size() if self.params else 4)
-        key = ("zero2_flat", self.launches)
-        self.live.alloc(key, flat, "grads", where)
-        for k in self.pending:
-            self.live.free(k)
-        chunk = ("zero2_chunk", self.launches)
-        self.live.alloc(chunk, self.chunks[b], "grads", where)
-        while len(self.in_flight) >= MAX_IN_FLIGHT:  # the oldest is waited for after this one started
-            self._retire(self.in_flight[0])
-        self.in_flight.append((b, key, chunk))
-        self.pending, self.filled = [], 0
-        self.index += 1
-
-    def _retire(self, f: tuple[int, Hashable, Hashable]) -> None:
-        b, flat, chunk = f
-        self.in_flight.remove(f)
-        self.live.free(flat)
-        if b in self.summed:
-            self.live.free(chunk)  # added into the bucket's summed chunk
-        else:
-            self.summed.add(b)  # the first chunk is the summed chunk (kept to the step)
+        self.pending.setdefault(k, []).append(key)
+        self._do(self.machine.accumulated(member), where)
 
     def finish(self, where: str) -> None:
-        while self.in_flight:
-            self._retire(self.in_flight[0])
+        """The ALL_REDUCE action: what backward did not launch, then every wait."""
+        self._do(self.machine.finish_early() + self.machine.finish_late(), where)
+        self.machine.reset()
+
+    def _do(self, steps, where: str) -> None:
+        for step in steps:
+            b = self.layout[step.bucket]
+            if isinstance(step, Launch):
+                self.live.alloc(("zero2_flat", step.launch), 4 * b.numel, "grads", where)
+                for key in self.pending.pop(step.bucket, []):
+                    self.live.free(key)
+                self.live.alloc(("zero2_chunk", step.launch), 4 * b.numel // self.dp, "grads", where)
+                continue
+            self.live.free(("zero2_flat", step.launch))
+            if step.bucket in self.summed:
+                self.live.free(("zero2_chunk", step.launch))  # added into the bucket's summed chunk
+            else:
+                self.summed.add(step.bucket)  # the first chunk is the summed chunk (kept to the step)
 
 
 def _apply(live: _Live, e: Event, tag: tuple, kind: str, where: str) -> None:

@@ -39,8 +39,8 @@ class MemoryObserver:
     def free(self, key: Hashable) -> None:
         """Buffer ``key`` is released."""
 
-    def param_grad(self, key: Hashable) -> None:
-        """Buffer ``key`` is (now) a parameter's ``.grad``."""
+    def param_grad(self, key: Hashable, param: str) -> None:
+        """Buffer ``key`` is (now) the ``.grad`` of parameter ``param`` (its qualified name)."""
 
     def offloaded(self, region: int, tensor) -> None:
         """Offload region ``region`` moved the storage of ``tensor`` (a saved tensor) to the host."""

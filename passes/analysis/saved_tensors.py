@@ -118,6 +118,7 @@ class _ForwardRun:
     runs_backward: set[fx.Node]
     param_with_grad: set[_Storage]
     param_order: list[_Storage]  # parameters in ``gm.parameters()`` order (the optimizer's)
+    param_names: dict[_Storage, str]  # each parameter's qualified name in ``gm``
     itemsize: dict[_Storage, int]  # bytes per element of each parameter
     # Checkpointed regions: call node -> the region's nodes (in ``order``, just before the call),
     # each region node -> its call, a region's placeholders -> the parent's argument nodes, and
@@ -186,7 +187,7 @@ def observe_saved_tensors(gm: fx.GraphModule, *, observer: MemoryObserver | None
     index = {n: i for i, n in enumerate(order)}
     run = _ForwardRun(gm=gm, fake=fake, order=order, index=index, values=values, storages={},
                       node_storages={}, saved_by={}, runs_backward=set(), param_with_grad=set(),
-                      param_order=[], itemsize={}, regions=regions, alias=alias, region_outputs=region_outputs,
+                      param_order=[], param_names={}, itemsize={}, regions=regions, alias=alias, region_outputs=region_outputs,
                       region_of={n: call for call, nodes in regions.items() for n in nodes})
     for node in order:
         mine: list[_Storage] = []
@@ -222,6 +223,7 @@ def observe_saved_tensors(gm: fx.GraphModule, *, observer: MemoryObserver | None
                                          kind="param" if isinstance(t, torch.nn.Parameter) else "buffer")
         if isinstance(t, torch.nn.Parameter) and run.storages[ref].kind == "param":
             run.param_order.append(run.storages[ref])
+            run.param_names[run.storages[ref]] = name
             run.itemsize[run.storages[ref]] = fake_t.element_size()
     for saver, t in packed:
         ref = StorageWeakRef(t.untyped_storage())

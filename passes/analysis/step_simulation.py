@@ -336,7 +336,7 @@ def _simulate_step(run: _ForwardRun, state: _ModelState, opt: OptimizerModel, *,
             if params:
                 _accumulate_param(grads, param_grad, params[0], key, state.grad[params[0]],
                                   _tensor_bytes(run, value)[1])
-                tl.observer.param_grad(param_grad[params[0]])
+                tl.observer.param_grad(param_grad[params[0]], run.param_names[params[0]])
             elif src.op == "get_attr":
                 grads.unref(key)  # a frozen parameter or buffer: the gradient is dropped
             else:

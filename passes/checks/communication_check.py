@@ -65,8 +65,12 @@ from torch import fx, nn
 from passes.ir.errors import CommunicationMismatchError, ConfigError, PassError
 from passes.ir.grad_buckets import (
     DEFAULT_BUCKET_BYTES,
+    MODE_OF_ZERO_STAGE,
+    BucketMachine,
     BucketSpec,
     GradSlot,
+    Launch,
+    Retire,
     bucket_layout,
     unique_params,
 )
@@ -574,7 +578,7 @@ class _GradSync:
         late = {id(q) for t in self.tied for q in t[3]} | {id(q) for q in self.sp}
         self.zero, self.dp = c.zero_stage, c.dp_cp  # gradients average over dp x cp
         # ZeRO-3 averages in backward (the gathers' reduce-scatters): no buckets
-        self.mode = {0: "all_reduce", 1: "reduce_scatter", 2: "reduce_scatter_each", 3: "none"}[c.zero_stage]
+        self.mode = MODE_OF_ZERO_STAGE.get(c.zero_stage, "none")
         shard = self.mode not in ("all_reduce", "none")
         self.buckets: tuple[BucketSpec, ...] = ()
         if (self.dp > 1 or self.zero) and self.mode != "none":
@@ -590,69 +594,50 @@ class _GradSync:
             if a.kind.value in ("B", "W"):
                 counts[a.stage] = counts.get(a.stage, 0) + 1
         self.expected = {k: sum(counts.get(s, 0) for s in ss) for k, ss in self.holders.items()}
-        self.overlap = rank.overlap and (self.dp > 1 or shard)
-        self.reset()
+        overlap = rank.overlap and (self.dp > 1 or shard)
+        member = {id(q): i for i, q in enumerate(self.params)}
+        self.member_of_stage: dict[int, list[int]] = {}
+        for key, stages in self.holders.items():
+            for s in stages:
+                self.member_of_stage.setdefault(s, []).append(member[key])
+        self.machine = BucketMachine(self.buckets, self.mode if self.mode != "none" else "all_reduce",
+                                     expected={member[k]: n for k, n in self.expected.items()},
+                                     hooked=overlap, overlap=overlap)
 
-    def reset(self) -> None:
-        self.seen: dict[int, int] = {}
-        self.round: list[set[int]] = [set() for _ in self.buckets]
-        self.launches = [0] * len(self.buckets)
-        self.sent = [False] * len(self.buckets)
-
-    def _launch(self, k: int) -> list[CommCall]:
-        self.launches[k] += 1
-        b = self.buckets[k]
-        if self.dp == 1:
-            return []
-        if self.mode == "all_reduce":
-            return [CommCall(self.r.dp_group, "all_reduce(sum)", b.numel, b.dtype, f"dp bucket {k}", "dp")]
-        return [CommCall(self.r.dp_group, "reduce_scatter(sum)", b.numel, torch.float32,
-                         f"dp bucket {k}" + (f" round {self.launches[k]}" if self.mode == "reduce_scatter_each" else ""),
-                         "dp")]
+    def _calls(self, steps: Sequence[Launch | Retire]) -> list[CommCall]:
+        """The collectives of the machine's launches (waits issue none)."""
+        out: list[CommCall] = []
+        for step in steps:
+            if not isinstance(step, Launch) or self.dp == 1:
+                continue
+            b, k = self.buckets[step.bucket], step.bucket
+            if self.mode == "all_reduce":
+                out.append(CommCall(self.r.dp_group, "all_reduce(sum)", b.numel, b.dtype, f"dp bucket {k}", "dp"))
+            else:
+                out.append(CommCall(self.r.dp_group, "reduce_scatter(sum)", b.numel, torch.float32,
+                                    f"dp bucket {k}" + (f" round {step.round}" if self.mode == "reduce_scatter_each"
+                                                        else ""), "dp"))
+        return out
 
     def accumulated(self, stage: int) -> list[CommCall]:
-        """A backward (or weight-gradient) action of ``stage``: its parameters got one gradient."""
-        if not self.buckets or not (self.overlap or self.mode == "reduce_scatter_each"):
+        """A backward (or weight-gradient) action of ``stage``: its parameters got one gradient,
+        in the order backward reaches them (the buckets' order)."""
+        if not self.buckets:
             return []
+        order = {m: pos for pos, m in enumerate(m for b in self.buckets for m in b.members)}
         out: list[CommCall] = []
-        for k, b in enumerate(self.buckets):
-            if b.late:
-                continue  # late buckets have no hooks
-            mine = [i for i in b.members if stage in self.holders.get(id(self.params[i]), ())]
-            if not mine:
-                continue
-            if self.mode == "reduce_scatter_each":  # a round: every member accumulated since the last launch
-                self.round[k].update(mine)
-                if len(self.round[k]) == len(b.members):
-                    self.round[k] = set()
-                    out += self._launch(k)
-                continue
-            done = True
-            for i in b.members:
-                key = id(self.params[i])
-                if i in mine:
-                    self.seen[key] = self.seen.get(key, 0) + 1
-                done = done and self.seen.get(key, 0) >= self.expected.get(key, 0) > 0
-            if done and not self.sent[k]:
-                self.sent[k] = True
-                out += self._launch(k)
+        for m in sorted(self.member_of_stage.get(stage, ()), key=order.__getitem__):
+            out += self._calls(self.machine.accumulated(m))
         return out
 
     def finish(self) -> list[CommCall]:
         """The ALL_REDUCE action (ParallelModel._grad_sync)."""
-        out: list[CommCall] = []
         if not self.buckets:
             return self._sp() + self._tied()
-        for k, b in enumerate(self.buckets):
-            unsent = (self.launches[k] == 0 or bool(self.round[k])) if self.mode == "reduce_scatter_each" \
-                else not self.sent[k]
-            if not b.late and unsent:
-                out += self._launch(k)
+        out = self._calls(self.machine.finish_early())
         out += self._tied() + self._sp()
-        for k, b in enumerate(self.buckets):
-            if b.late:
-                out += self._launch(k)
-        self.reset()
+        out += self._calls(self.machine.finish_late())
+        self.machine.reset()
         return out
 
     def _tied(self) -> list[CommCall]:

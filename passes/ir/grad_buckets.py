@@ -15,10 +15,12 @@ a multiple of the group size, since a reduce-scatter needs equal chunks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Literal, Mapping, Sequence
 
 import torch
 from torch import nn
+
+from passes.ir.errors import ConfigError
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 """Bytes of gradients per bucket (DDP's default)."""
@@ -93,3 +95,139 @@ def unique_params(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
                 seen.add(id(p))
                 out.append(p)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# When each bucket's collective starts and when it is waited: one state machine, driven by the
+# runtime (runtime.optim.grad_sync.BucketedGradSync, on real gradients), the communication check
+# (passes.checks.communication_check, on the schedule's actions) and the memory replay
+# (partitioner.search.replay, on the memory pass's gradient events).
+
+SyncMode = Literal["all_reduce", "reduce_scatter", "reduce_scatter_each"]
+"""How a bucket is reduced: all-reduce (no ZeRO), one reduce-scatter per step (ZeRO-1), or a
+reduce-scatter after every backward that completes it, summed into a sharded accumulator (ZeRO-2)."""
+MODE_OF_ZERO_STAGE: dict[int, SyncMode] = {0: "all_reduce", 1: "reduce_scatter", 2: "reduce_scatter_each"}
+MAX_IN_FLIGHT = 2
+"""ZeRO-2: buckets whose reduce-scatter may be in flight at once (each holds its full flat copy)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """Start bucket ``bucket``'s collective: its ``round``-th this step (ZeRO-2 has one per
+    backward); ``launch`` numbers the step's launches from 0; ``from_hook``: a gradient hook
+    (overlapped with backward) rather than ``finish`` started it."""
+
+    bucket: int
+    round: int
+    launch: int
+    from_hook: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Retire:
+    """Wait launch number ``launch`` (of bucket ``bucket``) and sum its chunk into the bucket's
+    accumulator (ZeRO-2's in-flight reduce-scatters; the other modes wait in ``finish``)."""
+
+    bucket: int
+    launch: int
+
+
+class BucketMachine:
+    """The launch and retire rule of the data-parallel gradient buckets of one rank.
+
+    ``buckets``: the layout (:func:`bucket_layout`; members index the parameters). ``expected``:
+    gradient accumulations of each member per step (all-reduce and ZeRO-1 launch a bucket once
+    every member has had all of them; a member missing there never launches its bucket from a
+    hook). ``hooked``: gradients are watched during backward (overlap; ZeRO-2 always is), else
+    every bucket starts in :meth:`finish_early`. ``overlap``: ZeRO-2 may keep launches in flight
+    (at most :data:`MAX_IN_FLIGHT`; the oldest is retired after a new one starts, and a bucket's
+    last launch when its next round begins); without it each is retired as soon as it starts.
+    Late buckets (tied copies, sequence-parallel partial gradients) start only in
+    :meth:`finish_late`, after their sums.
+    """
+
+    def __init__(self, buckets: Sequence[BucketSpec], mode: SyncMode, *, expected: Mapping[int, int] | None = None,
+                 hooked: bool = True, overlap: bool = True):
+        self.buckets, self.mode = tuple(buckets), mode
+        self.each_backward = mode == "reduce_scatter_each"
+        self.expected = dict(expected or {})
+        self.hooked = hooked or self.each_backward
+        self.overlap = overlap
+        self.bucket_of = {m: k for k, b in enumerate(self.buckets) for m in b.members}
+        self.reset()
+
+    def reset(self) -> None:
+        """A new step: nothing accumulated, launched or in flight."""
+        self.seen: dict[int, int] = {}
+        self.round: list[set[int]] = [set() for _ in self.buckets]
+        self.launches = [0] * len(self.buckets)
+        self.in_flight: list[Launch] = []
+        self._count = 0
+
+    def sent(self, k: int) -> bool:
+        """All-reduce and ZeRO-1: bucket ``k``'s one collective of the step has started."""
+        return self.launches[k] > 0
+
+    def accumulated(self, member: int) -> list[Launch | Retire]:
+        """Member ``member`` got one gradient accumulation (its post-accumulate hook): what starts
+        and what is waited now, in order."""
+        k = self.bucket_of.get(member)
+        if k is None or not self.hooked or self.buckets[k].late:
+            return []
+        out: list[Launch | Retire] = []
+        if self.each_backward:
+            if not self.round[k]:  # a new round: the bucket's last launch has had a whole backward
+                out += [self._retire(f) for f in [f for f in self.in_flight if f.bucket == k]]
+            self.round[k].add(member)
+            if len(self.round[k]) == len(self.buckets[k].members):
+                out += self._launch(k, from_hook=True)
+            return out
+        expected = self.expected.get(member)
+        if not expected:
+            return out
+        seen = self.seen[member] = self.seen.get(member, 0) + 1
+        if self.sent(k):
+            raise ConfigError(f"grad_sync: a parameter got gradient accumulation {seen} after its bucket was sent "
+                              f"({expected} expected per step); the backward count given to the gradient "
+                              f"buckets is wrong: pass overlap_grad_sync=False to work around")
+        if all(self.seen.get(i, 0) >= self.expected.get(i, 0) > 0 for i in self.buckets[k].members):
+            out += self._launch(k, from_hook=True)
+        return out
+
+    def finish_early(self) -> list[Launch | Retire]:
+        """End of backward: start every early bucket backward did not (ZeRO-2: every one with
+        gradients accumulated since its last launch, or never launched this step)."""
+        out: list[Launch | Retire] = []
+        for k, b in enumerate(self.buckets):
+            unsent = (self.launches[k] == 0 or bool(self.round[k])) if self.each_backward else not self.sent(k)
+            if not b.late and unsent:
+                out += self._launch(k, from_hook=False)
+        return out
+
+    def finish_late(self) -> list[Launch | Retire]:
+        """After the late sums: start the late buckets, then retire everything in flight."""
+        out: list[Launch | Retire] = []
+        for k, b in enumerate(self.buckets):
+            if b.late:
+                out += self._launch(k, from_hook=False)
+        out += [self._retire(f) for f in list(self.in_flight)]
+        return out
+
+    def _launch(self, k: int, *, from_hook: bool) -> list[Launch | Retire]:
+        self.launches[k] += 1
+        self.round[k] = set()
+        launch = Launch(k, self.launches[k], self._count, from_hook)
+        self._count += 1
+        out: list[Launch | Retire] = [launch]
+        if not self.each_backward:
+            return out
+        while len(self.in_flight) >= MAX_IN_FLIGHT:  # the oldest is waited for after this one started
+            out.append(self._retire(self.in_flight[0]))
+        self.in_flight.append(launch)
+        if not self.overlap:
+            out.append(self._retire(launch))
+        return out
+
+    def _retire(self, launch: Launch) -> Retire:
+        self.in_flight.remove(launch)
+        return Retire(launch.bucket, launch.launch)

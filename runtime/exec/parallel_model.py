@@ -39,7 +39,7 @@ import torch
 from torch import fx
 
 from passes.ir.errors import ConfigError, NonFiniteError
-from passes.ir.grad_buckets import unique_params
+from passes.ir.grad_buckets import DEFAULT_BUCKET_BYTES, MODE_OF_ZERO_STAGE, unique_params
 from passes.ir.meta import CAPTURE, InputBounds
 from passes.ir.cp_ops import check_layout, shard_sequence
 from passes.ir.program import RankProgram, unshard_tensor
@@ -48,7 +48,7 @@ from passes.ir.meta import ZERO3_PLAN
 from runtime.dist import comm
 from runtime.exec.batch_check import check_batch
 from runtime.optim.grad_sync import (
-    DEFAULT_BUCKET_BYTES, MODE_OF_ZERO_STAGE, BucketedGradSync, ShardedOptimizer, TiedCopies, TiedSync,
+    BucketedGradSync, ShardedOptimizer, TiedCopies, TiedSync,
     expected_accumulations, fill_missing_grads,
 )
 from runtime.kernels.collectives import DistGroup, all_reduce_grads, register_group

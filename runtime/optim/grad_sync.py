@@ -34,8 +34,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Iterator, Literal, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,8 @@ from torch import nn
 
 from passes.ir.errors import ConfigError
 # the bucket layout is one pure function of the leaf, shared with the pre-launch communication check
-from passes.ir.grad_buckets import DEFAULT_BUCKET_BYTES, GradSlot, bucket_layout, group_by_bytes
+from passes.ir.grad_buckets import (DEFAULT_BUCKET_BYTES, MAX_IN_FLIGHT, MODE_OF_ZERO_STAGE, BucketMachine, GradSlot,
+                                    Launch, Retire, SyncMode, bucket_layout)
 from runtime.dist import comm
 from runtime.optim.optimizers import (
     OptimizerFactory, as_factory, build, check_shardable, init_state_exact, param_groups, state_keys,
@@ -103,23 +104,6 @@ def expected_accumulations(stage_params: Mapping[int, Sequence[nn.Parameter]],
     return out
 
 
-def bucket_groups(params: Sequence[nn.Parameter], bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
-                  first_small: bool = True) -> list[list[nn.Parameter]]:
-    """``params`` (in the order backward makes their gradients) cut into buckets of at most
-    ``bucket_bytes`` (the first at most ``FIRST_BUCKET_BYTES`` when ``first_small``), one dtype
-    per bucket (:func:`passes.ir.grad_buckets.group_by_bytes`). :class:`BucketedGradSync` fills
-    its buckets so, and the memory replay (:mod:`partitioner.search.replay`) sizes them so."""
-    slots = [GradSlot(p.numel(), p.dtype) for p in params]
-    return [[params[i] for i in g] for g in group_by_bytes(slots, range(len(params)), bucket_bytes,
-                                                             first_small=first_small)]
-
-
-SyncMode = Literal["all_reduce", "reduce_scatter", "reduce_scatter_each"]
-MODE_OF_ZERO_STAGE: dict[int, SyncMode] = {0: "all_reduce", 1: "reduce_scatter", 2: "reduce_scatter_each"}
-MAX_IN_FLIGHT = 2
-"""ZeRO-2: buckets whose reduce-scatter may be in flight at once (each holds its full flat copy)."""
-
-
 @dataclass(eq=False)
 class GradBucket:
     """Parameters whose gradients travel in one flat message; ``numel`` is padded to a multiple
@@ -128,12 +112,9 @@ class GradBucket:
     params: list[nn.Parameter]
     numel: int
     late: bool  # tied copies: launched by ``finish`` after the tied sum
-    pending: int = 0  # parameters still waiting for their last accumulation this step
     flat: torch.Tensor | None = None  # all-reduce mode: the bucket, averaged in place
     out: torch.Tensor | None = None  # sharded modes: this rank's summed chunk so far (fp32)
     work: object | None = None  # all-reduce and ZeRO-1: the step's one collective
-    round: set[int] = field(default_factory=set)  # ZeRO-2: params accumulated since the last launch
-    launches: int = 0  # collectives started this step
 
 
 @dataclass(eq=False)
@@ -159,7 +140,8 @@ class LaunchEvent:
 
 class BucketedGradSync:
     """Data-parallel gradient sync over ``group`` (``size`` ranks) in flat buckets (see the module
-    docstring for the three ``mode``s).
+    docstring for the three ``mode``s). When each bucket starts and is waited is
+    :class:`passes.ir.grad_buckets.BucketMachine`'s rule; this class moves the tensors.
 
     ``late``: parameters (tied copies) that go in trailing buckets started by :meth:`finish` after
     the ``before_late`` callback (the tied sum). ``accumulations``: gradient accumulations per
@@ -184,27 +166,27 @@ class BucketedGradSync:
         layout = bucket_layout([GradSlot(p.numel(), p.dtype, id(p) in late_ids) for p in self.params],
                                size=size, shard=self.shard, bucket_bytes=bucket_bytes)
         self.buckets = [GradBucket([self.params[i] for i in b.members], b.numel, b.late) for b in layout]
-        early = [p for b in self.buckets if not b.late for p in b.params]
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._index = {id(b): k for k, b in enumerate(self.buckets)}
+        self._member = {id(p): i for i, p in enumerate(self.params)}
         self.accumulations = dict(accumulations or {})
-        self._seen: dict[int, int] = {}
-        self._in_flight: list[_InFlight] = []
+        self.overlap = overlap and (size > 1 or self.shard)
+        self.machine = BucketMachine(layout, mode, hooked=self.overlap, overlap=self.overlap,
+                                     expected={i: self.accumulations[id(p)] for i, p in enumerate(self.params)
+                                               if id(p) in self.accumulations})
+        self._in_flight: dict[int, _InFlight] = {}  # launch number -> its ZeRO-2 reduce-scatter
         self.events: list[LaunchEvent] = []  # this step's launches so far
         self.last_events: list[LaunchEvent] = []  # the last finished step's (tests check the overlap)
-        self.overlap = overlap and (size > 1 or self.shard)
+        early = [p for b in self.buckets if not b.late for p in b.params]
         hooked = self.overlap or self.each_backward
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in early] if hooked else []
         self.reset()
 
     def reset(self) -> None:
         """Forget the current step's progress (called by :meth:`finish` and before each step)."""
-        self._seen.clear()
-        self._in_flight = []
+        self.machine.reset()
+        self._in_flight = {}
         self.events = []
         for b in self.buckets:
-            b.pending, b.flat, b.out, b.work, b.launches = len(b.params), None, None, None, 0
-            b.round = set()
+            b.flat, b.out, b.work = None, None, None
 
     def held_bytes(self) -> int:
         """Gradient bytes this object holds now: ZeRO's summed chunks and the flat copies of the
@@ -214,31 +196,21 @@ class BucketedGradSync:
             for t in (b.flat, b.out):
                 if t is not None:
                     total += t.numel() * t.element_size()
-        return total + sum(f.flat.numel() * f.flat.element_size() for f in self._in_flight)
+        return total + sum(f.flat.numel() * f.flat.element_size() for f in self._in_flight.values())
 
     # ------------------------------------------------------------------------------------------
     def _on_grad(self, p: nn.Parameter) -> None:
-        bucket = self._bucket_of[id(p)]
-        if self.each_backward:
-            if not bucket.round:  # a new round of this bucket: its last one has had a whole backward
-                for f in [f for f in self._in_flight if f.bucket is bucket]:
-                    self._retire(f)
-            bucket.round.add(id(p))
-            if len(bucket.round) == len(bucket.params):
-                self._launch(bucket, from_hook=True)
-            return
-        expected = self.accumulations.get(id(p))
-        if expected is None:
-            return
-        seen = self._seen[id(p)] = self._seen.get(id(p), 0) + 1
-        if bucket.work is not None:
-            raise ConfigError(f"grad_sync: a parameter of shape {tuple(p.shape)} got gradient accumulation {seen} "
-                              f"after its bucket was sent ({expected} expected per step); the backward-count "
-                              f"given to BucketedGradSync is wrong: pass overlap_grad_sync=False to work around")
-        if seen == expected:
-            bucket.pending -= 1
-            if bucket.pending == 0:
-                self._launch(bucket, from_hook=True)
+        try:
+            self._do(self.machine.accumulated(self._member[id(p)]))
+        except ConfigError as e:
+            raise ConfigError(f"{e} (a parameter of shape {tuple(p.shape)})") from None
+
+    def _do(self, steps: Sequence[Launch | Retire]) -> None:
+        for step in steps:
+            if isinstance(step, Launch):
+                self._launch(step)
+            else:
+                self._retire(step)
 
     def _flat_grads(self, b: GradBucket, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The bucket's gradients in one flat (padded) tensor of ``dtype`` (default: theirs), each
@@ -257,9 +229,9 @@ class BucketedGradSync:
         flat[offset:].zero_()
         return flat
 
-    def _launch(self, b: GradBucket, *, from_hook: bool) -> None:
-        b.launches += 1
-        self.events.append(LaunchEvent(self._index[id(b)], time.perf_counter(), from_hook))
+    def _launch(self, launch: Launch) -> None:
+        b = self.buckets[launch.bucket]
+        self.events.append(LaunchEvent(launch.bucket, time.perf_counter(), launch.from_hook))
         if not self.shard:
             b.flat = self._flat_grads(b)
             b.work = comm.all_reduce(b.flat, self.group, async_op=True) if self.size > 1 else _DONE
@@ -267,7 +239,6 @@ class BucketedGradSync:
         flat = self._flat_grads(b, torch.float32)  # the shard sums in fp32 whatever the grads' dtype
         for p in b.params:  # this rank keeps only its reduced chunk
             p.grad = None
-        b.round = set()
         chunks = list(flat.chunk(self.size))
         chunk = torch.empty_like(chunks[0])
         if self.size > 1:
@@ -278,16 +249,12 @@ class BucketedGradSync:
         if not self.each_backward:  # ZeRO-1: one collective per bucket and step
             b.out, b.work, b.flat = chunk, work, flat
             return
-        while len(self._in_flight) >= MAX_IN_FLIGHT:
-            self._retire(self._in_flight[0])
-        self._in_flight.append(_InFlight(b, work, chunk, flat))
-        if not self.overlap:
-            self._retire(self._in_flight[-1])
+        self._in_flight[launch.launch] = _InFlight(b, work, chunk, flat)
 
-    def _retire(self, f: _InFlight) -> None:
+    def _retire(self, retire: Retire) -> None:
         """ZeRO-2: wait one reduce-scatter and add its chunk into the bucket's accumulator."""
+        f = self._in_flight.pop(retire.launch)
         comm.wait(f.work, self.group)
-        self._in_flight.remove(f)
         if f.bucket.out is None:
             f.bucket.out = f.chunk
         else:
@@ -300,16 +267,10 @@ class BucketedGradSync:
         holds the average (a view into the bucket). Sharded modes: returns this rank's averaged
         flat gradient chunk (the concatenation of its chunk of every bucket, fp32) and leaves
         ``p.grad`` None."""
-        for b in self.buckets:
-            if not b.late and self._unsent(b):
-                self._launch(b, from_hook=False)
+        self._do(self.machine.finish_early())
         if before_late is not None:
             before_late()
-        for b in self.buckets:
-            if b.late:
-                self._launch(b, from_hook=False)
-        while self._in_flight:
-            self._retire(self._in_flight[0])
+        self._do(self.machine.finish_late())
         chunks = []
         for b in self.buckets:
             if self.shard:
@@ -328,13 +289,6 @@ class BucketedGradSync:
         self.last_events = list(self.events)
         self.reset()
         return torch.cat(chunks) if self.shard else None
-
-    def _unsent(self, b: GradBucket) -> bool:
-        """Whether ``finish`` must still launch ``b``: never launched this step, or (ZeRO-2)
-        gradients accumulated since its last launch."""
-        if not self.each_backward:
-            return b.work is None
-        return b.launches == 0 or any(p.grad is not None for p in b.params)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -466,7 +466,7 @@ def _with_step_overhead(runs: Sequence[RunData], cluster: Cluster, profiles: dic
 
 
 def _with_latency(cluster: Cluster, scale: float) -> Cluster:
-    links = {name: dataclasses.replace(getattr(cluster, name), latency_s=getattr(cluster, name).latency_s * scale)
+    links = {name: getattr(cluster, name).with_latency_scale(scale)
              for name in ("intra_node", "inter_node")}
     return dataclasses.replace(cluster, **links)
 

@@ -268,6 +268,56 @@ class Device:
                    if getattr(self, name)}}
 
 
+COLLECTIVE_FIT_OPS = ("all_gather", "reduce_scatter", "all_to_all")
+"""Collectives a :class:`Link` may carry a measured α-β fit of its own for (``Link.collectives``);
+the link's own α and β are the all-reduce's (and any collective's without a fit)."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class CollectiveFit:
+    """The α-β of one collective measured on a link, in the cost model's ring form
+    (``cost_model.all_gather_time``: ``(n−1)·α + (n−1)/n · bytes/β``)."""
+
+    op: str
+    """One of :data:`COLLECTIVE_FIT_OPS`."""
+    bandwidth_bytes_per_s: float
+    """β: bytes/s per rank, one direction."""
+    latency_s: float
+    """α: seconds per ring step."""
+
+    def __post_init__(self) -> None:
+        _choice(self, "op", COLLECTIVE_FIT_OPS)
+        _normalize(self, "bandwidth_bytes_per_s", "bytes_per_s",
+                   "give the fitted bandwidth, e.g. '2GB/s', or leave the collective out")
+        _normalize(self, "latency_s", "seconds", "give the fitted latency, e.g. '50us'", allow_zero=True)
+
+    def to_dict(self) -> dict:
+        return {"bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "latency_s": self.latency_s}
+
+
+def _collective_fits(value: Any, where: str) -> tuple[CollectiveFit, ...]:
+    """``Link.collectives`` as a tuple sorted by op, from a tuple of fits or a file's mapping
+    ``{op: {bandwidth_bytes_per_s, latency_s}}``."""
+    if isinstance(value, dict):
+        fits = []
+        for op, data in value.items():
+            if op not in COLLECTIVE_FIT_OPS:
+                raise ClusterSpecError(f"{where}: unknown collective {op!r}; fits are kept for "
+                                       f"{', '.join(COLLECTIVE_FIT_OPS)} (the link's own α-β is the all-reduce's)")
+            if not isinstance(data, dict):
+                raise ClusterSpecError(f"{where}.{op}: expected a mapping with bandwidth_bytes_per_s and latency_s, "
+                                       f"got {data!r}")
+            fits.append(_from_dict(CollectiveFit, {"op": op, **data}, f"{where}.{op}"))
+        value = tuple(fits)
+    if not isinstance(value, (tuple, list)) or not all(isinstance(f, CollectiveFit) for f in value):
+        raise ClusterSpecError(f"{where} must map collectives ({', '.join(COLLECTIVE_FIT_OPS)}) to "
+                               f"{{bandwidth_bytes_per_s, latency_s}}, got {value!r}")
+    ops = [f.op for f in value]
+    if len(set(ops)) != len(ops):
+        raise ClusterSpecError(f"{where}: more than one fit of {sorted(o for o in ops if ops.count(o) > 1)[0]!r}")
+    return tuple(sorted(value, key=lambda f: COLLECTIVE_FIT_OPS.index(f.op)))
+
+
 @dataclass(kw_only=True, frozen=True, slots=True)
 class Link:
     """A kind of connection, costed with the α-β model: time = latency_s + bytes / bandwidth."""
@@ -283,6 +333,12 @@ class Link:
     """How many such links a node has in parallel. For ``inter_node`` this is the number of NICs
     per node (the node's aggregate bandwidth is ``count * bandwidth_bytes_per_s``); leave 1 for
     intra-node and host links, whose bandwidth is already per device."""
+    collectives: tuple[CollectiveFit, ...] = ()
+    """Measured α-β of collectives whose time on this link differs from the all-reduce's (gloo's
+    all-gather and all-to-all are not rings at the all-reduce's rate): what the cost model prices
+    them with (:meth:`for_collective`). Empty (the presets): every collective uses the link's α, β.
+    Written by the calibration (``partitioner calibrate``, a job's first run) on CPU ranks; files
+    write it as ``{op: {bandwidth_bytes_per_s, latency_s}}``."""
 
     def __post_init__(self) -> None:
         _choice(self, "kind", LINK_KINDS)
@@ -290,6 +346,23 @@ class Link:
                    "give the one-direction bandwidth, e.g. '300GB/s' or '200Gb/s'")
         _normalize(self, "latency_s", "seconds", "give the latency, e.g. '5us'", allow_zero=True)
         _count(self, "count", "give the number of parallel links (NICs per node), at least 1")
+        object.__setattr__(self, "collectives", _collective_fits(self.collectives, "Link.collectives"))
+
+    def for_collective(self, op: str) -> Link:
+        """The link ``op`` is priced on: this one with the measured fit's α and β when
+        :attr:`collectives` holds one for ``op``, else this one unchanged. The one place where the
+        cost model picks a collective's α-β (``cost_model.all_gather_time`` and its siblings)."""
+        for fit in self.collectives:
+            if fit.op == op:
+                return Link(kind=self.kind, bandwidth_bytes_per_s=fit.bandwidth_bytes_per_s, latency_s=fit.latency_s,
+                            count=self.count)
+        return self
+
+    def with_latency_scale(self, scale: float) -> Link:
+        """This link with every α (its own and each collective's) times ``scale``: the calibrated
+        ``Cluster.sync_latency_scale`` and the refit's latency scale act on all of them alike."""
+        fits = tuple(dataclasses.replace(f, latency_s=f.latency_s * scale) for f in self.collectives)
+        return dataclasses.replace(self, latency_s=self.latency_s * scale, collectives=fits)
 
     @property
     def aggregate_bytes_per_s(self) -> float:
@@ -302,7 +375,8 @@ class Link:
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
-                "latency_s": self.latency_s, "count": self.count}
+                "latency_s": self.latency_s, "count": self.count,
+                **({"collectives": {f.op: f.to_dict() for f in self.collectives}} if self.collectives else {})}
 
 
 _LINK_FIELDS = ("intra_node", "inter_node", "host_to_device")

@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 
-from partitioner.cost.cluster import Cluster, Device, Link
+from partitioner.cost.cluster import Cluster, CollectiveFit, Device, Link
 from passes.ir.config import DTYPES as TRAINING_DTYPES
 from passes.ir.optimizers import optimizer_model
 from passes.ir.schedule import build, peak_in_flight, simulate, zb1p_compute, zbv_compute
@@ -72,12 +72,20 @@ def group_link(cluster: Cluster, ranks: Sequence[int] | None = None, *,
     if len(per_node) == 1:
         return cluster.intra_node
     k = max(per_node.values())
-    inter = cluster.inter_node
-    bandwidth = inter.aggregate_bytes_per_s * k / cluster.devices_per_node
-    if k > 1:
-        bandwidth = min(bandwidth, cluster.intra_node.bandwidth_bytes_per_s)
-    latency = max(inter.latency_s, cluster.intra_node.latency_s if k > 1 else 0.0)
-    return Link(kind=inter.kind, bandwidth_bytes_per_s=bandwidth, latency_s=latency)
+    inter, intra = cluster.inter_node, cluster.intra_node
+
+    def shared(nic: Link, hop: Link) -> tuple[float, float]:  # (bandwidth, latency) of the group's ring
+        bandwidth = inter.count * nic.bandwidth_bytes_per_s * k / cluster.devices_per_node
+        if k > 1:
+            bandwidth = min(bandwidth, hop.bandwidth_bytes_per_s)
+        return bandwidth, max(nic.latency_s, hop.latency_s if k > 1 else 0.0)
+
+    bandwidth, latency = shared(inter, intra)
+    # a collective measured on its own is shared the same way, from its own inter- and intra-node fits
+    fits = tuple(CollectiveFit(op=f.op, **dict(zip(("bandwidth_bytes_per_s", "latency_s"),
+                                                    shared(inter.for_collective(f.op), intra.for_collective(f.op)))))
+                 for f in inter.collectives)
+    return Link(kind=inter.kind, bandwidth_bytes_per_s=bandwidth, latency_s=latency, collectives=fits)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,22 +173,30 @@ def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
     return ring_all_reduce_time(nbytes, n, link)
 
 
-def all_gather_time(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-gather whose OUTPUT (the gathered buffer) is ``nbytes``: (n−1)/n·bytes/β + (n−1)·α."""
+def _ring_time(nbytes: float, n: int, link: Link) -> float:
+    """(n−1)/n·bytes/β + (n−1)·α: one pass round a ring of ``n`` ranks; 0 for n = 1."""
     _check_collective(nbytes, n)
     if n == 1:
         return 0.0
     return (n - 1) / n * nbytes / link.bandwidth_bytes_per_s + (n - 1) * link.latency_s
 
 
+def all_gather_time(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-gather whose OUTPUT (the gathered buffer) is ``nbytes``: (n−1)/n·bytes/β + (n−1)·α,
+    with the link's measured all-gather α-β when it has one (:meth:`Link.for_collective`)."""
+    return _ring_time(nbytes, n, link.for_collective("all_gather"))
+
+
 def reduce_scatter_time(nbytes: float, n: int, link: Link) -> float:
-    """Ring reduce-scatter whose INPUT (the full buffer) is ``nbytes``: (n−1)/n·bytes/β + (n−1)·α."""
-    return all_gather_time(nbytes, n, link)
+    """Ring reduce-scatter whose INPUT (the full buffer) is ``nbytes``: (n−1)/n·bytes/β + (n−1)·α,
+    with the link's measured reduce-scatter α-β when it has one."""
+    return _ring_time(nbytes, n, link.for_collective("reduce_scatter"))
 
 
 def all_to_all_time(nbytes: float, n: int, link: Link) -> float:
-    """All-to-all of an ``nbytes`` buffer per rank (1/n of it stays local): (n−1)/n·bytes/β + (n−1)·α."""
-    return all_gather_time(nbytes, n, link)
+    """All-to-all of an ``nbytes`` buffer per rank (1/n of it stays local): (n−1)/n·bytes/β + (n−1)·α,
+    with the link's measured all-to-all α-β when it has one."""
+    return _ring_time(nbytes, n, link.for_collective("all_to_all"))
 
 
 def send_recv_time(nbytes: float, link: Link) -> float:

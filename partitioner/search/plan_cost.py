@@ -253,7 +253,7 @@ class PlanContext:
         the calibrated ``Cluster.sync_latency_scale`` when there is one."""
         link = self.link(size, stride)
         scale = self.cluster.sync_latency_scale
-        return link if scale is None else dataclasses.replace(link, latency_s=link.latency_s * scale)
+        return link if scale is None else link.with_latency_scale(scale)
 
     def pp_link(self, c: ParallelConfig):
         return self.link(2, c.dp_cp * c.tp)

@@ -21,7 +21,7 @@ from passes.ir.errors import ClusterSpecError
 
 CACHE_DIR_ENV = "PARTITIONER_CACHE_DIR"
 """Overrides where calibrations are cached (default: the user cache directory, see :func:`cache_dir`)."""
-CALIBRATION_VERSION = 6
+CALIBRATION_VERSION = 7
 """Part of every cache key: raise it when what a calibration measures or fits changes, so that
 an older cached file is not read as a current one."""
 
@@ -54,26 +54,32 @@ class MachineKey:
     """Local gloo ranks the calibration was measured for."""
     threads_per_rank: int
     """torch threads per rank (``calibrate.rank_threads``)."""
+    nodes: int = 1
+    """Nodes the ranks were spread over (a job's ``WORLD_SIZE / LOCAL_WORLD_SIZE``): a job of
+    several nodes also measured the link between them."""
     version: int = CALIBRATION_VERSION
     """:data:`CALIBRATION_VERSION` when it was written."""
 
     @classmethod
-    def this_machine(cls, world_size: int) -> MachineKey:
-        """The key of this machine for ``world_size`` local ranks."""
+    def this_machine(cls, world_size: int, nodes: int = 1) -> MachineKey:
+        """The key of this machine for ``world_size`` ranks over ``nodes`` nodes (threads per rank
+        from the ranks of one node)."""
         return cls(cpu=measure.cpu_name(), cores=measure.cpu_count(), torch_version=torch.__version__,
-                   world_size=world_size, threads_per_rank=measure.rank_threads(world_size))
+                   world_size=world_size, threads_per_rank=measure.rank_threads(world_size // nodes), nodes=nodes)
 
     def file_name(self) -> str:
         """``local-w<ranks>-t<threads>-c<cores>-torch<version>-<hash>.yaml``: readable, and the
         hash of every field (the CPU name too) makes it unique."""
         digest = hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:12]
         torch_tag = re.sub(r"[^0-9A-Za-z.]+", "_", self.torch_version)
-        return f"local-w{self.world_size}-t{self.threads_per_rank}-c{self.cores}-torch{torch_tag}-{digest}.yaml"
+        nodes = f"-n{self.nodes}" if self.nodes > 1 else ""
+        return f"local-w{self.world_size}{nodes}-t{self.threads_per_rank}-c{self.cores}-torch{torch_tag}-{digest}.yaml"
 
 
-def local_cache_file(world_size: int) -> Path:
-    """The cached calibration of this machine for ``world_size`` gloo ranks (it may not exist yet)."""
-    return cache_dir() / MachineKey.this_machine(world_size).file_name()
+def local_cache_file(world_size: int, nodes: int = 1) -> Path:
+    """The cached calibration of this machine for ``world_size`` gloo ranks over ``nodes`` nodes
+    (it may not exist yet)."""
+    return cache_dir() / MachineKey.this_machine(world_size, nodes).file_name()
 
 
 def read_cached(path: Path, world_size: int) -> Cluster:

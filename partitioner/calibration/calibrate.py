@@ -10,7 +10,6 @@ and fit. A :class:`Recipe` says how much is measured: :data:`AUTO_RECIPE` is wha
 together, :data:`FULL_RECIPE` what ``partitioner calibrate`` runs.
 """
 from __future__ import annotations
-from __future__ import annotations
 
 import datetime
 import json
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import yaml
 
+from partitioner.calibration.detect import JobShape, job_shape
 from partitioner.cost.cluster import Cluster, Device, Link, PeakFlops
 from passes.ir.errors import ConfigError
 from runtime.observe.measure import PhaseClock
@@ -32,7 +32,7 @@ from partitioner.calibration.measure import (
     COMM_OPS, COMM_SIZES, EfficiencyFit, Effort, FULL, GlooMeasurement, KiB, LinkFit, MATMUL_SIZES,
     MEMCPY_BYTES, MatmulSample, MemcpyMeasurement, MiB, QUICK, QUICK_COMM_SIZES, QUICK_MATMUL_SIZES,
     QUICK_MEMCPY_BYTES, cpu_count, cpu_name, fit_efficiency, gloo_measurement, host_memory_bytes,
-    measure_gloo, measure_matmul, measure_memcpy, rank_threads, time_gloo,
+    measure_gloo, measure_matmul, measure_memcpy, rank_threads, time_collectives,
 )
 
 
@@ -61,6 +61,11 @@ class Calibration:
     """Name of the :class:`Recipe` measured."""
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds of each phase (matmul, memcpy, gloo and the reference runs, refit)."""
+    nodes: int = 1
+    """Nodes of the job that measured it (``WORLD_SIZE / LOCAL_WORLD_SIZE``): with more than one,
+    :attr:`gloo` was timed on the ranks of one node and :attr:`inter_node` across nodes."""
+    inter_node: GlooMeasurement | None = None
+    """Timings on a group of one rank per node (the cluster's ``inter_node`` link); None on one node."""
 
     def to_json(self) -> dict:
         """Every sample and fit as plain numbers (what ``<file>.calibration.json`` holds)."""
@@ -77,21 +82,36 @@ class Calibration:
             "send_recv": [asdict(s) for s in self.gloo.send_recv],
             "all_reduce_fit": asdict(self.gloo.all_reduce_fit),
             "send_recv_fit": asdict(self.gloo.send_recv_fit),
+            "collectives": [asdict(s) for s in self.gloo.collectives],
+            "collective_fits": {f.op: asdict(f) for f in self.gloo.collective_fits},
+            "nodes": self.nodes,
+            "inter_node": _comm_json(self.inter_node) if self.inter_node is not None else None,
             "cluster": self.cluster.to_dict(),
             "refit": ({k: v for k, v in asdict(self.refit).items() if k != "cluster"}
                       | {"runs_dirs": [str(d) for d in self.reference_dirs]} if self.refit is not None else None),
         }
 
 
+def _comm_json(m: GlooMeasurement) -> dict:
+    """The samples and fits of one group's timings as plain numbers."""
+    return {"all_reduce": [asdict(s) for s in m.all_reduce], "send_recv": [asdict(s) for s in m.send_recv],
+            "collectives": [asdict(s) for s in m.collectives], "all_reduce_fit": asdict(m.all_reduce_fit),
+            "send_recv_fit": asdict(m.send_recv_fit), "collective_fits": {f.op: asdict(f) for f in m.collective_fits}}
+
+
 def build_cluster(world_size: int, efficiency: dict[str, EfficiencyFit], memcpy: MemcpyMeasurement,
                   gloo: GlooMeasurement, *, threads_per_rank: int, host_memory: int | None = None,
-                  name: str = "local-calibrated") -> Cluster:
-    """The one-node gloo cluster these measurements describe.
+                  name: str = "local-calibrated", inter_node: GlooMeasurement | None = None,
+                  ranks_per_node: int | None = None) -> Cluster:
+    """The one-node gloo cluster these measurements describe (a job of several nodes sets its
+    shape on it: ``detect_cluster``).
 
-    Device memory is host memory / ``world_size``; the device's memory bandwidth is the copy's
-    read+write rate; ``intra_node`` (and ``inter_node``, unused with one node) carry the
-    all-reduce fit, since collectives dominate data and tensor parallelism (the send/recv fit is
-    in the calibration JSON); ``host_to_device`` is the copy rate with the small-copy latency.
+    Device memory is host memory / ``ranks_per_node`` (default ``world_size``); the device's memory bandwidth is the copy's
+    read+write rate; ``intra_node`` carries the all-reduce fit, since collectives dominate data
+    and tensor parallelism, with the all-gather, reduce-scatter and all-to-all fits as its
+    ``collectives`` (the send/recv fit is in the calibration JSON); ``inter_node`` is the same
+    link on one node, else the fits of ``inter_node``'s timings across nodes (kind ``ethernet``:
+    gloo between hosts is TCP); ``host_to_device`` is the copy rate with the small-copy latency.
     bf16 falls back to fp32's peak when not measured; tf32 = fp32, fp16 = bf16 (schema defaults).
     The matmul rates are one rank's alone; ``compute_slots_per_node`` (cores over threads per
     rank) says how many ranks reach them at once.
@@ -100,14 +120,15 @@ def build_cluster(world_size: int, efficiency: dict[str, EfficiencyFit], memcpy:
     fp32 = efficiency["fp32"].peak_flops_per_s
     bf16 = efficiency["bf16"].peak_flops_per_s if "bf16" in efficiency else fp32
     fp16 = efficiency["fp16"].peak_flops_per_s if "fp16" in efficiency else None
-    link = gloo.all_reduce_fit.link("loopback")
+    link = gloo.link("loopback")
     return Cluster(
         name=name, nodes=1, devices_per_node=world_size, backend="gloo",
         device=Device(name=f"{cpu_name()} ({threads_per_rank} thread{'s' * (threads_per_rank > 1)} per rank)",
-                      memory_bytes=host // world_size,
+                      memory_bytes=host // (ranks_per_node or world_size),
                       memory_bandwidth_bytes_per_s=memcpy.memory_bandwidth_bytes_per_s,
                       peak_flops=PeakFlops(fp32=fp32, bf16=bf16, fp16=fp16)),
-        intra_node=link, inter_node=link, host_memory_bytes=host,
+        intra_node=link, inter_node=inter_node.link("ethernet") if inter_node is not None else link,
+        host_memory_bytes=host,
         host_to_device=Link(kind="loopback", bandwidth_bytes_per_s=memcpy.copy_bytes_per_s,
                             latency_s=memcpy.small_copy_s),
         compute_slots_per_node=max(1, cpu_count() // threads_per_rank))
@@ -127,9 +148,10 @@ def _header(cal: Calibration) -> str:
         lines.append(f"{dtype} matmul: peak {fit.peak_flops_per_s / 1e9:.3g} GFLOP/s, EfficiencyCurve("
                      f"peak_efficiency={fit.curve.peak_efficiency:.3g}, "
                      f"half_saturation_s={fit.curve.half_saturation_s:.3g})")
-    for fit in (g.all_reduce_fit, g.send_recv_fit):
-        lines.append(f"{fit.op} ({fit.world_size} ranks): alpha {fit.latency_s * 1e6:.3g} us, "
-                     f"beta {fit.bandwidth_bytes_per_s / 1e9:.3g} GB/s")
+    for where, m in (("", g), ("across nodes, ", cal.inter_node)):
+        for fit in (m.all_reduce_fit, m.send_recv_fit, *m.collective_fits) if m is not None else ():
+            lines.append(f"{where}{fit.op} ({fit.world_size} ranks): alpha {fit.latency_s * 1e6:.3g} us, "
+                         f"beta {fit.bandwidth_bytes_per_s / 1e9:.3g} GB/s")
     lines.append(f"memcpy of {cal.memcpy.nbytes / MiB:.0f} MiB: {cal.memcpy.copy_bytes_per_s / 1e9:.3g} GB/s copied "
                  f"({cal.memcpy.memory_bandwidth_bytes_per_s / 1e9:.3g} GB/s read+write)")
     if cal.refit is not None:
@@ -320,8 +342,8 @@ def auto_calibrate(world_size: int, path: Path) -> Calibration:
 
 JOB_RECIPE = replace(AUTO_RECIPE, name="job", reference_steps=4)
 """What a job calibrates with its own ranks on a cache miss (:func:`calibrate_in_job`): the
-automatic recipe with 4 steps per reference plan (2 of warm-up), bounded to well under a
-minute on a 2-core machine."""
+automatic recipe with 4 steps per reference plan (2 of warm-up): 9 s for 2 ranks, 19 s for 4
+(16 s as two nodes of 2) on a shared 2-core machine, the reference runs more than half of it."""
 
 
 def calibrate_in_job(path: Path, recipe: Recipe = JOB_RECIPE) -> Calibration:
@@ -329,8 +351,11 @@ def calibrate_in_job(path: Path, recipe: Recipe = JOB_RECIPE) -> Calibration:
     the default process group initialised, its world the calibration's): no process is started.
 
     Rank 0 times the matmuls and the copy alone (the other ranks wait, as a rank's compute is
-    measured without contention: ``compute_slots_per_node`` models the sharing), every rank
-    times gloo on the job's group, every rank trains the reference plans, and rank 0 fits,
+    measured without contention: ``compute_slots_per_node`` models the sharing), the ranks time
+    all-reduce, all-gather, reduce-scatter, all-to-all and send/recv over sizes on the job's
+    groups (:func:`job_comm_groups`: the world on one node; node 0's ranks and one rank per node
+    when ``LOCAL_WORLD_SIZE`` says the job spans several, the latter fitting ``inter_node``),
+    every rank trains the reference plans, and rank 0 fits,
     writes ``path`` (under the cache lock) and sends its :class:`Calibration` to the others:
     every rank returns the same one.
     """
@@ -343,7 +368,8 @@ def calibrate_in_job(path: Path, recipe: Recipe = JOB_RECIPE) -> Calibration:
     world, rank = dist.get_world_size(), dist.get_rank()
     start = time.perf_counter()
     clock = PhaseClock()
-    threads = rank_threads(world)
+    shape = job_shape(world_size=world)  # nodes from the launcher's LOCAL_WORLD_SIZE
+    threads = rank_threads(shape.local_world_size)  # a node's ranks share its cores
     matmul, efficiency, memcpy = None, None, None
     if rank == 0:
         matmul = measure_matmul(("fp32", "bf16"), recipe.matmul_sizes, threads=threads, effort=recipe.effort)
@@ -352,7 +378,8 @@ def calibrate_in_job(path: Path, recipe: Recipe = JOB_RECIPE) -> Calibration:
         memcpy = measure_memcpy(recipe.memcpy_bytes, threads=threads, effort=recipe.effort)
     efficiency, memcpy = comm.broadcast_object((efficiency, memcpy), src=0)
     clock.lap("matmul + memcpy")
-    timings = time_gloo(recipe.comm_sizes, recipe.effort.comm_repeats) if world >= 2 else None
+    groups = job_comm_groups(shape)
+    timings = time_job_groups(groups, recipe.comm_sizes, recipe.effort.comm_repeats)
     clock.lap("gloo")
     placeholder = LinkFit(op="all_reduce", world_size=world, latency_s=0.0, bandwidth_bytes_per_s=1.0)
     provisional = build_cluster(world, efficiency, memcpy,
@@ -363,12 +390,14 @@ def calibrate_in_job(path: Path, recipe: Recipe = JOB_RECIPE) -> Calibration:
     gathered = comm.all_gather_object((timings, steps))
     cal = None
     if rank == 0:
-        gloo = gloo_measurement([t for t, _ in gathered]) if world >= 2 else _no_peers()
-        cluster = build_cluster(world, efficiency, memcpy, gloo, threads_per_rank=threads)
+        gloo, inter = job_measurements(groups, [t for t, _ in gathered])
+        cluster = build_cluster(world, efficiency, memcpy, gloo, threads_per_rank=threads, inter_node=inter,
+                                ranks_per_node=shape.local_world_size)
         cal = Calibration(cluster=cluster, world_size=world, threads_per_rank=threads, matmul=tuple(matmul),
-                          efficiency=efficiency, memcpy=memcpy, gloo=gloo, recipe=recipe.name)
+                          efficiency=efficiency, memcpy=memcpy, gloo=gloo, recipe=recipe.name, nodes=shape.nodes,
+                          inter_node=inter)
         if recipe.reference_steps:
-            results = ReferenceResults(comm=tuple(t or {} for t, _ in gathered),
+            results = ReferenceResults(comm=tuple(t.get("intra") or {} for t, _ in gathered),
                                        steps=tuple(tuple(s) for _, s in gathered))
             cal = _with_reference_runs(cal, path, recipe, results)
         clock.lap("refit")
@@ -376,6 +405,68 @@ def calibrate_in_job(path: Path, recipe: Recipe = JOB_RECIPE) -> Calibration:
         with exclusive_lock(path):
             cal = replace(cal, path=write_calibration(cal, path))
     return comm.broadcast_object(cal, src=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobCommGroups:
+    """The groups a job's calibration times its links on (global ranks, node-major).
+
+    One node: the whole world is the intra-node group. Several nodes: the ranks of node 0 (the
+    intra-node link; none when a node runs one rank) and one rank per node, each node's first
+    (the inter-node link). One group of each kind, the other ranks waiting: a cluster's link is
+    what one group gets on its own; ``cost_model.group_link`` shares a node's NICs among the
+    groups that use them at once."""
+
+    shape: JobShape
+    intra: tuple[int, ...]
+    """Ranks timed for ``intra_node``: node 0's (the world on one node); () with one rank per node."""
+    inter: tuple[int, ...]
+    """Ranks timed for ``inter_node``: one per node; () on one node."""
+
+
+def job_comm_groups(shape: JobShape) -> JobCommGroups:
+    """The groups of :class:`JobCommGroups` for a job of ``shape``."""
+    local = shape.local_world_size
+    intra = tuple(range(local)) if local > 1 else ()
+    inter = tuple(range(0, shape.world_size, local)) if shape.nodes > 1 else ()
+    return JobCommGroups(shape=shape, intra=intra, inter=inter)
+
+
+def time_job_groups(groups: JobCommGroups, sizes: Sequence[int], repeats: int, *, device: str | None = None,
+                    timeout_s: float = 120.0) -> dict[str, dict | None]:
+    """On every rank of the job: time the collectives (:func:`time_collectives`) on the intra-node
+    group, then on the inter-node group, this rank's part of each (``None`` where it is not a
+    member). Every rank makes both groups (``new_group`` is collective) and meets the others at
+    a barrier after each, so the groups are timed one after the other on a quiet job."""
+    import torch.distributed as dist
+
+    from runtime.dist import comm
+
+    rank = dist.get_rank()
+    out: dict[str, dict | None] = {"intra": None, "inter": None}
+    for name, ranks in (("intra", groups.intra), ("inter", groups.inter)):
+        if not ranks:
+            continue
+        whole = len(ranks) == groups.shape.world_size
+        group = None if whole else comm.new_group(ranks, timeout_s=timeout_s)
+        if rank in ranks:
+            out[name] = time_collectives(sizes, repeats, ranks=ranks, group=group, device=device)
+        dist.barrier()
+    return out
+
+
+def job_measurements(groups: JobCommGroups, per_rank: Sequence[dict]) -> tuple[GlooMeasurement,
+                                                                               GlooMeasurement | None]:
+    """``(intra-node, inter-node)`` measurements from every rank's :func:`time_job_groups` result
+    (index = global rank). With one rank per node the inter-node fits serve as both (the
+    intra-node link is never used); a job of one rank gets :func:`_no_peers`."""
+    def of(key: str, ranks: tuple[int, ...]) -> GlooMeasurement | None:
+        return gloo_measurement([per_rank[r][key] for r in ranks]) if ranks else None
+
+    intra, inter = of("intra", groups.intra), of("inter", groups.inter)
+    if intra is None:
+        return (inter, inter) if inter is not None else (_no_peers(), None)
+    return intra, inter
 
 
 def _no_peers() -> GlooMeasurement:

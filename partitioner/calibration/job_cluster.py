@@ -89,8 +89,9 @@ def cached_local_cluster(world_size: int) -> Cluster:
     (:func:`partitioner.calibration.calibrate.calibrate_in_job`) and rank 0's answer, read or measured, is
     every rank's. Outside a job, :func:`partitioner.calibration.calibrate.auto_calibrate` starts the ranks;
     concurrent callers wait for one calibration, not run four."""
-    path = local_cache_file(world_size)
     job = _job_world(world_size)
+    # a job spread over several nodes also measures the link between them: a calibration of its own
+    path = local_cache_file(world_size, job_shape(world_size=job).nodes if job == world_size else 1)
     if job is not None:
         if job != world_size:
             raise ClusterSpecError(

@@ -5,8 +5,13 @@ What is measured, in the conditions a rank of a local gloo job sees:
 * :func:`measure_matmul`: FLOP/s of square ``n × n`` matmuls per size and dtype in THIS process,
   with :func:`rank_threads` threads (the cores a rank gets when ``world_size`` ranks share them).
 * :func:`measure_memcpy`: host memory bandwidth from a large ``Tensor.copy_``.
-* :func:`measure_gloo`: ``world_size`` local gloo processes time ``all_reduce`` and a send/recv
-  ping-pong between ranks 0 and 1 at a few sizes.
+* :func:`measure_gloo`: ``world_size`` local gloo processes time ``all_reduce``, ``all_gather``,
+  ``reduce_scatter``, ``all_to_all`` and a send/recv ping-pong between ranks 0 and 1 at a few
+  sizes (:func:`time_collectives`, which a job's own ranks also run on their real groups).
+
+Every measurement takes a ``device``: ``cpu`` (gloo ranks) or ``cuda`` (a GPU job under NCCL,
+where the timed region is bracketed by ``torch.cuda.synchronize()``: kernels and collectives run
+asynchronously to the host clock).
 
 The fits are pure functions of (size, seconds) samples so that measurements from elsewhere (a
 training run's timings) can be refitted the same way:
@@ -14,7 +19,9 @@ training run's timings) can be refitted the same way:
 * :func:`fit_efficiency`: peak FLOP/s and the :class:`~partitioner.cost.cost_model.EfficiencyCurve`
   of :func:`~partitioner.cost.cost_model.compute_time`;
 * :func:`fit_alpha_beta`: latency α and bandwidth β of the ring model of
-  :func:`~partitioner.cost.cost_model.all_reduce_time` (``2(n−1)α + 2(n−1)/n · bytes/β``) or of
+  :func:`~partitioner.cost.cost_model.all_reduce_time` (``2(n−1)α + 2(n−1)/n · bytes/β``), of
+  :func:`~partitioner.cost.cost_model.all_gather_time`, ``reduce_scatter_time`` and
+  ``all_to_all_time`` (``(n−1)α + (n−1)/n · bytes/β``) or of
   :func:`~partitioner.cost.cost_model.send_recv_time` (``α + bytes/β``).
 
 Both models are affine in the size (``t = c0 + c1·x``). They are fitted by least squares on the
@@ -22,9 +29,9 @@ RELATIVE error, ``Σ((c0 + c1·xᵢ)/tᵢ − 1)²``, so a 4 KiB message (tens o
 64 MiB one (tenths of a second); plain least squares would fit only the largest sizes.
 """
 from __future__ import annotations
-from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import math
 import os
@@ -34,8 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-from partitioner.cost.cluster import Link
-from partitioner.cost.cost_model import EfficiencyCurve, all_reduce_time, send_recv_time
+from partitioner.cost.cluster import COLLECTIVE_FIT_OPS, CollectiveFit, Link
+from partitioner.cost.cost_model import (EfficiencyCurve, all_gather_time, all_reduce_time, all_to_all_time,
+                                         reduce_scatter_time, send_recv_time)
 from passes.ir.errors import ConfigError
 from runtime.dist.launch import spawn
 
@@ -152,15 +160,23 @@ def fit_efficiency(samples: Sequence[tuple[float, float]], peak_flops_per_s: flo
                          curve=EfficiencyCurve(peak_efficiency=efficiency, half_saturation_s=c0 * efficiency))
 
 
-COMM_OPS = ("all_reduce", "send_recv")
+COLLECTIVE_OPS = ("all_reduce",) + COLLECTIVE_FIT_OPS
+"""Collectives timed over a whole group: the all-reduce (the link's own α-β) and those a link
+keeps fits of its own for (``Link.collectives``)."""
+COMM_OPS = ("all_reduce", "send_recv") + COLLECTIVE_FIT_OPS
+_RING_TIME = {"all_gather": all_gather_time, "reduce_scatter": reduce_scatter_time, "all_to_all": all_to_all_time}
 
 
 def _comm_terms(op: str, n: int) -> tuple[float, float]:
-    """``(latency steps, bytes factor)`` of ``op`` over ``n`` ranks: t = steps·α + factor·bytes/β."""
+    """``(latency steps, bytes factor)`` of ``op`` over ``n`` ranks: t = steps·α + factor·bytes/β,
+    the cost model's form (``bytes``: the all-reduced buffer, the all-gather's output, the
+    reduce-scatter's input, the all-to-all's buffer per rank, the message)."""
+    if op in COLLECTIVE_OPS and n < 2:
+        raise ConfigError(f"an {op} fit needs a group of at least 2 ranks, got {n}")
     if op == "all_reduce":
-        if n < 2:
-            raise ConfigError("an all-reduce fit needs a group of at least 2 ranks")
         return 2 * (n - 1), 2 * (n - 1) / n
+    if op in COLLECTIVE_FIT_OPS:
+        return n - 1, (n - 1) / n
     if op == "send_recv":
         return 1, 1.0
     raise ConfigError(f"unknown communication op {op!r}; choose one of {', '.join(COMM_OPS)}")
@@ -171,9 +187,9 @@ class LinkFit:
     """Latency α and bandwidth β fitted to timings of one operation, as a :class:`Link` holds them."""
 
     op: str
-    """``"all_reduce"`` (ring model over ``world_size`` ranks) or ``"send_recv"``."""
+    """One of :data:`COMM_OPS`: a collective (ring model over ``world_size`` ranks) or ``"send_recv"``."""
     world_size: int
-    """Ranks of the all-reduce (2 for send/recv)."""
+    """Ranks of the collective (2 for send/recv)."""
     latency_s: float
     """α: seconds per message (per ring step for the all-reduce)."""
     bandwidth_bytes_per_s: float
@@ -183,10 +199,16 @@ class LinkFit:
         """A :class:`Link` with these α and β."""
         return Link(kind=kind, bandwidth_bytes_per_s=self.bandwidth_bytes_per_s, latency_s=self.latency_s)
 
+    def collective_fit(self) -> CollectiveFit:
+        """This fit as a :class:`Link`'s per-collective entry (``Link.collectives``)."""
+        return CollectiveFit(op=self.op, bandwidth_bytes_per_s=self.bandwidth_bytes_per_s, latency_s=self.latency_s)
+
     def predict_seconds(self, nbytes: float) -> float:
         """Seconds the cost model gives ``op`` on ``nbytes`` with this link."""
         if self.op == "all_reduce":
             return all_reduce_time(nbytes, self.world_size, self.link())
+        if self.op in _RING_TIME:
+            return _RING_TIME[self.op](nbytes, self.world_size, self.link())
         return send_recv_time(nbytes, self.link())
 
 
@@ -194,12 +216,13 @@ def fit_alpha_beta(samples: Sequence[tuple[float, float]], op: str, world_size: 
     """Fit α (seconds) and β (bytes/s) to ``(bytes, seconds)`` samples of ``op``.
 
     ``all_reduce`` over ``world_size`` ranks: ``t = 2(n−1)·α + 2(n−1)/n · bytes/β``;
+    ``all_gather``, ``reduce_scatter``, ``all_to_all``: ``t = (n−1)·α + (n−1)/n · bytes/β``;
     ``send_recv``: ``t = α + bytes/β`` (one message, one way). Least squares on relative error
     (:func:`_fit_affine`); α >= 0.
     """
     steps, factor = _comm_terms(op, world_size)
     c0, c1 = _fit_affine([factor * b for b, _ in samples], [t for _, t in samples])
-    return LinkFit(op=op, world_size=world_size if op == "all_reduce" else 2,
+    return LinkFit(op=op, world_size=world_size if op != "send_recv" else 2,
                    latency_s=c0 / steps, bandwidth_bytes_per_s=1 / c1)
 
 
@@ -280,19 +303,41 @@ def cpu_name() -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _time_per_call(fn, effort: Effort) -> float:
+def device_synchronizer(device: str | None):
+    """``(torch.device, sync)``: the device to measure on (``None``: ``cpu``) and what waits for
+    its queued work: ``torch.cuda.synchronize`` on a CUDA device (kernels and NCCL collectives
+    return before they finish), nothing on the CPU, whose operations are done on return."""
+    import torch
+
+    dev = torch.device(device or "cpu")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"cannot measure on {dev}: no CUDA device is visible to this process; measure on "
+                              f"'cpu', or run on a machine with a GPU")
+        return dev, lambda: torch.cuda.synchronize(dev)
+    if dev.type != "cpu":
+        raise ConfigError(f"cannot measure on {dev}: the calibration measures 'cpu' or 'cuda' devices")
+    return dev, lambda: None
+
+
+def _time_per_call(fn, effort: Effort, sync=lambda: None) -> float:
     """Seconds of one ``fn()`` call: warm up, size an inner loop to ``min_sample_s``, then keep
-    the fastest of ``effort.repeats`` samples (see :class:`Effort`)."""
+    the fastest of ``effort.repeats`` samples (see :class:`Effort`). ``sync`` waits for the
+    device (:func:`device_synchronizer`) before the clock starts and before it stops."""
     fn()  # warm-up: allocator, thread pool, kernel selection
+    sync()
     start = time.perf_counter()
     fn()
+    sync()
     first = max(time.perf_counter() - start, 1e-9)
     loops = max(1, min(10_000, math.ceil(effort.min_sample_s / first)))
     samples = []
     for _ in range(effort.repeats):
+        sync()
         start = time.perf_counter()
         for _ in range(loops):
             fn()
+        sync()
         samples.append((time.perf_counter() - start) / loops)
     return min(samples)
 
@@ -314,13 +359,16 @@ class MatmulSample:
 
 
 def measure_matmul(dtypes: Sequence[str] = ("fp32", "bf16"), sizes: Sequence[int] = MATMUL_SIZES, *,
-                   threads: int | None = None, effort: Effort = FULL) -> list[MatmulSample]:
+                   threads: int | None = None, effort: Effort = FULL, device: str | None = None) -> list[MatmulSample]:
     """Time square matmuls of every size in ``sizes`` for every dtype (``fp32``, ``bf16``, ``fp16``).
 
-    Runs in this process with ``threads`` torch threads (default: all cores; :func:`calibrate`
-    passes :func:`rank_threads`), restored afterwards.
+    Runs in this process on ``device`` (``cpu`` by default; ``cuda`` synchronises around every
+    timed sample) with ``threads`` torch threads (default: all cores; :func:`calibrate` passes
+    :func:`rank_threads`), restored afterwards.
     """
     import torch
+
+    dev, sync = device_synchronizer(device)
 
     unknown = [d for d in dtypes if d not in _TORCH_DTYPES]
     if unknown:
@@ -333,9 +381,9 @@ def measure_matmul(dtypes: Sequence[str] = ("fp32", "bf16"), sizes: Sequence[int
             torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
             for n in sizes:
                 gen = torch.Generator().manual_seed(n)
-                a = torch.randn(n, n, generator=gen).to(torch_dtype)
-                b = torch.randn(n, n, generator=gen).to(torch_dtype)
-                seconds = _time_per_call(lambda: torch.mm(a, b), effort)
+                a = torch.randn(n, n, generator=gen).to(dev, torch_dtype)
+                b = torch.randn(n, n, generator=gen).to(dev, torch_dtype)
+                seconds = _time_per_call(lambda: torch.mm(a, b), effort, sync)
                 out.append(MatmulSample(dtype=dtype, n=n, flops=2.0 * n**3, seconds=seconds))
     return out
 
@@ -364,18 +412,20 @@ class MemcpyMeasurement:
 
 
 def measure_memcpy(nbytes: int = MEMCPY_BYTES, *, threads: int | None = None,
-                   effort: Effort = FULL) -> MemcpyMeasurement:
-    """Time ``Tensor.copy_`` of ``nbytes`` (float32) and of 4 KiB in this process."""
+                   effort: Effort = FULL, device: str | None = None) -> MemcpyMeasurement:
+    """Time ``Tensor.copy_`` of ``nbytes`` (float32) and of 4 KiB in this process, inside
+    ``device``'s memory (``cpu`` by default: host memory; ``cuda``: device memory)."""
     import torch
 
     if nbytes < 4 * KiB:
         raise ConfigError(f"measure_memcpy: nbytes must be at least 4 KiB, got {nbytes}")
+    dev, sync = device_synchronizer(device)
     with _num_threads(threads or cpu_count()):
-        src = torch.ones(nbytes // 4)
+        src = torch.ones(nbytes // 4, device=dev)
         dst = torch.empty_like(src)
-        seconds = _time_per_call(lambda: dst.copy_(src), effort)
-        small_src, small_dst = torch.ones(KiB), torch.empty(KiB)
-        small = _time_per_call(lambda: small_dst.copy_(small_src), effort)
+        seconds = _time_per_call(lambda: dst.copy_(src), effort, sync)
+        small_src, small_dst = torch.ones(KiB, device=dev), torch.empty(KiB, device=dev)
+        small = _time_per_call(lambda: small_dst.copy_(small_src), effort, sync)
     return MemcpyMeasurement(nbytes=(nbytes // 4) * 4, seconds=seconds, small_copy_s=small)
 
 
@@ -384,11 +434,12 @@ class CommSample:
     """One timed communication at one size."""
 
     op: str
-    """``"all_reduce"`` or ``"send_recv"`` (one way)."""
+    """One of :data:`COMM_OPS` (``"send_recv"``: one way)."""
     world_size: int
     """Ranks taking part (2 for send/recv)."""
     nbytes: int
-    """Buffer bytes (the all-reduced tensor; the message)."""
+    """Buffer bytes as the cost model counts them: the all-reduced tensor, the all-gather's output,
+    the reduce-scatter's input, the all-to-all's buffer per rank, the message."""
     seconds: float
     """Seconds of one operation, fastest of the repeats (all-reduce: the slowest rank's)."""
 
@@ -407,9 +458,47 @@ def _gloo_worker(sizes: Sequence[int], repeats: int, timeout_s: float) -> dict[s
 
 
 def time_gloo(sizes: Sequence[int], repeats: int) -> dict[str, list[tuple[int, float]]]:
-    """On every rank of an initialized gloo group: time all_reduce at each size (bytes), and a
-    send/recv ping-pong between ranks 0 and 1; returns ``{"all_reduce": [(bytes, s)],
-    "send_recv": [(bytes, s)]}`` (the send/recv list only on rank 0).
+    """:func:`time_collectives` over the whole default group, on the CPU."""
+    return time_collectives(sizes, repeats)
+
+
+def _collective_calls(op: str, nbytes: int, n: int, group, device):
+    """``(call, bytes)``: one ``op`` over a group of ``n`` ranks moving about ``nbytes`` as the
+    cost model counts them (the all-reduced buffer, the all-gather's output, the reduce-scatter's
+    input, the all-to-all's buffer per rank), each through the call the runtime makes:
+    :mod:`runtime.dist.comm`'s all-reduce, list all-gather and list reduce-scatter (the forms the
+    runtime uses on gloo and NCCL alike; ``all_gather_into_tensor`` and ``reduce_scatter_tensor``
+    work on gloo too but warn of their deprecation in torch 2.13), and ``all_to_all_single`` as
+    the Ulysses kernel (``runtime.kernels.context_parallel``) calls it."""
+    import torch
+    import torch.distributed as dist
+
+    from runtime.dist import comm
+
+    if op == "all_reduce":
+        buf = torch.ones(max(1, nbytes // 4), device=device)
+        return (lambda: comm.all_reduce(buf, group)), buf.numel() * 4
+    per = max(1, nbytes // (4 * n))  # floats of one rank's part
+    if op == "all_gather":
+        mine, parts = torch.ones(per, device=device), [torch.empty(per, device=device) for _ in range(n)]
+        return (lambda: comm.all_gather(parts, mine, group)), per * n * 4
+    if op == "reduce_scatter":
+        out, parts = torch.empty(per, device=device), [torch.ones(per, device=device) for _ in range(n)]
+        return (lambda: comm.reduce_scatter(out, parts, group)), per * n * 4
+    if op == "all_to_all":
+        src, dst = torch.ones(per * n, device=device), torch.empty(per * n, device=device)
+        return (lambda: dist.all_to_all_single(dst, src, group=group)), per * n * 4
+    raise ConfigError(f"unknown collective {op!r}; choose one of {', '.join(COLLECTIVE_OPS)}")
+
+
+def time_collectives(sizes: Sequence[int], repeats: int, *, ranks: Sequence[int] | None = None, group=None,
+                     ops: Sequence[str] = COLLECTIVE_OPS, device: str | None = None) -> dict[str, list[tuple[int, float]]]:
+    """On every rank of ``ranks`` (global ranks; default: the whole world, ``group`` then the
+    default group), members only: time each collective of ``ops`` at each size (bytes) over
+    ``group``, and a send/recv ping-pong between the group's first two ranks; returns
+    ``{op: [(bytes, s)], "send_recv": [(bytes, s)]}`` (the send/recv list only on the group's
+    first rank). ``device``: where the buffers live (``cuda`` under NCCL; synchronised around
+    every sample, :func:`device_synchronizer`).
 
     Every sample is ONE operation after a barrier, and the fastest of ``repeats`` is kept: a
     loop of many operations would average in the scheduling delays of other processes (a gloo
@@ -420,52 +509,76 @@ def time_gloo(sizes: Sequence[int], repeats: int) -> dict[str, list[tuple[int, f
     import torch
     import torch.distributed as dist
 
-    rank = dist.get_rank()
+    dev, sync = device_synchronizer(device)
+    ranks = tuple(range(dist.get_world_size())) if ranks is None else tuple(ranks)
+    rank, n = dist.get_rank(), len(ranks)
+    if rank not in ranks:
+        raise ConfigError(f"time_collectives: rank {rank} is not in the timed group {list(ranks)}; call it on "
+                          f"the group's members only")
+    first, second = ranks[0], ranks[1] if n > 1 else None
 
-    def all_reduce(buf: torch.Tensor) -> None:
-        dist.all_reduce(buf)
+    def ping_pong(buf: torch.Tensor) -> None:  # ranks other than the first two only wait at barriers
+        if rank == first:
+            dist.send(buf, dst=second)
+            dist.recv(buf, src=second)
+        elif rank == second:
+            dist.recv(buf, src=first)
+            dist.send(buf, dst=first)
 
-    def ping_pong(buf: torch.Tensor) -> None:  # ranks other than 0 and 1 only wait at barriers
-        if rank == 0:
-            dist.send(buf, dst=1)
-            dist.recv(buf, src=1)
-        elif rank == 1:
-            dist.recv(buf, src=0)
-            dist.send(buf, dst=0)
+    def ping_pong_call(nbytes: int):
+        buf = torch.ones(max(1, nbytes // 4), device=dev)
+        return (lambda: ping_pong(buf)), buf.numel() * 4
 
+    timed = [(op, (lambda nb, op=op: _collective_calls(op, nb, n, group, dev)), 1) for op in ops]
+    if n > 1:
+        timed.append(("send_recv", ping_pong_call, 2))
     out: dict[str, list[tuple[int, float]]] = {}
-    for name, op, messages in (("all_reduce", all_reduce, 1), ("send_recv", ping_pong, 2)):
-        bufs = [torch.ones(max(1, nbytes // 4)) for nbytes in sizes]
-        for buf in bufs:
-            op(buf)  # warm-up: connections, buffers
-        best = [math.inf] * len(bufs)
+    for name, make, messages in timed:
+        calls = [make(nbytes) for nbytes in sizes]
+        for call, _ in calls:
+            call()  # warm-up: connections, buffers
+        best = [math.inf] * len(calls)
         for _ in range(repeats):
-            for i, buf in enumerate(bufs):
-                dist.barrier()
+            for i, (call, _) in enumerate(calls):
+                dist.barrier(group=group)
+                sync()
                 start = time.perf_counter()
-                op(buf)
+                call()
+                sync()
                 # a ping-pong is two messages: one way is half of it
                 best[i] = min(best[i], (time.perf_counter() - start) / messages)
-        out[name] = [(buf.numel() * 4, t) for buf, t in zip(bufs, best)]
-    if rank != 0:
-        out["send_recv"] = []  # only rank 0 timed whole round trips
-    dist.barrier()
+        out[name] = [(nbytes, t) for (_, nbytes), t in zip(calls, best)]
+    if rank != first:
+        out["send_recv"] = []  # only the first rank timed whole round trips
+    dist.barrier(group=group)
     return out
 
 
 @dataclass(frozen=True, kw_only=True)
 class GlooMeasurement:
-    """gloo timings on local processes and the α-β fits of the cost model."""
+    """Communication timings on one group and the α-β fits of the cost model."""
 
     all_reduce: tuple[CommSample, ...]
     send_recv: tuple[CommSample, ...]
     all_reduce_fit: LinkFit
     send_recv_fit: LinkFit
+    collectives: tuple[CommSample, ...] = ()
+    """Samples of the collectives in :data:`~partitioner.cost.cluster.COLLECTIVE_FIT_OPS`
+    (all-gather, reduce-scatter, all-to-all), every op's sizes in turn."""
+    collective_fits: tuple[LinkFit, ...] = ()
+    """One fit per op of :attr:`collectives` (none when they were not timed)."""
+
+    def link(self, kind: str = "loopback") -> Link:
+        """The :class:`Link` these fits describe: the all-reduce's α and β, and a fit of its own
+        for every other collective timed (``Link.collectives``)."""
+        base = self.all_reduce_fit.link(kind)
+        return dataclasses.replace(base, collectives=tuple(f.collective_fit() for f in self.collective_fits))
 
 
 def measure_gloo(world_size: int, sizes: Sequence[int] = COMM_SIZES, *, effort: Effort = FULL,
                  timeout_s: float = 120.0) -> GlooMeasurement:
-    """Spawn ``world_size`` (>= 2) local gloo processes; time all_reduce and ranks 0 ↔ 1 send/recv.
+    """Spawn ``world_size`` (>= 2) local gloo processes; time the collectives of :data:`COLLECTIVE_OPS`
+    and ranks 0 ↔ 1 send/recv.
 
     Processes start through :func:`runtime.dist.launch.spawn` (MASTER_ADDR=127.0.0.1, a free port,
     one torch thread per rank as under torchrun); the process group has a ``timeout_s`` timeout
@@ -482,19 +595,28 @@ def measure_gloo(world_size: int, sizes: Sequence[int] = COMM_SIZES, *, effort: 
 
 
 def gloo_measurement(per_rank: Sequence[dict]) -> GlooMeasurement:
-    """The samples and fits of :func:`time_gloo`'s results on every rank (index = rank): the
-    all-reduce time per size is the slowest rank's fastest repeat; send/recv is rank 0's."""
+    """The samples and fits of :func:`time_collectives`' results on every rank of the group
+    (index = rank in the group): a collective's time per size is the slowest rank's fastest
+    repeat; send/recv is the first rank's."""
     world_size = len(per_rank)
-    all_reduce = tuple(
-        CommSample(op="all_reduce", world_size=world_size, nbytes=nbytes,
-                   seconds=max(r["all_reduce"][i][1] for r in per_rank))
-        for i, (nbytes, _) in enumerate(per_rank[0]["all_reduce"]))
+
+    def samples(op: str) -> tuple[CommSample, ...]:
+        return tuple(CommSample(op=op, world_size=world_size, nbytes=nbytes, seconds=max(r[op][i][1] for r in per_rank))
+                     for i, (nbytes, _) in enumerate(per_rank[0][op]))
+
+    def fit(op: str, timed: Sequence[CommSample]) -> LinkFit:
+        return fit_alpha_beta([(c.nbytes, c.seconds) for c in timed], op, world_size)
+
+    all_reduce = samples("all_reduce")
     send_recv = tuple(CommSample(op="send_recv", world_size=2, nbytes=nbytes, seconds=s)
                       for nbytes, s in per_rank[0]["send_recv"])
+    others = {op: samples(op) for op in COLLECTIVE_FIT_OPS if per_rank[0].get(op)}
     return GlooMeasurement(
         all_reduce=all_reduce, send_recv=send_recv,
-        all_reduce_fit=fit_alpha_beta([(c.nbytes, c.seconds) for c in all_reduce], "all_reduce", world_size),
-        send_recv_fit=fit_alpha_beta([(c.nbytes, c.seconds) for c in send_recv], "send_recv"))
+        all_reduce_fit=fit("all_reduce", all_reduce),
+        send_recv_fit=fit_alpha_beta([(c.nbytes, c.seconds) for c in send_recv], "send_recv"),
+        collectives=tuple(c for timed in others.values() for c in timed),
+        collective_fits=tuple(fit(op, timed) for op, timed in others.items()))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -129,8 +129,9 @@ def test_a_process_started_inside_a_torchrun_rank_sees_none_of_its_rendezvous(tm
 
     out = tmp_path / "env.json"
     script = tmp_path / "rank.py"
-    script.write_text(f"import sys; sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
-                      f"from test_first_run import _rank_starts_a_job\n"
+    # the repository root only: with tests/ first on the path, tests/passes would shadow passes
+    script.write_text(f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
+                      f"from tests.test_first_run import _rank_starts_a_job\n"
                       f"if __name__ == '__main__':\n    _rank_starts_a_job({str(out)!r})\n")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", str(script)],
                           env=_fresh_env(tmp_path / "cache"), capture_output=True, text=True, timeout=300)

@@ -22,6 +22,7 @@ from partitioner.cost.cost_model import (
     all_gather_time, all_reduce_time, all_to_all_time, group_link, reduce_scatter_time,
 )
 from passes.ir.errors import ClusterSpecError, ConfigError
+from passes.ir.launcher_env import is_launcher_var
 from runtime.dist.launch import spawn
 
 RING = {"all_gather": all_gather_time, "reduce_scatter": reduce_scatter_time, "all_to_all": all_to_all_time}
@@ -198,3 +199,18 @@ def test_a_job_of_two_fake_nodes_times_its_collectives_and_puts_the_cross_node_f
     assert inter.bandwidth_bytes_per_s == pytest.approx(across["all_reduce_fit"]["bandwidth_bytes_per_s"])
     assert {f.op: f.latency_s for f in inter.collectives} == pytest.approx(
         {op: f["latency_s"] for op, f in across["collective_fits"].items()})
+
+
+def test_the_gpu_calibration_script_runs_its_path_on_the_cpu():
+    """scripts/gpu_calibrate.py (run by scripts/device_check.sh on a GPU) with --device cpu: the
+    same measurements, fits and collective calls, on gloo."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not is_launcher_var(k)} | {"PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "scripts/gpu_calibrate.py", "--device", "cpu", "--sizes", "32,64"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for line in ("matmul fp32: best", "matmul bf16: best", "memcpy:", "all_to_all", "gpu_calibrate: done"):
+        assert line in done.stdout, done.stdout

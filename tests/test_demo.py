@@ -32,6 +32,8 @@ def test_demo_runs_matches_one_process_and_writes_every_file(tmp_path, capfd):
     print(f"demo --steps 3: {elapsed:.1f} s")
     assert "Warning" not in captured.err, captured.err[-3000:]  # nothing a user can do nothing about
     assert text.startswith("demo: "), text[:500]
+    # the ranks detect the cluster, as auto_parallelize does by default (here: the suite's cluster file)
+    assert captured.err.count("partitioner: detected cluster: 1 node(s) x 4 ") == 1, captured.err[-3000:]
     assert "matches single-process training: max rel diff" in text
     bars = re.findall(r"^(step +\d+/\d+)  loss", text, flags=re.M)
     assert bars == ["step   1/3", "step   2/3", "step   3/3"]

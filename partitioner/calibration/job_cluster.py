@@ -38,8 +38,9 @@ def detect_cluster(world_size: int | None = None, *, env: Mapping[str, str] | No
     launcher's ``WORLD_SIZE``; nodes = world / ``LOCAL_WORLD_SIZE``. Then, in this order:
     ``$PARTITIONER_CLUSTER_FILE`` (a description of one node, given that job shape); this
     process's CUDA device (:func:`gpu_cluster`; ``inter_node`` and ``host_memory_bytes`` as
-    there); else CPU ranks: this machine's calibration for the job's ranks
-    (:func:`local_cluster`, measured by the job's own ranks the first time).
+    there) unless the job's process group is gloo; else CPU ranks: this machine's calibration for
+    the job's ranks (:func:`local_cluster`, measured by the job's own ranks the first time; a job
+    spanning several nodes also measures the link between them).
     """
     env = os.environ if env is None else env
     dist = torch.distributed
@@ -49,7 +50,9 @@ def detect_cluster(world_size: int | None = None, *, env: Mapping[str, str] | No
     if env.get(CLUSTER_FILE_ENV):
         base = Cluster.from_file(env[CLUSTER_FILE_ENV])
         return replace(base, nodes=shape.nodes, devices_per_node=shape.local_world_size)
-    if torch.cuda.is_available():
+    # a gloo job's ranks are CPU processes whatever GPUs the machine has (the demo's, say)
+    on_gloo = dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
+    if torch.cuda.is_available() and not on_gloo:
         props = GpuProperties.from_torch(torch.cuda.current_device())
         return gpu_cluster(props, shape, intra_node_kind=intra_node_kind(shape.local_world_size, spec=match_gpu(props)),
                            inter_node=inter_node, host_memory_bytes=host_memory_bytes)

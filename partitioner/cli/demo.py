@@ -1,7 +1,8 @@
 """``partitioner demo`` and ``partitioner train``: plan and train a model on real text.
 
-``partitioner demo`` (no arguments needed) plans the zoo GPT for 4 local gloo ranks on
-``local_cluster(4)`` (this machine, calibrated the first time), letting the search choose every
+``partitioner demo`` (no arguments needed) plans the zoo GPT for 4 local gloo ranks on the
+cluster its ranks detect (``detect_cluster``: this machine, calibrated inside the job the first
+time; ``$PARTITIONER_CLUSTER_FILE`` overrides it), letting the search choose every
 knob (``--fix`` pins some), prints the chosen plan and the runner-up with how much it lost, spawns the 4 ranks
 (:func:`runtime.dist.launch.spawn`), trains on the byte-level stdlib corpus (:mod:`partitioner.cli.corpus`),
 prints the loss per step (and a tqdm bar when stderr is a terminal), checks the first steps
@@ -194,7 +195,7 @@ class RankResult:
 
 
 def _demo_rank(model: str, steps: int, fix: str | None, dump_dir: str, global_batch: int, timeout_s: float,
-               track_memory: bool, cluster, dtype: str = "fp32") -> RankResult:
+               track_memory: bool, cluster=None, dtype: str = "fp32") -> RankResult:
     import torch.distributed as dist
 
     from partitioner.api.auto import auto_parallelize
@@ -313,14 +314,12 @@ def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str | None = DEMO
 
     start = time.perf_counter()
     dump = str(Path(dump_dir).resolve())
-    # once, before the ranks start: the demo's ranks are this machine's CPU processes, whatever
-    # GPUs it has, and the cluster is printed before anything else happens
-    from partitioner.calibration.job_cluster import local_cluster
-
-    cluster = local_cluster(DEMO_WORLD)
-    say(f"demo: {model} on {DEMO_WORLD} local gloo ranks ({cluster.name}), {f'fix {fix}' if fix else 'nothing pinned'}, "
-        f"global batch {global_batch}, {steps} steps")
-    results = spawn(_demo_rank, DEMO_WORLD, model, steps, fix, dump, global_batch, timeout_s, track_memory, cluster,
+    # the cluster is the ranks' to find, as in any job (auto_parallelize's detect_cluster): on a
+    # first run they calibrate this machine together, inside the job, instead of this process
+    # starting a calibration job of its own first; rank 0 prints what it found
+    say(f"demo: {model} on {DEMO_WORLD} local gloo ranks, {f'fix {fix}' if fix else 'nothing pinned'}, "
+        f"global batch {global_batch}, {steps} steps; the ranks detect the cluster")
+    results = spawn(_demo_rank, DEMO_WORLD, model, steps, fix, dump, global_batch, timeout_s, track_memory, None,
                     dtype, timeout_s=max(600.0, 20.0 * steps))
     distributed_s = time.perf_counter() - start
     losses = results[0].losses

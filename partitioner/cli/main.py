@@ -200,12 +200,17 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     print(_table(rows))
     print()
     rows = [("communication", "ranks", "bytes", "time", "bytes/time", "alpha-beta model")]
-    for samples, fit in ((cal.gloo.all_reduce, cal.gloo.all_reduce_fit), (cal.gloo.send_recv, cal.gloo.send_recv_fit)):
-        rows += [(s.op, str(s.world_size), _human(s.nbytes, "B"), f"{s.seconds * 1e6:.1f} us",
-                  f"{_human(s.algorithm_bytes_per_s, 'B')}/s", f"{fit.predict_seconds(s.nbytes) * 1e6:.1f} us")
-                 for s in samples]
-        rows.append((f"{fit.op} fit", str(fit.world_size), "", f"alpha {fit.latency_s * 1e6:.3g} us",
-                     f"beta {_human(fit.bandwidth_bytes_per_s, 'B')}/s", ""))
+    for where, g in (("", cal.gloo), ("across nodes: ", cal.inter_node)):
+        if g is None:
+            continue
+        fits = [(g.all_reduce, g.all_reduce_fit), (g.send_recv, g.send_recv_fit)]
+        fits += [(tuple(s for s in g.collectives if s.op == f.op), f) for f in g.collective_fits]
+        for samples, fit in fits:
+            rows += [(where + s.op, str(s.world_size), _human(s.nbytes, "B"), f"{s.seconds * 1e6:.1f} us",
+                      f"{_human(s.algorithm_bytes_per_s, 'B')}/s", f"{fit.predict_seconds(s.nbytes) * 1e6:.1f} us")
+                     for s in samples]
+            rows.append((f"{where}{fit.op} fit", str(fit.world_size), "", f"alpha {fit.latency_s * 1e6:.3g} us",
+                         f"beta {_human(fit.bandwidth_bytes_per_s, 'B')}/s", ""))
     print(_table(rows))
     print()
     m = cal.memcpy
@@ -234,6 +239,7 @@ def _calibrate_job(args: argparse.Namespace):
 
     from partitioner.calibration.calibrate import FULL_RECIPE, QUICK_RECIPE, calibrate_in_job
     from partitioner.calibration.cache import local_cache_file
+    from partitioner.calibration.detect import job_shape
     from runtime.dist.mesh import START_TIMEOUT_S, init_distributed
 
     world = int(os.environ["WORLD_SIZE"])
@@ -244,7 +250,8 @@ def _calibrate_job(args: argparse.Namespace):
     recipe = QUICK_RECIPE if args.quick else FULL_RECIPE
     if args.no_reference_runs:
         recipe = replace(recipe, reference_steps=0)
-    path = Path(args.out).expanduser() if args.out else local_cache_file(world)
+    nodes = job_shape(world_size=world).nodes  # several: the link between them is measured too
+    path = Path(args.out).expanduser() if args.out else local_cache_file(world, nodes)
     cal = calibrate_in_job(path, recipe)
     rank = dist.get_rank()
     dist.destroy_process_group()

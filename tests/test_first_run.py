@@ -156,3 +156,31 @@ def test_the_help_of_the_command_line_loads_neither_torch_nor_sympy():
             "heavy = sorted(m for m in ('torch', 'sympy') if m in sys.modules); print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_script_without_a_main_guard_is_told_so_instead_of_hanging(tmp_path):
+    """``local_cluster(3)`` at a script's top level, on an empty cache: each calibration rank
+    re-imports the script and would wait for ever on the lock its parent holds; instead it fails
+    at once, naming the fix."""
+    script = tmp_path / "train.py"
+    script.write_text("from partitioner import local_cluster\nlocal_cluster(3)\n")
+    run = subprocess.run([sys.executable, str(script)], env=_fresh_env(tmp_path / "cache"), capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode != 0
+    assert "LaunchError: local_cluster(3) was called while this process was being started as a rank" in run.stderr
+    assert 'if __name__ == "__main__":' in run.stderr
+
+
+def test_a_calibration_lock_held_elsewhere_is_waited_for_a_bounded_time(tmp_path):
+    from filelock import FileLock
+
+    from partitioner.calibration.cache import exclusive_lock
+    from passes.ir.errors import ClusterSpecError
+
+    path = tmp_path / "local.yaml"
+    with FileLock(str(path) + ".lock"):
+        with pytest.raises(ClusterSpecError, match=r"waited 0 s for another process's calibration .*local.yaml.lock"):
+            with exclusive_lock(path, timeout_s=0.2):
+                pass
+    with exclusive_lock(path, timeout_s=0.2):  # free again
+        pass

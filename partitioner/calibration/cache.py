@@ -92,12 +92,28 @@ def read_cached(path: Path, world_size: int) -> Cluster:
                                f"calibrate --world-size {world_size}`, or delete it to recalibrate on next use") from None
 
 
+LOCK_TIMEOUT_S = 900.0
+"""Seconds a process waits for another's calibration of the same cache file (an 8-rank one
+takes a few minutes on a loaded 2-core machine)."""
+
+
 @contextlib.contextmanager
-def exclusive_lock(path: Path) -> Iterator[None]:
+def exclusive_lock(path: Path, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
     """Hold the exclusive lock of cache file ``path`` (``<path>.lock``; ``filelock``, a torch
-    dependency) for the block: one writer at a time."""
-    from filelock import FileLock
+    dependency) for the block: one writer at a time. Waiting more than ``timeout_s`` seconds
+    raises :class:`ClusterSpecError` naming the lock."""
+    from filelock import FileLock, Timeout
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(path.with_name(path.name + ".lock")):
+    lock = path.with_name(path.name + ".lock")
+    try:
+        lock_cm = FileLock(lock, timeout=timeout_s)
+        lock_cm.acquire()
+    except Timeout:
+        raise ClusterSpecError(f"waited {timeout_s:.0f} s for another process's calibration of this machine "
+                               f"({lock} is held); if none is running, a stopped one left it: check with "
+                               f"`partitioner calibrate --show`, or pass a cluster preset") from None
+    try:
         yield
+    finally:
+        lock_cm.release()

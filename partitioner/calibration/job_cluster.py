@@ -27,6 +27,7 @@ from partitioner.cost.cluster import CLUSTER_FILE_ENV, Cluster, Link
 from passes.ir.errors import ClusterSpecError
 from passes.ir.launcher_env import under_launcher
 from runtime.dist import comm
+from runtime.dist.launch import refuse_while_starting
 from runtime.dist.mesh import START_TIMEOUT_S, init_distributed
 
 
@@ -92,6 +93,7 @@ def cached_local_cluster(world_size: int) -> Cluster:
     (:func:`partitioner.calibration.calibrate.calibrate_in_job`) and rank 0's answer, read or measured, is
     every rank's. Outside a job, :func:`partitioner.calibration.calibrate.auto_calibrate` starts the ranks;
     concurrent callers wait for one calibration, not run four."""
+    refuse_while_starting(f"local_cluster({world_size})")
     job = _job_world(world_size)
     # a job spread over several nodes also measures the link between them: a calibration of its own
     path = local_cache_file(world_size, job_shape(world_size=job).nodes if job == world_size else 1)

@@ -142,6 +142,23 @@ def _line(exc: BaseException) -> str:
         return f"{type(exc).__name__}: {first}"
 
 
+def starting_rank() -> bool:
+    """Whether this process is still being started by multiprocessing: a new rank re-runs the
+    launching script's top-level code (as ``__mp_main__``) before its function, so a script
+    whose top-level code is not under ``if __name__ == "__main__":`` runs it again in each rank."""
+    return bool(getattr(mp.current_process(), "_inheriting", False))
+
+
+def refuse_while_starting(what: str) -> None:
+    """Raise :class:`LaunchError` when :func:`starting_rank`: ``what`` (e.g. ``local_cluster(8)``)
+    was called by the launching script's top-level code re-run in a new rank, where it would
+    wait on its own parent (a lock, a port) for ever."""
+    if starting_rank():
+        raise LaunchError(f"{what} was called while this process was being started as a rank: the script that "
+                          f"started the ranks runs it at import time, and every rank re-imports that script; put "
+                          f"the script's top-level code under `if __name__ == \"__main__\":`")
+
+
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
     """``[fn(*args) on rank r for r in range(world_size)]``, each rank in its own process.
 
@@ -150,6 +167,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
     """
     if world_size < 1:
         raise LaunchError(f"spawn: world_size must be >= 1, got {world_size}")
+    refuse_while_starting(f"spawn of {world_size} rank(s)")
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
@@ -174,7 +192,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
                 if dead:
                     codes = ", ".join(f"rank {r} (exit code {procs[r].exitcode})" for r in dead)
                     raise LaunchError(f"spawn: {codes} died without reporting a result "
-                                      f"(killed, or crashed in native code)") from None
+                                      f"(killed, crashed in native code, or failed while starting: its error, "
+                                      f"if any, is printed above)") from None
                 if time.monotonic() > deadline:
                     late = [r for r in range(world_size) if r not in done]
                     raise LaunchError(f"spawn: rank(s) {late} did not finish within {timeout_s:.0f} s "

@@ -22,6 +22,8 @@ _LAZY = {
     "ParallelConfig": "passes.ir.config",
     "Plan": "passes.ir.plan",
     "ModelSpec": "partitioner.inputs.model_spec",
+    "Training": "partitioner.inputs.training",
+    "Job": "partitioner.inputs.job",
     "InputSpec": "passes.ir.meta",
     "build_model": "partitioner.inputs.models",
     "capture_for_pipeline": "partitioner.compile.build",

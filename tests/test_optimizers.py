@@ -20,6 +20,7 @@ import torch
 
 from partitioner.inputs.models import build_model
 from passes.ir.errors import ConfigError
+from passes.ir.optimizers import OPTIMIZERS
 from runtime.dist.launch import spawn
 from runtime.optim.optimizers import (
     as_factory, check_shardable, module_param_groups, param_groups, planner_optimizer,
@@ -241,6 +242,10 @@ def test_optimizer_arguments_are_checked_and_named_for_the_planner():
     assert planner_optimizer(sgd) == "sgd_momentum"
     assert planner_optimizer(lambda g: torch.optim.SGD(g, lr=0.1)) == "sgd"
     assert planner_optimizer(adam) == "adam"
+    for name in OPTIMIZERS:  # a name builds the optimizer the planner costs under that name
+        assert planner_optimizer(as_factory(name)) == name
+    with pytest.raises(ConfigError, match="unknown name 'lamb'; choose one of sgd, sgd_momentum, adam, adamw"):
+        as_factory("lamb")
     with pytest.raises(ConfigError, match="AdamW does not take"):
         as_factory({"learning_rate": 1e-3})
     with pytest.raises(ConfigError, match="factory"):

@@ -26,20 +26,29 @@ class ModelSpec:
     * ``module``: the user's ``nn.Module`` (on any device, ``meta`` included).
     * ``inputs``: every tensor the training step takes, model inputs and targets alike.
     * ``loss``: ``loss(module, *inputs) -> scalar tensor``; the step that capture records.
-    * ``dims``: default value of every named dim (e.g. ``{"batch": 2, "seq": 64}``).
+    * ``dims``: default value of every named dim (e.g. ``{"batch": 2, "seq": 64}``): the sizes
+      capture traces with (the dims stay symbolic); ``batch`` defaults to 2.
+    * ``name``: what plans and dumps call the model (default: the module's class name).
+
+    A module of your own goes to every front door as one::
+
+        ModelSpec(module=model, inputs=(InputSpec(name="x", shape=("batch", 32)),),
+                  loss=lambda m, x: m(x).pow(2).mean())
     """
 
-    name: str
     module: nn.Module
     inputs: tuple[InputSpec, ...]
     loss: LossFn
     dims: dict[str, int] = field(default_factory=dict)
+    name: str = ""
 
     def __post_init__(self) -> None:
         # checked here, where every front door builds one, so a wrong field is named before any work
         if not isinstance(self.module, nn.Module):
             raise ModelSpecError(f"{self.name}: ModelSpec.module is {type(self.module).__name__}, not a torch.nn.Module; "
                                  f"pass the model itself (module=MyModel())")
+        if not self.name:
+            self.name = type(self.module).__name__
         if isinstance(self.inputs, list):
             self.inputs = tuple(self.inputs)
         if not isinstance(self.inputs, tuple) or not all(isinstance(i, InputSpec) for i in self.inputs):
@@ -48,6 +57,8 @@ class ModelSpec:
         if not callable(self.loss):
             raise ModelSpecError(f"{self.name}: ModelSpec.loss is {type(self.loss).__name__}, not callable; pass "
                                  f"loss(module, *inputs) -> scalar tensor")
+        if "batch" not in self.dims and any("batch" in i.dim_names() for i in self.inputs):
+            self.dims = {"batch": 2, **self.dims}  # capture traces at an example size; batch stays symbolic
 
     def cast(self, dtype: torch.dtype) -> ModelSpec:
         """This model trained in ``dtype``: the module's floating parameters and buffers are cast

@@ -219,18 +219,22 @@ def as_spec(model: str | ModelSpec | nn.Module, *, inputs: Sequence[InputSpec] |
             loss_fn: LossFn | None = None, dims: dict[str, int] | None = None,
             name: str | None = None, seed: int = 0, device: str | torch.device = "cpu") -> ModelSpec:
     """A :class:`ModelSpec` from any form a user gives a model: a spec string (a zoo spec or
-    ``path/to/file.py:factory``, built on ``device`` with ``seed``), a ModelSpec (as it is), or a
-    module with ``inputs`` (named dims), ``loss_fn(module, *inputs)`` and ``dims`` (sizes of the
-    named dims other than batch). Every entry point (``plan``, ``analyze``, ``auto_parallelize``,
-    the CLI) reads models through this one function."""
+    ``path/to/file.py:factory``, built on ``device`` with ``seed``), or a ModelSpec (as it is).
+    Every entry point (``plan``, ``analyze``, ``auto_parallelize``, the CLI) reads models through
+    this one function, with the model alone: a bare module is refused, naming how to wrap it in a
+    ModelSpec. ``inputs`` (named dims), ``loss_fn(module, *inputs)`` and ``dims`` (sizes of the
+    named dims other than batch) complete a module that a file's factory returned in a dict."""
     if isinstance(model, str):
         return build_model(model, device=device, seed=seed)
     if isinstance(model, ModelSpec):
         return model
     if isinstance(model, nn.Module):
         if inputs is None or loss_fn is None:
-            raise ConfigError(f"a bare nn.Module ({type(model).__name__}) needs inputs=(InputSpec(...), ...) with "
-                              f"named dims and loss_fn(module, *inputs) -> scalar")
+            kind = type(model).__name__
+            raise ConfigError(f"a bare nn.Module ({kind}) does not say its inputs or its loss; wrap it in a ModelSpec: "
+                              f"ModelSpec(module=model, inputs=(InputSpec(name='x', shape=('batch', 32)),), "
+                              f"loss=lambda m, x: m(x).pow(2).mean(), dims={{'seq': 128}}) (from partitioner import "
+                              f"ModelSpec, InputSpec; a size in dims for every named dim other than batch)")
         values = {"batch": 2, **(dims or {})}  # capture traces with example sizes; batch is symbolic anyway
         missing = sorted({d for i in inputs for d in i.shape if isinstance(d, str)} - set(values))
         if missing:

@@ -31,6 +31,10 @@ class OptimizerModel:
     state_tensors: int
     step_tensor: bool
     sqrt_temporaries: bool
+    torch_class: str
+    """The ``torch.optim`` class a run by this name builds (``optimizer="sgd"``: ``torch.optim.SGD``)."""
+    torch_kwargs: tuple[tuple[str, float], ...] = ()
+    """Keyword arguments it is built with besides torch's defaults (SGD with momentum: 0.9)."""
 
     @property
     def state_bytes_per_element(self) -> int:
@@ -40,11 +44,14 @@ class OptimizerModel:
 
 OPTIMIZERS: dict[str, OptimizerModel] = {
     # "sgd" is SGD without momentum (torch's default): no state, in-place update, no temporaries.
-    "sgd": OptimizerModel(name="sgd", state_tensors=0, step_tensor=False, sqrt_temporaries=False),
-    "sgd_momentum": OptimizerModel(name="sgd_momentum", state_tensors=1, step_tensor=False, sqrt_temporaries=False),
-    "adam": OptimizerModel(name="adam", state_tensors=2, step_tensor=True, sqrt_temporaries=True),
-    "adamw": OptimizerModel(name="adamw", state_tensors=2, step_tensor=True, sqrt_temporaries=True),
+    "sgd": OptimizerModel(name="sgd", state_tensors=0, step_tensor=False, sqrt_temporaries=False, torch_class="SGD"),
+    "sgd_momentum": OptimizerModel(name="sgd_momentum", state_tensors=1, step_tensor=False, sqrt_temporaries=False,
+                                   torch_class="SGD", torch_kwargs=(("momentum", 0.9),)),
+    "adam": OptimizerModel(name="adam", state_tensors=2, step_tensor=True, sqrt_temporaries=True, torch_class="Adam"),
+    "adamw": OptimizerModel(name="adamw", state_tensors=2, step_tensor=True, sqrt_temporaries=True,
+                            torch_class="AdamW"),
 }
+"""Every optimizer a run can name (``Training(optimizer="sgd")``, ``--optimizer sgd``), under that name."""
 
 
 def optimizer_model(name: str) -> OptimizerModel:

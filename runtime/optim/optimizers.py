@@ -4,6 +4,9 @@ A run names its optimizer as one of
 
 * ``None``: AdamW (torch's defaults, weight decay 0.01) with no weight decay on norms, biases
   and embeddings, as Megatron-LM and torchtitan train;
+* a name of the optimizer table (:data:`passes.ir.optimizers.OPTIMIZERS`: ``"adamw"`` is the
+  default above, ``"adam"``, ``"sgd"``, ``"sgd_momentum"``), torch's defaults otherwise, with the
+  same two groups;
 * a dict: AdamW's keyword arguments, with the same two groups;
 * a factory ``f(param_groups) -> torch.optim.Optimizer``, e.g.
   ``lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9)``. It is called with the two
@@ -27,6 +30,7 @@ import torch
 from torch import nn
 
 from passes.ir.errors import ConfigError
+from passes.ir.optimizers import OPTIMIZERS
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 
@@ -39,10 +43,17 @@ ELEMENTWISE: tuple[type, ...] = (
 GROUP_NAMES = ("decay", "no_decay")
 
 
-def as_factory(optimizer: None | Mapping | OptimizerFactory) -> OptimizerFactory:
+def as_factory(optimizer: None | str | Mapping | OptimizerFactory) -> OptimizerFactory:
     """The factory of an optimizer argument (see the module docstring)."""
     if optimizer is None:
         return lambda groups: torch.optim.AdamW(groups)
+    if isinstance(optimizer, str):
+        if optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer: unknown name {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}, or "
+                              f"pass a factory f(param_groups) -> torch.optim.Optimizer")
+        model = OPTIMIZERS[optimizer]
+        cls, named_kwargs = getattr(torch.optim, model.torch_class), dict(model.torch_kwargs)
+        return lambda groups: cls(groups, **named_kwargs)
     if isinstance(optimizer, Mapping):
         kwargs = dict(optimizer)
         try:
@@ -53,8 +64,8 @@ def as_factory(optimizer: None | Mapping | OptimizerFactory) -> OptimizerFactory
         return lambda groups: torch.optim.AdamW(groups, **kwargs)
     if callable(optimizer):
         return optimizer
-    raise ConfigError(f"optimizer: got {type(optimizer).__name__}; pass None (AdamW), a dict of AdamW's keyword "
-                      f"arguments, or a factory f(param_groups) -> torch.optim.Optimizer")
+    raise ConfigError(f"optimizer: got {type(optimizer).__name__}; pass None (AdamW), a name ({', '.join(OPTIMIZERS)}), "
+                      f"a dict of AdamW's keyword arguments, or a factory f(param_groups) -> torch.optim.Optimizer")
 
 
 def param_groups(params: Sequence[torch.Tensor], no_decay: Sequence[bool]) -> list[dict]:

@@ -52,10 +52,11 @@ def make_report(path: Path) -> Path:
     """Plan a small zoo GPT on 4 local ranks with pp=4 (so the timeline shows a bubble) and
     write its report with made-up-free inputs: the plan's own prediction only."""
     sys.path.insert(0, str(ROOT))
+    from partitioner import Training
     from partitioner.api.planning import plan
 
     dump = path.parent
-    plan("gpt:layers=8,hidden=256,heads=8,vocab=1024,seq=128", local_cluster(4), global_batch=16,
+    plan("gpt:layers=8,hidden=256,heads=8,vocab=1024,seq=128", local_cluster(4), training=Training(global_batch=16),
          fix="pp=4,schedule=1f1b,num_micro_batches=8", dump_dir=dump)
     return dump / "report.html"
 

@@ -1,4 +1,4 @@
-"""auto_parallelize end to end: a bare nn.Module with named-dim inputs and a loss function,
+"""auto_parallelize end to end: a module of one's own (a ModelSpec: named-dim inputs and a loss function),
 planned for 4 gloo ranks (dp=2 x pp=2 pinned) and trained in one spawn, gives the losses of
 single-process training; eval_step gives the single-process loss after those steps; the
 per-step measurements add up. Plus the start-up refusals, which need no processes.
@@ -13,6 +13,7 @@ import torch
 
 from tests.one_device import train_one_device
 
+from partitioner import Job, ModelSpec, Training
 from partitioner.api.auto import check_world_size, choose_plan
 from partitioner.errors import ConfigError, InfeasiblePlanError
 from partitioner.inputs.models import build_model
@@ -41,9 +42,9 @@ def _rank():
             for p in spec.module.parameters():
                 p.add_(1.0)
     start = time.perf_counter()
-    trainer = auto_parallelize(spec.module, local_cluster(WORLD), inputs=spec.inputs, loss_fn=spec.loss,
-                               dims={"seq": 8}, optimizer=ADAMW, global_batch=GLOBAL_BATCH, fix=FIX,
-                               timeout_s=30)
+    own = ModelSpec(module=spec.module, inputs=spec.inputs, loss=spec.loss, dims={"seq": 8})
+    trainer = auto_parallelize(own, local_cluster(WORLD), training=Training(global_batch=GLOBAL_BATCH, optimizer=ADAMW),
+                               fix=FIX, job=Job(timeout_s=30))
     built = time.perf_counter() - start
     batches = _batches(spec)
     losses = [trainer.train_step(b) for b in batches[:STEPS]]
@@ -165,11 +166,11 @@ def test_the_search_offers_only_what_runs():
     with pytest.raises(ConfigError, match="no candidate plan.*offload='optimizer'.*zero_stage=1"):
         candidates(profile, local_cluster(4), GLOBAL_BATCH, fix={"offload": "optimizer", "zero_stage": 1, "dp": 4})
     with pytest.raises(ConfigError, match="dtype 'fp8'.*fp32, bf16, fp16"):
-        auto_parallelize(GPT, global_batch=GLOBAL_BATCH, dtype="fp8")
+        auto_parallelize(GPT, training=Training(global_batch=GLOBAL_BATCH, dtype="fp8"))
     plan = choose_plan(GPT, local_cluster(4), world_size=4, global_batch=GLOBAL_BATCH, fix=FIX)
     check_world_size(plan, 4)
     with pytest.raises(ConfigError, match="the plan trains in fp32, not bf16"):  # before any process work
-        auto_parallelize(GPT, global_batch=GLOBAL_BATCH, plan=plan, dtype="bf16")
+        auto_parallelize(GPT, training=Training(global_batch=GLOBAL_BATCH, dtype="bf16"), plan=plan)
 
 
 def test_live_bytes_counts_storages_once_and_frees_them():

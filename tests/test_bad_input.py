@@ -19,8 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 import partitioner
+from partitioner import Job, Training
 from partitioner.api.auto import auto_parallelize
 from partitioner.cost.cluster import PRESET_DIR, Cluster
 from partitioner.errors import (
@@ -107,8 +109,17 @@ def _cluster(name):
     return lambda ctx: ctx.cluster(name)
 
 
-def _auto(**kw):
-    return lambda ctx: auto_parallelize(GPT, **{"global_batch": 4, **kw})
+def _auto(training: dict | None = None, **kw):
+    """auto_parallelize of GPT with ``Training(global_batch=4, **training)`` and ``kw``."""
+    return lambda ctx: auto_parallelize(GPT, training=Training(**{"global_batch": 4, **(training or {})}), **kw)
+
+
+def _raises(groups):
+    raise ValueError("no such optimizer here")
+
+
+T8 = Training(global_batch=8)
+BARE = r"a bare nn\.Module \(Linear\) does not say its inputs or its loss; wrap it in a ModelSpec: ModelSpec\(module=model, "
 
 
 API = [
@@ -201,11 +212,11 @@ API = [
     ("search-batch-zero", _search(None, global_batch=0), ConfigError, r"global_batch must be an integer >= 1"),
     ("search-batch-float", lambda ctx: candidates(ctx.profile, Cluster.load(DGX), 2.5), ConfigError,
      r"global_batch must be an integer >= 1 \(samples per step\), got 2\.5"),
-    ("plan-seq-positions", lambda ctx: partitioner.plan(GPT, DGX, global_batch=8, seq=100), ModelSpecError,
+    ("plan-seq-positions", lambda ctx: partitioner.plan(GPT, DGX, training=T8, seq=100), ModelSpecError,
      r"seq 100 is longer than the 8 positions of .*use seq <= 8 or build the model with seq=100"),
-    ("plan-fix-twice", lambda ctx: partitioner.plan(GPT, DGX, global_batch=8, fix="tp=2,tp=4"), ConfigError,
+    ("plan-fix-twice", lambda ctx: partitioner.plan(GPT, DGX, training=T8, fix="tp=2,tp=4"), ConfigError,
      r"tp is given twice"),
-    ("plan-preset", lambda ctx: partitioner.plan(GPT, "dgx-z900", global_batch=8), ClusterSpecError,
+    ("plan-preset", lambda ctx: partitioner.plan(GPT, "dgx-z900", training=T8), ClusterSpecError,
      r"unknown cluster preset 'dgx-z900'; known presets: .*dgx-a100-80gb"),
     # cluster files: the file and the field
     ("cluster-binary", _cluster("binary.yaml"), ClusterSpecError,
@@ -234,16 +245,50 @@ API = [
     ("cluster-missing", lambda ctx: Cluster.load(ctx.dir / "nope.yaml"), ClusterSpecError,
      r"cannot read cluster file \S*nope\.yaml: No such file"),
     ("cluster-with-nodes", lambda ctx: Cluster.load(DGX, nodes=0), ClusterSpecError, r"Cluster\.nodes must be > 0, got 0"),
-    # run options of auto_parallelize, refused before any rank joins
-    ("auto-batch", _auto(global_batch=0), ConfigError,
-     r"auto_parallelize: global_batch must be >= 1 samples, got 0; give the samples per optimizer step"),
-    ("auto-batch-float", _auto(global_batch=2.5), ConfigError, r"global_batch must be an integer >= 1"),
-    ("auto-timeout", _auto(timeout_s=-1), ConfigError, r"auto_parallelize: timeout_s must be > 0 seconds, got -1"),
-    ("auto-timeout-zero", _auto(timeout_s=0), ConfigError, r"timeout_s must be > 0 seconds, got 0"),
-    ("auto-clip", _auto(clip_grad_norm=0), ConfigError, r"clip_grad_norm must be > 0, got 0; give a global norm"),
-    ("auto-nonfinite", _auto(nonfinite="ignore"), ConfigError, r"nonfinite='ignore'; choose 'stop' or 'skip'"),
+    ("plan-training", lambda ctx: partitioner.plan(GPT, DGX, training={"global_batch": 8}), ConfigError,
+     r"plan: training is dict, not a Training; pass training=Training\(global_batch=8, \.\.\.\)"),
+    ("plan-optimizer", lambda ctx: partitioner.plan(GPT, DGX, training=Training(global_batch=8, optimizer="lamb")),
+     ConfigError, r"Training\.optimizer: unknown name 'lamb'; choose one of sgd, sgd_momentum, adam, adamw"),
+    ("plan-bare-module", lambda ctx: partitioner.plan(torch.nn.Linear(2, 2), DGX, training=T8), ConfigError, BARE),
+    ("analyze-bare-module", lambda ctx: partitioner.analyze(torch.nn.Linear(2, 2)), ConfigError, BARE),
+    # the groups of auto_parallelize (and plan), refused when made, before any rank joins
+    ("training-batch", _auto({"global_batch": 0}), ConfigError,
+     r"Training\.global_batch must be >= 1 samples, got 0; give the samples per optimizer step"),
+    ("training-batch-float", _auto({"global_batch": 2.5}), ConfigError, r"global_batch must be an integer >= 1"),
+    ("training-clip", _auto({"clip_grad_norm": 0}), ConfigError,
+     r"Training\.clip_grad_norm must be > 0, got 0; give a global norm"),
+    ("training-nonfinite", _auto({"nonfinite": "ignore"}), ConfigError,
+     r"Training\.nonfinite='ignore'; choose 'stop' \(a NaN/inf gradient stops the run\) or 'skip'"),
+    ("training-dtype", _auto({"dtype": "fp8"}), ConfigError,
+     r"Training\.dtype 'fp8' is not a training dtype; choose one of fp32, bf16, fp16"),
+    ("training-optimizer-name", _auto({"optimizer": "lamb"}), ConfigError,
+     r"Training\.optimizer: unknown name 'lamb'; choose one of sgd, sgd_momentum, adam, adamw"),
+    ("training-optimizer-dict", _auto({"optimizer": {"learning_rate": 1e-3}}), ConfigError,
+     r"Training\.optimizer: AdamW does not take \{'learning_rate': 0\.001\}"),
+    ("training-optimizer-type", _auto({"optimizer": 3}), ConfigError,
+     r"Training\.optimizer: got int; pass None \(AdamW\), a name"),
+    ("training-optimizer-raises", _auto({"optimizer": _raises}), ConfigError,
+     r"Training\.optimizer: the factory raised ValueError: no such optimizer here; pass f\(param_groups\)"),
+    ("training-scheduler", _auto({"lr_scheduler": 0.1}), ConfigError,
+     r"Training\.lr_scheduler is float, not a factory; pass f\(optimizer\) -> LRScheduler"),
+    ("job-timeout", lambda ctx: Job(timeout_s=-1), ConfigError, r"Job\.timeout_s must be > 0 seconds, got -1"),
+    ("job-timeout-zero", lambda ctx: Job(timeout_s=0), ConfigError, r"Job\.timeout_s must be > 0 seconds, got 0"),
+    ("job-dump-dir", lambda ctx: Job(dump_dir=3), ConfigError, r"Job\.dump_dir is int; give a directory path"),
+    ("job-track-memory", lambda ctx: Job(track_memory=-1), ConfigError,
+     r"Job\.track_memory must be True, False or a number of steps >= 0, got -1"),
+    ("auto-training", lambda ctx: auto_parallelize(GPT, training={"global_batch": 4}), ConfigError,
+     r"auto_parallelize: training is dict, not a Training; pass training=Training\(global_batch=8"),
+    ("auto-job", _auto(job={"timeout_s": 5}), ConfigError, r"auto_parallelize: job is dict, not a Job; pass job=Job\("),
     ("auto-fix", _auto(fix="tp=0"), ConfigError, r"auto_parallelize: fix tp=0: tp must be an integer >= 1"),
     ("auto-fix-dict", _auto(fix={"schedule": "zigzag"}), ConfigError, r"schedule 'zigzag' is not one of gpipe"),
+    ("auto-fix-and-plan", lambda ctx: auto_parallelize(GPT, training=Training(global_batch=8), fix="dp=2",
+                                                       plan=ctx.search(None)), ConfigError,
+     r"auto_parallelize: fix and plan both given; a plan fixes every knob already"),
+    ("auto-plan-batch", lambda ctx: auto_parallelize(GPT, training=Training(global_batch=4), plan=ctx.search(None)),
+     ConfigError, r"auto_parallelize: the plan is for global batch 8, not 4; pass Training\(global_batch=8\)"),
+    ("auto-plan-type", _auto(plan="plan.json"), ConfigError,
+     r"auto_parallelize: plan is str, not a Plan; pass Plan\.from_json\(open\('plan\.json'\)\.read\(\)\)"),
+    ("auto-bare-module", lambda ctx: auto_parallelize(torch.nn.Linear(2, 2), training=T8), ConfigError, BARE),
 ]
 
 
@@ -296,6 +341,7 @@ CLI = [
      r"--global-batch must be >= 1 samples, got 0"),
     ("plan-seq", PLAN + ["--seq", "100"], 2, r"--seq 100 is longer than the 8 positions .*use --seq <= 8"),
     ("plan-nodes", PLAN + ["--nodes", "0"], 2, r"--nodes must be >= 1 nodes, got 0"),
+    ("plan-optimizer", PLAN + ["--optimizer", "lamb"], 2, r"--optimizer: unknown name 'lamb'; choose one of sgd"),
     ("analyze-heads", ["analyze", "--model", "gpt:hidden=64,heads=3"], 2,
      r"hidden=64 must be divisible by heads=3 .*pick heads among 1, 2, 4, 8"),
     ("analyze-dropout", ["analyze", "--model", "gpt:dropout=1.5"], 2, r"dropout must be a number in \[0, 1\)"),
@@ -304,6 +350,12 @@ CLI = [
     ("train-timeout", TRAIN + ["--timeout", "-1"], 2, r"--timeout must be > 0 seconds, got -1\.0"),
     ("train-steps", TRAIN + ["--steps", "0"], 2, r"--steps must be >= 1 steps, got 0"),
     ("train-lr", TRAIN + ["--lr", "0"], 2, r"--lr must be > 0, got 0\.0; give a learning rate"),
+    ("train-optimizer", TRAIN + ["--optimizer", "lamb"], 2,
+     r"--optimizer: unknown name 'lamb'; choose one of sgd, sgd_momentum, adam, adamw"),
+    ("train-fix-and-plan", TRAIN + ["--fix", "dp=1", "--plan", "{dir}/plan.json"], 2,
+     r"train: --fix and --plan both given; a plan fixes every knob already"),
+    ("train-plan-missing", TRAIN + ["--plan", "{dir}/nope.json"], 2,
+     r"cannot read plan \S*nope\.json: No such file or directory; give the plan\.json a plan wrote"),
     ("train-keep", TRAIN + ["--keep", "0"], 2, r"--keep must be >= 1 checkpoints, got 0"),
     ("train-save-every", TRAIN + ["--save-every", "0", "--save-dir", "{dir}/ckpt"], 2,
      r"--save-every must be >= 1 steps, got 0"),

@@ -112,7 +112,7 @@ def _outcome(call) -> tuple[str, str, list[str]]:
 
 def _auto_parallelize(spec: str):
     """In a rank of a one-rank job: what ``auto_parallelize`` says of ``spec``."""
-    return _outcome(lambda: partitioner.auto_parallelize(spec, global_batch=2))
+    return _outcome(lambda: partitioner.auto_parallelize(spec, training=partitioner.Training(global_batch=2)))
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ def api(models) -> dict[tuple[str, str], tuple[str, str, list[str]]]:
     for factory, _, _ in CASES:
         spec = f"{models}:{factory}"
         out["analyze", factory] = _outcome(lambda: partitioner.analyze(spec))
-        out["plan", factory] = _outcome(lambda: partitioner.plan(spec, "dgx-a100-80gb", global_batch=8))
+        out["plan", factory] = _outcome(lambda: partitioner.plan(spec, "dgx-a100-80gb", training=partitioner.Training(global_batch=8)))
     for (factory, _, _), got in zip(CASES, spawn(_run_all_auto, 1, [f"{models}:{c[0]}" for c in CASES],
                                                   timeout_s=300)[0]):
         out["auto_parallelize", factory] = got

@@ -35,10 +35,12 @@ def _batches(spec):
 
 
 def _trainer():
+    from partitioner import Job, Training
     from partitioner.api.auto import auto_parallelize
 
-    trainer = auto_parallelize(GPT, local_cluster(WORLD), optimizer={"lr": 1e-2}, global_batch=GLOBAL_BATCH,
-                               fix=FIX, timeout_s=30)
+    trainer = auto_parallelize(GPT, local_cluster(WORLD), training=Training(global_batch=GLOBAL_BATCH,
+                                                                            optimizer={"lr": 1e-2}),
+                               fix=FIX, job=Job(timeout_s=30))
     pm = trainer.model
     if getattr(pm, "lr_scheduler", None) is None:  # a schedule whose lr changes every step
         pm.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(pm.optimizer, lambda s: 1.0 / (1 + s))

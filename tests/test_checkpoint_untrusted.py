@@ -127,10 +127,12 @@ def test_metadata_that_would_run_code_is_refused(saved, tmp_path, where):
 def _train_state_case(root: str, pwned: str):
     """One rank: save a checkpoint directory, then load it after replacing its train state and
     then its .metadata by pickles that would run code."""
+    from partitioner import Job, Training
     from partitioner.api.auto import auto_parallelize
     from runtime.checkpoint import directory as cd
 
-    trainer = auto_parallelize(GPT, local_cluster(1), global_batch=2, fix="dp=1", timeout_s=60)
+    trainer = auto_parallelize(GPT, local_cluster(1), training=Training(global_batch=2), fix="dp=1",
+                               job=Job(timeout_s=60))
     spec = build_model(GPT)
     trainer.train_step(spec.example_inputs({"batch": 2}, seed=0))
     path = trainer.save(root)

@@ -251,17 +251,18 @@ def test_hugging_face_tokenizer_by_name_or_a_clear_error(tmp_path, text_file, mo
 # AutoParallel.fit on 4 ranks (dp=2, pp=2)
 
 def _fit_rank(path: str, steps: int) -> dict:
+    from partitioner import Job, Training
     from partitioner.api.auto import auto_parallelize
 
     ds = Recording(TokenFileDataset(path, SEQ, names=("idx", "targets")))
-    a = auto_parallelize(MODEL, global_batch=GLOBAL, fix="dp=2,pp=2", timeout_s=120.0)
+    a = auto_parallelize(MODEL, training=Training(global_batch=GLOBAL), fix="dp=2,pp=2", job=Job(timeout_s=120.0))
     per_step = []
     fit_losses = a.fit(ds, steps=steps, seed=SEED, on_step=lambda step, loss: per_step.append(a.loader.last_step_bytes))
     out = dict(consumed=a.model.consumed_inputs, dp_index=a.model.mesh.dp_index, pp_index=a.model.mesh.pp_index,
                reads=list(ds.reads), per_step=per_step, total=a.loader.loaded_bytes, fit=fit_losses,
                sampler=a.sampler.state_dict())
     # the same run driven by train_step: fresh weights (built with the same seed), the global batches
-    b = auto_parallelize(MODEL, global_batch=GLOBAL, plan=a.plan, timeout_s=120.0)
+    b = auto_parallelize(MODEL, training=Training(global_batch=GLOBAL), plan=a.plan, job=Job(timeout_s=120.0))
     plain = TokenFileDataset(path, SEQ, names=("idx", "targets"))
     order = ShardedSampler(len(plain), GLOBAL, seed=SEED)
     out["train_step"] = []

@@ -1,4 +1,4 @@
-"""What is dumped is what runs: for seven plans on 4 gloo ranks, ``auto_parallelize(dump_dir=D)``
+"""What is dumped is what runs: for seven plans on 4 gloo ranks, ``auto_parallelize(job=Job(dump_dir=D))``
 dumps every rank program (rank 0 lowers them all, pass by pass), while every rank runs its own;
 the text of the program each rank executes equals ``D/stage<s>_tp<r>/program.txt`` byte for byte.
 And a job captures its model once: each ``auto_parallelize`` call captures on rank 0 only, and
@@ -48,8 +48,8 @@ def _rank(root: str):
     for name, fix in PLANS.items():
         before = capture_count()
         start = time.perf_counter()
-        trainer = auto_parallelize(MODEL, global_batch=GLOBAL_BATCH, fix=fix, dump_dir=f"{root}/{name}",
-                                   timeout_s=60, track_memory=False)
+        trainer = auto_parallelize(MODEL, training=partitioner.Training(global_batch=GLOBAL_BATCH), fix=fix,
+                                   job=partitioner.Job(dump_dir=f"{root}/{name}", timeout_s=60, track_memory=False))
         built = time.perf_counter() - start
         captures = capture_count() - before
         pm = trainer.model

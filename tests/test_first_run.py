@@ -77,12 +77,13 @@ def _spawned_user_script(cache: str) -> tuple[str, float, list[str]]:
     """A user's own rank function: ``auto_parallelize`` with ``local_cluster(2)`` on a fresh cache."""
     import torch
 
+    from partitioner import Training
     from partitioner.api.auto import auto_parallelize
 
     os.environ.pop(CLUSTER_FILE_ENV, None)
     os.environ[CACHE_DIR_ENV] = cache
     trainer = auto_parallelize("gpt:layers=2,hidden=32,heads=2,vocab=64,seq=16,dropout=0.0", local_cluster(2),
-                               global_batch=4, fix="dp=2")
+                               training=Training(global_batch=4), fix="dp=2")
     batch = trainer.spec.example_inputs({"batch": 4}, seed=0)
     loss = trainer.train_step(batch)
     assert torch.isfinite(torch.tensor(loss))

@@ -122,12 +122,14 @@ FIX = "dp=1,pp=2,schedule=1f1b,num_micro_batches=2,offload=none,checkpointing=no
 def _rank(jsonl: str):
     import os
 
+    from partitioner import Job, Training
     from partitioner.api.auto import auto_parallelize
     from partitioner.inputs.models import build_model
 
     spec = build_model(GPT)
-    trainer = auto_parallelize(GPT, local_cluster(WORLD), global_batch=GLOBAL_BATCH, fix=FIX,
-                               optimizer={"lr": 1e-3}, timeout_s=60, track_memory=TRACKED)
+    trainer = auto_parallelize(GPT, local_cluster(WORLD), training=Training(global_batch=GLOBAL_BATCH,
+                                                                            optimizer={"lr": 1e-3}),
+                               fix=FIX, job=Job(timeout_s=60, track_memory=TRACKED))
     logger = MetricsLogger(jsonl=jsonl, total_steps=STEPS) if os.environ["RANK"] == "0" else None
     trainer.attach_metrics(logger)
     losses, metrics = [], []

@@ -1,4 +1,4 @@
-"""16-bit training end to end: ``auto_parallelize(dtype="bf16"/"fp16")`` on 4 gloo ranks (one
+"""16-bit training end to end: ``auto_parallelize(training=Training(dtype="bf16"/"fp16"))`` on 4 gloo ranks (one
 spawn) trains 16-bit parameters, gradients and activations with fp32 master weights, and its
 masters match plain eager mixed precision on one process (tests/one_device.py).
 
@@ -63,13 +63,14 @@ def _batches(spec):
 
 
 def _rank(checkpoint: str):
+    from partitioner import Job, Training
     from partitioner.api.auto import auto_parallelize
 
     out = {}
     for k, case in enumerate(CASES):
         spec = build_model(GPT)
-        trainer = auto_parallelize(GPT, local_cluster(WORLD), optimizer={**ADAMW, "lr": case.lr},
-                                   global_batch=GLOBAL_BATCH, fix=case.fix, dtype=case.dtype, timeout_s=60)
+        training = Training(global_batch=GLOBAL_BATCH, optimizer={**ADAMW, "lr": case.lr}, dtype=case.dtype)
+        trainer = auto_parallelize(GPT, local_cluster(WORLD), training=training, fix=case.fix, job=Job(timeout_s=60))
         pm = trainer.model
         if case.loss_scale is not None:
             pm.loss_scaler.scale = case.loss_scale
@@ -77,9 +78,8 @@ def _rank(checkpoint: str):
             trainer.load(checkpoint)
             out["loaded"] = pm.full_master_parameters()
             # a fresh trainer of the same plan (the search already ran for it: no second one)
-            trainer = auto_parallelize(GPT, local_cluster(WORLD), optimizer={**ADAMW, "lr": case.lr},
-                                       global_batch=GLOBAL_BATCH, plan=trainer.plan, dtype=case.dtype,
-                                       timeout_s=60)
+            trainer = auto_parallelize(GPT, local_cluster(WORLD), training=training, plan=trainer.plan,
+                                       job=Job(timeout_s=60))
             pm = trainer.model
         initial = {n: p.detach().float().clone() for n, p in pm.full_master_parameters().items()}
         losses = [trainer.train_step(b) for b in _batches(spec)]

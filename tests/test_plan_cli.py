@@ -38,7 +38,7 @@ def test_plan_with_fix_and_table(capsys):
 
 
 def test_python_entry_point_matches_cli(capsys):
-    chosen = partitioner.plan(MODEL, "dgx-a100-80gb", global_batch=16, fix={"tp": 2})
+    chosen = partitioner.plan(MODEL, "dgx-a100-80gb", training=partitioner.Training(global_batch=16), fix={"tp": 2})
     assert chosen.tp == 2
     assert main(["plan", "--model", MODEL, "--cluster", "dgx-a100-80gb", "--global-batch", "16", "--fix", "tp=2",
                  "--json"]) == 0

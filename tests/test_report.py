@@ -185,9 +185,10 @@ def test_report_with_graph_counts_nodes_per_stage(dumped):
 
 
 def test_planning_writes_report_beside_plan_json(tmp_path):
+    from partitioner import Training
     from partitioner.api.planning import plan
 
-    chosen = plan("gpt:layers=2,hidden=64,heads=2,vocab=128,seq=32", local_cluster(2), global_batch=4,
+    chosen = plan("gpt:layers=2,hidden=64,heads=2,vocab=128,seq=32", local_cluster(2), training=Training(global_batch=4),
                   fix="pp=2", dump_dir=tmp_path)
     assert json.loads((tmp_path / "plan.json").read_text())["config"]["pp"] == 2
     doc = parse((tmp_path / "report.html").read_text())

@@ -196,7 +196,7 @@ def test_the_front_doors_price_a_pinned_tensor_and_refuse_a_pinned_sp_before_cap
     from partitioner.api.auto import auto_parallelize
 
     spec = build_model(GPT)
-    chosen = partitioner.plan(spec, local_cluster(WORLD), global_batch=GLOBAL_BATCH,
+    chosen = partitioner.plan(spec, local_cluster(WORLD), training=partitioner.Training(global_batch=GLOBAL_BATCH),
                               fix="dp=4,checkpointing=tensor")
     assert chosen.config.checkpointing == "tensor"
 
@@ -206,4 +206,5 @@ def test_the_front_doors_price_a_pinned_tensor_and_refuse_a_pinned_sp_before_cap
     monkeypatch.setattr("partitioner.api.auto.capture_training_step", no_capture)
     with pytest.raises(ConfigError, match=r"auto_parallelize: fix: sequence_parallel=true is pinned, but sequence "
                                           r"parallelism needs a named sequence dim 'seq'"):
-        auto_parallelize(vit[0], global_batch=GLOBAL_BATCH, fix="tp=2,pp=2,sequence_parallel=true")
+        auto_parallelize(vit[0], training=partitioner.Training(global_batch=GLOBAL_BATCH),
+                         fix="tp=2,pp=2,sequence_parallel=true")

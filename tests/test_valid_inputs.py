@@ -134,7 +134,8 @@ def _hf_gpt2():
 def test_plan_of_a_hugging_face_model_object_on_a_preset():
     model, inputs, loss = _hf_gpt2()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    chosen = partitioner.plan(model, "dgx-h100", global_batch=8, inputs=inputs, loss_fn=loss, dims={"seq": 32})
+    chosen = partitioner.plan(partitioner.ModelSpec(module=model, inputs=inputs, loss=loss, dims={"seq": 32}),
+                              "dgx-h100", training=partitioner.Training(global_batch=8))
     assert chosen.world_size == 8 and chosen.global_batch == 8
     assert chosen.model == "GPT2LMHeadModel"
     assert chosen.predicted.step_time_s > 0
@@ -144,25 +145,28 @@ def test_plan_of_a_hugging_face_model_object_on_a_preset():
 
 
 def test_plan_takes_a_spec_string_and_a_model_spec_alike():
-    by_string = partitioner.plan(GPT, "dgx-h100", global_batch=8, dtype="fp32")
-    by_spec = partitioner.plan(build_model(GPT), "dgx-h100", global_batch=8, dtype="fp32")
+    fp32 = partitioner.Training(global_batch=8, dtype="fp32")
+    by_string = partitioner.plan(GPT, "dgx-h100", training=fp32)
+    by_spec = partitioner.plan(build_model(GPT), "dgx-h100", training=fp32)
     assert by_spec.knobs() == by_string.knobs()
     assert by_spec.predicted.peak_memory_bytes == pytest.approx(by_string.predicted.peak_memory_bytes, rel=0.05)
 
 
 def test_plan_of_a_model_without_a_sequence_dim():
     for model in (MLP, build_model(MLP)):
-        chosen = partitioner.plan(model, "dgx-h100", global_batch=8)
+        chosen = partitioner.plan(model, "dgx-h100", training=partitioner.Training(global_batch=8))
         assert chosen.world_size == 8
 
 
 def test_analyze_takes_a_module_with_inputs():
     spec = build_model(GPT)
-    by_module = partitioner.analyze(spec.module, inputs=spec.inputs, loss_fn=spec.loss, dims={"seq": 8}, batch=2)
+    by_module = partitioner.analyze(partitioner.ModelSpec(module=spec.module, inputs=spec.inputs, loss=spec.loss,
+                                                          dims={"seq": 8}), batch=2)
     by_string = partitioner.analyze(GPT, batch=2)
     assert by_module.param_count == by_string.param_count
     assert by_module.fwd_flops == by_string.fwd_flops
-    with pytest.raises(ConfigError, match="needs inputs="):
+    with pytest.raises(ConfigError, match=r"bare nn\.Module \(GPT\) does not say its inputs or its loss; wrap it in "
+                                          r"a ModelSpec"):
         partitioner.analyze(spec.module)
 
 
@@ -297,7 +301,8 @@ def _mlp_batches():
 def _mlp_rank():
     from partitioner.api.auto import auto_parallelize
 
-    trainer = auto_parallelize(MLP, global_batch=GLOBAL_BATCH, fix="pp=2", timeout_s=60)
+    trainer = auto_parallelize(MLP, training=partitioner.Training(global_batch=GLOBAL_BATCH), fix="pp=2",
+                               job=partitioner.Job(timeout_s=60))
     batches = _mlp_batches()
     names = [i.name for i in trainer.model.inputs]
     losses = [trainer.train_step(b) for b in batches[:2]]  # tuples

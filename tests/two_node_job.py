@@ -56,11 +56,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
+    from partitioner import Job, Training
     from partitioner.api.auto import auto_parallelize
     from partitioner.cli.demo import batch_for, train_loop
 
-    trainer = auto_parallelize(args.model, args.cluster, global_batch=args.global_batch, fix=args.fix,
-                               timeout_s=args.timeout)
+    trainer = auto_parallelize(args.model, args.cluster, training=Training(global_batch=args.global_batch),
+                               fix=args.fix, job=Job(timeout_s=args.timeout))
     losses = train_loop(trainer, args.steps, lambda k: batch_for(trainer.spec, k, args.global_batch), echo=False)
     mesh = trainer.model.mesh
     record = RankRecord(rank=dist.get_rank(), world_size=dist.get_world_size(),

@@ -2,8 +2,8 @@
 
 Called on every rank of a job (torchrun, or :func:`runtime.dist.launch.spawn`)::
 
-    model = auto_parallelize("gpt:layers=4,hidden=64,dropout=0.0", global_batch=8,
-                             fix="dp=2,pp=2", dump_dir="out")
+    model = auto_parallelize("gpt:layers=4,hidden=64,dropout=0.0", training=Training(global_batch=8),
+                             fix="dp=2,pp=2", job=Job(dump_dir="out"))
     for step in range(n):
         loss = model.train_step(batch(step))      # the global batch, the same on every rank
     model.finish()                                 # measurements.json (+ report.html) on rank 0
@@ -18,17 +18,17 @@ What happens, in order (every rank, unless said):
    around its own module, and rank 0's weights are broadcast into it: the job captures once;
 3. rank 0 profiles that graph (:func:`partitioner.search.profile.profile_graph`) and searches the plan
    (:mod:`partitioner.search.search`) on ``cluster`` (default ``detect_cluster()``, printed in one line) with ``fix``
-   pinned; the plan, or the error, is broadcast so every rank starts the same plan or fails with
-   the same message. The search offers only configs the lowering and the runtime carry out;
+   pinned (or takes the ``plan`` given); the plan, or the error, is broadcast so every rank
+   starts the same plan or fails with the same message. The search offers only configs the lowering and the runtime carry out;
 4. the plan must use exactly the job's ranks (``dp * tp * pp == world_size``), else
    :class:`ConfigError` with the numbers; a plan that fits no device raises
    :class:`InfeasiblePlanError` from the search;
 5. each rank lowers every rank program from the graph (:func:`passes.lowering.lower.lower`) and checks
    that their communication matches (:mod:`passes.checks.communication_check`: no collective, the same
    verdict on every rank, before any collective of training), then runs its own; with
-   ``dump_dir``, rank 0's lowering also dumps every pass (:func:`partitioner.api.dumps.write_plan_dumps`);
+   ``job.dump_dir``, rank 0's lowering also dumps every pass (:func:`partitioner.api.dumps.write_plan_dumps`);
 6. a :class:`runtime.exec.parallel_model.ParallelModel` executes the program (its process groups
-   have ``timeout_s``); :meth:`AutoParallel.finish` writes ``measurements.json`` and the report
+   have ``job.timeout_s``); :meth:`AutoParallel.finish` writes ``measurements.json`` and the report
    again with the measured numbers.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import fx, nn
+from torch import fx
 
 from ir_dumps.report import write_report
 from ir_dumps.writer import DumpWriter
@@ -50,17 +50,17 @@ from partitioner.cost.cluster import Cluster
 from partitioner.calibration.detect import describe
 from partitioner.api.dumps import write_plan_dumps
 from partitioner.search.memory_check import replay_check
+from partitioner.inputs.job import Job
 from partitioner.inputs.model_spec import ModelSpec, meta_copy
 from partitioner.inputs.models import as_spec
 from partitioner.inputs.knobs import check_fix
-from partitioner.inputs.run_options import check_option
+from partitioner.inputs.training import Training
 from partitioner.search.profile import ModelProfile, profile_graph, profile_model, profile_spec, with_tensor_remat
 from partitioner.search.search import check_pinned_inputs
 from partitioner.search.search import plan as search
-from passes.ir.config import DTYPES, TORCH_DTYPES
+from passes.ir.config import TORCH_DTYPES
 from passes.ir.errors import CaptureError, ConfigError, InfeasiblePlanError, PartitionerError, PassError
 from passes.ir.graph_transfer import pack_graph, unpack_graph
-from passes.ir.meta import InputSpec
 from passes.ir.plan import Plan
 from passes.ir.schedule.actions import Kind
 from passes.lowering.manager import PassContext
@@ -72,9 +72,7 @@ from runtime.dist.faults import arm_from_env, gather_pids
 from runtime.observe.measure import PhaseClock, RunMeasurements, StepMeasurement, StepTimer
 from runtime.observe.metrics import MetricsLogger, StepMetrics, dim_sizes, gather_step_metrics, step_tokens
 from runtime.dist.mesh import START_TIMEOUT_S, Mesh, default_backend, init_distributed
-from runtime.optim.optimizers import OptimizerFactory, as_factory, planner_optimizer
 from runtime.exec.parallel_model import ParallelModel
-from runtime.optim.lr_schedules import SchedulerFactory
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,56 +325,55 @@ def _broadcast_weights(graph: torch.fx.GraphModule, device: torch.device) -> Non
         comm.broadcast_tensors([t for _, t in sorted(tensors.items())], src=0, device=device)
 
 
-def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str | None = None, *,
-                     inputs: Sequence[InputSpec] | None = None, loss_fn: Callable[..., torch.Tensor] | None = None,
-                     dims: dict[str, int] | None = None, optimizer: dict | OptimizerFactory | None = None,
-                     lr_scheduler: SchedulerFactory | None = None, clip_grad_norm: float | None = None,
-                     nonfinite: str = "stop", global_batch: int,
-                     dump_dir: str | Path | None = None, fix: dict | str | None = None, plan: Plan | None = None,
-                     dtype: str | None = None, timeout_s: float = 60.0, track_memory: bool | int = 2) -> AutoParallel:
+def auto_parallelize(model: str | ModelSpec, cluster: Cluster | str | None = None, *, training: Training,
+                     fix: dict | str | None = None, plan: Plan | None = None, job: Job = Job()) -> AutoParallel:
     """Plan ``model`` for this job and build this rank's trainer (call on every rank).
 
-    ``model``: a spec string (``"gpt:layers=4,hidden=64"``), a :class:`ModelSpec`, or an
-    ``nn.Module`` with ``inputs`` (InputSpecs with named dims, e.g. ``("batch", "seq")``),
-    ``loss_fn(module, *inputs) -> scalar`` and ``dims`` (default sizes of the named dims other
-    than batch). ``cluster``: a Cluster or preset name (default :func:`detect_cluster`: the GPUs and
-    launcher this job sees, or this machine's CPU calibration, measured by the job's ranks the first time).
-    ``optimizer``: None (AdamW, no weight decay on norms, biases and embeddings), AdamW's keyword
-    arguments (``{"lr": 1e-3}``), or a factory ``f(param_groups) -> torch.optim.Optimizer``
-    (:mod:`runtime.optim.optimizers`; under ZeRO an elementwise one); the planner costs the state of the
-    optimizer it makes. ``lr_scheduler``: ``f(optimizer) -> LRScheduler``
-    (``runtime.optim.lr_schedules.warmup_cosine(warmup, total)``), stepped with each optimizer step.
-    ``clip_grad_norm``: clip the global gradient norm (over every rank) to this. ``nonfinite``:
-    a NaN/inf gradient ``"stop"`` s the run (:class:`NonFiniteError` naming the step) or is
-    ``"skip"`` ped.
-    ``fix``: knobs to pin (``"dp=2,pp=2"`` or a dict). ``plan``: skip the search and run this
-    plan (still checked against the world size). ``dtype``: ``fp32``, ``bf16`` or ``fp16`` (default: the
-    plan's, else the cluster's, :attr:`Cluster.default_dtype`: bf16 on GPUs, fp32 on CPU ranks): a 16-bit
-    dtype casts the module (in place) and its floating inputs to it before capture, so the model
-    trains with 16-bit parameters, gradients and activations and fp32 master weights and AdamW
-    state (fp16 with dynamic loss scaling). ``timeout_s``: seconds any training collective or receive may wait
-    before the job fails. See the module docstring for what is written to ``dump_dir``.
+    ``model``: a spec string (``"gpt:layers=4,hidden=64"``, or ``path/to/file.py:factory``) or a
+    :class:`ModelSpec` (a module of your own with its inputs, named dims such as ``("batch",
+    "seq")``, and its loss). ``cluster``: a Cluster, preset name or cluster file (default
+    :func:`detect_cluster`: the GPUs and launcher this job sees, or this machine's CPU
+    calibration, measured by the job's ranks the first time).
+    ``training``: what to train with (:class:`partitioner.inputs.training.Training`: the global
+    batch, the optimizer, whose state the planner costs, its lr schedule, gradient clipping, what
+    a NaN/inf gradient does, the dtype). A 16-bit dtype casts the module (in place) and its
+    floating inputs to it before capture; without one, the plan's dtype, else the cluster's
+    (:attr:`Cluster.default_dtype`: bf16 on GPUs, fp32 on CPU ranks).
+    How to parallelize: ``fix`` pins knobs and the search chooses the rest (``"dp=2,pp=2"`` or a
+    dict, ``--fix``), or ``plan`` is run as it is (a :class:`Plan`, e.g. ``Plan.from_json`` of a
+    ``plan.json``; ``--plan``), still checked against the world size; not both.
+    ``job``: how the job runs (:class:`partitioner.inputs.job.Job`: the timeout of every
+    collective and receive, the dump directory, memory tracking). See the module docstring for
+    what is written to ``job.dump_dir``.
     """
 
-    # Scalar arguments and the pinned knobs are refused here, before any rank joins the job.
-    check_option("global_batch", global_batch, spelled="auto_parallelize: global_batch")
-    check_option("timeout", timeout_s, spelled="auto_parallelize: timeout_s")
-    if clip_grad_norm is not None:
-        check_option("clip_grad_norm", clip_grad_norm, spelled="auto_parallelize: clip_grad_norm")
-    if nonfinite not in ("stop", "skip"):
-        raise ConfigError(f"auto_parallelize: nonfinite={nonfinite!r}; choose 'stop' or 'skip'")
+    # The groups and the pinned knobs are refused here, before any rank joins the job.
+    if not isinstance(training, Training):
+        raise ConfigError(f"auto_parallelize: training is {type(training).__name__}, not a Training; pass "
+                          f"training=Training(global_batch=8, ...) (from partitioner import Training)")
+    if not isinstance(job, Job):
+        raise ConfigError(f"auto_parallelize: job is {type(job).__name__}, not a Job; pass "
+                          f"job=Job(timeout_s=60, dump_dir=...) (from partitioner import Job) or leave it out")
+    if plan is not None and fix is not None:
+        raise ConfigError("auto_parallelize: fix and plan both given; a plan fixes every knob already: pass "
+                          "plan=... alone, or fix=... alone to search the rest")
+    if plan is not None and not isinstance(plan, Plan):
+        raise ConfigError(f"auto_parallelize: plan is {type(plan).__name__}, not a Plan; pass "
+                          f"Plan.from_json(open('plan.json').read()), or fix=... to search")
+    global_batch, dtype, timeout_s = training.global_batch, training.dtype, job.timeout_s
     fix = check_fix(fix, where="auto_parallelize: fix")
-    factory = as_factory(optimizer)
-    planned_optimizer = planner_optimizer(factory)  # what the planner counts state bytes for
+    factory = training.optimizer_factory()
+    planned_optimizer = training.optimizer_name()  # what the planner counts state bytes for
     if dtype is None and plan is not None:
         dtype = plan.config.dtype
-    if dtype is not None and dtype not in DTYPES:
-        raise ConfigError(f"auto_parallelize: dtype {dtype!r}; the runtime trains in {', '.join(DTYPES)}")
+    if plan is not None and plan.global_batch != global_batch:
+        raise ConfigError(f"auto_parallelize: the plan is for global batch {plan.global_batch}, not {global_batch}; "
+                          f"pass Training(global_batch={plan.global_batch}) or re-plan for {global_batch}")
     if plan is not None and plan.config.dtype != dtype:  # its byte counts and rank programs are another dtype's
         raise ConfigError(f"auto_parallelize: the plan trains in {plan.config.dtype}, not {dtype}; "
-                          f"pass dtype={plan.config.dtype!r} or re-plan for {dtype}")
+                          f"pass Training(dtype={plan.config.dtype!r}) or re-plan for {dtype}")
     clock = PhaseClock()
-    spec = as_spec(model, inputs=inputs, loss_fn=loss_fn, dims=dims)
+    spec = as_spec(model)
     check_pinned_inputs(fix, spec.inputs, where="auto_parallelize: fix")  # what the inputs rule out
     clock.lap("model")
     init_distributed(timeout_s=max(timeout_s, START_TIMEOUT_S))
@@ -393,7 +390,7 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     if dtype != "fp32":  # every rank: the graph is rebuilt around each rank's own (cast) module
         spec = spec.cast(TORCH_DTYPES[dtype])
     device = torch.device("cuda", torch.cuda.current_device()) if default_backend() == "nccl" else torch.device("cpu")
-    out_dir = Path(dump_dir) if dump_dir is not None else None
+    out_dir = Path(job.dump_dir) if job.dump_dir is not None else None
     writer = DumpWriter(out_dir, model=spec.name) if out_dir is not None and rank == 0 else None
     clock.lap("cluster")
 
@@ -422,7 +419,7 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
     chosen = dataclasses.replace(chosen, cluster_spec=cluster.to_dict())
     if chosen.global_batch != global_batch:
         raise ConfigError(f"auto_parallelize: the plan is for global batch {chosen.global_batch}, "
-                          f"not {global_batch}; re-plan or pass the plan's batch size")
+                          f"not {global_batch}; re-plan or pass Training(global_batch={chosen.global_batch})")
     clock.lap("plan")
 
     mesh = Mesh.for_config(chosen.config, timeout_s=timeout_s)
@@ -436,9 +433,9 @@ def auto_parallelize(model: str | ModelSpec | nn.Module, cluster: Cluster | str 
         program = lower_own_checked(graph, chosen.config, mesh, cluster=cluster, ctx=PassContext(
             optimizer=planned_optimizer, mixed_precision=chosen.config.mixed_precision))
         clock.lap("lower")
-    pm = ParallelModel(program, mesh, optimizer=factory, lr_scheduler=lr_scheduler, clip_grad_norm=clip_grad_norm,
-                       nonfinite=nonfinite)
-    trainer = AutoParallel(pm, chosen, cluster, spec, dump_dir=out_dir, track_memory=track_memory)
+    pm = ParallelModel(program, mesh, optimizer=factory, lr_scheduler=training.lr_scheduler,
+                       clip_grad_norm=training.clip_grad_norm, nonfinite=training.nonfinite)
+    trainer = AutoParallel(pm, chosen, cluster, spec, dump_dir=out_dir, track_memory=job.track_memory)
     clock.lap("runtime")
     trainer.build_seconds = dict(clock.seconds)
     if writer is not None:

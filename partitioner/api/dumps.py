@@ -1,7 +1,7 @@
 """The dump tree of a plan: everything that was decided, as it runs.
 
 ``partitioner plan --dump-dir D``, ``partitioner demo``, ``partitioner lower`` and
-``auto_parallelize(dump_dir=D)`` all write the same tree, with :func:`write_plan_dumps`::
+``auto_parallelize(job=Job(dump_dir=D))`` all write the same tree, with :func:`write_plan_dumps`::
 
     D/manifest.json          every dump in run order, the pipelines' text, the config, the cluster,
                              and the command that writes the same tree again

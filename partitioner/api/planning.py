@@ -3,11 +3,6 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Callable, Sequence
-
-import torch
-from torch import nn
-
 from partitioner.cost.cluster import Cluster
 from passes.ir.config import TORCH_DTYPES
 from passes.ir.plan import Plan
@@ -20,49 +15,54 @@ from partitioner.api.dumps import write_plan_dumps
 from partitioner.inputs.model_spec import ModelSpec, meta_copy
 from partitioner.inputs.models import as_spec, build_model, check_dim, check_spec
 from passes.ir.errors import ConfigError
-from passes.ir.meta import InputSpec
 from partitioner.inputs.run_options import check_option
+from partitioner.inputs.training import Training
 
-def plan(model: str | ModelSpec | nn.Module, cluster: Cluster | str, *, global_batch: int, nodes: int | None = None,
-         seq: int | None = None, dtype: str | None = None, fix: dict | str | None = None,
-         optimizer: str = "adamw", dump_dir: str | Path | None = None, inputs: Sequence[InputSpec] | None = None,
-         loss_fn: Callable[..., torch.Tensor] | None = None, dims: dict[str, int] | None = None) -> Plan:
+def plan(model: str | ModelSpec, cluster: Cluster | str, *, training: Training, nodes: int | None = None,
+         seq: int | None = None, fix: dict | str | None = None, dump_dir: str | Path | None = None) -> Plan:
     """The fastest plan for ``model`` on ``cluster`` (a Cluster, preset or file).
 
-    ``model``: a spec string (``gpt:layers=4,...``, or ``path/to/file.py:factory``), a
-    :class:`ModelSpec`, or an ``nn.Module`` with ``inputs`` (named dims), ``loss_fn(module,
-    *inputs)`` and ``dims``, as :func:`partitioner.api.auto.auto_parallelize` takes it. A zoo spec
-    is profiled from two captured blocks; any other model is captured whole on the meta device
-    (a copy: the caller's module is left as it is).
+    ``model``: a spec string (``gpt:layers=4,...``, or ``path/to/file.py:factory``) or a
+    :class:`ModelSpec` (a module of your own with its inputs and loss), as
+    :func:`partitioner.api.auto.auto_parallelize` takes it. A zoo spec is profiled from two
+    captured blocks; any other model is captured whole on the meta device (a copy: the caller's
+    module is left as it is).
 
-    ``dtype``: ``fp32``, ``bf16`` or ``fp16`` (default: :attr:`Cluster.default_dtype`, bf16 on GPUs
-    and fp32 on CPU ranks, as ``auto_parallelize`` and the command line take it).
-    ``fix`` pins knobs (dict, or ``"tp=8,pp=4"``); ``dump_dir`` receives the plan's dump tree
-    (:mod:`partitioner.api.dumps`: every pass of the lowering, each rank program with its ONNX,
-    the stage picture, ``plan.json`` and ``report.html``).
+    ``training``: the :class:`partitioner.inputs.training.Training` a job would train with; the
+    plan reads its ``global_batch`` (samples per step), its ``optimizer`` (a name, AdamW's
+    keyword arguments or a factory: the planner counts the state of the optimizer it makes) and
+    its ``dtype`` (default: :attr:`Cluster.default_dtype`, bf16 on GPUs and fp32 on CPU ranks, as
+    ``auto_parallelize`` and the command line take it). ``nodes``: the cluster's number of nodes
+    (default: the preset's or file's); ``seq``: the sequence length to plan at (default: the
+    model's). ``fix`` pins knobs (dict, or ``"tp=8,pp=4"``); ``dump_dir`` receives the plan's dump
+    tree (:mod:`partitioner.api.dumps`: every pass of the lowering, each rank program with its
+    ONNX, the stage picture, ``plan.json`` and ``report.html``).
     """
 
+    if not isinstance(training, Training):
+        raise ConfigError(f"plan: training is {type(training).__name__}, not a Training; pass "
+                          f"training=Training(global_batch=8, ...) (from partitioner import Training)")
     if isinstance(cluster, str):
         cluster = Cluster.load(cluster, nodes=nodes)
     elif nodes is not None:
         cluster = cluster.with_nodes(nodes)
-    dtype = dtype or cluster.default_dtype
+    dtype = training.dtype or cluster.default_dtype
+    optimizer = training.optimizer_name()
     check_spec(model)
     pinned = check_fix(fix)
     if seq is not None:
         check_option("seq", seq, spelled="seq")
         check_dim(model, "seq", seq, spelled="seq")
-    profile, model = _profile_any(model, seq=seq, dtype=dtype, optimizer=optimizer, inputs=inputs, loss_fn=loss_fn,
-                                  dims=dims, tensor_remat=pinned.get("checkpointing") == "tensor")
-    chosen = search(profile, cluster, global_batch=global_batch, fix=pinned, optimizer=optimizer)
+    profile, model = _profile_any(model, seq=seq, dtype=dtype, optimizer=optimizer,
+                                  tensor_remat=pinned.get("checkpointing") == "tensor")
+    chosen = search(profile, cluster, global_batch=training.global_batch, fix=pinned, optimizer=optimizer)
     if dump_dir is not None:
         write_model_plan_dumps(dump_dir, model=model, plan=chosen, cluster=cluster, param_bytes=4 * profile.param_count,
                                seq=seq, optimizer=optimizer)
     return chosen
 
 
-def _profile_any(model, *, seq: int | None, dtype: str, optimizer: str, inputs, loss_fn,
-                 dims, tensor_remat: bool = False) -> tuple[ModelProfile, str | ModelSpec]:
+def _profile_any(model, *, seq: int | None, dtype: str, optimizer: str, tensor_remat: bool = False) -> tuple[ModelProfile, str | ModelSpec]:
     """The profile of ``model`` in any form :func:`plan` takes, and the model as the dumps
     rebuild it (a spec string, or a ModelSpec); ``tensor_remat``: price ``checkpointing='tensor'``
     (a whole-graph MILP: only when pinned)."""
@@ -70,7 +70,7 @@ def _profile_any(model, *, seq: int | None, dtype: str, optimizer: str, inputs, 
         return profile_model(model, seq=seq, dtype=dtype, optimizer=optimizer, tensor_remat=tensor_remat), model
     if dtype not in TORCH_DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(TORCH_DTYPES)}")
-    spec = as_spec(model, inputs=inputs, loss_fn=loss_fn, dims=dims, device="meta")
+    spec = as_spec(model, device="meta")
     meta = meta_copy(spec).cast(TORCH_DTYPES[dtype])
     if seq is not None:
         if "seq" not in {d for i in meta.inputs for d in i.dim_names()}:

@@ -37,6 +37,9 @@ from passes.ir.errors import PartitionerError
 if TYPE_CHECKING:  # torch is imported where used: `partitioner --help` stays fast
     import torch
 
+    from partitioner.inputs.job import Job
+    from partitioner.inputs.training import Training
+
     from passes.ir.plan import Plan
 
 DEMO_MODEL = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq=64,dropout=0.0"
@@ -194,15 +197,14 @@ class RankResult:
     """Seconds of each phase of ``auto_parallelize`` on this rank."""
 
 
-def _demo_rank(model: str, steps: int, fix: str | None, dump_dir: str, global_batch: int, timeout_s: float,
-               track_memory: bool, cluster=None, dtype: str = "fp32") -> RankResult:
+def _demo_rank(model: str, steps: int, fix: str | None, training: Training, job: Job, cluster=None) -> RankResult:
     import torch.distributed as dist
 
     from partitioner.api.auto import auto_parallelize
 
     start = time.perf_counter()
-    trainer = auto_parallelize(model, cluster, global_batch=global_batch, fix=fix, dtype=dtype,
-                               dump_dir=dump_dir, timeout_s=timeout_s, track_memory=track_memory)
+    global_batch = training.global_batch
+    trainer = auto_parallelize(model, cluster, training=training, fix=fix, job=job)
     built = time.perf_counter()
     rank0 = dist.get_rank() == 0
     if rank0:
@@ -305,8 +307,11 @@ def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str | None = DEMO
              dtype: str = "fp32", out=None) -> dict:
     """The whole demo; returns a summary dict. Raises :class:`ParityError` when the first
     :data:`CHECK_STEPS` losses differ from single-process training by more than :data:`CHECK_RTOL`."""
+    from partitioner.inputs.job import Job
+    from partitioner.inputs.training import Training
     from runtime.dist.launch import preload, spawn
 
+    training = Training(global_batch=global_batch, dtype=dtype)  # refused here, before any rank starts
     preload("partitioner.cli.demo", "partitioner.api.auto")  # imported once, by the server the ranks fork from
 
     def say(text: str) -> None:
@@ -319,8 +324,9 @@ def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str | None = DEMO
     # starting a calibration job of its own first; rank 0 prints what it found
     say(f"demo: {model} on {DEMO_WORLD} local gloo ranks, {f'fix {fix}' if fix else 'nothing pinned'}, "
         f"global batch {global_batch}, {steps} steps; the ranks detect the cluster")
-    results = spawn(_demo_rank, DEMO_WORLD, model, steps, fix, dump, global_batch, timeout_s, track_memory, None,
-                    dtype, timeout_s=max(600.0, 20.0 * steps))
+    job = Job(dump_dir=dump, timeout_s=timeout_s, track_memory=track_memory)
+    results = spawn(_demo_rank, DEMO_WORLD, model, steps, fix, training, job, None,
+                    timeout_s=max(600.0, 20.0 * steps))
     distributed_s = time.perf_counter() - start
     losses = results[0].losses
     for rank, r in enumerate(results):
@@ -363,7 +369,8 @@ def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str | None = DEMO
 
 
 def run_train(*, model: str, global_batch: int, steps: int, fix: str | None, dump_dir: str | None,
-              cluster: str | None, timeout_s: float, lr: float | None, dtype: str | None = None, data: str | None = None,
+              cluster: str | None, timeout_s: float, lr: float | None, dtype: str | None = None,
+              optimizer: str = "adamw", plan: str | None = None, data: str | None = None,
               tokenizer: str | None = None, seed: int = 0, metrics: str | None = None, save_dir: str | None = None,
               save_every: int | None = None, keep: int | None = None, resume: str | None = None,
               clip_grad_norm: float | None = None, warmup: int | None = None, nodes: int | None = None,
@@ -386,14 +393,18 @@ def run_train(*, model: str, global_batch: int, steps: int, fix: str | None, dum
     from runtime.exec.data import probe_dataset
 
     from partitioner.cost.cluster import Cluster
+    from partitioner.inputs.job import Job
+    from partitioner.inputs.training import Training
     from runtime.optim.lr_schedules import warmup_cosine
 
+    training = Training(global_batch=global_batch, optimizer=with_lr(optimizer, lr), dtype=dtype,
+                        clip_grad_norm=clip_grad_norm,
+                        lr_scheduler=warmup_cosine(warmup, steps) if warmup is not None else None)
+    job = Job(timeout_s=timeout_s, dump_dir=dump_dir)
+    chosen = read_plan(plan) if plan is not None else None
     _report_before_sigterm(timeout_s + 5.0)
     job_cluster = Cluster.load(cluster, nodes=nodes) if nodes is not None else cluster
-    trainer = auto_parallelize(model, job_cluster, global_batch=global_batch, fix=fix, dump_dir=dump_dir,
-                               timeout_s=timeout_s, optimizer={"lr": lr} if lr is not None else None, dtype=dtype,
-                               clip_grad_norm=clip_grad_norm,
-                               lr_scheduler=warmup_cosine(warmup, steps) if warmup is not None else None)
+    trainer = auto_parallelize(model, job_cluster, training=training, fix=fix, plan=chosen, job=job)
     rank0 = dist.get_rank() == 0
     dataset = token_dataset(trainer.spec, data, tokenizer) if data is not None else None
     if dataset is not None:  # refused here on every rank alike, before any step
@@ -457,6 +468,29 @@ def run_train(*, model: str, global_batch: int, steps: int, fix: str | None, dum
     heartbeat.stop()
     dist.destroy_process_group()
     return 0
+
+
+def with_lr(optimizer: str, lr: float | None):
+    """``--optimizer NAME --lr X``: the named optimizer (:data:`passes.ir.optimizers.OPTIMIZERS`)
+    at learning rate ``lr`` in both parameter groups; the name alone when ``lr`` is None."""
+    if lr is None:
+        return optimizer
+    from runtime.optim.optimizers import as_factory
+
+    named = as_factory(optimizer)
+    return lambda groups: named([{**g, "lr": lr} for g in groups])
+
+
+def read_plan(path: str):
+    """``--plan FILE``: the :class:`Plan` a plan.json holds (``plan``/``demo``/``train --dump-dir``)."""
+    from passes.ir.errors import ConfigError
+    from passes.ir.plan import Plan
+
+    try:
+        text = open(path, encoding="utf-8").read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read plan {path}: {exc.strerror}; give the plan.json a plan wrote") from None
+    return Plan.from_json(text)
 
 
 def _report_before_sigterm(grace_s: float) -> None:

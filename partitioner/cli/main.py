@@ -73,10 +73,12 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from partitioner.api.planning import plan
+    from partitioner.inputs.training import Training
 
     start = time.perf_counter()
-    chosen = plan(args.model, args.cluster, nodes=args.nodes, global_batch=args.global_batch, seq=args.seq,
-                  dtype=args.dtype, fix=args.fix, optimizer=args.optimizer, dump_dir=args.dump_dir)
+    training = Training(global_batch=args.global_batch, optimizer=args.optimizer, dtype=args.dtype)
+    chosen = plan(args.model, args.cluster, training=training, nodes=args.nodes, seq=args.seq, fix=args.fix,
+                  dump_dir=args.dump_dir)
     elapsed = time.perf_counter() - start
     if args.json:
         print(chosen.to_json())
@@ -113,16 +115,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_lower(args: argparse.Namespace) -> int:
+    from partitioner.cli.demo import read_plan
     from partitioner.cost.cluster import Cluster
     from partitioner.api.planning import write_model_plan_dumps
 
-    try:
-        text = open(args.plan, encoding="utf-8").read()
-    except OSError as exc:
-        raise ConfigError(f"cannot read plan {args.plan}: {exc.strerror}; give the plan.json a plan wrote") from None
-    from passes.ir.plan import Plan
-
-    plan = Plan.from_json(text)
+    plan = read_plan(args.plan)
     if args.cluster == "local":
         from partitioner.calibration.job_cluster import local_cluster
 
@@ -312,6 +309,11 @@ def _check_run_options(args: argparse.Namespace) -> None:
             check_option(name, value, spelled="--" + name.replace("_", "-"))
             if name == "seq" and isinstance(getattr(args, "model", None), str):
                 check_dim(args.model, "seq", value, spelled="--seq")
+    if getattr(args, "optimizer", None) is not None:
+        from passes.ir.optimizers import OPTIMIZERS
+
+        if args.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"--optimizer: unknown name {args.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     if getattr(args, "fix", None) is not None and args.command in ("train", "demo"):
         pinned = check_fix(args.fix, where="--fix")
         split = {k: pinned[k] for k in ("dp", "num_micro_batches", "micro_batch_size") if k in pinned}
@@ -331,11 +333,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise ConfigError("train: --save-every needs --save-dir DIR (where the checkpoints go)")
     if args.nodes is not None and args.cluster is None:
         raise ConfigError("train: --nodes needs --cluster PRESET (the node type the job runs on)")
+    if args.plan is not None and args.fix is not None:
+        raise ConfigError("train: --fix and --plan both given; a plan fixes every knob already: give --plan alone, "
+                          "or --fix alone to search the rest")
     return run_train(model=args.model, global_batch=args.global_batch, steps=args.steps, fix=args.fix,
                      dump_dir=args.dump_dir, cluster=args.cluster, timeout_s=args.timeout, lr=args.lr, dtype=args.dtype,
+                     optimizer=args.optimizer, plan=args.plan,
                      data=args.data, tokenizer=args.tokenizer, seed=args.seed, metrics=args.metrics,
                      save_dir=args.save_dir, save_every=args.save_every, keep=args.keep, resume=args.resume,
                      clip_grad_norm=args.clip_grad_norm, warmup=args.warmup, nodes=args.nodes, debug=args.debug)
+
+
+OPTIMIZER_HELP = ("adamw, adam, sgd or sgd_momentum (the optimizer table, passes.ir.optimizers; default adamw: "
+                  "AdamW, no weight decay on norms, biases and embeddings)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -347,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", help="batch size, or a name (e.g. B) to keep it symbolic")
     p.add_argument("--seq", help="sequence length, or a name (e.g. S) to keep it symbolic")
     p.add_argument("--dtype", default="fp32", help="fp32, or bf16/fp16 (mixed precision, fp32 master weights)")
-    p.add_argument("--optimizer", default="adamw", help="adamw, adam or sgd")
+    p.add_argument("--optimizer", default="adamw", help=OPTIMIZER_HELP)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--per-layer", action="store_true", help="also print a per-layer breakdown")
     p.add_argument("--dump-dir", help="write the IR after every pass here")
@@ -361,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, help="sequence length (default: the spec's)")
     p.add_argument("--dtype", help="fp32, or bf16/fp16 (mixed precision) (default: bf16 on a GPU cluster, fp32 on "
                                    "CPU ranks, as everywhere)")
-    p.add_argument("--optimizer", default="adamw", help="adamw, adam or sgd")
+    p.add_argument("--optimizer", default="adamw", help=OPTIMIZER_HELP)
     p.add_argument("--fix", help="pin knobs: tp=8,pp=4,schedule=interleaved,virtual_pp=2,...")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--dump-dir", help="write the plan's dump tree here (every pass, rank programs, ONNX, plan.json)")
@@ -413,11 +423,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="NAME:key=value,... (see `partitioner models`)")
     p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
     p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
-    p.add_argument("--fix", help="pin knobs: dp=2,pp=2,...")
+    p.add_argument("--fix", help="pin knobs: dp=2,pp=2,... (the search chooses the rest)")
+    p.add_argument("--plan", metavar="PLAN.json", help="run this plan (from plan/demo/train --dump-dir) instead of "
+                                                      "searching; not with --fix")
     p.add_argument("--cluster", help="preset or cluster file (default: this machine, one device per rank)")
     p.add_argument("--dump-dir", help="write the dump tree, plan.json, report.html, measurements.json here (rank 0)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective/receive may wait (default 60)")
-    p.add_argument("--lr", type=float, help="AdamW learning rate (default torch's)")
+    p.add_argument("--optimizer", default="adamw", help=OPTIMIZER_HELP)
+    p.add_argument("--lr", type=float, help="learning rate of --optimizer (default torch's)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
                    help="training precision: fp32, or bf16/fp16 weights, gradients and activations with fp32 "
                         "master weights (fp16 with dynamic loss scaling); default: bf16 on GPUs, fp32 on CPU ranks")

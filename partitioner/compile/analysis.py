@@ -7,11 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import sympy
-import torch
-from torch import fx, nn
+from torch import fx
 
 from passes.ir.config import TORCH_DTYPES
 from passes.ir.optimizers import optimizer_model
@@ -20,7 +18,6 @@ from partitioner.inputs.model_spec import ModelSpec
 from partitioner.inputs.models import as_spec, build_model
 from passes.capture.capture import module_path
 from passes.ir.meta import (
-    InputSpec,
     BLOCK,
     FLOP_SUMMARY,
     FLOPS,
@@ -81,13 +78,11 @@ def json_number(expr: sympy.Expr) -> int | str:
     return int(expr) if expr.is_Integer else str(expr)
 
 
-def analyze(model: ModelSpec | str | nn.Module, *, batch: int | str | None = None, seq: int | str | None = None,
-            dtype: str = "fp32", optimizer: str = "adamw", dump_dir: str | Path | None = None,
-            inputs: Sequence[InputSpec] | None = None, loss_fn: Callable[..., torch.Tensor] | None = None,
-            dims: dict[str, int] | None = None) -> Analysis:
+def analyze(model: ModelSpec | str, *, batch: int | str | None = None, seq: int | str | None = None,
+            dtype: str = "fp32", optimizer: str = "adamw", dump_dir: str | Path | None = None) -> Analysis:
     """Capture ``model`` and analyze it: a spec string (a zoo spec built on the meta device, or
-    ``path/to/file.py:factory``), a ModelSpec, or an ``nn.Module`` with ``inputs`` (named dims),
-    ``loss_fn(module, *inputs)`` and ``dims`` (read as :func:`partitioner.inputs.models.as_spec` does).
+    ``path/to/file.py:factory``) or a ModelSpec (a module of your own with its inputs and loss),
+    read as :func:`partitioner.inputs.models.as_spec` does.
 
     ``batch``/``seq``: a number fixes the dim; a name keeps it symbolic under that name.
     ``dtype``: fp32, or bf16/fp16 meaning mixed precision with fp32 master weights.
@@ -98,7 +93,7 @@ def analyze(model: ModelSpec | str | nn.Module, *, batch: int | str | None = Non
     if isinstance(model, str) and not model.partition(":")[0].strip().endswith(".py"):
         spec = build_model(model, device="meta", dtype=DTYPES[dtype])
     else:
-        spec = as_spec(model, inputs=inputs, loss_fn=loss_fn, dims=dims, device="meta")
+        spec = as_spec(model, device="meta")
     dims, symbolic, rename = _resolve_dims(spec, {"batch": batch, "seq": seq})
     gm = capture_training_step(spec, dims=dims, symbolic=symbolic)
 

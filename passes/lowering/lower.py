@@ -176,8 +176,8 @@ def lower(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
     if captured != TORCH_DTYPES[config.dtype]:
         # the stage programs run in the dtype they were captured in: a bf16 plan needs a bf16 graph
         raise ConfigError(f"lower: the plan trains in {config.dtype} but the graph was captured in {captured}; "
-                          f"capture the model cast to {config.dtype} (ModelSpec.cast, as auto_parallelize(dtype=...) "
-                          f"does) or plan with dtype={dtype_name(captured)}")
+                          f"capture the model cast to {config.dtype} (ModelSpec.cast, as auto_parallelize does with "
+                          f"Training(dtype=...)) or plan with dtype={dtype_name(captured)}")
     if config.n_stages > 1 and blocks == 0:
         raise ConfigError("pp*virtual_pp > 1 needs repeated blocks to cut stages between, and the model has none "
                           "(no module path like 'blocks.0'); use pp=1")

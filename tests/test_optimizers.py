@@ -244,7 +244,7 @@ def test_optimizer_arguments_are_checked_and_named_for_the_planner():
     assert planner_optimizer(adam) == "adam"
     for name in OPTIMIZERS:  # a name builds the optimizer the planner costs under that name
         assert planner_optimizer(as_factory(name)) == name
-    with pytest.raises(ConfigError, match="unknown name 'lamb'; choose one of sgd, sgd_momentum, adam, adamw"):
+    with pytest.raises(ConfigError, match="unknown optimizer 'lamb'; choose one of sgd, sgd_momentum, adam, adamw"):
         as_factory("lamb")
     with pytest.raises(ConfigError, match="AdamW does not take"):
         as_factory({"learning_rate": 1e-3})

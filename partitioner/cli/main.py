@@ -313,7 +313,8 @@ def _check_run_options(args: argparse.Namespace) -> None:
         from passes.ir.optimizers import OPTIMIZERS
 
         if args.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"--optimizer: unknown name {args.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+            raise ConfigError(f"--optimizer: unknown optimizer {args.optimizer!r}; "
+                              f"choose one of {', '.join(OPTIMIZERS)}")
     if getattr(args, "fix", None) is not None and args.command in ("train", "demo"):
         pinned = check_fix(args.fix, where="--fix")
         split = {k: pinned[k] for k in ("dp", "num_micro_batches", "micro_batch_size") if k in pinned}

@@ -49,7 +49,7 @@ def as_factory(optimizer: None | str | Mapping | OptimizerFactory) -> OptimizerF
         return lambda groups: torch.optim.AdamW(groups)
     if isinstance(optimizer, str):
         if optimizer not in OPTIMIZERS:
-            raise ConfigError(f"optimizer: unknown name {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}, or "
+            raise ConfigError(f"optimizer: unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}, or "
                               f"pass a factory f(param_groups) -> torch.optim.Optimizer")
         model = OPTIMIZERS[optimizer]
         cls, named_kwargs = getattr(torch.optim, model.torch_class), dict(model.torch_kwargs)
@@ -64,8 +64,9 @@ def as_factory(optimizer: None | str | Mapping | OptimizerFactory) -> OptimizerF
         return lambda groups: torch.optim.AdamW(groups, **kwargs)
     if callable(optimizer):
         return optimizer
-    raise ConfigError(f"optimizer: got {type(optimizer).__name__}; pass None (AdamW), a name ({', '.join(OPTIMIZERS)}), "
-                      f"a dict of AdamW's keyword arguments, or a factory f(param_groups) -> torch.optim.Optimizer")
+    raise ConfigError(f"optimizer: got {type(optimizer).__name__}; pass None (AdamW), a name "
+                      f"({', '.join(OPTIMIZERS)}), a dict of AdamW's keyword arguments, or a factory "
+                      f"f(param_groups) -> torch.optim.Optimizer")
 
 
 def param_groups(params: Sequence[torch.Tensor], no_decay: Sequence[bool]) -> list[dict]:

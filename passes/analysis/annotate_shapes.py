@@ -65,6 +65,8 @@ def _from_export(gm: fx.GraphModule, info: CaptureInfo) -> dict[fx.Node, ShapeMe
     rename = _export_symbols(gm, info)
     if rename is None:
         return None
+    if any(n.op == "call_function" and EXPORT_VAL not in n.meta for n in gm.graph.nodes):
+        return None  # a rewrite added nodes export never saw: run symbolically (without a wasted run first)
     hints = {dim_symbol(n): v for n, v in info.dims}
     fake, results = _run(gm, dataclasses.replace(info, symbolic=()))
     out: dict[fx.Node, ShapeMeta] = {}

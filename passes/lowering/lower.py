@@ -31,6 +31,7 @@ import copy
 import dataclasses
 import hashlib
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
@@ -190,10 +191,13 @@ def lower(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
                               f"and tp={config.tp}")
     instrument_for = instrument_for or (lambda name: None)
 
-    gm = copy.deepcopy(gm)
-    whole = manager(whole_graph_passes(config, cost=cost, starts=starts, tp_group=tp_group),
-                    instrument=instrument_for("whole_graph"))
-    gm = whole.run(gm, ctx)
+    whole_passes = whole_graph_passes(config, cost=cost, starts=starts, tp_group=tp_group)
+    instrument = instrument_for("whole_graph")
+    whole = manager(whole_passes, instrument=instrument)
+    if instrument is None:
+        gm = _whole_graph(gm, whole_passes, ctx)
+    else:  # dumped pass by pass: run as one pipeline
+        gm = whole.run(copy.deepcopy(gm), ctx)
     records = [PipelineRecord(name="whole_graph", text=whole.text())]
 
     assignment = StageAssignment(n_stages=config.n_stages, stage_of={
@@ -219,6 +223,35 @@ def lower(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
         records.append(PipelineRecord(name=name, text=pm.text()))
     return Lowering(config=config, graph=gm, split=split, programs=made, pipelines=tuple(records), tp_group=tp_group,
                     io=io)
+
+
+_REWRITE_MEMO: "weakref.WeakKeyDictionary[fx.GraphModule, dict]" = weakref.WeakKeyDictionary()
+"""The last few context-parallel rewrites of each analysed graph (with their shapes, which run
+symbolically, and FLOPs): the plans and ranks that share cp, its mode and tp start from the
+same rewritten graph (the planner's replay makes a plan's rank programs one by one)."""
+_REWRITE_PASSES = ("context_parallel", "annotate_shapes", "annotate_flops")
+_MEMO_ENTRIES = 4  # per analysed graph, the least recently used dropped
+
+
+def _whole_graph(gm: fx.GraphModule, passes: list, ctx: PassContext) -> fx.GraphModule:
+    """``passes`` run on a copy of ``gm``, their leading context-parallel rewrite and re-analysis
+    taken from :data:`_REWRITE_MEMO` when this graph was rewritten so before."""
+    n = 0
+    while n < len(passes) and passes[n].name in _REWRITE_PASSES:
+        n += 1
+    if n == 0:
+        return manager(passes).run(copy.deepcopy(gm), ctx)
+    # what the rewrite depends on: its passes and options, the context, and the graph as it is
+    # now (its node count: a caller that edits the analysed graph in place gets a new rewrite)
+    key = (tuple((p.name, p.options) for p in passes[:n]), dataclasses.astuple(ctx), len(gm.graph.nodes), id(gm.graph))
+    memo = _REWRITE_MEMO.setdefault(gm, {})
+    if key in memo:
+        memo[key] = memo.pop(key)  # the most recently used last
+    else:
+        while len(memo) >= _MEMO_ENTRIES:
+            memo.pop(next(iter(memo)))
+        memo[key] = manager(passes[:n]).run(copy.deepcopy(gm), ctx)
+    return manager(passes[n:]).run(copy.deepcopy(memo[key]), ctx)
 
 
 def rank_io(gm: fx.GraphModule, split: PipelineSplit, config: ParallelConfig) -> tuple[StageIO, ...]:

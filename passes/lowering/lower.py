@@ -225,26 +225,31 @@ def lower(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
                     io=io)
 
 
-_REWRITE_MEMO: "weakref.WeakKeyDictionary[fx.GraphModule, dict]" = weakref.WeakKeyDictionary()
-"""The last few context-parallel rewrites of each analysed graph (with their shapes, which run
-symbolically, and FLOPs): the plans and ranks that share cp, its mode and tp start from the
-same rewritten graph (the planner's replay makes a plan's rank programs one by one)."""
-_REWRITE_PASSES = ("context_parallel", "annotate_shapes", "annotate_flops")
+_PREFIX_MEMO: "weakref.WeakKeyDictionary[fx.GraphModule, dict]" = weakref.WeakKeyDictionary()
+"""The last few whole-graph prefixes of each analysed graph: the context-parallel rewrite (its
+shapes run symbolically) and the checkpoint policy (it observes the whole graph's saved tensors)
+cost far more than a copy, and the plans and rank programs that share them start from the same
+graph (the planner's replay makes a plan's rank programs one by one; every rank of a job that
+shares a process, as in the tests, lowers the same whole graph)."""
+_PREFIX_PASSES = ("context_parallel", "annotate_shapes", "annotate_flops", "tag_tensor_parallel", "checkpoint_policy")
+_COSTLY = ("context_parallel", "checkpoint_policy")
 _MEMO_ENTRIES = 4  # per analysed graph, the least recently used dropped
 
 
 def _whole_graph(gm: fx.GraphModule, passes: list, ctx: PassContext) -> fx.GraphModule:
-    """``passes`` run on a copy of ``gm``, their leading context-parallel rewrite and re-analysis
-    taken from :data:`_REWRITE_MEMO` when this graph was rewritten so before."""
+    """``passes`` run on a copy of ``gm``, their leading rewrite and policy passes
+    (:data:`_PREFIX_PASSES`) taken from :data:`_PREFIX_MEMO` when this graph went through the same
+    ones before; what follows (the offload policy, which reads the cluster, and the stage tags)
+    runs each time."""
     n = 0
-    while n < len(passes) and passes[n].name in _REWRITE_PASSES:
+    while n < len(passes) and passes[n].name in _PREFIX_PASSES:
         n += 1
-    if n == 0:
+    if not any(p.name in _COSTLY for p in passes[:n]):
         return manager(passes).run(copy.deepcopy(gm), ctx)
-    # what the rewrite depends on: its passes and options, the context, and the graph as it is
-    # now (its node count: a caller that edits the analysed graph in place gets a new rewrite)
+    # what the prefix depends on: its passes and options, the context, and the graph as it is
+    # now (its node count: a caller that edits the analysed graph in place gets a new prefix)
     key = (tuple((p.name, p.options) for p in passes[:n]), dataclasses.astuple(ctx), len(gm.graph.nodes), id(gm.graph))
-    memo = _REWRITE_MEMO.setdefault(gm, {})
+    memo = _PREFIX_MEMO.setdefault(gm, {})
     if key in memo:
         memo[key] = memo.pop(key)  # the most recently used last
     else:

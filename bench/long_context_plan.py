@@ -17,7 +17,7 @@ import time
 from partitioner.cost.cluster import Cluster
 from partitioner.errors import InfeasiblePlanError
 from partitioner.search.profile import profile_model
-from partitioner.search.search import candidates, plan
+from partitioner.search.search import candidates, search
 
 SPEC = ("llama:layers=32,hidden=4096,heads=32,kv_heads=8,vocab=128256,seq=131072,intermediate=14336,"
         "theta=500000")
@@ -48,14 +48,14 @@ def main() -> None:
     print(f"params {profile.param_count / 1e9:.2f} B; attention {profile.attention}; profiled in {t1 - t0:.1f} s")
 
     t = time.perf_counter()
-    chosen = plan(profile, cluster, global_batch=a.global_batch)
+    chosen = search(profile, cluster, global_batch=a.global_batch)
     n = len(candidates(profile, cluster, a.global_batch))
     print(f"\nsearch over {n} candidates in {time.perf_counter() - t:.1f} s")
     show("chosen", chosen)
 
     t = time.perf_counter()
     try:
-        no_cp = plan(profile, cluster, global_batch=a.global_batch, fix={"cp": 1})
+        no_cp = search(profile, cluster, global_batch=a.global_batch, fix={"cp": 1})
         print(f"\n(cp=1 searched in {time.perf_counter() - t:.1f} s)")
         show("best with cp=1", no_cp)
         slower = no_cp.predicted.step_time_s / chosen.predicted.step_time_s - 1
@@ -69,7 +69,7 @@ def main() -> None:
         if cp == 1 or profile.seq % (2 * cp):
             continue
         try:
-            ring = plan(profile, cluster, global_batch=a.global_batch, fix={"cp": cp, "cp_mode": "ring"})
+            ring = search(profile, cluster, global_batch=a.global_batch, fix={"cp": cp, "cp_mode": "ring"})
             print()
             show(f"best with cp={cp} cp_mode=ring", ring)
         except InfeasiblePlanError as exc:

@@ -11,7 +11,7 @@ Per model:
   predicted first) on each cluster of ``--clusters``; the first cluster is the primary one. Plans
   that run alike (the same knobs and the same pipeline action lists: GPipe and 1F1B with one
   micro-batch) are measured once, as the pick when it is one of them. The
-  planner's pick is :func:`partitioner.search.search.plan` with the exact memory replay
+  planner's pick is :func:`partitioner.search.search.search` with the exact memory replay
   (:func:`partitioner.search.memory_check.replay_check`), as ``auto_parallelize`` calls it;
 * the plans run: all of them when there are at most ``--plans`` + 6, else a sample
   (:func:`sample_plans`): the pick of every cluster, the ``TOP`` predicted fastest, for every knob
@@ -442,7 +442,7 @@ def run(settings: Settings) -> list[ModelReport]:
     from partitioner.search.memory_check import replay_check
     from partitioner.inputs.models import build_model
     from partitioner.search.profile import profile_model
-    from partitioner.search.search import feasible_plans, plan
+    from partitioner.search.search import feasible_plans, search
     from passes.ir.graph_transfer import pack_graph
     from runtime.dist.launch import spawn
 
@@ -456,7 +456,7 @@ def run(settings: Settings) -> list[ModelReport]:
         module = build_model(spec)
         graph = capture_for_pipeline(module)
         ranked = {n: feasible_plans(profile, c, global_batch=GLOBAL_BATCH) for n, c in clusters.items()}
-        picks = {n: plan(profile, c, global_batch=GLOBAL_BATCH, check=replay_check(graph, c))
+        picks = {n: search(profile, c, global_batch=GLOBAL_BATCH, check=replay_check(graph, c))
                  for n, c in clusters.items()}
         rank_of = {n: {_knobs(p.config): i for i, p in enumerate(r)} for n, r in ranked.items()}
         pick_plans = [ranked[primary][rank_of[primary][_knobs(p.config)]] for p in picks.values()

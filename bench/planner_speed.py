@@ -14,7 +14,7 @@ import time
 
 from partitioner.cost.cluster import Cluster
 from partitioner.search.profile import profile_model
-from partitioner.search.search import candidates, plan
+from partitioner.search.search import candidates, search
 
 CAPTURED = (
     # SmolLM-135M's published shape (random init): what took minutes when the profile priced
@@ -39,7 +39,7 @@ def main() -> None:
         t0 = time.perf_counter()
         profile = profile_model(spec, dtype="bf16")
         t1 = time.perf_counter()
-        chosen = plan(profile, cluster, global_batch=batch)
+        chosen = search(profile, cluster, global_batch=batch)
         t2 = time.perf_counter()
         n = len(candidates(profile, cluster, batch))
         print(f"{label}: {spec} on dgx-a100-80gb x {nodes} ({cluster.world_size} GPUs), global batch {batch}, bf16")
@@ -59,7 +59,7 @@ def main() -> None:
         if label.startswith("GPT-3"):
             # Narayanan et al. 2021 ran 175B on 1536 A100s with tp=8, pp=12, full recompute at about
             # 140 TFLOP/s per GPU counting the recompute forward (4/3 of the model FLOPs).
-            pinned = plan(profile, cluster, global_batch=batch,
+            pinned = search(profile, cluster, global_batch=batch,
                           fix={"tp": 8, "pp": 12, "micro_batch_size": 1, "checkpointing": "full"})
             print(f"  pinned tp=8 pp=12 full recompute: {pinned.summary()}; with recompute FLOPs "
                   f"{pinned.predicted.tflops_per_device * 4 / 3:.1f} TFLOP/s/device (published: about 140)")

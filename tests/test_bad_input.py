@@ -36,7 +36,7 @@ from partitioner.inputs.models import build_model
 from partitioner.api.planning import parse_fix
 from partitioner.search.profile import profile_model
 from partitioner.search.search import candidates
-from partitioner.search.search import plan as search
+from partitioner.search.search import search
 
 GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 """Two blocks, two heads, 8 positions: small enough to profile in a second."""

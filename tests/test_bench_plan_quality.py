@@ -15,7 +15,7 @@ sys.path.insert(0, str(BENCH))  # bench/ is scripts, not a package; spawned rank
 import plan_quality as bench  # noqa: E402
 
 from partitioner.search.profile import profile_model  # noqa: E402
-from partitioner.search.search import candidates, feasible_plans, plan  # noqa: E402
+from partitioner.search.search import candidates, feasible_plans, search  # noqa: E402
 from passes.ir.config import KNOBS  # noqa: E402
 
 SPEC = bench.MODELS["gpt"]
@@ -46,7 +46,7 @@ def test_feasible_plans_are_every_candidate_fastest_first_with_the_pick_first(cl
     assert len(ranked) == len(candidates(profile, cluster, bench.GLOBAL_BATCH))  # 8 GiB: all fit
     times = [p.predicted.step_time_s for p in ranked]
     assert times == sorted(times)
-    assert ranked[0].config == plan(profile, cluster, global_batch=bench.GLOBAL_BATCH).config
+    assert ranked[0].config == search(profile, cluster, global_batch=bench.GLOBAL_BATCH).config
 
 
 def test_the_sample_has_the_pick_the_fastest_and_every_value_of_every_knob(ranked):
@@ -109,7 +109,7 @@ def test_quick_run_measures_the_pick_and_every_plan_computes_the_eager_loss(repo
     # at least QUICK.plans: one more per schedule the search offers beyond the plans asked for
     assert len(report.plans) >= bench.QUICK.plans and len(report.ok) == len(report.plans)
     pick = report.pick("local-cpu")
-    assert pick.config.knobs() == plan(profile, cluster, global_batch=bench.GLOBAL_BATCH).config.knobs()
+    assert pick.config.knobs() == search(profile, cluster, global_batch=bench.GLOBAL_BATCH).config.knobs()
     assert pick.predicted_rank["local-cpu"] == 1
     assert {p.config.schedule for p in report.plans} == {p.config.schedule for p in ranked}
     for p in report.plans:

@@ -7,13 +7,13 @@ from partitioner.cost.cluster import Cluster
 from partitioner.errors import ConfigError
 from passes.ir.plan import Plan
 from partitioner.search.profile import profile_model
-from partitioner.search.search import plan
+from partitioner.search.search import search
 
 
 @pytest.fixture(scope="module")
 def chosen() -> Plan:
     profile = profile_model("gpt:layers=4,hidden=64,heads=4,vocab=256,seq=32", dtype="bf16")
-    return plan(profile, Cluster.preset("dgx-a100-80gb", nodes=2), global_batch=32,
+    return search(profile, Cluster.preset("dgx-a100-80gb", nodes=2), global_batch=32,
                 fix={"pp": 2, "schedule": "interleaved", "virtual_pp": 2})
 
 

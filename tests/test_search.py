@@ -9,7 +9,7 @@ from partitioner.cost.cluster import Cluster
 from partitioner.errors import ConfigError, InfeasiblePlanError
 from passes.ir.plan import format_bytes
 from partitioner.search.profile import profile_model
-from partitioner.search.search import candidates, min_memory, plan
+from partitioner.search.search import candidates, min_memory, search
 from partitioner.calibration.job_cluster import local_cluster
 
 SPEC = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq=32"
@@ -55,8 +55,8 @@ def test_replicated_profile_matches_full_capture_and_analysis(profile):
 
 def test_fix_every_field_reproduces_prediction(profile):
     cluster = _cluster(nodes=2)
-    chosen = plan(profile, cluster, global_batch=64)
-    again = plan(profile, cluster, global_batch=64, fix=chosen.knobs())
+    chosen = search(profile, cluster, global_batch=64)
+    again = search(profile, cluster, global_batch=64, fix=chosen.knobs())
     assert again.knobs() == chosen.knobs()
     assert again.predicted == chosen.predicted
     assert again.stages == chosen.stages
@@ -72,7 +72,7 @@ def test_dag_checkpointing_is_costed_between_none_and_full(profile):
     assert 0 < block.dag_recompute_flops < block.fwd_flops and 0 < block.dag_checkpointed <= 1
     base = {"dp": 2, "tp": 2, "pp": 2, "schedule": "1f1b", "zero_stage": 0, "micro_batch_size": 2, "offload": "none",
             "sequence_parallel": False}
-    by_policy = {ckpt: plan(profile, _cluster(), global_batch=64, fix={**base, "checkpointing": ckpt}).predicted
+    by_policy = {ckpt: search(profile, _cluster(), global_batch=64, fix={**base, "checkpointing": ckpt}).predicted
                  for ckpt in ("none", "dag", "full")}
     peak = {k: v.peak_memory_bytes for k, v in by_policy.items()}
     recompute = {k: v.terms["recompute"] for k, v in by_policy.items()}
@@ -96,22 +96,22 @@ def test_a_model_dag_cannot_be_priced_on_is_not_offered_and_pinning_dag_says_why
     assert all(c.checkpointing != "dag" for c in candidates(refused, _cluster(), global_batch=8))
     with pytest.raises(ConfigError, match="cannot be priced on this model: the dag checkpoint policy failed .*an op "
                                           "the policy cannot price.*pin none, selective or full"):
-        plan(refused, _cluster(), global_batch=8, fix={"checkpointing": "dag"})
+        search(refused, _cluster(), global_batch=8, fix={"checkpointing": "dag"})
 
 
 def test_fix_pins_knobs(profile):
     fix = {"tp": 2, "pp": 2, "schedule": "interleaved", "virtual_pp": 2, "checkpointing": "full",
            "zero_stage": 1, "micro_batch_size": 1}
-    p = plan(profile, _cluster(nodes=2), global_batch=64, fix=fix)
+    p = search(profile, _cluster(nodes=2), global_batch=64, fix=fix)
     assert {k: getattr(p, k) for k in fix} == fix
     assert p.predicted.terms["recompute"] > 0
     with pytest.raises(ConfigError, match="unknown knob"):
-        plan(profile, _cluster(), global_batch=64, fix={"tensor_parallel": 2})
+        search(profile, _cluster(), global_batch=64, fix={"tensor_parallel": 2})
 
 
 def test_search_is_deterministic(profile):
-    a = plan(profile, _cluster(nodes=2), global_batch=64)
-    b = plan(profile, _cluster(nodes=2), global_batch=64)
+    a = search(profile, _cluster(nodes=2), global_batch=64)
+    b = search(profile, _cluster(nodes=2), global_batch=64)
     assert a == b and a.to_json() == b.to_json()
     # alternatives are real losers: slower, or over the memory limit
     for alt in a.alternatives:
@@ -120,13 +120,13 @@ def test_search_is_deterministic(profile):
 
 def test_memory_ladder(profile):
     batch = 64
-    roomy = plan(profile, _cluster(), global_batch=batch)
+    roomy = search(profile, _cluster(), global_batch=batch)
     assert (roomy.checkpointing, roomy.offload) == ("none", "none")
     times = [roomy.predicted.step_time_s]
 
     # 1. just below what any plan without checkpointing or offload needs: checkpointing turns on
     need, _ = min_memory(profile, _cluster(), global_batch=batch, fix={"checkpointing": "none", "offload": "none"})
-    p1 = plan(profile, _cluster(need * 0.999), global_batch=batch)
+    p1 = search(profile, _cluster(need * 0.999), global_batch=batch)
     assert p1.checkpointing != "none" or p1.offload != "none"
     assert p1.predicted.peak_memory_bytes <= need * 0.999
     times.append(p1.predicted.step_time_s)
@@ -134,7 +134,7 @@ def test_memory_ladder(profile):
     # 2. below what plain data parallelism needs even with checkpointing: ZeRO / pipeline / tp / offload
     base = {"zero_stage": 0, "pp": 1, "tp": 1, "offload": "none"}
     need2, _ = min_memory(profile, _cluster(), global_batch=batch, fix=base)
-    p2 = plan(profile, _cluster(need2 * 0.999), global_batch=batch)
+    p2 = search(profile, _cluster(need2 * 0.999), global_batch=batch)
     assert p2.zero_stage > 0 or p2.pp > 1 or p2.tp > 1 or p2.offload != "none"
     assert p2.predicted.peak_memory_bytes <= need2 * 0.999
     # less memory never makes the chosen plan faster
@@ -145,13 +145,13 @@ def test_memory_ladder(profile):
     # 3. below the smallest need of every candidate: an error that names that need
     least, _ = min_memory(profile, _cluster(), global_batch=batch)
     with pytest.raises(InfeasiblePlanError) as info:
-        plan(profile, _cluster(least * 0.99), global_batch=batch)
+        search(profile, _cluster(least * 0.99), global_batch=batch)
     message = str(info.value)
     assert f"smallest need is {format_bytes(least)} per device" in message
     assert "checkpointing in {dag, full, none, tensor}" in message and "zero_stage in {0, 1, 2, 3}" in message
     assert info.value.min_bytes == least
     # ... and that need is enough
-    fits = plan(profile, _cluster(math.ceil(least) + 1), global_batch=batch)
+    fits = search(profile, _cluster(math.ceil(least) + 1), global_batch=batch)
     assert fits.predicted.peak_memory_bytes <= least + 1
 
 
@@ -159,9 +159,9 @@ def test_tp_stays_in_a_node_unless_fixed(profile):
     cluster = _cluster(nodes=4, devices=2)
     assert {c.tp for c in candidates(profile, cluster, 64)} == {1, 2}
     for memory in (None, 2e6):
-        assert plan(profile, _cluster(memory, nodes=4, devices=2), global_batch=64).tp <= 2
-    forced = plan(profile, cluster, global_batch=64, fix={"tp": 4, "pp": 1, "micro_batch_size": 1})
-    inside = plan(profile, _cluster(nodes=1, devices=8), global_batch=64,
+        assert search(profile, _cluster(memory, nodes=4, devices=2), global_batch=64).tp <= 2
+    forced = search(profile, cluster, global_batch=64, fix={"tp": 4, "pp": 1, "micro_batch_size": 1})
+    inside = search(profile, _cluster(nodes=1, devices=8), global_batch=64,
                   fix={"tp": 4, "pp": 1, "dp": 2, "micro_batch_size": 1, "checkpointing": "none", "zero_stage": 0,
                        "offload": "none", "sequence_parallel": False})
     assert forced.tp == 4
@@ -171,7 +171,7 @@ def test_tp_stays_in_a_node_unless_fixed(profile):
 
 def test_interleaved_needs_divisible_layers(profile):
     with pytest.raises(ConfigError, match="divisible"):
-        plan(profile, _cluster(nodes=2), global_batch=64,
+        search(profile, _cluster(nodes=2), global_batch=64,
              fix={"pp": 4, "schedule": "interleaved", "virtual_pp": 3})
 
 
@@ -333,7 +333,7 @@ def test_search_returns_the_exhaustive_optimum(spec, cluster_args):
     if cluster_args[2] is not None:  # the shrunk node: memory rules candidates out
         assert len(feasible) < len(every)
     best = min(feasible, key=lambda e: (e.step_time, _key(e.config)))
-    chosen = plan(profile, cluster, global_batch=64)
+    chosen = search(profile, cluster, global_batch=64)
     assert chosen.config.knobs() == best.config.knobs()
     assert chosen.predicted.step_time_s == best.step_time
 
@@ -342,33 +342,33 @@ def test_a_candidate_the_memory_check_drops_is_not_returned(profile):
     """The search returns the fastest candidate whose checked peak fits; a faster one the check
     shows does not fit becomes an alternative with the checked peak as its reason."""
     cluster = _cluster()
-    fastest = plan(profile, cluster, global_batch=16)
+    fastest = search(profile, cluster, global_batch=16)
 
     def check(p):
         peak = 2 * cluster.device.memory_bytes if p.config.knobs() == fastest.config.knobs() else 1.0
         return dataclasses.replace(p, predicted=dataclasses.replace(p.predicted, peak_memory_bytes=peak))
 
-    chosen = plan(profile, cluster, global_batch=16, check=check)
+    chosen = search(profile, cluster, global_batch=16, check=check)
     assert chosen.config.knobs() != fastest.config.knobs() and chosen.predicted.peak_memory_bytes == 1.0
     assert chosen.predicted.step_time_s >= fastest.predicted.step_time_s
     dropped = [a for a in chosen.alternatives if a.knobs == fastest.config.knobs()]
     assert len(dropped) == 1 and dropped[0].reason.startswith("needs ")
     with pytest.raises(InfeasiblePlanError, match="exact memory replay of the 3 fastest plans"):
-        plan(profile, cluster, global_batch=16, check=lambda p: check(dataclasses.replace(p, config=fastest.config)))
+        search(profile, cluster, global_batch=16, check=lambda p: check(dataclasses.replace(p, config=fastest.config)))
 
 
 def test_zero3_keeps_the_gathered_parameters_when_they_fit_and_frees_them_when_not():
     # one 8-device node at dp=8: ZeRO-3 pinned, the search chooses reshard_after_forward
     profile = profile_model("llama:layers=32,hidden=4096,heads=32,kv_heads=8,vocab=32000,seq=4096", dtype="bf16")
     fix = {"dp": 8, "tp": 1, "pp": 1, "zero_stage": 3, "micro_batch_size": 1, "checkpointing": "full"}
-    roomy = plan(profile, _cluster(), global_batch=64, fix=fix)
+    roomy = search(profile, _cluster(), global_batch=64, fix=fix)
     by_keep = {a.knobs["reshard_after_forward"]: a for a in roomy.alternatives}
     assert roomy.config.reshard_after_forward is False  # one gather per micro-batch instead of two
     freed = by_keep[True]
     assert freed.step_time_s > roomy.predicted.step_time_s
     # keeping costs the whole model's parameters in full (bf16) beside the shards
     assert roomy.predicted.peak_memory_bytes - freed.peak_memory_bytes > 0.9 * 2 * profile.param_count * 31 / 32
-    tight = plan(profile, _cluster(memory_bytes=(freed.peak_memory_bytes + roomy.predicted.peak_memory_bytes) / 2),
+    tight = search(profile, _cluster(memory_bytes=(freed.peak_memory_bytes + roomy.predicted.peak_memory_bytes) / 2),
                  global_batch=64, fix=fix)
     assert tight.config.reshard_after_forward is True
     assert tight.predicted.peak_memory_bytes == pytest.approx(freed.peak_memory_bytes)
@@ -381,7 +381,7 @@ def test_a_pipeline_message_is_the_whole_boundary_tensor_or_its_sequence_chunk(p
     pp_comm = {}
     for tp, sp in ((1, False), (2, False), (2, True), (4, True)):
         dp = 4 // tp  # the same micro-batch (2 samples) on every plan
-        chosen = plan(profile, _cluster(devices=8), global_batch=dp * 2 * 4,
+        chosen = search(profile, _cluster(devices=8), global_batch=dp * 2 * 4,
                       fix={**fix, "tp": tp, "sequence_parallel": sp, "dp": dp, "micro_batch_size": 2})
         pp_comm[(tp, sp)] = chosen.predicted.terms["pp_comm"]
     assert pp_comm[(1, False)] == pp_comm[(2, False)] > 0, pp_comm
@@ -396,7 +396,7 @@ def test_the_alternatives_show_the_fastest_plan_of_every_other_zero_stage():
     close, the fastest ZeRO-0, -1 and -2 plans are listed with what they lose."""
     profile = profile_model("llama:layers=32,hidden=4096,heads=32,kv_heads=8,vocab=32000,seq=4096,intermediate=11008",
                             dtype="bf16")
-    chosen = plan(profile, Cluster.preset("dgx-h100", nodes=2), global_batch=256, fix={"tp": 1, "pp": 1})
+    chosen = search(profile, Cluster.preset("dgx-h100", nodes=2), global_batch=256, fix={"tp": 1, "pp": 1})
     assert chosen.config.zero_stage == 3
     slower = [a for a in chosen.alternatives if a.step_time_s >= chosen.predicted.step_time_s]
     assert {a.knobs["zero_stage"] for a in slower} == {0, 1, 2, 3}

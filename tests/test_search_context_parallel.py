@@ -12,7 +12,7 @@ from partitioner.errors import ConfigError, InfeasiblePlanError
 from partitioner.inputs.knobs import parse_fix
 from partitioner.search.plan_cost import RING_WORKING_BLOCKS
 from partitioner.search.profile import AttentionProfile, profile_model
-from partitioner.search.search import candidates, min_memory, plan
+from partitioner.search.search import candidates, min_memory, search
 
 # Six heads: tensor parallelism stops at tp=2 on an 8-GPU node (tp divides the heads and the node)
 # and Ulysses at cp=2; ring attention cuts the sequence over all 8 GPUs. Grouped-query attention
@@ -42,7 +42,7 @@ def _node(memory_bytes: float | None = None, nodes: int = 1, devices: int | None
 def _pinned(profile, cluster, global_batch, **knobs):
     """The plan of one config, every knob pinned, on ``cluster`` with room for anything."""
     roomy = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=1 << 50))
-    return plan(profile, roomy, global_batch=global_batch, fix={**ALL, **knobs})
+    return search(profile, roomy, global_batch=global_batch, fix={**ALL, **knobs})
 
 
 def test_the_profile_says_what_the_cp_rewrite_can_cut(profile):
@@ -62,19 +62,19 @@ def test_the_search_takes_cp_where_nothing_fits_without_it(profile):
     assert who.cp == 1 and cp_plan.cp > 1
     assert least < 0.9 * without  # cutting the sequence 8 ways beats tp=2 and the pipeline
     tight = _node((least + without) / 2)
-    chosen = plan(profile, tight, global_batch=8)
+    chosen = search(profile, tight, global_batch=8)
     assert chosen.config.cp > 1 and chosen.config.tp == 1
     assert chosen.predicted.peak_memory_bytes <= tight.device.memory_bytes
     with pytest.raises(InfeasiblePlanError, match="no plan fits") as info:
-        plan(profile, tight, global_batch=8, fix={"cp": 1})
+        search(profile, tight, global_batch=8, fix={"cp": 1})
     assert info.value.min_bytes == without
 
 
 def test_the_search_takes_cp_where_it_is_faster(profile):
     # a global batch of 2 on 8 GPUs: dp stops at 2; the rest is tensor, pipeline or context parallel
-    chosen = plan(profile, _node(), global_batch=2)
+    chosen = search(profile, _node(), global_batch=2)
     assert chosen.config.cp > 1 and chosen.config.dp * chosen.config.cp * chosen.config.pp == 8
-    no_cp = plan(profile, _node(), global_batch=2, fix={"cp": 1})
+    no_cp = search(profile, _node(), global_batch=2, fix={"cp": 1})
     assert no_cp.config.cp == 1
     assert no_cp.predicted.step_time_s > chosen.predicted.step_time_s
     assert chosen.predicted.terms["cp_comm"] > 0 and no_cp.predicted.terms["cp_comm"] == 0
@@ -169,27 +169,27 @@ def test_gradients_and_zero_go_over_dp_times_cp(profile):
 def test_pinned_cp_is_checked_and_refused_with_a_reason(profile):
     cluster = _node()
     assert parse_fix("cp=2,cp_mode=ulysses") == {"cp": 2, "cp_mode": "ulysses"}
-    p = plan(profile, cluster, global_batch=8, fix="cp=2,cp_mode=ulysses")
+    p = search(profile, cluster, global_batch=8, fix="cp=2,cp_mode=ulysses")
     assert (p.config.cp, p.config.cp_mode) == (2, "ulysses")
-    p = plan(profile, cluster, global_batch=8, fix={"cp": 2, "tp": 2})
+    p = search(profile, cluster, global_batch=8, fix={"cp": 2, "tp": 2})
     assert (p.config.cp, p.config.tp) == (2, 2)
     with pytest.raises(ConfigError, match=r"cp_mode=ulysses gives each of tp\*cp = 1\*4 ranks its share of the 6 "):
-        plan(profile, cluster, global_batch=8, fix={"cp": 4, "cp_mode": "ulysses"})
+        search(profile, cluster, global_batch=8, fix={"cp": 4, "cp_mode": "ulysses"})
     with pytest.raises(ConfigError, match=r"cp_mode=ulysses gives each of tp\*cp = 2\*2 ranks its share of the 6 "):
-        plan(profile, cluster, global_batch=8, fix={"cp": 2, "tp": 2, "cp_mode": "ulysses"})
+        search(profile, cluster, global_batch=8, fix={"cp": 2, "tp": 2, "cp_mode": "ulysses"})
     with pytest.raises(ConfigError, match="cp=2 with hsdp_shard=2"):
-        plan(profile, cluster, global_batch=8, fix={"cp": 2, "hsdp_shard": 2})
+        search(profile, cluster, global_batch=8, fix={"cp": 2, "hsdp_shard": 2})
     with pytest.raises(ConfigError, match="cp_mode 'sideways' is not one of ring, ulysses"):
         parse_fix("cp_mode=sideways")
     odd = profile_model("llama:layers=2,hidden=64,heads=4,kv_heads=2,vocab=256,seq=20", dtype="bf16")
     with pytest.raises(ConfigError, match=r"into 2\*cp = 8 chunks"):
-        plan(odd, cluster, global_batch=8, fix={"cp": 4})
+        search(odd, cluster, global_batch=8, fix={"cp": 4})
     bert = profile_model("bert:layers=2,hidden=64,heads=4,vocab=256,seq=64", dtype="bf16")
     with pytest.raises(ConfigError, match="this model does not allow: attention .* has dropout_p="):
-        plan(bert, cluster, global_batch=8, fix={"cp": 2})
+        search(bert, cluster, global_batch=8, fix={"cp": 2})
     # a cp group larger than a node is tried only when pinned
     assert max(c.cp for c in candidates(profile, _node(nodes=2, devices=4), 8)) == 4
-    assert plan(profile, _node(nodes=2, devices=4), global_batch=8, fix={"cp": 8}).config.cp == 8
+    assert search(profile, _node(nodes=2, devices=4), global_batch=8, fix={"cp": 8}).config.cp == 8
 
 
 def test_cp_grows_the_search_little_and_only_where_it_applies():

@@ -25,7 +25,7 @@ from partitioner.compile.build import capture_for_pipeline
 from partitioner.search.memory_check import replay_config_peaks
 from partitioner.inputs.models import build_model
 from partitioner.search.profile import profile_model
-from partitioner.search.search import plan
+from partitioner.search.search import search
 from passes.ir.program import global_rank
 from partitioner.calibration.job_cluster import local_cluster
 
@@ -61,7 +61,7 @@ def test_search_memory_is_the_replay_of_each_stage(captured, model, shape, ckpt)
     profile, graph = _model(captured, model)
     fix = {**SHAPES[shape], "checkpointing": ckpt, "zero_stage": 0, "offload": "none", "cp": 1}
     cluster = local_cluster(fix["tp"] * fix["pp"])
-    chosen = plan(profile, cluster, global_batch=8, fix=fix)
+    chosen = search(profile, cluster, global_batch=8, fix=fix)
     c = chosen.config
     assert (c.checkpointing, c.tp, c.pp) == (ckpt, fix["tp"], fix["pp"])
     peaks = replay_config_peaks(graph, c, cluster)

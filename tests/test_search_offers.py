@@ -21,7 +21,7 @@ from partitioner.compile.build import run_analysis_passes, capture_training_step
 from partitioner.inputs.model_spec import ModelSpec
 from partitioner.inputs.models import build_model
 from partitioner.search.profile import TENSOR_NOT_ASKED, profile_graph
-from partitioner.search.search import candidates, plan
+from partitioner.search.search import candidates, search
 from passes.ir.errors import ConfigError
 from passes.ir.meta import InputSpec
 from passes.rewrites.sequence_parallel import sequence_parallel_refusal
@@ -89,7 +89,7 @@ def test_a_pinned_tensor_on_a_profile_made_without_it_names_the_way_out(gpt):
     profile = profile_graph(graph, name=spec.name)
     with pytest.raises(ConfigError, match=r"checkpointing='tensor' is pinned but this profile was made without "
                                           r"pricing it.*tensor_remat=True.*with_tensor_remat"):
-        plan(profile, local_cluster(WORLD), global_batch=GLOBAL_BATCH, fix={"checkpointing": "tensor"})
+        search(profile, local_cluster(WORLD), global_batch=GLOBAL_BATCH, fix={"checkpointing": "tensor"})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ from partitioner.inputs.knobs import check_fix
 from partitioner.inputs.training import Training
 from partitioner.search.profile import ModelProfile, profile_graph, profile_model, profile_spec, with_tensor_remat
 from partitioner.search.search import check_pinned_inputs
-from partitioner.search.search import plan as search
+from partitioner.search.search import search
 from passes.ir.config import TORCH_DTYPES
 from passes.ir.errors import CaptureError, ConfigError, InfeasiblePlanError, PartitionerError, PassError
 from passes.ir.graph_transfer import pack_graph, unpack_graph

@@ -8,7 +8,7 @@ from passes.ir.config import TORCH_DTYPES
 from passes.ir.plan import Plan
 from partitioner.inputs.knobs import check_fix, parse_fix  # noqa: F401  (parse_fix: read here by the CLI and users)
 from partitioner.search.profile import ModelProfile, profile_model, profile_spec
-from partitioner.search.search import plan as search
+from partitioner.search.search import search
 from ir_dumps.writer import DumpWriter
 from partitioner.compile.build import run_analysis_passes, capture_training_step
 from partitioner.api.dumps import write_plan_dumps

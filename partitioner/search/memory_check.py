@@ -95,7 +95,7 @@ def with_rank_peaks(plan: Plan, peaks: tuple[int, ...]) -> Plan:
 
 
 def replay_check(graph: fx.GraphModule, cluster: Cluster, *, optimizer: str = "adamw"):
-    """The ``check`` callback of :func:`partitioner.search.search.plan`: a candidate with its replayed
+    """The ``check`` callback of :func:`partitioner.search.search.search`: a candidate with its replayed
     memory numbers (the search drops it when they exceed the device)."""
 
     def check(plan: Plan) -> Plan:

@@ -49,7 +49,7 @@ clone from the save to the last backward, in the same memory; see :func:`_with_o
 The rank's peak is the largest live total of that replay. Everything is in bytes of tensor
 storages, which is what :class:`runtime.observe.measure.LiveBytes` counts on CPU.
 
-TIME is the planner's :func:`partitioner.search.search.plan` with every knob pinned, evaluated on a
+TIME is the planner's :func:`partitioner.search.search.search` with every knob pinned, evaluated on a
 cluster (``local_cluster(world_size)`` reads the calibrated file); the step time is the same on
 every rank (ranks wait for each other at the end of a step).
 """
@@ -77,7 +77,7 @@ from passes.ir.meta import dim_symbol
 from passes.ir.schedule import build as build_schedule
 from passes.ir.schedule.actions import Kind
 from passes.rewrites.split_backward import held_gradient_meta
-from partitioner.search.search import plan
+from partitioner.search.search import search
 from passes.ir.grad_buckets import MAX_IN_FLIGHT, BucketMachine, GradSlot, Launch, bucket_layout
 from partitioner.compile.build import rank_program
 from partitioner.cost.cluster import Cluster
@@ -891,7 +891,7 @@ def predict_step_time(profile, cluster, knobs: Mapping[str, object], *, global_b
     if missing:
         raise ConfigError(f"fidelity: pin every knob to evaluate one plan; missing {missing}")
     big = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=1 << 50))
-    return plan(profile, big, global_batch=global_batch, fix=dict(knobs), optimizer=optimizer, check=check)
+    return search(profile, big, global_batch=global_batch, fix=dict(knobs), optimizer=optimizer, check=check)
 
 
 def predict_rank(gm: fx.GraphModule, knobs: Mapping[str, object], rank: int, dims: Mapping[str, int], *,

@@ -423,7 +423,7 @@ def runner_up(chosen: Plan) -> RunnerUp | None:
                     loss_fraction=(alt.step_time_s - best) / best if best > 0 else 0.0)
 
 
-def plan(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: dict | None = None,
+def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: dict | None = None,
          optimizer: str = "adamw", check: Callable[[Plan], Plan] | None = None) -> Plan:
     """The fastest plan for ``profile`` on ``cluster`` that fits every device's memory.
 

@@ -491,8 +491,8 @@ def test_a_mesh_that_cannot_run_the_plan_is_refused_before_any_lowering(monkeypa
     config = ParallelConfig(dp=2, cp=2, micro_batch_size=1, num_micro_batches=1)
     short = types.SimpleNamespace(dp=2, pp=1, tp=1, cp=1, active=True, rank=0, first=0)
     with pytest.raises(ConfigError, match=r"data axis of 2.*dp\*cp=4 \(cp=2\).*Mesh.for_config"):
-        build.lower_own_checked(None, config, short, cluster=None)
+        build.lower_plan(None, config, cluster=None, mesh=short)
     outside = types.SimpleNamespace(dp=4, pp=1, tp=1, cp=2, active=False, rank=5, first=0, dp_shard=4)
     with pytest.raises(ConfigError, match="rank 5 is outside"):
-        build.lower_own_checked(None, config, outside, cluster=None)
+        build.lower_plan(None, config, cluster=None, mesh=outside)
     assert lowered == []

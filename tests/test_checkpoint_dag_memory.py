@@ -79,9 +79,9 @@ def test_replayed_peak_matches_each_rank_measured(measured, plan):
 def test_the_plans_recompute_part_of_each_stage_and_keep_some_outputs():
     """What the peaks above are of: every stage checkpoints some of its blocks and keeps the
     outputs of some nodes in them (a dag decision, not full or none)."""
-    from partitioner.compile.build import lower_all
+    from partitioner.compile.build import lower_plan
 
     for plan in PLANS:
-        lowering = lower_all(_graph(plan.model), plan.config(), cluster=local_cluster(plan.size))
+        lowering = lower_plan(_graph(plan.model), plan.config(), cluster=local_cluster(plan.size), check=False)
         dag = lowering.graph.meta[DAG_CHECKPOINT_PLAN]
         assert dag.cached and len(dag.stage_budget_bytes) == 2, plan.id

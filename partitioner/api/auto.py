@@ -44,7 +44,7 @@ from torch import fx
 
 from ir_dumps.report import write_report
 from ir_dumps.writer import DumpWriter
-from partitioner.compile.build import run_analysis_passes, capture_training_step, check_before_launch, lower_own_checked
+from partitioner.compile.build import run_analysis_passes, capture_training_step, check_before_launch, lower_plan
 from partitioner.calibration.job_cluster import detect_cluster
 from partitioner.cost.cluster import Cluster
 from partitioner.calibration.detect import describe
@@ -430,8 +430,8 @@ def auto_parallelize(model: str | ModelSpec, cluster: Cluster | str | None = Non
         check_before_launch(mesh, dumps.lowering, program)
         clock.lap("lower+dumps")
     else:
-        program = lower_own_checked(graph, chosen.config, mesh, cluster=cluster, ctx=PassContext(
-            optimizer=planned_optimizer, mixed_precision=chosen.config.mixed_precision))
+        program = lower_plan(graph, chosen.config, cluster=cluster, mesh=mesh, ctx=PassContext(
+            optimizer=planned_optimizer, mixed_precision=chosen.config.mixed_precision)).rank_program(mesh.rank, first=mesh.first)
         clock.lap("lower")
     pm = ParallelModel(program, mesh, optimizer=factory, lr_scheduler=training.lr_scheduler,
                        clip_grad_norm=training.clip_grad_norm, nonfinite=training.nonfinite)

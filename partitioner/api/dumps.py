@@ -28,7 +28,7 @@ from torch import fx
 from ir_dumps.onnx_export import export_rank_programs
 from ir_dumps.stage_dot import write_stage_dot
 from ir_dumps.writer import DumpWriter, write_program
-from partitioner.compile.build import lower_all
+from partitioner.compile.build import lower_plan
 from partitioner.cost.cluster import Cluster
 from passes.ir.errors import PartitionerError
 from passes.ir.plan import Plan
@@ -73,7 +73,7 @@ def write_plan_dumps(root: str | Path, *, graph: fx.GraphModule, plan: Plan, clu
 
     root = Path(root)
     writer = writer or DumpWriter(root, model=plan.model)
-    lowering = lower_all(graph, plan.config, cluster=cluster, writer=writer)
+    lowering = lower_plan(graph, plan.config, cluster=cluster, writer=writer, check=False)
     (root / "plan.json").write_text(plan.to_json() + "\n")
     programs = tuple(write_program(module, root, f"stage{s}_tp{t}") for (s, t), module in sorted(lowering.programs.items()))
     write_stage_dot(lowering.graph, root / "stages.dot", title=f"{plan.model}: {plan.config.text()}")

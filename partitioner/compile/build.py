@@ -3,7 +3,8 @@
 ::
 
     graph = capture_for_pipeline(spec)                      # capture (symbolic dims) + analysis, once
-    model = build_parallel_model(graph, config, mesh)       # lower this rank's program, run it
+    lowering = lower_plan(graph, config, cluster=cluster)   # the one lowering: every rank program, checked
+    model = build_parallel_model(graph, config, mesh, cluster=cluster)  # this rank's program, run
 
 :func:`auto_parallelize <partitioner.api.auto.auto_parallelize>` does the same with a plan from the
 search in between; tests and benchmarks call these directly with a config of their own.
@@ -21,9 +22,10 @@ from passes.capture.capture import capture_spec
 from passes.checks.communication_check import CommunicationSummary, LoweredRank, check_lowered_ranks, check_lowering, rank_calls
 from passes.capture.training_step_checks import check_loss, check_trainable, watch_side_effects
 from passes.ir.config import ParallelConfig
+from passes.ir.errors import ConfigError
 from passes.ir.grad_buckets import DEFAULT_BUCKET_BYTES
 from passes.ir.program import RankProgram
-from passes.lowering.lower import Lowering, lower, lower_rank, programs_of
+from passes.lowering.lower import Lowering, lower, programs_of
 from passes.lowering.manager import PassContext
 from passes.lowering.pipelines import analysis_passes, manager
 from passes.ir.zero3_ops import ZERO3_PREFETCH
@@ -75,12 +77,64 @@ def capture_for_pipeline(spec: ModelSpec, symbolic: Sequence[str] | None = None,
     return run_analysis_passes(capture_training_step(spec, symbolic=symbolic, device=device))
 
 
+def lower_plan(graph: fx.GraphModule, config: ParallelConfig, *, cluster: Cluster, mesh: Mesh | None = None,
+               ranks: Sequence[int] | None = None, check: bool = True, writer=None, first: int = 0,
+               tp_group: str = "tp", ctx: PassContext | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+               overlap_grad_sync: bool = True, zero3_prefetch: int = ZERO3_PREFETCH) -> Lowering:
+    """The one lowering of a plan: ``graph`` (from :func:`capture_for_pipeline`) under ``config``
+    into rank programs (a :class:`passes.lowering.lower.Lowering`; a rank takes its own with
+    ``.rank_program(rank, first=first)``), priced on ``cluster`` (what the policy passes cost
+    against), then its communication checked.
+
+    Which programs: with ``mesh`` (a process of a job) this rank's only, checked together with
+    the mesh's other ranks before any collective of the plan runs (:func:`check_before_launch`);
+    with ``ranks`` those global ranks' (``first``: the rank of the plan's rank 0); else every
+    program, checked in this one process (:func:`passes.checks.communication_check.check_lowering`).
+    ``check=False`` skips the check (a part of a plan cannot be checked alone). ``writer``: an
+    :class:`ir_dumps.writer.DumpWriter` that dumps every pass. ``ctx``: the optimizer and
+    precision the re-analysis counts (default: the config's precision). ``bucket_bytes`` (bytes),
+    ``overlap_grad_sync`` and ``zero3_prefetch``: as the :class:`ParallelModel` that runs it takes
+    them (the check sizes what runs). A mesh that cannot run ``config`` is refused before any
+    lowering (:func:`runtime.dist.mesh.check_mesh_fits`)."""
+    if mesh is not None:
+        check_mesh_fits(mesh, config, where="build")
+        ranks, first = (mesh.rank,), mesh.first
+    programs = None if ranks is None else sorted({p for r in ranks for p in programs_of(config, r, first=first)})
+    instrument_for = None if writer is None else (
+        lambda name: writer if name == "whole_graph" else writer.scope(name))  # whole graph at the top, stages in folders
+    lowering = lower(graph, config, cost=cost_hooks(cluster), tp_group=tp_group, programs=programs,
+                     instrument_for=instrument_for, ctx=ctx or PassContext(mixed_precision=config.mixed_precision))
+    if writer is not None:
+        for record in lowering.pipelines:
+            writer.record_pipeline(record.name, record.text)
+    if check and mesh is not None:
+        check_before_launch(mesh, lowering, lowering.rank_program(mesh.rank, first=mesh.first),
+                            bucket_bytes=bucket_bytes, overlap_grad_sync=overlap_grad_sync,
+                            zero3_prefetch=zero3_prefetch)
+    elif check and ranks is None:
+        check_lowering(lowering, first=first, bucket_bytes=bucket_bytes, overlap_grad_sync=overlap_grad_sync,
+                       zero3_prefetch=zero3_prefetch)
+    elif check:
+        raise ConfigError("lower_plan: the programs of some ranks cannot be checked alone; lower every program "
+                          "(no ranks=), or lower a job's rank with mesh=, or pass check=False")
+    return lowering
+
+
+def rank_program(graph: fx.GraphModule, config: ParallelConfig, rank: int, *, cluster: Cluster,
+                 first: int = 0, tp_group: str = "tp") -> RankProgram:
+    """The :class:`passes.ir.program.RankProgram` of global ``rank`` (no process group needed):
+    :func:`lower_plan` of that rank's programs, unchecked."""
+    return lower_plan(graph, config, cluster=cluster, ranks=(rank,), check=False, first=first,
+                      tp_group=tp_group).rank_program(rank, first=first)
+
+
 def build_parallel_model(graph: fx.GraphModule, config: ParallelConfig, mesh: Mesh, *,
                          cluster: Cluster, optimizer=None, overlap_grad_sync: bool = True,
                          bucket_bytes: int | None = None, tp_group: str = "tp", zero3_prefetch: int = ZERO3_PREFETCH,
                          **runtime) -> ParallelModel:
     """Lower ``graph`` (from :func:`capture_for_pipeline`) for this rank of ``mesh`` under
-    ``config`` and return the runtime's :class:`ParallelModel` executing it.
+    ``config`` (:func:`lower_plan`, checked with the mesh's ranks) and return the runtime's
+    :class:`ParallelModel` executing it.
 
     ``cluster``: what the policy passes cost against (``local_cluster(mesh.size)`` for this
     machine). ``tp_group``: the name the programs look their tp group up by (give
@@ -88,30 +142,12 @@ def build_parallel_model(graph: fx.GraphModule, config: ParallelConfig, mesh: Me
     gather sites issued ahead of the running one. ``optimizer`` and ``runtime``
     (``lr_scheduler``, ``clip_grad_norm``, ``nonfinite``): as :class:`ParallelModel` takes them.
     """
-
-    program = lower_own_checked(graph, config, mesh, cluster=cluster, tp_group=tp_group,
-                                bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
-                                overlap_grad_sync=overlap_grad_sync, zero3_prefetch=zero3_prefetch)
+    lowering = lower_plan(graph, config, cluster=cluster, mesh=mesh, tp_group=tp_group,
+                          bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES, overlap_grad_sync=overlap_grad_sync,
+                          zero3_prefetch=zero3_prefetch)
     kwargs = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
-    return ParallelModel(program, mesh, optimizer=optimizer, overlap_grad_sync=overlap_grad_sync,
-                         zero3_prefetch=zero3_prefetch, **kwargs, **runtime)
-
-
-def lower_own_checked(graph: fx.GraphModule, config: ParallelConfig, mesh: Mesh, *, cluster: Cluster,
-                      ctx: PassContext | None = None, tp_group: str = "tp", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                      overlap_grad_sync: bool = True, zero3_prefetch: int = ZERO3_PREFETCH) -> RankProgram:
-    """This rank's program of ``config``: only this rank's (stage, tp rank) programs are lowered,
-    then the whole plan is checked with the other ranks of ``mesh`` (:func:`check_before_launch`).
-    ``ctx``: the optimizer and precision the re-analysis counts (default: the config's precision).
-    A mesh that cannot run ``config`` is refused before any lowering (:func:`runtime.dist.mesh.check_mesh_fits`)."""
-    check_mesh_fits(mesh, config, where="build")
-    lowering = lower(graph, config, cost=cost_hooks(cluster), tp_group=tp_group,
-                     programs=programs_of(config, mesh.rank, first=mesh.first),
-                     ctx=ctx or PassContext(mixed_precision=config.mixed_precision))
-    program = lowering.rank_program(mesh.rank, first=mesh.first)
-    check_before_launch(mesh, lowering, program, bucket_bytes=bucket_bytes, overlap_grad_sync=overlap_grad_sync,
-                        zero3_prefetch=zero3_prefetch)
-    return program
+    return ParallelModel(lowering.rank_program(mesh.rank, first=mesh.first), mesh, optimizer=optimizer,
+                         overlap_grad_sync=overlap_grad_sync, zero3_prefetch=zero3_prefetch, **kwargs, **runtime)
 
 
 def check_before_launch(mesh: Mesh, lowering: Lowering, program: RankProgram, *,
@@ -135,41 +171,3 @@ def check_before_launch(mesh: Mesh, lowering: Lowering, program: RankProgram, *,
 def plan_digest(config: ParallelConfig) -> str:
     """A short hash of ``config`` (what :class:`LoweredRank` compares across ranks)."""
     return hashlib.sha256(repr(config).encode()).hexdigest()[:16]
-
-
-def lower_checked_all(graph: fx.GraphModule, config: ParallelConfig, *, cluster: Cluster, first: int = 0,
-                      tp_group: str = "tp", ctx: PassContext | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                      overlap_grad_sync: bool = True, zero3_prefetch: int = ZERO3_PREFETCH):
-    """Every rank's program of ``config`` (a :class:`passes.lowering.lower.Lowering`; a rank takes its own
-    with ``.rank_program(rank, first=first)``), its communication checked first
-    (:func:`passes.checks.communication_check.check_lowering`; raises :class:`CommunicationMismatchError`).
-    One process checks the whole plan alone, without a collective (the processes of a job each
-    lower only their own programs and check together: :func:`check_before_launch`). ``bucket_bytes`` (bytes) and
-    ``overlap_grad_sync``: as the ParallelModel that runs it takes them."""
-    lowering = lower(graph, config, cost=cost_hooks(cluster), tp_group=tp_group,
-                     ctx=ctx or PassContext(mixed_precision=config.mixed_precision))
-    check_lowering(lowering, first=first, bucket_bytes=bucket_bytes, overlap_grad_sync=overlap_grad_sync,
-                   zero3_prefetch=zero3_prefetch)
-    return lowering
-
-
-def lower_all(graph: fx.GraphModule, config: ParallelConfig, *, cluster: Cluster, tp_group: str = "tp", writer=None):
-    """Every (stage, tp rank) program of ``config`` (a :class:`passes.lowering.lower.Lowering`); with an
-    :class:`ir_dumps.writer.DumpWriter`, every pass is dumped into its tree."""
-    instrument_for = None
-    if writer is not None:
-        def instrument_for(name: str):
-            return writer if name == "whole_graph" else writer.scope(name)
-    lowering = lower(graph, config, cost=cost_hooks(cluster), tp_group=tp_group, instrument_for=instrument_for,
-                     ctx=PassContext(mixed_precision=config.mixed_precision))
-    if writer is not None:
-        for record in lowering.pipelines:
-            writer.record_pipeline(record.name, record.text)
-    return lowering
-
-
-def rank_program(graph: fx.GraphModule, config: ParallelConfig, rank: int, *, cluster: Cluster,
-                 first: int = 0, tp_group: str = "tp"):
-    """The :class:`passes.ir.program.RankProgram` of global ``rank`` (no process group needed)."""
-    return lower_rank(graph, config, rank, cost=cost_hooks(cluster), first=first, tp_group=tp_group,
-                      ctx=PassContext(mixed_precision=config.mixed_precision))

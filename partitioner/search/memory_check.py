@@ -2,7 +2,7 @@
 
 The search prunes and ranks candidates with the analytic per-layer model (:mod:`partitioner.search.plan_cost`,
 fast, a few percent off). Before a plan is returned, :func:`replay_check` lowers it exactly as the
-job will (:func:`partitioner.compile.build.lower_all`, one lowering for every rank program) and replays
+job will (:func:`partitioner.compile.build.lower_plan`, one lowering for every rank program) and replays
 each distinct rank program's step (:func:`partitioner.search.replay.predict_memory`: the liveness of
 its own stage modules along its schedule, with the gradient buckets, ZeRO chunks, receive buffers
 and optimizer the runtime adds). That replay is what the plan reports as its per-rank and
@@ -20,7 +20,7 @@ import dataclasses
 import torch
 from torch import fx
 
-from partitioner.compile.build import lower_all
+from partitioner.compile.build import lower_plan
 from partitioner.cost.cluster import Cluster
 from partitioner.search.replay import MemoryPrediction, predict_memory
 from passes.ir.config import ParallelConfig
@@ -67,7 +67,7 @@ def replay_rank_memory(graph: fx.GraphModule, config: ParallelConfig, cluster: C
     (bytes). ``global_batch``: samples of the batch every rank is handed (default
     ``config.global_batch``)."""
     c = config
-    lowering = lower_all(graph, c, cluster=cluster)
+    lowering = lower_plan(graph, c, cluster=cluster, check=False)
     # the lowered whole graph's dims: with context parallelism its sequence is one cp rank's
     dims = {**dict(lowering.graph.meta[CAPTURE].dims), "batch": c.micro_batch_size}
     batch_bytes = global_batch_bytes(graph, c.global_batch if global_batch is None else global_batch)

@@ -269,14 +269,6 @@ def rank_io(gm: fx.GraphModule, split: PipelineSplit, config: ParallelConfig) ->
     return tuple(shard_stage_io(io, config.tp, seq) for io in split.io)
 
 
-def lower_rank(gm: fx.GraphModule, config: ParallelConfig, rank: int, *, cost: CostHooks | None, first: int = 0,
-               tp_group: str = "tp", ctx: PassContext | None = None) -> RankProgram:
-    """The program of global ``rank`` only (what one process of a job lowers for itself)."""
-    lowering = lower(gm, config, cost=cost, programs=programs_of(config, rank, first=first), tp_group=tp_group,
-                     ctx=ctx)
-    return lowering.rank_program(rank, first=first)
-
-
 def programs_of(config: ParallelConfig, rank: int, *, first: int = 0) -> tuple[tuple[int, int], ...]:
     """The (stage, tp rank) programs global ``rank`` runs (the mesh spans ``first ..``)."""
     pp_index, _, tp_index = mesh_coords(rank, dp=config.dp_cp, tp=config.tp, first=first)
@@ -364,4 +356,4 @@ def _has_param(module, name: str) -> bool:
         return False
 
 
-__all__ = ["Lowering", "PipelineRecord", "lower", "lower_rank", "programs_of", "stage_capture", "pipeline_texts", "pipeline_text"]
+__all__ = ["Lowering", "PipelineRecord", "lower", "programs_of", "stage_capture", "pipeline_texts", "pipeline_text"]

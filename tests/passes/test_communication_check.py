@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partitioner.compile.build import capture_for_pipeline, lower_all, lower_checked_all
+from partitioner.compile.build import capture_for_pipeline, lower_plan
 from partitioner.inputs.models import build_model
 from passes.checks.communication_check import (
     CommunicationMismatchError,
@@ -48,7 +48,7 @@ def _graph(model: str):
 @functools.cache
 def _lowering(model: str, global_batch: int = 8, **knobs):
     config = ParallelConfig.for_global_batch(global_batch, **{"schedule": "1f1b", "num_micro_batches": 2, **knobs})
-    return lower_all(_graph(model), config, cluster=local_cluster(config.world_size))
+    return lower_plan(_graph(model), config, cluster=local_cluster(config.world_size), check=False)
 
 
 def _programs(model: str, **knobs):
@@ -110,7 +110,7 @@ def test_lowered_plans_pass(name):
 def test_launch_path_checks_and_returns_the_rank_program():
     config = ParallelConfig.for_global_batch(8, dp=1, tp=2, pp=2, schedule="1f1b", num_micro_batches=2)
     start = time.perf_counter()
-    program = lower_checked_all(_graph(GPT), config, cluster=local_cluster(4)).rank_program(3)
+    program = lower_plan(_graph(GPT), config, cluster=local_cluster(4)).rank_program(3)
     print(f"\nlower every program + check, tp2 pp2: {time.perf_counter() - start:.2f} s")
     assert (program.rank, program.stages, program.tp_index) == (3, (1,), 1)
     assert program.comms == _lowering(GPT, dp=1, tp=2, pp=2).rank_program(3).comms
@@ -346,7 +346,7 @@ def test_each_rank_lowering_only_its_own_programs_gets_the_calls_of_the_whole_lo
 
     config = ParallelConfig.for_global_batch(8, dp=1, tp=2, pp=2, schedule="1f1b", num_micro_batches=2)
     ranks = _lowered_ranks(GPT, config)
-    whole = lower_all(_graph(GPT), config, cluster=local_cluster(4))
+    whole = lower_plan(_graph(GPT), config, cluster=local_cluster(4), check=False)
     assert [r.calls for r in ranks] == [rank_calls(whole.rank_program(r)) for r in range(4)]
     assert [r.programs for r in ranks] == [((0, 0),), ((0, 1),), ((1, 0),), ((1, 1),)]
     assert check_lowered_ranks(ranks, config=config).ranks == 4

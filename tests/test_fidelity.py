@@ -121,7 +121,9 @@ def test_refit_moves_efficiency_towards_measurements(tmp_path):
     result = refit([load_run(run)], cluster)
     assert result.compute_ratio_before == pytest.approx(3.0, rel=1e-6)
     assert result.compute_ratio_after == pytest.approx(1.0, abs=0.02)
-    assert result.flops_scale < 1 / 3 + 1e-9  # slower than predicted: lower effective FLOP/s
+    # slower than predicted: the peak goes as low as it may (half the cluster's, refit.PEAK_BOUNDS)
+    # and the per-op overhead carries the rest
+    assert result.flops_scale == pytest.approx(0.5, rel=1e-6) and result.kernel_overhead_s > 0
     assert result.bandwidth_scale == pytest.approx(2.0, rel=0.01)  # faster optimizer: a faster stream
     dev = result.cluster.device  # ... for the optimizer alone: memory-bound nodes keep the measured bandwidth
     assert dev.memory_bandwidth_bytes_per_s == cluster.device.memory_bandwidth_bytes_per_s

@@ -15,7 +15,9 @@ ranks (:func:`sharing_slowdown`), since the planner prices that in its own ``con
   the squared relative error against each rank's measured forward+backward seconds per
   micro-batch (runs without tensor parallelism when there are any: the runtime's compute
   seconds include tp collectives). At small sizes ``o`` (framework dispatch) dominates, which
-  one FLOP/s number cannot carry across micro-batch sizes and stage depths.
+  one FLOP/s number cannot carry across micro-batch sizes and stage depths. The peak stays within
+  :data:`PEAK_BOUNDS` of what the matmul microbenchmark measured (:func:`peak_scale_bounds`):
+  ``o`` and the later terms carry the rest.
 * **optimizer stream rate and per-tensor seconds** (``Device.optimizer_bytes_per_s``,
   ``Device.optimizer_tensor_s``): the planner's optimizer term is streamed bytes plus a cost per
   tensor stepped; both scales by non-negative least squares over the runs' median measured
@@ -52,7 +54,7 @@ import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from partitioner.cost.cluster import Cluster, PeakFlops
 from passes.ir.errors import ConfigError
@@ -196,6 +198,46 @@ def _scaled(cluster: Cluster, flops: float, bandwidth: float) -> Cluster:
 
 _KEEP = object()
 
+PEAK_BOUNDS = (0.5, 2.0)
+"""How far the refit may move the compute peak from the FLOP/s the matmul microbenchmark measured
+(its large square matmuls, ``EfficiencyFit.peak_flops_per_s``): a factor in ``[0.5, 2]``.
+
+The microbenchmark times the kernels the runs' large matmuls call (``torch.matmul``, same dtype,
+same threads per rank), so the peak is a measurement, not a free knob. What makes a training
+step's compute slower than that rate is priced by other terms: small kernels by the efficiency
+curve, dispatch by the per-op overhead, cores shared between ranks by ``contention``. The
+reference model is small (its FLOP time is a minority of its compute seconds next to the
+per-kernel and per-op constants), so the fitted peak is weakly identified: unbounded, a few
+percent of error, noise in one rank, or a per-kernel constant the planner over-prices let the fit
+use the peak as a stand-in for those constants and move it by x1000 (a 2-core CPU shown at
+162 TFLOP/s). A factor of 2 either way still covers what the measurement itself can be off by on a
+shared machine (a neighbour slowing the microbenchmark, turbo, the cache state of a loop) and the
+planner's efficiency curve being a GPU default rather than this machine's (peak efficiency 0.75
+against the ~1 measured on CPUs)."""
+
+
+def peak_scale_bounds(cluster: Cluster, matmul_flops_per_s: float | None, dtype: str = "fp32") -> tuple[float, float]:
+    """The factors on ``cluster``'s peak FLOP/s (``dtype``) the refit may choose: those that keep it
+    within :data:`PEAK_BOUNDS` of ``matmul_flops_per_s`` (the microbenchmark's measured FLOP/s for
+    that dtype; ``None``: the cluster's own peak, taken as the measurement)."""
+    peak = cluster.device.peak_flops.for_dtype(dtype)
+    anchor = peak if matmul_flops_per_s is None else float(matmul_flops_per_s)
+    if not (peak > 0 and anchor > 0):
+        raise ConfigError(f"refit: the peak FLOP/s ({peak:g}) and the measured matmul FLOP/s ({anchor:g}) must "
+                          f"be > 0; re-run `partitioner calibrate`")
+    return PEAK_BOUNDS[0] * anchor / peak, PEAK_BOUNDS[1] * anchor / peak
+
+
+def measured_matmul_flops(cluster_file: str | Path) -> dict[str, float]:
+    """Per dtype, the FLOP/s the matmul microbenchmark measured, from ``<cluster_file>.calibration.json``
+    (what ``partitioner calibrate`` writes beside a cluster file; a refitted cluster's own peak is
+    no measurement); empty without one."""
+    f = Path(str(cluster_file) + ".calibration.json")
+    try:
+        return {d: float(fit["peak_flops_per_s"]) for d, fit in json.loads(f.read_text())["efficiency"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
 
 def sharing_slowdown(run: RunData, cluster: Cluster) -> float:
     """How much slower a rank of ``run`` computed than alone because a node's ranks shared its
@@ -298,7 +340,8 @@ def _separable(cols) -> bool:
     return cols.shape[1] == 0 or (scale > 0 and float(np.linalg.det(gram)) > 1e-6 * scale)
 
 
-def _fit_compute(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> tuple[float, float]:
+def _fit_compute(runs: Sequence[RunData], cluster: Cluster, profiles: dict,
+                 x_bounds: tuple[float, float] = (1e-3, 1e4)) -> tuple[float, float]:
     """(1 / FLOP/s scale, per-op overhead seconds) fitted to measured compute per micro-batch.
 
     A stage's predicted seconds per micro-batch are ``A/x_scale + C + K·o``: ``A`` the FLOP-rate
@@ -306,7 +349,8 @@ def _fit_compute(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> t
     (forward and backward) and ``o`` the per-op overhead. ``A``, ``C`` and ``K`` are read off the
     planner by evaluating each plan at peak x1, x2 and with a unit overhead, so the model is
     exactly the planner's; (x, o) >= 0 minimise the squared RELATIVE error over ranks (runs
-    without tensor parallelism or offload when there are any, see :func:`_plain`)."""
+    without tensor parallelism or offload when there are any, see :func:`_plain`), ``x`` within
+    ``x_bounds`` (:func:`peak_scale_bounds`; ``o`` refitted with ``x`` at the bound it crosses)."""
     base = _with_overheads(cluster, 0.0)
     pure = _plain(runs) or list(runs)
     p1 = [_reevaluate(r.plan, base, profiles) for r in pure]
@@ -322,22 +366,35 @@ def _fit_compute(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> t
                 rows.append((flop_part / measured, kernels / measured, 1 - const / measured))
     if not rows:
         raise ConfigError("refit: no rank has a measured compute time")
-    x, o = _nnls(rows)
+    x, o = _bounded_nnls(rows, x_bounds)
     # one trimming pass: ranks whose relative error is far above the typical one (a run a
     # neighbour slowed down, a mechanism with its own overhead) do not pull the fit
     res = [abs(a * x + b * o - t) for a, b, t in rows]
     cut = max(3 * statistics.median(res), 0.05)
     kept = [row for row, r in zip(rows, res) if r <= cut]
     if len(kept) >= 2 and len(kept) < len(rows):
-        x, o = _nnls(kept)
-    return _refine_compute(pure, base, profiles, max(x, 1e-3), o)
+        x, o = _bounded_nnls(kept, x_bounds)
+    return _refine_compute(pure, base, profiles, x, o, x_bounds)
 
 
-def _refine_compute(runs: Sequence[RunData], base: Cluster, profiles: dict, x: float, o: float) -> tuple[float, float]:
+def _bounded_nnls(rows: Sequence[tuple[float, float, float]], x_bounds: tuple[float, float]) -> tuple[float, float]:
+    """:func:`_nnls` of ``(x, o)`` with ``x`` clamped into ``x_bounds``; when it is clamped, ``o >= 0``
+    is refitted with ``x`` held there (the per-op overhead carries what the peak may not)."""
+    x, o = _nnls(rows)
+    lo, hi = x_bounds
+    if lo <= x <= hi:
+        return x, o
+    x = min(max(x, lo), hi)
+    (o,) = _nnls([(b, t - a * x) for a, b, t in rows])
+    return x, o
+
+
+def _refine_compute(runs: Sequence[RunData], base: Cluster, profiles: dict, x: float, o: float,
+                    x_bounds: tuple[float, float] = (1e-3, 1e4)) -> tuple[float, float]:
     """(x, o) refined on the planner itself: its stage times are a roofline per kernel (the larger
     of FLOP and byte time), which the linear split above only approximates (a kernel at the
     bandwidth roof does not speed up with peak FLOP/s). Robust least squares of the relative
-    errors, from the linear solution, with ``o >= 0`` (scipy)."""
+    errors, from the linear solution, with ``o >= 0`` and ``x`` within ``x_bounds`` (scipy)."""
     from scipy.optimize import least_squares
 
     samples = [(k, _pp_index(run.plan, rank), measured) for k, run in enumerate(runs)
@@ -348,18 +405,26 @@ def _refine_compute(runs: Sequence[RunData], base: Cluster, profiles: dict, x: f
         plans = [_reevaluate(run.plan, cluster, profiles) for run in runs]
         return [plans[k].stages[i].time_s / measured - 1 for k, i, measured in samples]
 
-    start = [math.log(x), o * 1e6]
-    fit = least_squares(residuals, start, bounds=([math.log(1e-3), 0.0], [math.log(1e4), math.inf]),
+    lo, hi = math.log(x_bounds[0]), math.log(x_bounds[1])
+    start = [min(max(math.log(x), lo), hi), o * 1e6]
+    if hi - lo < 1e-9:  # x pinned: only o is free (least_squares needs lower < upper)
+        lo, hi = lo - 1e-9, hi + 1e-9
+    fit = least_squares(residuals, start, bounds=([lo, 0.0], [hi, math.inf]),
                         loss="soft_l1", f_scale=0.1, diff_step=1e-3)
     if not fit.success:  # keep the linear solution (least squares never ends above its start)
         return x, o
     return math.exp(float(fit.x[0])), float(fit.x[1]) * 1e-6
 
 
-def refit(runs: Sequence[RunData], cluster: Cluster) -> Refit:
+def refit(runs: Sequence[RunData], cluster: Cluster, *,
+          matmul_flops_per_s: float | Mapping[str, float] | None = None) -> Refit:
     """Refit ``cluster`` to ``runs``: peak FLOP/s and the per-kernel overhead (least squares on
     the measured compute seconds per micro-batch), memory bandwidth (optimizer seconds), then the
-    link-latency multiplier and the per-message pipeline overhead (step seconds)."""
+    link-latency multiplier and the per-message pipeline overhead (step seconds).
+
+    ``matmul_flops_per_s``: the FLOP/s the matmul microbenchmark measured for the runs' dtype
+    (``EfficiencyFit.peak_flops_per_s``; or per dtype); the refitted peak stays within
+    :data:`PEAK_BOUNDS` of it (``None``, or no entry for that dtype: of the cluster's own peak)."""
     if not runs:
         raise ConfigError("refit: give at least one run directory")
     profiles: dict = {}
@@ -368,7 +433,11 @@ def refit(runs: Sequence[RunData], cluster: Cluster) -> Refit:
     alone = _uncontended(runs, cluster)
     plans = [_reevaluate(r.plan, cluster, profiles) for r in runs]
     before = _compute_ratio(alone, plans)
-    x, kernel_s = _fit_compute(alone, cluster, profiles)
+    dtype = _dtype((_plain(runs) or list(runs))[0].plan)
+    if isinstance(matmul_flops_per_s, Mapping):
+        matmul_flops_per_s = matmul_flops_per_s.get(dtype)
+    lo, hi = peak_scale_bounds(cluster, matmul_flops_per_s, dtype)
+    x, kernel_s = _fit_compute(alone, cluster, profiles, x_bounds=(1 / hi, 1 / lo))
     flops = 1 / x
     fitted = _with_overheads(_scaled(cluster, flops, 1.0), kernel_s)
     plans = [_reevaluate(r.plan, fitted, profiles) for r in runs]
@@ -551,11 +620,12 @@ def _with_sync(cluster: Cluster, scale: float | None) -> Cluster:
     return dataclasses.replace(cluster, sync_latency_scale=scale)
 
 
-def refit_from_runs(dirs: Sequence[str | Path], cluster: Cluster, out: str | Path) -> Refit:
+def refit_from_runs(dirs: Sequence[str | Path], cluster: Cluster, out: str | Path, *,
+                    matmul_flops_per_s: float | Mapping[str, float] | None = None) -> Refit:
     """:func:`refit` over run directories ``dirs`` (each with plan.json and measurements.json;
     a directory without them is searched one level down); writes the refitted cluster to ``out``."""
     runs = [load_run(d) for d in expand_run_dirs(dirs)]
-    result = refit(runs, cluster)
+    result = refit(runs, cluster, matmul_flops_per_s=matmul_flops_per_s)
     result.cluster.to_file(out)
     return result
 

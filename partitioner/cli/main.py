@@ -137,10 +137,12 @@ def _cmd_lower(args: argparse.Namespace) -> int:
 def _cmd_refit(args: argparse.Namespace) -> int:
     from partitioner.calibration.cache import local_cache_file
     from partitioner.calibration.job_cluster import local_cluster
-    from partitioner.calibration.refit import refit_from_runs
+    from partitioner.calibration.refit import measured_matmul_flops, refit_from_runs
 
     out = args.out or local_cache_file(args.world_size)
-    result = refit_from_runs(args.from_run, local_cluster(args.world_size), out)
+    # the cached cluster's peak may itself be a refit: anchor to the microbenchmark beside it
+    result = refit_from_runs(args.from_run, local_cluster(args.world_size), out,
+                             matmul_flops_per_s=measured_matmul_flops(local_cache_file(args.world_size)) or None)
     print(f"refit from {result.runs} run(s): peak FLOP/s x{result.flops_scale:.3g}, optimizer stream "
           f"x{result.bandwidth_scale:.3g}, link latency x{result.latency_scale:.3g}; median measured/predicted "
           f"compute {result.compute_ratio_before:.3g} -> {result.compute_ratio_after:.3g}")

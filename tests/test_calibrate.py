@@ -50,6 +50,12 @@ def test_calibration_json_holds_samples_and_fits(cal):
     assert Cluster.from_dict(data["cluster"]) == cal.cluster
 
 
+def test_the_cluster_carries_the_fitted_efficiency_curves(cal):
+    eff = cal.cluster.device.efficiency
+    assert eff is not None and eff.fp32 == cal.efficiency["fp32"].curve and eff.bf16 == cal.efficiency["bf16"].curve
+    assert Cluster.from_file(cal.path).device.efficiency == eff  # written to the file and read back
+
+
 # ---- plausibility of the measurements -----------------------------------------------------------
 
 

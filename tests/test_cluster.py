@@ -9,7 +9,8 @@ from pathlib import Path
 
 from partitioner.calibration.calibrate import TINY_RECIPE
 from partitioner.calibration.cache import CACHE_DIR_ENV, MachineKey, cache_dir, local_cache_file
-from partitioner.cost.cluster import CLUSTER_FILE_ENV, Cluster, Device, Link, PeakFlops, parse_quantity
+from partitioner.cost.cluster import (CLUSTER_FILE_ENV, Cluster, Device, DeviceEfficiency, EfficiencyCurve, Link, PeakFlops,
+                                      parse_quantity)
 from partitioner.errors import ClusterSpecError, ConfigError
 from partitioner.calibration.job_cluster import local_cluster
 
@@ -144,6 +145,9 @@ def test_unknown_preset_lists_known_ones():
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])
 def test_file_round_trip(tmp_path, suffix):
     c = dataclasses.replace(Cluster.preset("dgx-h100", nodes=2), compute_slots_per_node=3)
+    curve = EfficiencyCurve(peak_efficiency=0.8, half_saturation_s=4e-6)
+    c = dataclasses.replace(c, device=dataclasses.replace(c.device, efficiency=DeviceEfficiency(bf16=curve),
+                                                          memory_bound_bytes_per_s=1e12))
     path = c.to_file(tmp_path / f"c{suffix}")
     assert Cluster.from_file(path) == c
     assert Cluster.load(path) == c
@@ -211,6 +215,13 @@ def _dgx(**changes):
     ({"device__flops": 1}, "cluster.device: unknown key(s) 'flops'; Device takes name, memory_bytes"),
     ({"compute_slots_per_node": 0}, "Cluster.compute_slots_per_node must be > 0, got 0; give how many ranks"),
     ({"compute_slots_per_node": True}, "Cluster.compute_slots_per_node must be a whole number, got True"),
+    ({"device__efficiency": {"fp32": {"peak_efficiency": 1.5}}},
+     "cluster.device: Device.efficiency: fp32: EfficiencyCurve.peak_efficiency must be in (0, 1], got 1.5"),
+    ({"device__efficiency": {"fp32": {"half_saturation_s": "-1us"}}},
+     "Device.efficiency: fp32: EfficiencyCurve.half_saturation_s cannot be negative"),
+    ({"device__efficiency": {"fp33": {}}}, "Device.efficiency: unknown key(s) 'fp33'; DeviceEfficiency takes fp32"),
+    ({"device__efficiency": {}}, "DeviceEfficiency needs a curve for at least one dtype"),
+    ({"device__memory_bound_bytes_per_s": -1.0}, "Device.memory_bound_bytes_per_s must be >= 0"),
 ])
 def test_validation_messages(changes, message):
     with pytest.raises(ClusterSpecError) as e:

@@ -1,17 +1,23 @@
 """Cost-model primitives against textbook formulas (Narayanan et al. 2021, ZeRO, ring collectives)."""
+import dataclasses
+
 import pytest
 
-from partitioner.cost.cluster import Cluster, Link
+from partitioner.cost.cluster import Cluster, DeviceEfficiency, Link
 from partitioner.cost.cost_model import (
+    DEFAULT_EFFICIENCY,
     EfficiencyCurve,
     StepTimeTerms,
     all_gather_time,
     all_reduce_time,
     bubble_fraction,
     compute_time,
+    cost_hooks,
+    efficiency_curve,
     group_link,
     in_flight_chunks,
     in_flight_microbatches,
+    memory_bound_rate,
     memory_bound_time,
     model_state_bytes,
     pipeline_bubble_time,
@@ -93,6 +99,26 @@ def test_compute_efficiency_rises_with_size():
         EfficiencyCurve(peak_efficiency=1.5)
 
 
+def test_a_kernel_is_priced_with_the_devices_measured_curve_and_with_the_default_without_one():
+    cpu = Cluster.preset("local-cpu")  # 50 GFLOP/s fp32, no measured curve: the default (0.75, 5 us)
+    measured = EfficiencyCurve(peak_efficiency=0.99, half_saturation_s=1.2e-6)
+    calibrated = dataclasses.replace(cpu.device, efficiency=DeviceEfficiency(fp32=measured))
+    f, peak = 2 * 64**3, 50e9  # a 64x64 matmul: about 10 us at the peak
+    assert efficiency_curve(cpu.device, "fp32") is DEFAULT_EFFICIENCY
+    assert compute_time(f, cpu.device, "fp32") == pytest.approx((f + peak * 5e-6) / (peak * 0.75))
+    assert efficiency_curve(calibrated, "fp32") == efficiency_curve(calibrated, "tf32") == measured
+    assert compute_time(f, calibrated, "fp32") == pytest.approx((f + peak * 1.2e-6) / (peak * 0.99))
+    assert compute_time(f, calibrated, "torch.float32") == compute_time(f, calibrated, "fp32")
+    # a dtype the calibration did not measure keeps the default; an explicit curve wins
+    assert efficiency_curve(calibrated, "bf16") is DEFAULT_EFFICIENCY
+    assert compute_time(f, calibrated, "bf16") == compute_time(f, cpu.device, "bf16")
+    assert compute_time(f, calibrated, "fp32", DEFAULT_EFFICIENCY) == compute_time(f, cpu.device, "fp32")
+    # the roofline and the lowering's cost hooks read the same curve
+    assert roofline_time(f, 0.0, calibrated, "fp32") == compute_time(f, calibrated, "fp32")
+    hooks = cost_hooks(dataclasses.replace(cpu, device=calibrated))
+    assert hooks.compute_seconds(f, "fp32") == compute_time(f, calibrated, "fp32")
+
+
 def test_memory_bound_and_roofline():
     dev = DGX.device
     assert memory_bound_time(2039e9, dev) == pytest.approx(1.0)
@@ -100,6 +126,11 @@ def test_memory_bound_and_roofline():
     # an elementwise op: few FLOPs, many bytes -> memory bound
     assert roofline_time(1e6, 1e9, dev) == memory_bound_time(1e9, dev)
     assert roofline_time(1e14, 1e6, dev) == compute_time(1e14, dev)
+    # a calibrated rate for the memory-bound nodes; a matmul's operands still stream at the memory's
+    slow = dataclasses.replace(dev, memory_bound_bytes_per_s=dev.memory_bandwidth_bytes_per_s / 4)
+    assert memory_bound_rate(dev) == dev.memory_bandwidth_bytes_per_s and memory_bound_rate(slow) == 2039e9 / 4
+    assert memory_bound_time(2039e9, slow) == pytest.approx(4.0)
+    assert roofline_time(1e6, 1e9, slow) == roofline_time(1e6, 1e9, dev) == memory_bound_time(1e9, 2039e9)
 
 
 # ---- pipeline --------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from partitioner.calibration.detect import JobShape, job_shape
-from partitioner.cost.cluster import Cluster, Device, Link, PeakFlops
+from partitioner.cost.cluster import Cluster, Device, DeviceEfficiency, Link, PeakFlops
 from passes.ir.errors import ConfigError
 from runtime.observe.measure import PhaseClock
 
@@ -113,6 +113,8 @@ def build_cluster(world_size: int, efficiency: dict[str, EfficiencyFit], memcpy:
     link on one node, else the fits of ``inter_node``'s timings across nodes (kind ``ethernet``:
     gloo between hosts is TCP); ``host_to_device`` is the copy rate with the small-copy latency.
     bf16 falls back to fp32's peak when not measured; tf32 = fp32, fp16 = bf16 (schema defaults).
+    Each peak comes with the efficiency curve fitted against it (:func:`device_efficiency`), which
+    the cost model prices the kernels with.
     The matmul rates are one rank's alone; ``compute_slots_per_node`` (cores over threads per
     rank) says how many ranks reach them at once.
     """
@@ -126,12 +128,23 @@ def build_cluster(world_size: int, efficiency: dict[str, EfficiencyFit], memcpy:
         device=Device(name=f"{cpu_name()} ({threads_per_rank} thread{'s' * (threads_per_rank > 1)} per rank)",
                       memory_bytes=host // (ranks_per_node or world_size),
                       memory_bandwidth_bytes_per_s=memcpy.memory_bandwidth_bytes_per_s,
-                      peak_flops=PeakFlops(fp32=fp32, bf16=bf16, fp16=fp16)),
+                      peak_flops=PeakFlops(fp32=fp32, bf16=bf16, fp16=fp16),
+                      efficiency=device_efficiency(efficiency)),
         intra_node=link, inter_node=inter_node.link("ethernet") if inter_node is not None else link,
         host_memory_bytes=host,
         host_to_device=Link(kind="loopback", bandwidth_bytes_per_s=memcpy.copy_bytes_per_s,
                             latency_s=memcpy.small_copy_s),
         compute_slots_per_node=max(1, cpu_count() // threads_per_rank))
+
+
+def device_efficiency(efficiency: dict[str, EfficiencyFit]) -> DeviceEfficiency:
+    """``Device.efficiency`` from the matmul fits per dtype: each fit's curve (relative to its own
+    peak, which :func:`build_cluster` writes as the dtype's peak); bf16 takes fp32's curve when
+    it was not measured, as it takes its peak; tf32 and fp16 the schema's defaults (fp32's,
+    bf16's) unless measured."""
+    curves = {d: f.curve for d, f in efficiency.items()}
+    return DeviceEfficiency(fp32=curves["fp32"], bf16=curves.get("bf16", curves["fp32"]),
+                            tf32=curves.get("tf32"), fp16=curves.get("fp16"))
 
 
 def _header(cal: Calibration) -> str:

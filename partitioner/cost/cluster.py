@@ -202,6 +202,94 @@ class PeakFlops:
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
+class EfficiencyCurve:
+    """Fraction of peak FLOP/s a kernel of ``f`` FLOPs reaches: ``peak_efficiency · f / (f + f_half)``.
+
+    ``f_half = peak_flops_per_s · half_saturation_s`` is the size at which a kernel reaches half
+    of ``peak_efficiency``; tying it to time makes one curve fit fast and slow devices. The
+    resulting time ``(f + f_half) / (peak · peak_efficiency)`` is the ideal time plus a fixed
+    ``half_saturation_s / peak_efficiency`` seconds per kernel (launch, tails, small tiles).
+    The defaults are the cost model's GPU assumption (``cost_model.DEFAULT_EFFICIENCY``); a
+    device's measured curve is :attr:`Device.efficiency`.
+    """
+
+    peak_efficiency: float = 0.75
+    """Best fraction of the peak FLOP/s that large matmuls reach, in (0, 1] (0.7–0.8 is typical
+    on GPUs against the datasheet; ~1 on a CPU against its measured matmul rate)."""
+    half_saturation_s: float = 5e-6
+    """Seconds of peak-rate work at which efficiency is half of ``peak_efficiency`` (>= 0; files
+    may write ``"5us"``)."""
+
+    def __post_init__(self) -> None:
+        value = self.peak_efficiency
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise ClusterSpecError(f"EfficiencyCurve.peak_efficiency must be in (0, 1], got {value!r}")
+        _normalize(self, "half_saturation_s", "seconds", "give the half-saturation time, e.g. '5us'",
+                   allow_zero=True)
+
+    def efficiency(self, flops: float, peak_flops_per_s: float) -> float:
+        """Fraction of ``peak_flops_per_s`` reached by one kernel of ``flops`` FLOPs."""
+        if flops <= 0:
+            return 0.0
+        return self.peak_efficiency * flops / (flops + peak_flops_per_s * self.half_saturation_s)
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "efficiency") -> EfficiencyCurve:
+        return _from_dict(cls, data, where)
+
+    def to_dict(self) -> dict:
+        return {"peak_efficiency": self.peak_efficiency, "half_saturation_s": self.half_saturation_s}
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class DeviceEfficiency:
+    """A device's measured matmul :class:`EfficiencyCurve` per dtype, relative to its
+    ``Device.peak_flops`` of that dtype (what ``partitioner calibrate`` fits from square matmuls:
+    ``calibration.measure.fit_efficiency``). A dtype left out (``None``) is priced with the cost
+    model's default curve; ``tf32`` defaults to ``fp32``'s curve and ``fp16`` to ``bf16``'s, as
+    :class:`PeakFlops` does for the peaks."""
+
+    fp32: EfficiencyCurve | None = None
+    bf16: EfficiencyCurve | None = None
+    tf32: EfficiencyCurve | None = None
+    fp16: EfficiencyCurve | None = None
+
+    def __post_init__(self) -> None:
+        for name in DTYPES:
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                try:
+                    object.__setattr__(self, name, EfficiencyCurve.from_dict(value, "efficiency"))
+                except ClusterSpecError as e:
+                    raise ClusterSpecError(f"{name}: {e}") from None
+            elif value is not None and not isinstance(value, EfficiencyCurve):
+                raise ClusterSpecError(f"DeviceEfficiency.{name} must be a mapping with peak_efficiency and "
+                                       f"half_saturation_s, got {value!r}")
+        if self.tf32 is None:
+            object.__setattr__(self, "tf32", self.fp32)
+        if self.fp16 is None:
+            object.__setattr__(self, "fp16", self.bf16)
+        if all(getattr(self, name) is None for name in DTYPES):
+            raise ClusterSpecError("DeviceEfficiency needs a curve for at least one dtype "
+                                   f"({', '.join(DTYPES)}); leave it out to use the default curve")
+
+    def for_dtype(self, dtype: str) -> EfficiencyCurve | None:
+        """The curve measured for ``dtype`` (``fp32``, ``tf32``, ``bf16``, ``fp16``, or a torch
+        name); ``None`` when none was."""
+        key = _DTYPE_ALIASES.get(str(dtype).removeprefix("torch."))
+        if key is None:
+            raise ClusterSpecError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        return getattr(self, key)
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "efficiency") -> DeviceEfficiency:
+        return _from_dict(cls, data, where)
+
+    def to_dict(self) -> dict:
+        return {name: getattr(self, name).to_dict() for name in DTYPES if getattr(self, name) is not None}
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
 class Device:
     """One accelerator (or one CPU process for ``local-cpu``)."""
 
@@ -236,6 +324,17 @@ class Device:
     single-tensor AdamW loop on CPU: about 45 us a tensor, so a rank stepping 50 small tensors
     takes milliseconds whatever their size, and a ZeRO-1/2 rank stepping a few flat segments does
     not); 0 for the presets, fitted by ``partitioner.calibration.refit`` with ``optimizer_bytes_per_s``."""
+    efficiency: DeviceEfficiency | None = None
+    """The device's measured matmul efficiency curve per dtype (peak efficiency, a fraction of
+    ``peak_flops``; half-saturation, seconds), which the cost model prices its kernels with
+    (``cost_model.efficiency_curve``). ``None`` (the presets): the cost model's default curve
+    (0.75, 5 us: a GPU against its datasheet). Written by ``partitioner calibrate``."""
+    memory_bound_bytes_per_s: float = 0.0
+    """Bytes/s (read plus write) the graph's memory-bound nodes (elementwise ops, norms, softmax,
+    dropout, the loss) stream at (``cost_model.memory_bound_rate``); 0 (the presets): the memory
+    bandwidth. A CPU rank's one thread runs its transcendental and normalising ops well below its
+    memcpy rate; fitted by ``partitioner.calibration.refit`` within
+    ``refit.MEMORY_BOUND_BOUNDS`` of ``memory_bandwidth_bytes_per_s``."""
 
     def __post_init__(self) -> None:
         _normalize(self, "memory_bytes", "bytes", "give the device memory, e.g. '80GiB'")
@@ -245,8 +344,13 @@ class Device:
             object.__setattr__(self, "peak_flops", PeakFlops.from_dict(self.peak_flops, "Device.peak_flops"))
         if not isinstance(self.peak_flops, PeakFlops):
             raise ClusterSpecError(f"Device.peak_flops must be a mapping of dtype to FLOP/s, got {self.peak_flops!r}")
+        if isinstance(self.efficiency, dict):
+            object.__setattr__(self, "efficiency", DeviceEfficiency.from_dict(self.efficiency, "Device.efficiency"))
+        if self.efficiency is not None and not isinstance(self.efficiency, DeviceEfficiency):
+            raise ClusterSpecError(f"Device.efficiency must be a mapping of dtype to {{peak_efficiency, "
+                                   f"half_saturation_s}}, got {self.efficiency!r}")
         for name in ("kernel_overhead_s", "step_overhead_s", "offload_call_s", "optimizer_bytes_per_s",
-                     "optimizer_tensor_s"):
+                     "optimizer_tensor_s", "memory_bound_bytes_per_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ClusterSpecError(f"Device.{name} must be a plain number, got {value!r} of type "
@@ -264,8 +368,10 @@ class Device:
                 "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
                 "peak_flops": self.peak_flops.to_dict(),
                 **{name: getattr(self, name) for name in ("kernel_overhead_s", "step_overhead_s", "offload_call_s",
-                                                          "optimizer_bytes_per_s", "optimizer_tensor_s")
-                   if getattr(self, name)}}
+                                                          "optimizer_bytes_per_s", "optimizer_tensor_s",
+                                                          "memory_bound_bytes_per_s")
+                   if getattr(self, name)},
+                **({"efficiency": self.efficiency.to_dict()} if self.efficiency is not None else {})}
 
 
 COLLECTIVE_FIT_OPS = ("all_gather", "reduce_scatter", "all_to_all")

@@ -7,8 +7,8 @@ combines these primitives with the facts the analysis passes wrote.
 * Collectives, α-β model: :func:`all_reduce_time` (ring or tree, as NCCL picks:
   :func:`all_reduce_algorithm`), ring :func:`all_gather_time`, :func:`reduce_scatter_time`,
   :func:`all_to_all_time`, :func:`send_recv_time`.
-* Compute: :func:`compute_time` (with an :class:`EfficiencyCurve`), :func:`memory_bound_time`,
-  :func:`roofline_time`.
+* Compute: :func:`compute_time` (with the device's :func:`efficiency_curve`),
+  :func:`memory_bound_time` (at :func:`memory_bound_rate`), :func:`roofline_time`.
 * Context parallelism: :func:`ring_attention_pairs`, :func:`ring_exposed_time`,
   :func:`ulysses_all_to_all_time`.
 * Pipelines: :func:`bubble_fraction`, :func:`pipeline_bubble_time`, :func:`pipeline_step_time`,
@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 
-from partitioner.cost.cluster import Cluster, CollectiveFit, Device, Link
+from partitioner.cost.cluster import Cluster, CollectiveFit, Device, EfficiencyCurve, Link
 from passes.ir.config import DTYPES as TRAINING_DTYPES
 from passes.ir.optimizers import optimizer_model
 from passes.ir.schedule import build, peak_in_flight, simulate, zb1p_compute, zbv_compute
@@ -210,50 +210,34 @@ def send_recv_time(nbytes: float, link: Link) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass(kw_only=True, frozen=True, slots=True)
-class EfficiencyCurve:
-    """Fraction of peak FLOP/s a kernel of ``f`` FLOPs reaches: ``peak_efficiency · f / (f + f_half)``.
-
-    ``f_half = peak_flops_per_s · half_saturation_s`` is the size at which a kernel reaches half
-    of ``peak_efficiency``; tying it to time makes one curve fit fast and slow devices. The
-    resulting time ``(f + f_half) / (peak · peak_efficiency)`` is the ideal time plus a fixed
-    ``half_saturation_s / peak_efficiency`` per kernel (launch, tails, small tiles).
-    """
-
-    peak_efficiency: float = 0.75
-    """Best fraction of datasheet peak that large matmuls reach (0.7–0.8 is typical on GPUs)."""
-    half_saturation_s: float = 5e-6
-    """Seconds of peak-rate work at which efficiency is half of ``peak_efficiency``."""
-
-    def __post_init__(self) -> None:
-        if not 0 < self.peak_efficiency <= 1:
-            raise ConfigError(f"EfficiencyCurve.peak_efficiency must be in (0, 1], got {self.peak_efficiency}")
-        if self.half_saturation_s < 0:
-            raise ConfigError(f"EfficiencyCurve.half_saturation_s must be >= 0, got {self.half_saturation_s}")
-
-    def efficiency(self, flops: float, peak_flops_per_s: float) -> float:
-        """Fraction of ``peak_flops_per_s`` reached by one kernel of ``flops`` FLOPs."""
-        if flops <= 0:
-            return 0.0
-        return self.peak_efficiency * flops / (flops + peak_flops_per_s * self.half_saturation_s)
-
-
 DEFAULT_EFFICIENCY = EfficiencyCurve()
+"""The curve a device without a measured one is priced with (``Device.efficiency`` is ``None``,
+the presets): large matmuls at 0.75 of the datasheet peak, half of that at 5 us of peak-rate work."""
+
+
+def efficiency_curve(device: Device, dtype: str = "bf16") -> EfficiencyCurve:
+    """The efficiency curve of ``device``'s ``dtype`` kernels: its measured one
+    (``Device.efficiency``, written by the calibration) when it has one for ``dtype``, else
+    :data:`DEFAULT_EFFICIENCY`. The one place the cost model picks a curve."""
+    measured = device.efficiency.for_dtype(dtype) if device.efficiency is not None else None
+    return measured if measured is not None else DEFAULT_EFFICIENCY
 
 
 def compute_time(flops: float, device: Device, dtype: str = "bf16",
-                 curve: EfficiencyCurve = DEFAULT_EFFICIENCY, *, overhead: bool = True) -> float:
+                 curve: EfficiencyCurve | None = None, *, overhead: bool = True) -> float:
     """Seconds for ONE kernel of ``flops`` FLOPs in ``dtype`` on ``device``; sum over kernels.
 
     ``flops / (peak · curve.efficiency(flops)) + device.kernel_overhead_s`` (the framework's
     per-op cost, 0 unless calibrated; ``overhead=False`` leaves it out, for callers that count
-    the ops themselves with :func:`op_overhead_time`); 0 for no FLOPs.
+    the ops themselves with :func:`op_overhead_time`); 0 for no FLOPs. ``curve``: the device's
+    (:func:`efficiency_curve`) unless given.
     """
     if flops < 0:
         raise ConfigError(f"flops must be >= 0, got {flops}")
     if flops == 0:
         return 0.0
     peak = device.peak_flops.for_dtype(dtype)
+    curve = efficiency_curve(device, dtype) if curve is None else curve
     return flops / (peak * curve.efficiency(flops, peak)) + (device.kernel_overhead_s if overhead else 0.0)
 
 
@@ -263,23 +247,33 @@ def op_overhead_time(ops: float, device: Device) -> float:
     return ops * device.kernel_overhead_s
 
 
+def memory_bound_rate(device: Device) -> float:
+    """Bytes/s (read plus write) ``device``'s memory-bound nodes (elementwise ops, norms, softmax,
+    dropout, the loss) stream at: ``Device.memory_bound_bytes_per_s`` where the calibration's refit
+    fitted one, else the memory bandwidth. The one place the cost model picks that rate."""
+    return device.memory_bound_bytes_per_s or device.memory_bandwidth_bytes_per_s
+
+
 def memory_bound_time(bytes_moved: float, bandwidth: Device | float) -> float:
-    """Seconds to stream ``bytes_moved`` through device memory (a ``Device`` or bytes/s)."""
+    """Seconds of memory-bound nodes that move ``bytes_moved`` bytes (read plus write): at
+    :func:`memory_bound_rate` of a ``Device``, or at ``bandwidth`` bytes/s."""
     if bytes_moved < 0:
         raise ConfigError(f"bytes_moved must be >= 0, got {bytes_moved}")
-    rate = bandwidth.memory_bandwidth_bytes_per_s if isinstance(bandwidth, Device) else bandwidth
+    rate = memory_bound_rate(bandwidth) if isinstance(bandwidth, Device) else bandwidth
     return bytes_moved / rate
 
 
 def roofline_time(flops: float, bytes_moved: float, device: Device, dtype: str = "bf16",
-                  curve: EfficiencyCurve = DEFAULT_EFFICIENCY, *, overhead: bool = True) -> float:
-    """Seconds for one kernel of ``flops`` FLOPs that reads and writes ``bytes_moved`` bytes: the
-    larger of its compute time (at ``curve``'s efficiency for its size) and its memory time
-    (bytes / ``Device.memory_bandwidth_bytes_per_s``), plus ``device.kernel_overhead_s`` unless
-    ``overhead=False`` (for callers that count the ops with :func:`op_overhead_time`)."""
+                  curve: EfficiencyCurve | None = None, *, overhead: bool = True) -> float:
+    """Seconds for one matmul-class kernel of ``flops`` FLOPs that reads and writes ``bytes_moved``
+    bytes: the larger of its compute time (at the efficiency for its size: ``curve``, else the
+    device's, :func:`efficiency_curve`) and its memory time (bytes / ``Device.memory_bandwidth_bytes_per_s``:
+    a matmul streams its operands at the memory's rate, not at the memory-bound nodes'), plus
+    ``device.kernel_overhead_s`` unless ``overhead=False`` (for callers that count the ops with
+    :func:`op_overhead_time`)."""
     compute = compute_time(flops, device, dtype, curve, overhead=False)
     extra = device.kernel_overhead_s if overhead and (flops or bytes_moved) else 0.0
-    return max(compute, memory_bound_time(bytes_moved, device)) + extra
+    return max(compute, memory_bound_time(bytes_moved, device.memory_bandwidth_bytes_per_s)) + extra
 
 
 # ---------------------------------------------------------------------------------------------

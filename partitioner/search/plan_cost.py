@@ -8,7 +8,8 @@ Per micro-batch of ``b`` samples, per layer (numbers per sample come from the Mo
   (``cost_model.roofline_time``); its backward is two such kernels of half its backward FLOPs.
   Every other node (norms, softmax, elementwise ops, dropout, loss) is memory bound: the layer's
   ``memory_bound_bytes``·b/tp plus ``replicated_memory_bound_bytes``·b (÷tp with sequence
-  parallelism) at the memory bandwidth, twice that in backward. Plus the framework's per-op
+  parallelism) at the memory-bound rate (``cost_model.memory_bound_rate``: the memory bandwidth
+  unless the calibration fitted the rate of the device's elementwise ops), twice that in backward. Plus the framework's per-op
   overhead (``Device.kernel_overhead_s``) for the layer's ``ops`` forward operators and twice as
   many backward ones (``cost_model.op_overhead_time``; independent of ``b`` and ``tp``);
 * tensor parallel: ``tp_all_reduces`` all-reduces of the boundary tensor ``b·s·h`` in forward and
@@ -706,14 +707,15 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
             dp_exposed = c.num_micro_batches * max(0.0, rs - hide) + ag
         updated = params / (shards if c.zero_stage >= 1 else 1)  # parameters this rank updates
         opt_bytes = updated * ms1.optimizer * (shards if c.zero_stage >= 1 else 1)
+        opt_rate = dev.optimizer_bytes_per_s or dev.memory_bandwidth_bytes_per_s  # 0: the memory's, not the nodes'
         if c.offload == "optimizer":
             h2d = ctx.cluster.host_to_device.bandwidth_bytes_per_s
             t_opt = (updated * 2 * ctx.itemsize) / h2d + 2 * opt_bytes / ctx.host_rate
         else:
-            t_opt = memory_bound_time(2 * opt_bytes + updated * 2 * ctx.itemsize, dev.optimizer_bytes_per_s or dev)
+            t_opt = memory_bound_time(2 * opt_bytes + updated * 2 * ctx.itemsize, opt_rate)
         t_opt += optimizer_tensors(ctx.profile, ranges, c.zero_stage, shards) * dev.optimizer_tensor_s
         if c.zero_stage in (1, 2):  # flatten the stage's grads into the bucket, copy the gathered params back
-            t_opt += memory_bound_time(4 * grads, dev.optimizer_bytes_per_s or dev)
+            t_opt += memory_bound_time(4 * grads, opt_rate)
         t_off = 0.0
         host = opt_bytes if c.offload == "optimizer" else 0.0
         if c.offload == "activations":

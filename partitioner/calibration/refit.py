@@ -8,21 +8,26 @@ Compute slots (``Cluster.compute_slots_per_node``, CPU ranks sharing cores): bef
 each run's compute and optimizer seconds are divided by how much sharing the cores slowed its
 ranks (:func:`sharing_slowdown`), since the planner prices that in its own ``contention`` term.
 
-* **peak FLOP/s and per-op overhead** (``Device.kernel_overhead_s``): a stage's predicted
-  seconds per micro-batch are ``A·x + C + K·o`` (``A``: the FLOP-rate part, ``x`` = 1 / FLOP/s
-  scale; ``C``: the efficiency curve's per-kernel constant; ``K``: operators, forward and
-  backward; ``o``: the per-op overhead), all read off the planner itself. ``(x, o) >= 0`` minimise
-  the squared relative error against each rank's measured forward+backward seconds per
-  micro-batch (runs without tensor parallelism when there are any: the runtime's compute
-  seconds include tp collectives). At small sizes ``o`` (framework dispatch) dominates, which
-  one FLOP/s number cannot carry across micro-batch sizes and stage depths. The peak stays within
-  :data:`PEAK_BOUNDS` of what the matmul microbenchmark measured (:func:`peak_scale_bounds`):
-  ``o`` and the later terms carry the rest.
+* **peak FLOP/s, memory-bound rate and per-op overhead** (``Device.memory_bound_bytes_per_s``,
+  ``Device.kernel_overhead_s``): a stage's predicted seconds per micro-batch are
+  ``A·x + M·y + C + K·o`` (``A``: the FLOP-rate part, ``x`` = 1 / FLOP/s scale; ``M``: its
+  memory-bound nodes' seconds, ``y`` = 1 / their rate's scale; ``C``: the efficiency curve's
+  per-kernel constant; ``K``: operators, forward and backward; ``o``: the per-op overhead), all
+  read off the planner itself. ``(x, y, o) >= 0`` minimise the squared relative error against
+  each rank's measured forward+backward seconds per micro-batch (runs without tensor parallelism
+  when there are any: the runtime's compute seconds include tp collectives). At small sizes ``o``
+  (framework dispatch) dominates, which one FLOP/s number cannot carry across micro-batch sizes
+  and stage depths; what grows with the micro-batch beyond the matmuls is mostly the
+  elementwise, norm and softmax nodes, which one thread runs well below the memcpy rate. The
+  peak stays within :data:`PEAK_BOUNDS` of what the matmul microbenchmark measured
+  (:func:`peak_scale_bounds`), the memory-bound rate within :data:`MEMORY_BOUND_BOUNDS` of the
+  memcpy (:func:`memory_bound_scale_bounds`), each weakly anchored to its measurement
+  (:data:`ANCHOR_WEIGHTS`): ``o`` and the later terms carry the rest.
 * **optimizer stream rate and per-tensor seconds** (``Device.optimizer_bytes_per_s``,
   ``Device.optimizer_tensor_s``): the planner's optimizer term is streamed bytes plus a cost per
   tensor stepped; both scales by non-negative least squares over the runs' median measured
   ``optimizer_s`` (:func:`_fit_optimizer`; the rate alone when the runs cannot tell them apart).
-  The memory bandwidth itself (memory-bound nodes of forward and backward) stays measured.
+  The memory bandwidth itself (the memcpy, a matmul's bytes on the roofline) stays measured.
 * **offload call seconds** (``Device.offload_call_s``), from runs with activation offload
   (without checkpointing when there are such): their measured forward+backward seconds per
   micro-batch less the planner's stage time without the per-call cost, over the stage's copies
@@ -57,6 +62,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from partitioner.cost.cluster import Cluster, PeakFlops
+from partitioner.cost.cost_model import memory_bound_rate
 from passes.ir.errors import ConfigError
 from passes.ir.plan import Plan
 
@@ -100,6 +106,9 @@ class Refit:
     runs: int
     kernel_overhead_s: float = 0.0
     """Fitted framework seconds per dispatched operator (``Device.kernel_overhead_s``)."""
+    memory_bound_scale: float = 1.0
+    """Fitted rate of the memory-bound nodes (``Device.memory_bound_bytes_per_s``) over the measured
+    memory bandwidth (the memcpy), within :data:`MEMORY_BOUND_BOUNDS`."""
     p2p_latency_s: float | None = None
     """Fitted seconds per pipeline message (``Cluster.p2p_latency_s``)."""
     step_overhead_s: float = 0.0
@@ -116,7 +125,8 @@ class Refit:
     def overheads_text(self) -> str:
         """The fitted overheads in one line, as the CLI and the calibration file's header print them."""
         sync = f"x{self.sync_latency_scale:.3g}" if self.sync_latency_scale is not None else "x1"
-        return (f"per-op overhead {self.kernel_overhead_s * 1e6:.3g} us, pipeline message "
+        return (f"per-op overhead {self.kernel_overhead_s * 1e6:.3g} us, memory-bound ops at "
+                f"x{self.memory_bound_scale:.3g} the memcpy rate, pipeline message "
                 f"{(self.p2p_latency_s or 0.0) * 1e3:.3g} ms, step-end collectives {sync} the link's α, step overhead "
                 f"{self.step_overhead_s * 1e3:.3g} ms, offload call {self.offload_call_s * 1e6:.3g} us, "
                 f"optimizer {self.optimizer_tensor_s * 1e6:.3g} us a tensor")
@@ -226,6 +236,48 @@ def peak_scale_bounds(cluster: Cluster, matmul_flops_per_s: float | None, dtype:
         raise ConfigError(f"refit: the peak FLOP/s ({peak:g}) and the measured matmul FLOP/s ({anchor:g}) must "
                           f"be > 0; re-run `partitioner calibrate`")
     return PEAK_BOUNDS[0] * anchor / peak, PEAK_BOUNDS[1] * anchor / peak
+
+
+MEMORY_BOUND_BOUNDS = (1 / 16, 2.0)
+"""Where the refit may put the rate of the graph's memory-bound nodes (``Device.memory_bound_bytes_per_s``),
+as a factor of the memcpy's read+write rate the calibration measured (``memory_bandwidth_bytes_per_s``):
+``[1/16, 2]``.
+
+The memcpy streams one large buffer through every thread a rank has; a rank's elementwise,
+normalising and softmax nodes run on small tensors in one thread and mostly do arithmetic per
+element (erf, exp, a mean and a variance). Timed on this 2-core machine at the reference model's
+sizes (16 KiB to 1 MiB, one thread, dispatch left out): copies and adds ran 1.5-5x the 19 GB/s
+DRAM memcpy (the tensors sit in cache), GELU, layer norm and softmax forwards 1/5 to 1/2 of it,
+their backwards slower still. 1/16 leaves the slowest of those a factor of 2 for a neighbour on a
+shared machine; 2 admits the cached copies without letting the rate, nearly collinear with the FLOP
+rate across micro-batch sizes, run off where the runs say little."""
+
+ANCHOR_WEIGHTS = (0.05, 0.01)
+"""Weights of ``log(peak / measured matmul FLOP/s)`` and ``log(memory-bound rate / memcpy rate)`` in
+the compute refit's residuals (each rank's relative error is one residual): moving the peak by x2
+costs what a 3.5% error on one rank does, the memory-bound rate x2 what a 0.7% error does. The peak
+is measured on the very kernels the runs call, the memcpy is not what an elementwise op does: the
+runs move the second far more easily. Mostly the direction the runs cannot resolve (the FLOP and
+memory-bound parts both grow with the micro-batch) is decided by them. Without a matmul
+measurement (``refit(matmul_flops_per_s=None)``) the peak has no anchor: it moves within its
+bounds first, the memory-bound rate only for what the peak cannot explain."""
+
+
+def memory_bound_scale_bounds(cluster: Cluster) -> tuple[float, float]:
+    """The factors on ``cluster``'s memory-bound rate (``cost_model.memory_bound_rate``) the refit
+    may choose: those that keep it within :data:`MEMORY_BOUND_BOUNDS` of the measured memory
+    bandwidth (``Device.memory_bandwidth_bytes_per_s``, the calibration's memcpy)."""
+    dev = cluster.device
+    rate = memory_bound_rate(dev)
+    return (MEMORY_BOUND_BOUNDS[0] * dev.memory_bandwidth_bytes_per_s / rate,
+            MEMORY_BOUND_BOUNDS[1] * dev.memory_bandwidth_bytes_per_s / rate)
+
+
+def _with_memory_bound_scale(cluster: Cluster, y: float) -> Cluster:
+    """``cluster`` with its memory-bound nodes' rate divided by ``y`` (``Device.memory_bound_bytes_per_s``)."""
+    if y == 1.0:
+        return cluster
+    return _with_device(cluster, memory_bound_bytes_per_s=memory_bound_rate(cluster.device) / y)
 
 
 def measured_matmul_flops(cluster_file: str | Path) -> dict[str, float]:
@@ -341,90 +393,134 @@ def _separable(cols) -> bool:
 
 
 def _fit_compute(runs: Sequence[RunData], cluster: Cluster, profiles: dict,
-                 x_bounds: tuple[float, float] = (1e-3, 1e4)) -> tuple[float, float]:
-    """(1 / FLOP/s scale, per-op overhead seconds) fitted to measured compute per micro-batch.
+                 x_bounds: tuple[float, float] = (1e-3, 1e4),
+                 y_bounds: tuple[float, float] = (1.0, 1.0),
+                 anchors: tuple[float | None, float | None] = (None, None)) -> tuple[float, float, float]:
+    """(1 / FLOP/s scale, 1 / memory-bound rate scale, per-op overhead seconds) fitted to measured
+    compute per micro-batch.
 
-    A stage's predicted seconds per micro-batch are ``A/x_scale + C + K·o``: ``A`` the FLOP-rate
-    part (scales with 1/peak), ``C`` the curve's per-kernel constant, ``K`` its operators
-    (forward and backward) and ``o`` the per-op overhead. ``A``, ``C`` and ``K`` are read off the
-    planner by evaluating each plan at peak x1, x2 and with a unit overhead, so the model is
-    exactly the planner's; (x, o) >= 0 minimise the squared RELATIVE error over ranks (runs
-    without tensor parallelism or offload when there are any, see :func:`_plain`), ``x`` within
-    ``x_bounds`` (:func:`peak_scale_bounds`; ``o`` refitted with ``x`` at the bound it crosses)."""
+    A stage's predicted seconds per micro-batch are ``A·x + M·y + C + K·o``: ``A`` the FLOP-rate
+    part (scales with 1/peak), ``M`` its memory-bound nodes' seconds (scale with 1/their rate,
+    ``cost_model.memory_bound_rate``), ``C`` the curve's per-kernel constant, ``K`` its operators
+    (forward and backward) and ``o`` the per-op overhead. ``A``, ``M``, ``C`` and ``K`` are read
+    off the planner by evaluating each plan at peak x1 and x2, at memory-bound rate x2 and with a
+    unit overhead, so the model is exactly the planner's; (x, y, o) >= 0 minimise the squared
+    RELATIVE error over ranks (runs without tensor parallelism or offload when there are any, see
+    :func:`_plain`), ``x`` within ``x_bounds`` (:func:`peak_scale_bounds`) and ``y`` within
+    ``y_bounds`` (:func:`memory_bound_scale_bounds`; ``(1, 1)``: the rate kept); an unknown held
+    at the bound it crosses, the others refitted."""
     base = _with_overheads(cluster, 0.0)
     pure = _plain(runs) or list(runs)
     p1 = [_reevaluate(r.plan, base, profiles) for r in pure]
     p2 = [_reevaluate(r.plan, _scaled(base, 2.0, 1.0), profiles) for r in pure]
+    pm = [_reevaluate(r.plan, _with_memory_bound_scale(base, 0.5), profiles) for r in pure]
     pk = [_reevaluate(r.plan, _with_overheads(base, 1e-3), profiles) for r in pure]
     rows = []
-    for run, a, b, k in zip(pure, p1, p2, pk):
+    for run, a, b, m, k in zip(pure, p1, p2, pm, pk):
         for rank, measured in enumerate(run.compute_per_mb_s):
             i = _pp_index(run.plan, rank)
-            t1, t2, tk = a.stages[i].time_s, b.stages[i].time_s, k.stages[i].time_s
-            flop_part, const, kernels = 2 * (t1 - t2), 2 * t2 - t1, (tk - t1) / 1e-3
+            t1, t2, tm, tk = a.stages[i].time_s, b.stages[i].time_s, m.stages[i].time_s, k.stages[i].time_s
+            flop_part, mem_part, kernels = 2 * (t1 - t2), 2 * (t1 - tm), (tk - t1) / 1e-3
+            const = t1 - flop_part - mem_part
             if measured > 0:
-                rows.append((flop_part / measured, kernels / measured, 1 - const / measured))
+                rows.append((flop_part / measured, mem_part / measured, kernels / measured, 1 - const / measured))
     if not rows:
         raise ConfigError("refit: no rank has a measured compute time")
-    x, o = _bounded_nnls(rows, x_bounds)
+    # the linear start holds y at 1 (the rate the cluster has): across micro-batch sizes the FLOP
+    # and the memory-bound parts grow alike, and a split of nearly collinear columns would be
+    # noise; the refinement frees it, anchored to the measurements (:func:`_refine_compute`)
+    y0 = min(max(1.0, y_bounds[0]), y_bounds[1])
+    bounds = (x_bounds, (y0, y0), (0.0, math.inf))
+    z = _bounded_nnls(rows, bounds)
     # one trimming pass: ranks whose relative error is far above the typical one (a run a
     # neighbour slowed down, a mechanism with its own overhead) do not pull the fit
-    res = [abs(a * x + b * o - t) for a, b, t in rows]
+    res = [abs(sum(c * v for c, v in zip(row, z)) - row[-1]) for row in rows]
     cut = max(3 * statistics.median(res), 0.05)
     kept = [row for row, r in zip(rows, res) if r <= cut]
     if len(kept) >= 2 and len(kept) < len(rows):
-        x, o = _bounded_nnls(kept, x_bounds)
-    return _refine_compute(pure, base, profiles, x, o, x_bounds)
+        z = _bounded_nnls(kept, bounds)
+    return _refine_compute(pure, base, profiles, *z, x_bounds=x_bounds, y_bounds=y_bounds, anchors=anchors)
 
 
-def _bounded_nnls(rows: Sequence[tuple[float, float, float]], x_bounds: tuple[float, float]) -> tuple[float, float]:
-    """:func:`_nnls` of ``(x, o)`` with ``x`` clamped into ``x_bounds``; when it is clamped, ``o >= 0``
-    is refitted with ``x`` held there (the per-op overhead carries what the peak may not)."""
-    x, o = _nnls(rows)
-    lo, hi = x_bounds
-    if lo <= x <= hi:
-        return x, o
-    x = min(max(x, lo), hi)
-    (o,) = _nnls([(b, t - a * x) for a, b, t in rows])
-    return x, o
+def _bounded_nnls(rows: Sequence[tuple[float, ...]], bounds: Sequence[tuple[float, float]]) -> tuple[float, ...]:
+    """:func:`_nnls` of the unknowns with each held inside its ``bounds`` (lower, upper): an
+    unknown the free solution puts outside them is clamped to the bound it crosses and the others
+    refitted with it held there (the per-op overhead carries what the peak may not), until none
+    crosses. An unknown whose bounds are equal is held from the start."""
+    n = len(bounds)
+    held: dict[int, float] = {j: lo for j, (lo, hi) in enumerate(bounds) if hi - lo <= 1e-12 * max(abs(hi), 1.0)}
+    while True:
+        free = [j for j in range(n) if j not in held]
+        sol = dict(held)
+        if free:
+            fitted = _nnls([tuple(row[j] for j in free) + (row[-1] - sum(row[j] * v for j, v in held.items()),)
+                            for row in rows])
+            sol.update(zip(free, fitted))
+        out = [j for j in free if not bounds[j][0] <= sol[j] <= bounds[j][1]]
+        if not out:
+            return tuple(sol[j] for j in range(n))
+        # hold the one furthest outside its bounds (in log terms), then refit the rest
+        def excess(j: int) -> float:
+            lo, hi = bounds[j]
+            v = max(sol[j], 1e-300)
+            return math.log(lo / v) if v < lo else math.log(v / hi)
+        worst = max(out, key=excess)
+        held[worst] = min(max(sol[worst], bounds[worst][0]), bounds[worst][1])
 
 
-def _refine_compute(runs: Sequence[RunData], base: Cluster, profiles: dict, x: float, o: float,
-                    x_bounds: tuple[float, float] = (1e-3, 1e4)) -> tuple[float, float]:
-    """(x, o) refined on the planner itself: its stage times are a roofline per kernel (the larger
-    of FLOP and byte time), which the linear split above only approximates (a kernel at the
+def _refine_compute(runs: Sequence[RunData], base: Cluster, profiles: dict, x: float, y: float, o: float, *,
+                    x_bounds: tuple[float, float] = (1e-3, 1e4),
+                    y_bounds: tuple[float, float] = (1.0, 1.0),
+                    anchors: tuple[float | None, float | None] = (None, None)) -> tuple[float, float, float]:
+    """(x, y, o) refined on the planner itself: its stage times are a roofline per kernel (the
+    larger of FLOP and byte time), which the linear split above only approximates (a kernel at the
     bandwidth roof does not speed up with peak FLOP/s). Robust least squares of the relative
-    errors, from the linear solution, with ``o >= 0`` and ``x`` within ``x_bounds`` (scipy)."""
+    errors, from the linear solution, with ``o >= 0``, ``x`` within ``x_bounds`` and ``y`` within
+    ``y_bounds`` (scipy), plus :data:`ANCHOR_WEIGHTS` times ``log(x / anchors[0])`` and
+    ``log(y / anchors[1])``: where the runs cannot tell the FLOP part from the memory-bound part
+    (both grow with the micro-batch), the split stays near the microbenchmarks (``anchors``: the
+    ``x`` that gives the measured matmul rate and the ``y`` that gives the memcpy rate; ``None``:
+    no measurement, no anchor)."""
     from scipy.optimize import least_squares
 
     samples = [(k, _pp_index(run.plan, rank), measured) for k, run in enumerate(runs)
                for rank, measured in enumerate(run.compute_per_mb_s) if measured > 0]
 
     def residuals(z) -> list[float]:
-        cluster = _with_overheads(_scaled(base, math.exp(-z[0]), 1.0), z[1] * 1e-6)
+        cluster = _with_overheads(_with_memory_bound_scale(_scaled(base, math.exp(-z[0]), 1.0), math.exp(z[1])),
+                                  z[2] * 1e-6)
         plans = [_reevaluate(run.plan, cluster, profiles) for run in runs]
-        return [plans[k].stages[i].time_s / measured - 1 for k, i, measured in samples]
+        return ([plans[k].stages[i].time_s / measured - 1 for k, i, measured in samples]
+                + [w * (v - math.log(a)) for w, v, a in zip(ANCHOR_WEIGHTS, z[:2], anchors) if a is not None])
 
-    lo, hi = math.log(x_bounds[0]), math.log(x_bounds[1])
-    start = [min(max(math.log(x), lo), hi), o * 1e6]
-    if hi - lo < 1e-9:  # x pinned: only o is free (least_squares needs lower < upper)
-        lo, hi = lo - 1e-9, hi + 1e-9
-    fit = least_squares(residuals, start, bounds=([lo, 0.0], [hi, math.inf]),
+    lows, highs = [], []
+    for lo, hi in (x_bounds, y_bounds):
+        lo, hi = math.log(lo), math.log(hi)
+        if hi - lo < 1e-9:  # pinned: least_squares needs lower < upper
+            lo, hi = lo - 1e-9, hi + 1e-9
+        lows.append(lo)
+        highs.append(hi)
+    start = [min(max(math.log(v), lo), hi) for v, lo, hi in zip((x, y), lows, highs)] + [o * 1e6]
+    fit = least_squares(residuals, start, bounds=(lows + [0.0], highs + [math.inf]),
                         loss="soft_l1", f_scale=0.1, diff_step=1e-3)
     if not fit.success:  # keep the linear solution (least squares never ends above its start)
-        return x, o
-    return math.exp(float(fit.x[0])), float(fit.x[1]) * 1e-6
+        return x, y, o
+    lx, ly = (min(max(float(v), math.log(b[0])), math.log(b[1])) for v, b in zip(fit.x[:2], (x_bounds, y_bounds)))
+    return math.exp(lx), math.exp(ly), float(fit.x[2]) * 1e-6
 
 
 def refit(runs: Sequence[RunData], cluster: Cluster, *,
           matmul_flops_per_s: float | Mapping[str, float] | None = None) -> Refit:
-    """Refit ``cluster`` to ``runs``: peak FLOP/s and the per-kernel overhead (least squares on
-    the measured compute seconds per micro-batch), memory bandwidth (optimizer seconds), then the
-    link-latency multiplier and the per-message pipeline overhead (step seconds).
+    """Refit ``cluster`` to ``runs``: peak FLOP/s, the memory-bound nodes' rate and the per-kernel
+    overhead (least squares on the measured compute seconds per micro-batch), the optimizer's
+    stream rate (optimizer seconds), then the link-latency multiplier and the per-message
+    pipeline overhead (step seconds).
 
     ``matmul_flops_per_s``: the FLOP/s the matmul microbenchmark measured for the runs' dtype
     (``EfficiencyFit.peak_flops_per_s``; or per dtype); the refitted peak stays within
-    :data:`PEAK_BOUNDS` of it (``None``, or no entry for that dtype: of the cluster's own peak)."""
+    :data:`PEAK_BOUNDS` of it and is anchored to it (``None``, or no entry for that dtype: within
+    the bounds of the cluster's own peak, unanchored). The memory-bound rate stays within
+    :data:`MEMORY_BOUND_BOUNDS` of the cluster's memory bandwidth (the measured memcpy)."""
     if not runs:
         raise ConfigError("refit: give at least one run directory")
     profiles: dict = {}
@@ -437,9 +533,16 @@ def refit(runs: Sequence[RunData], cluster: Cluster, *,
     if isinstance(matmul_flops_per_s, Mapping):
         matmul_flops_per_s = matmul_flops_per_s.get(dtype)
     lo, hi = peak_scale_bounds(cluster, matmul_flops_per_s, dtype)
-    x, kernel_s = _fit_compute(alone, cluster, profiles, x_bounds=(1 / hi, 1 / lo))
+    peak = cluster.device.peak_flops.for_dtype(dtype)
+    mem_lo, mem_hi = memory_bound_scale_bounds(cluster)
+    # anchors: the x that gives the measured matmul rate (none without a measurement: the peak
+    # moves within its bounds as before), the y that gives the memcpy rate
+    anchors = (peak / matmul_flops_per_s if matmul_flops_per_s else None,
+               memory_bound_rate(cluster.device) / cluster.device.memory_bandwidth_bytes_per_s)
+    x, y, kernel_s = _fit_compute(alone, cluster, profiles, x_bounds=(1 / hi, 1 / lo),
+                                  y_bounds=(1 / mem_hi, 1 / mem_lo), anchors=anchors)
     flops = 1 / x
-    fitted = _with_overheads(_scaled(cluster, flops, 1.0), kernel_s)
+    fitted = _with_overheads(_with_memory_bound_scale(_scaled(cluster, flops, 1.0), y), kernel_s)
     plans = [_reevaluate(r.plan, fitted, profiles) for r in runs]
     ratio = _compute_ratio(alone, plans)
     bandwidth, tensor_s = _fit_optimizer(alone, fitted, profiles)
@@ -455,7 +558,9 @@ def refit(runs: Sequence[RunData], cluster: Cluster, *,
     return Refit(cluster=fitted, flops_scale=flops,
                  bandwidth_scale=bandwidth, latency_scale=latency, compute_ratio_before=before,
                  compute_ratio_after=ratio, step_log_error=step_err, runs=len(runs),
-                 kernel_overhead_s=kernel_s, p2p_latency_s=p2p_s,
+                 kernel_overhead_s=kernel_s, memory_bound_scale=fitted.device.memory_bound_bytes_per_s
+                 / fitted.device.memory_bandwidth_bytes_per_s if fitted.device.memory_bound_bytes_per_s else 1.0,
+                 p2p_latency_s=p2p_s,
                  step_overhead_s=fitted.device.step_overhead_s, offload_call_s=fitted.device.offload_call_s,
                  optimizer_tensor_s=fitted.device.optimizer_tensor_s, sync_latency_scale=sync)
 

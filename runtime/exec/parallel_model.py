@@ -103,7 +103,8 @@ class ParallelModel:
         self.cp_plan = program.cp_plan
         if self.cp_plan is not None:
             register_group(self.cp_plan.group, DistGroup(mesh.cp_group))
-        self.stages = {s: LocalStage(s, module.to(mesh.device), program.io[s]) for s, module in program.modules.items()}
+        self.stages = {s: LocalStage(s, _on_device(module, mesh.device), program.io[s])
+                       for s, module in program.modules.items()}
         # ZeRO-3: keep this dp rank's shard of every parameter; the gathers run through this
         self.zero3 = (zero3_gatherer({s: st.module for s, st in self.stages.items()}, mesh, prefetch=zero3_prefetch)
                       if c.zero_stage == 3 else None)
@@ -558,6 +559,16 @@ class ParallelModel:
             comm.all_gather(shards, t, self.mesh.tp_group)
             out[name] = unshard_tensor(shards, sharding)
         return out
+
+
+def _on_device(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``module`` with its parameters and buffers on ``device``: moved only when one is elsewhere
+    (a module already there is left as it is; ``Module.to`` would swap every fake parameter of a
+    dry run, which fake tensors refuse)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    if all(t.device == device for t in tensors):
+        return module
+    return module.to(device)
 
 
 def _reads_size_only(node: fx.Node) -> bool:

@@ -1,0 +1,529 @@
+"""``dry_run``: the whole job's real runtime, one rank program at a time, on fake tensors and a fake group.
+
+::
+
+    report = dry_run("gpt:layers=2,hidden=32,heads=2,vocab=64,seq=16", "dgx-h100",
+                     training=Training(global_batch=16), fix="dp=4,tp=2,pp=2", nodes=2)
+    print(report.text())          # one line per representative rank; report.ok
+
+What happens, in this one process:
+
+1. plan (or take ``plan``), capture the model on the meta device (no weights) and lower the plan
+   once with the job's one lowering (:func:`partitioner.compile.build.lower_plan`: every rank
+   program, the static communication check included);
+2. pick one representative rank per distinct rank program: the ranks of data-parallel replica 0,
+   one per (stage rank, tp rank, cp rank); replica ``k`` of the same position runs the same program
+   (under ZeRO with shards of the same sizes), so each representative *stands for* the ranks
+   ``rank + k * cp * tp`` of every replica ``k``;
+3. for each representative: initialise torch's ``fake`` process-group backend as that rank of the
+   full world size, build the mesh (:meth:`runtime.dist.mesh.Mesh.for_config`), give its program
+   fake parameters (:class:`FakeTensorMode`: real shapes and dtypes, no memory), run one
+   :meth:`runtime.exec.parallel_model.ParallelModel.train_step` on a fake global batch, and tear
+   the group down. Every collective and point-to-point call the rank makes through
+   ``torch.distributed`` is recorded (:class:`Collective`: op, group ranks, shape, dtype, peer);
+4. check the recorded sequences across representatives: every group whose members are all
+   representatives (tp, cp and pipeline groups of replica 0; the mesh's world group) must see the
+   same sequence from each member, and each message sent must be received with the same shape
+   and dtype (:attr:`DryRunReport.mismatches`).
+
+Two things of the fake world need help, both here and none in the runtime:
+
+* the project's custom collective ops (tp, cp, ZeRO-3) have fake kernels that only compute
+  shapes, so under ``FakeTensorMode`` their real kernels, which issue the collectives, would not
+  run: :class:`_RunRealKernels` sends them to their real kernels (on fake tensors);
+* a host read of a tensor value (``float(loss)``, ``.item()``, the gradient norm, Adam's step
+  count) has no value to read: it reads ``1`` (``1.0``; ``False`` for a flag: no overflow) and is
+  counted (:attr:`RankRun.host_reads`); a result whose shape depends on values (``nonzero``) gets
+  its largest shape (every element non-zero) and is counted alike.
+
+The tensors are fake tensors on the CPU device: on this CPU build of torch, autograd aborts the
+process on a fake CUDA tensor (``AccumulateGrad`` asks for a CUDA device guard, which a CPU build
+does not have). What a CUDA run needs beyond that is listed in the module's ``CUDA_SEAMS``.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from partitioner.compile.build import capture_training_step, lower_plan, run_analysis_passes
+from partitioner.cost.cluster import Cluster
+from partitioner.inputs.knobs import check_fix
+from partitioner.inputs.model_spec import ModelSpec, meta_copy
+from partitioner.inputs.models import as_spec
+from partitioner.inputs.training import Training
+from passes.ir.config import ParallelConfig, TORCH_DTYPES
+from passes.ir.errors import ConfigError
+from passes.ir.ops import qualname
+from passes.ir.plan import Plan
+from passes.ir.program import RankProgram, mesh_coords
+from passes.lowering.lower import Lowering
+from passes.lowering.manager import PassContext
+from runtime.dist.mesh import Mesh
+from runtime.exec.parallel_model import ParallelModel
+
+CUDA_SEAMS = (
+    "autograd on fake CUDA tensors needs a CUDA build of torch (a CPU build aborts in AccumulateGrad)",
+    "runtime/dist/mesh.py:103 Mesh.device is cuda only for the nccl backend (torch.cuda.current_device())",
+    "runtime/dist/comm.py:60 check_device refuses CPU tensors only on nccl groups",
+    "runtime/dist/comm.py:134 broadcast_object picks cuda only for nccl groups",
+    "runtime/optim/mixed_precision.py:53,117 pinned host buffers, torch.cuda.current_stream().synchronize()",
+    "runtime/kernels/offload.py:101-161 torch.cuda.Stream / Event / record_stream, pin_memory=True",
+    "runtime/observe/measure.py:243-265 torch.cuda.reset_peak_memory_stats / max_memory_allocated",
+)
+"""Where the runtime calls CUDA directly (``file:line``): what a dry run on fake CUDA tensors has to
+pass through (a device handle, stream and event creation, memory statistics)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# What a rank does, and the report
+
+@dataclass(frozen=True, slots=True)
+class Collective:
+    """One communication call as the process group saw it."""
+
+    op: str
+    """``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast``, ``all_to_all``, ``send``,
+    ``recv``, ``barrier``, ``all_gather_object``, ``broadcast_object``."""
+    group: tuple[int, ...]
+    """The global ranks of the group it ran on."""
+    shape: tuple[int, ...]
+    dtype: str
+    peer: int | None = None
+    """The other global rank of a send or receive."""
+    group_id: str = ""
+    """The group's name (two groups over the same ranks are two communicators)."""
+
+    def text(self) -> str:
+        where = f" peer {self.peer}" if self.peer is not None else ""
+        return f"{self.op} {list(self.shape)} {self.dtype.replace('torch.', '')} on {_ranks_text(self.group)}{where}"
+
+    def key(self) -> tuple:
+        """What the members of one group must agree on."""
+        return (self.op, self.shape, self.dtype)
+
+
+@dataclass(slots=True)
+class RankRun:
+    """One representative rank's dry run."""
+
+    rank: int
+    stands_for: tuple[int, ...]
+    """Every global rank that runs this rank's program (its data-parallel replicas)."""
+    pp_index: int
+    tp_index: int
+    cp_index: int
+    ok: bool = False
+    error: str | None = None
+    """The exception it raised, as ``Type: message`` (its first lines)."""
+    traceback: str | None = None
+    collectives: list[Collective] = field(default_factory=list)
+    host_reads: int = 0
+    """Tensor values the rank read on the host (each read 1, or False: fake tensors hold no values)."""
+    seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class DryRunReport:
+    """What :func:`dry_run` saw: the plan, one :class:`RankRun` per representative rank, and the
+    disagreements between the recorded sequences of the members of a group."""
+
+    plan: Plan
+    world_size: int
+    ranks: list[RankRun]
+    mismatches: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.ranks) and not self.mismatches
+
+    def failed(self) -> list[RankRun]:
+        return [r for r in self.ranks if not r.ok]
+
+    def text(self) -> str:
+        c = self.plan.config
+        lines = [f"dry run of {self.plan.model} under {c.text()}: {self.world_size} ranks, "
+                 f"{len(self.ranks)} distinct rank programs ({self.seconds:.1f} s)"]
+        for r in self.ranks:
+            status = "OK" if r.ok else f"FAILED: {r.error}"
+            lines.append(f"  rank {r.rank} (pp={r.pp_index} tp={r.tp_index} cp={r.cp_index}) for ranks "
+                         f"{_ranks_text(r.stands_for)}: {status}; {len(r.collectives)} collectives, "
+                         f"{r.host_reads} host reads, {r.seconds:.2f} s")
+        for m in self.mismatches:
+            lines.append(f"  MISMATCH: {m}")
+        lines.append("OK" if self.ok else "FAILED")
+        return "\n".join(lines)
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    ranks = list(ranks)
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}..{ranks[-1]}"
+    return "(" + ", ".join(map(str, ranks)) + ")"
+
+
+# ---------------------------------------------------------------------------------------------
+# Which ranks run which program
+
+def representatives(config: ParallelConfig, *, first: int = 0) -> dict[int, tuple[int, ...]]:
+    """Representative global rank -> every rank running its program: one per (pipeline rank, tp
+    rank, cp rank), taken from data-parallel replica 0; replica ``k`` is ``rank + k * cp * tp``."""
+    c = config
+    out: dict[int, tuple[int, ...]] = {}
+    for rank in range(first, first + c.world_size):
+        pp_index, dp_index, tp_index = mesh_coords(rank, dp=c.dp_cp, tp=c.tp, first=first)
+        replica, cp_index = divmod(dp_index, c.cp)
+        rep = first + pp_index * c.dp_cp * c.tp + cp_index * c.tp + tp_index
+        out.setdefault(rep, ())
+        out[rep] += (rank,)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Recording what the fake group sees
+
+def _group_ranks(group: Any) -> tuple[int, ...]:
+    if group is None or group is dist.GroupMember.WORLD:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def _group_id(group: Any) -> str:
+    g = dist.GroupMember.WORLD if group is None else group
+    return getattr(g, "group_name", "") or ""
+
+
+def _tensor_meta(t: Any) -> tuple[tuple[int, ...], str]:
+    if isinstance(t, torch.Tensor):
+        return tuple(int(s) for s in t.shape), str(t.dtype)
+    if isinstance(t, (list, tuple)) and t and isinstance(t[0], torch.Tensor):
+        return (len(t), *(int(s) for s in t[0].shape)), str(t[0].dtype)
+    return (), "object"
+
+
+_RECORDED = {
+    # name in torch.distributed -> (recorded op, which argument is the tensor)
+    "all_reduce": ("all_reduce", 0),
+    "all_gather": ("all_gather", 1),
+    "all_gather_into_tensor": ("all_gather", 1),
+    "reduce_scatter": ("reduce_scatter", 0),
+    "reduce_scatter_tensor": ("reduce_scatter", 0),
+    "broadcast": ("broadcast", 0),
+    "all_to_all_single": ("all_to_all", 1),
+    "barrier": ("barrier", None),
+    "all_gather_object": ("all_gather_object", None),
+    "broadcast_object_list": ("broadcast_object", None),
+}
+
+
+@contextlib.contextmanager
+def recording(log: list[Collective], *, check: Callable[[str, Any, Any], None] | None = None) -> Iterator[None]:
+    """Record into ``log`` every collective and point-to-point call made through ``torch.distributed``
+    while the context is open (the functions are wrapped on the module, where
+    :mod:`runtime.dist.comm` looks them up). ``check(op, tensor, group)`` may refuse a call
+    (raise) before it is recorded."""
+    originals: dict[str, Callable] = {}
+
+    def wrap(name: str, op: str, arg: int | None):
+        original = getattr(dist, name)
+
+        @functools.wraps(original)
+        def recorded(*args, **kwargs):
+            group = kwargs.get("group")
+            tensor = (kwargs.get("tensor", args[arg] if arg is not None and len(args) > arg else None)
+                      if arg is not None else None)
+            if name == "all_reduce" and tensor is None:
+                tensor = kwargs.get("tensor")
+            if check is not None and tensor is not None:
+                check(op, tensor, group)
+            shape, dtype = _tensor_meta(tensor)
+            log.append(Collective(op, _group_ranks(group), shape, dtype, group_id=_group_id(group)))
+            return original(*args, **kwargs)
+        return recorded
+
+    def batch_isend_irecv(p2p_op_list):
+        for p in p2p_op_list:
+            op = "recv" if p.op.__name__ in ("irecv", "recv") else "send"
+            if check is not None:
+                check(op, p.tensor, p.group)
+            shape, dtype = _tensor_meta(p.tensor)
+            log.append(Collective(op, _group_ranks(p.group), shape, dtype, peer=p.peer, group_id=_group_id(p.group)))
+        return originals["batch_isend_irecv"](p2p_op_list)
+
+    for name, (op, arg) in _RECORDED.items():
+        originals[name] = getattr(dist, name)
+        setattr(dist, name, wrap(name, op, arg))
+    originals["batch_isend_irecv"] = dist.batch_isend_irecv
+    dist.batch_isend_irecv = batch_isend_irecv
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake tensors: the project's collective ops run their real kernels; host reads read 0
+
+_NAMESPACE = qualname("all_reduce").split("::")[0]
+_DEVICE_KEYS = {"cpu": torch._C.DispatchKey.CPU, "cuda": torch._C.DispatchKey.CUDA}
+
+
+def _device_of(args: Sequence[Any]) -> str:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device.type
+        if isinstance(a, (list, tuple)):
+            found = _device_of(a)
+            if found:
+                return found
+    return ""
+
+
+@functools.cache
+def _has_real_kernel(name: str) -> bool:
+    """Whether the op has a kernel for real tensors (``torch.library.register_kernel(..., None)``
+    registers it for every backend: CompositeExplicitAutograd)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd")
+
+
+class _RunRealKernels(TorchDispatchMode):
+    """Above a :class:`FakeTensorMode`: the project's custom ops (whose fake kernels only compute
+    shapes) run their real kernels on the fake tensors, so the collectives they issue happen; a
+    read of a tensor's value on the host gets ``1`` of its type (``False`` for a bool) and is counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.host_reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.host_reads += 1
+            dtype = args[0].dtype
+            return False if dtype is torch.bool else (1.0 if dtype.is_floating_point else 1)
+        if func is torch.ops.aten.nonzero.default:  # as if every element were non-zero: the largest result
+            self.host_reads += 1
+            x = args[0]
+            return torch.zeros((x.numel(), x.dim()), dtype=torch.long, device=x.device)
+        if getattr(func, "namespace", None) == _NAMESPACE:
+            key = _DEVICE_KEYS.get(_device_of(args))
+            if key is not None and _has_real_kernel(func.name()):
+                return func.redispatch(torch._C.DispatchKeySet(key), *args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _fake_modules(modules: dict[int, nn.Module], device: torch.device) -> dict[int, nn.Module]:
+    """Copies of ``modules`` (one deep copy: weights tied across them stay tied) whose parameters
+    and buffers are fake tensors of the same shapes, dtypes and strides on ``device`` (call under
+    the fake mode)."""
+    copies = copy.deepcopy(modules)
+    made: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            new = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+            made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+        return made[id(t)]
+
+    for module in copies.values():
+        for sub in module.modules():
+            for name, p in list(sub._parameters.items()):
+                if p is not None:
+                    sub._parameters[name] = fake(p)
+            for name, b in list(sub._buffers.items()):
+                if b is not None:
+                    sub._buffers[name] = fake(b)
+    return copies
+
+
+def _fake_batch(spec: ModelSpec, global_batch: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A global batch of fake tensors of the model's input shapes (call under the fake mode)."""
+    dims = {**spec.dims, "batch": global_batch}
+    out = []
+    for inp in spec.inputs:
+        shape = [dims[d] if isinstance(d, str) else int(d) for d in inp.shape]
+        out.append(torch.zeros(shape, dtype=inp.dtype, device=device))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank
+
+def _fake_group(rank: int, world_size: int) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def run_rank(program: RankProgram, spec: ModelSpec, *, stands_for: Sequence[int] = (), training: Training,
+             device: torch.device = torch.device("cpu"), steps: int = 1,
+             edit: Callable[[ParallelModel], None] | None = None) -> RankRun:
+    """Run ``program`` (one rank's, of a world of ``program.config.world_size``) as that rank on a
+    fake process group for ``steps`` training steps of fake tensors; returns what it did.
+    ``edit(model)``: called on the built :class:`ParallelModel` before its first step (tests
+    plant bugs with it)."""
+    c = program.config
+    pp_index, dp_index, tp_index = mesh_coords(program.rank, dp=c.dp_cp, tp=c.tp, first=program.first)
+    run = RankRun(program.rank, tuple(stands_for) or (program.rank,), pp_index, tp_index, dp_index % c.cp)
+    start = time.perf_counter()
+    host = _RunRealKernels()
+    try:
+        with torch.random.fork_rng(devices=[]), FakeTensorMode(allow_non_fake_inputs=True), host, \
+                recording(run.collectives):
+            _fake_group(program.rank, program.first + c.world_size)
+            mesh = Mesh.for_config(c)
+            mine = dataclasses.replace(program, modules=_fake_modules(dict(program.modules), device))
+            model = ParallelModel(mine, mesh, optimizer=training.optimizer_factory(), clip_grad_norm=training.clip_grad_norm,
+                                  nonfinite=training.nonfinite)
+            if edit is not None:
+                edit(model)
+            batch = _fake_batch(spec, c.global_batch, device)
+            for _ in range(steps):
+                model.train_step(batch)
+        run.ok = True
+    except Exception as exc:  # noqa: BLE001  (the report names the rank and the error)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        run.error = f"{type(exc).__name__}: {first}"
+        run.traceback = traceback.format_exc()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        _unregister_groups(program)
+    run.host_reads = host.host_reads
+    run.seconds = time.perf_counter() - start
+    return run
+
+
+def _unregister_groups(program: RankProgram) -> None:
+    from runtime.kernels.collectives import unregister_group
+
+    unregister_group(program.tp_group)
+    if program.cp_plan is not None:
+        unregister_group(program.cp_plan.group)
+
+
+# ---------------------------------------------------------------------------------------------
+# Across ranks
+
+def check_sequences(runs: Sequence[RankRun]) -> list[str]:
+    """Disagreements between the recorded calls of representatives that share a group (every
+    member of the group a representative that ran to the end), and messages without their match."""
+    done = {r.rank: r for r in runs if r.ok}
+    problems: list[str] = []
+    by_group: dict[tuple[str, tuple[int, ...]], dict[int, list[Collective]]] = {}
+    sends: dict[tuple[int, int, tuple[int, ...]], list[Collective]] = {}
+    recvs: dict[tuple[int, int, tuple[int, ...]], list[Collective]] = {}
+    for rank, run in done.items():
+        for call in run.collectives:
+            if call.op == "send":
+                sends.setdefault((rank, call.peer, call.group), []).append(call)
+            elif call.op == "recv":
+                recvs.setdefault((call.peer, rank, call.group), []).append(call)
+            else:
+                by_group.setdefault((call.group_id, call.group), {r: [] for r in call.group if r in done})
+        for key, members in by_group.items():
+            if rank in members:
+                members[rank] = [c for c in run.collectives if (c.group_id, c.group) == key and c.peer is None]
+    for (_, ranks), members in sorted(by_group.items(), key=lambda kv: kv[0][1]):
+        if set(members) != set(ranks):
+            continue  # some members are not representatives (dp replicas) or failed: not checkable here
+        problems += _compare(ranks, members)
+    for pair in sorted(set(sends) | set(recvs), key=lambda k: (k[0], k[1])):
+        src, dst, group = pair
+        if src not in done or dst not in done:
+            continue
+        sent, got = sends.get(pair, []), recvs.get(pair, [])
+        for k in range(max(len(sent), len(got))):
+            a = sent[k].key()[1:] if k < len(sent) else None
+            b = got[k].key()[1:] if k < len(got) else None
+            if a != b:
+                problems.append(f"messages rank {src} -> rank {dst} on {_ranks_text(group)}: message {k} is "
+                                f"{_msg(a)} as sent and {_msg(b)} as received ({len(sent)} sent, {len(got)} received)")
+                break
+    return problems
+
+
+def _msg(meta) -> str:
+    return "missing" if meta is None else f"{list(meta[0])} {meta[1].replace('torch.', '')}"
+
+
+def _compare(ranks: tuple[int, ...], members: dict[int, list[Collective]]) -> list[str]:
+    ref_rank = ranks[0]
+    ref = members[ref_rank]
+    for rank in ranks[1:]:
+        mine = members[rank]
+        for k in range(max(len(ref), len(mine))):
+            a = ref[k] if k < len(ref) else None
+            b = mine[k] if k < len(mine) else None
+            if a is None or b is None or a.key() != b.key():
+                return [f"group {_ranks_text(ranks)}: call {k} differs: rank {ref_rank} "
+                        f"{a.text() if a else 'issues nothing (its calls end here)'}, rank {rank} "
+                        f"{b.text() if b else 'issues nothing (its calls end here)'} "
+                        f"({len(ref)} vs {len(mine)} calls on the group)"]
+    return []
+
+
+# ---------------------------------------------------------------------------------------------
+# The front door
+
+def dry_run(model: str | ModelSpec, cluster: Cluster | str, *, training: Training, fix: dict | str | None = None,
+            plan: Plan | None = None, nodes: int | None = None, steps: int = 1,
+            ranks: Sequence[int] | None = None,
+            edit: Callable[[int, ParallelModel], None] | None = None) -> DryRunReport:
+    """Plan ``model`` on ``cluster`` (or take ``plan``) and run every distinct rank program of the
+    job for ``steps`` training steps in this process, on fake tensors and a fake process group of
+    the job's world size (see the module docstring). ``training``, ``fix``, ``plan``, ``nodes``:
+    as :func:`partitioner.api.planning.plan` and :func:`partitioner.api.auto.auto_parallelize` take
+    them. ``ranks``: run only these representatives (default: all). ``edit(rank, model)``: called
+    on each rank's model before its first step. Never raises for a rank's failure: the report
+    names it (:attr:`DryRunReport.ok`)."""
+    from partitioner.api.planning import plan as make_plan
+
+    start = time.perf_counter()
+    if not isinstance(training, Training):
+        raise ConfigError(f"dry_run: training is {type(training).__name__}, not a Training; pass "
+                          f"training=Training(global_batch=8, ...) (from partitioner import Training)")
+    if plan is not None and fix is not None:
+        raise ConfigError("dry_run: fix and plan both given; pass plan=... alone, or fix=... alone to search the rest")
+    if isinstance(cluster, str):
+        cluster = Cluster.load(cluster, nodes=nodes)
+    elif nodes is not None:
+        cluster = cluster.with_nodes(nodes)
+    if plan is None:
+        plan = make_plan(model, cluster, training=training, fix=check_fix(fix, where="dry_run: fix"))
+    elif plan.global_batch != training.global_batch:
+        raise ConfigError(f"dry_run: the plan is for global batch {plan.global_batch}, not {training.global_batch}; "
+                          f"pass Training(global_batch={plan.global_batch})")
+    config = plan.config
+    spec = as_spec(model, device="meta")
+    spec = (meta_copy(spec) if isinstance(model, ModelSpec) else spec).cast(TORCH_DTYPES[config.dtype])
+    graph = run_analysis_passes(capture_training_step(spec, device="cpu"), optimizer=training.optimizer_name(),
+                                mixed_precision=config.mixed_precision)
+    lowering: Lowering = lower_plan(graph, config, cluster=cluster, ctx=PassContext(
+        optimizer=training.optimizer_name(), mixed_precision=config.mixed_precision))
+    reps = representatives(config)
+    runs = []
+    for rank, members in reps.items():
+        if ranks is not None and rank not in ranks:
+            continue
+        runs.append(run_rank(lowering.rank_program(rank), spec, stands_for=members, training=training, steps=steps,
+                             edit=None if edit is None else functools.partial(edit, rank)))
+    report = DryRunReport(plan=plan, world_size=config.world_size, ranks=runs)
+    report.mismatches = check_sequences(runs)
+    report.seconds = time.perf_counter() - start
+    return report

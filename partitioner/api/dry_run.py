@@ -421,11 +421,14 @@ def _unregister_groups(program: RankProgram) -> None:
 # Across ranks
 
 def check_sequences(runs: Sequence[RankRun]) -> list[str]:
-    """Disagreements between the recorded calls of representatives that share a group (every
-    member of the group a representative that ran to the end), and messages without their match."""
+    """Disagreements between the recorded calls of the representatives that share a group, and
+    messages without their match. A group is checked when every one of its ranks is a rank that
+    ran or one it stands for (a data-parallel replica runs its representative's calls); two or
+    more representatives in it must issue the same sequence (op, shape, dtype) on it."""
     done = {r.rank: r for r in runs if r.ok}
+    covered = {m for r in done.values() for m in r.stands_for}
     problems: list[str] = []
-    by_group: dict[tuple[str, tuple[int, ...]], dict[int, list[Collective]]] = {}
+    groups: set[tuple[str, tuple[int, ...]]] = set()
     sends: dict[tuple[int, int, tuple[int, ...]], list[Collective]] = {}
     recvs: dict[tuple[int, int, tuple[int, ...]], list[Collective]] = {}
     for rank, run in done.items():
@@ -435,14 +438,15 @@ def check_sequences(runs: Sequence[RankRun]) -> list[str]:
             elif call.op == "recv":
                 recvs.setdefault((call.peer, rank, call.group), []).append(call)
             else:
-                by_group.setdefault((call.group_id, call.group), {r: [] for r in call.group if r in done})
-        for key, members in by_group.items():
-            if rank in members:
-                members[rank] = [c for c in run.collectives if (c.group_id, c.group) == key and c.peer is None]
-    for (_, ranks), members in sorted(by_group.items(), key=lambda kv: kv[0][1]):
-        if set(members) != set(ranks):
-            continue  # some members are not representatives (dp replicas) or failed: not checkable here
-        problems += _compare(ranks, members)
+                groups.add((call.group_id, call.group))
+    for key in sorted(groups, key=lambda k: (k[1], k[0])):
+        ranks = key[1]
+        reps = [r for r in ranks if r in done]
+        if len(reps) < 2 or not set(ranks) <= covered:
+            continue
+        members = {r: [c for c in done[r].collectives if (c.group_id, c.group) == key and c.peer is None]
+                   for r in reps}
+        problems += _compare(ranks, reps, members)
     for pair in sorted(set(sends) | set(recvs), key=lambda k: (k[0], k[1])):
         src, dst, group = pair
         if src not in done or dst not in done:
@@ -462,10 +466,10 @@ def _msg(meta) -> str:
     return "missing" if meta is None else f"{list(meta[0])} {meta[1].replace('torch.', '')}"
 
 
-def _compare(ranks: tuple[int, ...], members: dict[int, list[Collective]]) -> list[str]:
-    ref_rank = ranks[0]
+def _compare(ranks: tuple[int, ...], reps: list[int], members: dict[int, list[Collective]]) -> list[str]:
+    ref_rank = reps[0]
     ref = members[ref_rank]
-    for rank in ranks[1:]:
+    for rank in reps[1:]:
         mine = members[rank]
         for k in range(max(len(ref), len(mine))):
             a = ref[k] if k < len(ref) else None

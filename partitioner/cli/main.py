@@ -134,6 +134,28 @@ def _cmd_lower(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_dry_run(args: argparse.Namespace) -> int:
+    from partitioner.api.dry_run import dry_run
+    from partitioner.cli.demo import read_plan
+    from partitioner.inputs.training import Training
+
+    plan = read_plan(args.plan) if args.plan else None
+    if plan is None and (args.model is None or args.global_batch is None):
+        raise ConfigError("dry-run: give --model and --global-batch (to plan), or --plan plan.json")
+    if plan is not None and args.fix is not None:
+        raise ConfigError("dry-run: --fix and --plan both given; a plan fixes every knob already: drop --fix")
+    model = args.model or plan.model
+    training = Training(global_batch=args.global_batch or plan.global_batch, optimizer=args.optimizer,
+                        dtype=args.dtype or (plan.config.dtype if plan is not None else None))
+    report = dry_run(model, args.cluster, training=training, fix=args.fix, plan=plan, nodes=args.nodes,
+                     steps=args.steps)
+    print(report.text())
+    if args.debug:
+        for r in report.failed():
+            print(f"rank {r.rank}: {r.traceback}", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
 def _cmd_refit(args: argparse.Namespace) -> int:
     from partitioner.calibration.cache import local_cache_file
     from partitioner.calibration.job_cluster import local_cluster
@@ -389,6 +411,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-onnx", dest="onnx", action="store_false", help="capture on the meta device, no ONNX")
     p.add_argument("--dump-dir", required=True, help="where to write the tree")
     p.set_defaults(fn=_cmd_lower)
+
+    p = sub.add_parser("dry-run", help="run every distinct rank program of the job for a step, here, on fake "
+                                       "tensors and a fake process group of the job's world size")
+    p.add_argument("--model", help="NAME:key=value,... (default: the --plan's model)")
+    p.add_argument("--cluster", required=True, help="preset (dgx-a100-80gb, dgx-h100, ...) or a YAML/JSON file")
+    p.add_argument("--nodes", type=int, help="number of nodes (default: the preset's)")
+    p.add_argument("--global-batch", type=int, help="samples per optimizer step (default: the --plan's)")
+    p.add_argument("--dtype", help="fp32, or bf16/fp16 (default: the plan's, else the cluster's)")
+    p.add_argument("--optimizer", default="adamw", help=OPTIMIZER_HELP)
+    p.add_argument("--fix", help="pin knobs: tp=8,pp=4,... (the search chooses the rest)")
+    p.add_argument("--plan", metavar="PLAN.json", help="dry-run this plan instead of searching one")
+    p.add_argument("--steps", type=int, default=1, help="training steps per rank (default 1)")
+    p.add_argument("--debug", action="store_true", help="print each failed rank's traceback")
+    p.set_defaults(fn=_cmd_dry_run)
 
     p = sub.add_parser("models", help="list the model zoo")
     p.set_defaults(fn=_cmd_models)

@@ -326,10 +326,10 @@ class _RunRealKernels(TorchDispatchMode):
 
 
 def _fake_modules(modules: dict[int, nn.Module], device: torch.device) -> dict[int, nn.Module]:
-    """Copies of ``modules`` (one deep copy: weights tied across them stay tied) whose parameters
-    and buffers are fake tensors of the same shapes, dtypes and strides on ``device`` (call under
-    the fake mode)."""
-    copies = copy.deepcopy(modules)
+    """``modules`` (copies: weights tied across them stay tied, in place) with every parameter and
+    buffer replaced by a fake tensor of the same shape, dtype and strides on ``device`` (call
+    under the fake mode, with copies made outside it)."""
+    copies = modules
     made: dict[int, torch.Tensor] = {}
 
     def fake(t: torch.Tensor) -> torch.Tensor:
@@ -382,12 +382,13 @@ def run_rank(program: RankProgram, spec: ModelSpec, *, stands_for: Sequence[int]
     run = RankRun(program.rank, tuple(stands_for) or (program.rank,), pp_index, tp_index, dp_index % c.cp)
     start = time.perf_counter()
     host = _RunRealKernels()
+    modules = copy.deepcopy(dict(program.modules))  # one copy (tied weights stay tied), outside the fake mode
     try:
         with torch.random.fork_rng(devices=[]), FakeTensorMode(allow_non_fake_inputs=True), host, \
                 recording(run.collectives):
             _fake_group(program.rank, program.first + c.world_size)
             mesh = Mesh.for_config(c)
-            mine = dataclasses.replace(program, modules=_fake_modules(dict(program.modules), device))
+            mine = dataclasses.replace(program, modules=_fake_modules(modules, device))
             model = ParallelModel(mine, mesh, optimizer=training.optimizer_factory(), clip_grad_norm=training.clip_grad_norm,
                                   nonfinite=training.nonfinite)
             if edit is not None:

@@ -28,7 +28,7 @@ from partitioner.cost.cluster import Cluster, CollectiveFit, Device, EfficiencyC
 from passes.ir.config import DTYPES as TRAINING_DTYPES
 from passes.ir.optimizers import optimizer_model
 from passes.ir.schedule import build, peak_in_flight, simulate, zb1p_compute, zbv_compute
-from passes.ir.config import SCHEDULES
+from passes.ir.config import SCHEDULES, is_mixed
 from passes.ir.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------
@@ -476,7 +476,7 @@ def _bytes_per_param(dtype: str, optimizer: str) -> tuple[int, int, int]:
     if dtype not in TRAINING_DTYPES:  # bf16/fp16 train with fp32 master weights
         raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(TRAINING_DTYPES)}")
     states = optimizer_model(optimizer).state_bytes_per_element  # fp32 moments
-    mixed = dtype != "fp32"
+    mixed = is_mixed(dtype)
     weight = 2 if mixed else 4
     master = 4 if mixed else 0
     return weight, weight, states + master

@@ -139,7 +139,7 @@ from partitioner.cost.cost_model import (
     send_recv_time,
 )
 from partitioner.search.profile import LayerProfile, ModelProfile
-from passes.ir.config import ParallelConfig
+from passes.ir.config import ParallelConfig, is_mixed
 from passes.ir.grad_buckets import DEFAULT_BUCKET_BYTES, FIRST_BUCKET_BYTES
 from passes.ir.plan import StagePlan
 from passes.ir.zero3_ops import ZERO3_PREFETCH
@@ -493,10 +493,10 @@ def _state_per_param(ctx: PlanContext, c: ParallelConfig) -> tuple[float, float,
     ms = model_state_bytes(1.0, c.shard_degree if c.zero_stage == 3 else c.dp_cp, c.zero_stage, ctx.dtype,
                            ctx.optimizer)
     opt = 0.0 if c.offload == "optimizer" else ms.optimizer
-    if c.zero_stage in (1, 2) and ctx.dtype == "fp32" and opt:
+    if c.zero_stage in (1, 2) and not is_mixed(ctx.dtype) and opt:
         opt += 4.0 / c.dp_cp  # runtime.optim.grad_sync.ShardedOptimizer steps an fp32 copy of its chunk
     grads = ms.grads
-    if c.zero_stage == 2 and ctx.dtype != "fp32":
+    if c.zero_stage == 2 and is_mixed(ctx.dtype):
         grads = 4.0 / c.dp_cp  # the sharded accumulator sums in fp32 (runtime.optim.grad_sync)
     # ZeRO-3: the optimizer steps the shards themselves, whose gradients are in the parameters' dtype
     return ms.params, grads, opt

@@ -45,6 +45,15 @@ def dtype_name(dtype: torch.dtype) -> str:
             return name
     raise ConfigError(f"no training dtype for {dtype}; the runtime trains in {', '.join(TORCH_DTYPES)}")
 
+
+def is_mixed(dtype: str) -> bool:
+    """Whether training dtype ``dtype`` is 16-bit (``bf16``, ``fp16``): 2-byte parameters, gradients
+    and activations, with fp32 master weights and fp32 optimizer state (``fp16`` also scales the
+    loss). The one place the yes/no is derived from the dtype."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return dtype != "fp32"
+
 # Options of the passes that carry the knobs out (what a pass can do, beyond what the planner asks).
 CheckpointPolicy = Literal["none", "full", "selective", "solver"]
 """``checkpoint_policy``'s policies: the knob's three, plus ``solver`` (fewest recompute FLOPs under
@@ -188,7 +197,7 @@ class ParallelConfig:
     @property
     def mixed_precision(self) -> bool:
         """Low-precision compute with fp32 master weights."""
-        return self.dtype != "fp32"
+        return is_mixed(self.dtype)
 
     # ------------------------------------------------------------------------------ validation
     def problems(self, *, world_size: int | None = None, blocks: int | None = None,

@@ -399,7 +399,7 @@ def auto_parallelize(model: str | ModelSpec, cluster: Cluster | str | None = Non
     def capture_and_analyse():
         captured = capture_training_step(spec, device=device.type)
         clock.lap("capture")
-        run_analysis_passes(captured, optimizer=planned_optimizer, mixed_precision=dtype != "fp32", writer=writer, memory_batch=1)
+        run_analysis_passes(captured, optimizer=planned_optimizer, dtype=dtype, writer=writer, memory_batch=1)
         clock.lap("analysis")
         return pack_graph(captured, spec.module)
 
@@ -431,7 +431,7 @@ def auto_parallelize(model: str | ModelSpec, cluster: Cluster | str | None = Non
         clock.lap("lower+dumps")
     else:
         program = lower_plan(graph, chosen.config, cluster=cluster, mesh=mesh, ctx=PassContext(
-            optimizer=planned_optimizer, mixed_precision=chosen.config.mixed_precision)).rank_program(mesh.rank, first=mesh.first)
+            optimizer=planned_optimizer, dtype=chosen.config.dtype)).rank_program(mesh.rank, first=mesh.first)
         clock.lap("lower")
     pm = ParallelModel(program, mesh, optimizer=factory, lr_scheduler=training.lr_scheduler,
                        clip_grad_norm=training.clip_grad_norm, nonfinite=training.nonfinite)

@@ -105,6 +105,6 @@ def write_model_plan_dumps(dump_dir: str | Path, *, model: str | ModelSpec, plan
         spec.dims["seq"] = seq
     writer = DumpWriter(dump_dir, model=plan.model)
     graph = run_analysis_passes(capture_training_step(spec, device="cpu"), optimizer=optimizer,
-                    mixed_precision=plan.config.mixed_precision, writer=writer)
+                    dtype=plan.config.dtype, writer=writer)
     return write_plan_dumps(dump_dir, graph=graph, plan=plan, cluster=cluster, writer=writer,
                             reproduce_args=("--seq", str(seq)) if seq is not None else ())

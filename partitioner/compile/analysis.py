@@ -98,7 +98,7 @@ def analyze(model: ModelSpec | str, *, batch: int | str | None = None, seq: int 
     gm = capture_training_step(spec, dims=dims, symbolic=symbolic)
 
     writer = DumpWriter(dump_dir, model=spec.name) if dump_dir else None
-    gm = run_analysis_passes(gm, optimizer=optimizer, mixed_precision=dtype != "fp32", writer=writer)
+    gm = run_analysis_passes(gm, optimizer=optimizer, dtype=dtype, writer=writer)
 
     def named(expr) -> sympy.Expr:
         return sympy.expand(sympy.sympify(expr).xreplace(rename))

@@ -21,7 +21,7 @@ from partitioner.cost.cost_model import cost_hooks
 from passes.capture.capture import capture_spec
 from passes.checks.communication_check import CommunicationSummary, LoweredRank, check_lowered_ranks, check_lowering, rank_calls
 from passes.capture.training_step_checks import check_loss, check_trainable, watch_side_effects
-from passes.ir.config import ParallelConfig
+from passes.ir.config import DType, ParallelConfig
 from passes.ir.errors import ConfigError
 from passes.ir.grad_buckets import DEFAULT_BUCKET_BYTES
 from passes.ir.program import RankProgram
@@ -55,13 +55,13 @@ def capture_training_step(spec: ModelSpec, *, symbolic: Sequence[str] | None = N
     return gm
 
 
-def run_analysis_passes(gm: fx.GraphModule, *, optimizer: str = "adamw", mixed_precision: bool = False, writer=None,
+def run_analysis_passes(gm: fx.GraphModule, *, optimizer: str = "adamw", dtype: DType = "fp32", writer=None,
             memory: bool = True, memory_batch: int | None = None) -> fx.GraphModule:
     """The analysis passes (shapes, blocks, FLOPs and, with ``memory``, memory) over ``gm``, in
     place; returns it. ``memory_batch``: count memory at that batch, concretely (``1``: the
     per-sample numbers the planner profiles). ``writer``: an :class:`ir_dumps.writer.DumpWriter`
     that dumps every pass."""
-    ctx = PassContext(optimizer=optimizer, mixed_precision=mixed_precision)
+    ctx = PassContext(optimizer=optimizer, dtype=dtype)
     passes = analysis_passes(ctx, memory=memory, memory_batch=memory_batch)
     pm = manager(passes, instrument=writer)
     gm = pm.run(gm, ctx)
@@ -103,7 +103,7 @@ def lower_plan(graph: fx.GraphModule, config: ParallelConfig, *, cluster: Cluste
     instrument_for = None if writer is None else (
         lambda name: writer if name == "whole_graph" else writer.scope(name))  # whole graph at the top, stages in folders
     lowering = lower(graph, config, cost=cost_hooks(cluster), tp_group=tp_group, programs=programs,
-                     instrument_for=instrument_for, ctx=ctx or PassContext(mixed_precision=config.mixed_precision))
+                     instrument_for=instrument_for, ctx=ctx or PassContext(dtype=config.dtype))
     if writer is not None:
         for record in lowering.pipelines:
             writer.record_pipeline(record.name, record.text)

@@ -81,7 +81,7 @@ from partitioner.search.search import search
 from passes.ir.grad_buckets import MAX_IN_FLIGHT, BucketMachine, GradSlot, Launch, bucket_layout
 from partitioner.compile.build import rank_program
 from partitioner.cost.cluster import Cluster
-from passes.ir.config import KNOBS, ParallelConfig
+from passes.ir.config import KNOBS, DType, ParallelConfig, is_mixed
 
 _STEP_BYTES = 4  # AdamW's 0-dim float32 ``step`` per parameter tensor
 
@@ -172,11 +172,11 @@ class _Recorder(MemoryObserver):
 
 
 def stage_events(module: fx.GraphModule, dims: Mapping[str, int], *, optimizer: str = "adamw",
-                 mixed_precision: bool = False) -> StageEvents:
+                 dtype: DType = "fp32") -> StageEvents:
     """Record the liveness timeline of ``module`` (a stage program with ``meta[CAPTURE]`` listing
     its own inputs, as :func:`passes.lowering.lower.lower` sets it) for one
     micro-batch of named ``dims`` (e.g. ``{"batch": 2, "seq": 8}``). ``module`` is not changed.
-    ``mixed_precision``: a 16-bit plan, whose optimizer temporaries are fp32 (the masters')."""
+    ``dtype``: the plan's training dtype (16-bit: the optimizer temporaries are fp32, the masters')."""
 
     gm = copy.deepcopy(module)
     info = gm.meta.get(CAPTURE)
@@ -191,7 +191,7 @@ def stage_events(module: fx.GraphModule, dims: Mapping[str, int], *, optimizer: 
     if zero3 is not None:
         _unique_region_names(gm)  # each region's gather is told apart from the stage's by its marker
     rec = _Recorder()
-    annotate_memory(gm, optimizer=optimizer, mixed_precision=mixed_precision, observer=rec)
+    annotate_memory(gm, optimizer=optimizer, dtype=dtype, observer=rec)
     summary = gm.meta[MEMORY_SUMMARY]
     events = _with_offload_copies(gm, rec.events, rec.moved, device=info.device)
     if zero3 is not None:
@@ -530,7 +530,7 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
     m, pp, v, dp = num_micro_batches, program.pp, program.virtual_pp, program.config.dp_cp
     actions = build_schedule(schedule, pp, m, v)[program.pp_index]
     ev = dict(events) if events is not None else {s: stage_events(program.modules[s], dims, optimizer=optimizer,
-                                                                  mixed_precision=program.config.mixed_precision)
+                                                                  dtype=program.config.dtype)
                                                   for s in program.stages}
     sym = {dim_symbol(k): val for k, val in dims.items()}
     io = program.io
@@ -548,7 +548,7 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     numel = sum(p.numel() for p in params)
     n_tensors = len(params)
-    masters = program.config.mixed_precision  # runtime.optim.mixed_precision: fp32 masters of 16-bit params
+    masters = is_mixed(program.config.dtype)  # runtime.optim.mixed_precision: fp32 masters of 16-bit params
     # ZeRO-3 has no buckets: each site's gradients are reduce-scattered in backward into the
     # shards, which an unsharded AdamW steps (the parameters are the shards)
     sharded_state = zero in (1, 2)

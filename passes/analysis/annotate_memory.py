@@ -62,6 +62,7 @@ import torch
 from torch import fx
 
 from passes.capture.fake_execution import capture_info
+from passes.ir.config import DType, is_mixed
 from passes.ir.meta import CAPTURE, MEMORY, MEMORY_SUMMARY, MemoryMeta, MemorySummary, SavedTensor
 from passes.analysis.saved_tensors import _ForwardRun, observe_saved_tensors  # noqa: F401  (shared with other passes)
 from passes.ir.optimizers import optimizer_model
@@ -73,13 +74,13 @@ _ZERO = sympy.Integer(0)
 
 
 def annotate_memory(gm: fx.GraphModule, ctx: Any = None, *, optimizer: str = "adamw",
-                    mixed_precision: bool = False, batch: int | None = None,
+                    dtype: DType = "fp32", batch: int | None = None,
                     observer: MemoryObserver | None = None) -> fx.GraphModule:
     """Write :class:`MemoryMeta` (bytes) under ``node.meta[MEMORY]`` for every node and the
     step's :class:`MemorySummary` (bytes) under ``gm.meta[MEMORY_SUMMARY]``; returns ``gm``.
 
-    ``optimizer`` is one of :data:`passes.ir.optimizers.OPTIMIZERS`; ``mixed_precision`` models bf16/fp16 parameters
-    and gradients (2 bytes each per element) with fp32 master weights (4) and fp32 optimizer
+    ``optimizer`` is one of :data:`passes.ir.optimizers.OPTIMIZERS`; ``dtype`` is the training dtype:
+    ``bf16``/``fp16`` model 16-bit parameters and gradients (2 bytes each per element) with fp32 master weights (4) and fp32 optimizer
     state (Adam: 8), i.e. 16 bytes per parameter element for Adam. Activation bytes always come
     from the graph's own dtypes: capture a bf16 model to get bf16 activations. ``batch``: count
     one step of ``batch`` samples with every other named dim at its hint (concrete numbers,
@@ -92,13 +93,13 @@ def annotate_memory(gm: fx.GraphModule, ctx: Any = None, *, optimizer: str = "ad
         dims = tuple((n, batch if n == "batch" else v) for n, v in info.dims)
         gm.meta[CAPTURE] = dataclasses.replace(info, dims=dims, symbolic=())
         try:
-            return annotate_memory(gm, ctx, optimizer=optimizer, mixed_precision=mixed_precision, observer=observer)
+            return annotate_memory(gm, ctx, optimizer=optimizer, dtype=dtype, observer=observer)
         finally:
             gm.meta[CAPTURE] = info
     opt = optimizer_model(optimizer)
     info = capture_info(gm)
     run = observe_saved_tensors(gm, observer=observer)
-    state = _model_state(run, opt, mixed_precision)
+    state = _model_state(run, opt, dtype)
     _write_node_meta(run, state)
     foreach = info.device == "cuda"
     remat = tensor_remat_events(gm, run)
@@ -115,8 +116,8 @@ def annotate_memory(gm: fx.GraphModule, ctx: Any = None, *, optimizer: str = "ad
         + f" ({peak.hint_bytes} bytes); peak_bytes is the Max over the step's points that are the "
         "largest somewhere on a grid of dims values (hint * 2**k, k = -3, -2.5, ..., 6); see passes.analysis.liveness",
     ]
-    if mixed_precision and info.dtype == torch.float32:
-        notes.append("mixed precision: model state uses 2-byte params/grads, but activations are "
+    if is_mixed(dtype) and info.dtype == torch.float32:
+        notes.append(f"dtype {dtype}: model state uses 2-byte params/grads, but activations are "
                      "those of the fp32 graph; capture a bf16 model for 2-byte activations")
     gm.meta[MEMORY_SUMMARY] = MemorySummary(
         param_count=state.total("numel"),
@@ -130,7 +131,7 @@ def annotate_memory(gm: fx.GraphModule, ctx: Any = None, *, optimizer: str = "ad
         peak_phase=peak.phase,
         peak_node=peak.node,
         optimizer=optimizer,
-        mixed_precision=mixed_precision,
+        dtype=dtype,
         notes=tuple(notes),
     )
     return gm

@@ -13,6 +13,7 @@ import sympy
 import torch
 from torch import fx
 
+from passes.ir.config import is_mixed
 from passes.ir.optimizers import OptimizerModel
 from passes.analysis.graph_view import view_of_run
 from passes.ir.errors import PassError
@@ -69,7 +70,8 @@ class _ModelState:
         return sympy.expand(sympy.Add(*[v[0] for v in table.values()]))
 
 
-def _model_state(run: _ForwardRun, opt: OptimizerModel, mixed_precision: bool) -> _ModelState:
+def _model_state(run: _ForwardRun, opt: OptimizerModel, dtype: str) -> _ModelState:
+    mixed = is_mixed(dtype)  # 16-bit params/grads, fp32 masters and optimizer state
     state = _ModelState(first_node={}, numel={}, numel_hint={}, param={}, grad={}, opt={}, state_elem_bytes=_FP32_BYTES)
     for node in run.order:
         if node.op == "get_attr":
@@ -81,13 +83,13 @@ def _model_state(run: _ForwardRun, opt: OptimizerModel, mixed_precision: bool) -
         numel = st.size / itemsize
         state.numel[st] = numel
         state.numel_hint[st] = st.hint // itemsize
-        p_bytes = _HALF_BYTES if mixed_precision else itemsize
+        p_bytes = _HALF_BYTES if mixed else itemsize
         state.param[st] = (numel * p_bytes, st.hint // itemsize * p_bytes)
         if st not in run.param_with_grad:
             continue  # no gradient, so no optimizer state either
-        state_bytes = _FP32_BYTES if mixed_precision else itemsize
+        state_bytes = _FP32_BYTES if mixed else itemsize
         state.state_elem_bytes = state_bytes
-        per_elem = opt.state_tensors * state_bytes + (_FP32_BYTES if mixed_precision else 0)  # + master
+        per_elem = opt.state_tensors * state_bytes + (_FP32_BYTES if mixed else 0)  # + master
         fixed = _STEP_BYTES if opt.step_tensor else 0
         state.grad[st] = state.param[st]
         state.opt[st] = (numel * per_elem + fixed, st.hint // itemsize * per_elem + fixed)

@@ -254,7 +254,8 @@ class MemorySummary:
     peak_phase: str
     peak_node: str
     optimizer: str
-    mixed_precision: bool
+    dtype: str
+    """The training dtype counted (``fp32``, ``bf16``, ``fp16``; 16-bit: fp32 masters and optimizer state)."""
     notes: tuple[str, ...] = field(default_factory=tuple)
     # Bytes of non-parameter buffers (e.g. batch-norm running stats): live through the step and
     # part of the peak, but neither trained nor activations.

@@ -170,7 +170,7 @@ def lower(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
         if key not in gm.meta:
             raise PassError(f"lower: gm.meta has no {key!r}; capture the model and run the analysis passes "
                             f"(passes.lowering.pipelines.analysis_passes) first")
-    ctx = ctx or PassContext(mixed_precision=config.mixed_precision)
+    ctx = ctx or PassContext(dtype=config.dtype)
     blocks = gm.meta[LAYER_CHAIN].n_blocks
     config.validate(blocks=blocks)
     captured = gm.meta[CAPTURE].dtype

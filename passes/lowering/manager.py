@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from torch import fx
 
+from passes.ir.config import DType
 from passes.ir.errors import PassError
 from passes.ir.meta import KEYS
 
@@ -56,8 +57,9 @@ class PassContext:
 
     optimizer: str = "adamw"
     """Optimizer whose state the memory pass counts ("adamw", "adam", "sgd", ...)."""
-    mixed_precision: bool = False
-    """Whether training keeps low-precision weights plus fp32 master copies."""
+    dtype: DType = "fp32"
+    """The training dtype (``bf16``/``fp16``: 16-bit weights plus fp32 master copies, see
+    :func:`passes.ir.config.is_mixed`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -291,7 +293,7 @@ def _node_in_traceback(tb: TracebackType | None) -> fx.Node | None:
 
 def adapt(fn: Callable[..., fx.GraphModule], **options: Any) -> PassFn:
     """``fn(gm, ctx, **options)`` as a pass function, passing also the :class:`PassContext` fields
-    ``fn`` takes as keywords (e.g. ``optimizer``, ``mixed_precision`` for the memory pass)."""
+    ``fn`` takes as keywords (e.g. ``optimizer``, ``dtype`` for the memory pass)."""
     params = inspect.signature(fn).parameters
     option_names = [f.name for f in fields(PassContext) if f.name in params and f.name not in options]
 

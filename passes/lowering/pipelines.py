@@ -4,7 +4,7 @@ Every pass is registered here once (:data:`REGISTRY`: its function, the meta it 
 provides, the options it takes), and every pipeline is built from that registry, so a pipeline
 prints as text and the text builds the same pipeline again (:func:`parse_pipeline`)::
 
-    annotate_shapes,annotate_blocks,annotate_flops,annotate_memory{optimizer=adamw,mixed_precision=false}
+    annotate_shapes,annotate_blocks,annotate_flops,annotate_memory{optimizer=adamw,dtype=fp32}
 
 Three pipelines make the lowering (:func:`passes.lowering.lower.lower` runs them):
 
@@ -121,7 +121,7 @@ REGISTRY: dict[str, PassDef] = {d.name: d for d in (
     PassDef(name="annotate_flops", make=_plain(annotate_flops), requires=(CAPTURE, SHAPE),
             provides=(FLOPS, FLOP_SUMMARY)),
     PassDef(name="annotate_memory", make=_plain(annotate_memory), requires=(CAPTURE, SHAPE),
-            provides=(MEMORY, MEMORY_SUMMARY), options=("optimizer", "mixed_precision", "batch")),
+            provides=(MEMORY, MEMORY_SUMMARY), options=("optimizer", "dtype", "batch")),
     PassDef(name="context_parallel", make=_plain(apply_context_parallel), requires=(CAPTURE,),
             provides=(CONTEXT_PARALLEL,), options=("degree", "group", "mode", "tp")),
     PassDef(name="tag_tensor_parallel", make=_plain(tag_tensor_parallel), requires=(CAPTURE, SHAPE),
@@ -173,7 +173,7 @@ def analysis_passes(ctx: PassContext | None = None, *, memory: bool = True,
     out = [make_pass("annotate_shapes"), make_pass("annotate_blocks"), make_pass("annotate_flops")]
     if memory:
         options = {} if memory_batch is None else {"batch": memory_batch}
-        out.append(make_pass("annotate_memory", optimizer=ctx.optimizer, mixed_precision=ctx.mixed_precision,
+        out.append(make_pass("annotate_memory", optimizer=ctx.optimizer, dtype=ctx.dtype,
                              **options))
     return out
 
@@ -267,6 +267,11 @@ def _need(cost: CostHooks | None) -> CostHooks:
 _ITEM = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:\{([^}]*)\})?\s*(?:,|$)")
 
 
+_OLD_PRECISION = "mixed_precision"
+"""``annotate_memory``'s option before ``dtype``: old pipeline text (a dump's manifest) still reads,
+``true`` as ``bf16`` (the memory counted is that of either 16-bit dtype), ``false`` as ``fp32``."""
+
+
 def parse_pipeline(text: str, *, cost: CostHooks | None = None) -> list[Pass]:
     """The passes of a pipeline's text (:func:`passes.lowering.manager.pipeline_text`); ``cost`` is given
     to the passes that take it (it has no text form)."""
@@ -284,6 +289,8 @@ def parse_pipeline(text: str, *, cost: CostHooks | None = None) -> list[Pass]:
             if not eq:
                 raise PassError(f"pipeline text: option {item!r} of pass {name!r} is not key=value")
             options[key.strip()] = _value(value.strip())
+        if name == "annotate_memory" and _OLD_PRECISION in options:  # text written before the dtype option
+            options.setdefault("dtype", "bf16" if options.pop(_OLD_PRECISION) else "fp32")
         if name in REGISTRY and "cost" in REGISTRY[name].options:
             options["cost"] = cost
         out.append(make_pass(name, **options))

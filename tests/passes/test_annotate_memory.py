@@ -133,15 +133,17 @@ def test_model_state_fp32(optimizer, opt_bytes):
     assert sum(n.meta[MEMORY].optimizer_bytes for n in gm.graph.nodes) == opt_bytes
 
 
-def test_mixed_precision_adam_is_16_bytes_per_parameter():
-    gm = _annotate(TwoLayer(), optimizer="adam", mixed_precision=True)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_16bit_adam_is_16_bytes_per_parameter(dtype):
+    gm = _annotate(TwoLayer(), optimizer="adam", dtype=dtype)
     s = gm.meta[MEMORY_SUMMARY]
     # bf16 param 2 + bf16 grad 2 + fp32 master 4 + fp32 Adam moments 8 = 16 bytes per element,
     # plus the 4-byte step tensor of each of the 4 parameters.
     assert (s.param_bytes, s.grad_bytes) == (2 * N_TWO_LAYER, 2 * N_TWO_LAYER)
     assert s.optimizer_bytes == 12 * N_TWO_LAYER + 16
     assert s.param_bytes + s.grad_bytes + s.optimizer_bytes == 16 * N_TWO_LAYER + 16
-    assert s.mixed_precision
+    assert s.dtype == dtype
+    assert any(n.startswith(f"dtype {dtype}: model state uses 2-byte") for n in s.notes)  # an fp32 graph
 
 
 def test_tied_parameters_counted_once():

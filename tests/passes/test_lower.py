@@ -40,6 +40,12 @@ def test_pipeline_text_builds_the_same_pipeline():
         make_pass("annotate_shapes", degree=2)
 
 
+def test_pipeline_text_written_before_the_dtype_option_still_reads():
+    for old, dtype in (("false", "fp32"), ("true", "bf16")):
+        (p,) = parse_pipeline(f"annotate_memory{{optimizer=adamw,mixed_precision={old}}}")
+        assert p.spec() == f"annotate_memory{{optimizer=adamw,dtype={dtype}}}"
+
+
 def test_ordering_rules_refuse_a_pipeline_in_the_wrong_order():
     wrong = [make_pass("offload_policy", selection="all", cost=COST), make_pass("checkpoint_policy", policy="full")]
     with pytest.raises(PassError, match="'offload_policy' .* runs before 'checkpoint_policy'.*offload is decided after"):

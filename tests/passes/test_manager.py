@@ -199,12 +199,12 @@ def test_dumps_are_deterministic(tmp_path):
 def test_adapt_passes_context_options_as_keywords():
     got = {}
 
-    def memory_like(gm, ctx, *, optimizer="adamw", mixed_precision=False):
-        got.update(optimizer=optimizer, mixed_precision=mixed_precision)
+    def memory_like(gm, ctx, *, optimizer="adamw", dtype="fp32"):
+        got.update(optimizer=optimizer, dtype=dtype)
         return gm
 
-    _adapt(memory_like)(tiny_gm(), PassContext(optimizer="sgd", mixed_precision=True))
-    assert got == {"optimizer": "sgd", "mixed_precision": True}
+    _adapt(memory_like)(tiny_gm(), PassContext(optimizer="sgd", dtype="bf16"))
+    assert got == {"optimizer": "sgd", "dtype": "bf16"}
 
 
 def test_default_pipeline_is_ordered_and_self_consistent():

@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import pytest
 
-from passes.ir.config import CHECKPOINTING, KNOBS, OFFLOAD, SCHEDULES, ParallelConfig
+from passes.ir.config import CHECKPOINTING, KNOBS, OFFLOAD, SCHEDULES, ParallelConfig, is_mixed
 from passes.ir.errors import ConfigError
 
 
 def test_defaults_are_one_device_and_derived_sizes():
     c = ParallelConfig()
-    assert (c.world_size, c.global_batch, c.n_stages, c.mixed_precision) == (1, 1, 1, False)
+    assert (c.world_size, c.global_batch, c.n_stages, is_mixed(c.dtype)) == (1, 1, 1, False)
     c = ParallelConfig(dp=2, tp=2, pp=2, virtual_pp=2, schedule="interleaved", micro_batch_size=3, num_micro_batches=4,
                        dtype="bf16")
-    assert (c.world_size, c.global_batch, c.n_stages, c.mixed_precision) == (8, 24, 4, True)
+    assert (c.world_size, c.global_batch, c.n_stages, is_mixed(c.dtype)) == (8, 24, 4, True)
     assert set(c.knobs()) == set(KNOBS)
+
+
+def test_is_mixed_is_the_16bit_dtypes_and_refuses_unknown_ones():
+    assert [is_mixed(d) for d in ("fp32", "bf16", "fp16")] == [False, True, True]
+    with pytest.raises(ConfigError, match="dtype must be one of fp32, bf16, fp16, got 'fp8'"):
+        is_mixed("fp8")
 
 
 @pytest.mark.parametrize("knobs,needle", [

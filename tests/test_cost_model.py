@@ -180,7 +180,7 @@ def test_pipeline_validation():
 # ---- ZeRO ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n", [1, 8, 64])
-def test_zero_mixed_precision_adam(n):
+def test_zero_bf16_adam(n):
     psi = 7.5e9
     assert model_state_bytes(psi, n, 0).total == pytest.approx(16 * psi)
     assert model_state_bytes(psi, n, 1).total == pytest.approx(4 * psi + 12 * psi / n)

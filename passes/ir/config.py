@@ -194,11 +194,6 @@ class ParallelConfig:
         """Whether the schedule runs each backward as an input half and a weight half."""
         return self.schedule in ("zb1p", "zbv")
 
-    @property
-    def mixed_precision(self) -> bool:
-        """Low-precision compute with fp32 master weights."""
-        return is_mixed(self.dtype)
-
     # ------------------------------------------------------------------------------ validation
     def problems(self, *, world_size: int | None = None, blocks: int | None = None,
                  heads: int | None = None) -> list[str]:

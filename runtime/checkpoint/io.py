@@ -69,6 +69,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from passes.ir.config import is_mixed
 from passes.ir.errors import CheckpointError, ConfigError
 from passes.ir.meta import TENSOR_PARALLEL_PLAN, ParamSharding, TensorParallelPlan
 from passes.ir.meta import ZERO3_PLAN
@@ -709,7 +710,7 @@ def load_checkpoint(pm, directory: str | os.PathLike, *, optimizer: bool = True)
 def _zero_masters_are_weights(pm) -> bool:
     """A 16-bit plan under ZeRO: the fp32 master chunks, not the 16-bit parameters, are saved and
     loaded as the weights."""
-    return _is_zero(pm.optimizer) and pm.config.mixed_precision
+    return _is_zero(pm.optimizer) and is_mixed(pm.config.dtype)
 
 
 def _weight_entries(pm, local, *, write: bool) -> dict[str, Entry]:

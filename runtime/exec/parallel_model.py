@@ -38,6 +38,7 @@ import math
 import torch
 from torch import fx
 
+from passes.ir.config import is_mixed
 from passes.ir.errors import ConfigError, NonFiniteError
 from passes.ir.grad_buckets import DEFAULT_BUCKET_BYTES, MODE_OF_ZERO_STAGE, unique_params
 from passes.ir.meta import CAPTURE, InputBounds
@@ -129,12 +130,12 @@ class ParallelModel:
         if c.offload == "optimizer":
             self.optimizer = HostOffloadedOptimizer(self.params, factory=factory, no_decay=flags)
         elif self.zero == 3:  # the parameters are the shards: any elementwise optimizer steps them as they are
-            self.optimizer = (MasterWeightOptimizer(self.params, factory=factory, no_decay=flags) if c.mixed_precision
+            self.optimizer = (MasterWeightOptimizer(self.params, factory=factory, no_decay=flags) if is_mixed(c.dtype)
                               else build(factory, param_groups(self.params, flags)))
             check_shardable(getattr(self.optimizer, "optimizer", self.optimizer), 3)
         elif self.zero:
             self.optimizer = ShardedOptimizer(self.grad_buckets, factory=factory, no_decay=no_decay, norm_weight=weights)
-        elif c.mixed_precision:
+        elif is_mixed(c.dtype):
             self.optimizer = MasterWeightOptimizer(self.params, factory=factory, no_decay=flags)
         else:
             self.optimizer = build(factory, param_groups(self.params, flags))

@@ -518,9 +518,9 @@ def dry_run(model: str | ModelSpec, cluster: Cluster | str, *, training: Trainin
     spec = as_spec(model, device="meta")
     spec = (meta_copy(spec) if isinstance(model, ModelSpec) else spec).cast(TORCH_DTYPES[config.dtype])
     graph = run_analysis_passes(capture_training_step(spec, device="cpu"), optimizer=training.optimizer_name(),
-                                mixed_precision=config.mixed_precision)
+                                dtype=config.dtype)
     lowering: Lowering = lower_plan(graph, config, cluster=cluster, ctx=PassContext(
-        optimizer=training.optimizer_name(), mixed_precision=config.mixed_precision))
+        optimizer=training.optimizer_name(), dtype=config.dtype))
     reps = representatives(config)
     runs = []
     for rank, members in reps.items():

@@ -188,8 +188,9 @@ def _copy(key) -> str | None:
 # Refit of the per-kernel and per-message overheads
 
 
-def _synthetic_run(path, plan, truth_plan, p2p_s=None):
-    """A run directory whose measurements are exactly ``truth_plan``'s predictions."""
+def _synthetic_run(path, plan, truth_plan, p2p_s=None, grad_norm_s=0.0):
+    """A run directory whose measurements are exactly ``truth_plan``'s predictions (``grad_norm_s``:
+    the gradient norm's all-reduce, which the runtime times as a collective, not in ``other_s``)."""
     path.mkdir(parents=True, exist_ok=True)
     m = plan.num_micro_batches
     ranks = []
@@ -198,9 +199,9 @@ def _synthetic_run(path, plan, truth_plan, p2p_s=None):
         wait = truth_plan.predicted.terms.get("pp_comm", 0.0) + truth_plan.predicted.terms.get("bubble", 0.0)
         ranks.append([{"step": k, "rank": rank, "loss": 1.0, "wall_s": truth_plan.predicted.step_time_s,
                        "compute_s": stage.time_s * m, "compute_by_stage_s": {}, "recv_wait_s": wait,
-                       "send_wait_s": 0.0, "p2p_post_s": 0.0, "collective_s": 0.0,
+                       "send_wait_s": 0.0, "p2p_post_s": 0.0, "collective_s": grad_norm_s,
                        "optimizer_s": truth_plan.predicted.terms["optimizer"],
-                       "other_s": truth_plan.predicted.terms.get("framework", 0.0),
+                       "other_s": truth_plan.predicted.terms.get("framework", 0.0) - grad_norm_s,
                        "peak_memory_bytes": 1} for k in range(3)])
     (path / "plan.json").write_text(plan.to_json())
     (path / "measurements.json").write_text(json.dumps({"steps": ranks}))
@@ -209,12 +210,15 @@ def _synthetic_run(path, plan, truth_plan, p2p_s=None):
 
 def _synthetic_runs(tmp_path, profile, cluster, truth, knob_list):
     """One run directory per knobs of ``knob_list``: what ``cluster`` plans, measured as ``truth`` predicts."""
+    from partitioner.search.plan_cost import scalar_all_reduce_time
+
     runs = []
     for k, knobs in enumerate(knob_list):
         gb = knobs["dp"] * knobs["micro_batch_size"] * knobs["num_micro_batches"]
         plan = predict_step_time(profile, cluster, knobs, global_batch=gb)
         true = predict_step_time(profile, truth, knobs, global_batch=gb)
-        runs.append(load_run(_synthetic_run(tmp_path / str(k), plan, true)))
+        runs.append(load_run(_synthetic_run(tmp_path / str(k), plan, true,
+                                            grad_norm_s=scalar_all_reduce_time(truth))))
     return runs
 
 

@@ -207,13 +207,19 @@ def test_tied_weights_are_synced_between_first_and_last_stage_only(profile):
     assert predict_step_time(untied, c, _knobs(pp=2), global_batch=4).predicted.terms["tied_comm"] == 0.0
 
 
-def test_framework_term_is_step_overhead_plus_loss_all_reduce(profile):
+def test_framework_term_is_step_overhead_plus_grad_norm_and_loss_all_reduces(profile):
+    """Every step ends with two scalar all-reduces over the mesh (the runtime's global gradient
+    norm, then the loss): each 2·⌈log2 n⌉ latencies on the step-end link, for every plan."""
     from partitioner.search.replay import predict_step_time
 
     c = _cluster(devices=8)
     c = dataclasses.replace(c, device=dataclasses.replace(c.device, step_overhead_s=1e-3))
-    pred = predict_step_time(profile, c, _knobs(dp=8), global_batch=32).predicted
-    assert pred.terms["framework"] == pytest.approx(1e-3 + 2 * 3 * c.intra_node.latency_s)  # log2(8) = 3 hops
+    for knobs in (_knobs(dp=8), _knobs(dp=4, pp=2)):
+        pred = predict_step_time(profile, c, knobs, global_batch=32).predicted
+        assert pred.terms["framework"] == pytest.approx(1e-3 + 2 * (2 * 3 * c.intra_node.latency_s))  # log2(8) = 3
+    slow = dataclasses.replace(c, sync_latency_scale=3.0)
+    pred = predict_step_time(profile, slow, _knobs(dp=8), global_batch=32).predicted
+    assert pred.terms["framework"] == pytest.approx(1e-3 + 2 * (2 * 3 * 3.0 * c.intra_node.latency_s))
     assert pred.step_time_s == pytest.approx(sum(v for k, v in pred.terms.items() if k != "total"))
 
 

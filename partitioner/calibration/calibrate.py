@@ -355,10 +355,12 @@ def auto_calibrate(world_size: int, path: Path) -> Calibration:
     return run_calibration(world_size, path, recipe=AUTO_RECIPE)
 
 
-JOB_RECIPE = replace(AUTO_RECIPE, name="job", reference_steps=4)
+JOB_RECIPE = replace(AUTO_RECIPE, name="job", reference_steps=8)
 """What a job calibrates with its own ranks on a cache miss (:func:`calibrate_in_job`): the
-automatic recipe with 4 steps per reference plan (2 of warm-up): 9 s for 2 ranks, 19 s for 4
-(16 s as two nodes of 2) on a shared 2-core machine, the reference runs more than half of it."""
+automatic recipe with 8 steps per reference plan (2 of warm-up, 6 measured: with 2 the medians
+moved 10-20% from one calibration to the next, step to step noise on shared cores that the refit
+then charged to the latencies). Building each plan costs more than its steps, so the 4 extra
+steps add about 2 s for 4 ranks on a shared 2-core machine (13 s with 4 steps)."""
 
 
 def calibrate_in_job(path: Path, recipe: Recipe = JOB_RECIPE) -> Calibration:

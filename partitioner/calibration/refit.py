@@ -629,13 +629,15 @@ def _offloaded(runs: Sequence[RunData]) -> list[RunData]:
 
 def _with_step_overhead(runs: Sequence[RunData], cluster: Cluster, profiles: dict | None = None) -> Cluster:
     """``cluster`` with ``Device.step_overhead_s`` = the median over every rank of every run of
-    its measured ``other_s`` less the planner's loss all-reduce (>= 0)."""
+    its measured ``other_s`` less the planner's loss all-reduce (>= 0; ``profiles`` unused)."""
+    from partitioner.search.plan_cost import scalar_all_reduce_time
+
     base = _with_device(cluster, step_overhead_s=0.0)
-    profiles = {} if profiles is None else profiles
-    rest = []
-    for run in runs:
-        loss_ar = _reevaluate(run.plan, base, profiles).predicted.terms.get("framework", 0.0)
-        rest += [o - loss_ar for o in run.other_s]
+    # the loss's all-reduce ends the step outside every timed action (in ``other_s``); the
+    # gradient norm's, the other scalar all-reduce the planner's ``framework`` term prices, is
+    # timed as a collective (``collective_s``)
+    loss_ar = scalar_all_reduce_time(base)
+    rest = [o - loss_ar for run in runs for o in run.other_s]
     return _with_device(base, step_overhead_s=max(statistics.median(rest), 0.0)) if rest else cluster
 
 

@@ -41,9 +41,8 @@ shard so it reduce-scatters after EVERY micro-batch (each hidden behind its back
 gathered parameters back (``4·grad bytes`` memory bound). With ``pp > 1`` and tied weights (a
 GPT's word embedding and LM head) the first and the last stage all-reduce those gradients after
 their last backward (``tied_comm``, over the pair's link). Every step also pays ``framework``:
-``Device.step_overhead_s`` of host work and the all-reduce of the loss over all ranks
-(``2·⌈log2 world⌉`` latencies; the gradient norm's all-reduce, alike for every plan of a world
-size, is left to the fitted latencies).
+``Device.step_overhead_s`` of host work and two all-reduces of a scalar over all ranks (the
+global gradient norm's and the loss's, ``2·⌈log2 world⌉`` latencies each).
 
 The gradient reduction and ZeRO-1/2's all-gather are one collective per gradient bucket
 (:func:`gradient_buckets`, the runtime's layout: tied copies and sequence-parallel norms in late
@@ -900,13 +899,25 @@ def _tied_sync_time(ctx: PlanContext, c: ParallelConfig) -> float:
     return all_reduce_time(grads, 2, ctx.sync_link(2, c.dp_cp * c.tp * (c.pp - 1)))
 
 
+def scalar_all_reduce_time(cluster) -> float:
+    """Seconds of one all-reduce of a scalar over every rank of ``cluster`` (the step's loss, the
+    global gradient norm): latency only, over a tree (``2·⌈log2 n⌉`` hops, as NCCL does for small
+    messages) rather than a ring's ``2(n−1)``, on the step-end link (``PlanContext.sync_link``)."""
+    world = cluster.world_size
+    if world <= 1:
+        return 0.0
+    link = group_link(cluster, size=world, stride=1)
+    scale = cluster.sync_latency_scale
+    latency = link.latency_s if scale is None else link.with_latency_scale(scale).latency_s
+    return 2 * math.ceil(math.log2(world)) * latency
+
+
 def _framework_time(ctx: PlanContext) -> float:
-    """Seconds per step of host work (``Device.step_overhead_s``) plus the all-reduce of the
-    step's loss over every rank: a scalar, so latency only, over a tree (``2·⌈log2 n⌉`` hops, as
-    NCCL does for small messages) rather than a ring's ``2(n−1)``."""
-    world = ctx.cluster.world_size
-    loss = 2 * math.ceil(math.log2(world)) * ctx.sync_link(world, 1).latency_s if world > 1 else 0.0
-    return ctx.cluster.device.step_overhead_s + loss
+    """Seconds per step of host work (``Device.step_overhead_s``) plus the two all-reduces of a
+    scalar over every rank that end each step (:func:`scalar_all_reduce_time`): the global
+    gradient norm's, before the optimizer (``runtime.optim.grad_norm``; every plan issues it, and
+    it is where every rank waits for the mesh's last one), and the loss's after it."""
+    return ctx.cluster.device.step_overhead_s + 2 * scalar_all_reduce_time(ctx.cluster)
 
 
 def _name(ctx: PlanContext, i: int) -> str:

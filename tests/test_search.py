@@ -214,8 +214,8 @@ def test_framework_term_is_step_overhead_plus_grad_norm_and_loss_all_reduces(pro
 
     c = _cluster(devices=8)
     c = dataclasses.replace(c, device=dataclasses.replace(c.device, step_overhead_s=1e-3))
-    for knobs in (_knobs(dp=8), _knobs(dp=4, pp=2)):
-        pred = predict_step_time(profile, c, knobs, global_batch=32).predicted
+    for knobs, gb in ((_knobs(dp=8), 32), (_knobs(dp=4, pp=2), 16)):
+        pred = predict_step_time(profile, c, knobs, global_batch=gb).predicted
         assert pred.terms["framework"] == pytest.approx(1e-3 + 2 * (2 * 3 * c.intra_node.latency_s))  # log2(8) = 3
     slow = dataclasses.replace(c, sync_latency_scale=3.0)
     pred = predict_step_time(profile, slow, _knobs(dp=8), global_batch=32).predicted

@@ -101,3 +101,113 @@ def test_messages_are_matched_by_shape():
     (problem,) = check_sequences(runs)
     assert problem == ("messages rank 0 -> rank 2 on (0, 2): message 0 is [4, 8] float32 as sent and "
                        "[4, 16] float32 as received (1 sent, 1 received)")
+
+
+# --- the recorded calls against the communication check's prediction ----------------------------
+
+def test_every_rank_issues_the_calls_the_communication_check_predicts(plan):
+    report = dry_run(MODEL, "dgx-h100", nodes=2, training=TRAINING, plan=plan, ranks=(0, 8))
+    assert report.ok, report.text()
+    for r in report.ranks:
+        assert r.static == [] and r.static_calls == len([c for c in r.collectives[r.step_starts[0]:]])
+    assert "(19 calls as the communication check predicts)" in report.text()
+
+
+def test_a_rank_that_differs_from_the_prediction_is_named_with_both_sides(plan):
+    def plant(rank, model):
+        if rank == 1:
+            register_group(model.tp_group_name, _SkipFirstAllReduce(get_group(model.tp_group_name)))
+
+    report = dry_run(MODEL, "dgx-h100", nodes=2, training=TRAINING, plan=plan, ranks=(1,), edit=plant)
+    (message,) = report.static_mismatches
+    assert message == ("rank 1 step 0: collective 13 (call 15 of its log) runs all_reduce(sum) of 1216 bfloat16 on "
+                       "(1, 3, 5, 7); the communication check predicts all_reduce(sum) of 192 bfloat16 on (0, 1) "
+                       "(sequence-parallel grads (6 params)) (16 run, 17 predicted)")
+    assert "STATIC MISMATCH: rank 1 step 0: collective 13" in report.text() and not report.ok
+
+
+def test_a_call_the_check_does_not_model_is_noted_not_a_mismatch(plan):
+    import torch.distributed as dist
+
+    def plant(rank, model):
+        real = model.train_step
+
+        def train_step(batch):
+            dist.barrier()  # a synchronisation point the runtime may add: the check has no barriers
+            return real(batch)
+        model.train_step = train_step
+
+    report = dry_run(MODEL, "dgx-h100", nodes=2, training=TRAINING, plan=plan, ranks=(0,), edit=plant)
+    assert report.ok, report.text()
+    (note,) = report.ranks[0].static_notes
+    assert note.startswith("step 0 call 0: barrier [] object on 0..15: a barrier") and "does not model it" in note
+    assert "not compared: barrier [] object on 0..15: a barrier" in report.text()
+
+
+# --- the strict fake group: what NCCL refuses --------------------------------------------------
+
+class _OnMeta(_SkipFirstAllReduce):
+    """A tp group whose first all-reduce carries a tensor on another device (the meta device here;
+    a CPU tensor in a CUDA job)."""
+
+    def all_reduce(self, t, op):
+        if not self.skipped:
+            self.skipped = True
+            return self.inner.all_reduce(t.to("meta"), op).to(t.device)
+        return self.inner.all_reduce(t, op)
+
+
+class _InFloat32(_SkipFirstAllReduce):
+    """A tp group whose first all-reduce runs in float32 (its peer's in bfloat16)."""
+
+    def all_reduce(self, t, op):
+        if not self.skipped:
+            self.skipped = True
+            return self.inner.all_reduce(t.float(), op).to(t.dtype)
+        return self.inner.all_reduce(t, op)
+
+
+def test_a_tensor_off_the_jobs_device_is_refused_naming_rank_and_call(plan):
+    def plant(rank, model):
+        if rank == 1:
+            register_group(model.tp_group_name, _OnMeta(get_group(model.tp_group_name)))
+
+    report = dry_run(MODEL, "dgx-h100", nodes=2, training=TRAINING, plan=plan, ranks=(1,), edit=plant)
+    (run,) = report.ranks
+    assert not run.ok and not report.ok
+    assert run.error.startswith("StrictGroupError: rank 1 call 15 (all_reduce [192] bfloat16 on (0, 1)): "), run.error
+    assert "a meta tensor of shape [192]" in run.error and "of a cpu job; NCCL refuses it" in run.error
+
+
+def test_a_cuda_job_refuses_the_cpu_tensors(plan):
+    report = dry_run(MODEL, "dgx-h100", nodes=2, training=TRAINING, plan=plan, ranks=(0,), job_device="cuda")
+    (run,) = report.ranks
+    assert not run.ok and run.error.startswith("StrictGroupError: rank 0 call 0 (")
+    assert "a cpu tensor of shape" in run.error and "of a cuda job; NCCL refuses it" in run.error
+
+
+def test_a_collective_of_another_dtype_on_one_rank_is_refused(plan):
+    def plant(rank, model):
+        if rank == 1:
+            register_group(model.tp_group_name, _InFloat32(get_group(model.tp_group_name)))
+
+    report = dry_run(MODEL, "dgx-h100", nodes=2, training=TRAINING, plan=plan, ranks=(0, 1), edit=plant)
+    assert all(r.ok for r in report.ranks) and not report.ok
+    (message,) = report.mismatches
+    assert message == ("group (0, 1): call 11 (all_reduce) differs in size or dtype, which NCCL refuses: rank 0 "
+                       "all_reduce [192] bfloat16 on (0, 1) (call 15 of its log), rank 1 all_reduce [192] float32 on "
+                       "(0, 1) (call 15 of its log)")
+
+
+def test_a_send_without_its_receive_is_refused():
+    send = Collective("send", (0, 2), (4, 8), "torch.float32", peer=2, group_id="5")
+    other = Collective("all_reduce", (0, 1), (4,), "torch.float32", group_id="3")
+    runs = [RankRun(0, (0,), 0, 0, 0, ok=True, collectives=[other, send, send]),
+            RankRun(2, (2,), 1, 0, 0, ok=True, collectives=[Collective("recv", (0, 2), (4, 8), "torch.float32",
+                                                                          peer=0, group_id="5")])]
+    (problem,) = check_sequences(runs)
+    assert problem == ("rank 0 call 2: send [4, 8] float32 to rank 2 on (0, 2) has no matching receive on rank 2 by "
+                       "the end of the step (message 1; 2 sent, 1 received)")
+    runs[0].collectives = [other]
+    (problem,) = check_sequences(runs)
+    assert problem.startswith("rank 2 call 0: receive [4, 8] float32 from rank 0 on (0, 2) has no matching send")

@@ -67,7 +67,7 @@ from passes.ir.config import ParallelConfig, TORCH_DTYPES
 from passes.ir.errors import ConfigError
 from passes.ir.ops import qualname
 from passes.ir.plan import Plan
-from passes.ir.program import RankProgram, mesh_coords
+from passes.ir.program import RankProgram, global_rank, mesh_coords
 from passes.lowering.lower import Lowering
 from passes.lowering.manager import PassContext
 from runtime.dist.mesh import Mesh
@@ -104,6 +104,14 @@ class Collective:
     """The other global rank of a send or receive."""
     group_id: str = ""
     """The group's name (two groups over the same ranks are two communicators)."""
+    numel: int = 0
+    """Elements of the whole buffer, as the communication check counts them: an all-reduce's or a
+    broadcast's tensor, an all-gather's output, a reduce-scatter's input, an all-to-all's input,
+    a message's tensor."""
+    reduce: str = ""
+    """An all-reduce's reduction (``sum``, ``max``, ...)."""
+    batch: int = -1
+    """Point to point: the ``batch_isend_irecv`` call it was posted in (its index in the rank's log)."""
 
     def text(self) -> str:
         where = f" peer {self.peer}" if self.peer is not None else ""
@@ -132,6 +140,15 @@ class RankRun:
     host_reads: int = 0
     """Tensor values the rank read on the host (each read 1, or False: fake tensors hold no values)."""
     seconds: float = 0.0
+    step_starts: list[int] = field(default_factory=list)
+    """Where each training step's calls begin in :attr:`collectives` (the calls before the first
+    one were made while the mesh and the model were built)."""
+    static: list[str] = field(default_factory=list)
+    """Where its recorded calls differ from the communication check's prediction (:func:`compare_static`)."""
+    static_notes: list[str] = field(default_factory=list)
+    """Calls it made that the communication check does not model, and why that is right."""
+    static_calls: int = 0
+    """Calls of its steps compared with the prediction."""
 
 
 @dataclass(slots=True)
@@ -147,7 +164,12 @@ class DryRunReport:
 
     @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.ranks) and not self.mismatches
+        return all(r.ok for r in self.ranks) and not self.mismatches and not self.static_mismatches
+
+    @property
+    def static_mismatches(self) -> list[str]:
+        """Where a rank's recorded calls differ from the communication check's prediction."""
+        return [m for r in self.ranks for m in r.static]
 
     def failed(self) -> list[RankRun]:
         return [r for r in self.ranks if not r.ok]
@@ -158,11 +180,19 @@ class DryRunReport:
                  f"{len(self.ranks)} distinct rank programs ({self.seconds:.1f} s)"]
         for r in self.ranks:
             status = "OK" if r.ok else f"FAILED: {r.error}"
+            static = (f"{r.static_calls} calls as the communication check predicts" if r.ok and not r.static
+                      else f"{len(r.static)} differences from the communication check" if r.ok else "")
             lines.append(f"  rank {r.rank} (pp={r.pp_index} tp={r.tp_index} cp={r.cp_index}) for ranks "
-                         f"{_ranks_text(r.stands_for)}: {status}; {len(r.collectives)} collectives, "
-                         f"{r.host_reads} host reads, {r.seconds:.2f} s")
+                         f"{_ranks_text(r.stands_for)}: {status}; {len(r.collectives)} collectives"
+                         f"{' (' + static + ')' if static else ''}, {r.host_reads} host reads, {r.seconds:.2f} s")
         for m in self.mismatches:
             lines.append(f"  MISMATCH: {m}")
+        for m in self.static_mismatches:
+            lines.append(f"  STATIC MISMATCH: {m}")
+        notes = sorted({n.split(": ", 1)[-1] if n.startswith("step ") else n.split(" (")[0] + " (start-up)"
+                        for r in self.ranks for n in r.static_notes})
+        for n in notes:
+            lines.append(f"  not compared: {n}")
         lines.append("OK" if self.ok else "FAILED")
         return "\n".join(lines)
 
@@ -205,6 +235,33 @@ def _group_id(group: Any) -> str:
     return getattr(g, "group_name", "") or ""
 
 
+def _numel(t: Any) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.numel()
+    if isinstance(t, (list, tuple)):
+        return sum(_numel(x) for x in t)
+    return 0
+
+
+def _tensors(x: Any) -> Iterator[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+
+
+_REDUCE_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min",
+               dist.ReduceOp.PRODUCT: "product", dist.ReduceOp.AVG: "avg"}
+
+
+def _reduce_name(op: Any) -> str:
+    for known, name in _REDUCE_OPS.items():
+        if op == known:
+            return name
+    return str(op)
+
+
 def _tensor_meta(t: Any) -> tuple[tuple[int, ...], str]:
     if isinstance(t, torch.Tensor):
         return tuple(int(s) for s in t.shape), str(t.dtype)
@@ -214,7 +271,8 @@ def _tensor_meta(t: Any) -> tuple[tuple[int, ...], str]:
 
 
 _RECORDED = {
-    # name in torch.distributed -> (recorded op, which argument is the tensor)
+    # name in torch.distributed -> (recorded op, which argument is the tensor); which argument is
+    # the whole buffer (numel): _WHOLE
     "all_reduce": ("all_reduce", 0),
     "all_gather": ("all_gather", 1),
     "all_gather_into_tensor": ("all_gather", 1),
@@ -226,14 +284,18 @@ _RECORDED = {
     "all_gather_object": ("all_gather_object", None),
     "broadcast_object_list": ("broadcast_object", None),
 }
+_WHOLE = {"all_reduce": 0, "all_gather": 0, "all_gather_into_tensor": 0, "reduce_scatter": 1,
+          "reduce_scatter_tensor": 1, "broadcast": 0, "all_to_all_single": 1}
+"""Which argument of the call holds the whole buffer, in the communication check's sense."""
 
 
 @contextlib.contextmanager
-def recording(log: list[Collective], *, check: Callable[[str, Any, Any], None] | None = None) -> Iterator[None]:
+def recording(log: list[Collective], *, check: Callable[[Collective, Any], None] | None = None) -> Iterator[None]:
     """Record into ``log`` every collective and point-to-point call made through ``torch.distributed``
     while the context is open (the functions are wrapped on the module, where
-    :mod:`runtime.dist.comm` looks them up). ``check(op, tensor, group)`` may refuse a call
-    (raise) before it is recorded."""
+    :mod:`runtime.dist.comm` looks them up). ``check(call, tensors)`` may refuse a call (raise)
+    before it is posted (``call``: its record, already in ``log``; ``tensors``: every tensor it
+    carries)."""
     originals: dict[str, Callable] = {}
 
     def wrap(name: str, op: str, arg: int | None):
@@ -246,20 +308,30 @@ def recording(log: list[Collective], *, check: Callable[[str, Any, Any], None] |
                       if arg is not None else None)
             if name == "all_reduce" and tensor is None:
                 tensor = kwargs.get("tensor")
-            if check is not None and tensor is not None:
-                check(op, tensor, group)
+            whole = args[_WHOLE[name]] if name in _WHOLE and len(args) > _WHOLE[name] else None
+            if whole is None and name in _WHOLE:
+                whole = tensor
+            reduce = _reduce_name(kwargs.get("op", args[1] if len(args) > 1 else dist.ReduceOp.SUM)) \
+                if name == "all_reduce" else ""
             shape, dtype = _tensor_meta(tensor)
-            log.append(Collective(op, _group_ranks(group), shape, dtype, group_id=_group_id(group)))
+            call = Collective(op, _group_ranks(group), shape, dtype, group_id=_group_id(group), numel=_numel(whole),
+                              reduce=reduce)
+            log.append(call)
+            if check is not None:
+                check(call, [*_tensors(args), *_tensors(list(kwargs.values()))])
             return original(*args, **kwargs)
         return recorded
 
     def batch_isend_irecv(p2p_op_list):
+        batch = len(log)
         for p in p2p_op_list:
             op = "recv" if p.op.__name__ in ("irecv", "recv") else "send"
-            if check is not None:
-                check(op, p.tensor, p.group)
             shape, dtype = _tensor_meta(p.tensor)
-            log.append(Collective(op, _group_ranks(p.group), shape, dtype, peer=p.peer, group_id=_group_id(p.group)))
+            call = Collective(op, _group_ranks(p.group), shape, dtype, peer=p.peer, group_id=_group_id(p.group),
+                              numel=_numel(p.tensor), batch=batch)
+            log.append(call)
+            if check is not None:
+                check(call, [p.tensor])
         return originals["batch_isend_irecv"](p2p_op_list)
 
     for name, (op, arg) in _RECORDED.items():
@@ -371,12 +443,14 @@ def _fake_group(rank: int, world_size: int) -> None:
 
 
 def run_rank(program: RankProgram, spec: ModelSpec, *, stands_for: Sequence[int] = (), training: Training,
-             device: torch.device = torch.device("cpu"), steps: int = 1,
+             device: torch.device = torch.device("cpu"), job_device: str | None = None, steps: int = 1,
              edit: Callable[[ParallelModel], None] | None = None) -> RankRun:
     """Run ``program`` (one rank's, of a world of ``program.config.world_size``) as that rank on a
     fake process group for ``steps`` training steps of fake tensors; returns what it did.
-    ``edit(model)``: called on the built :class:`ParallelModel` before its first step (tests
-    plant bugs with it)."""
+    ``job_device``: the device type the job's collectives must carry (default ``device``'s; a
+    real job's is ``cuda``): a call with a tensor elsewhere fails the rank, as NCCL refuses it
+    (:class:`StrictGroupError`). ``edit(model)``: called on the built :class:`ParallelModel`
+    before its first step (tests plant bugs with it)."""
     c = program.config
     pp_index, dp_index, tp_index = mesh_coords(program.rank, dp=c.dp_cp, tp=c.tp, first=program.first)
     run = RankRun(program.rank, tuple(stands_for) or (program.rank,), pp_index, tp_index, dp_index % c.cp)
@@ -385,7 +459,7 @@ def run_rank(program: RankProgram, spec: ModelSpec, *, stands_for: Sequence[int]
     modules = copy.deepcopy(dict(program.modules))  # one copy (tied weights stay tied), outside the fake mode
     try:
         with torch.random.fork_rng(devices=[]), FakeTensorMode(allow_non_fake_inputs=True), host, \
-                recording(run.collectives):
+                recording(run.collectives, check=functools.partial(_strict_device, run, job_device or device.type)):
             _fake_group(program.rank, program.first + c.world_size)
             mesh = Mesh.for_config(c)
             mine = dataclasses.replace(program, modules=_fake_modules(modules, device))
@@ -395,6 +469,7 @@ def run_rank(program: RankProgram, spec: ModelSpec, *, stands_for: Sequence[int]
                 edit(model)
             batch = _fake_batch(spec, c.global_batch, device)
             for _ in range(steps):
+                run.step_starts.append(len(run.collectives))
                 model.train_step(batch)
         run.ok = True
     except Exception as exc:  # noqa: BLE001  (the report names the rank and the error)
@@ -410,12 +485,145 @@ def run_rank(program: RankProgram, spec: ModelSpec, *, stands_for: Sequence[int]
     return run
 
 
+class StrictGroupError(RuntimeError):
+    """A call the dry run's strict fake group refuses, as NCCL would."""
+
+
+def _strict_device(run: RankRun, job_device: str, call: Collective, tensors: Sequence[torch.Tensor]) -> None:
+    """NCCL carries tensors of the job's device only: a tensor elsewhere (a CPU tensor in a CUDA
+    job) is refused, naming the rank and the call (its index in the rank's log)."""
+    for t in tensors:
+        if t.device.type != job_device:
+            raise StrictGroupError(
+                f"rank {run.rank} call {len(run.collectives) - 1} ({call.text()}): a {t.device.type} tensor of shape "
+                f"{list(t.shape)} in a collective of a {job_device} job; NCCL refuses it: move it to the mesh's device")
+
+
 def _unregister_groups(program: RankProgram) -> None:
     from runtime.kernels.collectives import unregister_group
 
     unregister_group(program.tp_group)
     if program.cp_plan is not None:
         unregister_group(program.cp_plan.group)
+
+
+# ---------------------------------------------------------------------------------------------
+# The recorded calls against the communication check's
+
+# recorded op (torch.distributed's) -> the check's op (CommCall.op); an all-reduce's takes its reduction
+_CHECK_OP = {"all_reduce": "all_reduce({reduce})", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter(sum)",
+             "all_to_all": "all_to_all", "send": "send", "recv": "recv"}
+_UNMODELLED = {
+    "broadcast": "a broadcast (parameters or state from one rank: start-up and checkpoint loading, not a step's)",
+    "barrier": "a barrier (the runtime's synchronisation points; it moves no tensor)",
+    "all_gather_object": "an object all-gather (host-side bookkeeping: fault identities, metrics, checkpoint errors)",
+    "broadcast_object": "an object broadcast (host-side bookkeeping: plan and checkpoint metadata)",
+}
+"""Recorded calls the communication check does not model, and why: reported as notes, not mismatches."""
+
+
+def as_check_calls(calls: Sequence[Collective], *, rank: int, cp_group: tuple[int, ...] = ()
+                   ) -> tuple[list[tuple[int, tuple]], list[tuple[int, tuple]], list[tuple[int, Collective]]]:
+    """``calls`` (one rank's, recorded) in the communication check's vocabulary (the one place the
+    two are mapped): ``(collectives, messages, unmodelled)``, each item ``(index in calls, what)``.
+    A collective is ``(group, op, numel, dtype)`` as :class:`~passes.checks.communication_check.CommCall`
+    has them; a send or receive is ``(group, op, numel, dtype)`` with group ``(sender, receiver)``;
+    a context-parallel ring shift (one batch on the cp group: receive from the previous rank, send
+    to the next) is one ``ring_shift`` collective of the cp group, of the sent tensor's size."""
+    collectives: list[tuple[int, tuple]] = []
+    messages: list[tuple[int, tuple]] = []
+    unmodelled: list[tuple[int, Collective]] = []
+    batches: dict[int, list[tuple[int, Collective]]] = {}
+    for k, c in enumerate(calls):
+        if c.op in ("send", "recv"):
+            batches.setdefault(c.batch, []).append((k, c))
+    for k, c in enumerate(calls):
+        dtype = TORCH_DTYPE_OF.get(c.dtype, c.dtype)
+        if c.op in ("send", "recv"):
+            batch = batches[c.batch]
+            ring = cp_group and c.group == cp_group and len(batch) == 2 and {x.op for _, x in batch} == {"send", "recv"}
+            if ring:
+                if c.op == "send":
+                    collectives.append((k, (cp_group, "ring_shift", c.numel, dtype)))
+                continue
+            group = (rank, c.peer) if c.op == "send" else (c.peer, rank)
+            messages.append((k, (group, c.op, c.numel, dtype)))
+        elif c.op in _CHECK_OP:
+            collectives.append((k, (c.group, _CHECK_OP[c.op].format(reduce=c.reduce or "sum"), c.numel, dtype)))
+        else:
+            unmodelled.append((k, c))
+    return collectives, messages, unmodelled
+
+
+TORCH_DTYPE_OF = {str(d): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+                                      torch.int32, torch.int8, torch.uint8, torch.bool)}
+
+
+def _what(item: tuple | None, label: str = "") -> str:
+    if item is None:
+        return "nothing (its calls end here)"
+    group, op, numel, dtype = item
+    return (f"{op} of {numel} {str(dtype).replace('torch.', '')} on {_ranks_text(group)}"
+            + (f" ({label})" if label else ""))
+
+
+def compare_static(run: RankRun, program: RankProgram) -> None:
+    """Set ``run.static`` (and ``static_notes``, ``static_calls``): each training step's recorded
+    calls against :func:`passes.checks.communication_check.rank_calls` of ``program`` (what
+    ``check_before_launch`` matches across ranks). Collectives are compared in issue order (all
+    groups together: NCCL needs one order), messages in order per (sender, receiver) pair (a
+    step's batch posts its receives first; per pair the order is kept). The first difference of
+    each is named: the rank, the call's index in the rank's log and in the step, and both sides."""
+    from passes.checks.communication_check import rank_calls
+
+    c = program.config
+    predicted = rank_calls(program).calls
+    pred_coll = [(x.group, x.op, x.numel, x.dtype) for x in predicted if not x.is_p2p]
+    pred_labels = [x.label for x in predicted if not x.is_p2p]
+    pred_msgs: dict[tuple, list[tuple[tuple, str]]] = {}
+    for x in predicted:
+        if x.is_p2p:
+            pred_msgs.setdefault(x.group, []).append(((x.group, x.op, x.numel, x.dtype), x.label))
+    pp_index, dp_index, tp_index = mesh_coords(program.rank, dp=c.dp_cp, tp=c.tp, first=program.first)
+    replica = dp_index - dp_index % c.cp
+    cp_group = tuple(global_rank(pp_index, replica + j, tp_index, dp=c.dp_cp, tp=c.tp, first=program.first)
+                     for j in range(c.cp)) if c.cp > 1 else ()
+    built = run.step_starts[0] if run.step_starts else len(run.collectives)
+    if built:
+        ops = sorted({x.op for x in run.collectives[:built]})
+        run.static_notes.append(f"{built} calls while the mesh and the model were built ({', '.join(ops)}): "
+                                f"start-up, not a training step's; the check models a step")
+    bounds = [*run.step_starts, len(run.collectives)]
+    for step, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        coll, msgs, other = as_check_calls(run.collectives[lo:hi], rank=program.rank, cp_group=cp_group)
+        run.static_calls += len(coll) + len(msgs)
+        for k, x in other:
+            run.static_notes.append(f"step {step} call {lo + k}: {x.text()}: {_UNMODELLED.get(x.op, 'not modelled')}; "
+                                    f"the communication check does not model it")
+        for j in range(max(len(coll), len(pred_coll))):
+            got = coll[j][1] if j < len(coll) else None
+            want = pred_coll[j] if j < len(pred_coll) else None
+            if got != want:
+                where = f"call {lo + coll[j][0]} of its log" if j < len(coll) else "after its last call"
+                run.static.append(f"rank {program.rank} step {step}: collective {j} ({where}) runs "
+                                  f"{_what(got)}; the communication check predicts "
+                                  f"{_what(want, pred_labels[j] if want is not None else '')} "
+                                  f"({len(coll)} run, {len(pred_coll)} predicted)")
+                break
+        by_pair: dict[tuple, list[tuple[int, tuple]]] = {}
+        for k, x in msgs:
+            by_pair.setdefault(x[0], []).append((k, x))
+        for pair in sorted(set(by_pair) | set(pred_msgs)):
+            got_list, want_list = by_pair.get(pair, []), pred_msgs.get(pair, [])
+            for j in range(max(len(got_list), len(want_list))):
+                got = got_list[j][1] if j < len(got_list) else None
+                want, label = want_list[j] if j < len(want_list) else (None, "")
+                if got != want:
+                    where = f"call {lo + got_list[j][0]} of its log" if j < len(got_list) else "after its last one"
+                    run.static.append(f"rank {program.rank} step {step}: message {j} {pair[0]} -> {pair[1]} ({where}) "
+                                      f"runs {_what(got)}; the communication check predicts {_what(want, label)} "
+                                      f"({len(got_list)} run, {len(want_list)} predicted)")
+                    break
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,14 +638,14 @@ def check_sequences(runs: Sequence[RankRun]) -> list[str]:
     covered = {m for r in done.values() for m in r.stands_for}
     problems: list[str] = []
     groups: set[tuple[str, tuple[int, ...]]] = set()
-    sends: dict[tuple[int, int, tuple[int, ...]], list[Collective]] = {}
-    recvs: dict[tuple[int, int, tuple[int, ...]], list[Collective]] = {}
+    sends: dict[tuple[int, int, tuple[int, ...]], list[tuple[int, Collective]]] = {}
+    recvs: dict[tuple[int, int, tuple[int, ...]], list[tuple[int, Collective]]] = {}
     for rank, run in done.items():
-        for call in run.collectives:
+        for k, call in enumerate(run.collectives):
             if call.op == "send":
-                sends.setdefault((rank, call.peer, call.group), []).append(call)
+                sends.setdefault((rank, call.peer, call.group), []).append((k, call))
             elif call.op == "recv":
-                recvs.setdefault((call.peer, rank, call.group), []).append(call)
+                recvs.setdefault((call.peer, rank, call.group), []).append((k, call))
             else:
                 groups.add((call.group_id, call.group))
     for key in sorted(groups, key=lambda k: (k[1], k[0])):
@@ -447,15 +655,25 @@ def check_sequences(runs: Sequence[RankRun]) -> list[str]:
             continue
         members = {r: [c for c in done[r].collectives if (c.group_id, c.group) == key and c.peer is None]
                    for r in reps}
-        problems += _compare(ranks, reps, members)
+        problems += _compare(ranks, reps, members, {r: done[r].collectives for r in reps})
     for pair in sorted(set(sends) | set(recvs), key=lambda k: (k[0], k[1])):
         src, dst, group = pair
         if src not in done or dst not in done:
             continue
         sent, got = sends.get(pair, []), recvs.get(pair, [])
         for k in range(max(len(sent), len(got))):
-            a = sent[k].key()[1:] if k < len(sent) else None
-            b = got[k].key()[1:] if k < len(got) else None
+            a = sent[k][1].key()[1:] if k < len(sent) else None
+            b = got[k][1].key()[1:] if k < len(got) else None
+            if a is not None and b is None:  # NCCL: the send waits forever
+                problems.append(f"rank {src} call {sent[k][0]}: send {_msg(a)} to rank {dst} on {_ranks_text(group)} "
+                                f"has no matching receive on rank {dst} by the end of the step (message {k}; "
+                                f"{len(sent)} sent, {len(got)} received)")
+                break
+            if a is None and b is not None:
+                problems.append(f"rank {dst} call {got[k][0]}: receive {_msg(b)} from rank {src} on "
+                                f"{_ranks_text(group)} has no matching send on rank {src} by the end of the step "
+                                f"(message {k}; {len(sent)} sent, {len(got)} received)")
+                break
             if a != b:
                 problems.append(f"messages rank {src} -> rank {dst} on {_ranks_text(group)}: message {k} is "
                                 f"{_msg(a)} as sent and {_msg(b)} as received ({len(sent)} sent, {len(got)} received)")
@@ -467,7 +685,11 @@ def _msg(meta) -> str:
     return "missing" if meta is None else f"{list(meta[0])} {meta[1].replace('torch.', '')}"
 
 
-def _compare(ranks: tuple[int, ...], reps: list[int], members: dict[int, list[Collective]]) -> list[str]:
+def _compare(ranks: tuple[int, ...], reps: list[int], members: dict[int, list[Collective]],
+             logs: dict[int, list[Collective]]) -> list[str]:
+    def done_index(rank: int, call: Collective) -> int:
+        return next(i for i, x in enumerate(logs[rank]) if x is call)
+
     ref_rank = reps[0]
     ref = members[ref_rank]
     for rank in reps[1:]:
@@ -475,6 +697,11 @@ def _compare(ranks: tuple[int, ...], reps: list[int], members: dict[int, list[Co
         for k in range(max(len(ref), len(mine))):
             a = ref[k] if k < len(ref) else None
             b = mine[k] if k < len(mine) else None
+            if a is not None and b is not None and a.op == b.op and a.key() != b.key():
+                # the same collective with another size or dtype: NCCL reads past a buffer or mixes types
+                return [f"group {_ranks_text(ranks)}: call {k} ({a.op}) differs in size or dtype, which NCCL "
+                        f"refuses: rank {ref_rank} {a.text()} (call {done_index(ref_rank, a)} of its log), rank {rank} "
+                        f"{b.text()} (call {done_index(rank, b)} of its log)"]
             if a is None or b is None or a.key() != b.key():
                 return [f"group {_ranks_text(ranks)}: call {k} differs: rank {ref_rank} "
                         f"{a.text() if a else 'issues nothing (its calls end here)'}, rank {rank} "
@@ -488,14 +715,16 @@ def _compare(ranks: tuple[int, ...], reps: list[int], members: dict[int, list[Co
 
 def dry_run(model: str | ModelSpec, cluster: Cluster | str, *, training: Training, fix: dict | str | None = None,
             plan: Plan | None = None, nodes: int | None = None, steps: int = 1,
-            ranks: Sequence[int] | None = None,
+            ranks: Sequence[int] | None = None, job_device: str | None = None,
             edit: Callable[[int, ParallelModel], None] | None = None) -> DryRunReport:
     """Plan ``model`` on ``cluster`` (or take ``plan``) and run every distinct rank program of the
     job for ``steps`` training steps in this process, on fake tensors and a fake process group of
     the job's world size (see the module docstring). ``training``, ``fix``, ``plan``, ``nodes``:
     as :func:`partitioner.api.planning.plan` and :func:`partitioner.api.auto.auto_parallelize` take
     them. ``ranks``: run only these representatives (default: all). ``edit(rank, model)``: called
-    on each rank's model before its first step. Never raises for a rank's failure: the report
+    on each rank's model before its first step. ``job_device``: the device type every collective's
+    tensors must be on (default: the fake tensors', ``cpu``; ``cuda`` checks as a CUDA job would,
+    so every call of this CPU run is refused). Never raises for a rank's failure: the report
     names it (:attr:`DryRunReport.ok`)."""
     from partitioner.api.planning import plan as make_plan
 
@@ -526,8 +755,12 @@ def dry_run(model: str | ModelSpec, cluster: Cluster | str, *, training: Trainin
     for rank, members in reps.items():
         if ranks is not None and rank not in ranks:
             continue
-        runs.append(run_rank(lowering.rank_program(rank), spec, stands_for=members, training=training, steps=steps,
-                             edit=None if edit is None else functools.partial(edit, rank)))
+        program = lowering.rank_program(rank)
+        run = run_rank(program, spec, stands_for=members, training=training, steps=steps, job_device=job_device,
+                       edit=None if edit is None else functools.partial(edit, rank))
+        if run.ok:
+            compare_static(run, program)
+        runs.append(run)
     report = DryRunReport(plan=plan, world_size=config.world_size, ranks=runs)
     report.mismatches = check_sequences(runs)
     report.seconds = time.perf_counter() - start

@@ -211,3 +211,49 @@ def test_a_send_without_its_receive_is_refused():
     runs[0].collectives = [other]
     (problem,) = check_sequences(runs)
     assert problem.startswith("rank 2 call 0: receive [4, 8] float32 from rank 0 on (0, 2) has no matching send")
+
+
+# --- memory ------------------------------------------------------------------------------------
+
+def test_allocator_rounding():
+    from partitioner.api.dry_run import allocator_bytes
+
+    assert [allocator_bytes(n) for n in (0, 1, 512, 513, 2**20)] == [0, 512, 512, 1024, 2**20]
+    assert allocator_bytes(2**20 + 1) == 2 * 2**20 and allocator_bytes(5 * 2**20) == 6 * 2**20
+
+
+def test_live_bytes_counts_storages_alive_once_and_keeps_the_peak():
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from partitioner.api.dry_run import LiveBytes
+
+    memory = LiveBytes()
+    with FakeTensorMode(), memory:
+        a = torch.empty(1000, dtype=torch.float32)  # 4000 bytes -> 4096
+        view = a[:10]  # its storage: counted once
+        b = a * 2
+        del b  # freed: the peak stays, what is alive goes down
+        c = torch.empty(100)  # 400 -> 512
+        del view
+    assert memory.peak == 4096 + 4096
+    memory._sweep()
+    assert memory.total == 4096 + 512
+    assert sorted(memory.largest(2)) == ["0.00 MiB: empty.memory_format -> [1000] float32",
+                                         "0.00 MiB: mul.Tensor -> [1000] float32"]
+    del a, c
+
+
+def test_each_rank_has_its_peak_against_the_plans(plan, monkeypatch):
+    from partitioner.api import dry_run as module
+
+    monkeypatch.setattr(module, "MEMORY_TOLERANCE", 0.0)  # list the tensors at every rank's peak
+    report = dry_run(MODEL, "dgx-h100", nodes=2, training=TRAINING, plan=plan, ranks=(0, 9))
+    assert report.ok, report.text()
+    for r in report.ranks:
+        assert r.peak_bytes > 0 and r.predicted_bytes > 0 and r.memory_difference is not None
+        assert len(r.peak_tensors) == 8 and " MiB: " in r.peak_tensors[0]
+    text = report.text()
+    assert "memory: peak bytes of each rank" in text
+    assert f"{100 * report.ranks[1].memory_difference:+.1f}%" in text
+    assert "rank 9's peak differs from the plan's by more than 0%; its largest tensors alive then" in text

@@ -149,6 +149,21 @@ class RankRun:
     """Calls it made that the communication check does not model, and why that is right."""
     static_calls: int = 0
     """Calls of its steps compared with the prediction."""
+    peak_bytes: int = 0
+    """Its peak of device bytes during the run, as the CUDA caching allocator would hold them
+    (:class:`LiveBytes`)."""
+    predicted_bytes: float | None = None
+    """The plan's peak for this rank (``plan.predicted.rank_peak_memory_bytes``), when it has one."""
+    peak_tensors: list[str] = field(default_factory=list)
+    """When the two differ by more than :data:`MEMORY_TOLERANCE`: the largest tensors alive at the
+    dry run's peak, each with the op that made it."""
+
+    @property
+    def memory_difference(self) -> float | None:
+        """(dry-run peak - predicted) / predicted, or ``None`` without a prediction."""
+        if not self.predicted_bytes or not self.peak_bytes:
+            return None
+        return (self.peak_bytes - self.predicted_bytes) / self.predicted_bytes
 
 
 @dataclass(slots=True)
@@ -185,6 +200,20 @@ class DryRunReport:
             lines.append(f"  rank {r.rank} (pp={r.pp_index} tp={r.tp_index} cp={r.cp_index}) for ranks "
                          f"{_ranks_text(r.stands_for)}: {status}; {len(r.collectives)} collectives"
                          f"{' (' + static + ')' if static else ''}, {r.host_reads} host reads, {r.seconds:.2f} s")
+        if any(r.peak_bytes for r in self.ranks):
+            lines.append("  memory: peak bytes of each rank, the dry run's (storages alive, rounded as the CUDA caching "
+                         "allocator holds them) and the plan's")
+            lines.append(f"    {'rank':>6}  {'dry run':>12}  {'plan':>12}  {'difference':>10}")
+            for r in self.ranks:
+                d = r.memory_difference
+                plan_text = f"{r.predicted_bytes / 2**20:.1f} MiB" if r.predicted_bytes else "-"
+                lines.append(f"    {r.rank:>6}  {r.peak_bytes / 2**20:>8.1f} MiB  {plan_text:>12}  "
+                             f"{'-' if d is None else f'{100 * d:+.1f}%':>10}")
+            for r in self.ranks:
+                if r.peak_tensors:
+                    lines.append(f"  rank {r.rank}'s peak differs from the plan's by more than "
+                                 f"{100 * MEMORY_TOLERANCE:.0f}%; its largest tensors alive then (by the op that made them):")
+                    lines += [f"    {t}" for t in r.peak_tensors]
         for m in self.mismatches:
             lines.append(f"  MISMATCH: {m}")
         for m in self.static_mismatches:
@@ -397,6 +426,82 @@ class _RunRealKernels(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+# ---------------------------------------------------------------------------------------------
+# Memory: bytes of the fake tensors' storages alive, as the caching allocator would hold them
+
+MEMORY_TOLERANCE = 0.05
+"""Above this relative difference from the plan's peak, the report lists the tensors alive at the peak."""
+_BLOCK = 512
+_LARGE = 2**20
+_SEGMENT = 2 * 2**20
+
+
+def allocator_bytes(nbytes: int) -> int:
+    """What the CUDA caching allocator holds for a storage of ``nbytes``: every block rounded up to
+    512 bytes; a large one (over 1 MiB) up to a whole number of 2 MiB (the size of the segments
+    it carves large blocks from). Not modelled: the 20 MiB segments of 1-10 MiB requests, free
+    space left in segments (fragmentation), the CUDA context, NCCL's and cuBLAS' workspaces."""
+    if nbytes <= 0:
+        return 0
+    if nbytes > _LARGE:
+        return -(-nbytes // _SEGMENT) * _SEGMENT
+    return -(-nbytes // _BLOCK) * _BLOCK
+
+
+class LiveBytes(TorchDispatchMode):
+    """Between a :class:`FakeTensorMode` and the modes above it: every op's output storages are
+    tracked (weakly: a storage no tensor holds any more is freed) with :func:`allocator_bytes`,
+    and the peak of their sum kept, with the storages alive at that peak (each with the op that
+    made it, its shape and dtype). Views share their base's storage and count once."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self._ref = StorageWeakRef
+        self.live: dict[int, tuple[Any, int, str]] = {}
+        self.total = 0  # bytes of self.live, some of whose storages may have died since the last sweep
+        self.peak = 0
+        self.at_peak: list[tuple[int, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t, func)
+        return out
+
+    def _track(self, t: torch.Tensor, func) -> None:
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        ref = self._ref(storage)
+        old = self.live.get(ref.cdata)
+        if old is not None:
+            if not old[0].expired():
+                return  # a view, or the input returned
+            self.total -= old[1]
+        size = allocator_bytes(storage.nbytes())
+        self.live[ref.cdata] = (ref, size, f"{func.__name__ if hasattr(func, '__name__') else func} -> "
+                                           f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}")
+        self.total += size
+        if self.total > self.peak:
+            self._sweep()
+            if self.total > self.peak:
+                self.peak = self.total
+                self.at_peak = [(b, what) for _, b, what in self.live.values()]
+
+    def _sweep(self) -> None:
+        dead = [k for k, (ref, _, _) in self.live.items() if ref.expired()]
+        for k in dead:
+            self.total -= self.live.pop(k)[1]
+
+    def largest(self, n: int = 8) -> list[str]:
+        """The ``n`` largest storages alive at the peak: ``bytes MiB: op -> shape dtype``."""
+        return [f"{b / 2**20:.2f} MiB: {what}" for b, what in sorted(self.at_peak, key=lambda x: -x[0])[:n]]
+
+
 def _fake_modules(modules: dict[int, nn.Module], device: torch.device) -> dict[int, nn.Module]:
     """``modules`` (copies: weights tied across them stay tied, in place) with every parameter and
     buffer replaced by a fake tensor of the same shape, dtype and strides on ``device`` (call
@@ -456,9 +561,10 @@ def run_rank(program: RankProgram, spec: ModelSpec, *, stands_for: Sequence[int]
     run = RankRun(program.rank, tuple(stands_for) or (program.rank,), pp_index, tp_index, dp_index % c.cp)
     start = time.perf_counter()
     host = _RunRealKernels()
+    memory = LiveBytes()
     modules = copy.deepcopy(dict(program.modules))  # one copy (tied weights stay tied), outside the fake mode
     try:
-        with torch.random.fork_rng(devices=[]), FakeTensorMode(allow_non_fake_inputs=True), host, \
+        with torch.random.fork_rng(devices=[]), FakeTensorMode(allow_non_fake_inputs=True), memory, host, \
                 recording(run.collectives, check=functools.partial(_strict_device, run, job_device or device.type)):
             _fake_group(program.rank, program.first + c.world_size)
             mesh = Mesh.for_config(c)
@@ -481,6 +587,8 @@ def run_rank(program: RankProgram, spec: ModelSpec, *, stands_for: Sequence[int]
             dist.destroy_process_group()
         _unregister_groups(program)
     run.host_reads = host.host_reads
+    run.peak_bytes = memory.peak
+    run.peak_tensors = memory.largest()
     run.seconds = time.perf_counter() - start
     return run
 
@@ -751,6 +859,12 @@ def dry_run(model: str | ModelSpec, cluster: Cluster | str, *, training: Trainin
     lowering: Lowering = lower_plan(graph, config, cluster=cluster, ctx=PassContext(
         optimizer=training.optimizer_name(), dtype=config.dtype))
     reps = representatives(config)
+    peaks = plan.predicted.rank_peak_memory_bytes
+    if len(peaks) != config.world_size:  # the plan has no replayed peaks (analytic): replay its rank programs
+        from partitioner.search.memory_check import replay_rank_memory
+
+        peaks = tuple(m.peak_bytes for m in replay_rank_memory(graph, config, cluster,
+                                                                 optimizer=training.optimizer_name()))
     runs = []
     for rank, members in reps.items():
         if ranks is not None and rank not in ranks:
@@ -760,6 +874,10 @@ def dry_run(model: str | ModelSpec, cluster: Cluster | str, *, training: Trainin
                        edit=None if edit is None else functools.partial(edit, rank))
         if run.ok:
             compare_static(run, program)
+        run.predicted_bytes = float(peaks[rank])
+        difference = run.memory_difference
+        if difference is None or abs(difference) <= MEMORY_TOLERANCE:
+            run.peak_tensors = []
         runs.append(run)
     report = DryRunReport(plan=plan, world_size=config.world_size, ranks=runs)
     report.mismatches = check_sequences(runs)

@@ -148,7 +148,7 @@ def _cmd_dry_run(args: argparse.Namespace) -> int:
     training = Training(global_batch=args.global_batch or plan.global_batch, optimizer=args.optimizer,
                         dtype=args.dtype or (plan.config.dtype if plan is not None else None))
     report = dry_run(model, args.cluster, training=training, fix=args.fix, plan=plan, nodes=args.nodes,
-                     steps=args.steps)
+                     steps=args.steps, job_device=args.job_device)
     print(report.text())
     if args.debug:
         for r in report.failed():
@@ -423,6 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fix", help="pin knobs: tp=8,pp=4,... (the search chooses the rest)")
     p.add_argument("--plan", metavar="PLAN.json", help="dry-run this plan instead of searching one")
     p.add_argument("--steps", type=int, default=1, help="training steps per rank (default 1)")
+    p.add_argument("--job-device", choices=("cpu", "cuda", "meta"),
+                   help="the device every collective's tensors must be on (default: the fake tensors', cpu)")
     p.add_argument("--debug", action="store_true", help="print each failed rank's traceback")
     p.set_defaults(fn=_cmd_dry_run)
 

@@ -24,7 +24,18 @@ What happens, in this one process:
 4. check the recorded sequences across representatives: every group whose members are all
    representatives (tp, cp and pipeline groups of replica 0; the mesh's world group) must see the
    same sequence from each member, and each message sent must be received with the same shape
-   and dtype (:attr:`DryRunReport.mismatches`).
+   and dtype (:attr:`DryRunReport.mismatches`); the same collective with another size or dtype on
+   two members, and a send without its receive (or the reverse), are named as what NCCL refuses;
+5. compare each representative's step calls with the communication check's prediction
+   (:func:`compare_static`, the vocabularies mapped in :func:`as_check_calls`); calls the check
+   does not model are notes (:attr:`RankRun.static_notes`), differences mismatches;
+6. measure each representative's peak memory (:class:`LiveBytes`: fake storages alive, rounded by
+   :func:`allocator_bytes`) against the plan's per-rank peak; above :data:`MEMORY_TOLERANCE` the
+   report lists the largest tensors alive at the peak. A difference is reported, not a failure.
+
+The strict group also refuses, while the rank runs, a collective carrying a tensor off the job's
+device (``job_device``; a CPU tensor in a CUDA job): :class:`StrictGroupError` names the rank and
+the call.
 
 Two things of the fake world need help, both here and none in the runtime:
 

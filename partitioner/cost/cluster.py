@@ -31,6 +31,14 @@ DTYPES = ("fp32", "tf32", "bf16", "fp16")
 _DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "tf32": "tf32",
                   "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16"}
 
+
+def _dtype_key(dtype: Any) -> str:
+    """The field name of ``dtype`` (``fp32``, ``tf32``, ``bf16``, ``fp16``, or a torch name)."""
+    key = _DTYPE_ALIASES.get(str(dtype).removeprefix("torch."))
+    if key is None:
+        raise ClusterSpecError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return key
+
 PRESET_DIR = Path(__file__).parent / "presets"
 CLUSTER_FILE_ENV = "PARTITIONER_CLUSTER_FILE"
 """An explicit cluster file for ``local_cluster`` and ``detect_cluster``: used as it is (it must
@@ -188,10 +196,7 @@ class PeakFlops:
 
     def for_dtype(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype`` (``fp32``, ``tf32``, ``bf16``, ``fp16``, or a torch name)."""
-        key = _DTYPE_ALIASES.get(str(dtype).removeprefix("torch."))
-        if key is None:
-            raise ClusterSpecError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-        return getattr(self, key)
+        return getattr(self, _dtype_key(dtype))
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "peak_flops") -> PeakFlops:
@@ -276,10 +281,7 @@ class DeviceEfficiency:
     def for_dtype(self, dtype: str) -> EfficiencyCurve | None:
         """The curve measured for ``dtype`` (``fp32``, ``tf32``, ``bf16``, ``fp16``, or a torch
         name); ``None`` when none was."""
-        key = _DTYPE_ALIASES.get(str(dtype).removeprefix("torch."))
-        if key is None:
-            raise ClusterSpecError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-        return getattr(self, key)
+        return getattr(self, _dtype_key(dtype))
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "efficiency") -> DeviceEfficiency:

@@ -39,6 +39,7 @@ def _dtype_key(dtype: Any) -> str:
         raise ClusterSpecError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     return key
 
+
 PRESET_DIR = Path(__file__).parent / "presets"
 CLUSTER_FILE_ENV = "PARTITIONER_CLUSTER_FILE"
 """An explicit cluster file for ``local_cluster`` and ``detect_cluster``: used as it is (it must

@@ -46,7 +46,10 @@ ranks (:func:`sharing_slowdown`), since the planner prices that in its own ``con
   |log(predicted/measured)| over its runs, with the terms above fixed and, for each candidate,
   the step overhead set to the median over ranks of the measured ``other_s`` (batch slicing,
   ``zero_grad``, the loss all-reduce) less the planner's loss all-reduce at that latency. Runs
-  all of one kind fit one multiplier for both.
+  all of one kind fit one multiplier for both. Beside the step-end multiplier, at each candidate,
+  a fixed wait per synchronising call at the step's end (``Cluster.step_end_wait_s``, counted
+  by ``plan_cost.step_end_calls``, within :data:`STEP_END_WAIT_BOUNDS`): on shared cores each
+  such call waits for its group's last rank, a cost per call rather than per α.
 
 Medians where one rank is one sample, so one slow rank (a noisy neighbour) does not move the fit.
 The presets keep every overhead at 0 / None, so the planner's results on them do not change.
@@ -121,13 +124,17 @@ class Refit:
     """Fitted multiplier of the (refitted) link α for the step-end collectives
     (``Cluster.sync_latency_scale``); ``None`` when the runs cannot tell them from the
     tensor-parallel ones (all or none have tp or cp)."""
+    step_end_wait_s: float = 0.0
+    """Fitted seconds each synchronising call at the step's end waits, once per call
+    (``Cluster.step_end_wait_s``), within :data:`STEP_END_WAIT_BOUNDS`."""
 
     def overheads_text(self) -> str:
         """The fitted overheads in one line, as the CLI and the calibration file's header print them."""
         sync = f"x{self.sync_latency_scale:.3g}" if self.sync_latency_scale is not None else "x1"
         return (f"per-op overhead {self.kernel_overhead_s * 1e6:.3g} us, memory-bound ops at "
                 f"x{self.memory_bound_scale:.3g} the memcpy rate, pipeline message "
-                f"{(self.p2p_latency_s or 0.0) * 1e3:.3g} ms, step-end collectives {sync} the link's α, step overhead "
+                f"{(self.p2p_latency_s or 0.0) * 1e3:.3g} ms, step-end collectives {sync} the link's α "
+                f"+ {self.step_end_wait_s * 1e3:.3g} ms a call, step overhead "
                 f"{self.step_overhead_s * 1e3:.3g} ms, offload call {self.offload_call_s * 1e6:.3g} us, "
                 f"optimizer {self.optimizer_tensor_s * 1e6:.3g} us a tensor")
 
@@ -553,8 +560,8 @@ def refit(runs: Sequence[RunData], cluster: Cluster, *,
     fitted = _with_device(fitted, offload_call_s=_fit_device_seconds(_offloaded(alone), fitted, profiles, "offload_call_s"))
     p2p_s = _fit_p2p(runs, fitted, profiles)
     fitted = _with_overheads(fitted, p2p_s=p2p_s)
-    latency, sync, step_err = _fit_latency(runs, fitted, profiles)
-    fitted = _with_step_overhead(runs, _with_sync(_with_latency(fitted, latency), sync))
+    latency, sync, wait, step_err = _fit_latency(runs, fitted, profiles)
+    fitted = _with_step_overhead(runs, _with_wait(_with_sync(_with_latency(fitted, latency), sync), wait))
     return Refit(cluster=fitted, flops_scale=flops,
                  bandwidth_scale=bandwidth, latency_scale=latency, compute_ratio_before=before,
                  compute_ratio_after=ratio, step_log_error=step_err, runs=len(runs),
@@ -562,7 +569,8 @@ def refit(runs: Sequence[RunData], cluster: Cluster, *,
                  / fitted.device.memory_bandwidth_bytes_per_s if fitted.device.memory_bound_bytes_per_s else 1.0,
                  p2p_latency_s=p2p_s,
                  step_overhead_s=fitted.device.step_overhead_s, offload_call_s=fitted.device.offload_call_s,
-                 optimizer_tensor_s=fitted.device.optimizer_tensor_s, sync_latency_scale=sync)
+                 optimizer_tensor_s=fitted.device.optimizer_tensor_s, sync_latency_scale=sync,
+                 step_end_wait_s=wait)
 
 
 def _fit_optimizer(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> tuple[float, float]:
@@ -629,14 +637,15 @@ def _offloaded(runs: Sequence[RunData]) -> list[RunData]:
 
 def _with_step_overhead(runs: Sequence[RunData], cluster: Cluster, profiles: dict | None = None) -> Cluster:
     """``cluster`` with ``Device.step_overhead_s`` = the median over every rank of every run of
-    its measured ``other_s`` less the planner's loss all-reduce (>= 0; ``profiles`` unused)."""
-    from partitioner.search.plan_cost import scalar_all_reduce_time
+    its measured ``other_s`` less the planner's loss all-reduce, its step-end wait included (>= 0;
+    ``profiles`` unused)."""
+    from partitioner.search.plan_cost import scalar_all_reduce_time, step_end_scalars
 
     base = _with_device(cluster, step_overhead_s=0.0)
     # the loss's all-reduce ends the step outside every timed action (in ``other_s``); the
     # gradient norm's, the other scalar all-reduce the planner's ``framework`` term prices, is
     # timed as a collective (``collective_s``)
-    loss_ar = scalar_all_reduce_time(base)
+    loss_ar = scalar_all_reduce_time(base) + base.step_end_wait_s * step_end_scalars(base.world_size, "fp32").get("loss", 0)
     rest = [o - loss_ar for run in runs for o in run.other_s]
     return _with_device(base, step_overhead_s=max(statistics.median(rest), 0.0)) if rest else cluster
 
@@ -680,43 +689,119 @@ def _fit_p2p(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> float
     return max(min(rows), 0.0)
 
 
-def _fit_latency(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> tuple[float, float | None, float]:
-    """(link-latency multiplier, step-end multiplier over it or None, median error).
+STEP_END_WAIT_BOUNDS = (0.0, 10e-3)
+"""Where the refit may put the fixed wait of each step-end call (``Cluster.step_end_wait_s``):
+``[0, 10 ms]``. It is what a call waits for its group's last rank to arrive when the ranks share
+cores: at most about one scheduler period (CFS lets every runnable task run within a few ms to
+~12 ms on 1-4 CPUs), and the per-phase timelines on the 2-core machine put each step-end phase
+at 1-3.6 ms, its α included. A larger value would be a straggler's compute or a neighbour's
+burst charged to every call of every plan; non-negative because waiting never makes a call
+faster. GPUs (NCCL, a rank per device) fit about 0."""
+
+
+def _fit_latency(runs: Sequence[RunData], cluster: Cluster, profiles: dict
+                 ) -> tuple[float, float | None, float, float]:
+    """(link-latency multiplier, step-end multiplier over it or None, step-end wait per call,
+    median error).
 
     Two kinds of collective pay the link's latency: those ranks call in step inside forward and
     backward (tensor parallelism's, context parallelism's exchanges) and those at the step's end
     (the gradient reduction per bucket, ZeRO-1/2's all-gather, the tied-weight sync, the loss
     all-reduce), which each rank reaches from its own backward. On CPU ranks sharing cores the
-    second kind costs several times the first (each waits on every member being scheduled), so
-    one multiplier fits neither: the runs without tp or cp fit the step-end one, then the runs
-    with them fit the link's (the step-end one held, kept as ``Cluster.sync_latency_scale``
-    relative to it, so that intra- and inter-node links keep their ratio). When the runs are all
-    of one kind, one multiplier for both (``None``). Each fit: the multiplier on a grid of
-    powers of √2 (1/16 .. 64) with the smallest MEAN |log(predicted / measured)| step time over
-    its runs (a median would let the few runs the collectives dominate go unfitted), with
-    compute, kernel overhead and pipeline messages fitted before (from their own measured
-    seconds) and the step overhead refitted at each candidate (:func:`_with_step_overhead`)."""
+    second kind waits for the group's last rank to be scheduled: a fixed wait per call
+    (``Cluster.step_end_wait_s``, :data:`STEP_END_WAIT_BOUNDS`, counted by
+    ``plan_cost.step_end_calls``) beside a multiplier of their α. The runs without tp or cp fit
+    the step-end multiplier and the wait together, then the runs with them fit the link's (the
+    step-end ones held, the multiplier kept as ``Cluster.sync_latency_scale`` relative to it, so
+    that intra- and inter-node links keep their ratio). When the runs are all of one kind, one
+    multiplier for both (``None``). Each fit: the multiplier on a grid of powers of √2 (1/16 .. 64)
+    with the smallest MEAN |log(predicted / measured)| step time over its runs (a median would
+    let the few runs the collectives dominate go unfitted), the wait at each the best within its
+    bounds, with compute, kernel overhead and pipeline messages fitted before (from their own
+    measured seconds) and the step overhead refitted at each candidate (:func:`_with_step_overhead`)."""
     inside = [r for r in runs if r.plan.tp > 1 or r.plan.cp > 1]
     outside = [r for r in runs if not (r.plan.tp > 1 or r.plan.cp > 1)]
-    both = _best_latency_scale(outside or runs, runs, lambda k: _with_latency(cluster, k), profiles)
+    both, wait = _best_latency_scale(outside or runs, runs, lambda k: _with_latency(cluster, k), profiles)
     if not inside or not outside:
-        return both, None, _median_step_error(runs, _with_latency(cluster, both), profiles)
-    link = _best_latency_scale(inside, runs, lambda k: _with_sync(_with_latency(cluster, k), both / k), profiles)
-    return link, both / link, _median_step_error(runs, _with_sync(_with_latency(cluster, link), both / link),
-                                                 profiles)
+        fitted = _with_wait(_with_latency(cluster, both), wait)
+        return both, None, wait, _median_step_error(runs, fitted, profiles)
+    link, _ = _best_latency_scale(inside, runs, lambda k: _with_wait(_with_sync(_with_latency(cluster, k), both / k),
+                                                                       wait), profiles, fit_wait=False)
+    fitted = _with_wait(_with_sync(_with_latency(cluster, link), both / link), wait)
+    return link, both / link, wait, _median_step_error(runs, fitted, profiles)
 
 
-def _best_latency_scale(fit_on: Sequence[RunData], runs: Sequence[RunData], make, profiles: dict) -> float:
-    """The multiplier ``k`` (powers of √2, 1/16 .. 64) whose cluster ``make(k)`` predicts the
-    step times of ``fit_on`` with the smallest mean |log error|, the step overhead set from
-    ``runs`` at each ``k`` (it is what the measured rest of the step leaves after the loss
-    all-reduce, whose latency is being fitted)."""
-    best = (float("inf"), 1.0)
+def _best_latency_scale(fit_on: Sequence[RunData], runs: Sequence[RunData], make, profiles: dict, *,
+                        fit_wait: bool = True) -> tuple[float, float]:
+    """(multiplier ``k``, step-end wait): the ``k`` (powers of √2, 1/16 .. 64) whose cluster
+    ``make(k)`` predicts the step times of ``fit_on`` with the smallest mean |log error|, the
+    step overhead set from ``runs`` at each ``k`` (it is what the measured rest of the step
+    leaves after the loss all-reduce, whose latency is being fitted). ``fit_wait``: at each
+    ``k`` also the wait per step-end call (:data:`STEP_END_WAIT_BOUNDS`) with the smallest error;
+    the step time is affine in it (its calls, read off the planner, less the loss's, which the
+    step overhead gives back while it stays >= 0). Else ``make(k)``'s wait."""
+    if not fit_wait:
+        best = (float("inf"), 1.0)
+        for k in range(-8, 13):
+            scale = 2.0 ** (k / 2)
+            errs = _step_log_errors(fit_on, _with_step_overhead(runs, make(scale), profiles), profiles)
+            best = min(best, (statistics.fmean(errs), scale))
+        return best[1], make(1.0).step_end_wait_s
+    measured = [statistics.median(r.step_s) for r in fit_on]
+    # calls per run: the slope of its step time in the wait, the step overhead held at 0
+    probe = _with_device(_with_wait(make(1.0), 0.0), step_overhead_s=0.0)
+    at0 = _step_times(fit_on, probe, profiles)
+    calls = [(t1 - t0) / 1e-3 for t0, t1 in zip(at0, _step_times(fit_on, _with_wait(probe, 1e-3), profiles))]
+    best = (float("inf"), 1.0, 0.0)
     for k in range(-8, 13):
         scale = 2.0 ** (k / 2)
-        errs = _step_log_errors(fit_on, _with_step_overhead(runs, make(scale), profiles), profiles)
-        best = min(best, (statistics.fmean(errs), scale))
-    return best[1]
+        cl = _with_step_overhead(runs, _with_wait(make(scale), 0.0), profiles)
+        # the measured rest of the step less the loss all-reduce: the overhead at wait 0 (unclipped)
+        rest = _step_overhead_rest(runs, cl)
+        held = cl.device.step_overhead_s if rest is not None else 0.0  # no rest measured: the cluster's, held
+        base = [t - held for t in _step_times(fit_on, cl, profiles)]
+        wait, err = _best_wait(base, calls, measured, rest)
+        best = min(best, (err, scale, wait))
+    return best[1], best[2]
+
+
+def _best_wait(base: Sequence[float], calls: Sequence[float], measured: Sequence[float],
+               rest: float | None) -> tuple[float, float]:
+    """(wait, mean |log error|): the wait per step-end call within :data:`STEP_END_WAIT_BOUNDS`
+    that best predicts ``measured`` as ``base + w·calls + max(rest − w, 0)`` (the step overhead
+    refitted at ``w``: the measured rest less the loss's wait; ``None``: no rest measured, 0)."""
+    from scipy.optimize import minimize_scalar
+
+    def err(w: float) -> float:
+        over = max(rest - w, 0.0) if rest is not None else 0.0
+        return statistics.fmean(abs(math.log(max(b + w * n + over, 1e-12) / m))
+                                for b, n, m in zip(base, calls, measured))
+
+    lo, hi = STEP_END_WAIT_BOUNDS
+    grid = [lo + (hi - lo) * i / 400 for i in range(401)]
+    i = min(range(len(grid)), key=lambda j: err(grid[j]))
+    a, b = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+    fine = minimize_scalar(err, bounds=(a, b), method="bounded", options={"xatol": 1e-7})
+    w = float(fine.x) if fine.success and err(float(fine.x)) <= err(grid[i]) else grid[i]
+    return w, err(w)
+
+
+def _step_overhead_rest(runs: Sequence[RunData], cluster: Cluster) -> float | None:
+    """The median over every rank of every run of its measured ``other_s`` less the planner's
+    loss all-reduce without its wait (``cluster``'s wait 0), not clipped at 0; ``None`` without ranks."""
+    from partitioner.search.plan_cost import scalar_all_reduce_time
+
+    loss_ar = scalar_all_reduce_time(cluster)
+    rest = [o - loss_ar for run in runs for o in run.other_s]
+    return statistics.median(rest) if rest else None
+
+
+def _step_times(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> list[float]:
+    return [_reevaluate(run.plan, cluster, profiles).predicted.step_time_s for run in runs]
+
+
+def _with_wait(cluster: Cluster, wait: float) -> Cluster:
+    return dataclasses.replace(cluster, step_end_wait_s=wait)
 
 
 def _median_step_error(runs: Sequence[RunData], cluster: Cluster, profiles: dict) -> float:

@@ -524,6 +524,13 @@ class Cluster:
     the loss all-reduce. On CPU ranks sharing cores they cost several times, per hop, the
     tensor- and context-parallel collectives ranks call in step inside forward and backward,
     which pay the link's α. ``None`` (the presets): 1. Fitted by ``partitioner.calibration.refit``."""
+    step_end_wait_s: float = 0.0
+    """Seconds every synchronising call at a step's end waits on top of its α-β price, once per
+    call (``plan_cost.step_end_calls``: the gradient buckets, ZeRO's updated-chunk gathers, the
+    tied-weight and sequence-parallel sums, the gradient norm, the loss): on CPU ranks sharing
+    cores each such call waits for the last rank to be scheduled, a fixed cost per call rather
+    than one proportional to the link's α. 0 (the presets, GPUs). Fitted by
+    ``partitioner.calibration.refit`` within ``refit.STEP_END_WAIT_BOUNDS``."""
     compute_slots_per_node: int | None = None
     """How many of a node's ranks can compute at once at the device's full rate: CPU ranks
     share the node's cores, ``cores // threads per rank`` of them run at a time. With more ranks
@@ -539,11 +546,14 @@ class Cluster:
                    "(cores // threads per rank), or leave it out when every device has its own")
         _normalize(self, "host_memory_bytes", "bytes", "give the CPU memory of one node, e.g. '2TiB'")
         _choice(self, "backend", BACKENDS)
-        for name, what in (("p2p_latency_s", "seconds"), ("sync_latency_scale", "(a multiplier)")):
+        for name, what in (("p2p_latency_s", "seconds"), ("sync_latency_scale", "(a multiplier)"),
+                           ("step_end_wait_s", "seconds")):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not (value >= 0 and math.isfinite(value))):
                 raise ClusterSpecError(f"Cluster.{name} must be >= 0 {what} or None, got {value!r}")
+        if self.step_end_wait_s is None:  # a cluster file's null: none
+            object.__setattr__(self, "step_end_wait_s", 0.0)
         if isinstance(self.device, dict):
             object.__setattr__(self, "device", Device.from_dict(self.device, "Cluster.device"))
         for name in _LINK_FIELDS:
@@ -599,6 +609,7 @@ class Cluster:
                 "host_to_device": self.host_to_device.to_dict(),
                 **({"p2p_latency_s": self.p2p_latency_s} if self.p2p_latency_s is not None else {}),
                 **({"sync_latency_scale": self.sync_latency_scale} if self.sync_latency_scale is not None else {}),
+                **({"step_end_wait_s": self.step_end_wait_s} if self.step_end_wait_s else {}),
                 **({"compute_slots_per_node": self.compute_slots_per_node}
                    if self.compute_slots_per_node is not None else {})}
 

@@ -51,6 +51,10 @@ between stages (those, ZeRO-3's gathers and reduce-scatters, the tied sync, the 
 pay the link's α times ``Cluster.sync_latency_scale`` where the calibration fitted one
 (:meth:`PlanContext.sync_link`): on CPU ranks sharing cores they cost several times, per hop, the
 tensor- and context-parallel collectives inside forward and backward, which pay the link's α.
+Each synchronising call after the last backward (:func:`step_end_calls`: the buckets the
+reduction finishes, ZeRO-1/2's updated-chunk gathers, the tied and sequence-parallel sums, the
+gradient norm, the loss) also waits ``Cluster.step_end_wait_s`` once (ranks on shared cores
+arrive at it one after the other), in ``dp_comm``, ``tied_comm`` or ``framework``; 0 on the presets.
 
 Host devices (``host_to_device.kind == "loopback"``: CPU ranks on gloo): nothing overlaps on a
 rank's one thread, so the dp reduction is fully exposed (no backward hides it), and activation
@@ -675,7 +679,7 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
     # ranks the sharded model state is spread over: dp x cp hold the same parameters
     shards = c.shard_degree if c.zero_stage == 3 else c.dp_cp
     ms1 = model_state_bytes(1.0, shards, c.zero_stage, ctx.dtype, ctx.optimizer)
-    stages, per_stage = [], []
+    stages, per_stage, step_end_waits = [], [], []
     for s, ranges in enumerate(assignment):
         f, b, tpc, rc, cpc, params, act, memory, w_grad = _stage_numbers(ctx, c, costs, ranges, s)
         t_mb = f + b + tpc + rc + cpc
@@ -689,6 +693,12 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
             return collective(grads, c.dp_cp, link) + extra * collective(0.0, c.dp_cp, link)
 
         rs, ag, ar = per_bucket(reduce_scatter_time), per_bucket(all_gather_time), per_bucket(all_reduce_time)
+        # the fixed wait of each synchronising call after the last backward, in the term of its phase
+        waits = {}
+        for kind, n in step_end_calls(ctx, c, ranges, grads).items():
+            term = STEP_END_TERMS.get(kind, "framework")
+            waits[term] = waits.get(term, 0.0) + n * ctx.cluster.step_end_wait_s
+        step_end_waits.append(waits)
         # on a host device (gloo on CPU) the bucket's collective shares the rank's one thread
         # with backward: nothing hides it
         hide = 0.0 if ctx.on_host else b
@@ -704,6 +714,7 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
             dp_exposed = max(0.0, rs - hide) + ag
         else:                    # sharded grads: a reduce-scatter per micro-batch, each behind its backward
             dp_exposed = c.num_micro_batches * max(0.0, rs - hide) + ag
+        dp_exposed += waits.get("dp_comm", 0.0)
         updated = params / (shards if c.zero_stage >= 1 else 1)  # parameters this rank updates
         opt_bytes = updated * ms1.optimizer * (shards if c.zero_stage >= 1 else 1)
         opt_rate = dev.optimizer_bytes_per_s or dev.memory_bandwidth_bytes_per_s  # 0: the memory's, not the nodes'
@@ -756,7 +767,8 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
         # slowest stage's backward (matmul-heavy on GPUs, about half; dispatch-bound CPU ranks less)
         bubble=_bubble_time(c, [st[0] for st in per_stage], per_stage[slow][8]),
         dp_comm=per_stage[tail][4], optimizer=per_stage[tail][5], offload=per_stage[tail][6],
-        tied_comm=_tied_sync_time(ctx, c), framework=_framework_time(ctx))
+        tied_comm=_tied_sync_time(ctx, c) + max(w.get("tied_comm", 0.0) for w in step_end_waits),
+        framework=_framework_time(ctx) + max(w.get("framework", 0.0) for w in step_end_waits))
     busy = [m * (st[1] + st[3] * (2 if c.split_backward else 1)) + st[5] + st[6] for st in per_stage]
     terms = dataclasses.replace(terms, contention=_contention_time(ctx, c, busy, terms))
     peak = max(s.peak_memory_bytes for s in stages)
@@ -887,6 +899,45 @@ def gradient_buckets(ctx: PlanContext, c: ParallelConfig, ranges, grad_bytes: fl
     elif c.sequence_parallel and c.tp > 1 and any(start <= ctx.L and stop > 1 for start, stop in ranges):
         n += 1  # the blocks' norm weights: small, one bucket
     return max(n, 1)
+
+
+STEP_END_TERMS = {"dp bucket": "dp_comm", "dp bucket updated chunks": "dp_comm",
+                  "sequence-parallel grads": "dp_comm", "tied weight": "tied_comm"}
+"""The step-time term that carries each kind of :func:`step_end_calls`' wait; the scalars'
+(:func:`step_end_scalars`): ``framework``."""
+
+
+def step_end_scalars(world: int, dtype: str) -> dict[str, int]:
+    """The all-reduces of a scalar over the mesh every rank issues at a step's end (see
+    :func:`step_end_calls`): fp16's overflow flag, the global gradient norm (the STEP action) and
+    the loss (after it); none on one rank."""
+    if world <= 1:
+        return {}
+    return {**({"fp16 overflow flag": 1} if dtype == "fp16" else {}), "global gradient norm": 1, "loss": 1}
+
+
+def step_end_calls(ctx: PlanContext, c: ParallelConfig, ranges, grad_bytes: float) -> dict[str, int]:
+    """The synchronising calls a rank of the stage of layers ``ranges`` (``grad_bytes``: its
+    gradients, ``StagePlan.param_bytes``) issues after its last
+    backward (the runtime's ALL_REDUCE and STEP actions and the loss after them, as
+    :func:`passes.checks.communication_check.rank_calls` derives them), by kind: the gradient
+    buckets the reduction finishes (ZeRO 0 and 1; ZeRO 2 its last round; :func:`gradient_buckets`),
+    the tied-weight all-reduce (first and last stage), the sequence-parallel partial-gradient
+    all-reduce, the scalars (:func:`step_end_scalars`) and ZeRO-1/2's all-gather of each bucket's
+    updated chunks. ZeRO-3 reduces inside backward: no buckets. Each pays
+    ``Cluster.step_end_wait_s`` once; the one place that counts them."""
+    calls: dict[str, int] = {}
+    if c.dp_cp > 1 and c.zero_stage in (0, 1, 2):
+        n = gradient_buckets(ctx, c, ranges, grad_bytes)
+        calls["dp bucket"] = n
+        if c.zero_stage in (1, 2) and c.offload != "optimizer":
+            calls["dp bucket updated chunks"] = n
+    holds_tied = any(start == 0 < stop or start <= ctx.L + 1 < stop for start, stop in ranges)
+    if c.pp > 1 and ctx.profile.shared_param_count and holds_tied:
+        calls["tied weight"] = 1
+    if c.sequence_parallel and c.tp > 1 and any(start <= ctx.L and stop > 1 for start, stop in ranges):
+        calls["sequence-parallel grads"] = 1
+    return calls | step_end_scalars(c.world_size, ctx.dtype)
 
 
 def _tied_sync_time(ctx: PlanContext, c: ParallelConfig) -> float:

@@ -218,7 +218,7 @@ def _synthetic_runs(tmp_path, profile, cluster, truth, knob_list):
         plan = predict_step_time(profile, cluster, knobs, global_batch=gb)
         true = predict_step_time(profile, truth, knobs, global_batch=gb)
         runs.append(load_run(_synthetic_run(tmp_path / str(k), plan, true,
-                                            grad_norm_s=scalar_all_reduce_time(truth))))
+                                            grad_norm_s=scalar_all_reduce_time(truth) + truth.step_end_wait_s)))
     return runs
 
 
@@ -275,6 +275,46 @@ def test_refit_tells_step_end_collectives_from_tensor_parallel_ones(tmp_path):
     errors = [abs(predict_step_time(profile, one, dict(r.plan.knobs()), global_batch=r.plan.global_batch)
                   .predicted.step_time_s / r.step_s[0] - 1) for r in runs]
     assert max(errors) > 0.05
+
+
+def test_refit_recovers_a_fixed_wait_per_step_end_call(tmp_path):
+    """Runs whose step end pays a fixed 2 ms per synchronising call (``Cluster.step_end_wait_s``)
+    on top of a step overhead: a ZeRO-1 run (its bucket's reduce-scatter and all-gather, the
+    gradient norm, the loss) and pipelined ones (the tied sum, the norm, the loss). The refit
+    recovers the wait inside its bounds and fits every run; a multiplier of the α alone cannot."""
+    from partitioner.calibration.refit import STEP_END_WAIT_BOUNDS, _scaled
+
+    cluster = dataclasses.replace(Cluster.preset("local-cpu"), devices_per_node=2)
+    truth = _scaled(cluster, 0.5, 1.0)
+    truth = dataclasses.replace(truth, step_end_wait_s=2e-3, device=dataclasses.replace(
+        truth.device, kernel_overhead_s=4e-5, step_overhead_s=1e-3))
+    profile = profile_model(GPT, dtype="fp32")
+    knob_list = [{**BASE, "dp": 2, "micro_batch_size": 4, "num_micro_batches": 1, "zero_stage": 1},
+                 {**BASE, "pp": 2, "micro_batch_size": 1, "num_micro_batches": 4},
+                 {**BASE, "pp": 2, "micro_batch_size": 4, "num_micro_batches": 2}]
+    runs = _synthetic_runs(tmp_path, profile, cluster, truth, knob_list)
+    result = refit(runs, cluster)
+    assert STEP_END_WAIT_BOUNDS[0] <= result.step_end_wait_s <= STEP_END_WAIT_BOUNDS[1]
+    assert result.step_end_wait_s == pytest.approx(2e-3, rel=0.05)
+    assert result.step_overhead_s == pytest.approx(1e-3, rel=0.1)
+    for run in runs:  # the ZeRO-1 run and the pipelined ones alike
+        predicted = predict_step_time(profile, result.cluster, dict(run.plan.knobs()),
+                                      global_batch=run.plan.global_batch).predicted.step_time_s
+        assert predicted == pytest.approx(run.step_s[0], rel=0.01)
+    assert "2 ms a call" in result.overheads_text()
+    assert Cluster.from_dict(result.cluster.to_dict()).step_end_wait_s == pytest.approx(result.step_end_wait_s)
+    # the same runs without the wait (its bound 0): the multiplier alone leaves one kind off
+    import partitioner.calibration.refit as refit_module
+
+    original = refit_module.STEP_END_WAIT_BOUNDS
+    refit_module.STEP_END_WAIT_BOUNDS = (0.0, 0.0)
+    try:
+        alone = refit(runs, cluster)
+    finally:
+        refit_module.STEP_END_WAIT_BOUNDS = original
+    errors = [abs(predict_step_time(profile, alone.cluster, dict(r.plan.knobs()), global_batch=r.plan.global_batch)
+                  .predicted.step_time_s / r.step_s[0] - 1) for r in runs]
+    assert max(errors) > 0.02
 
 
 def test_refit_recovers_step_overhead_and_offload_call_seconds(tmp_path):

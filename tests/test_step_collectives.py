@@ -18,7 +18,7 @@ import pytest
 from partitioner.compile.build import capture_for_pipeline, lower_plan
 from partitioner.cost.cluster import Cluster
 from partitioner.inputs.models import build_model
-from partitioner.search.plan_cost import PlanContext, evaluate, gradient_buckets
+from partitioner.search.plan_cost import PlanContext, evaluate, gradient_buckets, step_end_calls
 from partitioner.search.profile import profile_model
 from passes.checks.communication_check import rank_calls
 from passes.ir.config import ParallelConfig
@@ -91,3 +91,40 @@ def test_sync_latency_prices_the_step_end_collectives_only():
     assert b["dp_comm"] - a["dp_comm"] == pytest.approx(2.0)  # one bucket, a 2-rank all-reduce
     a, b = _terms(GPT, base, dp=4, zero_stage=3), _terms(GPT, slow, dp=4, zero_stage=3)
     assert b["dp_comm"] - a["dp_comm"] > 1.0  # ZeRO-3's per-layer gathers are data-parallel collectives too
+
+
+def _step_end_kind(label: str) -> str | None:
+    """The kind (``plan_cost.step_end_calls``' key) of a call the runtime issues after the last backward."""
+    if label.startswith("dp bucket"):
+        return "dp bucket updated chunks" if label.endswith("updated chunks") else "dp bucket"
+    for kind in ("tied weight", "sequence-parallel grads", "fp16 overflow flag", "global gradient norm"):
+        if label.startswith(kind):
+            return kind
+    return "loss" if label == "loss of the step" else None
+
+
+@pytest.mark.parametrize("spec, knobs", [
+    (WIDE_GPT, dict(dp=2, pp=2, zero_stage=1)),  # buckets, updated chunks, the tied sum
+    (GPT, dict(dp=2, tp=2, sequence_parallel=True, zero_stage=1)),  # the norms' partial gradients
+    (WIDE_GPT, dict(dp=4, zero_stage=0)),
+    (LLAMA, dict(pp=2)),  # untied: the scalars only
+    (GPT, dict(dp=4, zero_stage=3)),  # ZeRO-3 reduces in backward
+])
+def test_step_end_calls_are_the_calls_the_runtime_issues_at_the_step_end(spec, knobs):
+    """``plan_cost.step_end_calls`` (what ``Cluster.step_end_wait_s`` is paid for) against the
+    calls the pre-launch check derives: per rank, the same kinds, as many times; a wait of 1 s
+    adds one second per call to the step of a one-stage plan."""
+    config = _config(**knobs)
+    cluster = _cluster(config.world_size)
+    lowering = lower_plan(capture_for_pipeline(build_model(spec)), config, cluster=cluster, check=False)
+    ctx = PlanContext(_profile(spec), cluster, GLOBAL_BATCH, "adamw")
+    stages = evaluate(ctx, config, limit=None).stages
+    for rank in range(config.world_size):
+        issued = collections.Counter(k for c in rank_calls(lowering.rank_program(rank)).calls
+                                     if (k := _step_end_kind(c.label)) is not None)
+        stage = stages[rank // (config.dp_cp * config.tp)]
+        assert step_end_calls(ctx, config, stage.layers, stage.param_bytes) == dict(issued), rank
+    if config.pp == 1:
+        waited = PlanContext(_profile(spec), dataclasses.replace(cluster, step_end_wait_s=1.0), GLOBAL_BATCH, "adamw")
+        extra = evaluate(waited, config, limit=None).step_time - evaluate(ctx, config, limit=None).step_time
+        assert extra == pytest.approx(sum(step_end_calls(ctx, config, stages[0].layers, stages[0].param_bytes).values()))

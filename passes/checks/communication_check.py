@@ -473,7 +473,7 @@ class _StageCollectives:
         else:
             last = max((k for k, n in enumerate(nodes) if n.meta[MEMORY].saved), default=-1)
         # a gather in the recompute runs inside backward: ZeRO-3 gathers it as backward does
-        recompute = [("zero3_backward" if op == "zero3_forward" else op, n, dt, f"recompute {what}")
+        recompute = [("zero3_backward" if op == "zero3_forward" else op, n, dt, _recomputed(what))
                      for node in nodes[:max(last, 0)]
                      for op, n, dt, what in self._node(gm, node, region, flags, backward=False)]
         out = list(recompute) if last == len(nodes) else []
@@ -496,6 +496,12 @@ class _StageCollectives:
         if size == "rows":
             what += {"all_reduce(max)": " (row max)"}.get(collective, " (row sums)")
         return collective, n, dtype, what
+
+
+def _recomputed(what: str) -> str:
+    """The label of an event re-run by a checkpointed region's recompute; a cp event keeps its
+    leading ``cp `` tag, which is what puts its call on the cp group (:meth:`_StageCollectives._calls`)."""
+    return f"cp recompute {what[3:]}" if what.startswith("cp ") else f"recompute {what}"
 
 
 def _calls(gm: fx.GraphModule) -> list[fx.Node]:

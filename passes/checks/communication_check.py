@@ -24,7 +24,9 @@ local compute)::
                  dtype from its stage graph, the receiver's from its StageIO contract
     ALL_REDUCE   the dp gradient buckets (passes.ir.grad_buckets.bucket_layout, the layout the
                  runtime builds): all-reduce, ZeRO-1 reduce-scatter, ZeRO-2 one reduce-scatter
-                 per completed round, launched as the buckets complete (overlap) or at the end;
+                 per completed round, launched as the buckets complete (overlap: inside B, where
+                 the bucket's last parameter gets its gradient, right after the backward of its
+                 first reader in graph order; I leaves them to W) or at the end;
                  the tied-weight all-reduces; the sequence-parallel partial-gradient all-reduce
     STEP         (fp16: the overflow flag) the global gradient norm over the mesh; ZeRO's
                  all-gather of every bucket's updated chunks
@@ -55,7 +57,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterable, Literal, Mapping, Protocol, Sequence
+from typing import Callable, Iterable, Literal, Mapping, Protocol, Sequence
 
 import sympy
 import torch
@@ -220,10 +222,14 @@ class _RankModel:
         grads = _GradSync(self)
         for a in self.p.actions:
             kind = a.kind.value  # by value: split-backward kinds (I, W) need no import to be known
+            done: set[int] = set()  # the members whose gradient this B action accumulated mid-backward
             if kind == "F":
                 out += self.stage_calls[a.stage].forward(f"{a.stage}F{a.microbatch}")
-            elif kind in ("B", "I"):  # the backward collectives run where the input gradients are made
-                out += self.stage_calls[a.stage].backward(f"{a.stage}{kind}{a.microbatch}")
+            elif kind == "B":  # a parameter's gradient hook fires where backward makes its gradient
+                out += self.stage_calls[a.stage].backward(
+                    f"{a.stage}B{a.microbatch}", on_grad=lambda key, s=a.stage, done=done: grads.param(s, key, done))
+            elif kind == "I":  # the backward collectives run where the input gradients are made
+                out += self.stage_calls[a.stage].backward(f"{a.stage}I{a.microbatch}")
             elif kind in ("SEND_F", "RECV_F", "SEND_B", "RECV_B"):
                 out += self.p2p(a)
             elif kind == "ALL_REDUCE":
@@ -232,7 +238,7 @@ class _RankModel:
                 self.zero3.reset()
                 out += grads.step()
             if kind in ("B", "W"):  # weight gradients accumulate: buckets may launch (overlap, ZeRO-2)
-                out += grads.accumulated(a.stage)
+                out += grads.accumulated(a.stage, done)
         if len(self.world) > 1:
             out.append(CommCall(self.world, "all_reduce(sum)", 1, torch.float64, "loss of the step", "world"))
         return out
@@ -303,6 +309,8 @@ _CP_CALLS: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], .
     "ring_attention": ((("ring_shift", "kv"),), (("ring_shift", "kv"), ("ring_shift", "dkv"))),
 }
 _ZERO3_EVENTS = ("zero3_forward", "zero3_backward", "zero3_reduce_scatter")
+_GRAD = "grad"
+"""The event of a parameter's gradient accumulation in a stage's backward events (its key: id(param))."""
 
 
 class _Zero3Calls:
@@ -363,6 +371,7 @@ class _StageCollectives:
 
     def __init__(self, stage: int, module: fx.GraphModule, rank: _RankModel):
         self.stage, self.module, self.rank = stage, module, rank
+        self._grad_table: dict[int, dict[fx.Node, list]] = {}
         # what requires grad at run time: received boundary tensors as their contract says
         # (the stage's own analysis sees them as plain inputs), parameters, and what they reach
         inputs = [i.kind == "recv" and bool(i.meta.requires_grad) for i in rank.p.io[stage].inputs]
@@ -373,13 +382,21 @@ class _StageCollectives:
     def forward(self, where: str) -> list[CommCall]:
         return self._calls(self._fwd, where)
 
-    def backward(self, where: str) -> list[CommCall]:
-        return self._calls(self._bwd, where)
+    def backward(self, where: str, on_grad: Callable[[int], list[CommCall]] | None = None) -> list[CommCall]:
+        """The backward's calls; ``on_grad(id(parameter))``, where given, is called where the
+        parameter's gradient is accumulated (its post-accumulate hook) and its calls inserted there."""
+        return self._calls(self._bwd, where, on_grad)
 
-    def _calls(self, events, where: str) -> list[CommCall]:
+    def _calls(self, events, where: str, on_grad: Callable[[int], list[CommCall]] | None = None) -> list[CommCall]:
         out = []
-        for op, n, dt, what in events:
-            if op in _ZERO3_EVENTS:
+        # a parameter read in several places: autograd sums its gradients and accumulates once,
+        # after the backward of its last use in backward order
+        last = {n: k for k, (op, n, _, _) in enumerate(events) if op == _GRAD}
+        for k, (op, n, dt, what) in enumerate(events):
+            if op == _GRAD:
+                if on_grad is not None and last[n] == k:
+                    out += on_grad(n)
+            elif op in _ZERO3_EVENTS:
                 out += self.rank.zero3.calls(op, n, where)
             elif what.startswith("cp "):
                 out.append(CommCall(self.rank.cp_group, op, n, dt, f"{where} {what[3:]}", "cp"))
@@ -410,7 +427,31 @@ class _StageCollectives:
             if backward and node.name in savers:  # its backward unpacks a gathered parameter: gathered again
                 out += [("zero3_backward", key, None, "") for key in savers[node.name]]
             out += self._node(gm, node, region, flags, backward=backward)
+            if backward:
+                out += self._grads(gm, node)
         return out
+
+    def _grads(self, gm: fx.GraphModule, node: fx.Node):
+        """The gradient accumulations that follow ``node``'s backward: each trainable parameter
+        whose first reader in ``gm`` (in graph order) is ``node``. Autograd runs a parameter's
+        AccumulateGrad (and its post-accumulate hook: a gradient bucket may launch) as soon as its
+        gradient is complete, before any other backward node, so right after the backward of the
+        last reader in backward order."""
+        table = self._grad_table.get(id(gm))
+        if table is None:
+            table = self._grad_table[id(gm)] = {}
+            position = _position(gm)
+            for n in gm.graph.nodes:
+                if n.op != "get_attr":
+                    continue
+                try:
+                    param = gm.get_parameter(n.target)
+                except AttributeError:
+                    continue  # buffers, constants, submodules
+                readers = [u for u in n.users if u.op in ("call_function", "call_module")]
+                if param.requires_grad and readers:
+                    table.setdefault(min(readers, key=position), []).append((_GRAD, id(param), None, ""))
+        return table.get(node, [])
 
     def _node(self, gm: fx.GraphModule, node: fx.Node, region: str, flags, *, backward: bool):
         sub = _region(gm, node)
@@ -481,6 +522,7 @@ class _StageCollectives:
             if k == last:
                 out += recompute
             out += self._node(gm, nodes[k], region, flags, backward=True)
+            out += self._grads(gm, nodes[k])
         return out
 
     def _call(self, node: fx.Node, op: str, collective: str, size: str, region: str, backward: bool):
@@ -496,6 +538,12 @@ class _StageCollectives:
         if size == "rows":
             what += {"all_reduce(max)": " (row max)"}.get(collective, " (row sums)")
         return collective, n, dtype, what
+
+
+def _position(gm: fx.GraphModule):
+    """A node of ``gm`` -> its index in graph order (a sort key)."""
+    order = {n: k for k, n in enumerate(gm.graph.nodes)}
+    return order.__getitem__
 
 
 def _recomputed(what: str) -> str:
@@ -601,7 +649,7 @@ class _GradSync:
                 counts[a.stage] = counts.get(a.stage, 0) + 1
         self.expected = {k: sum(counts.get(s, 0) for s in ss) for k, ss in self.holders.items()}
         overlap = rank.overlap and (self.dp > 1 or shard)
-        member = {id(q): i for i, q in enumerate(self.params)}
+        self.member = member = {id(q): i for i, q in enumerate(self.params)}
         self.member_of_stage: dict[int, list[int]] = {}
         for key, stages in self.holders.items():
             for s in stages:
@@ -625,15 +673,26 @@ class _GradSync:
                                                         else ""), "dp"))
         return out
 
-    def accumulated(self, stage: int) -> list[CommCall]:
-        """A backward (or weight-gradient) action of ``stage``: its parameters got one gradient,
-        in the order backward reaches them (the buckets' order)."""
+    def param(self, stage: int, key: int, done: set[int]) -> list[CommCall]:
+        """In a backward action of ``stage``: the parameter ``id(param) == key`` got its gradient
+        (its post-accumulate hook fires now, mid-backward); ``done`` collects the members so."""
+        m = self.member.get(key)
+        if not self.buckets or m is None or m in done or m not in self.member_of_stage.get(stage, ()):
+            return []
+        done.add(m)
+        return self._calls(self.machine.accumulated(m))
+
+    def accumulated(self, stage: int, done: set[int] = frozenset()) -> list[CommCall]:
+        """The end of a backward (or weight-gradient) action of ``stage``: its parameters not in
+        ``done`` (those whose accumulation its backward placed) got one gradient, in the order
+        backward reaches them (the buckets' order)."""
         if not self.buckets:
             return []
         order = {m: pos for pos, m in enumerate(m for b in self.buckets for m in b.members)}
         out: list[CommCall] = []
         for m in sorted(self.member_of_stage.get(stage, ()), key=order.__getitem__):
-            out += self._calls(self.machine.accumulated(m))
+            if m not in done:
+                out += self._calls(self.machine.accumulated(m))
         return out
 
     def finish(self) -> list[CommCall]:

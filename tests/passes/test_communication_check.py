@@ -36,6 +36,7 @@ from partitioner.calibration.job_cluster import local_cluster
 
 GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 GPT4 = "gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
+GPT_HEADS4 = "gpt:layers=2,hidden=32,heads=4,vocab=64,seq=8,dropout=0.0"  # Ulysses: heads % (tp * cp) == 0
 LLAMA = "llama:layers=2,hidden=32,heads=2,kv_heads=1,vocab=64,seq=8"
 GRID_MARK = "<- first disagreement"
 
@@ -371,3 +372,19 @@ def test_dp_peers_that_lowered_their_program_differently_are_named():
     odd = [dataclasses.replace(r, digest="x") if r.rank == 3 else r for r in ranks]
     with pytest.raises(CommunicationMismatchError, match=r"ranks \[2\] lowered .*; ranks \[3\] lowered x"):
         check_lowered_ranks(odd, config=config)
+
+
+def test_recomputed_context_parallel_calls_are_on_the_cp_group():
+    """cp + full checkpointing: the ring shifts a checkpointed region's recompute re-runs in
+    backward are on the cp group, as the forward's are (not the tp group)."""
+    for mode in ("ring", "ulysses"):
+        program = _lowering(GPT_HEADS4, dp=1, tp=2, pp=1, cp=2, cp_mode=mode, sequence_parallel=True,
+                            checkpointing="full").rank_program(0)
+        calls = rank_calls(program).calls
+        recomputed = [c for c in calls if "recompute" in c.label and c.channel == "cp"]
+        assert recomputed, f"{mode}: the recompute re-runs the cp ops"
+        cp_ops = {"ring_shift"} if mode == "ring" else {"all_to_all"}
+        for c in calls:
+            if c.op in cp_ops:
+                assert c.group == (0, 2) and c.channel == "cp", f"{mode}: {c}"
+        assert all(c.group == (0, 1) for c in calls if c.channel == "tp"), mode

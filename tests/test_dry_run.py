@@ -257,3 +257,20 @@ def test_each_rank_has_its_peak_against_the_plans(plan, monkeypatch):
     assert "memory: peak bytes of each rank" in text
     assert f"{100 * report.ranks[1].memory_difference:+.1f}%" in text
     assert "rank 9's peak differs from the plan's by more than 0%; its largest tensors alive then" in text
+
+
+# --- plans whose prediction the dry run corrected ------------------------------------------------
+
+@pytest.mark.parametrize("fix,nodes,ranks", [
+    # a checkpointed region's recompute re-runs the ring shifts in backward: on the cp group
+    ("dp=2,tp=2,pp=1,cp=2,cp_mode=ring,checkpointing=full", 1, (0, 3)),
+    # dp bucket 0 completes inside the last backward, before all_gather_seq's reduce-scatter
+    ("dp=2,tp=2,pp=2,cp=4,cp_mode=ring,schedule=1f1b", 4, (0, 16)),
+], ids=["cp2-ckpt-full", "tp2-pp2-cp4-ring"])
+def test_cp_plans_run_the_calls_the_communication_check_predicts(fix, nodes, ranks):
+    report = dry_run("gpt:layers=4,hidden=32,heads=4,vocab=64,seq=32", "dgx-h100", nodes=nodes,
+                     training=Training(global_batch=8), fix=fix, ranks=ranks)
+    assert report.ok and not report.static_mismatches, report.text()
+    assert sorted(r.rank for r in report.ranks) == list(ranks)
+    for r in report.ranks:
+        assert r.static == [] and r.static_calls > 0

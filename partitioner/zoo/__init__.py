@@ -2,4 +2,4 @@
 
 ``hf`` imports nothing from ``transformers`` until an ``hf-*`` model is built.
 """
-from partitioner.zoo import bert, gpt, hf, llama, mlp, resnet, unet  # noqa: F401
+from partitioner.zoo import bert, gpt, hf, llama, mlp, moe, resnet, unet  # noqa: F401

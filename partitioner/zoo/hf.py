@@ -37,6 +37,10 @@ class _HFModel:
     token_types: bool  # BERT takes token_type_ids
     rules: tuple[Divisible, ...] = ()
     """Rules across the config's keys (checked before the config is made, with its names)."""
+    experts: str | None = None
+    """MoE families: the HF experts implementation captured. ``batched_mm`` gathers each (token,
+    choice)'s expert weights and runs one bmm (static shapes, FLOPs at the routed token count); the
+    default ``grouped_mm`` captures as an opaque custom op that counts 0 FLOPs."""
 
 
 _MODELS = {
@@ -56,6 +60,34 @@ _MODELS = {
                         vocab_key="vocab_size", positions_key="max_position_embeddings", token_types=True,
                         rules=(Divisible("hidden_size", "num_attention_heads"),)),
 }
+
+_MOE_RULES = (Divisible("hidden_size", "num_attention_heads"),
+              Divisible("num_attention_heads", "num_key_value_heads", says="a multiple of"))
+# Mixture-of-experts families: tiny configs, the router's aux loss in the model's loss.
+_MODELS.update({
+    "hf-qwen3-moe": _HFModel("hf-qwen3-moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                             dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                              max_position_embeddings=64, num_experts_per_tok=2, output_router_logits=True, num_experts=4, moe_intermediate_size=96, intermediate_size=128,
+                                  head_dim=16),
+                             vocab_key="vocab_size", positions_key="max_position_embeddings", token_types=False,
+                             rules=_MOE_RULES, experts="batched_mm"),
+    "hf-mixtral": _HFModel("hf-mixtral", "MixtralConfig", "MixtralForCausalLM",
+                           dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                              max_position_embeddings=64, num_experts_per_tok=2, output_router_logits=True, num_local_experts=4, intermediate_size=96),
+                           vocab_key="vocab_size", positions_key="max_position_embeddings", token_types=False,
+                           rules=_MOE_RULES, experts="batched_mm"),
+    "hf-olmoe": _HFModel("hf-olmoe", "OlmoeConfig", "OlmoeForCausalLM",
+                         dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                              max_position_embeddings=64, num_experts_per_tok=2, output_router_logits=True, num_experts=4, intermediate_size=96),
+                         vocab_key="vocab_size", positions_key="max_position_embeddings", token_types=False,
+                         rules=_MOE_RULES, experts="batched_mm"),
+    "hf-qwen2-moe": _HFModel("hf-qwen2-moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                             dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                              max_position_embeddings=64, num_experts_per_tok=2, output_router_logits=True, num_experts=4, moe_intermediate_size=96,
+                                  shared_expert_intermediate_size=128, intermediate_size=128),
+                             vocab_key="vocab_size", positions_key="max_position_embeddings", token_types=False,
+                             rules=_MOE_RULES, experts="batched_mm"),
+})
 
 
 def _import_transformers():
@@ -113,6 +145,8 @@ def _build(kind: _HFModel, kwargs: dict[str, Any]) -> ModelSpec:
     config.use_cache = False
     # SDPA exports with torch.export and keeps seq symbolic; eager would too, but is slower.
     config._attn_implementation = "sdpa"
+    if kind.experts is not None:
+        config._experts_implementation = kind.experts
     module = model_cls(config)
     seq = dims.get("seq", min(32, getattr(config, kind.positions_key)))
     if seq > getattr(config, kind.positions_key):

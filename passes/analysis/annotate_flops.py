@@ -22,6 +22,11 @@ number, we follow FlopCounterMode and say so at the formula:
   ``mv``) and einsums without a summed index (Hadamard, outer products) count 0: FlopCounterMode
   has no formula for ``mv``/``dot``/``mul``.
 
+MoE experts (``node.meta[MOE]``, written by ``annotate_moe`` when it ran before): a routed
+expert's matmul counts the tokens it receives under routing, its captured count times the mark's
+``flop_scale`` (the dense capture form runs every expert on every token: ``top_k / experts`` of
+that, times the block's imbalance factor). The summary then also holds the captured counts.
+
 Checkpointed regions (``apply_checkpoint``'s ``checkpoint(%submodule, *inputs)`` calls, kind
 ``"checkpoint"``): forward = the region's forward FLOPs, backward = the region's backward plus the
 forward of the nodes that run again: every node of the region, except under the ``dag`` policy the
@@ -40,7 +45,7 @@ import torch.utils.checkpoint
 from torch import fx
 
 from passes.ir.errors import AnalysisError
-from passes.ir.meta import FLOP_SUMMARY, FLOPS, REMAT, SHAPE, FlopMeta, FlopSummary, ShapeMeta, TensorMeta
+from passes.ir.meta import FLOP_SUMMARY, FLOPS, MOE, REMAT, SHAPE, FlopMeta, FlopSummary, ShapeMeta, TensorMeta
 
 aten = torch.ops.aten
 _ZERO = sympy.Integer(0)
@@ -63,6 +68,8 @@ def _annotate(gm: fx.GraphModule, *, region: bool = False) -> FlopSummary:
     """Write ``node.meta[FLOPS]`` on every node of ``gm``; returns their sum. A checkpointed
     ``region``'s output node (made by ``apply_checkpoint``, never analysed) needs no shape."""
     fwd_terms, bwd_terms = [], []
+    scaled = False  # some MoE expert counted under routing (node.meta[MOE].flop_scale)
+    dense_fwd, dense_bwd = [], []
     for node in gm.graph.nodes:
         if not (region and node.op == "output"):
             _shape(node, node)  # every node must have been through annotate_shapes
@@ -74,11 +81,29 @@ def _annotate(gm: fx.GraphModule, *, region: bool = False) -> FlopSummary:
             formula = FORMULAS.get(getattr(node.target, "overloadpacket", node.target))
             if formula is not None:
                 meta = _apply(formula, node)
+        if meta is not _NONE:
+            dense_fwd.append(meta.fwd)
+            dense_bwd.append(meta.bwd)
+        mark = node.meta.get(MOE)
+        if mark is not None and meta is not _NONE and mark.flop_scale != 1:
+            meta = _routed(meta, mark.flop_scale)
+            scaled = True
         node.meta[FLOPS] = meta
         if meta is not _NONE:
             fwd_terms.append(meta.fwd)
             bwd_terms.append(meta.bwd)
-    return FlopSummary(fwd=sympy.expand(sympy.Add(*fwd_terms)), bwd=sympy.expand(sympy.Add(*bwd_terms)))
+    summary = FlopSummary(fwd=sympy.expand(sympy.Add(*fwd_terms)), bwd=sympy.expand(sympy.Add(*bwd_terms)))
+    if scaled:
+        summary = FlopSummary(fwd=summary.fwd, bwd=summary.bwd, captured_fwd=sympy.expand(sympy.Add(*dense_fwd)),
+                              captured_bwd=sympy.expand(sympy.Add(*dense_bwd)))
+    return summary
+
+
+def _routed(meta: FlopMeta, scale: sympy.Expr) -> FlopMeta:
+    """An MoE expert's FLOPs at the tokens it receives under routing: the captured count times
+    ``MoeNodeMark.flop_scale`` (``top_k / experts * imbalance`` for the dense capture form, in which
+    every expert runs on every token; written by ``annotate_moe``)."""
+    return FlopMeta(fwd=sympy.expand(meta.fwd * scale), bwd=sympy.expand(meta.bwd * scale), kind=meta.kind)
 
 
 def checkpoint_submodule(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule | None:

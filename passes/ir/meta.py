@@ -194,10 +194,16 @@ class FlopMeta:
 
 @dataclass(frozen=True, kw_only=True)
 class FlopSummary:
-    """``gm.meta[FLOP_SUMMARY]``: FLOPs of one forward and one backward of the whole graph."""
+    """``gm.meta[FLOP_SUMMARY]``: FLOPs of one forward and one backward of the whole graph.
+
+    ``fwd``/``bwd`` count MoE experts under routing (``node.meta[MOE].flop_scale``);
+    ``captured_fwd``/``captured_bwd`` are the graph as captured (a dense-form MoE runs every expert
+    on every token), None where no node was scaled."""
 
     fwd: sympy.Expr
     bwd: sympy.Expr
+    captured_fwd: sympy.Expr | None = None
+    captured_bwd: sympy.Expr | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -647,6 +653,72 @@ class DagCheckpointPlan:
 # ---------------------------------------------------------------------------------------------
 # The keys of the rank programs' other records (their dataclasses live with their ops)
 
+# --- annotate_moe ---------------------------------------------------------------------------
+MOE = "moe"
+MOE_LAYERS = "moe_layers"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoeNodeMark:
+    """``node.meta[MOE]``: a matmul-class node of an MoE block (router, routed expert or shared
+    expert), written by :mod:`passes.analysis.annotate_moe` on those nodes only.
+
+    ``flop_scale``: what ``annotate_flops`` multiplies the node's counted FLOPs by so that they are
+    the FLOPs under routing: ``top_k / experts * imbalance`` for a routed expert captured in the
+    dense form (every expert runs on every token), ``imbalance`` for one captured gathered (one
+    row per token and choice), 1 for the router and shared experts."""
+
+    block: str
+    """The router node's name (names the block in :class:`MoeLayers`)."""
+    role: Literal["router", "expert", "shared"]
+    expert: int | None = None
+    """Routed expert index in the dense form; None for the router, shared experts and a gathered op."""
+    flop_scale: sympy.Expr = sympy.Integer(1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoeBlock:
+    """One mixture-of-experts block: a router matmul feeding softmax (or sigmoid) and top-k whose
+    weights scale the combine of ``experts`` parallel expert MLPs."""
+
+    router: str
+    """The router's matmul node."""
+    router_weight: str
+    """The router's parameter (``get_attr`` target)."""
+    topk: str
+    """The ``topk`` node."""
+    layer: str
+    """The block of the layer chain it lies in (``BlockMeta.name``)."""
+    experts: int
+    top_k: int
+    expert_hidden: int
+    """The experts' hidden size (the contraction dim of each expert's last matmul)."""
+    form: Literal["dense", "gathered"]
+    """``dense``: E expert MLPs each on every token, unchosen experts weighted 0 (zoo ``moe``);
+    ``gathered``: expert weights indexed by the top-k ids, one row per (token, choice) (HF ``batched_mm``)."""
+    expert_params: tuple[tuple[str, ...], ...]
+    """Per routed expert its parameters; a stacked ``[E, ...]`` parameter is named ``name[e]``."""
+    expert_nodes: tuple[str, ...]
+    """The routed experts' matmul nodes (each carries a :class:`MoeNodeMark`)."""
+    shared_experts: int = 0
+    shared_hidden: int | None = None
+    shared_params: tuple[tuple[str, ...], ...] = ()
+    imbalance: float = 1.0
+    """Load of the busiest expert over the balanced load (tokens * top_k / experts); FLOPs count
+    every expert at the balanced load times this. The plan will state it."""
+    aux_loss: tuple[str, ...] = ()
+    """Nodes of this block's load-balancing loss (``f_e * P_e`` products), if found."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoeLayers:
+    """``gm.meta[MOE_LAYERS]``: the MoE blocks of the graph (empty for a dense model) and the
+    nodes of a load-balancing loss computed outside the blocks (HF ``load_balancing_loss_func``)."""
+
+    blocks: tuple[MoeBlock, ...] = ()
+    aux_loss: tuple[str, ...] = ()
+
+
 CONTEXT_PARALLEL = "context_parallel"
 """``gm.meta`` key of :class:`passes.ir.cp_ops.ContextParallelPlan` (written by
 :mod:`passes.rewrites.context_parallel`)."""
@@ -695,4 +767,6 @@ KEYS: dict[str, KeySpec] = {
     TENSOR_REMAT: KeySpec(scope="node", owner="tensor_remat_policy"),
     TENSOR_REMAT_PLAN: KeySpec(scope="graph", owner="tensor_remat_policy"),
     ZERO3_PLAN: KeySpec(scope="graph", owner="shard_parameters"),
+    MOE: KeySpec(scope="node", owner="annotate_moe"),
+    MOE_LAYERS: KeySpec(scope="graph", owner="annotate_moe"),
 }

@@ -31,6 +31,7 @@ from torch import fx
 from passes.analysis.annotate_blocks import annotate_blocks
 from passes.analysis.annotate_flops import annotate_flops
 from passes.analysis.annotate_memory import annotate_memory
+from passes.analysis.annotate_moe import annotate_moe
 from passes.analysis.annotate_shapes import annotate_shapes
 from passes.rewrites.apply_checkpoint import apply_checkpoint
 from passes.rewrites.apply_offload import apply_offload
@@ -45,7 +46,7 @@ from passes.ir.errors import PassError
 from passes.ir.meta import (BLOCK, CAPTURE, CHECKPOINT, CHECKPOINT_PLAN, FLOP_SUMMARY, FLOPS, LAYER_CHAIN, MEMORY,
                             MEMORY_SUMMARY, OFFLOAD_PLAN, PIPELINE_STAGE, SHAPE, TENSOR_PARALLEL,
                             TENSOR_PARALLEL_PLAN, TENSOR_REMAT_PLAN)
-from passes.ir.meta import ZERO3_PLAN
+from passes.ir.meta import MOE, MOE_LAYERS, ZERO3_PLAN
 from passes.lowering.manager import Pass, PassContext, PassManager, PassOrder, adapt
 from passes.policies.offload_policy import offload_policy
 from passes.policies.pipeline_stages import tag_pipeline_stages_by_chain
@@ -63,6 +64,9 @@ ORDER = (
     PassOrder(first="context_parallel", then="tag_pipeline_stages",
               why="stages are cut on the rewritten graph, so boundary tensors are sequence shards"),
     PassOrder(first="annotate_shapes", then="annotate_flops", why="FLOPs are counted from the shapes"),
+    PassOrder(first="annotate_blocks", then="annotate_moe", why="an MoE block is looked for within one block of the chain"),
+    PassOrder(first="annotate_moe", then="annotate_flops",
+              why="experts' FLOPs are counted under routing from the MoE marks"),
     PassOrder(first="annotate_blocks", then="checkpoint_policy", why="checkpoint regions are the blocks"),
     PassOrder(first="annotate_blocks", then="tag_pipeline_stages", why="stages are cut along the layer chain"),
     PassOrder(first="annotate_flops", then="checkpoint_policy", why="recompute is costed in FLOPs"),
@@ -118,6 +122,8 @@ def _plain(fn: Callable[..., fx.GraphModule]) -> Callable[..., Callable]:
 REGISTRY: dict[str, PassDef] = {d.name: d for d in (
     PassDef(name="annotate_shapes", make=_plain(annotate_shapes), requires=(CAPTURE,), provides=(SHAPE,)),
     PassDef(name="annotate_blocks", make=_plain(annotate_blocks), requires=(CAPTURE,), provides=(BLOCK, LAYER_CHAIN)),
+    PassDef(name="annotate_moe", make=_plain(annotate_moe), requires=(CAPTURE, BLOCK), provides=(MOE_LAYERS,),
+            options=("imbalance",)),
     PassDef(name="annotate_flops", make=_plain(annotate_flops), requires=(CAPTURE, SHAPE),
             provides=(FLOPS, FLOP_SUMMARY)),
     PassDef(name="annotate_memory", make=_plain(annotate_memory), requires=(CAPTURE, SHAPE),
@@ -170,7 +176,8 @@ def analysis_passes(ctx: PassContext | None = None, *, memory: bool = True,
     """Shapes, layer chain, FLOPs and (with ``memory``) memory, with ``ctx``'s optimizer and
     precision; ``memory_batch``: count memory at that batch, concretely (see ``annotate_memory``)."""
     ctx = ctx or PassContext()
-    out = [make_pass("annotate_shapes"), make_pass("annotate_blocks"), make_pass("annotate_flops")]
+    out = [make_pass("annotate_shapes"), make_pass("annotate_blocks"), make_pass("annotate_moe"),
+           make_pass("annotate_flops")]
     if memory:
         options = {} if memory_batch is None else {"batch": memory_batch}
         out.append(make_pass("annotate_memory", optimizer=ctx.optimizer, dtype=ctx.dtype,
@@ -179,9 +186,9 @@ def analysis_passes(ctx: PassContext | None = None, *, memory: bool = True,
 
 
 def reanalysis_passes(ctx: PassContext | None = None) -> list[Pass]:
-    """The analysis again on a rewritten stage program: shapes, FLOPs, memory (blocks travel with
-    the nodes; nodes a rewrite inserted belong to none)."""
-    return [p for p in analysis_passes(ctx) if p.name != "annotate_blocks"]
+    """The analysis again on a rewritten stage program: shapes, FLOPs, memory (blocks and MoE marks
+    travel with the nodes; nodes a rewrite inserted belong to none)."""
+    return [p for p in analysis_passes(ctx) if p.name not in ("annotate_blocks", "annotate_moe")]
 
 
 def whole_graph_passes(config: ParallelConfig, *, cost: CostHooks | None, starts: tuple[int, ...],

@@ -233,6 +233,7 @@ def test_op_matches_flop_counter_on_meta(case):
 # Small spec per zoo model; names registered but missing here are skipped, not failed silently.
 ZOO_SPECS = {
     "gpt": "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=16",
+    "moe": "moe:layers=2,hidden=64,heads=4,vocab=128,seq=16,experts=4,top_k=2,expert_hidden=128,shared_experts=1",
     "llama": "llama:layers=2,hidden=64,heads=4,kv_heads=2,vocab=128,seq=16",
     "bert": "bert:layers=2,hidden=64,heads=4,vocab=128,seq=16",
     "mlp": "mlp:layers=2,hidden=32,in_features=16,out_features=8",

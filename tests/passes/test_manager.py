@@ -211,7 +211,7 @@ def test_default_pipeline_is_ordered_and_self_consistent():
     pm = analysis_passes()
     names = [p.name for p in pm]
     assert names[0] == "annotate_shapes"
-    order = ["annotate_shapes", "annotate_blocks", "annotate_flops", "annotate_memory"]
+    order = ["annotate_shapes", "annotate_blocks", "annotate_moe", "annotate_flops", "annotate_memory"]
     assert names == [n for n in order if n in names]
     provided = {CAPTURE}  # written by capture, before any pass
     for p in pm:

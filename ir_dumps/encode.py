@@ -81,8 +81,15 @@ def scalar_text(value: Any) -> str:
     if isinstance(value, (tuple, list)):
         return "[" + ", ".join(scalar_text(v) for v in value) + "]"
     if is_fact(value):
-        return ":".join(scalar_text(getattr(value, f.name)) for f in dataclasses.fields(value))
+        return ":".join(scalar_text(getattr(value, f.name)) for f in dumped_fields(value))
     return safe_repr(value)
+
+
+def dumped_fields(fact: Any) -> list[dataclasses.Field]:
+    """The fields of ``fact`` the dumps show: all but those marked ``DUMP_IF_SET``
+    (:mod:`passes.ir.meta`) while they are None."""
+    return [f for f in dataclasses.fields(fact)
+            if not (f.metadata.get("dump_if_set") and getattr(fact, f.name) is None)]
 
 
 def sympy_text(value: sympy.Basic) -> str:
@@ -125,7 +132,7 @@ def to_json(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): to_json(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
     if is_fact(value):
-        return {f.name: to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: to_json(getattr(value, f.name)) for f in dumped_fields(value)}
     return safe_repr(value)
 
 

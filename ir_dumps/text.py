@@ -21,7 +21,7 @@ from typing import Any
 import sympy
 from torch import fx
 
-from ir_dumps.encode import arg_text, dtype_text, facts, node_module, scalar_text, sympy_text, target_text
+from ir_dumps.encode import arg_text, dtype_text, dumped_fields, facts, node_module, scalar_text, sympy_text, target_text
 from passes.ir.meta import SHAPE, ShapeMeta
 
 # Short labels for well-known keys; other keys print under their own name.
@@ -96,7 +96,7 @@ def fact_fields_text(fact: Any, *, all_fields: bool = False) -> str:
     A ``_bytes`` suffix is dropped from field names to keep lines short (values are in bytes).
     """
     out = []
-    for f in dataclasses.fields(fact):
+    for f in dumped_fields(fact):
         value = getattr(fact, f.name)
         if not all_fields and _is_default(f, value):
             continue

@@ -66,7 +66,7 @@ def test_demo_runs_matches_one_process_and_writes_every_file(tmp_path, capfd):
     assert 'id="measured"' in report  # written again after training, with the measurements
     assert 'id="timeline-measured"' in report  # the last step as the ranks timed it, under the simulated one
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest and (out / "04_annotate_memory.txt").is_file()
+    assert manifest and (out / "05_annotate_memory.txt").is_file()
     programs = [f"stage{s}_tp{t}" for s in range(plan.pp) for t in range(plan.tp)]
     assert sorted(manifest["pipelines"]) == sorted(["analysis", "whole_graph", *programs])
     last = out / programs[-1]

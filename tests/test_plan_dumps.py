@@ -32,8 +32,8 @@ def tree(tmp_path_factory):
 def test_plan_writes_the_whole_lowering(tree):
     manifest = json.loads((tree / "manifest.json").read_text())
     root = [e["name"] for e in manifest["passes"] if not e["dir"]]
-    assert root == ["input", "annotate_shapes", "annotate_blocks", "annotate_flops", "annotate_memory",
-                    "tag_tensor_parallel", "tag_pipeline_stages"]
+    assert root == ["input", "annotate_shapes", "annotate_blocks", "annotate_moe", "annotate_flops",
+                    "annotate_memory", "tag_tensor_parallel", "tag_pipeline_stages"]
     scopes = sorted({e["dir"] for e in manifest["passes"] if e["dir"]})
     assert scopes == ["stage0_tp0", "stage0_tp1", "stage1_tp0", "stage1_tp1"]
     assert manifest["config"]["tp"] == 2 and manifest["config"]["pp"] == 2 and manifest["config"]["dp"] == 2

@@ -58,8 +58,8 @@ def test_manifest_numbers_each_directory_and_records_the_pipelines(dumps):
     manifest = json.loads((full / "manifest.json").read_text())
     root = [e for e in manifest["passes"] if not e["dir"]]
     assert [e["index"] for e in root] == list(range(len(root)))
-    assert [e["name"] for e in root][:6] == ["input", "annotate_shapes", "annotate_blocks", "annotate_flops",
-                                              "annotate_memory", "tag_tensor_parallel"]
+    assert [e["name"] for e in root][:7] == ["input", "annotate_shapes", "annotate_blocks", "annotate_moe",
+                                              "annotate_flops", "annotate_memory", "tag_tensor_parallel"]
     scope = [e for e in manifest["passes"] if e["dir"] == "stage1_tp1"]
     assert [e["index"] for e in scope] == list(range(len(scope))) and scope[0]["name"] == "stage1_tp1/split"
     assert manifest["pipelines"]["stage1_tp1"].startswith("apply_tensor_parallel{rank=1,group=tp,")
@@ -72,9 +72,9 @@ def test_manifest_numbers_each_directory_and_records_the_pipelines(dumps):
 
 def test_dumps_show_each_transform():
     text = {p.relative_to(GOLDEN).as_posix(): p.read_text() for p in GOLDEN.rglob("*.txt")}
-    assert "tensor_parallel role=column" in text["05_tag_tensor_parallel.txt"]
-    assert "checkpoint region=0 recompute=True policy=full" in text["06_checkpoint_policy.txt"]
-    assert "pipeline_stage=1" in text["07_tag_pipeline_stages.txt"]
+    assert "tensor_parallel role=column" in text["06_tag_tensor_parallel.txt"]
+    assert "checkpoint region=0 recompute=True policy=full" in text["07_checkpoint_policy.txt"]
+    assert "pipeline_stage=1" in text["08_tag_pipeline_stages.txt"]
     for s in (0, 1):
         code = [line for line in text[f"stage{s}_tp0/05_apply_checkpoint.txt"].splitlines() if line.startswith("%")]
         assert sum("torch.utils.checkpoint.checkpoint(" in line for line in code) == 1  # one block per stage

@@ -56,6 +56,9 @@ def dim_symbol(name: str) -> sympy.Symbol:
 Size = sympy.Expr  # an element count or byte count; sympy.Integer when concrete
 
 
+DUMP_IF_SET = {"dump_if_set": True}
+"""Field metadata: the IR dumps leave the field out while it is None (a fact most graphs lack)."""
+
 @dataclass(frozen=True, kw_only=True)
 class InputSpec:
     """One tensor input of a captured graph.
@@ -202,8 +205,8 @@ class FlopSummary:
 
     fwd: sympy.Expr
     bwd: sympy.Expr
-    captured_fwd: sympy.Expr | None = None
-    captured_bwd: sympy.Expr | None = None
+    captured_fwd: sympy.Expr | None = field(default=None, metadata=DUMP_IF_SET)
+    captured_bwd: sympy.Expr | None = field(default=None, metadata=DUMP_IF_SET)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -60,12 +60,17 @@ class _SkipFirstAllReduce:
         return self.inner.all_reduce(t, op)
 
 
-def test_a_collective_missing_on_one_tp_rank_is_named(plan):
+def _on_tp_rank_1(wrap):
+    """An edit of the dry run that plants ``wrap`` around tp rank 1's tp group (a planted bug)."""
     def plant(rank, model):
         if rank == 1:
-            register_group(model.tp_group_name, _SkipFirstAllReduce(get_group(model.tp_group_name)))
+            register_group(model.tp_group_name, wrap(get_group(model.tp_group_name)))
+    return plant
 
-    report = dry_run(MODEL, "dgx-h100", nodes=2, training=TRAINING, plan=plan, ranks=(0, 1), edit=plant)
+
+def test_a_collective_missing_on_one_tp_rank_is_named(plan):
+    report = dry_run(MODEL, "dgx-h100", nodes=2, training=TRAINING, plan=plan, ranks=(0, 1),
+                     edit=_on_tp_rank_1(_SkipFirstAllReduce))
     assert all(r.ok for r in report.ranks) and not report.ok
     assert len(report.mismatches) == 1, report.mismatches
     message = report.mismatches[0]
@@ -114,11 +119,8 @@ def test_every_rank_issues_the_calls_the_communication_check_predicts(plan):
 
 
 def test_a_rank_that_differs_from_the_prediction_is_named_with_both_sides(plan):
-    def plant(rank, model):
-        if rank == 1:
-            register_group(model.tp_group_name, _SkipFirstAllReduce(get_group(model.tp_group_name)))
-
-    report = dry_run(MODEL, "dgx-h100", nodes=2, training=TRAINING, plan=plan, ranks=(1,), edit=plant)
+    report = dry_run(MODEL, "dgx-h100", nodes=2, training=TRAINING, plan=plan, ranks=(1,),
+                     edit=_on_tp_rank_1(_SkipFirstAllReduce))
     (message,) = report.static_mismatches
     assert message == ("rank 1 step 0: collective 13 (call 15 of its log) runs all_reduce(sum) of 1216 bfloat16 on "
                        "(1, 3, 5, 7); the communication check predicts all_reduce(sum) of 192 bfloat16 on (0, 1) "
@@ -168,11 +170,8 @@ class _InFloat32(_SkipFirstAllReduce):
 
 
 def test_a_tensor_off_the_jobs_device_is_refused_naming_rank_and_call(plan):
-    def plant(rank, model):
-        if rank == 1:
-            register_group(model.tp_group_name, _OnMeta(get_group(model.tp_group_name)))
-
-    report = dry_run(MODEL, "dgx-h100", nodes=2, training=TRAINING, plan=plan, ranks=(1,), edit=plant)
+    report = dry_run(MODEL, "dgx-h100", nodes=2, training=TRAINING, plan=plan, ranks=(1,),
+                     edit=_on_tp_rank_1(_OnMeta))
     (run,) = report.ranks
     assert not run.ok and not report.ok
     assert run.error.startswith("StrictGroupError: rank 1 call 15 (all_reduce [192] bfloat16 on (0, 1)): "), run.error
@@ -187,11 +186,8 @@ def test_a_cuda_job_refuses_the_cpu_tensors(plan):
 
 
 def test_a_collective_of_another_dtype_on_one_rank_is_refused(plan):
-    def plant(rank, model):
-        if rank == 1:
-            register_group(model.tp_group_name, _InFloat32(get_group(model.tp_group_name)))
-
-    report = dry_run(MODEL, "dgx-h100", nodes=2, training=TRAINING, plan=plan, ranks=(0, 1), edit=plant)
+    report = dry_run(MODEL, "dgx-h100", nodes=2, training=TRAINING, plan=plan, ranks=(0, 1),
+                     edit=_on_tp_rank_1(_InFloat32))
     assert all(r.ok for r in report.ranks) and not report.ok
     (message,) = report.mismatches
     assert message == ("group (0, 1): call 11 (all_reduce) differs in size or dtype, which NCCL refuses: rank 0 "

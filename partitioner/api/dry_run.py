@@ -66,14 +66,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from partitioner.api.planning import plan as make_plan
 from partitioner.compile.build import capture_training_step, lower_plan, run_analysis_passes
 from partitioner.cost.cluster import Cluster
 from partitioner.inputs.knobs import check_fix
 from partitioner.inputs.model_spec import ModelSpec, meta_copy
 from partitioner.inputs.models import as_spec
 from partitioner.inputs.training import Training
+from partitioner.search.memory_check import replay_rank_memory
+from passes.checks.communication_check import rank_calls
 from passes.ir.config import ParallelConfig, TORCH_DTYPES
 from passes.ir.errors import ConfigError
 from passes.ir.ops import qualname
@@ -83,6 +87,7 @@ from passes.lowering.lower import Lowering
 from passes.lowering.manager import PassContext
 from runtime.dist.mesh import Mesh
 from runtime.exec.parallel_model import ParallelModel
+from runtime.kernels.collectives import unregister_group
 
 CUDA_SEAMS = (
     "autograd on fake CUDA tensors needs a CUDA build of torch (a CPU build aborts in AccumulateGrad)",
@@ -467,8 +472,6 @@ class LiveBytes(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        from torch.multiprocessing.reductions import StorageWeakRef
-
         self._ref = StorageWeakRef
         self.live: dict[int, tuple[Any, int, str]] = {}
         self.total = 0  # bytes of self.live, some of whose storages may have died since the last sweep
@@ -619,8 +622,6 @@ def _strict_device(run: RankRun, job_device: str, call: Collective, tensors: Seq
 
 
 def _unregister_groups(program: RankProgram) -> None:
-    from runtime.kernels.collectives import unregister_group
-
     unregister_group(program.tp_group)
     if program.cp_plan is not None:
         unregister_group(program.cp_plan.group)
@@ -693,8 +694,6 @@ def compare_static(run: RankRun, program: RankProgram) -> None:
     groups together: NCCL needs one order), messages in order per (sender, receiver) pair (a
     step's batch posts its receives first; per pair the order is kept). The first difference of
     each is named: the rank, the call's index in the rank's log and in the step, and both sides."""
-    from passes.checks.communication_check import rank_calls
-
     c = program.config
     predicted = rank_calls(program).calls
     pred_coll = [(x.group, x.op, x.numel, x.dtype) for x in predicted if not x.is_p2p]
@@ -845,8 +844,6 @@ def dry_run(model: str | ModelSpec, cluster: Cluster | str, *, training: Trainin
     tensors must be on (default: the fake tensors', ``cpu``; ``cuda`` checks as a CUDA job would,
     so every call of this CPU run is refused). Never raises for a rank's failure: the report
     names it (:attr:`DryRunReport.ok`)."""
-    from partitioner.api.planning import plan as make_plan
-
     start = time.perf_counter()
     if not isinstance(training, Training):
         raise ConfigError(f"dry_run: training is {type(training).__name__}, not a Training; pass "
@@ -872,8 +869,6 @@ def dry_run(model: str | ModelSpec, cluster: Cluster | str, *, training: Trainin
     reps = representatives(config)
     peaks = plan.predicted.rank_peak_memory_bytes
     if len(peaks) != config.world_size:  # the plan has no replayed peaks (analytic): replay its rank programs
-        from partitioner.search.memory_check import replay_rank_memory
-
         peaks = tuple(m.peak_bytes for m in replay_rank_memory(graph, config, cluster,
                                                                  optimizer=training.optimizer_name()))
     runs = []

@@ -66,6 +66,7 @@ from typing import Mapping, Sequence
 
 from partitioner.cost.cluster import Cluster, PeakFlops
 from partitioner.cost.cost_model import memory_bound_rate
+from partitioner.search.plan_cost import scalar_all_reduce_time, step_end_scalars
 from passes.ir.errors import ConfigError
 from passes.ir.plan import Plan
 
@@ -639,8 +640,6 @@ def _with_step_overhead(runs: Sequence[RunData], cluster: Cluster, profiles: dic
     """``cluster`` with ``Device.step_overhead_s`` = the median over every rank of every run of
     its measured ``other_s`` less the planner's loss all-reduce, its step-end wait included (>= 0;
     ``profiles`` unused)."""
-    from partitioner.search.plan_cost import scalar_all_reduce_time, step_end_scalars
-
     base = _with_device(cluster, step_overhead_s=0.0)
     # the loss's all-reduce ends the step outside every timed action (in ``other_s``); the
     # gradient norm's, the other scalar all-reduce the planner's ``framework`` term prices, is
@@ -789,8 +788,6 @@ def _best_wait(base: Sequence[float], calls: Sequence[float], measured: Sequence
 def _step_overhead_rest(runs: Sequence[RunData], cluster: Cluster) -> float | None:
     """The median over every rank of every run of its measured ``other_s`` less the planner's
     loss all-reduce without its wait (``cluster``'s wait 0), not clipped at 0; ``None`` without ranks."""
-    from partitioner.search.plan_cost import scalar_all_reduce_time
-
     loss_ar = scalar_all_reduce_time(cluster)
     rest = [o - loss_ar for run in runs for o in run.other_s]
     return statistics.median(rest) if rest else None

@@ -16,8 +16,9 @@ from partitioner.cost.cluster import CLUSTER_FILE_ENV, PRESET_DIR
 from runtime.dist.launch import preload
 
 # What the suite's ranks import: loaded once by the fork server that starts them, not by each.
-preload("partitioner.api.auto", "partitioner.compile.build", "partitioner.calibration.reference_runs", "partitioner.cli.demo", "passes.lowering.lower",
-        "ir_dumps.report", "tests.one_device", "tests.runtime_cases")
+preload("partitioner.api.auto", "partitioner.compile.build", "partitioner.calibration.reference_runs", "partitioner.cli.demo",
+        "passes.lowering.lower", "passes.capture.preload", "ir_dumps.report", "tests.one_device", "tests.runtime_cases",
+        "tests.rank_preload")
 
 _CACHE = tempfile.mkdtemp(prefix="partitioner-test-cache-")
 

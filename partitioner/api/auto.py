@@ -44,8 +44,10 @@ from torch import fx
 
 from ir_dumps.report import write_report
 from ir_dumps.writer import DumpWriter
-from partitioner.compile.build import run_analysis_passes, capture_training_step, check_before_launch, lower_plan
+from partitioner.compile.build import (capture_training_step, check_before_launch, lower_plan, run_analysis_passes,
+                                      share_whole_graph_prefix)
 from partitioner.calibration.job_cluster import detect_cluster
+from partitioner.cost.cost_model import cost_hooks
 from partitioner.cost.cluster import Cluster
 from partitioner.calibration.detect import describe
 from partitioner.api.dumps import write_plan_dumps
@@ -424,14 +426,17 @@ def auto_parallelize(model: str | ModelSpec, cluster: Cluster | str | None = Non
 
     mesh = Mesh.for_config(chosen.config, timeout_s=timeout_s)
     clock.lap("mesh")
+    ctx = PassContext(optimizer=planned_optimizer, dtype=chosen.config.dtype)
     if writer is not None:
+        # the other ranks' lower_plan takes the whole-graph prefix from this one: make and send it
+        share_whole_graph_prefix(graph, chosen.config, mesh, cost=cost_hooks(cluster), ctx=ctx)
         dumps = write_plan_dumps(out_dir, graph=graph, plan=chosen, cluster=cluster, writer=writer)
         program = dumps.lowering.rank_program(rank)
         check_before_launch(mesh, dumps.lowering, program)
         clock.lap("lower+dumps")
     else:
-        program = lower_plan(graph, chosen.config, cluster=cluster, mesh=mesh, ctx=PassContext(
-            optimizer=planned_optimizer, dtype=chosen.config.dtype)).rank_program(mesh.rank, first=mesh.first)
+        program = lower_plan(graph, chosen.config, cluster=cluster, mesh=mesh, ctx=ctx).rank_program(
+            mesh.rank, first=mesh.first)
         clock.lap("lower")
     pm = ParallelModel(program, mesh, optimizer=factory, lr_scheduler=training.lr_scheduler,
                        clip_grad_norm=training.clip_grad_norm, nonfinite=training.nonfinite)

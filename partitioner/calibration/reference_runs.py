@@ -183,7 +183,7 @@ def measure_reference(world_size: int, cluster: Cluster, *, steps: int = 6, comm
     if steps < 2:
         raise ConfigError(f"reference runs need at least 2 steps (the first is warm-up), got {steps}")
     plans = reference_plans(world_size)
-    preload("partitioner.calibration.reference_runs")
+    preload("partitioner.calibration.reference_runs", "passes.capture.preload")
     per_rank = spawn(_rank_main, world_size, plans, steps, cluster, tuple(comm_sizes), comm_repeats,
                      timeout_s=timeout_s)
     return ReferenceResults(comm=tuple(c for c, _ in per_rank), steps=tuple(tuple(s) for _, s in per_rank))

@@ -312,7 +312,7 @@ def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str | None = DEMO
     from runtime.dist.launch import preload, spawn
 
     training = Training(global_batch=global_batch, dtype=dtype)  # refused here, before any rank starts
-    preload("partitioner.cli.demo", "partitioner.api.auto")  # imported once, by the server the ranks fork from
+    preload("partitioner.cli.demo", "partitioner.api.auto", "passes.capture.preload")  # imported once, by the server the ranks fork from
 
     def say(text: str) -> None:
         print(text, file=out or sys.stdout, flush=True)

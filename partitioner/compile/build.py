@@ -12,7 +12,7 @@ search in between; tests and benchmarks call these directly with a config of the
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Literal, Sequence
 
 from torch import fx
 
@@ -25,10 +25,12 @@ from passes.ir.config import DType, ParallelConfig
 from passes.ir.errors import ConfigError
 from passes.ir.grad_buckets import DEFAULT_BUCKET_BYTES
 from passes.ir.program import RankProgram
-from passes.lowering.lower import Lowering, lower, programs_of
+from passes.ir.graph_transfer import pack_graph, unpack_graph
+from passes.lowering.lower import Lowering, lower, programs_of, remember_whole_graph_prefix, whole_graph_prefix
 from passes.lowering.manager import PassContext
 from passes.lowering.pipelines import analysis_passes, manager
 from passes.ir.zero3_ops import ZERO3_PREFETCH
+from runtime.dist import comm
 from runtime.dist.mesh import check_mesh_fits
 from runtime.exec.parallel_model import ParallelModel
 
@@ -96,14 +98,18 @@ def lower_plan(graph: fx.GraphModule, config: ParallelConfig, *, cluster: Cluste
     ``overlap_grad_sync`` and ``zero3_prefetch``: as the :class:`ParallelModel` that runs it takes
     them (the check sizes what runs). A mesh that cannot run ``config`` is refused before any
     lowering (:func:`runtime.dist.mesh.check_mesh_fits`)."""
+    ctx = ctx or PassContext(dtype=config.dtype)
+    cost = cost_hooks(cluster)
     if mesh is not None:
         check_mesh_fits(mesh, config, where="build")
         ranks, first = (mesh.rank,), mesh.first
+        # every rank of the mesh, dumping or not (the ranks that dump run the whole graph's passes again, recorded)
+        share_whole_graph_prefix(graph, config, mesh, cost=cost, tp_group=tp_group, ctx=ctx)
     programs = None if ranks is None else sorted({p for r in ranks for p in programs_of(config, r, first=first)})
     instrument_for = None if writer is None else (
         lambda name: writer if name == "whole_graph" else writer.scope(name))  # whole graph at the top, stages in folders
-    lowering = lower(graph, config, cost=cost_hooks(cluster), tp_group=tp_group, programs=programs,
-                     instrument_for=instrument_for, ctx=ctx or PassContext(dtype=config.dtype))
+    lowering = lower(graph, config, cost=cost, tp_group=tp_group, programs=programs,
+                     instrument_for=instrument_for, ctx=ctx)
     if writer is not None:
         for record in lowering.pipelines:
             writer.record_pipeline(record.name, record.text)
@@ -118,6 +124,35 @@ def lower_plan(graph: fx.GraphModule, config: ParallelConfig, *, cluster: Cluste
         raise ConfigError("lower_plan: the programs of some ranks cannot be checked alone; lower every program "
                           "(no ranks=), or lower a job's rank with mesh=, or pass check=False")
     return lowering
+
+
+def share_whole_graph_prefix(graph: fx.GraphModule, config: ParallelConfig, mesh: Mesh, *, cost, tp_group: str = "tp",
+                             ctx: PassContext | None = None) -> Literal["made", "taken", "alone", "none"]:
+    """Make the whole-graph prefix of the plan's lowering once per job: the mesh's first rank
+    makes it (:func:`passes.lowering.lower.whole_graph_prefix`: the context-parallel rewrite with
+    its symbolic shapes, the tensor-parallel tags, the checkpoint policy's fake run of the whole
+    graph), packs it (its tensors travel as names) and broadcasts it over the mesh; every rank,
+    the first included, lowers its own programs from the rebuilt copy. So lowering costs the
+    distinct programs, not the ranks, and every rank starts from the same bytes. Every rank of
+    the mesh calls it at the same point (:func:`lower_plan` does, before lowering). When the
+    first rank cannot make or pack it, it sends nothing and each rank lowers alone (and meets
+    the same error there). Returns what this rank did: ``made`` (and sent) it, ``taken`` from the
+    first rank, lowers ``alone``, or ``none`` (a mesh of one rank, or a plan without a costly prefix)."""
+    if not mesh.active or mesh.size == 1:
+        return "none"
+    made, costly = None, True
+    if mesh.rank == mesh.first:
+        try:
+            prefix = whole_graph_prefix(graph, config, cost=cost, tp_group=tp_group, ctx=ctx)
+            costly = prefix is not None
+            made = pack_graph(prefix, graph, by_name=True) if costly else None
+        except Exception:  # noqa: BLE001 - not lost: every rank runs the same passes in lower() and raises there
+            made = None
+    made, costly = comm.broadcast_object((made, costly), src=mesh.first, group=mesh.group)
+    if made is None:
+        return "alone" if costly else "none"
+    remember_whole_graph_prefix(graph, config, unpack_graph(made, graph), cost=cost, tp_group=tp_group, ctx=ctx)
+    return "made" if mesh.rank == mesh.first else "taken"
 
 
 def rank_program(graph: fx.GraphModule, config: ParallelConfig, rank: int, *, cluster: Cluster,

@@ -99,6 +99,15 @@ def _import_transformers():
     return transformers
 
 
+def import_model_classes() -> None:
+    """Import every family's config and model classes (``transformers`` loads each model's
+    module on first use, seconds per family): what a fork server preloads so that its ranks do
+    not each import them (:func:`runtime.dist.launch.preload`)."""
+    transformers = _import_transformers()
+    for kind in _MODELS.values():
+        getattr(transformers, kind.config_class), getattr(transformers, kind.model_class)
+
+
 def _config_errors() -> tuple[type[Exception], ...]:
     """What a config raises for a bad field: ValueError/TypeError, or huggingface_hub's strict
     dataclass validation (transformers 5 configs), which derives from neither."""

@@ -24,13 +24,9 @@ import torch
 from torch import fx, nn
 
 from passes.ir.errors import PassError
-from passes.ir.meta import (
-    BLOCK, CAPTURE, CHECKPOINT, CHECKPOINT_PLAN, EXPORT_MODULE_STACK, FLOP_SUMMARY, FLOPS, LAYER_CHAIN, MEMORY,
-    MEMORY_SUMMARY, OFFLOAD, OFFLOAD_PLAN, PIPELINE_STAGE, SHAPE, TENSOR_PARALLEL, TENSOR_PARALLEL_PLAN,
-)
+from passes.ir.meta import EXPORT_MODULE_STACK, KEYS
 
-PASS_KEYS = (SHAPE, FLOPS, MEMORY, BLOCK, CHECKPOINT, PIPELINE_STAGE, TENSOR_PARALLEL, OFFLOAD,
-             CAPTURE, FLOP_SUMMARY, LAYER_CHAIN, MEMORY_SUMMARY, CHECKPOINT_PLAN, TENSOR_PARALLEL_PLAN, OFFLOAD_PLAN)
+PASS_KEYS = tuple(KEYS)
 """Every meta key a pass writes (node or graph): these must travel."""
 
 _LEFT_BEHIND = frozenset({"val", "tensor_meta", "from_node", "unbacked_bindings", "example_value",
@@ -67,11 +63,21 @@ class _Ref:
     name: str
 
 
-def pack_graph(gm: fx.GraphModule, module: nn.Module) -> GraphPayload:
+def pack_graph(gm: fx.GraphModule, module: nn.Module, *, by_name: bool = False) -> GraphPayload:
     """``gm`` (captured from ``module`` and analysed) as bytes. Raises :class:`PassError` naming
     the node when the graph holds something that cannot travel (a submodule call, a local
-    function as target)."""
+    function as target). ``by_name``: ``gm`` is a copy of a graph built around ``module`` (a
+    lowering's whole-graph prefix of the analysed graph): a tensor travels as a name when
+    ``module`` holds one of its shape and dtype under that name, not only when it is the same object."""
     owned = {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
+    named = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
+
+    def travels_as_name(name: str, t: torch.Tensor) -> bool:
+        if id(t) in owned:
+            return True
+        same = named.get(name) if by_name else None
+        return same is not None and same.shape == t.shape and same.dtype == t.dtype
+
     attrs = []
     for prefix, sub in gm.named_modules():
         if prefix and type(sub) is not nn.Module:
@@ -80,12 +86,12 @@ def pack_graph(gm: fx.GraphModule, module: nn.Module) -> GraphPayload:
         for local, p in sub._parameters.items():
             if p is not None:
                 name = f"{prefix}.{local}" if prefix else local
-                attrs.append(_Attr(name, "parameter", None if id(p) in owned else p.detach(),
+                attrs.append(_Attr(name, "parameter", None if travels_as_name(name, p) else p.detach(),
                                    requires_grad=p.requires_grad))
         for local, b in sub._buffers.items():
             if b is not None:
                 name = f"{prefix}.{local}" if prefix else local
-                attrs.append(_Attr(name, "buffer", None if id(b) in owned else b,
+                attrs.append(_Attr(name, "buffer", None if travels_as_name(name, b) else b,
                                    persistent=local not in sub._non_persistent_buffers_set))
     nodes = []
     for node in gm.graph.nodes:

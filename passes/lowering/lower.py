@@ -230,10 +230,33 @@ _PREFIX_MEMO: "weakref.WeakKeyDictionary[fx.GraphModule, dict]" = weakref.WeakKe
 shapes run symbolically) and the checkpoint policy (it observes the whole graph's saved tensors)
 cost far more than a copy, and the plans and rank programs that share them start from the same
 graph (the planner's replay makes a plan's rank programs one by one; every rank of a job that
-shares a process, as in the tests, lowers the same whole graph)."""
+shares a process, as in the tests, lowers the same whole graph). A job's ranks share one: its first
+rank makes it and the others take it (:func:`whole_graph_prefix`, :func:`remember_whole_graph_prefix`)."""
 _PREFIX_PASSES = ("context_parallel", "annotate_shapes", "annotate_flops", "tag_tensor_parallel", "checkpoint_policy")
 _COSTLY = ("context_parallel", "checkpoint_policy")
 _MEMO_ENTRIES = 4  # per analysed graph, the least recently used dropped
+
+
+def _prefix_length(passes: list) -> int:
+    """How many leading passes of ``passes`` make the remembered prefix (0: none costly, not remembered)."""
+    n = 0
+    while n < len(passes) and passes[n].name in _PREFIX_PASSES:
+        n += 1
+    return n if any(p.name in _COSTLY for p in passes[:n]) else 0
+
+
+def _prefix_key(gm: fx.GraphModule, passes: list, ctx: PassContext) -> tuple:
+    # what the prefix depends on: its passes and options, the context, and the graph as it is
+    # now (its node count: a caller that edits the analysed graph in place gets a new prefix)
+    return (tuple((p.name, p.options) for p in passes), dataclasses.astuple(ctx), len(gm.graph.nodes), id(gm.graph))
+
+
+def _remember(gm: fx.GraphModule, key: tuple, prefix: fx.GraphModule) -> None:
+    memo = _PREFIX_MEMO.setdefault(gm, {})
+    memo.pop(key, None)
+    while len(memo) >= _MEMO_ENTRIES:
+        memo.pop(next(iter(memo)))
+    memo[key] = prefix  # the most recently used last
 
 
 def _whole_graph(gm: fx.GraphModule, passes: list, ctx: PassContext) -> fx.GraphModule:
@@ -241,22 +264,51 @@ def _whole_graph(gm: fx.GraphModule, passes: list, ctx: PassContext) -> fx.Graph
     (:data:`_PREFIX_PASSES`) taken from :data:`_PREFIX_MEMO` when this graph went through the same
     ones before; what follows (the offload policy, which reads the cluster, and the stage tags)
     runs each time."""
-    n = 0
-    while n < len(passes) and passes[n].name in _PREFIX_PASSES:
-        n += 1
-    if not any(p.name in _COSTLY for p in passes[:n]):
+    n = _prefix_length(passes)
+    if not n:
         return manager(passes).run(copy.deepcopy(gm), ctx)
-    # what the prefix depends on: its passes and options, the context, and the graph as it is
-    # now (its node count: a caller that edits the analysed graph in place gets a new prefix)
-    key = (tuple((p.name, p.options) for p in passes[:n]), dataclasses.astuple(ctx), len(gm.graph.nodes), id(gm.graph))
-    memo = _PREFIX_MEMO.setdefault(gm, {})
+    return manager(passes[n:]).run(copy.deepcopy(_prefix(gm, passes[:n], ctx)), ctx)
+
+
+def _prefix(gm: fx.GraphModule, passes: list, ctx: PassContext) -> fx.GraphModule:
+    key = _prefix_key(gm, passes, ctx)
+    memo = _PREFIX_MEMO.get(gm, {})
     if key in memo:
-        memo[key] = memo.pop(key)  # the most recently used last
+        prefix = memo[key]
     else:
-        while len(memo) >= _MEMO_ENTRIES:
-            memo.pop(next(iter(memo)))
-        memo[key] = manager(passes[:n]).run(copy.deepcopy(gm), ctx)
-    return manager(passes[n:]).run(copy.deepcopy(memo[key]), ctx)
+        prefix = manager(passes).run(copy.deepcopy(gm), ctx)
+    _remember(gm, key, prefix)
+    return prefix
+
+
+def _prefix_passes(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
+                   tp_group: str) -> list:
+    blocks = gm.meta[LAYER_CHAIN].n_blocks
+    passes = whole_graph_passes(config, cost=cost, starts=chain_starts(blocks, config.n_stages,
+                                                                       config.stage_boundaries), tp_group=tp_group)
+    return passes[:_prefix_length(passes)]
+
+
+def whole_graph_prefix(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
+                       tp_group: str = "tp", ctx: PassContext | None = None) -> fx.GraphModule | None:
+    """The whole-graph prefix :func:`lower` of ``gm`` under ``config`` starts from (the
+    context-parallel rewrite, tensor-parallel tags and checkpoint policy: the costly part that
+    every rank program of a plan shares), made or remembered in this process; None when the
+    plan's lowering has no costly whole-graph pass. What one rank of a job makes and ships to the
+    others (:func:`remember_whole_graph_prefix`). Do not change it: the memo holds it."""
+    passes = _prefix_passes(gm, config, cost=cost, tp_group=tp_group)
+    return _prefix(gm, passes, ctx or PassContext(dtype=config.dtype)) if passes else None
+
+
+def remember_whole_graph_prefix(gm: fx.GraphModule, config: ParallelConfig, prefix: fx.GraphModule, *,
+                                cost: CostHooks | None, tp_group: str = "tp", ctx: PassContext | None = None) -> None:
+    """Take ``prefix`` (another process's :func:`whole_graph_prefix` of the same graph and
+    config, rebuilt here) as this process's, so that :func:`lower` of ``gm`` under ``config``
+    starts from it instead of running those passes again."""
+    passes = _prefix_passes(gm, config, cost=cost, tp_group=tp_group)
+    if not passes:
+        raise PassError("remember_whole_graph_prefix: this plan's lowering has no whole-graph prefix to share")
+    _remember(gm, _prefix_key(gm, passes, ctx or PassContext(dtype=config.dtype)), prefix)
 
 
 def rank_io(gm: fx.GraphModule, split: PipelineSplit, config: ParallelConfig) -> tuple[StageIO, ...]:

@@ -1,0 +1,80 @@
+"""A job makes the whole-graph part of its lowering once: the mesh's first rank runs the
+context-parallel rewrite, the tensor-parallel tags and the checkpoint policy, and every other rank
+takes what it sent (:func:`partitioner.compile.build.share_whole_graph_prefix`) instead of running
+them again. Checked on two gloo ranks: which passes each rank's lowering ran, that both ranks lower
+the same programs from it (the digests the build compares before the first step), and one step's
+loss against one device."""
+from __future__ import annotations
+
+import pytest
+
+from partitioner.calibration.job_cluster import local_cluster
+from runtime.dist.launch import spawn
+from tests import runtime_cases
+from tests.runtime_cases import Plan, payloads_for
+
+pytestmark = pytest.mark.slow
+
+PREFIX = {"context_parallel", "tag_tensor_parallel", "checkpoint_policy"}
+PLANS = [
+    Plan("gpt-cp", 1, 1, 1, "1f1b", 1, 1, 2, 0, "none", "none", cp=2, cp_mode="ring"),
+    Plan("gpt-cp", 1, 2, 1, "1f1b", 1, 1, 2, 0, "full", "none"),
+    Plan("gpt-cp", 2, 1, 1, "1f1b", 1, 1, 4, 0, "none", "none"),  # no costly whole-graph pass: nothing to share
+]
+
+
+def _lower_each(plans: list[Plan], payloads) -> dict:
+    from partitioner.compile.build import build_parallel_model, share_whole_graph_prefix
+    from partitioner.cost.cost_model import cost_hooks
+    from passes.lowering import manager as manager_module
+    from runtime.dist.mesh import Mesh, init_distributed
+
+    init_distributed(timeout_s=120)
+    spec, graph = runtime_cases.unpacked_graph(runtime_cases.MODELS["gpt-cp"], payloads["gpt-cp"])
+    ran: list[str] = []
+    run = manager_module.PassManager.run
+
+    def recording(self, gm, ctx=None):
+        ran.extend(p.name for p in self.passes)
+        return run(self, gm, ctx)
+
+    manager_module.PassManager.run = recording
+    out = {}
+    for plan in plans:
+        mesh = Mesh.for_config(plan.config(), timeout_s=runtime_cases.TIMEOUT_S)
+        cluster = local_cluster(mesh.size)
+        ran.clear()
+        shared = share_whole_graph_prefix(graph, plan.config(), mesh, cost=cost_hooks(cluster))
+        in_share = sorted(set(ran) & PREFIX)
+        ran.clear()
+        pm = build_parallel_model(graph, plan.config(), mesh, optimizer=runtime_cases.ADAMW, cluster=cluster)
+        loss = pm.train_step(runtime_cases.batches(spec, plan.global_batch)[0])
+        out[plan.id] = {"shared": shared, "in_share": in_share, "in_build": sorted(set(ran) & PREFIX),
+                        "loss": loss}
+    return out
+
+
+@pytest.fixture(scope="module")
+def lowered():
+    return spawn(_lower_each, 2, PLANS, payloads_for(PLANS), timeout_s=300)
+
+
+@pytest.mark.parametrize("plan", PLANS[:2], ids=lambda p: p.id)
+def test_the_first_rank_makes_the_whole_graph_part_and_the_other_takes_it(lowered, plan):
+    first, other = (r[plan.id] for r in lowered)
+    assert (first["shared"], other["shared"]) == ("made", "taken")
+    assert first["in_share"] and not other["in_share"]  # only the first rank ran the prefix passes
+    # and neither ran them again when the build lowered its programs (the build shares again: a memo hit)
+    assert first["in_build"] == other["in_build"] == []
+
+
+def test_a_plan_without_a_costly_whole_graph_part_shares_nothing(lowered):
+    plan = PLANS[2]
+    assert [r[plan.id]["shared"] for r in lowered] == ["none", "none"]
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.id)
+def test_the_shared_lowering_trains_like_one_device(lowered, plan):
+    losses, *_ = runtime_cases.reference("gpt-cp", plan.global_batch)
+    for r in lowered:
+        assert r[plan.id]["loss"] == pytest.approx(losses[0], rel=1e-5)

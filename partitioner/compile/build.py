@@ -98,10 +98,11 @@ def lower_plan(graph: fx.GraphModule, config: ParallelConfig, *, cluster: Cluste
     ``overlap_grad_sync`` and ``zero3_prefetch``: as the :class:`ParallelModel` that runs it takes
     them (the check sizes what runs). A mesh that cannot run ``config`` is refused before any
     lowering (:func:`runtime.dist.mesh.check_mesh_fits`)."""
+    if mesh is not None:
+        check_mesh_fits(mesh, config, where="build")
     ctx = ctx or PassContext(dtype=config.dtype)
     cost = cost_hooks(cluster)
     if mesh is not None:
-        check_mesh_fits(mesh, config, where="build")
         ranks, first = (mesh.rank,), mesh.first
         # every rank of the mesh, dumping or not (the ranks that dump run the whole graph's passes again, recorded)
         share_whole_graph_prefix(graph, config, mesh, cost=cost, tp_group=tp_group, ctx=ctx)

@@ -64,8 +64,17 @@ def group_link(cluster: Cluster, ranks: Sequence[int] | None = None, *,
     if ranks is None:
         if size is None:
             raise ConfigError("group_link needs the group's ranks, or its size (with stride and start)")
-        ranks = strided_ranks(size, stride, start)
-    ranks = tuple(ranks)
+        return _strided_group_link(cluster, size, stride, start)
+    return _group_link(cluster, tuple(ranks))
+
+
+@functools.lru_cache(maxsize=4096)
+def _strided_group_link(cluster: Cluster, size: int, stride: int, start: int) -> Link:
+    # the search asks for the same few mesh axes of one cluster for every candidate it costs
+    return _group_link(cluster, strided_ranks(size, stride, start))
+
+
+def _group_link(cluster: Cluster, ranks: tuple[int, ...]) -> Link:
     if not ranks or len(set(ranks)) != len(ranks):
         raise ConfigError(f"a group needs distinct ranks, got {ranks}")
     per_node = Counter(cluster.node_of(r) for r in ranks)

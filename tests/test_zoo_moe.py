@@ -78,3 +78,35 @@ def test_analyze_captures_the_spec():
 def test_top_k_above_experts_is_refused():
     with pytest.raises(ModelSpecError, match="top_k=5 exceeds experts=4"):
         build_model("moe:experts=4,top_k=5")
+
+
+@pytest.mark.parametrize("spec", ["hf-mixtral", "hf-qwen3-moe"])
+def test_hf_moe_specs_profile_on_the_meta_device(spec):
+    """The planner's profile builds the model on the meta device, where transformers counts tokens
+    per expert with an integer histc (the CPU kernel refuses it): the capture counts in float32 on
+    cpu, and a bare name takes its layer count from the spec's defaults."""
+    from partitioner.search.profile import profile_model
+    from partitioner.zoo.registry import TABLES
+
+    profile = profile_model(spec, dtype="fp32")
+    assert len(profile.blocks) == TABLES[spec][1]["num_hidden_layers"]
+    assert profile.param_count > 0 and all(b.fwd_flops > 0 for b in profile.blocks)
+
+
+def test_the_capture_counts_an_integer_histc_in_float_on_cpu():
+    from torch import fx
+
+    from passes.capture.capture import _count_integer_histc_in_float
+
+    graph = fx.Graph()
+    ids = graph.placeholder("ids")
+    ids.meta["val"] = torch.zeros(6, dtype=torch.int32)
+    counts = graph.call_function(torch.ops.aten.histc.default, (ids, 4, 0, 3))
+    graph.output(graph.call_function(torch.ops.aten.add.Tensor, (counts, 1)))
+    _count_integer_histc_in_float(graph)
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    out = gm(torch.tensor([0, 1, 1, 3, 3, 3], dtype=torch.int32))
+    assert out.dtype == torch.int32 and out.tolist() == [2, 3, 1, 4]
+    ops = [n.target for n in graph.nodes if n.op == "call_function"]
+    assert ops == [torch.ops.aten._to_copy.default, torch.ops.aten.histc.default, torch.ops.aten._to_copy.default,
+                   torch.ops.aten.add.Tensor]

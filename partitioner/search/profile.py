@@ -32,7 +32,7 @@ from passes.ir.errors import AnalysisError, ConfigError, PassError
 from partitioner.compile.analysis import analyze
 from partitioner.inputs.model_spec import ModelSpec
 from partitioner.inputs.models import build_model, format_spec, model_keys, parse_spec
-from partitioner.zoo.registry import REGISTRY
+from partitioner.zoo.registry import REGISTRY, TABLES
 from passes.ir.config import TORCH_DTYPES
 from passes.ir.meta import BLOCK, CAPTURE, CHECKPOINT_PLAN, FLOPS, LAYER_CHAIN, MEMORY, SHAPE, dim_symbol
 
@@ -275,13 +275,17 @@ def _int(expr, subs: dict | None = None) -> int:
 
 def _layer_count_key(name: str, kwargs: dict) -> str | None:
     keys = model_keys(name)
+    defaults = TABLES.get(name, (None, {}))[1]  # hf-* builders take any key: their defaults name it
     for key in LAYER_KEYS:
-        if key in kwargs or (keys is not None and key in keys):
+        if key in kwargs or (keys is not None and key in keys) or key in defaults:
             return key
     return None
 
 
 def _default_layers(name: str, key: str) -> int:
+    defaults = TABLES.get(name, (None, {}))[1]
+    if key in defaults:
+        return int(defaults[key])
     param = inspect.signature(REGISTRY[name][0]).parameters.get(key)
     if param is None or param.default is inspect.Parameter.empty:
         raise ConfigError(f"model {name!r} needs an explicit {key}= in its spec to be profiled")

@@ -258,9 +258,34 @@ def _to_plain_graph_module(gm: fx.GraphModule, inputs: Sequence[InputSpec], run_
             node.kwargs = {**node.kwargs, "device": torch.device(run_device)}
         if any(a == meta_device for a in node.args if isinstance(a, torch.device)):  # aten.to.device(x, meta, ...)
             node.args = tuple(torch.device(run_device) if a == meta_device else a for a in node.args)
+    if run_device == "cpu":
+        _count_integer_histc_in_float(graph)
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()
+
+
+def _count_integer_histc_in_float(graph: fx.Graph) -> None:
+    """``aten.histc`` of an integer tensor: CUDA counts it, the CPU kernel refuses it. Mixture-of-
+    experts layers (transformers' grouped experts) count tokens per expert with the integer form on
+    any device but cpu, so a model built on the meta device (the planner's profile) captures it.
+    On cpu the count runs on a float32 copy and comes back in the input's dtype, as transformers
+    does on cpu: the same counts. The rewritten nodes carry no export value (the shape analysis
+    runs them itself)."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.histc.default:
+            continue
+        source = node.args[0]
+        val = source.meta.get("val") if isinstance(source, fx.Node) else None
+        if val is None or val.dtype.is_floating_point:
+            continue
+        with graph.inserting_before(node):
+            as_float = graph.call_function(torch.ops.aten._to_copy.default, (source,), {"dtype": torch.float32})
+        node.args = (as_float, *node.args[1:])
+        node.meta.pop("val", None)
+        with graph.inserting_after(node):
+            back = graph.call_function(torch.ops.aten._to_copy.default, (node,), {"dtype": val.dtype})
+        node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
 
 
 @contextmanager

@@ -78,3 +78,27 @@ def test_the_shared_lowering_trains_like_one_device(lowered, plan):
     losses, *_ = runtime_cases.reference("gpt-cp", plan.global_batch)
     for r in lowered:
         assert r[plan.id]["loss"] == pytest.approx(losses[0], rel=1e-5)
+
+
+def test_when_the_first_rank_cannot_make_it_every_rank_lowers_alone(monkeypatch):
+    """The first rank's failure is not a hang: it sends nothing (and says the plan has a prefix),
+    so every rank lowers alone and meets the error in its own lowering."""
+    import types
+
+    import partitioner.compile.build as build
+    from passes.ir.errors import PassError
+
+    sent = []
+
+    def broadcast(obj, src, group):
+        sent.append(obj)
+        return obj
+
+    def fails(*args, **kwargs):
+        raise PassError("context_parallel: cannot cut this sequence")
+
+    monkeypatch.setattr(build.comm, "broadcast_object", broadcast)
+    monkeypatch.setattr(build, "whole_graph_prefix", fails)
+    first = types.SimpleNamespace(active=True, size=2, rank=0, first=0, group=None)
+    assert build.share_whole_graph_prefix(None, None, first, cost=None) == "alone"
+    assert sent == [(None, True)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from partitioner.calibration.job_cluster import local_cluster
@@ -19,7 +19,7 @@ from partitioner.search.profile import profile_graph
 from partitioner.search.search import candidates, search
 from passes.ir.config import KNOBS
 from passes.ir.errors import PartitionerError
-from tests.test_search_offers import _captured, _vit
+from tests.user_models import captured, vit_spec
 
 pytestmark = pytest.mark.slow
 
@@ -29,15 +29,15 @@ MODELS = {
     "llama": "llama:layers=2,hidden=32,heads=4,kv_heads=2,vocab=64,seq=16",
     "hf-gpt2": ("hf-gpt2:n_layer=2,n_embd=32,n_head=2,vocab_size=64,n_positions=16,resid_pdrop=0.0,"
                 "embd_pdrop=0.0,attn_pdrop=0.0,seq=8"),
-    "vit": None,  # tests/test_search_offers.py's ViT: image input, no named sequence dim
+    "vit": None,  # tests/user_models.py's ViT: image input, no named sequence dim
 }
 
 
 @functools.cache
 def _model(name: str):
     """(analysed capture, its profile) of ``name``, made once."""
-    spec = _vit() if MODELS[name] is None else build_model(MODELS[name])
-    graph = _captured(spec)
+    spec = vit_spec() if MODELS[name] is None else build_model(MODELS[name])
+    graph = captured(spec)
     return graph, profile_graph(graph, name=spec.name)
 
 
@@ -60,9 +60,11 @@ def _case(draw):
     return name, {k: draw(st.sampled_from(values[k])) for k in pinned}
 
 
-@settings(max_examples=24, database=None, derandomize=True, phases=[Phase.generate], deadline=None,
+@settings(max_examples=24, database=None, derandomize=True, phases=[Phase.explicit, Phase.generate], deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(_case())
+@example(("vit", {"tp": 2, "pp": 2}))  # where the search offered sequence parallelism the lowering refused
+@example(("vit", {"sequence_parallel": True}))  # refused: the model has no sequence dim
 def test_every_plan_the_search_returns_lowers(case):
     name, fix = case
     graph, profile = _model(name)
@@ -72,6 +74,6 @@ def test_every_plan_the_search_returns_lowers(case):
     except PartitionerError:
         return  # refused with our error, naming the rule (a raw exception fails the test)
     lowering = lower_plan(graph, chosen.config, cluster=cluster)  # every program, communication checked
-    assert len({p for p in lowering.programs}) == chosen.config.n_stages * chosen.config.tp
+    assert len(lowering.programs) == chosen.config.n_stages * chosen.config.tp
     for knob, value in fix.items():
         assert chosen.config.knobs()[knob] == value

@@ -64,6 +64,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from scipy.optimize import minimize_scalar
+
 from partitioner.cost.cluster import Cluster, PeakFlops
 from partitioner.cost.cost_model import memory_bound_rate
 from partitioner.search.plan_cost import scalar_all_reduce_time, step_end_scalars
@@ -769,7 +771,6 @@ def _best_wait(base: Sequence[float], calls: Sequence[float], measured: Sequence
     """(wait, mean |log error|): the wait per step-end call within :data:`STEP_END_WAIT_BOUNDS`
     that best predicts ``measured`` as ``base + w·calls + max(rest − w, 0)`` (the step overhead
     refitted at ``w``: the measured rest less the loss's wait; ``None``: no rest measured, 0)."""
-    from scipy.optimize import minimize_scalar
 
     def err(w: float) -> float:
         over = max(rest - w, 0.0) if rest is not None else 0.0

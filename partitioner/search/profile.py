@@ -273,17 +273,21 @@ def _int(expr, subs: dict | None = None) -> int:
     return int(value)
 
 
+def _spec_defaults(name: str) -> dict[str, object]:
+    """The registered defaults of model ``name``'s keys (hf-* builders take any key: these name theirs)."""
+    return TABLES[name][1] if name in TABLES else {}
+
+
 def _layer_count_key(name: str, kwargs: dict) -> str | None:
     keys = model_keys(name)
-    defaults = TABLES.get(name, (None, {}))[1]  # hf-* builders take any key: their defaults name it
     for key in LAYER_KEYS:
-        if key in kwargs or (keys is not None and key in keys) or key in defaults:
+        if key in kwargs or (keys is not None and key in keys) or key in _spec_defaults(name):
             return key
     return None
 
 
 def _default_layers(name: str, key: str) -> int:
-    defaults = TABLES.get(name, (None, {}))[1]
+    defaults = _spec_defaults(name)
     if key in defaults:
         return int(defaults[key])
     param = inspect.signature(REGISTRY[name][0]).parameters.get(key)

@@ -70,13 +70,12 @@ def pack_graph(gm: fx.GraphModule, module: nn.Module, *, by_name: bool = False) 
     lowering's whole-graph prefix of the analysed graph): a tensor travels as a name when
     ``module`` holds one of its shape and dtype under that name, not only when it is the same object."""
     owned = {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
-    named = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
+    named = ({**dict(module.named_parameters(remove_duplicate=False)),
+              **dict(module.named_buffers(remove_duplicate=False))} if by_name else {})
 
     def travels_as_name(name: str, t: torch.Tensor) -> bool:
-        if id(t) in owned:
-            return True
-        same = named.get(name) if by_name else None
-        return same is not None and same.shape == t.shape and same.dtype == t.dtype
+        same = named.get(name)
+        return id(t) in owned or (same is not None and same.shape == t.shape and same.dtype == t.dtype)
 
     attrs = []
     for prefix, sub in gm.named_modules():

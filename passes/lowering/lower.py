@@ -182,7 +182,6 @@ def lower(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
     if config.n_stages > 1 and blocks == 0:
         raise ConfigError("pp*virtual_pp > 1 needs repeated blocks to cut stages between, and the model has none "
                           "(no module path like 'blocks.0'); use pp=1")
-    starts = chain_starts(blocks, config.n_stages, config.stage_boundaries)
     wanted = sorted(set(programs) if programs is not None else
                     {(s, t) for s in range(config.n_stages) for t in range(config.tp)})
     for s, t in wanted:
@@ -191,7 +190,7 @@ def lower(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
                               f"and tp={config.tp}")
     instrument_for = instrument_for or (lambda name: None)
 
-    whole_passes = whole_graph_passes(config, cost=cost, starts=starts, tp_group=tp_group)
+    whole_passes = _whole_passes(gm, config, cost=cost, tp_group=tp_group)
     instrument = instrument_for("whole_graph")
     whole = manager(whole_passes, instrument=instrument)
     if instrument is None:
@@ -281,11 +280,15 @@ def _prefix(gm: fx.GraphModule, passes: list, ctx: PassContext) -> fx.GraphModul
     return prefix
 
 
+def _whole_passes(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None, tp_group: str) -> list:
+    """The whole-graph passes :func:`lower` runs for ``config`` (stages cut at the chain's starts)."""
+    starts = chain_starts(gm.meta[LAYER_CHAIN].n_blocks, config.n_stages, config.stage_boundaries)
+    return whole_graph_passes(config, cost=cost, starts=starts, tp_group=tp_group)
+
+
 def _prefix_passes(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
                    tp_group: str) -> list:
-    blocks = gm.meta[LAYER_CHAIN].n_blocks
-    passes = whole_graph_passes(config, cost=cost, starts=chain_starts(blocks, config.n_stages,
-                                                                       config.stage_boundaries), tp_group=tp_group)
+    passes = _whole_passes(gm, config, cost=cost, tp_group=tp_group)
     return passes[:_prefix_length(passes)]
 
 

@@ -21,6 +21,7 @@ from torch import fx
 from torch.utils._pytree import tree_leaves
 
 from passes.capture.fake_execution import FakeContext, FakeInterpreter, capture_info, fake_attrs, fake_context, fake_inputs
+from passes.analysis.saved_tensors import fake_forward_run
 from passes.ir.meta import EXPORT_VAL, SHAPE, CaptureInfo, ShapeMeta, TensorMeta, dim_symbol
 
 
@@ -33,9 +34,11 @@ def annotate_shapes(gm: fx.GraphModule, ctx: Any = None) -> fx.GraphModule:
             for node, meta in metas.items():
                 node.meta[SHAPE] = meta
             return gm
-    fake, results = _run(gm, info)
-    for node, value in results.items():
-        node.meta[SHAPE] = shape_meta(fake, value)
+    # the forward run annotate_memory and the policies observe next, made once (saved_tensors)
+    run = fake_forward_run(gm)
+    for node, value in run.values.items():
+        if node.graph is gm.graph:  # a checkpointed region's nodes keep the shapes they were outlined with
+            node.meta[SHAPE] = shape_meta(run.fake, value)
     return gm
 
 

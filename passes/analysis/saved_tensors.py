@@ -26,8 +26,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from passes.analysis.annotate_flops import checkpoint_submodule
-from passes.ir.meta import REMAT
-from passes.ir.offload_ops import watch_packs
+from passes.ir.meta import CAPTURE, REMAT
+from passes.ir.offload_ops import OFFLOAD_BEGIN, watch_packs
 from passes.analysis.liveness import MemoryObserver
 from passes.capture.fake_execution import FakeContext, FakeInterpreter, capture_info, fake_attrs, fake_context, fake_inputs
 
@@ -147,12 +147,55 @@ def tensor_leaves(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def observe_saved_tensors(gm: fx.GraphModule, *, observer: MemoryObserver | None = None) -> _ForwardRun:
-    """Run ``gm``'s forward on fake tensors under ``saved_tensors_hooks`` and record, per node,
-    the storages autograd saves and who owns them. Shared by the memory, checkpoint and offload
-    passes, which need storage identities that :class:`MemoryMeta` only summarizes.
-    ``observer``: told each saved tensor an offload region moves to the host; what a region keeps
-    on the device is then recorded here too (:func:`passes.ir.offload_ops.watch_packs`)."""
+@dataclass(eq=False)
+class FakeRun:
+    """One forward run of a graph on fake tensors under ``saved_tensors_hooks``: every node's
+    result (``values``, checkpointed regions' nodes included), each packed tensor with the node
+    that saved it, each region call's nodes in run order, and the fake parameters."""
+
+    fake: FakeContext
+    attrs: dict[str, torch.Tensor]
+    values: dict[fx.Node, Any]
+    packed: list[tuple[fx.Node, torch.Tensor]]
+    inner: dict[fx.Node, list[fx.Node]]
+
+
+_LAST_RUN: list = []
+"""The last :class:`FakeRun` made without an offload observer and the graph it ran, as
+(signature, run): the stage pipeline asks for the same run two or three times in a row
+(``shard_parameters`` observes the gathers' savers, ``annotate_shapes`` and ``annotate_memory``
+re-analyse the program), and a fake run is most of what each costs. One entry: the nodes it
+holds keep their graph alive until the next run."""
+
+
+def _signature(gm: fx.GraphModule, watching: bool) -> tuple:
+    """What a fake run of ``gm`` depends on: its capture info, every (sub)graph's nodes with
+    their ops, targets and arguments, and the parameter and buffer objects with their shapes.
+    A pass that changes any of these (a rewrite, a replaced parameter) makes a new signature."""
+    graphs = tuple((name, tuple((n, n.op, n.target, n.args, n.kwargs) for n in sub.graph.nodes))
+                   for name, sub in gm.named_modules() if isinstance(sub, fx.GraphModule))
+    tensors = tuple((name, id(t), tuple(t.shape), t.dtype, t.requires_grad)
+                    for name, t in [*gm.named_parameters(remove_duplicate=False),
+                                    *gm.named_buffers(remove_duplicate=False)])
+    return (id(gm), gm.meta.get(CAPTURE), graphs, tensors, watching)
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an argument that does not compare (a tensor constant): run again
+        return False
+
+
+def fake_forward_run(gm: fx.GraphModule, *, observer: MemoryObserver | None = None) -> FakeRun:
+    """Run ``gm``'s forward on fake tensors under ``saved_tensors_hooks``, each checkpointed region
+    interpreted node by node (what :func:`observe_saved_tensors` reads, and the shapes
+    ``annotate_shapes`` writes). The last run is remembered while its graph is unchanged
+    (:data:`_LAST_RUN`), unless an offload ``observer`` must see the run's packs."""
+    watching = observer is not None and _has_offload(gm)  # without offload regions there is nothing to watch
+    sig = _signature(gm, watching)
+    if not watching and _LAST_RUN and _same(_LAST_RUN[0][0], sig):
+        return _LAST_RUN[0][1]
     info = capture_info(gm)
     fake = fake_context(info)
     attrs = fake_attrs(fake, gm, info.device, requires_grad=True)
@@ -164,17 +207,35 @@ def observe_saved_tensors(gm: fx.GraphModule, *, observer: MemoryObserver | None
         packed.append((interp.current, t))
         return t
 
-    watching = watch_packs(observer.offloaded) if observer is not None else contextlib.nullcontext()
+    watch = watch_packs(observer.offloaded) if watching else contextlib.nullcontext()
     with _eager_dropout(info.device), fake.mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            watching:
+            watch:
         interp.run(*fake_inputs(fake, info))
+    run = FakeRun(fake=fake, attrs=attrs, values=values, packed=packed, inner=interp.inner)
+    _LAST_RUN[:] = [] if watching else [(sig, run)]
+    return run
+
+
+def _has_offload(gm: fx.GraphModule) -> bool:
+    return any(n.target is OFFLOAD_BEGIN for sub in gm.modules() if isinstance(sub, fx.GraphModule)
+               for n in sub.graph.nodes if n.op == "call_function")
+
+
+def observe_saved_tensors(gm: fx.GraphModule, *, observer: MemoryObserver | None = None) -> _ForwardRun:
+    """Run ``gm``'s forward on fake tensors under ``saved_tensors_hooks`` and record, per node,
+    the storages autograd saves and who owns them. Shared by the memory, checkpoint and offload
+    passes, which need storage identities that :class:`MemoryMeta` only summarizes.
+    ``observer``: told each saved tensor an offload region moves to the host; what a region keeps
+    on the device is then recorded here too (:func:`passes.ir.offload_ops.watch_packs`)."""
+    raw = fake_forward_run(gm, observer=observer)
+    fake, attrs, values, packed = raw.fake, raw.attrs, raw.values, raw.packed
 
     order: list[fx.Node] = []
     regions: dict[fx.Node, list[fx.Node]] = {}
     alias: dict[fx.Node, fx.Node] = {}
     region_outputs: dict[fx.Node, tuple[fx.Node, ...]] = {}
     for node in gm.graph.nodes:
-        inner = interp.inner.get(node)
+        inner = raw.inner.get(node)
         if inner is not None:  # a checkpoint call: its region's nodes run just before it
             placeholders = [n for n in inner if n.op == "placeholder"]
             alias.update(zip(placeholders, [a for a in node.args[1:] if isinstance(a, fx.Node)]))

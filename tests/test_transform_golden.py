@@ -49,7 +49,7 @@ def test_passes_are_tags_then_per_program_rewrites_then_analysis():
     assert [p.name for p in whole_graph_passes(C, cost=None, starts=(2,))] == [
         "tag_tensor_parallel", "checkpoint_policy", "tag_pipeline_stages"]
     assert [p.name for p in stage_passes(C, stage=0, tp_rank=1, tp_group="tp", cost=None)] == [
-        "apply_tensor_parallel", "specialize_dims", "annotate_shapes", "restrict_checkpoint_plan", "apply_checkpoint",
+        "apply_tensor_parallel", "specialize_dims", "restrict_checkpoint_plan", "apply_checkpoint",
         "annotate_shapes", "annotate_flops", "annotate_memory"]
 
 
@@ -76,7 +76,7 @@ def test_dumps_show_each_transform():
     assert "checkpoint region=0 recompute=True policy=full" in text["07_checkpoint_policy.txt"]
     assert "pipeline_stage=1" in text["08_tag_pipeline_stages.txt"]
     for s in (0, 1):
-        code = [line for line in text[f"stage{s}_tp0/05_apply_checkpoint.txt"].splitlines() if line.startswith("%")]
+        code = [line for line in text[f"stage{s}_tp0/04_apply_checkpoint.txt"].splitlines() if line.startswith("%")]
         assert sum("torch.utils.checkpoint.checkpoint(" in line for line in code) == 1  # one block per stage
         assert not any("scaled_dot_product_attention" in line for line in code)  # the block moved out
         program = text[f"stage{s}_tp0/program.txt"]

@@ -34,11 +34,11 @@ def annotate_shapes(gm: fx.GraphModule, ctx: Any = None) -> fx.GraphModule:
             for node, meta in metas.items():
                 node.meta[SHAPE] = meta
             return gm
-    # the forward run annotate_memory and the policies observe next, made once (saved_tensors)
+    # the forward run annotate_memory and the policies observe next, made once (saved_tensors);
+    # it runs each checkpointed region node by node, so the regions' nodes get their shapes too
     run = fake_forward_run(gm)
     for node, value in run.values.items():
-        if node.graph is gm.graph:  # a checkpointed region's nodes keep the shapes they were outlined with
-            node.meta[SHAPE] = shape_meta(run.fake, value)
+        node.meta[SHAPE] = shape_meta(run.fake, value)
     return gm
 
 

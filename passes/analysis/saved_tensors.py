@@ -161,23 +161,31 @@ class FakeRun:
 
 
 _LAST_RUN: list = []
-"""The last :class:`FakeRun` made without an offload observer and the graph it ran, as
-(signature, run): the stage pipeline asks for the same run two or three times in a row
-(``shard_parameters`` observes the gathers' savers, ``annotate_shapes`` and ``annotate_memory``
-re-analyse the program), and a fake run is most of what each costs. One entry: the nodes it
-holds keep their graph alive until the next run."""
+"""The last :class:`FakeRun` made without an offload observer and with every dim concrete, as
+(signature, graph, run): the
+stage pipeline asks for the same run two or three times in a row (``shard_parameters`` observes
+the gathers' savers, ``annotate_shapes`` and ``annotate_memory`` re-analyse the program), the
+planner's memory replay once more on a copy of the program, and a fake run is most of what each
+costs. One entry: the nodes it holds keep their graph alive until the next run."""
 
 
 def _signature(gm: fx.GraphModule, watching: bool) -> tuple:
-    """What a fake run of ``gm`` depends on: its capture info, every (sub)graph's nodes with
-    their ops, targets and arguments, and the parameter and buffer objects with their shapes.
-    A pass that changes any of these (a rewrite, a replaced parameter) makes a new signature."""
-    graphs = tuple((name, tuple((n, n.op, n.target, n.args, n.kwargs) for n in sub.graph.nodes))
+    """What a fake run of ``gm`` depends on, by name (a copy of a graph has the same): its
+    capture info, every (sub)graph's nodes with their ops, targets and arguments, and the
+    parameters and buffers with their shapes, dtypes and ties. The values of tensors do not
+    matter (the run is on fakes). A pass that changes any of these makes a new signature."""
+    def arg(a):
+        return ("%", a.name) if isinstance(a, fx.Node) else a
+
+    graphs = tuple((name, tuple((n.name, n.op, n.target, fx.node.map_aggregate(n.args, arg),
+                                 fx.node.map_aggregate(n.kwargs, arg)) for n in sub.graph.nodes))
                    for name, sub in gm.named_modules() if isinstance(sub, fx.GraphModule))
-    tensors = tuple((name, id(t), tuple(t.shape), t.dtype, t.requires_grad)
+    first: dict[int, str] = {}
+    tensors = tuple((name, first.setdefault(id(t), name), tuple(t.shape), t.stride(), t.dtype, t.requires_grad,
+                     isinstance(t, torch.nn.Parameter))
                     for name, t in [*gm.named_parameters(remove_duplicate=False),
                                     *gm.named_buffers(remove_duplicate=False)])
-    return (id(gm), gm.meta.get(CAPTURE), graphs, tensors, watching)
+    return (gm.meta.get(CAPTURE), graphs, tensors, watching)
 
 
 def _same(a: tuple, b: tuple) -> bool:
@@ -185,6 +193,19 @@ def _same(a: tuple, b: tuple) -> bool:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - an argument that does not compare (a tensor constant): run again
         return False
+
+
+def _rebind(run: FakeRun, made_on: fx.GraphModule, gm: fx.GraphModule) -> FakeRun:
+    """``run`` (made on ``made_on``) as a run of ``gm``, a graph of the same signature: each node
+    of ``made_on`` (and of its regions) stands for the node of ``gm`` at the same place."""
+    if made_on is gm:
+        return run
+    subs = dict(gm.named_modules())
+    node = {a: b for name, sub in made_on.named_modules() if isinstance(sub, fx.GraphModule)
+            for a, b in zip(sub.graph.nodes, subs[name].graph.nodes)}
+    return FakeRun(fake=run.fake, attrs=run.attrs, values={node[n]: v for n, v in run.values.items()},
+                   packed=[(node.get(n, n), t) for n, t in run.packed],
+                   inner={node[c]: [node[n] for n in nodes] for c, nodes in run.inner.items()})
 
 
 def fake_forward_run(gm: fx.GraphModule, *, observer: MemoryObserver | None = None) -> FakeRun:
@@ -195,7 +216,8 @@ def fake_forward_run(gm: fx.GraphModule, *, observer: MemoryObserver | None = No
     watching = observer is not None and _has_offload(gm)  # without offload regions there is nothing to watch
     sig = _signature(gm, watching)
     if not watching and _LAST_RUN and _same(_LAST_RUN[0][0], sig):
-        return _LAST_RUN[0][1]
+        _, made_on, run = _LAST_RUN[0]
+        return _rebind(run, made_on, gm)
     info = capture_info(gm)
     fake = fake_context(info)
     attrs = fake_attrs(fake, gm, info.device, requires_grad=True)
@@ -212,7 +234,10 @@ def fake_forward_run(gm: fx.GraphModule, *, observer: MemoryObserver | None = No
             watch:
         interp.run(*fake_inputs(fake, info))
     run = FakeRun(fake=fake, attrs=attrs, values=values, packed=packed, inner=interp.inner)
-    _LAST_RUN[:] = [] if watching else [(sig, run)]
+    # Only runs with every dim concrete are kept: with symbols, a reader that asks a size
+    # concretely installs a guard in the run's shape environment, which would specialize the
+    # next reader's sizes.
+    _LAST_RUN[:] = [] if watching or fake.symbolic else [(sig, gm, run)]
     return run
 
 

@@ -236,8 +236,7 @@ def stage_passes(config: ParallelConfig, *, stage: int, tp_rank: int, tp_group: 
         out += [make_pass("annotate_shapes"), make_pass("annotate_flops"), make_pass("tensor_remat_policy"),
                 make_pass("apply_tensor_remat")]
     elif config.checkpointing != "none":
-        # the outlined regions keep their nodes' meta: give them this program's shapes first
-        out.append(make_pass("annotate_shapes"))
+        # the regions' nodes get this program's shapes from the re-analysis, which runs them
         out += [make_pass("restrict_checkpoint_plan", stage=stage), make_pass("apply_checkpoint")]
         if config.offload == "activations":
             # the regions' calls save their inputs for the recompute: offload decides on this graph

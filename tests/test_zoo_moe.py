@@ -80,7 +80,7 @@ def test_top_k_above_experts_is_refused():
         build_model("moe:experts=4,top_k=5")
 
 
-@pytest.mark.parametrize("spec", ["hf-mixtral", "hf-qwen3-moe"])
+@pytest.mark.parametrize("spec", ["hf-mixtral", "hf-qwen3-moe", "hf-lfm2-moe", "hf-deepseek-v3"])
 def test_hf_moe_specs_profile_on_the_meta_device(spec):
     """The planner's profile builds the model on the meta device, where transformers counts tokens
     per expert with an integer histc (the CPU kernel refuses it): the capture counts in float32 on

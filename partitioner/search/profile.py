@@ -32,7 +32,7 @@ from passes.ir.errors import AnalysisError, ConfigError, PassError
 from partitioner.compile.analysis import analyze
 from partitioner.inputs.model_spec import ModelSpec
 from partitioner.inputs.models import build_model, format_spec, model_keys, parse_spec
-from partitioner.zoo.registry import REGISTRY, TABLES
+from partitioner.zoo.registry import MIXED_LAYERS, REGISTRY, TABLES
 from passes.ir.config import TORCH_DTYPES
 from passes.ir.meta import BLOCK, CAPTURE, CHECKPOINT_PLAN, FLOPS, LAYER_CHAIN, MEMORY, SHAPE, dim_symbol
 
@@ -301,7 +301,8 @@ def profile_model(spec: str, *, seq: int | None = None, dtype: str = "bf16",
     """Profile ``spec`` (a zoo or ``hf-*`` spec string) at sequence length ``seq``, batch 1.
 
     ``sample_layers``: capture only this many blocks and replicate the measured block to the
-    spec's layer count (``None``: capture the full model; used to check the replication).
+    spec's layer count (``None``: capture the full model; used to check the replication; always
+    for a model whose layers differ, :data:`partitioner.zoo.registry.MIXED_LAYERS`).
     ``tensor_remat``: price ``checkpointing="tensor"`` (its MILP runs on the captured sample, so
     its cost does not grow with the layer count unless ``sample_layers=None``; seconds even so, up
     to :data:`TENSOR_TIME_LIMIT_S`: off unless the user pins ``tensor``, as for a captured graph).
@@ -313,6 +314,8 @@ def profile_model(spec: str, *, seq: int | None = None, dtype: str = "bf16",
         raise ConfigError(f"model {name!r} has no layer-count key ({', '.join(LAYER_KEYS)}); "
                           f"profile_model needs a repeated-block model such as gpt or llama")
     layers = int(kwargs[key]) if key in kwargs else _default_layers(name, key)
+    if name in MIXED_LAYERS:
+        sample_layers = None  # a sample of its first layers would stand for layers unlike them
     captured = layers if sample_layers is None else min(layers, max(1, sample_layers))
     small = format_spec(name, {**kwargs, key: captured})
     if dtype not in TORCH_DTYPES:

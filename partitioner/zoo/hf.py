@@ -1,5 +1,6 @@
 """Hugging Face ``transformers`` models built from small configs (no download, random weights):
-``hf-gpt2``, ``hf-llama``, ``hf-bert``. Spec keys go straight to the HF config (its own names,
+``hf-gpt2``, ``hf-llama``, ``hf-bert``, and mixture-of-experts families (``hf-qwen3-moe``,
+``hf-mixtral``, ``hf-olmoe``, ``hf-lfm2-moe``, ``hf-deepseek-v3``, ``hf-qwen2-moe``). Spec keys go straight to the HF config (its own names,
 e.g. ``hf-gpt2:n_layer=2,n_embd=64``), except ``batch`` and ``seq``, which are the default dims.
 
 The loss is the model's own (``labels=``), with ``use_cache=False`` so the step returns no
@@ -41,6 +42,11 @@ class _HFModel:
     """MoE families: the HF experts implementation captured. ``batched_mm`` gathers each (token,
     choice)'s expert weights and runs one bmm (static shapes, FLOPs at the routed token count); the
     default ``grouped_mm`` captures as an opaque custom op that counts 0 FLOPs."""
+    mixed_layers: bool = False
+    """Its layers differ (dense ones first, or several kinds): profiled whole, not from a sample."""
+    layer_pattern: tuple[str, ...] = ()
+    """Hybrid families: ``config.layer_types`` when the spec does not give it, this pattern repeated
+    over ``num_hidden_layers`` (the config has no default of its own)."""
 
 
 _MODELS = {
@@ -81,6 +87,26 @@ _MODELS.update({
                               max_position_embeddings=64, num_experts_per_tok=2, output_router_logits=True, num_experts=4, intermediate_size=96),
                          vocab_key="vocab_size", positions_key="max_position_embeddings", token_types=False,
                          rules=_MOE_RULES, experts="batched_mm"),
+    # sigmoid routing chosen by scores plus a per-expert bias, weights gathered from the plain
+    # scores, no aux loss (the bias balances); short-conv and attention layers, dense layers first
+    "hf-lfm2-moe": _HFModel("hf-lfm2-moe", "Lfm2MoeConfig", "Lfm2MoeForCausalLM",
+                            dict(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                 vocab_size=128, max_position_embeddings=64, num_experts_per_tok=2, num_experts=4,
+                                 moe_intermediate_size=96, intermediate_size=128, num_dense_layers=1),
+                            vocab_key="vocab_size", positions_key="max_position_embeddings", token_types=False,
+                            rules=_MOE_RULES, experts="batched_mm", layer_pattern=("conv", "full_attention", "conv"),
+                            mixed_layers=True),
+    # DeepSeek-V3: multi-head latent attention, group-limited sigmoid routing with a bias,
+    # a shared expert, dense layers first
+    "hf-deepseek-v3": _HFModel("hf-deepseek-v3", "DeepseekV3Config", "DeepseekV3ForCausalLM",
+                               dict(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                                    vocab_size=128, max_position_embeddings=64, num_experts_per_tok=2,
+                                    n_routed_experts=8, n_shared_experts=1, n_group=2, topk_group=1,
+                                    first_k_dense_replace=1, moe_intermediate_size=32, intermediate_size=128,
+                                    kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                    v_head_dim=16),
+                               vocab_key="vocab_size", positions_key="max_position_embeddings", token_types=False,
+                               rules=_MOE_RULES, experts="batched_mm", mixed_layers=True),
     "hf-qwen2-moe": _HFModel("hf-qwen2-moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                              dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                               max_position_embeddings=64, num_experts_per_tok=2, output_router_logits=True, num_experts=4, moe_intermediate_size=96,
@@ -138,6 +164,9 @@ def _build(kind: _HFModel, kwargs: dict[str, Any]) -> ModelSpec:
             raise ModelSpecError(f"{kind.spec_name}: unknown key {key!r} (not a {kind.config_class} field "
                                  f"nor batch/seq){hint}")
     values = {**kind.defaults, **kwargs}
+    if kind.layer_pattern and "layer_types" not in values:
+        values["layer_types"] = [kind.layer_pattern[i % len(kind.layer_pattern)]
+                                 for i in range(values["num_hidden_layers"])]
     # GPT-2's default special token ids (50256) lie outside a small vocab; keep them in range.
     params = inspect.signature(config_cls.__init__).parameters
     for tok in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -198,4 +227,4 @@ for _kind in _MODELS.values():
                        rules=_kind.rules, open=True, limits={"seq": _kind.positions_key})
     register(_kind.spec_name, f"Hugging Face {_kind.model_class} (keys: {_kind.config_class} fields, batch, "
                               f"seq; default {_defaults})", keys=_table,
-             defaults={**_kind.defaults, "batch": 2})(_builder(_kind))
+             defaults={**_kind.defaults, "batch": 2}, mixed_layers=_kind.mixed_layers)(_builder(_kind))

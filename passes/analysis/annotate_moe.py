@@ -113,15 +113,34 @@ def _last_matmul(cone: set[fx.Node], order: dict[fx.Node, int]) -> fx.Node:
     return max((n for n in cone if _is_matmul(n)), key=order.__getitem__)
 
 
+def _scores(node: Any) -> Any:
+    """What ``topk`` chooses by, back to the router's probabilities: through view-like ops, a
+    per-expert bias added for the choice only (DeepSeek-V3's ``e_score_correction_bias``,
+    LFM2-MoE's ``expert_bias``) and a group-limited mask (DeepSeek-V3's ``masked_fill``)."""
+    node = _through_views(node)
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        if _op(node) is aten.masked_fill:
+            node = _through_views(node.args[0])
+        elif _op(node) is aten.add and len(node.all_input_nodes) == 2:
+            rest = [a for a in node.all_input_nodes if _through_views(a).op != "get_attr"]
+            if len(rest) != 1:
+                break
+            node = _through_views(rest[0])
+        else:
+            break
+    return node
+
+
 def _router(topk: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
     """(router matmul, its parameter, probabilities node) of ``topk``, or None (module docstring)."""
-    probs = _through_views(topk.args[0])
+    probs = _scores(topk.args[0])
     if not isinstance(probs, fx.Node) or _op(probs) not in _PROBS:
         return None
     router = _through_views(probs.args[0])
     if not isinstance(router, fx.Node) or not _is_matmul(router):
         return None
-    weights = [a for a in router.all_input_nodes if a.op == "get_attr"]
+    # the weight itself, or cast first (DeepSeek-V3 routes in fp32)
+    weights = [w for w in map(_through_views, router.all_input_nodes) if w.op == "get_attr"]
     return (router, weights[0], probs) if weights else None
 
 
@@ -140,6 +159,8 @@ def annotate_moe(gm: fx.GraphModule, ctx: Any = None, *, imbalance: float = 1.0)
     scale_imb = sympy.Rational(str(imbalance))
     blocks, graph_aux, again = [], [], []
     for topk in (n for n in nodes if _op(n) is aten.topk):
+        if any(_op(n) is aten.topk for n in _forward(_getitems(topk, 0), _in_block_of(topk))):
+            continue  # its values choose for a later top-k of its layer (DeepSeek-V3's expert groups)
         found = _router(topk)
         if found is None:
             # a top-k over probabilities of no single router: an aux loss over concatenated logits
@@ -160,15 +181,22 @@ def annotate_moe(gm: fx.GraphModule, ctx: Any = None, *, imbalance: float = 1.0)
     return gm
 
 
+def _in_block_of(node: fx.Node):
+    """Whether a node is in ``node``'s block of the layer chain (every node, without blocks)."""
+    layer = node.meta[BLOCK].index if BLOCK in node.meta else None
+    return (lambda n: True) if layer is None else (lambda n: BLOCK not in n.meta or n.meta[BLOCK].index == layer)
+
+
 def _block(gm, topk, router, router_w, probs, *, order, imbalance, scale_imb) -> MoeBlock | None:
-    layer = router.meta[BLOCK].index if BLOCK in router.meta else None
-    same_layer = (lambda n: True) if layer is None else (
-        lambda n: BLOCK not in n.meta or n.meta[BLOCK].index == layer)
+    same_layer = _in_block_of(router)
     n_experts, k = int(_shape(router)[-1]), int(topk.args[1])
     base = _through_views(router.args[0])
     inputs = _forward([base], lambda n: n is base or _op(n) in _VIEWS)  # X and its view-like aliases
-    values = _forward(_getitems(topk, 0), same_layer)
     ids = _forward(_getitems(topk, 1), same_layer)
+    # the combine weights: top-k's values, or the probabilities gathered at its ids (when it
+    # chose by biased scores: DeepSeek-V3, LFM2-MoE)
+    gathered = [n for n in ids if _op(n) is aten.gather and _through_views(n.args[0]) is probs]
+    values = _forward(_getitems(topk, 0) + gathered, same_layer)
     from_topk = values | ids
 
     combines = []  # (mul, expert cone)

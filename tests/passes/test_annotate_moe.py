@@ -90,3 +90,25 @@ def test_hf_moe_blocks(spec, shared):
     tokens = 2 * 8
     expert_fwd = L * 2 * tokens * 2 * 3 * 32 * 48
     assert gm.meta[FLOP_SUMMARY].captured_fwd is None and gm.meta[FLOP_SUMMARY].fwd > expert_fwd
+
+
+@pytest.mark.parametrize("spec,experts,expert_hidden,shared", [
+    ("hf-lfm2-moe:seq=8", 4, 96, 0),  # sigmoid scores plus an expert bias choose; short-conv layers
+    ("hf-deepseek-v3:seq=8", 8, 32, 1),  # the same, within the best expert groups; a shared expert
+])
+def test_hf_moe_blocks_that_choose_by_biased_scores(spec, experts, expert_hidden, shared):
+    """LFM2-MoE and DeepSeek-V3 choose experts by sigmoid scores plus a per-expert bias (DeepSeek-V3
+    first keeps the best expert groups, with two more top-k) and weigh them by the plain scores
+    gathered at the chosen ids: one block per MoE layer (the first layer is dense), its router the
+    final top-k's, no aux-loss term (the bias balances the load)."""
+    pytest.importorskip("transformers")
+    gm = partitioner.analyze(build_model(spec)).graph
+    layers = gm.meta[MOE_LAYERS]
+    assert [b.layer for b in layers.blocks] == ["model.layers.1", "model.layers.2"] and layers.aux_loss == ()
+    for block in layers.blocks:
+        assert block.form == "gathered" and (block.experts, block.top_k, block.expert_hidden) == (experts, 2,
+                                                                                                   expert_hidden)
+        assert block.router_weight.endswith(".gate.weight") and block.aux_loss == ()
+        assert block.shared_experts == shared
+        chosen = {n.name: n for n in gm.graph.nodes}[block.topk]
+        assert not any("topk" in str(u.target) for u in chosen.users)  # the routing's own top-k

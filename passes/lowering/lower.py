@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import math
 import weakref
@@ -100,7 +101,7 @@ class Lowering:
         cp_plan = self.graph.meta.get(CONTEXT_PARALLEL)
         sp_grads = sorted({g for m in modules.values() if TENSOR_PARALLEL_PLAN in m.meta
                            for g in m.meta[TENSOR_PARALLEL_PLAN].sequence_parallel_grads})
-        actions = build_schedule(c.schedule, c.pp, c.num_micro_batches, c.virtual_pp)[pp_index]
+        actions = self.schedule[pp_index]
         info = self.graph.meta[CAPTURE]
         canonical = info.canonical_names()
         for key, aliases in self.split.aliases.items():
@@ -113,6 +114,12 @@ class Lowering:
             comms=tuple(_comms(self.split, modules, mine, c, pp_index, dp_index, tp_index, first, self.tp_group)),
             actions=tuple(actions), inputs=info.inputs, sp_grad_params=tuple(sp_grads),
             no_weight_decay=self._no_weight_decay(canonical))
+
+    @functools.cached_property
+    def schedule(self) -> dict:
+        """Every pipeline rank's action list (built once: each rank program takes its own)."""
+        c = self.config
+        return build_schedule(c.schedule, c.pp, c.num_micro_batches, c.virtual_pp)
 
     def digest(self) -> str:
         """A hash of what every rank will run: the config and, for each (stage, tp rank) program

@@ -28,6 +28,10 @@ CASES = [
     # HF BERT slices a position buffer, so export bounds seq <= max_position_embeddings; capture
     # accepts that range and seq stays symbolic.
     ("hf-bert:hidden_dropout_prob=0.1,attention_probs_dropout_prob=0.1", SEQ),
+    # MoE routed by biased sigmoid scores: short convolutions among attention (LFM2-MoE); latent
+    # attention, expert groups and a shared expert (DeepSeek-V3)
+    ("hf-lfm2-moe", SEQ),
+    ("hf-deepseek-v3", SEQ),
 ]
 # Sizes other than every model's default hints (batch=2/8, seq=32): the graph must be symbolic.
 RUN_DIMS = {"batch": 3, "seq": 24}

@@ -8,7 +8,9 @@ one at the dims' hints. A freshly captured graph already carries them, computed 
 ``torch.export`` (``node.meta["val"]``), so there the pass runs at the hints (which gives what
 export does not record: which tensors require grad) and takes the symbolic shapes from export,
 after checking that they agree with the run at every node; any other graph (a rewritten stage
-program) gets the symbolic fake run.
+program) gets the fake forward run that the memory pass observes too
+(:func:`passes.analysis.saved_tensors.fake_forward_run`, made once while the graph is unchanged),
+checkpointed regions' nodes included.
 """
 from __future__ import annotations
 

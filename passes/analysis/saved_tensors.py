@@ -162,11 +162,11 @@ class FakeRun:
 
 _LAST_RUN: list = []
 """The last :class:`FakeRun` made without an offload observer and with every dim concrete, as
-(signature, graph, run): the
-stage pipeline asks for the same run two or three times in a row (``shard_parameters`` observes
-the gathers' savers, ``annotate_shapes`` and ``annotate_memory`` re-analyse the program), the
-planner's memory replay once more on a copy of the program, and a fake run is most of what each
-costs. One entry: the nodes it holds keep their graph alive until the next run."""
+(signature, graph, run): the stage pipeline asks for the same run two or three times in a row
+(``shard_parameters`` observes the gathers' savers, ``annotate_shapes`` and ``annotate_memory``
+re-analyse the program), the planner's memory replay once more on a copy of the program, and a
+fake run is most of what each costs. One entry: the nodes it holds keep their graph alive until
+the next run."""
 
 
 def _signature(gm: fx.GraphModule, watching: bool) -> tuple:
@@ -211,8 +211,8 @@ def _rebind(run: FakeRun, made_on: fx.GraphModule, gm: fx.GraphModule) -> FakeRu
 def fake_forward_run(gm: fx.GraphModule, *, observer: MemoryObserver | None = None) -> FakeRun:
     """Run ``gm``'s forward on fake tensors under ``saved_tensors_hooks``, each checkpointed region
     interpreted node by node (what :func:`observe_saved_tensors` reads, and the shapes
-    ``annotate_shapes`` writes). The last run is remembered while its graph is unchanged
-    (:data:`_LAST_RUN`), unless an offload ``observer`` must see the run's packs."""
+    ``annotate_shapes`` writes). The last run at concrete dims is remembered while its graph is
+    unchanged (:data:`_LAST_RUN`), unless an offload ``observer`` must see the run's packs."""
     watching = observer is not None and _has_offload(gm)  # without offload regions there is nothing to watch
     sig = _signature(gm, watching)
     if not watching and _LAST_RUN and _same(_LAST_RUN[0][0], sig):

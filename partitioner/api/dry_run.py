@@ -57,6 +57,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -831,6 +832,15 @@ def _compare(ranks: tuple[int, ...], reps: list[int], members: dict[int, list[Co
 # ---------------------------------------------------------------------------------------------
 # The front door
 
+def _rank_bar(total: int):
+    """A tqdm bar over the representatives on stderr (each step of a large model's rank takes
+    minutes here), drawn only when stderr is a terminal (``disable=None``): logs and tests stay
+    clean. Its description names the rank under way."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="rank", file=sys.stderr, dynamic_ncols=True, disable=None)
+
+
 def dry_run(model: str | ModelSpec, cluster: Cluster | str, *, training: Training, fix: dict | str | None = None,
             plan: Plan | None = None, nodes: int | None = None, steps: int = 1,
             ranks: Sequence[int] | None = None, job_device: str | None = None,
@@ -872,9 +882,10 @@ def dry_run(model: str | ModelSpec, cluster: Cluster | str, *, training: Trainin
         peaks = tuple(m.peak_bytes for m in replay_rank_memory(graph, config, cluster,
                                                                  optimizer=training.optimizer_name()))
     runs = []
-    for rank, members in reps.items():
-        if ranks is not None and rank not in ranks:
-            continue
+    chosen = {r: m for r, m in reps.items() if ranks is None or r in ranks}
+    bar = _rank_bar(len(chosen))
+    for rank, members in chosen.items():
+        bar.set_description(f"dry run: rank {rank} (stands for {len(members)})")
         program = lowering.rank_program(rank)
         run = run_rank(program, spec, stands_for=members, training=training, steps=steps, job_device=job_device,
                        edit=None if edit is None else functools.partial(edit, rank))
@@ -885,6 +896,8 @@ def dry_run(model: str | ModelSpec, cluster: Cluster | str, *, training: Trainin
         if difference is None or abs(difference) <= MEMORY_TOLERANCE:
             run.peak_tensors = []
         runs.append(run)
+        bar.update()
+    bar.close()
     report = DryRunReport(plan=plan, world_size=config.world_size, ranks=runs)
     report.mismatches = check_sequences(runs)
     report.seconds = time.perf_counter() - start

@@ -86,11 +86,13 @@ def test_hf_moe_specs_profile_on_the_meta_device(spec):
     per expert with an integer histc (the CPU kernel refuses it): the capture counts in float32 on
     cpu, and a bare name takes its layer count from the spec's defaults."""
     from partitioner.search.profile import profile_model
-    from partitioner.zoo.registry import TABLES
+    from partitioner.zoo.registry import MIXED_LAYERS, TABLES
 
     profile = profile_model(spec, dtype="fp32")
     assert len(profile.blocks) == TABLES[spec][1]["num_hidden_layers"]
     assert profile.param_count > 0 and all(b.fwd_flops > 0 for b in profile.blocks)
+    if spec in MIXED_LAYERS:  # captured whole: the dense first layer is not a copy of an MoE one
+        assert profile.blocks[0].param_count != profile.blocks[-1].param_count
 
 
 def test_the_capture_counts_an_integer_histc_in_float_on_cpu():

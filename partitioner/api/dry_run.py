@@ -57,7 +57,6 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -89,6 +88,7 @@ from passes.lowering.manager import PassContext
 from runtime.dist.mesh import Mesh
 from runtime.exec.parallel_model import ParallelModel
 from runtime.kernels.collectives import unregister_group
+from runtime.observe.progress import terminal_bar
 
 CUDA_SEAMS = (
     "autograd on fake CUDA tensors needs a CUDA build of torch (a CPU build aborts in AccumulateGrad)",
@@ -832,15 +832,6 @@ def _compare(ranks: tuple[int, ...], reps: list[int], members: dict[int, list[Co
 # ---------------------------------------------------------------------------------------------
 # The front door
 
-def _rank_bar(total: int):
-    """A tqdm bar over the representatives on stderr (each step of a large model's rank takes
-    minutes here), drawn only when stderr is a terminal (``disable=None``): logs and tests stay
-    clean. Its description names the rank under way."""
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="rank", file=sys.stderr, dynamic_ncols=True, disable=None)
-
-
 def dry_run(model: str | ModelSpec, cluster: Cluster | str, *, training: Training, fix: dict | str | None = None,
             plan: Plan | None = None, nodes: int | None = None, steps: int = 1,
             ranks: Sequence[int] | None = None, job_device: str | None = None,
@@ -883,7 +874,7 @@ def dry_run(model: str | ModelSpec, cluster: Cluster | str, *, training: Trainin
                                                                  optimizer=training.optimizer_name()))
     runs = []
     chosen = {r: m for r, m in reps.items() if ranks is None or r in ranks}
-    bar = _rank_bar(len(chosen))
+    bar = terminal_bar(len(chosen), unit="rank")  # a large model's rank takes minutes here
     for rank, members in chosen.items():
         bar.set_description(f"dry run: rank {rank} (stands for {len(members)})")
         program = lowering.rank_program(rank)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +26,7 @@ from partitioner.calibration.detect import JobShape, job_shape
 from partitioner.cost.cluster import Cluster, Device, DeviceEfficiency, Link, PeakFlops
 from passes.ir.errors import ConfigError
 from runtime.observe.measure import PhaseClock
+from runtime.observe.progress import terminal_bar
 
 from partitioner.calibration.measure import (
     COMM_OPS, COMM_SIZES, EfficiencyFit, Effort, FULL, GlooMeasurement, KiB, LinkFit, MATMUL_SIZES,
@@ -285,12 +285,9 @@ def run_calibration(world_size: int = 4, out: str | Path | None = None, quick: b
 
 
 def _phase_bar(phases: Sequence[str]):
-    """A tqdm bar over the calibration's phases on stderr, drawn only when stderr is a terminal
-    (``disable=None``): logs and tests stay clean. Its description names the phase under way."""
-    from tqdm import tqdm
-
-    return tqdm(total=len(phases), desc=f"calibrate: {phases[0]}", unit="phase", file=sys.stderr,
-                dynamic_ncols=True, disable=None)
+    """A bar over the calibration's phases (:func:`runtime.observe.progress.terminal_bar`); its
+    description names the phase under way."""
+    return terminal_bar(len(phases), unit="phase", desc=f"calibrate: {phases[0]}")
 
 
 def _lap(clock: PhaseClock, bar, phases: Sequence[str]) -> None:

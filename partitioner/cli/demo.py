@@ -89,13 +89,11 @@ def progress(step: int, steps: int, loss: float, seconds: float) -> str:
 
 
 def step_bar(steps: int, *, start: int = 0, echo: bool = True):
-    """A tqdm bar over ``steps`` steps (``start`` done) on stderr: drawn only on the echoing rank
-    and only when stderr is a terminal (``disable=None``), so logs and captured output get the
-    per-step lines alone."""
-    from tqdm import tqdm
+    """A bar over ``steps`` steps (``start`` done), drawn only on the echoing rank
+    (:func:`runtime.observe.progress.terminal_bar`): captured output gets the per-step lines alone."""
+    from runtime.observe.progress import terminal_bar  # the runtime imports torch: `--help` stays fast
 
-    return tqdm(total=steps, initial=start, unit="step", file=sys.stderr, dynamic_ncols=True,
-                disable=None if echo else True)
+    return terminal_bar(steps, unit="step", initial=start, show=echo)
 
 
 def echo_step(bar, step: int, steps: int, loss: float, seconds: float) -> None:

@@ -204,7 +204,7 @@ def _rebind(run: FakeRun, made_on: fx.GraphModule, gm: fx.GraphModule) -> FakeRu
     node = {a: b for name, sub in made_on.named_modules() if isinstance(sub, fx.GraphModule)
             for a, b in zip(sub.graph.nodes, subs[name].graph.nodes)}
     return FakeRun(fake=run.fake, attrs=run.attrs, values={node[n]: v for n, v in run.values.items()},
-                   packed=[(node.get(n, n), t) for n, t in run.packed],
+                   packed=[(node.get(n), t) for n, t in run.packed],  # None: saved before any node ran
                    inner={node[c]: [node[n] for n in nodes] for c, nodes in run.inner.items()})
 
 

@@ -307,13 +307,6 @@ def build(schedule: str, p: int, m: int, v: int = 1, *, check: bool = True) -> S
     else:
         raise ScheduleError(f"no schedule {schedule!r} with {v} chunks per rank; use gpipe, 1f1b or zb1p with one "
                             f"chunk, zbv with two, interleaved with any")
-    if check and (schedule, p, m, v) not in _CHECKED:
+    if check:
         check_batches(full, stream=stream_for(schedule))
-        _CHECKED.add((schedule, p, m, v))
     return full
-
-
-_CHECKED: set[tuple[str, int, int, int]] = set()
-"""The (schedule, p, m, v) whose schedules passed :func:`check_batches` in this process: a schedule
-is a function of those four, and every rank program of a plan builds the same one (the
-communication check assembles all of a job's ranks, thousands at scale)."""

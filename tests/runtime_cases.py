@@ -37,6 +37,10 @@ MODELS = {
     # llama with grouped-query attention (2 kv heads) and rotary tables
     "gpt-cp": "gpt:layers=4,hidden=32,heads=4,vocab=64,seq=16,dropout=0.0",
     "llama-cp": "llama:layers=4,hidden=32,heads=4,kv_heads=2,vocab=64,seq=16",
+    # mixture of experts: 4 SwiGLU experts, top-2, a shared expert, the load-balancing loss weighed
+    # high enough (0.1) that a wrong token average shows in the losses and the router's gradients
+    "moe": ("moe:layers=4,hidden=32,heads=2,vocab=64,seq=8,experts=4,top_k=2,expert_hidden=32,shared_experts=1,"
+            "aux_loss=0.1,dropout=0.0"),
 }
 LAYERS, HEADS, SEQ = 4, 2, 8  # of the first two models above (what the property test draws from)
 WORLD, STEPS = 8, 3
@@ -71,6 +75,7 @@ class Plan:
     cp: int = 1  # context-parallel degree
     cp_mode: str = "ring"
     sp: bool = False  # sequence parallelism (tp > 1)
+    ep: int = 1  # expert-parallel degree (taken from the dp x cp ranks)
 
     @property
     def size(self) -> int:
@@ -84,7 +89,8 @@ class Plan:
                 + (f"-ckpt_{self.checkpointing}" if self.checkpointing != "none" else "")
                 + (f"-offload_{self.offload}" if self.offload != "none" else "")
                 + (f"-hsdp{self.hsdp}" if self.hsdp else "") + ("" if self.reshard else "-keep")
-                + (f"-cp{self.cp}_{self.cp_mode}" if self.cp > 1 else "") + ("-sp" if self.sp else ""))
+                + (f"-cp{self.cp}_{self.cp_mode}" if self.cp > 1 else "") + ("-sp" if self.sp else "")
+                + (f"-ep{self.ep}" if self.ep > 1 else ""))
 
     def config(self) -> ParallelConfig:
         """The :class:`ParallelConfig` the plan is lowered with."""
@@ -92,12 +98,12 @@ class Plan:
             self.global_batch, dp=self.dp, tp=self.tp, pp=self.pp, schedule=self.schedule, virtual_pp=self.virtual_pp,
             num_micro_batches=self.num_micro_batches, zero_stage=self.zero, checkpointing=self.checkpointing,
             offload=self.offload, hsdp_shard=self.hsdp, reshard_after_forward=self.reshard, cp=self.cp,
-            cp_mode=self.cp_mode, sequence_parallel=self.sp)
+            cp_mode=self.cp_mode, sequence_parallel=self.sp, ep=self.ep)
 
 
 def _mesh_shape(c: ParallelConfig) -> tuple:
-    """What tells two meshes apart: (data axis, tp, pp, pipeline streams, HSDP shard, cp)."""
-    return (c.dp_cp, c.tp, c.pp, stream_count(c.schedule), c.hsdp_shard or 0, c.cp)
+    """What tells two meshes apart: (data axis, tp, pp, pipeline streams, HSDP shard, cp, ep)."""
+    return (c.dp_cp, c.tp, c.pp, stream_count(c.schedule), c.hsdp_shard or 0, c.cp, c.ep)
 
 
 def batches(spec, global_batch: int) -> list[tuple[torch.Tensor, ...]]:
@@ -186,7 +192,8 @@ def train_plans(plans: list[Plan], payloads: dict[str, GraphPayload] | None = No
                 lrs.append(pm.last_lr)
             out[plan.id] = {"losses": losses, "params": pm.full_parameters(), "grads": pm.full_gradients(),
                             "norms": norms, "lrs": lrs, "seconds": time.perf_counter() - t0,
-                            "cp_ops": sorted({c.op for c in pm.program.comms_of("cp")})}
+                            "cp_ops": sorted({c.op for c in pm.program.comms_of("cp")}),
+                            "expert_params": list(pm.program.expert_params)}
         except Exception as exc:  # noqa: BLE001 - reported per plan by the test
             import traceback
             out[plan.id] = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-12)}",
@@ -210,8 +217,8 @@ def measure_memory(plans: list[Plan], payloads: dict[str, GraphPayload], models:
     rank = torch.distributed.get_rank()
     graphs = {k: unpacked_graph(models[k], payloads[k]) for k in sorted({p.model for p in plans if rank < p.size})}
     shapes = sorted({_mesh_shape(p.config()) for p in plans})
-    meshes = {sh: Mesh(sh[0], sh[2], sh[1], timeout_s=TIMEOUT_S, pp_streams=sh[3], dp_shard=sh[4] or None, cp=sh[5])
-              for sh in shapes}
+    meshes = {sh: Mesh(sh[0], sh[2], sh[1], timeout_s=TIMEOUT_S, pp_streams=sh[3], dp_shard=sh[4] or None, cp=sh[5],
+                       ep=sh[6]) for sh in shapes}
     out = {}
     for plan in plans:
         mesh = meshes[_mesh_shape(plan.config())]

@@ -69,7 +69,7 @@ KNOBS = ("dp", "tp", "pp", "cp", "cp_mode", "virtual_pp", "micro_batch_size", "n
 """The fields the search chooses and ``fix=`` may pin (``dtype`` is the user's; ``stage_boundaries``
 follows from the others)."""
 
-_POSITIVE = ("dp", "tp", "pp", "cp", "virtual_pp", "micro_batch_size", "num_micro_batches")
+_POSITIVE = ("dp", "tp", "pp", "cp", "ep", "virtual_pp", "micro_batch_size", "num_micro_batches")
 _CHOICES = {"schedule": SCHEDULES, "zero_stage": ZERO_STAGES, "checkpointing": CHECKPOINTING,
             "offload": OFFLOAD, "dtype": DTYPES, "cp_mode": CP_MODES}
 
@@ -97,6 +97,12 @@ class ParallelConfig:
     """How attention sees the other cp ranks' tokens: ``ring`` (key/value blocks travel round the
     cp ring, online softmax) or ``ulysses`` (all-to-all from sequence shards to head shards and
     back; heads must divide by tp * cp)."""
+    ep: int = 1
+    """Expert-parallel degree: each mixture-of-experts block's routed experts are spread over ``ep``
+    consecutive ranks of the data axis (taken from the ``dp * cp`` ranks, as Megatron-Core and
+    torchtitan do); a rank holds ``experts / ep`` of them, the tokens of its ep group are gathered
+    for them and their outputs reduce-scattered back (:mod:`passes.rewrites.expert_parallel`).
+    Expert gradients average over the ``dp * cp / ep`` ranks that hold the same experts."""
     virtual_pp: int = 1
     """Model chunks per pipeline rank (interleaved schedule; 1 otherwise)."""
     micro_batch_size: int = 1
@@ -162,6 +168,11 @@ class ParallelConfig:
         """Ranks holding the same parameters (one pipeline rank, one tp rank): ``dp * cp``. The
         mesh's data axis runs over them (cp innermost); gradients are averaged, ZeRO shards, over them."""
         return self.dp * self.cp
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same experts, whose expert gradients are averaged together: ``dp * cp / ep``."""
+        return self.dp_cp // self.ep
 
     @property
     def global_batch(self) -> int:
@@ -234,6 +245,8 @@ class ParallelConfig:
         if self.sequence_parallel and self.tp == 1:
             out.append("sequence_parallel=true needs tp > 1 (it shards what tensor parallelism replicates); "
                        "set tp >= 2 or sequence_parallel=false")
+        if self.ep > 1:
+            out += self._expert_parallel_refusals()
         if self.cp > 1 and self.hsdp_shard is not None:
             out.append(f"cp={self.cp} with hsdp_shard={self.hsdp_shard}: HSDP's shard groups are not laid out over "
                        f"the dp x cp ranks yet; use hsdp_shard=None (ZeRO-3 shards over all dp * cp ranks)")
@@ -290,6 +303,25 @@ class ParallelConfig:
         if heads is not None and self.cp_mode == "ulysses" and heads % (self.tp * self.cp):
             out.append(f"cp_mode='ulysses' gives each of tp*cp = {self.tp * self.cp} ranks its share of the attention "
                        f"heads ({heads}); use a cp dividing {heads // math.gcd(heads, self.tp)} or cp_mode='ring'")
+        return out
+
+    def _expert_parallel_refusals(self) -> list[str]:
+        """Where ``ep > 1`` cannot go: its groups are cut from the data axis, and it does not yet
+        run with tensor parallelism (the experts' matmuls would need a tp layout of their own) or
+        with ZeRO (the expert gradients average over their own group, which the ZeRO buckets do
+        not take yet)."""
+        out = []
+        if self.dp_cp % self.ep:
+            out.append(f"ep={self.ep} takes its expert groups from the dp*cp = {self.dp_cp} data ranks; use an ep "
+                       f"dividing {self.dp_cp}, or raise dp")
+        if self.tp > 1:
+            out.append(f"ep={self.ep} with tp={self.tp} is not supported yet (the experts are not laid out over tp); "
+                       f"use tp=1 with ep, or ep=1")
+        if self.zero_stage:
+            out.append(f"ep={self.ep} with zero_stage={self.zero_stage} is not supported yet (the expert gradients "
+                       f"average over their own group, outside the ZeRO buckets); use zero_stage=0 with ep, or ep=1")
+        if self.offload != "none":
+            out.append(f"ep={self.ep} with offload={self.offload!r} is not supported yet; use offload='none' with ep")
         return out
 
     def _tensor_remat_refusals(self) -> list[str]:

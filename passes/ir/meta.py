@@ -725,6 +725,9 @@ class MoeLayers:
 CONTEXT_PARALLEL = "context_parallel"
 """``gm.meta`` key of :class:`passes.ir.cp_ops.ContextParallelPlan` (written by
 :mod:`passes.rewrites.context_parallel`)."""
+EXPERT_PARALLEL = "expert_parallel"
+"""``gm.meta[EXPERT_PARALLEL]``: the :class:`passes.ir.moe_ops.ExpertParallelPlan` of a stage program
+under ``ep > 1`` (written by :mod:`passes.rewrites.expert_parallel`)."""
 ZERO3_PLAN = "zero3_plan"
 """``gm.meta[ZERO3_PLAN]``: the :class:`passes.ir.zero3_ops.Zero3Plan` of a stage program under
 ``zero_stage=3`` (written by :mod:`passes.rewrites.shard_parameters`)."""
@@ -772,4 +775,5 @@ KEYS: dict[str, KeySpec] = {
     ZERO3_PLAN: KeySpec(scope="graph", owner="shard_parameters"),
     MOE: KeySpec(scope="node", owner="annotate_moe"),
     MOE_LAYERS: KeySpec(scope="graph", owner="annotate_moe"),
+    EXPERT_PARALLEL: KeySpec(scope="graph", owner="apply_expert_parallel"),
 }

@@ -29,7 +29,7 @@ from passes.ir.cp_ops import ContextParallelPlan
 from passes.ir.meta import InputSpec, ParamSharding, StageIO, TensorParallelPlan
 from passes.ir.schedule.actions import Action
 
-CommKind = Literal["send", "recv", "tp", "cp", "dp_all_reduce", "tied_all_reduce"]
+CommKind = Literal["send", "recv", "tp", "cp", "ep", "data", "dp_all_reduce", "tied_all_reduce"]
 
 
 def global_rank(pp_index: int, dp_index: int, tp_index: int, *, dp: int, tp: int, first: int = 0) -> int:
@@ -55,7 +55,9 @@ class Comm:
     gradient average) or ``"tied_all_reduce"`` (the gradient sum of a tied weight's copies,
     ``tensors`` its aliases). ``ranks``: the global ranks involved, this rank included for
     collectives; ``group``: the tp group name for ``"tp"``, the cp group name for ``"cp"`` (a
-    context-parallel op of the stage's graph: ring attention, Ulysses all-to-all, loss all-reduce).
+    context-parallel op of the stage's graph: ring attention, Ulysses all-to-all, loss all-reduce),
+    the ep group name for ``"ep"`` (an expert-parallel dispatch or combine) and the data axis'
+    for ``"data"`` (a load-balancing loss's token averages).
     """
 
     kind: CommKind
@@ -97,6 +99,10 @@ class RankProgram:
     partial per tp rank and are summed over the tp group before the data-parallel sync.
     ``no_weight_decay``: names (every alias) of the parameters the default optimizer groups
     leave without weight decay (:mod:`passes.analysis.weight_decay`).
+    ``expert_params``: with ``ep > 1``, the routed experts' parameters this rank holds (their
+    gradients average over the ranks holding the same experts: :attr:`ep_index` is the rank's
+    place in its ep group); ``ep_group``/``data_group``: the names the ep ops and the ops over the
+    whole data axis look their groups up by.
     """
 
     rank: int
@@ -118,6 +124,9 @@ class RankProgram:
     inputs: tuple[InputSpec, ...] = ()
     sp_grad_params: tuple[str, ...] = ()
     no_weight_decay: frozenset[str] = frozenset()
+    expert_params: tuple[str, ...] = ()
+    ep_group: str = "tp.ep"
+    data_group: str = "tp.data"
 
     # knobs of the config, read through
     @property
@@ -137,6 +146,11 @@ class RankProgram:
     def cp_index(self) -> int:
         """This rank's place in its context-parallel group."""
         return self.dp_index % self.config.cp
+
+    @property
+    def ep_index(self) -> int:
+        """This rank's place in its expert-parallel group (ep consecutive ranks of the data axis)."""
+        return self.dp_index % self.config.ep
 
     @property
     def pp(self) -> int:

@@ -37,10 +37,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 import sympy
+import torch
 from torch import fx
 
 from passes.ir.config import TORCH_DTYPES, ParallelConfig, dtype_name
-from passes.ir.meta import CONTEXT_PARALLEL
+from passes.ir.meta import CONTEXT_PARALLEL, EXPERT_PARALLEL, MOE_LAYERS
+from passes.ir.moe_ops import DATA_OPS, EP_OPS
 from passes.ir.cp_ops import CP_OPS
 from passes.ir.cost import CostHooks
 from passes.ir.errors import ConfigError, PassError
@@ -54,12 +56,13 @@ from passes.ir.zero3_ops import shard_numel
 from passes.lowering.manager import Instrument, PassContext, pipeline_text
 from passes.policies.pipeline_stages import chain_starts
 from passes.rewrites.pipeline_split import split_pipeline_stages
-from passes.lowering.pipelines import cp_group, manager, stage_passes, whole_graph_passes
+from passes.lowering.pipelines import cp_group, data_group, ep_group, manager, stage_passes, whole_graph_passes
+from passes.rewrites.expert_parallel import check_expert_parallel
 from passes.rewrites.sequence_parallel import sequence_size, shard_stage_io
 from passes.analysis.weight_decay import no_weight_decay_names
 
 # graph-level decisions of the whole graph that each stage program inherits
-_INHERITED = (TENSOR_PARALLEL_PLAN, CHECKPOINT_PLAN, OFFLOAD_PLAN, LAYER_CHAIN, CONTEXT_PARALLEL)
+_INHERITED = (TENSOR_PARALLEL_PLAN, CHECKPOINT_PLAN, OFFLOAD_PLAN, LAYER_CHAIN, CONTEXT_PARALLEL, MOE_LAYERS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +100,14 @@ class Lowering:
             raise ConfigError(f"rank {rank} runs stages {list(mine)} on tp rank {tp_index}, but the lowering made "
                               f"no program of stage(s) {missing} for it; lower with programs= that include them")
         modules = {s: self.programs[(s, tp_index)] for s in mine}
+        ep_index = dp_index % c.ep
+        experts: tuple[str, ...] = ()
+        if c.ep > 1:
+            plans = {s: m.meta[EXPERT_PARALLEL] for s, m in modules.items() if EXPERT_PARALLEL in m.meta}
+            if ep_index:  # the program holds ep rank 0's experts in its slots: this rank holds others
+                modules = {s: _with_experts(m, self.split.modules[s], plans[s].renames(ep_index)) if s in plans
+                           else m for s, m in modules.items()}
+            experts = tuple(sorted({n for p in plans.values() for n in p.expert_params(ep_index)}))
         plan = self.graph.meta.get(TENSOR_PARALLEL_PLAN)
         cp_plan = self.graph.meta.get(CONTEXT_PARALLEL)
         sp_grads = sorted({g for m in modules.values() if TENSOR_PARALLEL_PLAN in m.meta
@@ -113,7 +124,8 @@ class Lowering:
             tp_group=self.tp_group, cp_plan=cp_plan,
             comms=tuple(_comms(self.split, modules, mine, c, pp_index, dp_index, tp_index, first, self.tp_group)),
             actions=tuple(actions), inputs=info.inputs, sp_grad_params=tuple(sp_grads),
-            no_weight_decay=self._no_weight_decay(canonical))
+            no_weight_decay=self._no_weight_decay(canonical), expert_params=experts,
+            ep_group=ep_group(self.tp_group), data_group=data_group(self.tp_group))
 
     @functools.cached_property
     def schedule(self) -> dict:
@@ -196,6 +208,10 @@ def lower(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
             raise ConfigError(f"lower: no program (stage {s}, tp rank {t}) in a plan of {config.n_stages} stages "
                               f"and tp={config.tp}")
     instrument_for = instrument_for or (lambda name: None)
+    layers = gm.meta.get(MOE_LAYERS)
+    moe = layers is not None and bool(layers.blocks)
+    if config.ep > 1:
+        check_expert_parallel(layers, config.ep)
 
     whole_passes = _whole_passes(gm, config, cost=cost, tp_group=tp_group)
     instrument = instrument_for("whole_graph")
@@ -213,8 +229,9 @@ def lower(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
     made: dict[tuple[int, int], fx.GraphModule] = {}
     for s, t in wanted:
         stage = split.modules[s]
-        if config.tp > 1 or config.zero_stage == 3 or sum(1 for w in wanted if w[0] == s) > 1:
-            # several programs start from one split module, or ZeRO-3 replaces its parameters
+        if config.tp > 1 or config.zero_stage == 3 or config.ep > 1 or sum(1 for w in wanted if w[0] == s) > 1:
+            # several programs start from one split module, ZeRO-3 replaces its parameters, or ep
+            # drops the other ranks' experts (which their programs take from the split)
             stage = copy.deepcopy(stage)
         stage.meta[CAPTURE] = stage_capture(gm, split.io[s])
         stage.meta[STAGE_IO] = split.io[s]
@@ -222,7 +239,7 @@ def lower(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
         name = f"stage{s}_tp{t}"
         grad_inputs = tuple(inp.name for inp in split.io[s].inputs if inp.kind == "recv" and inp.meta.requires_grad)
         pm = manager(stage_passes(config, stage=s, tp_rank=t, tp_group=tp_group, cost=cost, ctx=ctx,
-                                  grad_inputs=grad_inputs),
+                                  grad_inputs=grad_inputs, moe=moe),
                      instrument=instrument_for(name))
         made[(s, t)] = pm.run(stage, ctx)
         made[(s, t)].meta.pop(STAGE_IO, None)
@@ -391,6 +408,9 @@ def _comms(split: PipelineSplit, modules: Mapping[int, fx.GraphModule], mine, c:
         tp_ranks = tuple(rank_of(pp_index, dp_index, t) for t in range(tp))
         replica = dp_index - dp_index % c.cp
         cp_ranks = tuple(rank_of(pp_index, replica + j) for j in range(c.cp))
+        ep_first = dp_index - dp_index % c.ep
+        ep_ranks = tuple(rank_of(pp_index, ep_first + j) for j in range(c.ep))
+        data_ranks = tuple(rank_of(pp_index, d) for d in range(dp))
         # the stage's graph and its checkpointed regions' (collectives recomputed there too)
         for sub in modules[s].modules():
             if not isinstance(sub, fx.GraphModule):
@@ -401,6 +421,10 @@ def _comms(split: PipelineSplit, modules: Mapping[int, fx.GraphModule], mine, c:
                     out.append(Comm("tp", tp_ranks, stage=s, op=op, node=node.name, group=tp_group))
                 elif op in CP_OPS:
                     out.append(Comm("cp", cp_ranks, stage=s, op=op, node=node.name, group=cp_group(tp_group)))
+                elif op in EP_OPS:
+                    out.append(Comm("ep", ep_ranks, stage=s, op=op, node=node.name, group=ep_group(tp_group)))
+                elif op in DATA_OPS:
+                    out.append(Comm("data", data_ranks, stage=s, op=op, node=node.name, group=data_group(tp_group)))
     if dp > 1:
         out.append(Comm("dp_all_reduce", tuple(rank_of(pp_index, d) for d in range(dp))))
     for name in sorted(split.tied):
@@ -408,6 +432,43 @@ def _comms(split: PipelineSplit, modules: Mapping[int, fx.GraphModule], mine, c:
         if pp_index in holders and len(holders) > 1:
             out.append(Comm("tied_all_reduce", tuple(rank_of(h) for h in holders), tensors=split.aliases[name]))
     return out
+
+
+def _with_experts(program: fx.GraphModule, split: fx.GraphModule, renames: Mapping[str, str]) -> fx.GraphModule:
+    """A copy of stage ``program`` whose expert slots hold the experts ``renames`` names (slot
+    parameter -> the expert's, under the model's name), copied from the stage's ``split`` module,
+    which holds every expert. A checkpointed region re-lists the parameters it reads: each module
+    holding a slot holds the expert instead, one parameter object for all of them."""
+    out = copy.deepcopy(program)
+    made: dict[str, torch.nn.Parameter] = {}
+    for sub in out.modules():
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        for slot, name in renames.items():
+            try:
+                sub.get_parameter(slot)
+            except AttributeError:
+                continue
+            if name not in made:
+                source = split.get_parameter(name)
+                made[name] = torch.nn.Parameter(source.detach().clone(), requires_grad=source.requires_grad)
+            path, _, leaf = slot.rpartition(".")
+            delattr(sub.get_submodule(path) if path else sub, leaf)
+            _set_attr(sub, name, made[name])
+        for node in sub.graph.nodes:
+            if node.op == "get_attr" and node.target in renames:
+                node.target = renames[node.target]
+        sub.recompile()
+    return out
+
+
+def _set_attr(module: torch.nn.Module, name: str, value: torch.nn.Parameter) -> None:
+    *path, leaf = name.split(".")
+    for part in path:
+        if not hasattr(module, part):
+            module.add_module(part, torch.nn.Module())
+        module = getattr(module, part)
+    module.register_parameter(leaf, value)
 
 
 def _has_param(module, name: str) -> bool:

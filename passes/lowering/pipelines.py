@@ -39,6 +39,8 @@ from passes.rewrites.apply_tensor_parallel import apply_tensor_parallel
 from passes.rewrites.apply_tensor_remat import apply_tensor_remat
 from passes.policies.checkpoint_policy import checkpoint_policy, restrict_checkpoint_plan
 from passes.rewrites.context_parallel import apply_context_parallel
+from passes.rewrites.expert_parallel import apply_expert_parallel
+from passes.rewrites.moe_aux_loss import average_aux_loss
 from passes.ir.meta import CONTEXT_PARALLEL
 from passes.ir.config import ParallelConfig
 from passes.ir.cost import CostHooks
@@ -46,7 +48,7 @@ from passes.ir.errors import PassError
 from passes.ir.meta import (BLOCK, CAPTURE, CHECKPOINT, CHECKPOINT_PLAN, FLOP_SUMMARY, FLOPS, LAYER_CHAIN, MEMORY,
                             MEMORY_SUMMARY, OFFLOAD_PLAN, PIPELINE_STAGE, SHAPE, TENSOR_PARALLEL,
                             TENSOR_PARALLEL_PLAN, TENSOR_REMAT_PLAN)
-from passes.ir.meta import MOE, MOE_LAYERS, ZERO3_PLAN
+from passes.ir.meta import EXPERT_PARALLEL, MOE, MOE_LAYERS, ZERO3_PLAN
 from passes.lowering.manager import Pass, PassContext, PassManager, PassOrder, adapt
 from passes.policies.offload_policy import offload_policy
 from passes.policies.pipeline_stages import tag_pipeline_stages_by_chain
@@ -74,6 +76,12 @@ ORDER = (
               why="offload is decided after checkpointing (on a checkpointed graph it moves what the regions keep)"),
     PassOrder(first="apply_checkpoint", then="offload_policy",
               why="with checkpointing, offload is decided on the checkpointed stage"),
+    PassOrder(first="apply_expert_parallel", then="apply_checkpoint",
+              why="checkpointed regions contain the ep collectives, recomputed in the same order on every ep rank"),
+    PassOrder(first="apply_expert_parallel", then="specialize_dims",
+              why="the ep rewrite matches the experts on the split's shapes, before they are made concrete"),
+    PassOrder(first="average_aux_loss", then="apply_checkpoint",
+              why="checkpointed regions contain the data-axis averages, recomputed alike on every rank"),
     PassOrder(first="apply_tensor_parallel", then="apply_checkpoint",
               why="checkpointed regions contain the tp collectives, recomputed in the same order on every tp rank"),
     PassOrder(first="apply_tensor_parallel", then="apply_offload",
@@ -140,6 +148,10 @@ REGISTRY: dict[str, PassDef] = {d.name: d for d in (
             provides=(PIPELINE_STAGE,), options=("starts",)),
     PassDef(name="apply_tensor_parallel", make=_plain(apply_tensor_parallel), requires=(TENSOR_PARALLEL_PLAN,),
             provides=(TENSOR_PARALLEL_PLAN,), options=("rank", "group", "sequence_parallel")),
+    PassDef(name="apply_expert_parallel", make=_plain(apply_expert_parallel), requires=(MOE_LAYERS,),
+            provides=(EXPERT_PARALLEL,), options=("degree", "group")),
+    PassDef(name="average_aux_loss", make=_plain(average_aux_loss), requires=(MOE_LAYERS,), provides=(),
+            options=("degree", "group")),
     PassDef(name="restrict_checkpoint_plan", make=_plain(restrict_checkpoint_plan), requires=(CHECKPOINT_PLAN,),
             provides=(CHECKPOINT_PLAN,), options=("stage",)),
     PassDef(name="apply_checkpoint", make=_plain(apply_checkpoint), requires=(CHECKPOINT_PLAN,),
@@ -219,17 +231,23 @@ def whole_graph_passes(config: ParallelConfig, *, cost: CostHooks | None, starts
 
 
 def stage_passes(config: ParallelConfig, *, stage: int, tp_rank: int, tp_group: str, cost: CostHooks | None,
-                 ctx: PassContext | None = None, grad_inputs: tuple[str, ...] = ()) -> list[Pass]:
+                 ctx: PassContext | None = None, grad_inputs: tuple[str, ...] = (), moe: bool = False) -> list[Pass]:
     """The passes that make the program of ``stage`` on tp rank ``tp_rank`` from its split module.
 
-    After the tp rewrite (which reads the split's symbolic shapes) the program is described at
+    After the tp and ep rewrites (which read the split's symbolic shapes) the program is described at
     the plan's micro-batch (``specialize_dims``): every later analysis is of what runs.
     ``grad_inputs``: the stage's received inputs that carry a gradient (split backward needs them).
+    ``moe``: the model has mixture-of-experts blocks (their load-balancing losses average over the
+    data axis; ``ep > 1`` spreads their experts).
     """
     out = []
     if config.tp > 1:
         out.append(make_pass("apply_tensor_parallel", rank=tp_rank, group=tp_group,
                              sequence_parallel=config.sequence_parallel))
+    if config.ep > 1:
+        out.append(make_pass("apply_expert_parallel", degree=config.ep, group=ep_group(tp_group)))
+    if moe and config.dp_cp > 1:
+        out.append(make_pass("average_aux_loss", degree=config.dp_cp, group=data_group(tp_group)))
     out.append(make_pass("specialize_dims", batch=config.micro_batch_size))
     if config.checkpointing == "tensor":
         # decided on this program as it runs: its shapes, its FLOPs, its own backward
@@ -255,6 +273,16 @@ def stage_passes(config: ParallelConfig, *, stage: int, tp_rank: int, tp_group: 
 def cp_group(tp_group: str) -> str:
     """The name context-parallel ops look their cp group up by, beside the tp group's name."""
     return f"{tp_group}.cp"
+
+
+def ep_group(tp_group: str) -> str:
+    """The name expert-parallel ops look their ep group up by, beside the tp group's name."""
+    return f"{tp_group}.ep"
+
+
+def data_group(tp_group: str) -> str:
+    """The name ops over the whole data axis (dp x cp ranks) look their group up by."""
+    return f"{tp_group}.data"
 
 
 def zero3_group(tp_group: str) -> str:

@@ -7,7 +7,10 @@ Rank layout (global rank of mesh coordinates)::
 tp varies fastest (tensor-parallel peers share a node, where bandwidth is highest), then dp, then
 pp. With context parallelism the data axis holds a plan's ``dp * cp`` ranks (every rank holding
 the same parameters: the gradient-averaging group) and ``cp`` consecutive ones among them form a
-cp group: ``dp_index = replica * cp + cp_index`` (cp groups share a node before dp replicas do). ``first`` lets a mesh use ranks ``first .. first + pp*dp*tp - 1`` of a larger world (tests run
+cp group: ``dp_index = replica * cp + cp_index`` (cp groups share a node before dp replicas do).
+With expert parallelism ``ep`` consecutive ranks of the data axis form an ep group (each holds
+``experts / ep`` of every MoE block's experts) and the ranks at the same place of every ep group
+an expert-replica group (they hold the same experts and average those gradients). ``first`` lets a mesh use ranks ``first .. first + pp*dp*tp - 1`` of a larger world (tests run
 several meshes inside one spawned job). Example, dp=2, pp=2, tp=1::
 
     pp_index 0: ranks 0 1   (the dp group of stage-rank 0)
@@ -82,13 +85,13 @@ class Mesh:
 
     def __init__(self, dp: int, pp: int, tp: int = 1, *, first: int = 0, backend: str | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, pp_streams: int = 2, dp_shard: int | None = None,
-                 cp: int = 1):
-        for name, value in (("dp", dp), ("pp", pp), ("tp", tp), ("cp", cp)):
+                 cp: int = 1, ep: int = 1):
+        for name, value in (("dp", dp), ("pp", pp), ("tp", tp), ("cp", cp), ("ep", ep)):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"mesh: {name} must be an int >= 1, got {value!r}")
-        if dp % cp:
+        if dp % cp or dp % ep:
             raise ConfigError(f"mesh: the data axis of {dp} ranks (a plan's dp * cp) does not divide into cp groups "
-                              f"of {cp}; build the mesh with dp=config.dp_cp (Mesh.for_config)")
+                              f"of {cp} and ep groups of {ep}; build the mesh with dp=config.dp_cp (Mesh.for_config)")
         init_distributed(backend=backend, timeout_s=timeout_s)
         self.dp, self.pp, self.tp, self.first = dp, pp, tp, first
         self.size = dp * pp * tp
@@ -159,6 +162,21 @@ class Mesh:
                     group = self.new_group(ranks[k:k + cp])
                     if self.active and self.rank in ranks[k:k + cp]:
                         self.cp_group, self.cp_ranks = group, tuple(ranks[k:k + cp])
+        # Expert parallelism: ep consecutive ranks of each data axis hold different experts; the
+        # ranks at the same place of every ep group hold the same ones (expert replicas).
+        self.ep = ep
+        self.ep_group, self.ep_ranks = None, ()
+        self.ep_replica_group, self.ep_replica_ranks = None, ()
+        if ep > 1:
+            for ranks in self.axis_ranks("dp"):
+                pieces = [ranks[k:k + ep] for k in range(0, dp, ep)] + [ranks[j::ep] for j in range(ep)]
+                for k, piece in enumerate(pieces):
+                    group = self.new_group(piece) if len(piece) > 1 else None
+                    if self.active and self.rank in piece:
+                        if k < dp // ep:
+                            self.ep_group, self.ep_ranks = group, tuple(piece)
+                        else:
+                            self.ep_replica_group, self.ep_replica_ranks = group, tuple(piece)
         # The first and last pipeline ranks of each pipeline hold the tied embedding / LM head.
         # Groups are made here, by every rank: new_group(use_local_synchronization=True) names a
         # group by its ranks, so a second mesh over the same ranks would collide with the first.
@@ -182,12 +200,17 @@ class Mesh:
         """The mesh a :class:`~passes.ir.config.ParallelConfig` runs on (its data axis is
         ``dp * cp`` ranks, its ZeRO-3 shard groups ``hsdp_shard``); ``options`` as for the constructor."""
         return cls(config.dp_cp, config.pp, config.tp, cp=config.cp, dp_shard=config.hsdp_shard,
-                   pp_streams=stream_count(config.schedule), **options)
+                   pp_streams=stream_count(config.schedule), ep=config.ep, **options)
 
     @property
     def cp_index(self) -> int:
         """This rank's place in its cp group (0 without context parallelism)."""
         return self.dp_index % self.cp
+
+    @property
+    def ep_index(self) -> int:
+        """This rank's place in its ep group (0 without expert parallelism)."""
+        return self.dp_index % self.ep
 
     @property
     def replica_index(self) -> int:
@@ -245,6 +268,9 @@ def check_mesh_fits(mesh: Mesh, config, *, where: str) -> None:
         raise ConfigError(f"{where}: mesh has a data axis of {mesh.dp}, pp={mesh.pp}, tp={mesh.tp}, "
                           f"cp={getattr(mesh, 'cp', 1)} but the plan needs dp*cp={c.dp_cp} (cp={c.cp}), "
                           f"pp={c.pp}, tp={c.tp}; build the mesh with Mesh.for_config(config)")
+    if getattr(mesh, "ep", 1) != c.ep:
+        raise ConfigError(f"{where}: the mesh has ep groups of {getattr(mesh, 'ep', 1)} ranks, the plan ep={c.ep}; "
+                          f"build the mesh with Mesh(..., ep={c.ep}) or Mesh.for_config(config)")
     if not mesh.active:
         raise ConfigError(f"{where}: rank {mesh.rank} is outside {mesh}; build it on mesh ranks only")
     if c.pp > 1 and stream_count(c.schedule) != (4 if getattr(mesh, "pp_stream_groups", None) else 2):

@@ -104,6 +104,10 @@ class ParallelModel:
         self.cp_plan = program.cp_plan
         if self.cp_plan is not None:
             register_group(self.cp_plan.group, DistGroup(mesh.cp_group))
+        if c.ep > 1:
+            register_group(program.ep_group, DistGroup(mesh.ep_group))
+        if c.dp_cp > 1:  # a load-balancing loss averages its token statistics over the data axis
+            register_group(program.data_group, DistGroup(mesh.dp_group))
         self.stages = {s: LocalStage(s, _on_device(module, mesh.device), program.io[s])
                        for s, module in program.modules.items()}
         # ZeRO-3: keep this dp rank's shard of every parameter; the gathers run through this
@@ -115,6 +119,9 @@ class ParallelModel:
                                       stream_groups=getattr(mesh, "pp_stream_groups", None))
         self.tied_sync = TiedSync(self._tied_copies(), mesh.device)
         self.params = unique_params([st.module for st in self.stages.values()])
+        # ep: the routed experts this rank holds average their gradients over the ranks holding the same
+        expert_names = set(program.expert_params)
+        self.expert_params = [p for n, p in self.named_parameters().items() if n in expert_names]
         # sequence parallelism: replicated params read on sequence chunks; grads summed over tp first
         self.sp_params = [self.named_parameters()[n] for n in program.sp_grad_params]
         if clip_grad_norm is not None and not clip_grad_norm > 0:
@@ -123,6 +130,7 @@ class ParallelModel:
             raise ConfigError(f"parallel_model: nonfinite={nonfinite!r}; choose 'stop' or 'skip'")
         factory = as_factory(optimizer)
         self.zero = c.zero_stage
+        self.expert_buckets: BucketedGradSync | None = None
         self.grad_buckets = self._grad_buckets(overlap_grad_sync)
         no_decay = self._no_decay()
         flags = [no_decay[id(p)] for p in self.params]
@@ -144,12 +152,14 @@ class ParallelModel:
         self.lr_scheduler = lr_scheduler(self.torch_optimizer) if lr_scheduler is not None else None
         self.clip_grad_norm, self.nonfinite = clip_grad_norm, nonfinite
         self.loss_scaler = DynamicLossScaler() if c.dtype == "fp16" else None
+        experts = {id(p) for p in self.expert_params}
         self.norm_weights = ([seg.weight for seg in self.optimizer.segments] if isinstance(self.optimizer, ShardedOptimizer)
-                             else [weights[id(p)] / (self.dp_cp // c.shard_degree if self.zero == 3 else self.dp_cp)
+                             else [weights[id(p)] / (c.expert_replicas if id(p) in experts else
+                                                     self.dp_cp // c.shard_degree if self.zero == 3 else self.dp_cp)
                                    for p in self.params])
         """How much each gradient of :meth:`_fp32_grads` counts in the global norm (see
         :meth:`_param_norm_weights`; dp replicas 1/dp, disjoint ZeRO chunks and ZeRO-3 shards 1,
-        HSDP's replica groups 1/replicas)."""
+        HSDP's replica groups 1/replicas, an ep rank's experts 1/expert replicas)."""
         self.step_count = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
@@ -192,8 +202,17 @@ class ParallelModel:
             return None
         accumulations = expected_accumulations({s: unique_params([st.module]) for s, st in self.stages.items()},
                                                backward_counts(self.actions))
-        return BucketedGradSync(self.params, self.mesh.dp_group, self.dp_cp, rank=self.mesh.dp_index,
-                                bucket_bytes=self.bucket_bytes, late=[p for t in self.tied_sync.tied for p in t.copies] + self.sp_params,
+        experts = {id(p) for p in self.expert_params}
+        if experts:
+            # each rank's expert gradient already sums its ep group's tokens: summed over the
+            # expert replicas it covers the whole batch, which the dp x cp replicas average
+            self.expert_buckets = BucketedGradSync(
+                self.expert_params, self.mesh.ep_replica_group, self.config.expert_replicas,
+                rank=self.mesh.dp_index // self.config.ep, bucket_bytes=self.bucket_bytes, overlap=overlap,
+                accumulations=accumulations, divisor=self.dp_cp)
+        return BucketedGradSync([p for p in self.params if id(p) not in experts], self.mesh.dp_group, self.dp_cp,
+                                rank=self.mesh.dp_index, bucket_bytes=self.bucket_bytes,
+                                late=[p for t in self.tied_sync.tied for p in t.copies] + self.sp_params,
                                 overlap=overlap, mode=MODE_OF_ZERO_STAGE[self.zero], accumulations=accumulations)
 
     def _sp_grad_sync(self) -> None:
@@ -214,6 +233,8 @@ class ParallelModel:
             self._sp_grad_sync()
 
         chunk = self.grad_buckets.finish(before_late=tied)
+        if self.expert_buckets is not None:
+            self.expert_buckets.finish()
         if chunk is not None:
             self.optimizer.set_grad(chunk)  # ZeRO: this rank's averaged chunk
 
@@ -465,8 +486,9 @@ class ParallelModel:
 
     def _run_step(self, micro: list[dict[str, torch.Tensor]], dims: dict[str, int]) -> float:
         self.optimizer.zero_grad()
-        if self.grad_buckets is not None:
-            self.grad_buckets.reset()
+        for buckets in (self.grad_buckets, self.expert_buckets):
+            if buckets is not None:
+                buckets.reset()
         if self.loss_scaler is not None:
             self.executor.loss_scale = self.loss_scaler.scale
         hooks = contextlib.nullcontext()
@@ -549,6 +571,21 @@ class ParallelModel:
         return out
 
     def _gather_full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self._gather_experts(self._gather_tp(tensors))
+
+    def _gather_experts(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """With ep > 1: ``tensors`` with every expert of the ep group's ranks (each holds its own
+        experts, under the model's names). Collective over the ep group."""
+        if self.config.ep == 1:
+            return tensors
+        names = set(self.program.expert_params)
+        mine = {n: t.detach().cpu() for n, t in tensors.items() if n in names and t is not None}
+        out = dict(tensors)
+        for part in comm.all_gather_object(mine, self.mesh.ep_group):
+            out.update({n: t.to(self.mesh.device) for n, t in part.items()})
+        return out
+
+    def _gather_tp(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         plan = self.program.tp_plan
         out = {}
         for name, t in sorted(tensors.items()):  # the same order on every tp rank

@@ -148,17 +148,21 @@ class BucketedGradSync:
     parameter per step (:func:`expected_accumulations`); in the all-reduce and ZeRO-1 modes a
     parameter missing there never triggers a launch from its hook. ``overlap=False`` starts
     collectives only in :meth:`finish` (ZeRO-2 still reduces after every backward, waiting at
-    once). Every rank of ``group`` must build it from the same shapes in the same order, and
+    once). ``divisor``: what the summed gradients are divided by (default ``size``: the average over
+    the group; an expert-parallel rank's experts divide by the whole data axis). Every rank of
+    ``group`` must build it from the same shapes in the same order, and
     backward must reach parameters in the same order on every rank (the same program): the
     collectives are matched by issue order.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup | None, size: int, *,
                  rank: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, late: Sequence[nn.Parameter] = (),
-                 overlap: bool = True, mode: SyncMode = "all_reduce", accumulations: Mapping[int, int] | None = None):
+                 overlap: bool = True, mode: SyncMode = "all_reduce", accumulations: Mapping[int, int] | None = None,
+                 divisor: int | None = None):
         if mode not in MODE_OF_ZERO_STAGE.values():
             raise ConfigError(f"grad_sync: unknown mode {mode!r}; use one of {sorted(MODE_OF_ZERO_STAGE.values())}")
         self.group, self.size, self.rank, self.mode = group, size, rank, mode
+        self.divisor = size if divisor is None else divisor
         self.shard = mode != "all_reduce"
         self.each_backward = mode == "reduce_scatter_each"
         late_ids = {id(p) for p in late}
@@ -277,11 +281,11 @@ class BucketedGradSync:
                 if b.work is not None:
                     comm.wait(b.work, self.group)
                     b.flat = None
-                chunks.append(b.out.div_(self.size))
+                chunks.append(b.out.div_(self.divisor))
                 continue
             comm.wait(b.work, self.group)
-            if self.size > 1:
-                b.flat /= self.size
+            if self.divisor > 1:
+                b.flat /= self.divisor
             offset = 0
             for p in b.params:
                 p.grad = b.flat[offset:offset + p.numel()].view_as(p)

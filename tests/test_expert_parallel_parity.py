@@ -4,6 +4,8 @@ load-balancing loss averages its token statistics over the data axis) and with t
 over ep = 2 and 4 ranks, alone, with expert replicas (dp > ep), with pp, with cp and with full
 checkpointing: per-step losses (the LM loss plus the aux loss), gradient norms, final parameters
 and last gradients (router included) at rtol 1e-5, and each rank holding experts / ep of the experts.
+A checkpoint saved at ep=2 loads at ep=4 (the next step's loss and parameters as the ep=2 run's)
+and into the plain module (its parameters as saved).
 
 One micro-batch per replica: the aux loss of a step is then one device's (with micro-batches it is
 each micro-batch's, as under any gradient accumulation).
@@ -15,8 +17,11 @@ import time
 
 import pytest
 
+import torch
+
 from runtime.dist.launch import spawn
-from tests.runtime_cases import WORLD, Plan, check_plan, payloads_for, train_plans
+from tests.runtime_cases import ADAMW, MODELS, TIMEOUT_S, WORLD, Plan, check_plan, payloads_for, train_plans
+from tests.runtime_cases import unpacked_graph
 
 pytestmark = pytest.mark.slow
 
@@ -37,12 +42,50 @@ PLANS = [
 ]
 
 
+def _plans_then_checkpoint(plans, payloads, root: str) -> dict:
+    """On each rank: :func:`train_plans`, then the checkpoint case: dp=2 ep=2 trains two steps and
+    saves, then a third step; dp=4 ep=4 loads the checkpoint and takes that third step."""
+    from partitioner.calibration.job_cluster import local_cluster
+    from partitioner.compile.build import build_parallel_model
+    from passes.ir.config import ParallelConfig
+    from runtime.checkpoint.io import load_checkpoint, save_checkpoint
+    from runtime.dist.mesh import Mesh
+
+    out = train_plans(plans, payloads)
+    spec, graph = unpacked_graph(MODELS["moe"], payloads["moe"])
+    batches = [spec.example_inputs({"batch": 4}, seed=200 + k) for k in range(3)]
+    configs = [ParallelConfig.for_global_batch(4, dp=dp, ep=dp) for dp in (2, 4)]
+    meshes = [Mesh.for_config(c, timeout_s=TIMEOUT_S) for c in configs]
+    for kind, config, mesh in zip(("save", "load"), configs, meshes):
+        torch.distributed.barrier()  # the load starts after the save has finished
+        if not mesh.active:
+            continue
+        model = build_parallel_model(graph, config, mesh, optimizer=ADAMW, cluster=local_cluster(mesh.size))
+        if kind == "save":
+            for b in batches[:2]:
+                model.train_step(b)
+            save_checkpoint(model, f"{root}/ep2", step=2)
+            saved = model.full_parameters()
+        else:
+            assert load_checkpoint(model, f"{root}/ep2") == 2
+            saved = None
+        loss = model.train_step(batches[2])
+        out[kind] = {"loss": loss, "params": model.full_parameters(), "saved": saved}
+    return out
+
+
 @pytest.fixture(scope="module")
-def distributed():
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ep_ckpt")
     start = time.perf_counter()
-    results = spawn(train_plans, WORLD, PLANS, payloads_for(PLANS), timeout_s=400)
+    results = spawn(_plans_then_checkpoint, WORLD, PLANS, payloads_for(PLANS), str(root), timeout_s=400)
     print(f"\nspawn of {WORLD} ranks, {len(PLANS)} expert-parallel plans: {time.perf_counter() - start:.1f} s")
-    return results
+    return str(root), results
+
+
+@pytest.fixture(scope="module")
+def distributed(run):
+    return run[1]
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.id)
@@ -66,3 +109,19 @@ def test_moe_plan_trains_like_one_device(distributed, plan):
 
 def _layer(name: str) -> str:
     return name.split(".moe.")[0]
+
+
+def test_a_checkpoint_saved_at_ep2_loads_at_ep4_and_into_the_plain_model(run):
+    from partitioner.inputs.models import build_model
+    from runtime.checkpoint.io import load_into_module
+    root, results = run
+    saved, loaded = results[0]["save"], results[0]["load"]
+    assert loaded["loss"] == pytest.approx(saved["loss"], rel=1e-6)
+    assert set(loaded["params"]) == set(saved["params"])
+    for name, value in saved["params"].items():
+        torch.testing.assert_close(loaded["params"][name], value, rtol=1e-5, atol=1e-7, msg=name)
+    module = build_model(MODELS["moe"]).module
+    assert load_into_module(module, f"{root}/ep2") == 2
+    for name, value in saved["saved"].items():  # a tied weight under the name the rank lists it by
+        torch.testing.assert_close(module.get_parameter(name).detach(), value, rtol=0, atol=0, msg=name)
+    assert {id(module.get_parameter(n)) for n in saved["saved"]} == {id(p) for p in module.parameters()}

@@ -95,8 +95,9 @@ class CommCall:
     """One communication call of a rank.
 
     ``group``: the global ranks of the group (a send or receive: ``(sender, receiver)``);
-    ``channel``: which of the mesh's process groups over them carries it (``"tp"``, ``"dp"``,
-    ``"pipeline"``, ``"world"``, ``"p2p"``): two groups over the same ranks (dp and the whole
+    ``channel``: which of the mesh's process groups over them carries it (``"tp"``, ``"cp"``,
+    ``"ep"``, ``"expert_dp"`` (the ranks holding the same experts), ``"dp"``, ``"pipeline"``,
+    ``"world"``, ``"p2p"``): two groups over the same ranks (dp and the whole
     mesh when dp is every rank) are two communicators, whose calls never match each other.
     ``numel``: elements of the whole buffer (see the module docstring). ``label``: where it comes
     from (``1B0 grad of copy_to_tp %copy_to_tp_default``, ``dp bucket 2``); it names no rank, so
@@ -109,7 +110,7 @@ class CommCall:
     numel: int
     dtype: torch.dtype
     label: str
-    channel: Literal["tp", "cp", "dp", "pipeline", "world", "p2p"] = "p2p"
+    channel: Literal["tp", "cp", "ep", "expert_dp", "dp", "pipeline", "world", "p2p"] = "p2p"
     shape: tuple[int, ...] = ()
     message: tuple[str, int, int, int] | None = None
 
@@ -179,6 +180,9 @@ class _RankModel:
         self.dp_group = tuple(self._rank(self.pp_index, d=d) for d in range(c.dp_cp))
         replica = self.dp_index - self.dp_index % c.cp
         self.cp_group = tuple(self._rank(self.pp_index, d=replica + j) for j in range(c.cp))
+        ep_first = self.dp_index - self.dp_index % c.ep
+        self.ep_group = tuple(self._rank(self.pp_index, d=ep_first + j) for j in range(c.ep))
+        self.expert_dp_group = tuple(self._rank(self.pp_index, d=d) for d in range(self.dp_index % c.ep, c.dp_cp, c.ep))
         self.world = tuple(range(program.first, program.first + c.world_size))
         self.dims = {dim_symbol(k): v for k, v in _dims(program).items()}
         self._sizes: dict[object, int] = {}
@@ -308,6 +312,16 @@ _CP_CALLS: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], .
     # their fp32 gradients travelling (cp steps)
     "ring_attention": ((("ring_shift", "kv"),), (("ring_shift", "kv"), ("ring_shift", "dkv"))),
 }
+# Expert-parallel ops (runtime.kernels.expert_parallel) on the ep group, and the load-balancing
+# averages on the data axis (the dp group's communicator): (forward, backward) calls per node,
+# each (collective, which tensor is the whole buffer: "out" the node's, "in" its input's)
+_EP_CALLS: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]] = {
+    "ep_dispatch": ((("all_gather", "out"),), (("reduce_scatter(sum)", "out"),)),
+    "ep_combine": ((("reduce_scatter(sum)", "in"),), (("all_gather", "in"),)),
+    "data_mean": ((("all_reduce(sum)", "out"),), (("all_reduce(sum)", "out"),)),
+}
+_TAGS = {"cp": "cp", "ep": "ep", "data": "dp"}
+"""The leading word of an event's label -> the channel its call goes on (untagged: tp)."""
 _ZERO3_EVENTS = ("zero3_forward", "zero3_backward", "zero3_reduce_scatter")
 _GRAD = "grad"
 """The event of a parameter's gradient accumulation in a stage's backward events (its key: id(param))."""
@@ -398,8 +412,10 @@ class _StageCollectives:
                     out += on_grad(n)
             elif op in _ZERO3_EVENTS:
                 out += self.rank.zero3.calls(op, n, where)
-            elif what.startswith("cp "):
-                out.append(CommCall(self.rank.cp_group, op, n, dt, f"{where} {what[3:]}", "cp"))
+            elif what.split(" ", 1)[0] in _TAGS:
+                tag, rest = what.split(" ", 1)
+                group = {"cp": self.rank.cp_group, "ep": self.rank.ep_group, "data": self.rank.dp_group}[tag]
+                out.append(CommCall(group, op, n, dt, f"{where} {rest}", _TAGS[tag]))
             else:
                 out.append(CommCall(self.rank.tp_group, op, n, dt, f"{where} {what}", "tp"))
         return out
@@ -467,6 +483,14 @@ class _StageCollectives:
             return [("zero3_reduce_scatter" if backward else "zero3_forward", key, None, "")]
         if op in _CP_CALLS and not (backward and not flags.get(node, True)):
             return self._cp_calls(node, op, region, backward)
+        if op in _EP_CALLS:
+            if backward and not flags.get(node, True):
+                return []
+            tag = "data" if op == "data_mean" else "ep"
+            what = f"{tag} {'grad of ' if backward else ''}{op} %{region}{node.name}"
+            return [(collective, self.rank.numel(meta), meta.dtype, what)
+                    for collective, size in _EP_CALLS[op][1 if backward else 0]
+                    for meta in [self._meta(node.args[0] if size == "in" else node, op, region)]]
         if op is None or op not in _TP_CALLS or (backward and not flags.get(node, True)):
             return []
         return [self._call(node, op, collective, size, region, backward)
@@ -547,9 +571,10 @@ def _position(gm: fx.GraphModule):
 
 
 def _recomputed(what: str) -> str:
-    """The label of an event re-run by a checkpointed region's recompute; a cp event keeps its
-    leading ``cp `` tag, which is what puts its call on the cp group (:meth:`_StageCollectives._calls`)."""
-    return f"cp recompute {what[3:]}" if what.startswith("cp ") else f"recompute {what}"
+    """The label of an event re-run by a checkpointed region's recompute; a cp, ep or data event
+    keeps its leading tag, which is what puts its call on its group (:meth:`_StageCollectives._calls`)."""
+    tag, _, rest = what.partition(" ")
+    return f"{tag} recompute {rest}" if tag in _TAGS else f"recompute {what}"
 
 
 def _calls(gm: fx.GraphModule) -> list[fx.Node]:
@@ -622,26 +647,34 @@ class _GradSync:
     """The dp buckets, tied weights and sequence-parallel gradients of one rank, launched as the
     runtime launches them (see :class:`runtime.optim.grad_sync.BucketedGradSync`)."""
 
-    def __init__(self, rank: _RankModel):
+    def __init__(self, rank: _RankModel, *, experts: bool = False):
         self.r = rank
         p, c = rank.p, rank.c
-        self.params = unique_params(p.modules.values())
         named = _named_parameters(p.modules.values())
-        self.tied = _tied_syncs(rank, p)
-        self.sp = [named[n] for n in p.sp_grad_params]
+        # ep: the experts this rank holds average over the ranks holding the same experts, in
+        # buckets of their own (ParallelModel.expert_buckets), finished after the dp buckets
+        held = {id(named[n]) for n in p.expert_params if n in named}
+        self.params = [q for q in unique_params(p.modules.values()) if (id(q) in held) == experts]
+        self.tied = [] if experts else _tied_syncs(rank, p)
+        self.sp = [] if experts else [named[n] for n in p.sp_grad_params]
         late = {id(q) for t in self.tied for q in t[3]} | {id(q) for q in self.sp}
-        self.zero, self.dp = c.zero_stage, c.dp_cp  # gradients average over dp x cp
+        # gradients average over dp x cp (an ep rank's experts: over their replicas)
+        self.zero, self.dp = c.zero_stage, c.expert_replicas if experts else c.dp_cp
+        self.group, self.channel, self.what = ((rank.expert_dp_group, "expert_dp", "expert bucket") if experts
+                                               else (rank.dp_group, "dp", "dp bucket"))
+        self.experts = _GradSync(rank, experts=True) if held and not experts else None
         # ZeRO-3 averages in backward (the gathers' reduce-scatters): no buckets
         self.mode = MODE_OF_ZERO_STAGE.get(c.zero_stage, "none")
         shard = self.mode not in ("all_reduce", "none")
         self.buckets: tuple[BucketSpec, ...] = ()
-        if (self.dp > 1 or self.zero) and self.mode != "none":
+        if (self.dp > 1 or self.zero) and self.mode != "none" and self.params:
             slots = [GradSlot(q.numel(), q.dtype, id(q) in late) for q in self.params]
             self.buckets = bucket_layout(slots, size=self.dp, shard=shard, bucket_bytes=rank.bucket_bytes)
         # which local stages hold each parameter, and its accumulations per step (B and W actions)
         self.holders: dict[int, list[int]] = {}
+        mine = {id(q) for q in self.params}
         for s, m in p.modules.items():
-            for q in {id(q): q for q in m.parameters() if q.requires_grad}.values():
+            for q in {id(q): q for q in m.parameters() if q.requires_grad and id(q) in mine}.values():
                 self.holders.setdefault(id(q), []).append(s)
         counts: dict[int, int] = {}
         for a in p.actions:
@@ -666,17 +699,19 @@ class _GradSync:
                 continue
             b, k = self.buckets[step.bucket], step.bucket
             if self.mode == "all_reduce":
-                out.append(CommCall(self.r.dp_group, "all_reduce(sum)", b.numel, b.dtype, f"dp bucket {k}", "dp"))
+                out.append(CommCall(self.group, "all_reduce(sum)", b.numel, b.dtype, f"{self.what} {k}", self.channel))
             else:
-                out.append(CommCall(self.r.dp_group, "reduce_scatter(sum)", b.numel, torch.float32,
-                                    f"dp bucket {k}" + (f" round {step.round}" if self.mode == "reduce_scatter_each"
-                                                        else ""), "dp"))
+                out.append(CommCall(self.group, "reduce_scatter(sum)", b.numel, torch.float32,
+                                    f"{self.what} {k}" + (f" round {step.round}" if self.mode == "reduce_scatter_each"
+                                                          else ""), self.channel))
         return out
 
     def param(self, stage: int, key: int, done: set[int]) -> list[CommCall]:
         """In a backward action of ``stage``: the parameter ``id(param) == key`` got its gradient
         (its post-accumulate hook fires now, mid-backward); ``done`` collects the members so."""
         m = self.member.get(key)
+        if m is None and self.experts is not None:
+            return self.experts.param(stage, key, done)
         if not self.buckets or m is None or m in done or m not in self.member_of_stage.get(stage, ()):
             return []
         done.add(m)
@@ -686,6 +721,11 @@ class _GradSync:
         """The end of a backward (or weight-gradient) action of ``stage``: its parameters not in
         ``done`` (those whose accumulation its backward placed) got one gradient, in the order
         backward reaches them (the buckets' order)."""
+        if self.experts is not None:
+            return self._accumulated(stage, done) + self.experts.accumulated(stage, done)
+        return self._accumulated(stage, done)
+
+    def _accumulated(self, stage: int, done: set[int]) -> list[CommCall]:
         if not self.buckets:
             return []
         order = {m: pos for pos, m in enumerate(m for b in self.buckets for m in b.members)}
@@ -703,7 +743,7 @@ class _GradSync:
         out += self._tied() + self._sp()
         out += self._calls(self.machine.finish_late())
         self.machine.reset()
-        return out
+        return out + (self.experts.finish() if self.experts is not None else [])
 
     def _tied(self) -> list[CommCall]:
         return [CommCall(group, "all_reduce(sum)", n, dtype, f"tied weight {name}", "pipeline")

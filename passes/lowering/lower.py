@@ -62,7 +62,7 @@ from passes.rewrites.sequence_parallel import sequence_size, shard_stage_io
 from passes.analysis.weight_decay import no_weight_decay_names
 
 # graph-level decisions of the whole graph that each stage program inherits
-_INHERITED = (TENSOR_PARALLEL_PLAN, CHECKPOINT_PLAN, OFFLOAD_PLAN, LAYER_CHAIN, CONTEXT_PARALLEL, MOE_LAYERS)
+_INHERITED = (TENSOR_PARALLEL_PLAN, CHECKPOINT_PLAN, OFFLOAD_PLAN, LAYER_CHAIN, CONTEXT_PARALLEL)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,6 +236,8 @@ def lower(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
         stage.meta[CAPTURE] = stage_capture(gm, split.io[s])
         stage.meta[STAGE_IO] = split.io[s]
         stage.meta.update({k: gm.meta[k] for k in _INHERITED if k in gm.meta})
+        if moe:  # the MoE blocks (by node name) for the ep rewrite and the aux-loss averages
+            stage.meta[MOE_LAYERS] = layers
         name = f"stage{s}_tp{t}"
         grad_inputs = tuple(inp.name for inp in split.io[s].inputs if inp.kind == "recv" and inp.meta.requires_grad)
         pm = manager(stage_passes(config, stage=s, tp_rank=t, tp_group=tp_group, cost=cost, ctx=ctx,

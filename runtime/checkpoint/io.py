@@ -21,6 +21,8 @@ builds the global plan, and fails the save otherwise):
 
 * pipeline ranks hold disjoint layers; a tied weight is written by the lowest stage holding it;
 * data-parallel replicas are copies: dp index 0 writes parameters (and unsharded optimizer state);
+  with expert parallelism each rank of the first ep group writes the experts it holds (under the
+  model's names, so a checkpoint loads at another ep or into the plain module);
   under ZeRO-1/2 each dp rank writes the slices of optimizer state its chunk of every gradient
   bucket holds, each a contiguous run of a parameter's row-major elements cut into at most
   ``2 * ndim - 1`` boxes;
@@ -458,6 +460,7 @@ def _local_params(pm) -> list[_LocalParam]:
     tp = getattr(pm.mesh, "tp", 1)
     tp_index = getattr(pm.mesh, "tp_index", 0)
     found: dict[str, _LocalParam] = {}
+    experts = {canon_of.get(n, n) for n in getattr(pm.program, "expert_params", ())}
     for s in sorted(pm.stages):
         by_id: dict[int, list[str]] = {}
         params: dict[int, nn.Parameter] = {}
@@ -488,7 +491,9 @@ def _local_params(pm) -> list[_LocalParam]:
                                            flat_range=(min(lo, record.numel), min(lo + record.shard_numel, record.numel)),
                                            scalar_writer=tp_writer and pm.mesh.dp_index == 0)
                 continue
-            found[canon] = _LocalParam(canon, [p], layout, tp_writer and pm.mesh.dp_index == 0, tp_writer)
+            # ep: the first ep group holds every expert once (one writer per expert, as dp index 0 per replica)
+            first = pm.mesh.dp_index < pm.config.ep if canon in experts else pm.mesh.dp_index == 0
+            found[canon] = _LocalParam(canon, [p], layout, tp_writer and first, tp_writer)
     return list(found.values())
 
 

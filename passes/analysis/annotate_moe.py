@@ -53,16 +53,18 @@ _PROBS = {aten.softmax, aten._softmax, aten.sigmoid}
 _INDEX = {aten.index, aten.index_select, aten.embedding}
 
 
-def _op(node: fx.Node) -> Any:
+def op_of(node: fx.Node) -> Any:
+    """The op packet a call node runs (``aten.mul`` for ``aten.mul.Tensor``); None for other nodes."""
     return getattr(node.target, "overloadpacket", node.target) if node.op == "call_function" else None
 
 
 def _is_matmul(node: fx.Node) -> bool:
-    return _op(node) in _MATMUL or "grouped_mm" in str(node.target)
+    return op_of(node) in _MATMUL or "grouped_mm" in str(node.target)
 
 
-def _through_views(node: Any) -> Any:
-    while isinstance(node, fx.Node) and _op(node) in _VIEWS and node.args:
+def through_views(node: Any) -> Any:
+    """The first node back from ``node`` through view-like ops (view, reshape, to, flatten, ...)."""
+    while isinstance(node, fx.Node) and op_of(node) in _VIEWS and node.args:
         node = node.args[0]
     return node
 
@@ -83,7 +85,7 @@ def _forward(starts: list[fx.Node], keep) -> set[fx.Node]:
     return out
 
 
-def _cone(node: fx.Node, stop: set[fx.Node], cut: set[fx.Node] = frozenset()) -> tuple[set[fx.Node], bool]:
+def backward_cone(node: fx.Node, stop: set[fx.Node], cut: set[fx.Node] = frozenset()) -> tuple[set[fx.Node], bool]:
     """Backward cone of ``node`` cut at ``stop`` and ``cut``; whether it reached ``stop``."""
     seen, reached, todo = set(), False, [node]
     while todo:
@@ -117,15 +119,15 @@ def _scores(node: Any) -> Any:
     """What ``topk`` chooses by, back to the router's probabilities: through view-like ops, a
     per-expert bias added for the choice only (DeepSeek-V3's ``e_score_correction_bias``,
     LFM2-MoE's ``expert_bias``) and a group-limited mask (DeepSeek-V3's ``masked_fill``)."""
-    node = _through_views(node)
+    node = through_views(node)
     while isinstance(node, fx.Node) and node.op == "call_function":
-        if _op(node) is aten.masked_fill:
-            node = _through_views(node.args[0])
-        elif _op(node) is aten.add and len(node.all_input_nodes) == 2:
-            rest = [a for a in node.all_input_nodes if _through_views(a).op != "get_attr"]
+        if op_of(node) is aten.masked_fill:
+            node = through_views(node.args[0])
+        elif op_of(node) is aten.add and len(node.all_input_nodes) == 2:
+            rest = [a for a in node.all_input_nodes if through_views(a).op != "get_attr"]
             if len(rest) != 1:
                 break
-            node = _through_views(rest[0])
+            node = through_views(rest[0])
         else:
             break
     return node
@@ -134,13 +136,13 @@ def _scores(node: Any) -> Any:
 def _router(topk: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
     """(router matmul, its parameter, probabilities node) of ``topk``, or None (module docstring)."""
     probs = _scores(topk.args[0])
-    if not isinstance(probs, fx.Node) or _op(probs) not in _PROBS:
+    if not isinstance(probs, fx.Node) or op_of(probs) not in _PROBS:
         return None
-    router = _through_views(probs.args[0])
+    router = through_views(probs.args[0])
     if not isinstance(router, fx.Node) or not _is_matmul(router):
         return None
     # the weight itself, or cast first (DeepSeek-V3 routes in fp32)
-    weights = [w for w in map(_through_views, router.all_input_nodes) if w.op == "get_attr"]
+    weights = [w for w in map(through_views, router.all_input_nodes) if w.op == "get_attr"]
     return (router, weights[0], probs) if weights else None
 
 
@@ -158,14 +160,14 @@ def annotate_moe(gm: fx.GraphModule, ctx: Any = None, *, imbalance: float = 1.0)
     order = {n: i for i, n in enumerate(nodes)}
     scale_imb = sympy.Rational(str(imbalance))
     blocks, graph_aux, again = [], [], []
-    for topk in (n for n in nodes if _op(n) is aten.topk):
-        if any(_op(n) is aten.topk for n in _forward(_getitems(topk, 0), _in_block_of(topk))):
+    for topk in (n for n in nodes if op_of(n) is aten.topk):
+        if any(op_of(n) is aten.topk for n in _forward(_getitems(topk, 0), _in_block_of(topk))):
             continue  # its values choose for a later top-k of its layer (DeepSeek-V3's expert groups)
         found = _router(topk)
         if found is None:
             # a top-k over probabilities of no single router: an aux loss over concatenated logits
-            probs = _through_views(topk.args[0])
-            if isinstance(probs, fx.Node) and _op(probs) in _PROBS:
+            probs = through_views(topk.args[0])
+            if isinstance(probs, fx.Node) and op_of(probs) in _PROBS:
                 graph_aux.append(topk.name)
             continue
         block = _block(gm, topk, *found, order=order, imbalance=imbalance, scale_imb=scale_imb)
@@ -190,24 +192,24 @@ def _in_block_of(node: fx.Node):
 def _block(gm, topk, router, router_w, probs, *, order, imbalance, scale_imb) -> MoeBlock | None:
     same_layer = _in_block_of(router)
     n_experts, k = int(_shape(router)[-1]), int(topk.args[1])
-    base = _through_views(router.args[0])
-    inputs = _forward([base], lambda n: n is base or _op(n) in _VIEWS)  # X and its view-like aliases
+    base = through_views(router.args[0])
+    inputs = _forward([base], lambda n: n is base or op_of(n) in _VIEWS)  # X and its view-like aliases
     ids = _forward(_getitems(topk, 1), same_layer)
     # the combine weights: top-k's values, or the probabilities gathered at its ids (when it
     # chose by biased scores: DeepSeek-V3, LFM2-MoE)
-    gathered = [n for n in ids if _op(n) is aten.gather and _through_views(n.args[0]) is probs]
+    gathered = [n for n in ids if op_of(n) is aten.gather and through_views(n.args[0]) is probs]
     values = _forward(_getitems(topk, 0) + gathered, same_layer)
     from_topk = values | ids
 
     combines = []  # (mul, expert cone)
     for mul in sorted(values, key=order.__getitem__):
-        if _op(mul) is not aten.mul:
+        if op_of(mul) is not aten.mul:
             continue
         operands = [a for a in mul.args if isinstance(a, fx.Node)]
         other = [a for a in operands if a not in values]
         if len(operands) != 2 or len(other) != 1:
             continue
-        cone, reached = _cone(other[0], inputs, cut={topk})  # the ids feed a gather: not the router's cone
+        cone, reached = backward_cone(other[0], inputs, cut={topk})  # the ids feed a gather: not the router's cone
         if reached and any(_is_matmul(n) for n in cone) and _params(cone):
             combines.append((mul, cone))
     if not combines:
@@ -224,7 +226,7 @@ def _block(gm, topk, router, router_w, probs, *, order, imbalance, scale_imb) ->
     else:
         cone = set().union(*(c for _, c in combines))
         stacked = [p for p in _params(cone) if _shape(p)[:1] == (n_experts,)
-                   and any(_op(u) in _INDEX or _is_matmul(u) for u in p.users)]
+                   and any(op_of(u) in _INDEX or _is_matmul(u) for u in p.users)]
         if not stacked:
             return None
         form = "gathered"
@@ -237,18 +239,18 @@ def _block(gm, topk, router, router_w, probs, *, order, imbalance, scale_imb) ->
 
     # shared experts: other matmuls of this layer fed by X, not by the router's choice
     candidates = [n for n in gm.graph.nodes if _is_matmul(n) and same_layer(n) and n is not router
-                  and n not in routed and n not in from_topk and _params(_cone(n, inputs)[0])
-                  and _cone(n, inputs)[1]]
+                  and n not in routed and n not in from_topk and _params(backward_cone(n, inputs)[0])
+                  and backward_cone(n, inputs)[1]]
     groups: list[set[fx.Node]] = []
     for n in sorted(candidates, key=order.__getitem__):
-        cone = _cone(n, inputs)[0]
+        cone = backward_cone(n, inputs)[0]
         joined = [g for g in groups if g & cone]
         merged = set().union({n}, *joined) if joined else {n}
         groups = [g for g in groups if g not in joined] + [merged]
     shared = [g for g in groups if len(g) > 1 or int((_shape(next(iter(g))) or (0,))[-1]) != 1]
     shared_params, shared_hidden = [], None
     for g in shared:
-        cone = set().union(*(_cone(n, inputs)[0] for n in g))
+        cone = set().union(*(backward_cone(n, inputs)[0] for n in g))
         shared_params.append(tuple(str(p.target) for p in _params(cone)))
         shared_hidden = _contraction(max(g, key=order.__getitem__))
         for n in g:
@@ -257,7 +259,7 @@ def _block(gm, topk, router, router_w, probs, *, order, imbalance, scale_imb) ->
     # load-balancing loss: f_e (from the ids, not the values) times P_e (from probs, not topk)
     from_probs = _forward([probs], lambda n: True)
     aux = []
-    for mul in (n for n in ids if _op(n) is aten.mul):
+    for mul in (n for n in ids if op_of(n) is aten.mul):
         a, b = (mul.args + (None, None))[:2]
         if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
             continue

@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 import passes.ir.moe_ops  # noqa: F401  (defines torch.ops.partitioner.ep_dispatch etc.)
-from passes.analysis.annotate_moe import _cone, _op, _through_views
+from passes.analysis.annotate_moe import backward_cone, op_of, through_views
 from passes.ir.errors import ConfigError, PassError
 from passes.ir.meta import EXPERT_PARALLEL, EXPORT_VAL, MOE, MOE_LAYERS, SHAPE, MoeBlock
 from passes.ir.moe_ops import ExpertParallelPlan, ExpertSlots
@@ -84,7 +84,7 @@ def _rewrite_block(gm: fx.GraphModule, nodes: dict[str, fx.Node], block: MoeBloc
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     router = nodes[block.router]
-    x = _through_views(router.args[0])
+    x = through_views(router.args[0])
     experts = _experts(nodes, block)
     combines = [_combine(last, order) for last in experts]
     local = range(block.experts // degree)
@@ -97,7 +97,7 @@ def _rewrite_block(gm: fx.GraphModule, nodes: dict[str, fx.Node], block: MoeBloc
     with graph.inserting_after(x):
         x_all = graph.call_function(_ops.ep_dispatch.default, (x, 0, degree, group))
     for e in local:
-        cone, _ = _cone(experts[e], {x})
+        cone, _ = backward_cone(experts[e], {x})
         for n in cone:
             if n is not experts[e] and any(u not in cone for u in n.users):
                 raise PassError(f"apply_expert_parallel: node {n.name} of expert {e} of {block.layer} is also read "
@@ -123,7 +123,7 @@ def _rewrite_block(gm: fx.GraphModule, nodes: dict[str, fx.Node], block: MoeBloc
             continue
         mul = combines[e][0]
         for user in list(mul.users):
-            if _op(user) is not aten.add or len(user.args) != 2 or not all(isinstance(a, fx.Node) for a in user.args):
+            if op_of(user) is not aten.add or len(user.args) != 2 or not all(isinstance(a, fx.Node) for a in user.args):
                 raise PassError(f"apply_expert_parallel: expert {e}'s weighted output {mul.name} feeds {user.name} "
                                 f"({user.target}), not a sum of the experts' terms")
             other = user.args[1] if user.args[0] is mul else user.args[0]
@@ -163,13 +163,13 @@ def _combine(last: fx.Node, order: dict[fx.Node, int]) -> tuple[fx.Node, fx.Node
     """(the ``mul`` that weighs expert output ``last``, its weight operand)."""
     node = last
     while True:
-        muls = [u for u in node.users if _op(u) is aten.mul]
+        muls = [u for u in node.users if op_of(u) is aten.mul]
         if len(muls) == 1:
             mul = muls[0]
             weight = mul.args[1] if mul.args[0] is node else mul.args[0]
             if isinstance(weight, fx.Node):
                 return mul, weight
-        views = [u for u in node.users if _through_views(u) is node and u is not node]
+        views = [u for u in node.users if through_views(u) is node and u is not node]
         if len(node.users) != 1 or not views:
             raise PassError(f"apply_expert_parallel: the output {last.name} of an expert is not weighted by one "
                             f"combine weight (a mul); the ep rewrite needs the dense form sum_e w_e * expert_e(x)")
@@ -193,7 +193,7 @@ def _common_slice_source(weights: list[fx.Node]) -> fx.Node | None:
     """The one tensor every combine weight slices along its last dim (``combine[..., e:e+1]``), if so."""
     sources = set()
     for w in weights:
-        if _op(w) is not aten.slice or not isinstance(w.args[0], fx.Node):
+        if op_of(w) is not aten.slice or not isinstance(w.args[0], fx.Node):
             return None
         dim = w.args[1] if len(w.args) > 1 else 0
         rank = len(_dims(w.args[0]))
@@ -211,7 +211,7 @@ def _sum_end(terms: list[fx.Node]) -> fx.Node:
         grew = False
         for n in list(chain):
             for u in n.users:
-                if u not in chain and _op(u) is aten.add and all(a in chain for a in u.args):
+                if u not in chain and op_of(u) is aten.add and all(a in chain for a in u.args):
                     chain.add(u)
                     grew = True
     ends = [n for n in chain if not any(u in chain for u in n.users)]

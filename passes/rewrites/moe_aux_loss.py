@@ -24,7 +24,7 @@ import torch
 from torch import fx
 
 import passes.ir.moe_ops  # noqa: F401  (defines torch.ops.partitioner.data_mean)
-from passes.analysis.annotate_moe import _op, _through_views
+from passes.analysis.annotate_moe import op_of, through_views
 from passes.ir.meta import MOE_LAYERS
 
 aten = torch.ops.aten
@@ -42,8 +42,8 @@ def average_aux_loss(gm: fx.GraphModule, ctx: Any = None, *, degree: int, group:
     done: set[fx.Node] = set()
     for term in terms:
         for operand in term.all_input_nodes:
-            mean = _through_views(operand)
-            if _op(mean) is not aten.mean or mean in done:
+            mean = through_views(operand)
+            if op_of(mean) is not aten.mean or mean in done:
                 continue
             done.add(mean)
             with gm.graph.inserting_after(mean):

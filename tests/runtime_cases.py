@@ -41,6 +41,11 @@ MODELS = {
     # high enough (0.1) that a wrong token average shows in the losses and the router's gradients
     "moe": ("moe:layers=4,hidden=32,heads=2,vocab=64,seq=8,experts=4,top_k=2,expert_hidden=32,shared_experts=1,"
             "aux_loss=0.1,dropout=0.0"),
+    # Hugging Face Mixtral: stacked experts (batched_mm), the load-balancing loss over the
+    # routing recomputed from all layers' router logits (output_router_logits)
+    "hf-mixtral": ("hf-mixtral:num_hidden_layers=2,hidden_size=32,num_attention_heads=4,num_key_value_heads=2,"
+                   "vocab_size=64,num_local_experts=4,num_experts_per_tok=2,intermediate_size=48,"
+                   "router_aux_loss_coef=0.1,seq=8"),
 }
 LAYERS, HEADS, SEQ = 4, 2, 8  # of the first two models above (what the property test draws from)
 WORLD, STEPS = 8, 3
@@ -193,7 +198,8 @@ def train_plans(plans: list[Plan], payloads: dict[str, GraphPayload] | None = No
             out[plan.id] = {"losses": losses, "params": pm.full_parameters(), "grads": pm.full_gradients(),
                             "norms": norms, "lrs": lrs, "seconds": time.perf_counter() - t0,
                             "cp_ops": sorted({c.op for c in pm.program.comms_of("cp")}),
-                            "expert_params": list(pm.program.expert_params)}
+                            "expert_params": list(pm.program.expert_params),
+                            "data_ops": sorted({c.op for c in pm.program.comms_of("data")})}
         except Exception as exc:  # noqa: BLE001 - reported per plan by the test
             import traceback
             out[plan.id] = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-12)}",

@@ -1,6 +1,7 @@
 """Mixture of experts on gloo ranks, trained like one device: the zoo ``moe`` decoder (4 experts,
-top-2, a shared expert, the load-balancing loss weighed 0.1) under data parallelism alone (the
-load-balancing loss averages its token statistics over the data axis) and with the experts spread
+top-2, a shared expert, the load-balancing loss weighed 0.1) and Hugging Face Mixtral under data
+parallelism alone (the load-balancing loss averages its token statistics over the data axis) and
+the zoo model with the experts spread
 over ep = 2 and 4 ranks, alone, with expert replicas (dp > ep), with pp, with cp and with full
 checkpointing: per-step losses (the LM loss plus the aux loss), gradient norms, final parameters
 and last gradients (router included) at rtol 1e-5, and each rank holding experts / ep of the experts.
@@ -26,13 +27,16 @@ from tests.runtime_cases import unpacked_graph
 pytestmark = pytest.mark.slow
 
 
-def _plan(*, dp: int, ep: int = 1, pp: int = 1, cp: int = 1, checkpointing: str = "none") -> Plan:
-    return Plan(model="moe", dp=dp, tp=1, pp=pp, schedule="1f1b", virtual_pp=1, num_micro_batches=1,
+def _plan(*, dp: int, ep: int = 1, pp: int = 1, cp: int = 1, checkpointing: str = "none", model: str = "moe") -> Plan:
+    return Plan(model=model, dp=dp, tp=1, pp=pp, schedule="1f1b", virtual_pp=1, num_micro_batches=1,
                 global_batch=2 * dp, zero=0, checkpointing=checkpointing, offload="none", cp=cp, ep=ep)
 
 
 PLANS = [
     _plan(dp=2),  # no ep: the aux loss over the data axis
+    # Hugging Face Mixtral (stacked experts, not spread yet): its aux loss, recomputed from every
+    # layer's router logits, over the data axis
+    _plan(dp=2, model="hf-mixtral"),
     _plan(dp=2, ep=2),
     _plan(dp=4, ep=4),
     _plan(dp=4, ep=2),  # two ranks hold each expert: its gradient averages over them
@@ -95,6 +99,7 @@ def test_moe_plan_trains_like_one_device(distributed, plan):
     held = [set(r["expert_params"]) for r in ranks]
     if plan.ep == 1:
         assert not any(held), "without ep no parameter averages apart from the data axis"
+        assert all("data_mean" in r["data_ops"] for r in ranks), "the aux loss averages over the data axis"
         return
     every = set().union(*held)
     # 4 layers x 4 experts x 3 weights, on every pipeline rank's layers

@@ -115,10 +115,16 @@ def test_refusals(graph):
             ParallelConfig(**knobs)
 
 
-def test_the_gathered_form_is_refused():
+def test_the_gathered_form_is_refused_and_its_aux_loss_averages_over_the_data_axis():
+    """Hugging Face Mixtral: its stacked experts are not spread yet; its load-balancing loss
+    (recomputed from every layer's router logits, counts and probabilities summed over the layers,
+    then divided by the tokens) has one f * P product, whose two factors average over dp."""
     pytest.importorskip("transformers")
     spec = ("hf-mixtral:num_hidden_layers=2,hidden_size=32,num_attention_heads=4,num_key_value_heads=2,"
             "vocab_size=64,num_local_experts=4,num_experts_per_tok=2,intermediate_size=48,seq=8")
     gm = partitioner.analyze(build_model(spec)).graph
     with pytest.raises(ConfigError, match="gathered form"):
         lower(gm, ParallelConfig(dp=2, ep=2, micro_batch_size=1), cost=None)
+    module = lower(gm, ParallelConfig(dp=2, micro_batch_size=1), cost=None).rank_program(0).modules[0]
+    means = [n for n in module.graph.nodes if n.op == "call_function" and op_name(n.target) == "data_mean"]
+    assert len(means) == 2 and len({u for m in means for u in m.users}) == 1  # both factors of one product

@@ -67,6 +67,7 @@ from passes.ir.meta import (
 )
 from passes.ir.program import RankProgram
 import passes.ir.cp_ops  # noqa: F401  (the ops must exist before their symbolics)
+import passes.ir.moe_ops  # noqa: F401
 import passes.ir.ops  # noqa: F401
 
 DOMAIN = "partitioner"
@@ -255,6 +256,37 @@ def _sym_seq(op_type: str, scale_up: bool):
     return symbolic
 
 
+def _sym_ep(op_type: str, scale: int):
+    """Symbolic of an expert-parallel op ``(x, dim, degree, group)``: dim ``dim`` grows by
+    ``degree`` (the dispatch's gather, ``scale`` +1) or shrinks (the combine's scatter, -1); attrs
+    ``dim`` and ``degree``."""
+    def symbolic(g, x, dim, degree, group):
+        from torch.onnx import symbolic_helper
+
+        d, n = symbolic_helper._maybe_get_const(dim, "i"), symbolic_helper._maybe_get_const(degree, "i")
+        out = g.op(f"{DOMAIN}::{op_type}", x, dim_i=d, degree_i=n)
+        sizes = symbolic_helper._get_tensor_sizes(x)
+        if sizes and sizes[d] is not None:
+            sizes = list(sizes)
+            sizes[d] = sizes[d] * n if scale > 0 else sizes[d] // n
+            out.setType(x.type().with_sizes(sizes))
+        else:
+            out.setType(x.type())
+        return out
+    return symbolic
+
+
+def _sym_ep_local(g, x, degree, group):
+    """This ep rank's columns of the combine weights: the last dim shrinks by ``degree``."""
+    from torch.onnx import symbolic_helper
+
+    n = symbolic_helper._maybe_get_const(degree, "i")
+    out = g.op(f"{DOMAIN}::EpLocal", x, degree_i=n)
+    sizes = symbolic_helper._get_tensor_sizes(x)
+    out.setType(x.type().with_sizes([*sizes[:-1], sizes[-1] // n]) if sizes and sizes[-1] is not None else x.type())
+    return out
+
+
 def _sym_cp(op_type: str, seq_scale: int = 0):
     """Symbolic of a context-parallel op of one tensor input (attr ``degree``); ``seq_scale``:
     Ulysses' all-to-all, +1 (the sequence grows by degree, heads shrink) or -1 (the inverse)."""
@@ -291,6 +323,8 @@ _SYMBOLICS = {"reduce_scatter_seq": _sym_seq("ReduceScatterSeq", False), "all_ga
               "ring_attention": _sym_ring_attention, "seq_to_heads": _sym_cp("SeqToHeads", +1),
               "heads_to_seq": _sym_cp("HeadsToSeq", -1), "reduce_from_cp": _sym_cp("ReduceFromCP"),
               "load_balanced_positions": _sym_cp("LoadBalancedPositions"),
+              "ep_dispatch": _sym_ep("EpDispatch", +1), "ep_combine": _sym_ep("EpCombine", -1),
+              "ep_local": _sym_ep_local, "data_mean": _sym_cp("DataMean"),
               "split_point": lambda g, x: g.op("Identity", x)}  # a marker for the runtime's autograd
 
 

@@ -23,6 +23,9 @@ it::
     seq_to_heads, heads_to_seq     SeqToHeads(x) -> y, HeadsToSeq(x)  degree
     reduce_from_cp(x, ...)         ReduceFromCP(x) -> y               degree
     load_balanced_positions        LoadBalancedPositions(index) -> y  degree
+    ep_dispatch, ep_combine        EpDispatch(x) -> y, EpCombine(x)   dim, degree
+    ep_local(x, degree, group)     EpLocal(x) -> y                    degree
+    data_mean(x, degree, group)    DataMean(x) -> y                   degree
 
 The tp group's name is process state, not an attribute (the file's ``ranks`` attribute, added
 later, names the group's global ranks). ``offload_begin`` / ``offload_end`` (:data:`DROPPED_OPS`)
@@ -43,6 +46,7 @@ import onnxscript
 from onnx.defs import OpSchema
 
 import passes.ir.cp_ops  # noqa: F401  (defines the context-parallel ops)
+import passes.ir.moe_ops  # noqa: F401  (defines the expert-parallel ops)
 import passes.ir.offload_ops  # noqa: F401  (defines offload_begin / offload_end)
 import passes.ir.zero3_ops  # noqa: F401  (defines zero3_gather)
 from passes.ir.ops import NAMESPACE
@@ -92,6 +96,13 @@ NODE_SPECS: dict[str, NodeSpec] = {
                                attrs=(("degree", "degree", "int"),)),
     "load_balanced_positions": NodeSpec(op_type="LoadBalancedPositions", inputs=("index",), outputs=1,
                                         attrs=(("degree", "degree", "int"),)),
+    # expert parallelism (passes.ir.moe_ops)
+    "ep_dispatch": NodeSpec(op_type="EpDispatch", inputs=("x",), outputs=1,
+                            attrs=(("dim", "dim", "int"), ("degree", "degree", "int"))),
+    "ep_combine": NodeSpec(op_type="EpCombine", inputs=("x",), outputs=1,
+                           attrs=(("dim", "dim", "int"), ("degree", "degree", "int"))),
+    "ep_local": NodeSpec(op_type="EpLocal", inputs=("x",), outputs=1, attrs=(("degree", "degree", "int"),)),
+    "data_mean": NodeSpec(op_type="DataMean", inputs=("x",), outputs=1, attrs=(("degree", "degree", "int"),)),
 }
 """torch op name (``partitioner::<name>``) -> its ONNX node."""
 IDENTITY_OPS = ("split_point",)

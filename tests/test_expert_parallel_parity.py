@@ -6,7 +6,8 @@ over ep = 2 and 4 ranks, alone, with expert replicas (dp > ep), with pp, with cp
 checkpointing: per-step losses (the LM loss plus the aux loss), gradient norms, final parameters
 and last gradients (router included) at rtol 1e-5, and each rank holding experts / ep of the experts.
 A checkpoint saved at ep=2 loads at ep=4 (the next step's loss and parameters as the ep=2 run's)
-and into the plain module (its parameters as saved).
+and into the plain module (its parameters as saved). The planner's memory replay of ep plans is
+within 5% of each rank's measured peak, and an ep rank holds less than a replica of the whole.
 
 One micro-batch per replica: the aux loss of a step is then one device's (with micro-batches it is
 each micro-batch's, as under any gradient accumulation).
@@ -22,7 +23,7 @@ import torch
 
 from runtime.dist.launch import spawn
 from tests.runtime_cases import ADAMW, MODELS, TIMEOUT_S, WORLD, Plan, check_plan, payloads_for, train_plans
-from tests.runtime_cases import unpacked_graph
+from tests.runtime_cases import measure_memory, packed_graph, unpacked_graph
 
 pytestmark = pytest.mark.slow
 
@@ -78,11 +79,21 @@ def _plans_then_checkpoint(plans, payloads, root: str) -> dict:
     return out
 
 
+MEMORY_PLANS = [_plan(dp=2), _plan(dp=2, ep=2), _plan(dp=4, ep=2), _plan(dp=4, ep=4)]
+
+
+def _all(plans, payloads, root: str) -> dict:
+    """On each rank: the parity plans and the checkpoint case, then the memory plans measured."""
+    out = _plans_then_checkpoint(plans, payloads, root)
+    out["memory"] = measure_memory(MEMORY_PLANS, payloads)
+    return out
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("ep_ckpt")
     start = time.perf_counter()
-    results = spawn(_plans_then_checkpoint, WORLD, PLANS, payloads_for(PLANS), str(root), timeout_s=400)
+    results = spawn(_all, WORLD, PLANS, payloads_for(PLANS), str(root), timeout_s=400)
     print(f"\nspawn of {WORLD} ranks, {len(PLANS)} expert-parallel plans: {time.perf_counter() - start:.1f} s")
     return str(root), results
 
@@ -130,3 +141,21 @@ def test_a_checkpoint_saved_at_ep2_loads_at_ep4_and_into_the_plain_model(run):
     for name, value in saved["saved"].items():  # a tied weight under the name the rank lists it by
         torch.testing.assert_close(module.get_parameter(name).detach(), value, rtol=0, atol=0, msg=name)
     assert {id(module.get_parameter(n)) for n in saved["saved"]} == {id(p) for p in module.parameters()}
+
+
+@pytest.mark.parametrize("plan", MEMORY_PLANS, ids=lambda p: p.id)
+def test_replayed_peak_matches_each_rank_measured(run, plan):
+    from partitioner.calibration.job_cluster import local_cluster
+    from partitioner.search.memory_check import replay_rank_memory
+    _, results = run
+    _, graph = unpacked_graph(MODELS["moe"], packed_graph(MODELS["moe"]))
+    replayed = replay_rank_memory(graph, plan.config(), local_cluster(plan.size))
+    plain = results[0]["memory"][MEMORY_PLANS[0].id]
+    print(f"\n{plan.id}: " + ", ".join(f"rank {r} replay {replayed[r].peak_bytes} measured "
+                                        f"{results[r]['memory'][plan.id]['peak']}" for r in range(plan.size)))
+    for rank in range(plan.size):
+        measured = results[rank]["memory"][plan.id]
+        assert replayed[rank].peak_bytes == pytest.approx(measured["peak"], rel=0.05), (
+            f"rank {rank}: replay {replayed[rank].peak_bytes}, measured {measured['peak']}")
+        if plan.ep > 1:  # its 1/ep of the experts: fewer parameters than a replica of the whole
+            assert measured["params"] < plain["params"]

@@ -533,6 +533,9 @@ class StepTimeTerms:
     """Context-parallel exchanges that compute does not hide: ring attention's K/V blocks (forward
     and backward) and its dK/dV blocks (backward), or Ulysses' all-to-alls, and the loss's
     all-reduces over the cp group."""
+    ep_comm: float = 0.0
+    """Expert-parallel dispatch and combine of the MoE blocks (the ep group's token all-gathers and
+    reduce-scatters, forward and backward)."""
     pp_comm: float = 0.0
     """Pipeline send/recv of activations and their gradients between stages."""
     dp_comm: float = 0.0

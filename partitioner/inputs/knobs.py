@@ -44,6 +44,8 @@ KNOB_RULES: dict[str, Knob] = {k.name: k for k in (
     Knob(name="cp", kind="count", meaning="context-parallel ranks (the sequence cut over them)"),
     Knob(name="cp_mode", kind="choice", choices=CP_MODES,
          meaning="how context-parallel attention exchanges (ring: K/V blocks round the cp ring; ulysses: all-to-all)"),
+    Knob(name="ep", kind="count",
+         meaning="expert-parallel ranks (each MoE block's experts spread over them, taken from dp x cp)"),
     Knob(name="virtual_pp", kind="count", meaning="model chunks per pipeline rank"),
     Knob(name="micro_batch_size", kind="count", meaning="samples per micro-batch"),
     Knob(name="num_micro_batches", kind="count", meaning="micro-batches per step"),

@@ -210,10 +210,15 @@ class _LayerCost:
     weight_grad: float = 0.0
     """Seconds of ``bwd`` that compute weight gradients (a split backward's W): the matmul-class
     kernels' weight-gradient halves, and half of the split's extra overhead."""
+    ep_comm: float = 0.0
+    """Expert-parallel dispatch and combine, forward and backward (:meth:`PlanContext._ep_comm`)."""
+    expert_params: float = 0.0
+    """Of ``params``, the routed experts' (this rank's ``1/ep`` of them): their gradients average
+    over the ``dp * cp / ep`` ranks holding the same experts."""
 
     @property
     def time(self) -> float:
-        return self.fwd + self.bwd + self.tp_comm + self.recompute + self.cp_comm
+        return self.fwd + self.bwd + self.tp_comm + self.recompute + self.cp_comm + self.ep_comm
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,17 +278,17 @@ class PlanContext:
     def layer_costs(self, c: ParallelConfig) -> tuple[_LayerCost, _LayerCost, _LayerCost]:
         """Costs of (embedding, a block, head) for ``c``'s tp, micro-batch, sp, checkpointing, cp."""
         cp = (c.cp, c.cp_mode if c.cp > 1 else "ring")
-        key = (c.tp, c.micro_batch_size, c.sequence_parallel, c.checkpointing, c.split_backward, *cp)
+        key = (c.tp, c.micro_batch_size, c.sequence_parallel, c.checkpointing, c.split_backward, *cp, c.ep)
         if key not in self._costs:
             p = self.profile
             # checkpoint regions are blocks (passes.lowering.lower): embedding and head keep theirs
-            ends = (c.tp, c.micro_batch_size, c.sequence_parallel, "none", c.split_backward, *cp)
+            ends = (c.tp, c.micro_batch_size, c.sequence_parallel, "none", c.split_backward, *cp, c.ep)
             self._costs[key] = (self._layer_cost(p.embedding, *ends), self._layer_cost(p.blocks[0], *key),
                                 self._layer_cost(p.head, *ends, loss=True))
         return self._costs[key]
 
     def _layer_cost(self, layer: LayerProfile, tp: int, mbs: int, sp: bool, ckpt: str, split: bool = False,
-                    cp: int = 1, mode: str = "ring", *, loss: bool = False) -> _LayerCost:
+                    cp: int = 1, mode: str = "ring", ep: int = 1, *, loss: bool = False) -> _LayerCost:
         dev = self.cluster.device
         # Context parallelism cuts every activation's sequence over cp ranks: a rank holds
         # mbs·S/cp tokens, so every per-sample number of the profile (FLOPs, bytes moved, saved
@@ -356,9 +361,33 @@ class PlanContext:
         else:
             act, recompute = full + cpa.saved_bytes, 0.0
             full = act
+        ep_comm, experts, params = 0.0, 0.0, layer.param_count / tp
+        if ep > 1 and layer.experts:
+            # the dense form's ep rewrite (passes.rewrites.expert_parallel): this rank's experts run
+            # on the ep group's tokens, whose gathered input every expert matmul saves once more
+            ep_comm = self._ep_comm(layer, b, ep)
+            gathered = (ep - 1) * layer.boundary_bytes * b
+            act += gathered
+            full += gathered
+            recompute += ep_comm / 2 if ckpt == "full" else 0.0  # the rerun forward dispatches again
+            experts = layer.expert_param_count / ep
+            params = (layer.param_count - layer.expert_param_count) / tp + experts
         return _LayerCost(fwd=fwd, bwd=bwd, tp_comm=2 * fwd_comm, recompute=recompute, act_bytes=act,
-                          full_act_bytes=full, params=layer.param_count / tp, cp_comm=cpa.comm_fwd + cpa.comm_bwd,
-                          working_bytes=cpa.working_bytes, weight_grad=wgrad, remat_working_bytes=remat_working)
+                          full_act_bytes=full, params=params,
+                          cp_comm=cpa.comm_fwd + cpa.comm_bwd, working_bytes=cpa.working_bytes, weight_grad=wgrad,
+                          remat_working_bytes=remat_working, ep_comm=ep_comm, expert_params=experts)
+
+    def _ep_comm(self, layer: LayerProfile, b: float, ep: int) -> float:
+        """Seconds of one block's expert-parallel exchanges for ``b`` samples per rank, forward and
+        backward: the dispatch all-gathers the block input and the combine weights of the ep group's
+        tokens ([ep*b, s, h] and [ep*b, s, experts]), the combine reduce-scatters the experts'
+        partial sum ([ep*b, s, h]); backward runs each as its opposite. The ep group is ``ep``
+        consecutive ranks of the data axis (``tp`` apart)."""
+        link = self.sync_link(ep, 1)
+        x = layer.boundary_bytes * b * ep  # the gathered (or scattered) buffer
+        weights = x * layer.experts / max(1, self.profile.hidden)
+        one_way = all_gather_time(x, ep, link) + all_gather_time(weights, ep, link) + reduce_scatter_time(x, ep, link)
+        return 2 * one_way
 
     def _cp_attention(self, layer: LayerProfile, mbs: int, cp: int, mode: str, tp: int = 1) -> _CpAttention:
         """What context parallelism adds to one block's attention for a micro-batch of ``mbs``
@@ -633,7 +662,7 @@ def _stage_numbers(ctx: PlanContext, c: ParallelConfig, costs, ranges: list[tupl
     """Time per micro-batch (fwd, bwd, tp, recompute), params on device, memory breakdown."""
     emb, blk, head = costs
     L, p = ctx.L, c.pp
-    f = b = tpc = rc = cpc = params = act = w_grad = 0.0
+    f = b = tpc = rc = cpc = epc = params = experts = act = w_grad = 0.0
     shared = ctx.profile.shared_param_count / c.tp
     largest = 0.0  # the most parameters one layer of the stage has (ZeRO-3 gathers a layer at a time)
     kept = 0.0  # parameters of the layers whose backward reads them (the embedding's reads only ids)
@@ -649,7 +678,9 @@ def _stage_numbers(ctx: PlanContext, c: ParallelConfig, costs, ranges: list[tupl
             tpc += cost.tp_comm
             rc += cost.recompute
             cpc += cost.cp_comm
+            epc += cost.ep_comm
             params += cost.params
+            experts += cost.expert_params
             act += cost.act_bytes
             if (i == 0 and p > 1) or i == L + 1:
                 params += shared
@@ -664,7 +695,7 @@ def _stage_numbers(ctx: PlanContext, c: ParallelConfig, costs, ranges: list[tupl
     if c.zero_stage == 3:  # the gathered full parameters count as communication buffers
         memory["buffers"] += zero3_gathered_bytes(largest, ctx.itemsize,
                                                   kept_params=None if c.reshard_after_forward else kept)
-    return f, b, tpc, rc, cpc, params, act, memory, w_grad
+    return f, b, tpc, rc, cpc, params, act, memory, w_grad, epc, experts
 
 
 def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str = "device") -> Evaluated:
@@ -681,11 +712,13 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
     ms1 = model_state_bytes(1.0, shards, c.zero_stage, ctx.dtype, ctx.optimizer)
     stages, per_stage, step_end_waits = [], [], []
     for s, ranges in enumerate(assignment):
-        f, b, tpc, rc, cpc, params, act, memory, w_grad = _stage_numbers(ctx, c, costs, ranges, s)
-        t_mb = f + b + tpc + rc + cpc
+        f, b, tpc, rc, cpc, params, act, memory, w_grad, epc, experts = _stage_numbers(ctx, c, costs, ranges, s)
+        t_mb = f + b + tpc + rc + cpc + epc
         # data parallel: grads of this stage; the last micro-batch's backward hides part of it.
-        # Gradients are averaged over the dp x cp ranks holding the same parameters (cp innermost)
-        grads = params * ctx.itemsize
+        # Gradients are averaged over the dp x cp ranks holding the same parameters (cp innermost);
+        # an ep rank's experts over the dp x cp / ep ranks holding the same experts, in buckets of
+        # their own after the others
+        grads = (params - experts) * ctx.itemsize
         link = ctx.sync_link(c.dp_cp, c.tp)
         extra = gradient_buckets(ctx, c, ranges, grads) - 1
 
@@ -693,6 +726,9 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
             return collective(grads, c.dp_cp, link) + extra * collective(0.0, c.dp_cp, link)
 
         rs, ag, ar = per_bucket(reduce_scatter_time), per_bucket(all_gather_time), per_bucket(all_reduce_time)
+        if experts:
+            ar += all_reduce_time(experts * ctx.itemsize, c.expert_replicas, ctx.sync_link(c.expert_replicas, c.ep))
+        grads = params * ctx.itemsize
         # the fixed wait of each synchronising call after the last backward, in the term of its phase
         waits = {}
         for kind, n in step_end_calls(ctx, c, ranges, grads).items():
@@ -746,11 +782,11 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
         stages.append(StagePlan(index=s, layers=tuple(tuple(r) for r in ranges), layer_names=names,
                                 param_bytes=params * ctx.itemsize, peak_memory_bytes=peak, memory=memory,
                                 time_s=t_mb))
-        per_stage.append((t_mb, f + b, tpc, rc, dp_exposed, t_opt, t_off, cpc, w_grad / b if b > 0 else 0.0))
+        per_stage.append((t_mb, f + b, tpc, rc, dp_exposed, t_opt, t_off, cpc, w_grad / b if b > 0 else 0.0, epc))
     p, v, m = c.pp, c.virtual_pp, c.num_micro_batches
     slow = max(range(p), key=lambda i: (per_stage[i][0], -i))
     t_max, comp, tpc, rc = per_stage[slow][:4]
-    cpc = per_stage[slow][7]
+    cpc, epc = per_stage[slow][7], per_stage[slow][9]
     t_p2p = 0.0
     if p > 1:
         pp_link = ctx.pp_link(c)
@@ -761,7 +797,7 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
     terms = StepTimeTerms(
         # a split backward recomputes a checkpointed region for its input half and again for its
         # weight half (runtime.exec.split_backward)
-        compute=m * comp, tp_comm=m * tpc, cp_comm=m * cpc, recompute=m * rc * (2 if c.split_backward else 1),
+        compute=m * comp, tp_comm=m * tpc, cp_comm=m * cpc, ep_comm=m * epc, recompute=m * rc * (2 if c.split_backward else 1),
         pp_comm=2 * t_p2p * m * v if p > 1 else 0.0,
         # a zero-bubble schedule fills its bubble with W: how much depends on W's share of the
         # slowest stage's backward (matmul-heavy on GPUs, about half; dispatch-bound CPU ranks less)

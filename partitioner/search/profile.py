@@ -34,7 +34,7 @@ from partitioner.inputs.model_spec import ModelSpec
 from partitioner.inputs.models import build_model, format_spec, model_keys, parse_spec
 from partitioner.zoo.registry import MIXED_LAYERS, REGISTRY, TABLES
 from passes.ir.config import TORCH_DTYPES
-from passes.ir.meta import BLOCK, CAPTURE, CHECKPOINT_PLAN, FLOPS, LAYER_CHAIN, MEMORY, SHAPE, dim_symbol
+from passes.ir.meta import BLOCK, CAPTURE, CHECKPOINT_PLAN, FLOPS, LAYER_CHAIN, MEMORY, MOE_LAYERS, SHAPE, dim_symbol
 
 LAYER_KEYS = ("layers", "num_hidden_layers", "n_layer", "num_layers")
 """Spec keys that set the number of repeated blocks (zoo models, then Hugging Face names)."""
@@ -168,6 +168,13 @@ class LayerProfile:
     tensor_recomputed_ops: float = 0.0
     """Fraction of a block's decided ops (those owning activations) that ``tensor`` recomputes,
     averaged over the blocks: the share of its memory-bound work and op overheads run again."""
+    experts: int = 0
+    """Routed experts of the layer's mixture-of-experts block (0: none)."""
+    expert_param_count: int = 0
+    """Parameters of those routed experts (what expert parallelism spreads over its ranks)."""
+    moe_form: str = ""
+    """How the block holds its experts (:class:`passes.ir.meta.MoeBlock`): ``dense`` (one module
+    per expert: expert parallelism spreads them) or ``gathered`` (stacked weights: not yet)."""
     tensor_working_bytes: float = 0.0
     """Bytes per sample that ``tensor``'s recomputes hold at the fullest moment of backward on top
     of what forward kept (the decision's backward peak minus its saved bytes, whole graph): held
@@ -238,6 +245,22 @@ class ModelProfile:
     def layers(self) -> tuple[LayerProfile, ...]:
         """The whole chain: embedding, blocks, head."""
         return (self.embedding, *self.blocks, self.head)
+
+    @property
+    def experts(self) -> int:
+        """Routed experts every MoE block divides into (their gcd; 0 for a dense model): the ep
+        degrees the search offers divide it."""
+        return math.gcd(*(b.experts for b in self.blocks)) if any(b.experts for b in self.blocks) else 0
+
+    @property
+    def ep_refusal(self) -> str:
+        """Why expert parallelism cannot spread this model's experts (empty when it can)."""
+        if not self.experts:
+            return "the model has no mixture-of-experts block"
+        if any(b.experts and b.moe_form != "dense" for b in self.blocks):
+            return ("its MoE blocks hold their experts as stacked [experts, ...] weights (gathered form), which "
+                    "expert parallelism does not spread yet")
+        return ""
 
     @property
     def param_count(self) -> int:
@@ -391,6 +414,10 @@ def _chain(gm: fx.GraphModule, seq: int, shared: _SharedMap, subs: dict | None =
     else:
         layers.update({g: replace(layers[g], dag_activation_bytes=layers[g].activation_bytes - dag[0],
                                   dag_recompute_flops=dag[1], dag_checkpointed=dag[2]) for g in stack})
+    for block in getattr(gm.meta.get(MOE_LAYERS), "blocks", ()):
+        if block.layer in layers:
+            layers[block.layer] = replace(layers[block.layer], experts=block.experts, moe_form=block.form,
+                                          expert_param_count=_expert_params(gm, block, subs))
     tensor = _tensor_per_block(gm, stack) if tensor_remat else TENSOR_NOT_ASKED
     layers.update({g: _tensor_priced(layers[g], tensor) for g in stack})
     bnd = layers[stack[0]].boundary_bytes
@@ -398,6 +425,19 @@ def _chain(gm: fx.GraphModule, seq: int, shared: _SharedMap, subs: dict | None =
     head = replace(layers["head"], boundary_bytes=bnd, tp_all_reduces=1)
     attention = _attention(groups[stack[0]], seq, subs)
     return emb, [layers[g] for g in stack], head, hidden, heads, attention
+
+
+def _expert_params(gm: fx.GraphModule, block, subs: dict | None) -> int:
+    """Parameters of ``block``'s routed experts (a stacked ``name[e]`` counts 1/experts of ``name``)."""
+    shapes = {str(n.target): n.meta[SHAPE].tensor for n in gm.graph.nodes if n.op == "get_attr" and SHAPE in n.meta}
+    total = 0
+    for names in block.expert_params:
+        for name in names:
+            base, _, index = name.partition("[")
+            if base in shapes:
+                numel = _int(shapes[base].numel, subs)
+                total += numel // block.experts if index else numel
+    return total
 
 
 def _dag_per_block(gm: fx.GraphModule, stack: list[str], subs: dict | None) -> tuple[float, float, float] | str:

@@ -554,6 +554,11 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
     sharded_state = zero in (1, 2)
     sync = (dp > 1 or zero > 0) and zero != 3  # runtime.exec.parallel_model builds gradient buckets
     layout = _bucket_layout(params, dp if sharded_state else 1, shard=sharded_state) if zero != 3 else ()
+    # ep: the experts' gradients sync in buckets of their own; over one rank (ep = dp * cp) those
+    # start only at the ALL_REDUCE (no hooks), after the other buckets have become the gradients
+    experts = set(program.expert_params)
+    late_experts = program.config.expert_replicas == 1 and bool(experts)
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in _named(program).items() if n in experts)
     buckets = [b.numel for b in layout]
     chunk_bytes = sum(4 * b // dp for b in buckets) if sharded_state else 0  # this rank's fp32 chunk of every bucket
     host_optimizer = program.config.offload == "optimizer"  # runtime.optim.optimizer_offload: state on the host
@@ -656,8 +661,8 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
                 if zero == 1:  # each bucket's flat fp32 copy replaces its gradients; the chunks arrive
                     live.bump(4 * max(buckets, default=0), "grads", where)
                     live.alloc("zero_chunks", chunk_bytes, "grads", where)
-                else:
-                    live.alloc("bucket", param_bytes, "grads", where)  # flat copy of every gradient
+                else:  # flat copy of every gradient (those the hooks launch)
+                    live.alloc("bucket", param_bytes - (expert_bytes if late_experts else 0), "grads", where)
         elif a.kind == Kind.SEND_B:
             for inp in boundary[s - 1]:
                 live.free_if(("recv", s, i, inp.name))
@@ -669,8 +674,15 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
             if zero2 is not None:
                 zero2.finish(where)
             elif bucket_launched:  # the gradients become views of the bucket (ZeRO-1: are freed)
-                for key in [key for key in live.size if isinstance(key, tuple) and key[0] == "pgrad"]:
-                    live.free(key)
+                pgrads = [key for key in live.size if isinstance(key, tuple) and key[0] == "pgrad"]
+                late = {key for key in pgrads if late_experts and ev[key[1]].param_grads.get(key[2]) in experts}
+                for key in pgrads:
+                    if key not in late:
+                        live.free(key)
+                if late_experts:  # then the expert buckets' flat copies, which the expert gradients become
+                    live.alloc("expert_bucket", expert_bytes, "grads", where)
+                    for key in late:
+                        live.free(key)
             if sharded_state:  # the chunks are concatenated into the master's gradient
                 live.bump(chunk_bytes, "grads", where)
         elif a.kind == Kind.OPTIMIZER_STEP:
@@ -791,6 +803,17 @@ class _Zero3Gathers:
         self.schedule.reset()
 
 
+def _named(program) -> dict[str, torch.nn.Parameter]:
+    """The parameters of rank program ``program`` by name (a parameter once, under its first name)."""
+    out, seen = {}, set()
+    for s in program.stages:
+        for name, p in program.modules[s].named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out[name] = p
+    return out
+
+
 def _bucket_layout(params, size: int, *, shard: bool):
     """The gradient buckets :class:`runtime.optim.grad_sync.BucketedGradSync` makes of ``params``
     (:func:`passes.ir.grad_buckets.bucket_layout`; sharded ones padded to a multiple of ``size``).
@@ -885,8 +908,8 @@ def predict_step_time(profile, cluster, knobs: Mapping[str, object], *, global_b
     the search's memory check (:func:`partitioner.search.memory_check.replay_check`), so the plan carries
     the memory numbers the planner returns for a captured model."""
 
-    # off unless given (knob sets written before HSDP, reshard_after_forward and cp existed)
-    knobs = {"hsdp_shard": None, "reshard_after_forward": True, "cp": 1, "cp_mode": "ring", **knobs}
+    # off unless given (knob sets written before HSDP, reshard_after_forward, cp and ep existed)
+    knobs = {"hsdp_shard": None, "reshard_after_forward": True, "cp": 1, "cp_mode": "ring", "ep": 1, **knobs}
     missing = [k for k in KNOBS if k not in knobs]
     if missing:
         raise ConfigError(f"fidelity: pin every knob to evaluate one plan; missing {missing}")

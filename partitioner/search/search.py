@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 from typing import Callable, Sequence
 
 from partitioner.cost.cluster import Cluster
@@ -55,7 +56,7 @@ _OFFLOAD_ORDER = ("none", "optimizer", "activations")  # the tie-break's order: 
 def _key(c: ParallelConfig) -> tuple:
     """Stable tie-break: simpler plans first (less parallelism, no offload, no recompute)."""
     return (_OFFLOAD_ORDER.index(c.offload), CHECKPOINTING.index(c.checkpointing), c.zero_stage,
-            not c.reshard_after_forward, c.sequence_parallel, c.pp, c.tp, c.cp, CP_MODES.index(c.cp_mode),
+            not c.reshard_after_forward, c.sequence_parallel, c.pp, c.tp, c.cp, CP_MODES.index(c.cp_mode), c.ep,
             SCHEDULES.index(c.schedule), c.virtual_pp, -c.micro_batch_size)
 
 
@@ -91,6 +92,13 @@ def _pinned_problems(fix: dict, world: int, L: int, heads: int, global_batch: in
     cp = fix.get("cp")
     if cp is not None and cp > 1:
         out += _cp_problems(fix, profile, cp)
+    ep = fix.get("ep")
+    if ep is not None and ep > 1 and profile is not None:
+        if profile.ep_refusal:
+            out.append(f"ep={ep}: {profile.ep_refusal}; use ep=1")
+        elif profile.experts % ep:
+            out.append(f"ep={ep} does not divide the model's {profile.experts} experts per MoE block; use an ep "
+                       f"dividing {profile.experts}")
     sched, m, mbs = fix.get("schedule"), fix.get("num_micro_batches"), fix.get("micro_batch_size")
     if pp is not None and pp > L:
         out.append(f"pp={pp} needs at least {pp} blocks, the model has {L}; use pp <= {L}")
@@ -273,6 +281,21 @@ def _cp_options(fix: dict, profile: ModelProfile, cluster: Cluster, rest: int, t
             if d == 1 or (cluster.devices_per_node % (tp * d) == 0 and profile.seq % (2 * d) == 0)]
 
 
+def _ep_options(fix: dict, profile: ModelProfile, data: int, why: _Refusals) -> list[int]:
+    """The ep degrees tried over ``data`` = dp * cp ranks: pinned, or 1 and, where the model's MoE
+    blocks can be spread (:attr:`ModelProfile.ep_refusal`), every divisor of ``data`` that divides
+    the experts. The config refuses the knobs ep does not run with yet (tp, ZeRO, offload)."""
+    if "ep" in fix:
+        ep = fix["ep"]
+        if data % ep:
+            why.add(5, f"ep={ep} does not divide the dp*cp = {data} data ranks it is taken from")
+            return []
+        return [ep]
+    if profile.ep_refusal:
+        return [1]
+    return [d for d in _divisors(data) if profile.experts % d == 0]
+
+
 def _sp_options(profile: ModelProfile, tp: int, cp: int) -> list[bool]:
     """Sequence parallelism's values tried with ``tp`` x ``cp`` ranks: True only where the lowering
     runs it (tp > 1 and :meth:`ModelProfile.sequence_parallel_refusal` has no objection: a named
@@ -371,10 +394,11 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
                         for sp in opts("sequence_parallel", _sp_options(profile, tp, cp)):
                             for ckpt in opts("checkpointing", ckpts):
                                 for off in opts("offload", offloads):
-                                    for mode in _cp_modes(fix, profile, cp, tp, why):
+                                    for mode, ep in itertools.product(_cp_modes(fix, profile, cp, tp, why),
+                                                                      _ep_options(fix, profile, dp * cp, why)):
                                         try:  # only configs the lowering and the runtime carry out are offered
                                             out.append(ParallelConfig(
-                                                dp=dp, tp=tp, pp=pp, cp=cp, cp_mode=mode, virtual_pp=v,
+                                                dp=dp, tp=tp, pp=pp, cp=cp, cp_mode=mode, ep=ep, virtual_pp=v,
                                                 micro_batch_size=mbs, num_micro_batches=m, schedule=sched,
                                                 zero_stage=zero, hsdp_shard=hsdp, reshard_after_forward=reshard,
                                                 sequence_parallel=sp, checkpointing=ckpt, offload=off,

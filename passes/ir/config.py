@@ -64,7 +64,7 @@ or only those whose copies ``hidden`` behind compute on the cost model's numbers
 CHECKPOINT_POLICIES: tuple[str, ...] = get_args(CheckpointPolicy)
 OFFLOAD_SELECTIONS: tuple[str, ...] = get_args(OffloadSelection)
 
-KNOBS = ("dp", "tp", "pp", "cp", "cp_mode", "virtual_pp", "micro_batch_size", "num_micro_batches", "schedule", "zero_stage",
+KNOBS = ("dp", "tp", "pp", "cp", "cp_mode", "ep", "virtual_pp", "micro_batch_size", "num_micro_batches", "schedule", "zero_stage",
          "hsdp_shard", "reshard_after_forward", "sequence_parallel", "checkpointing", "offload")
 """The fields the search chooses and ``fix=`` may pin (``dtype`` is the user's; ``stage_boundaries``
 follows from the others)."""

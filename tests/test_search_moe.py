@@ -1,0 +1,76 @@
+"""The search and expert parallelism: ep is offered for a model whose MoE blocks it can spread
+(every divisor of dp x cp that divides the experts), priced (the expert parameters, gradients and
+optimizer state 1/ep per rank; the dispatch and combine exchanges on the ep group; the gathered
+block input kept for backward), chosen when memory needs it, pinned with ``fix``, and refused
+with the rule for a dense model, an ep not dividing the experts and stacked (gathered) experts."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from partitioner.calibration.job_cluster import local_cluster
+from partitioner.errors import ConfigError
+from partitioner.search.profile import profile_model
+from partitioner.search.search import candidates, search
+
+MOE = "moe:layers=4,hidden=64,heads=4,vocab=128,seq=32,experts=4,top_k=2,expert_hidden=256,dropout=0.0"
+PINNED = {"tp": 1, "pp": 1, "zero_stage": 0, "offload": "none", "cp": 1, "checkpointing": "none"}
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return profile_model(MOE, dtype="fp32")
+
+
+def test_ep_is_offered_where_the_experts_can_be_spread(profile):
+    assert profile.experts == 4 and profile.ep_refusal == ""
+    found = {(c.dp * c.cp, c.ep) for c in candidates(profile, local_cluster(4), global_batch=8, fix={"tp": 1})}
+    assert {ep for data, ep in found if data == 4} == {1, 2, 4}
+    assert {ep for data, ep in found if data == 2} == {1, 2}
+
+
+def test_ep_prices_the_experts_once_per_group_and_the_exchanges(profile):
+    cluster = local_cluster(4)
+    plans = {ep: search(profile, cluster, global_batch=8, fix={**PINNED, "dp": 4, "ep": ep}) for ep in (1, 2, 4)}
+    experts = sum(b.expert_param_count for b in profile.blocks) * 4  # fp32 bytes
+    for ep, plan in plans.items():
+        assert plan.config.ep == ep
+        # parameters: the experts 1/ep per rank, the rest whole
+        assert plans[1].stages[0].param_bytes - plan.stages[0].param_bytes == pytest.approx(experts * (1 - 1 / ep))
+        assert (plan.predicted.terms["ep_comm"] > 0) == (ep > 1)
+    assert plans[4].stages[0].memory["optimizer"] < plans[2].stages[0].memory["optimizer"] < \
+        plans[1].stages[0].memory["optimizer"]
+
+
+def test_the_search_spreads_the_experts_when_a_replica_does_not_fit(profile):
+    cluster = local_cluster(4)
+    peak = {ep: search(profile, cluster, global_batch=8, fix={**PINNED, "dp": 4, "ep": ep}).predicted.peak_memory_bytes
+            for ep in (1, 4)}
+    assert peak[4] < peak[1]
+    small = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device,
+                                                                    memory_bytes=int((peak[1] + peak[4]) / 2)))
+    chosen = search(profile, small, global_batch=8, fix={**PINNED, "dp": 4})
+    assert chosen.config.ep > 1
+
+
+def test_refusals(profile):
+    cluster = local_cluster(4)
+    with pytest.raises(ConfigError, match="ep=3 does not divide the model's 4 experts"):
+        search(profile, local_cluster(3), global_batch=3, fix={"ep": 3})
+    dense = profile_model("gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8", dtype="fp32")
+    with pytest.raises(ConfigError, match="ep=2: the model has no mixture-of-experts block"):
+        search(dense, cluster, global_batch=8, fix={"ep": 2})
+    with pytest.raises(ConfigError, match="ep=2 .* tp=2 is not supported yet"):
+        search(profile, cluster, global_batch=8, fix={"ep": 2, "tp": 2, "dp": 2})
+
+
+def test_stacked_experts_are_not_offered_ep():
+    pytest.importorskip("transformers")
+    gathered = profile_model("hf-mixtral:num_hidden_layers=2,hidden_size=32,num_attention_heads=4,num_key_value_heads=2,"
+                             "vocab_size=64,num_local_experts=4,num_experts_per_tok=2,intermediate_size=48,seq=8",
+                             dtype="fp32")
+    assert gathered.experts == 4 and "gathered form" in gathered.ep_refusal
+    assert {c.ep for c in candidates(gathered, local_cluster(4), global_batch=8)} == {1}
+    with pytest.raises(ConfigError, match="gathered form"):
+        search(gathered, local_cluster(4), global_batch=8, fix={"ep": 2})

@@ -237,38 +237,19 @@ def _sym_sharded_dropout(g, x, p, dim, rank, degree, sections):
     return _same_type(y, x), mask
 
 
-def _sym_seq(op_type: str, scale_up: bool):
-    """Symbolic of a sequence-parallel op: the sequence dim ``dim`` grows (gathers) or shrinks
-    (scatters) by ``tp``; attrs ``dim`` and ``tp``."""
+def _sym_seq(op_type: str, scale_up: bool, degree: str = "tp"):
+    """Symbolic of an op ``(x, dim, degree, group)`` whose dim ``dim`` grows (gathers) or shrinks
+    (scatters) by its degree: the sequence-parallel ops (attrs ``dim`` and ``tp``) and the
+    expert-parallel dispatch and combine (``degree="degree"``: attrs ``dim`` and ``degree``)."""
     def symbolic(g, x, dim, tp, group):
         from torch.onnx import symbolic_helper
 
         d, t = symbolic_helper._maybe_get_const(dim, "i"), symbolic_helper._maybe_get_const(tp, "i")
-        out = g.op(f"{DOMAIN}::{op_type}", x, dim_i=d, tp_i=t)
+        out = g.op(f"{DOMAIN}::{op_type}", x, dim_i=d, **{f"{degree}_i": t})
         sizes = symbolic_helper._get_tensor_sizes(x)
         if sizes and sizes[d] is not None:
             sizes = list(sizes)
             sizes[d] = sizes[d] * t if scale_up else sizes[d] // t
-            out.setType(x.type().with_sizes(sizes))
-        else:
-            out.setType(x.type())
-        return out
-    return symbolic
-
-
-def _sym_ep(op_type: str, scale: int):
-    """Symbolic of an expert-parallel op ``(x, dim, degree, group)``: dim ``dim`` grows by
-    ``degree`` (the dispatch's gather, ``scale`` +1) or shrinks (the combine's scatter, -1); attrs
-    ``dim`` and ``degree``."""
-    def symbolic(g, x, dim, degree, group):
-        from torch.onnx import symbolic_helper
-
-        d, n = symbolic_helper._maybe_get_const(dim, "i"), symbolic_helper._maybe_get_const(degree, "i")
-        out = g.op(f"{DOMAIN}::{op_type}", x, dim_i=d, degree_i=n)
-        sizes = symbolic_helper._get_tensor_sizes(x)
-        if sizes and sizes[d] is not None:
-            sizes = list(sizes)
-            sizes[d] = sizes[d] * n if scale > 0 else sizes[d] // n
             out.setType(x.type().with_sizes(sizes))
         else:
             out.setType(x.type())
@@ -323,7 +304,7 @@ _SYMBOLICS = {"reduce_scatter_seq": _sym_seq("ReduceScatterSeq", False), "all_ga
               "ring_attention": _sym_ring_attention, "seq_to_heads": _sym_cp("SeqToHeads", +1),
               "heads_to_seq": _sym_cp("HeadsToSeq", -1), "reduce_from_cp": _sym_cp("ReduceFromCP"),
               "load_balanced_positions": _sym_cp("LoadBalancedPositions"),
-              "ep_dispatch": _sym_ep("EpDispatch", +1), "ep_combine": _sym_ep("EpCombine", -1),
+              "ep_dispatch": _sym_seq("EpDispatch", True, "degree"), "ep_combine": _sym_seq("EpCombine", False, "degree"),
               "ep_local": _sym_ep_local, "data_mean": _sym_cp("DataMean"),
               "split_point": lambda g, x: g.op("Identity", x)}  # a marker for the runtime's autograd
 

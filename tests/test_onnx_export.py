@@ -284,10 +284,11 @@ def test_dropout_on_tp_shards_exports_as_a_custom_node(tmp_path):
 def test_every_op_of_ours_has_a_dynamo_translation_or_is_dropped():
     from ir_dumps.onnx_translations import DROPPED_OPS, IDENTITY_OPS, NODE_SPECS
     from passes.ir.cp_ops import SCHEMAS as CP_SCHEMAS
+    from passes.ir.moe_ops import SCHEMAS as MOE_SCHEMAS
     from passes.ir.ops import SCHEMAS
 
-    # the context-parallel ops too, but for ring attention's backward, which no forward graph holds
-    forward_ops = set(SCHEMAS) | set(CP_SCHEMAS) - {"ring_attention_backward"}
+    # the context- and expert-parallel ops too, but for the backward ops no forward graph holds
+    forward_ops = (set(SCHEMAS) | set(CP_SCHEMAS) | set(MOE_SCHEMAS)) - {"ring_attention_backward", "ep_local_backward"}
     assert set(NODE_SPECS) | set(IDENTITY_OPS) == forward_ops and not set(NODE_SPECS) & set(IDENTITY_OPS)
     assert set(DROPPED_OPS) == {"offload_begin", "offload_end"}
     assert {spec.op_type for spec in NODE_SPECS.values()} >= TP_OPS | {"ShardedDropout"}

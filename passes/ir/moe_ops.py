@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from passes.ir.ops import _LIB, qualname
+from passes.ir.ops import _LIB, dim_scaled_fake, qualname
 
 SCHEMAS = {
     "ep_dispatch": "(Tensor x, int dim, int degree, str group) -> Tensor",
@@ -55,16 +55,8 @@ for _name, _schema in SCHEMAS.items():
 ops = torch.ops.partitioner
 
 
-def _scaled(up: bool):
-    def fake(x, dim, degree, group):
-        shape = list(x.shape)
-        shape[dim] = shape[dim] * degree if up else shape[dim] // degree
-        return x.new_empty(shape)
-    return fake
-
-
-torch.library.register_fake(qualname("ep_dispatch"), _scaled(True), lib=_LIB)
-torch.library.register_fake(qualname("ep_combine"), _scaled(False), lib=_LIB)
+torch.library.register_fake(qualname("ep_dispatch"), dim_scaled_fake(True), lib=_LIB)
+torch.library.register_fake(qualname("ep_combine"), dim_scaled_fake(False), lib=_LIB)
 
 
 @torch.library.register_fake(qualname("data_mean"), lib=_LIB)

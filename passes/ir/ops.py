@@ -103,7 +103,9 @@ def _(logits, target, vocab_start, ignore_index, group):
     return logits.new_empty(logits.shape[:1]), torch.empty_like(logits)
 
 
-def _seq_fake(scale_up: bool):
+def dim_scaled_fake(scale_up: bool):
+    """The fake kernel of an op ``(x, dim, degree, group)`` whose dim ``dim`` grows (a gather) or
+    shrinks (a scatter) by ``degree`` (the sequence-parallel ops; the expert-parallel dispatch and combine)."""
     def fake(x, dim, tp, group):
         shape = list(x.shape)
         shape[dim] = shape[dim] * tp if scale_up else shape[dim] // tp
@@ -113,7 +115,7 @@ def _seq_fake(scale_up: bool):
 
 for _name, _up in (("reduce_scatter_seq", False), ("all_gather_seq", True), ("scatter_to_seq", False),
                    ("gather_from_seq", True)):
-    torch.library.register_fake(qualname(_name), _seq_fake(_up), lib=_LIB)
+    torch.library.register_fake(qualname(_name), dim_scaled_fake(_up), lib=_LIB)
 
 
 @torch.library.register_fake(qualname("sharded_dropout"), lib=_LIB)

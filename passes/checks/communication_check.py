@@ -602,8 +602,8 @@ def _region_inputs(node: fx.Node, flags: Mapping[fx.Node, bool]) -> list[bool]:
 
 def _requires_grad(gm: fx.GraphModule, inputs: Sequence[bool]) -> dict[fx.Node, bool]:
     """Per node of ``gm``: whether its output requires grad when its placeholders do as
-    ``inputs`` say (parameters: as they are; a computed node: some input does and it makes a
-    floating-point tensor; a region: some of its outputs do)."""
+    ``inputs`` say (parameters: as they are; a computed node: some input does, it makes a
+    floating-point tensor and it is not one of :data:`_NO_GRAD`; a region: some of its outputs do)."""
     flags: dict[fx.Node, bool] = {}
     given = iter(inputs)
     for n in gm.graph.nodes:
@@ -621,8 +621,16 @@ def _requires_grad(gm: fx.GraphModule, inputs: Sequence[bool]) -> dict[fx.Node, 
                 out = next(m for m in sub[1].graph.nodes if m.op == "output")
                 flags[n] = any(inner.get(m, False) for m in out.all_input_nodes)
             else:
-                flags[n] = any(flags.get(a, False) for a in n.all_input_nodes) and _floating(n)
+                flags[n] = (any(flags.get(a, False) for a in n.all_input_nodes) and _floating(n)
+                            and getattr(n.target, "overloadpacket", None) not in _NO_GRAD)
     return flags
+
+
+_NO_GRAD = {torch.ops.aten.zeros_like, torch.ops.aten.ones_like, torch.ops.aten.empty_like, torch.ops.aten.full_like,
+            torch.ops.aten.new_zeros, torch.ops.aten.new_ones, torch.ops.aten.new_empty, torch.ops.aten.new_full,
+            torch.ops.aten.detach}
+"""Ops whose output carries no gradient whatever their input (they read its shape, not its values):
+e.g. a load-balancing loss's count of chosen experts, scattered into ``zeros_like(probs)``."""
 
 
 def _floating(node: fx.Node) -> bool:
@@ -654,7 +662,10 @@ class _GradSync:
         # ep: the experts this rank holds average over the ranks holding the same experts, in
         # buckets of their own (ParallelModel.expert_buckets), finished after the dp buckets
         held = {id(named[n]) for n in p.expert_params if n in named}
-        self.params = [q for q in unique_params(p.modules.values()) if (id(q) in held) == experts]
+        everything = unique_params(p.modules.values())
+        self.position = {id(q): k for k, q in enumerate(everything)}  # parameter order (buckets fill it reversed)
+        self.is_experts = experts
+        self.params = [q for q in everything if (id(q) in held) == experts]
         self.tied = [] if experts else _tied_syncs(rank, p)
         self.sp = [] if experts else [named[n] for n in p.sp_grad_params]
         late = {id(q) for t in self.tied for q in t[3]} | {id(q) for q in self.sp}
@@ -712,18 +723,29 @@ class _GradSync:
         m = self.member.get(key)
         if m is None and self.experts is not None:
             return self.experts.param(stage, key, done)
-        if not self.buckets or m is None or m in done or m not in self.member_of_stage.get(stage, ()):
+        if not self.buckets or m is None or self._mark(m) in done or m not in self.member_of_stage.get(stage, ()):
             return []
-        done.add(m)
+        done.add(self._mark(m))
         return self._calls(self.machine.accumulated(m))
+
+    def _mark(self, m: int) -> object:
+        """How member ``m`` is recorded in a ``done`` set the dp and expert buckets share."""
+        return ("expert", m) if self.is_experts else m
 
     def accumulated(self, stage: int, done: set[int] = frozenset()) -> list[CommCall]:
         """The end of a backward (or weight-gradient) action of ``stage``: its parameters not in
         ``done`` (those whose accumulation its backward placed) got one gradient, in the order
         backward reaches them (the buckets' order)."""
-        if self.experts is not None:
-            return self._accumulated(stage, done) + self.experts.accumulated(stage, done)
-        return self._accumulated(stage, done)
+        if self.experts is None:
+            return self._accumulated(stage, done)
+        # the dp and the expert buckets' members in one backward order: reverse parameter order
+        pending = [(sync, m) for sync in (self, self.experts) if sync.buckets
+                   for m in sync.member_of_stage.get(stage, ()) if sync._mark(m) not in done]
+        pending.sort(key=lambda sm: -self.position[id(sm[0].params[sm[1]])])
+        out: list[CommCall] = []
+        for sync, m in pending:
+            out += sync._calls(sync.machine.accumulated(m))
+        return out
 
     def _accumulated(self, stage: int, done: set[int]) -> list[CommCall]:
         if not self.buckets:
@@ -731,7 +753,7 @@ class _GradSync:
         order = {m: pos for pos, m in enumerate(m for b in self.buckets for m in b.members)}
         out: list[CommCall] = []
         for m in sorted(self.member_of_stage.get(stage, ()), key=order.__getitem__):
-            if m not in done:
+            if self._mark(m) not in done:
                 out += self._calls(self.machine.accumulated(m))
         return out
 

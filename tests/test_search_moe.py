@@ -74,3 +74,14 @@ def test_stacked_experts_are_not_offered_ep():
     assert {c.ep for c in candidates(gathered, local_cluster(4), global_batch=8)} == {1}
     with pytest.raises(ConfigError, match="gathered form"):
         search(gathered, local_cluster(4), global_batch=8, fix={"ep": 2})
+
+
+def test_experts_captured_dense_are_timed_as_they_run():
+    """The dense capture runs every expert on every token: the kernels the step time is priced
+    from hold all experts' FLOPs; the layer's FLOPs (the model's, for MFU) the routed ones."""
+    E, K, S, H, F = 8, 2, 32, 64, 256
+    profile = profile_model(f"moe:layers=2,hidden={H},heads=4,vocab=128,seq={S},experts={E},top_k={K},"
+                            f"expert_hidden={F}", dtype="fp32")
+    block = profile.blocks[0]
+    swiglu = 2 * 3 * H * F * S  # one expert on every token of a sample, forward
+    assert sum(k.fwd_flops for k in block.kernels) - block.fwd_flops == (E - K) * swiglu

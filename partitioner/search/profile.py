@@ -34,7 +34,7 @@ from partitioner.inputs.model_spec import ModelSpec
 from partitioner.inputs.models import build_model, format_spec, model_keys, parse_spec
 from partitioner.zoo.registry import MIXED_LAYERS, REGISTRY, TABLES
 from passes.ir.config import TORCH_DTYPES
-from passes.ir.meta import BLOCK, CAPTURE, CHECKPOINT_PLAN, FLOPS, LAYER_CHAIN, MEMORY, MOE_LAYERS, SHAPE, dim_symbol
+from passes.ir.meta import BLOCK, CAPTURE, CHECKPOINT_PLAN, FLOPS, LAYER_CHAIN, MEMORY, MOE, MOE_LAYERS, SHAPE, dim_symbol
 
 LAYER_KEYS = ("layers", "num_hidden_layers", "n_layer", "num_layers")
 """Spec keys that set the number of repeated blocks (zoo models, then Hugging Face names)."""
@@ -658,7 +658,11 @@ def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap, no_decay: froze
                 attn += node_fwd
         if node_fwd:
             moved, weights = _moved_bytes(n, subs)
-            kernels.append(Kernel(fwd_flops=node_fwd, bwd_flops=_int(f.bwd, subs), bytes=moved,
+            # a routed expert captured in the dense form runs on every token: the kernel is timed
+            # at what runs (its FLOPs count, for the model's FLOPs and MFU, the routed tokens only)
+            mark = n.meta.get(MOE)
+            ran = sympy.Integer(1) / mark.flop_scale if mark is not None and mark.expert is not None else 1
+            kernels.append(Kernel(fwd_flops=_int(node_fwd * ran), bwd_flops=_int(f.bwd * ran, subs), bytes=moved,
                                   weight_bytes=weights, attention=_attention_core(n, f.kind, seq, subs),
                                   fused_attention=f.kind == "attention"))
         elif dispatched:  # no matmul work: the kernel is bound by the bytes it moves

@@ -36,7 +36,8 @@ from partitioner.cost.cost_model import bubble_fraction
 from partitioner.inputs.knobs import check_fix, fix_text
 from partitioner.search.plan_cost import Evaluated, PlanContext, evaluate, lower_bound
 from partitioner.search.profile import ModelProfile
-from passes.ir.config import CHECKPOINTING, CP_MODES, KNOBS, OFFLOAD, SCHEDULES, ZERO_STAGES, ParallelConfig
+from passes.ir.config import (CHECKPOINTING, CP_MODES, KNOBS, OFFLOAD, SCHEDULES, ZERO_STAGES, ParallelConfig,
+                              expert_parallel_refusals)
 from passes.ir.errors import ConfigError, InfeasiblePlanError
 from passes.ir.meta import InputSpec
 from passes.ir.plan import Alternative, Plan, Prediction, format_bytes
@@ -93,6 +94,9 @@ def _pinned_problems(fix: dict, world: int, L: int, heads: int, global_batch: in
     if cp is not None and cp > 1:
         out += _cp_problems(fix, profile, cp)
     ep = fix.get("ep")
+    if ep is not None:
+        out += expert_parallel_refusals(ep, tp=fix.get("tp"), zero_stage=fix.get("zero_stage"),
+                                        offload=fix.get("offload"))
     if ep is not None and ep > 1 and profile is not None:
         if profile.ep_refusal:
             out.append(f"ep={ep}: {profile.ep_refusal}; use ep=1")

@@ -74,6 +74,26 @@ _CHOICES = {"schedule": SCHEDULES, "zero_stage": ZERO_STAGES, "checkpointing": C
             "offload": OFFLOAD, "dtype": DTYPES, "cp_mode": CP_MODES}
 
 
+def expert_parallel_refusals(ep: int, *, tp: int | None = None, zero_stage: int | None = None,
+                             offload: str | None = None) -> list[str]:
+    """The knobs ``ep > 1`` does not run with yet, each as a rule with its fix (None: not known):
+    tensor parallelism (the experts' matmuls would need a tp layout of their own), ZeRO (the
+    expert gradients average over their own group, which the ZeRO buckets do not take yet) and
+    offload."""
+    out = []
+    if ep <= 1:
+        return out
+    if tp is not None and tp > 1:
+        out.append(f"ep={ep} with tp={tp} is not supported yet (the experts are not laid out over tp); use tp=1 with "
+                   f"ep, or ep=1")
+    if zero_stage:
+        out.append(f"ep={ep} with zero_stage={zero_stage} is not supported yet (the expert gradients average over "
+                   f"their own group, outside the ZeRO buckets); use zero_stage=0 with ep, or ep=1")
+    if offload is not None and offload != "none":
+        out.append(f"ep={ep} with offload={offload!r} is not supported yet; use offload='none' with ep")
+    return out
+
+
 @dataclass(kw_only=True, frozen=True, slots=True)
 class ParallelConfig:
     """How one training step is spread over ``dp * cp * tp * pp`` devices. Validated on construction.
@@ -306,22 +326,10 @@ class ParallelConfig:
         return out
 
     def _expert_parallel_refusals(self) -> list[str]:
-        """Where ``ep > 1`` cannot go: its groups are cut from the data axis, and it does not yet
-        run with tensor parallelism (the experts' matmuls would need a tp layout of their own) or
-        with ZeRO (the expert gradients average over their own group, which the ZeRO buckets do
-        not take yet)."""
-        out = []
+        out = expert_parallel_refusals(self.ep, tp=self.tp, zero_stage=self.zero_stage, offload=self.offload)
         if self.dp_cp % self.ep:
             out.append(f"ep={self.ep} takes its expert groups from the dp*cp = {self.dp_cp} data ranks; use an ep "
                        f"dividing {self.dp_cp}, or raise dp")
-        if self.tp > 1:
-            out.append(f"ep={self.ep} with tp={self.tp} is not supported yet (the experts are not laid out over tp); "
-                       f"use tp=1 with ep, or ep=1")
-        if self.zero_stage:
-            out.append(f"ep={self.ep} with zero_stage={self.zero_stage} is not supported yet (the expert gradients "
-                       f"average over their own group, outside the ZeRO buckets); use zero_stage=0 with ep, or ep=1")
-        if self.offload != "none":
-            out.append(f"ep={self.ep} with offload={self.offload!r} is not supported yet; use offload='none' with ep")
         return out
 
     def _tensor_remat_refusals(self) -> list[str]:

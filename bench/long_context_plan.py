@@ -18,20 +18,10 @@ from partitioner.cost.cluster import Cluster
 from partitioner.errors import InfeasiblePlanError
 from partitioner.search.profile import profile_model
 from partitioner.search.search import candidates, search
+from plan_lines import show  # bench/ is the script's directory
 
 SPEC = ("llama:layers=32,hidden=4096,heads=32,kv_heads=8,vocab=128256,seq=131072,intermediate=14336,"
         "theta=500000")
-
-
-def show(label: str, p) -> None:
-    pred = p.predicted
-    print(f"{label}: {p.config.text()}")
-    print(f"  step {pred.step_time_s:.2f} s, {pred.tflops_per_device:.0f} TFLOP/s/device, MFU {pred.mfu:.1%}, "
-          f"peak {pred.peak_memory_bytes / 2**30:.1f} GiB per device, bubble {pred.bubble_fraction:.1%}")
-    print("  terms (s): " + ", ".join(f"{k} {v:.3f}" for k, v in pred.terms.items() if v))
-    worst = max(p.stages, key=lambda s: s.peak_memory_bytes)
-    print(f"  stage {worst.index} memory (GiB): "
-          + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in worst.memory.items()))
 
 
 def main() -> None:

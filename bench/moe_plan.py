@@ -21,22 +21,16 @@ from partitioner.cost.cluster import Cluster
 from partitioner.errors import InfeasiblePlanError
 from partitioner.search.profile import profile_model
 from partitioner.search.search import candidates, search
+from plan_lines import show  # bench/ is the script's directory
 
 SPEC = ("moe:layers=32,hidden=4096,heads=32,vocab=32000,seq=4096,experts=8,top_k=2,expert_hidden=14336,"
         "shared_experts=0,aux_loss=0.02,dropout=0.0")
 PUBLISHED_TFLOPS = 468.0  # per H100, Mixtral 8x7B bf16, Megatron-Core v0.9
 
 
-def show(label: str, p) -> None:
-    pred = p.predicted
-    print(f"{label}: {p.config.text()}")
-    print(f"  step {pred.step_time_s:.2f} s, {pred.tflops_per_device:.0f} TFLOP/s/device "
-          f"({pred.tflops_per_device / PUBLISHED_TFLOPS - 1:+.0%} against the published {PUBLISHED_TFLOPS:.0f}), "
-          f"MFU {pred.mfu:.1%}, peak {pred.peak_memory_bytes / 2**30:.1f} GiB per device, "
-          f"bubble {pred.bubble_fraction:.1%}")
-    print("  terms (s): " + ", ".join(f"{k} {v:.3f}" for k, v in pred.terms.items() if v))
-    worst = max(p.stages, key=lambda s: s.peak_memory_bytes)
-    print(f"  stage {worst.index} memory (GiB): " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in worst.memory.items()))
+def against_published(p) -> str:
+    return (f"  {p.predicted.tflops_per_device:.0f} TFLOP/s per GPU: "
+            f"{p.predicted.tflops_per_device / PUBLISHED_TFLOPS - 1:+.0%} against the published {PUBLISHED_TFLOPS:.0f}")
 
 
 def main() -> None:
@@ -63,6 +57,7 @@ def main() -> None:
         n = len(candidates(profile, cluster, a.global_batch, fix=fix or None))
         print(f"\n({n} candidates searched in {time.perf_counter() - t:.1f} s)")
         show(label, p)
+        print(against_published(p))
 
 
 if __name__ == "__main__":

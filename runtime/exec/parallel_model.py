@@ -119,7 +119,7 @@ class ParallelModel:
                                       stream_groups=getattr(mesh, "pp_stream_groups", None))
         self.tied_sync = TiedSync(self._tied_copies(), mesh.device)
         self.params = unique_params([st.module for st in self.stages.values()])
-        # ep: the routed experts this rank holds average their gradients over the ranks holding the same
+        # ep: the routed experts this rank holds average their gradients over the ranks holding the same experts
         expert_names = set(program.expert_params)
         self.expert_params = [p for n, p in self.named_parameters().items() if n in expert_names]
         # sequence parallelism: replicated params read on sequence chunks; grads summed over tp first

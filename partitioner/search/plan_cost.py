@@ -365,7 +365,7 @@ class PlanContext:
         if ep > 1 and layer.experts:
             # the dense form's ep rewrite (passes.rewrites.expert_parallel): this rank's experts run
             # on the ep group's tokens, whose gathered input every expert matmul saves once more
-            ep_comm = self._ep_comm(layer, b, ep)
+            ep_comm = self._ep_comm(layer, b, ep, tp)
             gathered = (ep - 1) * layer.boundary_bytes * b
             act += gathered
             full += gathered
@@ -377,13 +377,13 @@ class PlanContext:
                           cp_comm=cpa.comm_fwd + cpa.comm_bwd, working_bytes=cpa.working_bytes, weight_grad=wgrad,
                           remat_working_bytes=remat_working, ep_comm=ep_comm, expert_params=experts)
 
-    def _ep_comm(self, layer: LayerProfile, b: float, ep: int) -> float:
+    def _ep_comm(self, layer: LayerProfile, b: float, ep: int, tp: int = 1) -> float:
         """Seconds of one block's expert-parallel exchanges for ``b`` samples per rank, forward and
         backward: the dispatch all-gathers the block input and the combine weights of the ep group's
         tokens ([ep*b, s, h] and [ep*b, s, experts]), the combine reduce-scatters the experts'
         partial sum ([ep*b, s, h]); backward runs each as its opposite. The ep group is ``ep``
         consecutive ranks of the data axis (``tp`` apart)."""
-        link = self.sync_link(ep, 1)
+        link = self.sync_link(ep, tp)
         x = layer.boundary_bytes * b * ep  # the gathered (or scattered) buffer
         weights = x * layer.experts / max(1, self.profile.hidden)
         one_way = all_gather_time(x, ep, link) + all_gather_time(weights, ep, link) + reduce_scatter_time(x, ep, link)
@@ -718,17 +718,17 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
         # Gradients are averaged over the dp x cp ranks holding the same parameters (cp innermost);
         # an ep rank's experts over the dp x cp / ep ranks holding the same experts, in buckets of
         # their own after the others
-        grads = (params - experts) * ctx.itemsize
+        grads = params * ctx.itemsize
+        shared = grads - experts * ctx.itemsize  # what the dp x cp buckets carry
         link = ctx.sync_link(c.dp_cp, c.tp)
-        extra = gradient_buckets(ctx, c, ranges, grads) - 1
+        extra = gradient_buckets(ctx, c, ranges, shared) - 1
 
         def per_bucket(collective) -> float:  # one call per gradient bucket, each paying the latency
-            return collective(grads, c.dp_cp, link) + extra * collective(0.0, c.dp_cp, link)
+            return collective(shared, c.dp_cp, link) + extra * collective(0.0, c.dp_cp, link)
 
         rs, ag, ar = per_bucket(reduce_scatter_time), per_bucket(all_gather_time), per_bucket(all_reduce_time)
         if experts:
             ar += all_reduce_time(experts * ctx.itemsize, c.expert_replicas, ctx.sync_link(c.expert_replicas, c.ep))
-        grads = params * ctx.itemsize
         # the fixed wait of each synchronising call after the last backward, in the term of its phase
         waits = {}
         for kind, n in step_end_calls(ctx, c, ranges, grads).items():

@@ -42,7 +42,7 @@ import sympy
 import torch
 from torch import fx
 
-from passes.ir.meta import BLOCK, EXPORT_VAL, MOE, MOE_LAYERS, MoeBlock, MoeLayers, MoeNodeMark
+from passes.ir.meta import BLOCK, EXPORT_VAL, MOE, MOE_LAYERS, SHAPE, MoeBlock, MoeLayers, MoeNodeMark
 
 aten = torch.ops.aten
 _VIEWS = {aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.to, aten._to_copy, aten.clone,
@@ -69,9 +69,15 @@ def through_views(node: Any) -> Any:
     return node
 
 
-def _shape(node: fx.Node) -> tuple[int, ...]:
+def tensor_shape(node: fx.Node) -> tuple:
+    """The shape of the tensor ``node`` makes: as captured, or as annotate_shapes wrote it (a graph
+    rebuilt on another rank, :mod:`passes.ir.graph_transfer`, carries no export values); empty
+    for a non-tensor."""
     val = node.meta.get(EXPORT_VAL)
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+    if isinstance(val, torch.Tensor):
+        return tuple(val.shape)
+    meta = node.meta.get(SHAPE)
+    return tuple(meta.tensors[0].shape) if meta is not None and len(meta.tensors) == 1 else ()
 
 
 def _forward(starts: list[fx.Node], keep) -> set[fx.Node]:
@@ -107,7 +113,7 @@ def _params(cone: set[fx.Node]) -> list[fx.Node]:
 
 def _contraction(mm: fx.Node) -> int:
     """The contracted size of a matmul-class node: its first operand's last dim."""
-    shape = _shape(mm.args[0]) if isinstance(mm.args[0], fx.Node) else ()
+    shape = tensor_shape(mm.args[0]) if isinstance(mm.args[0], fx.Node) else ()
     return int(shape[-1]) if shape else 0
 
 
@@ -191,7 +197,7 @@ def _in_block_of(node: fx.Node):
 
 def _block(gm, topk, router, router_w, probs, *, order, imbalance, scale_imb) -> MoeBlock | None:
     same_layer = _in_block_of(router)
-    n_experts, k = int(_shape(router)[-1]), int(topk.args[1])
+    n_experts, k = int(tensor_shape(router)[-1]), int(topk.args[1])
     base = through_views(router.args[0])
     inputs = _forward([base], lambda n: n is base or op_of(n) in _VIEWS)  # X and its view-like aliases
     ids = _forward(_getitems(topk, 1), same_layer)
@@ -225,7 +231,7 @@ def _block(gm, topk, router, router_w, probs, *, order, imbalance, scale_imb) ->
                     marks[n] = MoeNodeMark(block=router.name, role="expert", expert=e, flop_scale=scale)
     else:
         cone = set().union(*(c for _, c in combines))
-        stacked = [p for p in _params(cone) if _shape(p)[:1] == (n_experts,)
+        stacked = [p for p in _params(cone) if tensor_shape(p)[:1] == (n_experts,)
                    and any(op_of(u) in _INDEX or _is_matmul(u) for u in p.users)]
         if not stacked:
             return None
@@ -247,7 +253,7 @@ def _block(gm, topk, router, router_w, probs, *, order, imbalance, scale_imb) ->
         joined = [g for g in groups if g & cone]
         merged = set().union({n}, *joined) if joined else {n}
         groups = [g for g in groups if g not in joined] + [merged]
-    shared = [g for g in groups if len(g) > 1 or int((_shape(next(iter(g))) or (0,))[-1]) != 1]
+    shared = [g for g in groups if len(g) > 1 or int((tensor_shape(next(iter(g))) or (0,))[-1]) != 1]
     shared_params, shared_hidden = [], None
     for g in shared:
         cone = set().union(*(backward_cone(n, inputs)[0] for n in g))

@@ -130,10 +130,6 @@ class ExpertParallelPlan:
         n = block.experts // self.degree
         return range(ep_rank * n, (ep_rank + 1) * n)
 
-    def home(self, expert: int, block: ExpertSlots) -> int:
-        """The ep rank that holds ``expert`` of ``block``."""
-        return expert // (block.experts // self.degree)
-
     def renames(self, ep_rank: int) -> dict[str, str]:
         """Slot parameter name (ep rank 0's expert) -> the parameter ep rank ``ep_rank`` holds there."""
         out = {}

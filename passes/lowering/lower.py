@@ -42,6 +42,7 @@ from torch import fx
 
 from passes.ir.config import TORCH_DTYPES, ParallelConfig, dtype_name
 from passes.ir.meta import CONTEXT_PARALLEL, EXPERT_PARALLEL, MOE_LAYERS
+from passes.ir.module_attrs import install, remove
 from passes.ir.moe_ops import DATA_OPS, EP_OPS
 from passes.ir.cp_ops import CP_OPS
 from passes.ir.cost import CostHooks
@@ -454,23 +455,13 @@ def _with_experts(program: fx.GraphModule, split: fx.GraphModule, renames: Mappi
             if name not in made:
                 source = split.get_parameter(name)
                 made[name] = torch.nn.Parameter(source.detach().clone(), requires_grad=source.requires_grad)
-            path, _, leaf = slot.rpartition(".")
-            delattr(sub.get_submodule(path) if path else sub, leaf)
-            _set_attr(sub, name, made[name])
+            remove(sub, slot)
+            install(sub, name, made[name])
         for node in sub.graph.nodes:
             if node.op == "get_attr" and node.target in renames:
                 node.target = renames[node.target]
         sub.recompile()
     return out
-
-
-def _set_attr(module: torch.nn.Module, name: str, value: torch.nn.Parameter) -> None:
-    *path, leaf = name.split(".")
-    for part in path:
-        if not hasattr(module, part):
-            module.add_module(part, torch.nn.Module())
-        module = getattr(module, part)
-    module.register_parameter(leaf, value)
 
 
 def _has_param(module, name: str) -> bool:

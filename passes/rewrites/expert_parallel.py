@@ -27,10 +27,10 @@ from typing import Any
 import torch
 from torch import fx
 
-import passes.ir.moe_ops  # noqa: F401  (defines torch.ops.partitioner.ep_dispatch etc.)
-from passes.analysis.annotate_moe import backward_cone, op_of, through_views
+from passes.analysis.annotate_moe import backward_cone, op_of, tensor_shape, through_views
 from passes.ir.errors import ConfigError, PassError
-from passes.ir.meta import EXPERT_PARALLEL, EXPORT_VAL, MOE, MOE_LAYERS, SHAPE, MoeBlock
+from passes.ir.meta import EXPERT_PARALLEL, MOE, MOE_LAYERS, MoeBlock
+from passes.ir.module_attrs import remove
 from passes.ir.moe_ops import ExpertParallelPlan, ExpertSlots
 
 aten = torch.ops.aten
@@ -80,13 +80,11 @@ def _check_block(b: MoeBlock, degree: int) -> None:
 
 def _rewrite_block(gm: fx.GraphModule, nodes: dict[str, fx.Node], block: MoeBlock, degree: int,
                    group: str) -> ExpertSlots:
-    _check_block(block, degree)
     graph = gm.graph
-    order = {n: i for i, n in enumerate(graph.nodes)}
     router = nodes[block.router]
     x = through_views(router.args[0])
     experts = _experts(nodes, block)
-    combines = [_combine(last, order) for last in experts]
+    combines = [_combine(last) for last in experts]
     local = range(block.experts // degree)
     for e, (mul, weight) in enumerate(combines):
         if not _tokens_first(weight, x):
@@ -139,7 +137,7 @@ def _rewrite_block(gm: fx.GraphModule, nodes: dict[str, fx.Node], block: MoeBloc
     for e in range(block.experts):
         if e not in local:
             for name in block.expert_params[e]:
-                _delete_parameter(gm, name)
+                remove(gm, name)
     return ExpertSlots(router=block.router, experts=block.experts, params=block.expert_params)
 
 
@@ -159,7 +157,7 @@ def _experts(nodes: dict[str, fx.Node], block: MoeBlock) -> list[fx.Node]:
     return [last[e] for e in range(block.experts)]
 
 
-def _combine(last: fx.Node, order: dict[fx.Node, int]) -> tuple[fx.Node, fx.Node]:
+def _combine(last: fx.Node) -> tuple[fx.Node, fx.Node]:
     """(the ``mul`` that weighs expert output ``last``, its weight operand)."""
     node = last
     while True:
@@ -177,16 +175,8 @@ def _combine(last: fx.Node, order: dict[fx.Node, int]) -> tuple[fx.Node, fx.Node
 
 
 def _tokens_first(a: fx.Node, b: fx.Node) -> bool:
-    sa, sb = _dims(a), _dims(b)
+    sa, sb = tensor_shape(a), tensor_shape(b)
     return bool(sa) and bool(sb) and str(sa[0]) == str(sb[0])
-
-
-def _dims(node: fx.Node) -> tuple:
-    val = node.meta.get(EXPORT_VAL)
-    if isinstance(val, torch.Tensor):
-        return tuple(val.shape)
-    meta = node.meta.get(SHAPE)
-    return tuple(meta.tensors[0].shape) if meta is not None and len(meta.tensors) == 1 else ()
 
 
 def _common_slice_source(weights: list[fx.Node]) -> fx.Node | None:
@@ -196,7 +186,7 @@ def _common_slice_source(weights: list[fx.Node]) -> fx.Node | None:
         if op_of(w) is not aten.slice or not isinstance(w.args[0], fx.Node):
             return None
         dim = w.args[1] if len(w.args) > 1 else 0
-        rank = len(_dims(w.args[0]))
+        rank = len(tensor_shape(w.args[0]))
         if not rank or dim not in (-1, rank - 1):
             return None
         sources.add(w.args[0])
@@ -232,9 +222,3 @@ def _erase_dead(graph: fx.Graph, node: fx.Node) -> None:
         graph.erase_node(n)
         todo.extend(inputs)
 
-
-def _delete_parameter(gm: fx.GraphModule, name: str) -> None:
-    path, _, leaf = name.rpartition(".")
-    owner = gm.get_submodule(path) if path else gm
-    if hasattr(owner, leaf):
-        delattr(owner, leaf)

@@ -50,6 +50,7 @@ from torch import fx, nn
 
 from passes.ir.errors import PassError
 from passes.ir.meta import module_path
+from passes.ir.module_attrs import install
 from passes.ir.meta import (
     PIPELINE_STAGE, SHAPE, PipelineSplit, StageAssignment, StageInput, StageIO, StageOutput, TensorMeta,
 )
@@ -190,7 +191,7 @@ def _build_stage(gm, s, nodes, reads, recv, send, sizes, graph_outputs, stage_of
                 copies[id(orig)] = nn.Parameter(clone, orig.requires_grad) if isinstance(orig, nn.Parameter) else clone
             orig = copies[id(orig)]
         target = _stage_alias(a, nodes, aliases.get(id(_fetch_attr(gm, a.target)), [a.target]))
-        _install(root, target, orig)
+        install(root, target, orig)
         env[a] = graph.get_attr(target)
         env[a].meta = dict(a.meta)
     for a, (tensor, d) in rebuilt.items():
@@ -272,16 +273,3 @@ def _stage_alias(attr: fx.Node, stage_nodes: Sequence[fx.Node], names: Sequence[
     paths = {module_path(u) for u in attr.users if u in here}
     owners = {n for n in names for p in paths if p == n.rpartition(".")[0] or p.startswith(n.rpartition(".")[0] + ".")}
     return owners.pop() if len(owners) == 1 else attr.target
-
-
-def _install(root: nn.Module, target: str, tensor: torch.Tensor) -> None:
-    *path, field = target.split(".")
-    module = root
-    for part in path:
-        if not hasattr(module, part):
-            module.add_module(part, nn.Module())
-        module = getattr(module, part)
-    if isinstance(tensor, nn.Parameter):
-        module.register_parameter(field, tensor)
-    else:
-        module.register_buffer(field, tensor)

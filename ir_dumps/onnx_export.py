@@ -268,6 +268,18 @@ def _sym_ep_local(g, x, degree, group):
     return out
 
 
+def _sym_ep_route(g, ids, experts, degree, group):
+    """The gathered rows' expert ids as indices into this ep rank's stacked rows, and which it owns."""
+    from torch.onnx import symbolic_helper
+
+    const = symbolic_helper._maybe_get_const
+    local, owned = g.op(f"{DOMAIN}::EpRoute", ids, experts_i=const(experts, "i"), degree_i=const(degree, "i"),
+                        outputs=2)
+    local.setType(ids.type())
+    owned.setType(ids.type().with_dtype(torch.bool))
+    return local, owned
+
+
 def _sym_cp(op_type: str, seq_scale: int = 0):
     """Symbolic of a context-parallel op of one tensor input (attr ``degree``); ``seq_scale``:
     Ulysses' all-to-all, +1 (the sequence grows by degree, heads shrink) or -1 (the inverse)."""
@@ -305,7 +317,7 @@ _SYMBOLICS = {"reduce_scatter_seq": _sym_seq("ReduceScatterSeq", False), "all_ga
               "heads_to_seq": _sym_cp("HeadsToSeq", -1), "reduce_from_cp": _sym_cp("ReduceFromCP"),
               "load_balanced_positions": _sym_cp("LoadBalancedPositions"),
               "ep_dispatch": _sym_seq("EpDispatch", True, "degree"), "ep_combine": _sym_seq("EpCombine", False, "degree"),
-              "ep_local": _sym_ep_local, "data_mean": _sym_cp("DataMean"),
+              "ep_local": _sym_ep_local, "ep_route": _sym_ep_route, "data_mean": _sym_cp("DataMean"),
               "split_point": lambda g, x: g.op("Identity", x)}  # a marker for the runtime's autograd
 
 

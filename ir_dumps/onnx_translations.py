@@ -25,6 +25,7 @@ it::
     load_balanced_positions        LoadBalancedPositions(index) -> y  degree
     ep_dispatch, ep_combine        EpDispatch(x) -> y, EpCombine(x)   dim, degree
     ep_local(x, degree, group)     EpLocal(x) -> y                    degree
+    ep_route(ids, experts, ...)    EpRoute(ids) -> (local, owned)     experts, degree
     data_mean(x, degree, group)    DataMean(x) -> y                   degree
 
 The tp group's name is process state, not an attribute (the file's ``ranks`` attribute, added
@@ -102,6 +103,8 @@ NODE_SPECS: dict[str, NodeSpec] = {
     "ep_combine": NodeSpec(op_type="EpCombine", inputs=("x",), outputs=1,
                            attrs=(("dim", "dim", "int"), ("degree", "degree", "int"))),
     "ep_local": NodeSpec(op_type="EpLocal", inputs=("x",), outputs=1, attrs=(("degree", "degree", "int"),)),
+    "ep_route": NodeSpec(op_type="EpRoute", inputs=("ids",), outputs=2,
+                         attrs=(("experts", "experts", "int"), ("degree", "degree", "int"))),
     "data_mean": NodeSpec(op_type="DataMean", inputs=("x",), outputs=1, attrs=(("degree", "degree", "int"),)),
 }
 """torch op name (``partitioner::<name>``) -> its ONNX node."""

@@ -41,26 +41,35 @@ def pytest_unconfigure(config):
     shutil.rmtree(_CACHE, ignore_errors=True)
 
 
-# The longest files first (wall seconds of their tests on two workers of a quiet machine, summed
-# from --durations=0): pytest-xdist hands whole files (--dist loadfile) to whichever worker is free,
-# so a long file collected last would run alone at the end while the other worker idles. Only the
+# The longest files first (seconds of their tests on two workers, summed from --durations=0 of a
+# whole run): pytest-xdist hands whole files (--dist loadfile) to whichever worker is free, in
+# this order (--no-loadscope-reorder in pyproject.toml; xdist would sort them by test count), so
+# a long file collected last does not run alone at the end while the other worker idles. Only the
 # order changes; every other file keeps its place after these.
 LONGEST_FIRST = (
-    "test_zero3.py",                      # 78 s: spawns of 4 and 8 ranks
-    "test_context_parallel_parity.py",    # 68: one spawn of 8 ranks
+    "test_expert_parallel_parity.py",     # 80 s: one spawn of 8 ranks
+    "test_context_parallel_parity.py",    # 70: one spawn of 8 ranks
+    "test_first_run.py",                  # 70: torchrun and fresh calibrations
+    "test_data.py",                       # 69: two 2-rank command-line trainings
+    "test_zero3.py",                      # 65: spawns of 4 and 8 ranks
+    "test_search.py",                     # 64
+    "test_runtime_property.py",           # 64: one spawn of 8 ranks
     "test_search_memory.py",              # 61: per-tensor remat MILPs
-    "test_first_run.py",                  # 61: torchrun and fresh calibrations
-    "test_search.py",                     # 59
-    "test_onnx_export.py",                # 54
-    "test_faults.py",                     # 49: 4 train processes, waits of the timeout
-    "test_runtime_property.py",           # 46: one spawn of 8 ranks
-    "test_train_resume.py",               # 40
-    "test_dry_run.py",                    # 39
-    "test_readme.py",                     # 36
-    "test_dumped_is_what_runs.py",        # 35
-    "test_data.py",                       # 33
-    "test_fault_naming.py",               # 30
+    "test_dry_run.py",                    # 60
+    "test_runtime_tp_parity.py",          # 54
+    "test_faults.py",                     # 51: 4 train processes, waits of the timeout
+    "test_dumped_is_what_runs.py",        # 50
+    "test_train_resume.py",               # 47
+    "test_tensor_remat.py",               # 43
+    "test_zero_bubble.py",                # 43
+    "test_onnx_export.py",                # 40
+    "test_mixed_precision.py",            # 36
+    "test_readme.py",                     # 35
+    "test_fault_naming.py",               # 29
     "test_valid_inputs.py",               # 28
+    "test_tensor_remat_runtime.py",       # 25
+    "test_plan_dumps.py",                 # 25
+    "test_checkpoint_dag.py",             # 25
 )
 
 

@@ -46,6 +46,15 @@ MODELS = {
     "hf-mixtral": ("hf-mixtral:num_hidden_layers=2,hidden_size=32,num_attention_heads=4,num_key_value_heads=2,"
                    "vocab_size=64,num_local_experts=4,num_experts_per_tok=2,intermediate_size=48,"
                    "router_aux_loss_coef=0.1,seq=8"),
+    # Hugging Face Qwen3-MoE (stacked experts, top-k weights renormalised, the aux loss as
+    # Mixtral's) and LFM2-MoE (sigmoid scores chosen with a per-expert bias, weights gathered from
+    # the plain scores, no aux loss; a dense short-conv layer first, then conv and attention)
+    "hf-qwen3-moe": ("hf-qwen3-moe:num_hidden_layers=2,hidden_size=32,num_attention_heads=4,num_key_value_heads=2,"
+                     "vocab_size=64,num_experts=4,num_experts_per_tok=2,moe_intermediate_size=48,"
+                     "router_aux_loss_coef=0.1,seq=8"),
+    "hf-lfm2-moe": ("hf-lfm2-moe:num_hidden_layers=3,hidden_size=32,num_attention_heads=4,num_key_value_heads=2,"
+                    "vocab_size=64,num_experts=4,num_experts_per_tok=2,moe_intermediate_size=48,intermediate_size=64,"
+                    "num_dense_layers=1,seq=8"),
 }
 LAYERS, HEADS, SEQ = 4, 2, 8  # of the first two models above (what the property test draws from)
 WORLD, STEPS = 8, 3
@@ -199,6 +208,8 @@ def train_plans(plans: list[Plan], payloads: dict[str, GraphPayload] | None = No
                             "norms": norms, "lrs": lrs, "seconds": time.perf_counter() - t0,
                             "cp_ops": sorted({c.op for c in pm.program.comms_of("cp")}),
                             "expert_params": list(pm.program.expert_params),
+                            "expert_numel": {n: p.numel() for n, p in pm.named_parameters().items()
+                                             if n in set(pm.program.expert_params)},
                             "data_ops": sorted({c.op for c in pm.program.comms_of("data")})}
         except Exception as exc:  # noqa: BLE001 - reported per plan by the test
             import traceback

@@ -285,3 +285,17 @@ def test_ep_plans_run_the_calls_the_communication_check_predicts():
         assert r.static == [] and r.static_calls > 0
         groups = {c.group for c in r.collectives}
         assert (r.rank, r.rank + 1) in groups  # the ep group: two consecutive ranks of the data axis
+
+
+def test_stacked_expert_plans_run_the_calls_the_communication_check_predicts():
+    """Hugging Face Qwen3-MoE (stacked experts) at ep=4 of dp=8: the rows, ids and combine weights
+    gathered, the weighted rows scattered back, each rank holding its rows of the experts."""
+    pytest.importorskip("transformers")
+    report = dry_run("hf-qwen3-moe:num_hidden_layers=2,hidden_size=32,num_attention_heads=4,num_key_value_heads=2,"
+                     "vocab_size=64,num_experts=4,num_experts_per_tok=2,moe_intermediate_size=48,seq=16",
+                     "dgx-h100", nodes=1, training=Training(global_batch=8), fix="dp=8,ep=4,tp=1,pp=1", ranks=(0, 5))
+    assert report.ok and not report.static_mismatches, report.text()
+    for r in report.ranks:
+        assert r.static == [] and r.static_calls > 0
+        first = r.rank - r.rank % 4  # the ep group: four consecutive ranks of the data axis
+        assert tuple(range(first, first + 4)) in {c.group for c in r.collectives}

@@ -1,10 +1,11 @@
 """Mixture of experts on gloo ranks, trained like one device: the zoo ``moe`` decoder (4 experts,
 top-2, a shared expert, the load-balancing loss weighed 0.1) and Hugging Face Mixtral under data
-parallelism alone (the load-balancing loss averages its token statistics over the data axis) and
-the zoo model with the experts spread
-over ep = 2 and 4 ranks, alone, with expert replicas (dp > ep), with pp, with cp and with full
-checkpointing: per-step losses (the LM loss plus the aux loss), gradient norms, final parameters
-and last gradients (router included) at rtol 1e-5, and each rank holding experts / ep of the experts.
+parallelism alone (the load-balancing loss averages its token statistics over the data axis); the
+zoo model with the experts spread over ep = 2 and 4 ranks, alone, with expert replicas (dp > ep),
+with pp, with cp and with full checkpointing; Hugging Face Mixtral, Qwen3-MoE and LFM2-MoE (stacked
+experts: each ep rank holds its rows of them) at ep = 2 and 4: per-step losses (the LM loss plus
+the aux loss), gradient norms, final parameters and last gradients (router included) at rtol 1e-5,
+and each rank holding experts / ep of the expert parameters.
 A checkpoint saved at ep=2 loads at ep=4 (the next step's loss and parameters as the ep=2 run's)
 and into the plain module (its parameters as saved). The planner's memory replay of ep plans is
 within 5% of each rank's measured peak, and an ep rank holds less than a replica of the whole.
@@ -44,12 +45,24 @@ PLANS = [
     _plan(dp=2, ep=2, pp=2),
     _plan(dp=2, ep=2, checkpointing="full"),
     _plan(dp=2, cp=2, ep=4),  # the ep group spans the cp ranks: tokens are tokens
+    # stacked experts (Hugging Face batched_mm): each ep rank holds its rows of them
+    _plan(dp=2, ep=2, model="hf-mixtral"),
+    _plan(dp=2, ep=2, model="hf-qwen3-moe"),
+    _plan(dp=4, ep=4, model="hf-qwen3-moe"),
+    _plan(dp=2, ep=2, model="hf-lfm2-moe"),
+    _plan(dp=4, ep=4, model="hf-lfm2-moe"),
 ]
+# expert weights of the whole model: the zoo's per expert, Hugging Face's stacked per layer
+EXPERT_WEIGHTS = {"moe": 4 * 4 * 3, "hf-mixtral": 2 * 2, "hf-qwen3-moe": 2 * 2, "hf-lfm2-moe": 2 * 2}
+
+
+CHECKPOINT_MODELS = ("moe", "hf-qwen3-moe")  # experts per module; stacked experts
 
 
 def _plans_then_checkpoint(plans, payloads, root: str) -> dict:
-    """On each rank: :func:`train_plans`, then the checkpoint case: dp=2 ep=2 trains two steps and
-    saves, then a third step; dp=4 ep=4 loads the checkpoint and takes that third step."""
+    """On each rank: :func:`train_plans`, then the checkpoint case for each of
+    :data:`CHECKPOINT_MODELS`: dp=2 ep=2 trains two steps and saves, then a third step; dp=4 ep=4
+    loads the checkpoint and takes that third step."""
     from partitioner.calibration.job_cluster import local_cluster
     from partitioner.compile.build import build_parallel_model
     from passes.ir.config import ParallelConfig
@@ -57,25 +70,26 @@ def _plans_then_checkpoint(plans, payloads, root: str) -> dict:
     from runtime.dist.mesh import Mesh
 
     out = train_plans(plans, payloads)
-    spec, graph = unpacked_graph(MODELS["moe"], payloads["moe"])
-    batches = [spec.example_inputs({"batch": 4}, seed=200 + k) for k in range(3)]
     configs = [ParallelConfig.for_global_batch(4, dp=dp, ep=dp) for dp in (2, 4)]
     meshes = [Mesh.for_config(c, timeout_s=TIMEOUT_S) for c in configs]
-    for kind, config, mesh in zip(("save", "load"), configs, meshes):
-        torch.distributed.barrier()  # the load starts after the save has finished
-        if not mesh.active:
-            continue
-        model = build_parallel_model(graph, config, mesh, optimizer=ADAMW, cluster=local_cluster(mesh.size))
-        if kind == "save":
-            for b in batches[:2]:
-                model.train_step(b)
-            save_checkpoint(model, f"{root}/ep2", step=2)
-            saved = model.full_parameters()
-        else:
-            assert load_checkpoint(model, f"{root}/ep2") == 2
-            saved = None
-        loss = model.train_step(batches[2])
-        out[kind] = {"loss": loss, "params": model.full_parameters(), "saved": saved}
+    for name in CHECKPOINT_MODELS:
+        spec, graph = unpacked_graph(MODELS[name], payloads.get(name) or packed_graph(MODELS[name]))
+        batches = [spec.example_inputs({"batch": 4}, seed=200 + k) for k in range(3)]
+        for kind, config, mesh in zip(("save", "load"), configs, meshes):
+            torch.distributed.barrier()  # the load starts after the save has finished
+            if not mesh.active:
+                continue
+            model = build_parallel_model(graph, config, mesh, optimizer=ADAMW, cluster=local_cluster(mesh.size))
+            if kind == "save":
+                for b in batches[:2]:
+                    model.train_step(b)
+                save_checkpoint(model, f"{root}/{name}-ep2", step=2)
+                saved = model.full_parameters()
+            else:
+                assert load_checkpoint(model, f"{root}/{name}-ep2") == 2
+                saved = None
+            loss = model.train_step(batches[2])
+            out[f"{name}-{kind}"] = {"loss": loss, "params": model.full_parameters(), "saved": saved}
     return out
 
 
@@ -113,31 +127,39 @@ def test_moe_plan_trains_like_one_device(distributed, plan):
         assert all("data_mean" in r["data_ops"] for r in ranks), "the aux loss averages over the data axis"
         return
     every = set().union(*held)
-    # 4 layers x 4 experts x 3 weights, on every pipeline rank's layers
-    assert len(every) == 4 * 4 * 3, sorted(every)
-    for i, names in enumerate(held):
-        assert len(names) * plan.ep == len([n for n in every if _layer(n) in {_layer(m) for m in names}]), \
-            f"rank {i} holds {len(names)} expert weights"
-    for group in range(0, plan.size, plan.ep):  # an ep group holds each expert of its layers once
-        members = held[group:group + plan.ep]
-        assert sum(map(len, members)) == len(set().union(*members))
+    assert len(every) == EXPERT_WEIGHTS[plan.model], sorted(every)
+    whole = {n: p.numel() for n, p in _plain(plan.model).named_parameters() if n in every}
+    for i, r in enumerate(ranks):  # experts / ep of its layers' expert parameters
+        numel = r["expert_numel"]
+        layers = {_layer(n) for n in numel}
+        assert sum(numel.values()) * plan.ep == sum(v for n, v in whole.items() if _layer(n) in layers), \
+            f"rank {i} holds {sum(numel.values())} expert parameters"
+    if plan.model == "moe":
+        for group in range(0, plan.size, plan.ep):  # an ep group holds each expert of its layers once
+            members = held[group:group + plan.ep]
+            assert sum(map(len, members)) == len(set().union(*members))
 
 
 def _layer(name: str) -> str:
-    return name.split(".moe.")[0]
+    return name.split(".moe.")[0].split(".mlp.")[0].split(".feed_forward.")[0]
 
 
-def test_a_checkpoint_saved_at_ep2_loads_at_ep4_and_into_the_plain_model(run):
+def _plain(model: str) -> torch.nn.Module:
     from partitioner.inputs.models import build_model
+    return build_model(MODELS[model]).module
+
+
+@pytest.mark.parametrize("model", CHECKPOINT_MODELS)
+def test_a_checkpoint_saved_at_ep2_loads_at_ep4_and_into_the_plain_model(run, model):
     from runtime.checkpoint.io import load_into_module
     root, results = run
-    saved, loaded = results[0]["save"], results[0]["load"]
+    saved, loaded = results[0][f"{model}-save"], results[0][f"{model}-load"]
     assert loaded["loss"] == pytest.approx(saved["loss"], rel=1e-6)
     assert set(loaded["params"]) == set(saved["params"])
     for name, value in saved["params"].items():
         torch.testing.assert_close(loaded["params"][name], value, rtol=1e-5, atol=1e-7, msg=name)
-    module = build_model(MODELS["moe"]).module
-    assert load_into_module(module, f"{root}/ep2") == 2
+    module = _plain(model)
+    assert load_into_module(module, f"{root}/{model}-ep2") == 2
     for name, value in saved["saved"].items():  # a tied weight under the name the rank lists it by
         torch.testing.assert_close(module.get_parameter(name).detach(), value, rtol=0, atol=0, msg=name)
     assert {id(module.get_parameter(n)) for n in saved["saved"]} == {id(p) for p in module.parameters()}

@@ -2,7 +2,8 @@
 (every divisor of dp x cp that divides the experts), priced (the expert parameters, gradients and
 optimizer state 1/ep per rank; the dispatch and combine exchanges on the ep group; the gathered
 block input kept for backward), chosen when memory needs it, pinned with ``fix``, and refused
-with the rule for a dense model, an ep not dividing the experts and stacked (gathered) experts."""
+with the rule for a dense model and an ep not dividing the experts. Stacked (gathered) experts are
+offered ep too, their expert kernels priced on the ep group's rows."""
 from __future__ import annotations
 
 import dataclasses
@@ -70,15 +71,23 @@ def test_refusals(profile):
         assert str(caught.value).count("not supported yet") == 1, str(caught.value)
 
 
-def test_stacked_experts_are_not_offered_ep():
+def test_stacked_experts_are_offered_ep_and_run_on_the_groups_rows():
+    """Hugging Face Mixtral (stacked experts): ep is offered; an ep rank holds 1/ep of the expert
+    weights and runs its experts on the ep group's rows, ep times its own, which the price shows."""
     pytest.importorskip("transformers")
     gathered = profile_model("hf-mixtral:num_hidden_layers=2,hidden_size=32,num_attention_heads=4,num_key_value_heads=2,"
                              "vocab_size=64,num_local_experts=4,num_experts_per_tok=2,intermediate_size=48,seq=8",
                              dtype="fp32")
-    assert gathered.experts == 4 and "gathered form" in gathered.ep_refusal
-    assert {c.ep for c in candidates(gathered, local_cluster(4), global_batch=8)} == {1}
-    with pytest.raises(ConfigError, match="gathered form"):
-        search(gathered, local_cluster(4), global_batch=8, fix={"ep": 2})
+    assert gathered.experts == 4 and gathered.ep_refusal == ""
+    assert all(b.moe_form == "gathered" and b.top_k == 2 for b in gathered.blocks)
+    assert any(k.gathered_expert for k in gathered.blocks[0].kernels)
+    assert {c.ep for c in candidates(gathered, local_cluster(4), global_batch=8)} == {1, 2, 4}
+    cluster = local_cluster(4)
+    plans = {ep: search(gathered, cluster, global_batch=8, fix={**PINNED, "dp": 4, "ep": ep}) for ep in (1, 4)}
+    experts = sum(b.expert_param_count for b in gathered.blocks) * 4
+    assert plans[1].stages[0].param_bytes - plans[4].stages[0].param_bytes == pytest.approx(experts * 3 / 4)
+    assert plans[4].predicted.terms["ep_comm"] > 0
+    assert plans[4].predicted.terms["compute"] > plans[1].predicted.terms["compute"]  # 4x the expert rows
 
 
 def test_experts_captured_dense_are_timed_as_they_run():

@@ -297,7 +297,7 @@ class PlanContext:
         # rank 1/cp of them (mbs·S/cp queries against S keys). What cp changes beyond that is
         # the attention kernel and its exchanges (:meth:`_cp_attention`).
         b = mbs / cp
-        fwd, bwd = self._matmul_times(layer, tp, b)
+        fwd, bwd = self._matmul_times(layer, tp, b, ep if layer.moe_form == "gathered" else 1)
         matmul_fwd = fwd
         wgrad = bwd / 2  # of each matmul-class kernel's two backward kernels, the weight gradient's
         mem_fwd = memory_bound_time(self._memory_bound_bytes(layer, tp, b, sp), dev)
@@ -363,10 +363,13 @@ class PlanContext:
             full = act
         ep_comm, experts, params = 0.0, 0.0, layer.param_count / tp
         if ep > 1 and layer.experts:
-            # the dense form's ep rewrite (passes.rewrites.expert_parallel): this rank's experts run
-            # on the ep group's tokens, whose gathered input every expert matmul saves once more
+            # the ep rewrite (passes.rewrites.expert_parallel): this rank's experts run on the ep
+            # group's tokens (dense form: its input, which every expert matmul saves once more) or
+            # rows (gathered form: every routed kernel's tensors, ep times its own)
             ep_comm = self._ep_comm(layer, b, ep, tp)
             gathered = (ep - 1) * layer.boundary_bytes * b
+            if layer.moe_form == "gathered":
+                gathered = (ep - 1) * b * sum(k.bytes for k in layer.kernels if k.gathered_expert)
             act += gathered
             full += gathered
             recompute += ep_comm / 2 if ckpt == "full" else 0.0  # the rerun forward dispatches again
@@ -381,11 +384,15 @@ class PlanContext:
         """Seconds of one block's expert-parallel exchanges for ``b`` samples per rank, forward and
         backward: the dispatch all-gathers the block input and the combine weights of the ep group's
         tokens ([ep*b, s, h] and [ep*b, s, experts]), the combine reduce-scatters the experts'
-        partial sum ([ep*b, s, h]); backward runs each as its opposite. The ep group is ``ep``
-        consecutive ranks of the data axis (``tp`` apart)."""
+        partial sum ([ep*b, s, h]); backward runs each as its opposite. The gathered form exchanges
+        a row per token and choice (``top_k`` times the tokens) and each row's expert id and
+        weight. The ep group is ``ep`` consecutive ranks of the data axis (``tp`` apart)."""
         link = self.sync_link(ep, tp)
         x = layer.boundary_bytes * b * ep  # the gathered (or scattered) buffer
         weights = x * layer.experts / max(1, self.profile.hidden)
+        if layer.moe_form == "gathered":  # a row per (token, choice): rows, their ids and weights
+            x *= layer.top_k
+            weights = 3 * x / max(1, self.profile.hidden)
         one_way = all_gather_time(x, ep, link) + all_gather_time(weights, ep, link) + reduce_scatter_time(x, ep, link)
         return 2 * one_way
 
@@ -468,12 +475,13 @@ class PlanContext:
         (activations and its weight shard), framework overhead left to the op count."""
         return roofline_time(flops, act_bytes + weight_bytes, self.cluster.device, self.dtype, overhead=False)
 
-    def _matmul_times(self, layer: LayerProfile, tp: int, b: int) -> tuple[float, float]:
+    def _matmul_times(self, layer: LayerProfile, tp: int, b: int, ep: int = 1) -> tuple[float, float]:
         """(forward, backward) seconds of the layer's matmul-class kernels for a micro-batch of
         ``b`` on one of ``tp`` ranks, each kernel on the roofline. A kernel's FLOPs, activations
         and weights are split over the tp ranks (column/row-parallel shards; the replicated input
         of a column-parallel matmul is a small part of its bytes). Its backward is two kernels
-        (input and weight gradient) of half its backward FLOPs, each moving the forward's bytes."""
+        (input and weight gradient) of half its backward FLOPs, each moving the forward's bytes.
+        A gathered-form expert kernel runs on the rows of its ep group's ``ep`` ranks."""
         if not layer.kernels:  # a profile without per-node costs: ``matmuls`` equal kernels
             k = layer.matmuls
             fwd = k * self._kernel_time(layer.fwd_flops * b / tp / k, 0.0, 0.0) if layer.fwd_flops else 0.0
@@ -481,10 +489,11 @@ class PlanContext:
             return fwd, bwd
         fwd = bwd = 0.0
         for kern in layer.kernels:
-            moved, weights = kern.bytes * b / tp, kern.weight_bytes / tp
-            fwd += self._kernel_time(kern.fwd_flops * b / tp, moved, weights)
+            rows = b * ep if kern.gathered_expert else b
+            moved, weights = kern.bytes * rows / tp, kern.weight_bytes / tp
+            fwd += self._kernel_time(kern.fwd_flops * rows / tp, moved, weights)
             if kern.bwd_flops:
-                bwd += 2 * self._kernel_time(kern.bwd_flops * b / tp / 2, moved, weights)
+                bwd += 2 * self._kernel_time(kern.bwd_flops * rows / tp / 2, moved, weights)
         return fwd, bwd
 
     @staticmethod

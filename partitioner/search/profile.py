@@ -73,6 +73,9 @@ class Kernel:
     fused_attention: bool = False
     """A fused attention node (``scaled_dot_product_attention``): the kernel context parallelism
     replaces (ring attention) or runs on head shards (Ulysses)."""
+    gathered_expert: bool = False
+    """A routed expert's kernel of a block in the gathered form (one row per token and choice):
+    under expert parallelism it runs on the ep group's rows, ``ep`` times its own."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,11 +173,13 @@ class LayerProfile:
     averaged over the blocks: the share of its memory-bound work and op overheads run again."""
     experts: int = 0
     """Routed experts of the layer's mixture-of-experts block (0: none)."""
+    top_k: int = 0
+    """Experts each token is routed to (0: no MoE block)."""
     expert_param_count: int = 0
     """Parameters of those routed experts (what expert parallelism spreads over its ranks)."""
     moe_form: str = ""
     """How the block holds its experts (:class:`passes.ir.meta.MoeBlock`): ``dense`` (one module
-    per expert: expert parallelism spreads them) or ``gathered`` (stacked weights: not yet)."""
+    per expert) or ``gathered`` (stacked weights indexed per row); ep spreads both."""
     tensor_working_bytes: float = 0.0
     """Bytes per sample that ``tensor``'s recomputes hold at the fullest moment of backward on top
     of what forward kept (the decision's backward peak minus its saved bytes, whole graph): held
@@ -257,9 +262,6 @@ class ModelProfile:
         """Why expert parallelism cannot spread this model's experts (empty when it can)."""
         if not self.experts:
             return "the model has no mixture-of-experts block"
-        if any(b.experts and b.moe_form != "dense" for b in self.blocks):
-            return ("its MoE blocks hold their experts as stacked [experts, ...] weights (gathered form), which "
-                    "expert parallelism does not spread yet")
         return ""
 
     @property
@@ -416,7 +418,7 @@ def _chain(gm: fx.GraphModule, seq: int, shared: _SharedMap, subs: dict | None =
                                   dag_recompute_flops=dag[1], dag_checkpointed=dag[2]) for g in stack})
     for block in getattr(gm.meta.get(MOE_LAYERS), "blocks", ()):
         if block.layer in layers:
-            layers[block.layer] = replace(layers[block.layer], experts=block.experts, moe_form=block.form,
+            layers[block.layer] = replace(layers[block.layer], experts=block.experts, top_k=block.top_k, moe_form=block.form,
                                           expert_param_count=_expert_params(gm, block, subs))
     tensor = _tensor_per_block(gm, stack) if tensor_remat else TENSOR_NOT_ASKED
     layers.update({g: _tensor_priced(layers[g], tensor) for g in stack})
@@ -664,7 +666,8 @@ def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap, no_decay: froze
             ran = sympy.Integer(1) / mark.flop_scale if mark is not None and mark.expert is not None else 1
             kernels.append(Kernel(fwd_flops=_int(node_fwd * ran), bwd_flops=_int(f.bwd * ran, subs), bytes=moved,
                                   weight_bytes=weights, attention=_attention_core(n, f.kind, seq, subs),
-                                  fused_attention=f.kind == "attention"))
+                                  fused_attention=f.kind == "attention",
+                                  gathered_expert=mark is not None and mark.role == "expert" and mark.expert is None))
         elif dispatched:  # no matmul work: the kernel is bound by the bytes it moves
             # its parameters (norm scales and shifts) are a few KiB: left out of the per-sample bytes
             moved = _moved_bytes(n, subs)[0]

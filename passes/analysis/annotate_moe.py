@@ -80,6 +80,11 @@ def tensor_shape(node: fx.Node) -> tuple:
     return tuple(meta.tensors[0].shape) if meta is not None and len(meta.tensors) == 1 else ()
 
 
+def aliases(x: fx.Node) -> set[fx.Node]:
+    """``x`` and its view-like aliases (view, reshape, repeat per choice, ...): the block input's forms."""
+    return _forward([x], lambda n: n is x or op_of(n) in _VIEWS)
+
+
 def _forward(starts: list[fx.Node], keep) -> set[fx.Node]:
     out, todo = set(), list(starts)
     while todo:
@@ -199,7 +204,7 @@ def _block(gm, topk, router, router_w, probs, *, order, imbalance, scale_imb) ->
     same_layer = _in_block_of(router)
     n_experts, k = int(tensor_shape(router)[-1]), int(topk.args[1])
     base = through_views(router.args[0])
-    inputs = _forward([base], lambda n: n is base or op_of(n) in _VIEWS)  # X and its view-like aliases
+    inputs = aliases(base)
     ids = _forward(_getitems(topk, 1), same_layer)
     # the combine weights: top-k's values, or the probabilities gathered at its ids (when it
     # chose by biased scores: DeepSeek-V3, LFM2-MoE)

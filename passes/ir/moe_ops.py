@@ -19,10 +19,19 @@ op                                     forward                         backward
 ``ep_local(x, degree, group)``         this rank's ``1/degree`` of the  ``ep_local_backward``: the
                                        last dim (its experts' columns)  gradient in those columns, 0
                                                                         elsewhere (no communication)
+``ep_route(ids, experts, degree,       (local ids, owned): each id      none (integer ids)
+group)``                               made an index into this rank's
+                                       experts, 0 where another rank
+                                       owns it, and whether it is ours
 =====================================  ==============================  ==============================
 
 ``ep_local`` picks the combine weights of this rank's experts out of ``[..., experts]`` (rank
 ``r`` holds experts ``r * experts / degree ..``), reading ``r`` from the group.
+
+A block captured in the gathered form (Hugging Face's stacked ``[experts, ...]`` weights indexed by
+the chosen ids, one row per token and choice) keeps rows ``r * experts / degree ..`` of each
+stacked weight; ``ep_route`` turns the gathered rows' expert ids into indices of those rows, and
+its ``owned`` mask zeroes the combine weight of every row another rank's expert serves.
 
 ``data_mean`` makes a load-balancing loss's token averages (``f_e``, ``P_e``) those of the whole
 batch of the data axis, so the loss is one device's: every replica then computes the same loss,
@@ -43,6 +52,7 @@ SCHEMAS = {
     "data_mean": "(Tensor x, int degree, str group) -> Tensor",
     "ep_local": "(Tensor x, int degree, str group) -> Tensor",
     "ep_local_backward": "(Tensor grad, int degree, str group) -> Tensor",
+    "ep_route": "(Tensor ids, int experts, int degree, str group) -> (Tensor, Tensor)",
 }
 EP_OPS = ("ep_dispatch", "ep_combine")
 """The ops that communicate over an ep group (``ep_local`` reads the group's rank only)."""
@@ -72,6 +82,11 @@ def _(x, degree, group):
 @torch.library.register_fake(qualname("ep_local_backward"), lib=_LIB)
 def _(grad, degree, group):
     return grad.new_empty((*grad.shape[:-1], grad.shape[-1] * degree))
+
+
+@torch.library.register_fake(qualname("ep_route"), lib=_LIB)
+def _(ids, experts, degree, group):
+    return torch.empty_like(ids), torch.empty_like(ids, dtype=torch.bool)
 
 
 def _setup(ctx, inputs, output):
@@ -107,11 +122,14 @@ class ExpertSlots:
     """One MoE block of a stage program under ep: its router node, its expert count, and the
     parameters of each routed expert (by the model's names, as :class:`passes.ir.meta.MoeBlock`
     lists them). A program holds ``experts / degree`` slots; slot ``j`` of ep rank ``r`` holds
-    expert ``r * experts / degree + j``."""
+    expert ``r * experts / degree + j``. A block of the gathered form has no per-expert
+    parameters: ``stacked`` names its ``[experts, ...]`` weights, of which ep rank ``r`` holds rows
+    ``r * experts / degree ..`` under the same names."""
 
     router: str
     experts: int
-    params: tuple[tuple[str, ...], ...]
+    params: tuple[tuple[str, ...], ...] = ()
+    stacked: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,11 +152,17 @@ class ExpertParallelPlan:
         """Slot parameter name (ep rank 0's expert) -> the parameter ep rank ``ep_rank`` holds there."""
         out = {}
         for b in self.blocks:
-            for j, e in enumerate(self.local(b, ep_rank)):
-                out.update(zip(b.params[j], b.params[e]))
+            if b.params:
+                for j, e in enumerate(self.local(b, ep_rank)):
+                    out.update(zip(b.params[j], b.params[e]))
         return out
+
+    def slices(self, ep_rank: int) -> dict[str, range]:
+        """Stacked weight name -> the rows (experts) ep rank ``ep_rank`` holds of it."""
+        return {name: self.local(b, ep_rank) for b in self.blocks for name in b.stacked}
 
     def expert_params(self, ep_rank: int) -> tuple[str, ...]:
         """The routed experts' parameter names ep rank ``ep_rank`` holds (their gradients average
         over the ranks holding the same experts, not over the whole data axis)."""
-        return tuple(sorted(n for b in self.blocks for e in self.local(b, ep_rank) for n in b.params[e]))
+        return tuple(sorted({n for b in self.blocks if b.params for e in self.local(b, ep_rank) for n in b.params[e]}
+                            | {n for b in self.blocks for n in b.stacked}))

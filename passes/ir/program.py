@@ -101,7 +101,9 @@ class RankProgram:
     leave without weight decay (:mod:`passes.analysis.weight_decay`).
     ``expert_params``: with ``ep > 1``, the routed experts' parameters this rank holds (their
     gradients average over the ranks holding the same experts: :attr:`ep_index` is the rank's
-    place in its ep group); ``ep_group``/``data_group``: the names the ep ops and the ops over the
+    place in its ep group); ``stacked_experts``: those of them that are stacked ``[experts, ...]``
+    weights of which the rank holds its ep group's share of rows (rows ``ep_index * n ..`` of
+    ``n * ep``); ``ep_group``/``data_group``: the names the ep ops and the ops over the
     whole data axis look their groups up by.
     """
 
@@ -125,6 +127,7 @@ class RankProgram:
     sp_grad_params: tuple[str, ...] = ()
     no_weight_decay: frozenset[str] = frozenset()
     expert_params: tuple[str, ...] = ()
+    stacked_experts: tuple[str, ...] = ()
     ep_group: str = "tp.ep"
     data_group: str = "tp.data"
 

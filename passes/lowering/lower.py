@@ -103,12 +103,15 @@ class Lowering:
         modules = {s: self.programs[(s, tp_index)] for s in mine}
         ep_index = dp_index % c.ep
         experts: tuple[str, ...] = ()
+        stacked: tuple[str, ...] = ()
         if c.ep > 1:
             plans = {s: m.meta[EXPERT_PARALLEL] for s, m in modules.items() if EXPERT_PARALLEL in m.meta}
             if ep_index:  # the program holds ep rank 0's experts in its slots: this rank holds others
-                modules = {s: _with_experts(m, self.split.modules[s], plans[s].renames(ep_index)) if s in plans
+                modules = {s: _with_experts(m, self.split.modules[s], plans[s].renames(ep_index),
+                                            plans[s].slices(ep_index)) if s in plans
                            else m for s, m in modules.items()}
             experts = tuple(sorted({n for p in plans.values() for n in p.expert_params(ep_index)}))
+            stacked = tuple(sorted({n for p in plans.values() for n in p.slices(ep_index)}))
         plan = self.graph.meta.get(TENSOR_PARALLEL_PLAN)
         cp_plan = self.graph.meta.get(CONTEXT_PARALLEL)
         sp_grads = sorted({g for m in modules.values() if TENSOR_PARALLEL_PLAN in m.meta
@@ -125,7 +128,7 @@ class Lowering:
             tp_group=self.tp_group, cp_plan=cp_plan,
             comms=tuple(_comms(self.split, modules, mine, c, pp_index, dp_index, tp_index, first, self.tp_group)),
             actions=tuple(actions), inputs=info.inputs, sp_grad_params=tuple(sp_grads),
-            no_weight_decay=self._no_weight_decay(canonical), expert_params=experts,
+            no_weight_decay=self._no_weight_decay(canonical), expert_params=experts, stacked_experts=stacked,
             ep_group=ep_group(self.tp_group), data_group=data_group(self.tp_group))
 
     @functools.cached_property
@@ -437,16 +440,27 @@ def _comms(split: PipelineSplit, modules: Mapping[int, fx.GraphModule], mine, c:
     return out
 
 
-def _with_experts(program: fx.GraphModule, split: fx.GraphModule, renames: Mapping[str, str]) -> fx.GraphModule:
+def _with_experts(program: fx.GraphModule, split: fx.GraphModule, renames: Mapping[str, str],
+                  slices: Mapping[str, range]) -> fx.GraphModule:
     """A copy of stage ``program`` whose expert slots hold the experts ``renames`` names (slot
-    parameter -> the expert's, under the model's name), copied from the stage's ``split`` module,
-    which holds every expert. A checkpointed region re-lists the parameters it reads: each module
-    holding a slot holds the expert instead, one parameter object for all of them."""
+    parameter -> the expert's, under the model's name) and whose stacked expert weights hold the
+    rows ``slices`` names, copied from the stage's ``split`` module, which holds every expert. A
+    checkpointed region re-lists the parameters it reads: each module holding a slot holds the
+    expert instead, one parameter object for all of them."""
     out = copy.deepcopy(program)
     made: dict[str, torch.nn.Parameter] = {}
     for sub in out.modules():
         if not isinstance(sub, fx.GraphModule):
             continue
+        for name, rows in slices.items():
+            if not _has_param(sub, name):
+                continue
+            if name not in made:
+                source = split.get_parameter(name)
+                made[name] = torch.nn.Parameter(source.detach()[rows.start:rows.stop].clone(),
+                                                requires_grad=source.requires_grad)
+            remove(sub, name)
+            install(sub, name, made[name])
         for slot, name in renames.items():
             try:
                 sub.get_parameter(slot)

@@ -16,21 +16,36 @@ The other experts' matmuls and parameters leave the program. The program is writ
 (:meth:`passes.ir.moe_ops.ExpertParallelPlan.renames`, applied when a rank's program is assembled).
 Router, top-k, shared experts and the load-balancing loss stay on each rank's own tokens.
 
+A block captured in the gathered form (Hugging Face's ``batched_mm`` experts: stacked
+``[experts, ...]`` weights indexed by the top-k ids, one row per token and choice) becomes:
+
+1. the rows (each token repeated per choice), their expert ids and their combine weights of the
+   whole group, gathered on dim 0 (``ep_dispatch``);
+2. ``ep_route`` makes each gathered id an index into this rank's rows of the stacked weights
+   (which hold experts ``r * experts / degree ..`` only), and the combine weight of every row
+   another rank's expert serves is multiplied by 0;
+3. the weighted rows are reduce-scattered back (``ep_combine``): each row's one nonzero term
+   comes from the rank owning its expert, so the sum is one device's row.
+
+Every rank computes every gathered row (``degree`` times the rows of its own tokens) with its own
+experts: exact and static in shape, at ``degree`` times the routed expert FLOPs, which the cost
+model charges (a dispatch that sends each row to its expert's rank alone is not built).
+
 Requires the :class:`passes.ir.meta.MoeLayers` of :mod:`passes.analysis.annotate_moe`; provides
-``gm.meta[EXPERT_PARALLEL]``. A block captured in the gathered form (Hugging Face's stacked
-expert weights indexed by the top-k ids) is refused: its experts are one parameter, not ``E``.
+``gm.meta[EXPERT_PARALLEL]``.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
 from torch import fx
 
-from passes.analysis.annotate_moe import backward_cone, op_of, tensor_shape, through_views
+from passes.analysis.annotate_moe import aliases, backward_cone, op_of, tensor_shape, through_views
 from passes.ir.errors import ConfigError, PassError
 from passes.ir.meta import EXPERT_PARALLEL, MOE, MOE_LAYERS, MoeBlock
-from passes.ir.module_attrs import remove
+from passes.ir.module_attrs import install, remove
 from passes.ir.moe_ops import ExpertParallelPlan, ExpertSlots
 
 aten = torch.ops.aten
@@ -50,7 +65,8 @@ def apply_expert_parallel(gm: fx.GraphModule, ctx: Any = None, *, degree: int, g
     for block in layers.blocks:
         if block.router not in nodes:
             continue  # a block of another pipeline stage
-        slots.append(_rewrite_block(gm, nodes, block, degree, group))
+        rewrite = _rewrite_block if block.form == "dense" else _rewrite_stacked
+        slots.append(rewrite(gm, nodes, block, degree, group))
     gm.meta[EXPERT_PARALLEL] = ExpertParallelPlan(degree=degree, group=group, blocks=tuple(slots))
     gm.delete_all_unused_submodules()
     gm.graph.lint()
@@ -60,7 +76,7 @@ def apply_expert_parallel(gm: fx.GraphModule, ctx: Any = None, *, degree: int, g
 
 def check_expert_parallel(layers, degree: int) -> None:
     """Raise :class:`ConfigError` unless every MoE block of ``layers`` (:class:`MoeLayers`) can be
-    spread over ``degree`` ranks: a model with blocks, in the dense form, ``degree | experts``."""
+    spread over ``degree`` ranks: a model with blocks, ``degree | experts``."""
     if layers is None or not layers.blocks:
         raise ConfigError(f"ep={degree} spreads the experts of mixture-of-experts blocks, and the model has none "
                           f"(no router -> top-k -> weighted experts found by annotate_moe); use ep=1")
@@ -69,10 +85,6 @@ def check_expert_parallel(layers, degree: int) -> None:
 
 
 def _check_block(b: MoeBlock, degree: int) -> None:
-    if b.form != "dense":
-        raise ConfigError(f"ep={degree}: the MoE block of {b.layer} holds its experts as stacked [experts, ...] "
-                          f"weights indexed by the chosen ids ({b.form} form), which expert parallelism does not "
-                          f"spread yet; use ep=1 for this model")
     if b.experts % degree:
         raise ConfigError(f"ep={degree} does not divide the {b.experts} experts of {b.layer}; use an ep dividing "
                           f"{b.experts}")
@@ -139,6 +151,82 @@ def _rewrite_block(gm: fx.GraphModule, nodes: dict[str, fx.Node], block: MoeBloc
             for name in block.expert_params[e]:
                 remove(gm, name)
     return ExpertSlots(router=block.router, experts=block.experts, params=block.expert_params)
+
+
+def _rewrite_stacked(gm: fx.GraphModule, nodes: dict[str, fx.Node], block: MoeBlock, degree: int,
+                     group: str) -> ExpertSlots:
+    """The gathered form (module docstring): this rank's rows of the stacked weights, on the
+    group's rows, the other experts' rows weighted 0."""
+    graph = gm.graph
+    last = nodes.get(block.expert_nodes[-1]) if block.expert_nodes else None
+    if last is None:
+        raise PassError(f"apply_expert_parallel: the experts of {block.layer} are not in this program; a pipeline "
+                        f"stage boundary inside an MoE block is not supported")
+    mul, weight = _combine(last)
+    other = mul.args[1] if mul.args[0] is weight else mul.args[0]
+    x = through_views(nodes[block.router].args[0])
+    inputs = aliases(x)
+    # the stacked weights and the one id tensor that indexes them
+    cone, _ = backward_cone(other, inputs)
+    picks = [n for n in cone if op_of(n) is aten.index and n.args[0].op == "get_attr"
+             and tensor_shape(n.args[0])[:1] == (block.experts,)]
+    ids = {n.args[1][0] for n in picks if len(n.args[1]) == 1}
+    if not picks or len(ids) != 1 or any(len(n.args[1]) != 1 for n in picks):
+        raise PassError(f"apply_expert_parallel: the experts of {block.layer} are not stacked [experts, ...] "
+                        f"weights indexed by one id tensor (W[ids]); the ep rewrite spreads their rows")
+    ids = ids.pop()
+    rows = tensor_shape(ids)[:1]
+    # the expert computation proper: from the block input's rows to the weighted output, cut at the ids
+    stacked = sorted({p.args[0] for p in picks}, key=lambda n: n.name)
+    body, _ = backward_cone(other, inputs | {ids, *stacked})
+    entries = sorted({a for n in body for a in n.all_input_nodes if a in inputs}, key=lambda n: n.name)
+    strays = sorted({a.name for n in body for a in n.all_input_nodes if a not in body and a not in inputs
+                     and a is not ids and a.op != "get_attr" and tensor_shape(a)})
+    if strays or any(u in body and u not in picks for u in ids.users):
+        raise PassError(f"apply_expert_parallel: the experts of {block.layer} read {strays or ids.name} beside the "
+                        f"block input's rows and the stacked weights; the ep rewrite gathers only those rows")
+    for a in entries:
+        if tensor_shape(a)[:1] != rows:
+            raise PassError(f"apply_expert_parallel: {a.name} feeds the experts of {block.layer} without one row "
+                            f"per (token, choice) on dim 0 (shape {tensor_shape(a)}, rows {rows}); the ep rewrite "
+                            f"gathers the rows of the group")
+    if tensor_shape(weight)[:1] != rows:
+        raise PassError(f"apply_expert_parallel: the combine weight {weight.name} of {block.layer} has no row per "
+                        f"(token, choice) on dim 0")
+
+    # 1. dispatch: the group's rows, their ids and their combine weights
+    for a in entries:
+        with graph.inserting_after(a):
+            gathered = graph.call_function(_ops.ep_dispatch.default, (a, 0, degree, group))
+        for n in body:
+            n.replace_input_with(a, gathered)
+    with graph.inserting_after(ids):
+        ids_all = graph.call_function(_ops.ep_dispatch.default, (ids, 0, degree, group))
+    with graph.inserting_after(ids_all):
+        route = graph.call_function(_ops.ep_route.default, (ids_all, block.experts, degree, group))
+    with graph.inserting_after(route):
+        local = graph.call_function(operator.getitem, (route, 0))
+        owned = graph.call_function(operator.getitem, (route, 1))
+    for p in picks:
+        p.replace_input_with(ids, local)
+    # 2. the rows another rank's expert serves weigh 0 here
+    with graph.inserting_before(mul):
+        weight_all = graph.call_function(_ops.ep_dispatch.default, (weight, 0, degree, group))
+        shape = [-1] + [1] * (len(tensor_shape(weight)) - 1)
+        mask = graph.call_function(aten.view.default, (owned, shape))
+        masked = graph.call_function(aten.mul.Tensor, (weight_all, mask))
+    mul.replace_input_with(weight, masked)
+    # 3. combine: each row's sum over the group's ranks, back to its owner
+    with graph.inserting_after(mul):
+        y = graph.call_function(_ops.ep_combine.default, (mul, 0, degree, group))
+    mul.replace_all_uses_with(y, delete_user_cb=lambda u: u is not y)
+    # this rank's rows of each stacked weight (ep rank 0's: the rank program swaps in its own)
+    n = block.experts // degree
+    for p in stacked:
+        full = gm.get_parameter(p.target)
+        remove(gm, p.target)
+        install(gm, p.target, torch.nn.Parameter(full.detach()[:n].clone(), requires_grad=full.requires_grad))
+    return ExpertSlots(router=block.router, experts=block.experts, stacked=tuple(str(p.target) for p in stacked))
 
 
 def _experts(nodes: dict[str, fx.Node], block: MoeBlock) -> list[fx.Node]:

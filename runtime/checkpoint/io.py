@@ -22,7 +22,8 @@ builds the global plan, and fails the save otherwise):
 * pipeline ranks hold disjoint layers; a tied weight is written by the lowest stage holding it;
 * data-parallel replicas are copies: dp index 0 writes parameters (and unsharded optimizer state);
   with expert parallelism each rank of the first ep group writes the experts it holds (under the
-  model's names, so a checkpoint loads at another ep or into the plain module);
+  model's names, so a checkpoint loads at another ep or into the plain module; a stacked
+  ``[experts, ...]`` weight is written as each rank's box of rows);
   under ZeRO-1/2 each dp rank writes the slices of optimizer state its chunk of every gradient
   bucket holds, each a contiguous run of a parameter's row-major elements cut into at most
   ``2 * ndim - 1`` boxes;
@@ -461,6 +462,7 @@ def _local_params(pm) -> list[_LocalParam]:
     tp_index = getattr(pm.mesh, "tp_index", 0)
     found: dict[str, _LocalParam] = {}
     experts = {canon_of.get(n, n) for n in getattr(pm.program, "expert_params", ())}
+    stacked = {canon_of.get(n, n) for n in getattr(pm.program, "stacked_experts", ())}
     for s in sorted(pm.stages):
         by_id: dict[int, list[str]] = {}
         params: dict[int, nn.Parameter] = {}
@@ -480,6 +482,9 @@ def _local_params(pm) -> list[_LocalParam]:
             record = next((zero3[n] for n in names if n in zero3), None)
             layout_shape = _full_shape(record.shape if record is not None else p.shape, sharding, tp)
             layout = ParamLayout.from_sharding(layout_shape, sharding, tp_index, tp)
+            if canon in stacked:  # ep: this rank's rows of a stacked expert weight
+                n, ep_index = p.shape[0], pm.mesh.dp_index % pm.config.ep
+                layout = ParamLayout(shape=(n * pm.config.ep, *p.shape[1:]), dim=0, segments=((0, ep_index * n, n),))
             # A tied weight is written by the lowest stage holding a copy (one writer per box).
             tied = next((t.stages for k, t in pm.program.tied.items() if canon_of.get(k, k) == canon), ())
             lowest = min(tied, default=s)

@@ -578,11 +578,14 @@ class ParallelModel:
         experts, under the model's names). Collective over the ep group."""
         if self.config.ep == 1:
             return tensors
-        names = set(self.program.expert_params)
+        names, stacked = set(self.program.expert_params), set(self.program.stacked_experts)
         mine = {n: t.detach().cpu() for n, t in tensors.items() if n in names and t is not None}
         out = dict(tensors)
-        for part in comm.all_gather_object(mine, self.mesh.ep_group):
-            out.update({n: t.to(self.mesh.device) for n, t in part.items()})
+        parts = comm.all_gather_object(mine, self.mesh.ep_group)  # in ep rank order
+        for part in parts:
+            out.update({n: t.to(self.mesh.device) for n, t in part.items() if n not in stacked})
+        for n in stacked & set(mine):  # each ep rank's rows of a stacked weight, in order
+            out[n] = torch.cat([part[n] for part in parts]).to(self.mesh.device)
         return out
 
     def _gather_tp(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -47,6 +47,14 @@ def _local_backward(grad: Tensor, degree: int, group: str) -> Tensor:
     return out
 
 
-for _name, _fn in (("ep_dispatch", _dispatch), ("ep_combine", _combine), ("data_mean", _data_mean),
+def _route(ids: Tensor, experts: int, degree: int, group: str) -> tuple[Tensor, Tensor]:
+    g = _group(group, degree, "ep_route")
+    n = experts // degree
+    local = ids - g.rank * n
+    owned = (local >= 0) & (local < n)
+    return torch.where(owned, local, torch.zeros_like(local)), owned
+
+
+for _name, _fn in (("ep_route", _route), ("ep_dispatch", _dispatch), ("ep_combine", _combine), ("data_mean", _data_mean),
                    ("ep_local", _local), ("ep_local_backward", _local_backward)):
     torch.library.register_kernel(qualname(_name), None, _fn)

@@ -1,8 +1,9 @@
 """apply_expert_parallel and average_aux_loss on the zoo ``moe`` model: what each ep rank's program
 holds and runs (its experts only, under the model's names; the dispatch, column pick and combine per
 block), the load-balancing averages over the data axis, one process simulating the ranks against one
-device's loss, and the refusals (no MoE, ep not dividing the experts, the gathered form, knobs ep
-does not run with yet)."""
+device's loss, and the refusals (no MoE, ep not dividing the experts, knobs ep does not run with
+yet); on Hugging Face Mixtral (stacked experts) each ep rank's rows of the stacked weights and the
+rows, ids and weights gathered for them."""
 from __future__ import annotations
 
 import pytest
@@ -115,16 +116,38 @@ def test_refusals(graph):
             ParallelConfig(**knobs)
 
 
-def test_the_gathered_form_is_refused_and_its_aux_loss_averages_over_the_data_axis():
-    """Hugging Face Mixtral: its stacked experts are not spread yet; its load-balancing loss
-    (recomputed from every layer's router logits, counts and probabilities summed over the layers,
-    then divided by the tokens) has one f * P product, whose two factors average over dp."""
+MIXTRAL = ("hf-mixtral:num_hidden_layers=2,hidden_size=32,num_attention_heads=4,num_key_value_heads=2,"
+           "vocab_size=64,num_local_experts=4,num_experts_per_tok=2,intermediate_size=48,seq=8")
+
+
+@pytest.fixture(scope="module")
+def mixtral():
     pytest.importorskip("transformers")
-    spec = ("hf-mixtral:num_hidden_layers=2,hidden_size=32,num_attention_heads=4,num_key_value_heads=2,"
-            "vocab_size=64,num_local_experts=4,num_experts_per_tok=2,intermediate_size=48,seq=8")
-    gm = partitioner.analyze(build_model(spec)).graph
-    with pytest.raises(ConfigError, match="gathered form"):
-        lower(gm, ParallelConfig(dp=2, ep=2, micro_batch_size=1), cost=None)
-    module = lower(gm, ParallelConfig(dp=2, micro_batch_size=1), cost=None).rank_program(0).modules[0]
+    return partitioner.analyze(build_model(MIXTRAL)).graph
+
+
+def test_the_gathered_form_keeps_each_ep_ranks_rows_of_the_stacked_experts(mixtral):
+    """Hugging Face Mixtral at ep=2: each rank holds rows 2r, 2r+1 of every stacked expert weight
+    under the model's name, and per block gathers the rows, their ids and their combine weights,
+    routes the ids to its rows and scatters the weighted rows back."""
+    full = {n: p for n, p in mixtral.named_parameters() if ".experts." in n}
+    low = lower(mixtral, ParallelConfig(dp=2, ep=2, micro_batch_size=1), cost=None)
+    for rank in range(2):
+        program = low.rank_program(rank)
+        module = program.modules[0]
+        mine = {n: p for n, p in module.named_parameters() if ".experts." in n}
+        assert set(mine) == set(full) == set(program.expert_params) == set(program.stacked_experts)
+        for name, p in mine.items():
+            torch.testing.assert_close(p, full[name][2 * rank:2 * rank + 2], rtol=0, atol=0)
+        ops = _ops(module)
+        assert ops.count("ep_dispatch") == 3 * 2 and ops.count("ep_route") == 2 and ops.count("ep_combine") == 2
+        assert "ep_local" not in ops
+
+
+def test_the_gathered_forms_aux_loss_averages_over_the_data_axis(mixtral):
+    """Hugging Face Mixtral's load-balancing loss (recomputed from every layer's router logits,
+    counts and probabilities summed over the layers, then divided by the tokens) has one f * P
+    product, whose two factors average over dp."""
+    module = lower(mixtral, ParallelConfig(dp=2, micro_batch_size=1), cost=None).rank_program(0).modules[0]
     means = [n for n in module.graph.nodes if n.op == "call_function" and op_name(n.target) == "data_mean"]
     assert len(means) == 2 and len({u for m in means for u in m.users}) == 1  # both factors of one product

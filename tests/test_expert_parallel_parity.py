@@ -93,7 +93,9 @@ def _plans_then_checkpoint(plans, payloads, root: str) -> dict:
     return out
 
 
-MEMORY_PLANS = [_plan(dp=2), _plan(dp=2, ep=2), _plan(dp=4, ep=2), _plan(dp=4, ep=4)]
+MEMORY_PLANS = [_plan(dp=2), _plan(dp=2, ep=2), _plan(dp=4, ep=2), _plan(dp=4, ep=4),
+                _plan(dp=2, model="hf-qwen3-moe"), _plan(dp=2, ep=2, model="hf-qwen3-moe"),
+                _plan(dp=4, ep=4, model="hf-qwen3-moe")]
 
 
 def _all(plans, payloads, root: str) -> dict:
@@ -170,9 +172,9 @@ def test_replayed_peak_matches_each_rank_measured(run, plan):
     from partitioner.calibration.job_cluster import local_cluster
     from partitioner.search.memory_check import replay_rank_memory
     _, results = run
-    _, graph = unpacked_graph(MODELS["moe"], packed_graph(MODELS["moe"]))
+    _, graph = unpacked_graph(MODELS[plan.model], packed_graph(MODELS[plan.model]))
     replayed = replay_rank_memory(graph, plan.config(), local_cluster(plan.size))
-    plain = results[0]["memory"][MEMORY_PLANS[0].id]
+    plain = results[0]["memory"][_plan(dp=2, model=plan.model).id]
     print(f"\n{plan.id}: " + ", ".join(f"rank {r} replay {replayed[r].peak_bytes} measured "
                                         f"{results[r]['memory'][plan.id]['peak']}" for r in range(plan.size)))
     for rank in range(plan.size):

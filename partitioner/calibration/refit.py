@@ -64,7 +64,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from scipy.optimize import minimize_scalar
 
 from partitioner.cost.cluster import Cluster, PeakFlops
 from partitioner.cost.cost_model import memory_bound_rate
@@ -781,6 +780,8 @@ def _best_wait(base: Sequence[float], calls: Sequence[float], measured: Sequence
     grid = [lo + (hi - lo) * i / 400 for i in range(401)]
     i = min(range(len(grid)), key=lambda j: err(grid[j]))
     a, b = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+    from scipy.optimize import minimize_scalar  # scipy only where a refit runs
+
     fine = minimize_scalar(err, bounds=(a, b), method="bounded", options={"xatol": 1e-7})
     w = float(fine.x) if fine.success and err(float(fine.x)) <= err(grid[i]) else grid[i]
     return w, err(w)

@@ -43,8 +43,6 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import sympy
 import torch
-from scipy import sparse
-from scipy.optimize import Bounds, LinearConstraint, milp
 from torch import fx
 
 from passes.ir.config import CHECKPOINT_POLICIES, CHECKPOINTING
@@ -597,6 +595,9 @@ def _solve_dag(regions: list[Region], saved: _Saved, hints: dict, budget: int, b
     cost[A:A + na] = [-node_flops[n] for n in cands]
     integrality = np.zeros(width)
     integrality[:nr + na] = 1
+    from scipy import sparse  # scipy only where a MILP is solved
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
     bounds = Bounds(low, np.ones(width))
     options = {"mip_rel_gap": 0.0, "time_limit": time_limit_s}
 

@@ -82,8 +82,6 @@ from typing import Callable, Iterable, Literal
 
 import networkx as nx
 import numpy as np
-from scipy import sparse
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from passes.ir.errors import ConfigError, PassError
 from passes.ir.meta import CheckpointPlan
@@ -617,6 +615,14 @@ def _unsolved(problem: RematProblem, budget_bytes: int, costs: RematCosts, bound
                      method="milp", optimal=False, bound=bound, mip_gap=math.inf)
 
 
+def milp(*args, **kwargs):
+    """``scipy.optimize.milp`` (HiGHS), imported when a problem is first solved: a process that
+    solves none does not load scipy."""
+    from scipy.optimize import milp as highs
+
+    return highs(*args, **kwargs)
+
+
 def _solve_milp(problem: RematProblem, budget_bytes: int | None, costs: RematCosts, bound: Bound,
                 left: Callable[[], float]) -> _MilpFound | None:
     """The MILP's answer within ``left()`` seconds (asked once the rows are built: building them
@@ -667,6 +673,8 @@ def _solve_milp(problem: RematProblem, budget_bytes: int | None, costs: RematCos
         upper[peak_col] = np.inf
     integrality = np.zeros(width)
     integrality[:ints] = 1
+    from scipy.optimize import Bounds, LinearConstraint  # scipy only where a MILP is solved
+
     res = milp(c, integrality=integrality, bounds=Bounds(np.zeros(width), upper),
                constraints=LinearConstraint(rows.matrix(width), rows.lb, rows.ub),
                options={"mip_rel_gap": 0.0, "time_limit": left()})
@@ -712,7 +720,10 @@ class _Rows:
         self.lb.append(low)
         self.ub.append(high)
 
-    def matrix(self, width: int) -> sparse.csr_matrix:
+    def matrix(self, width: int):
+        """The rows as a ``scipy.sparse.csr_matrix`` of ``width`` columns."""
+        from scipy import sparse
+
         return sparse.csr_matrix((np.asarray(self.vv, dtype=float), (np.asarray(self.ii), np.asarray(self.jj))),
                                  shape=(len(self.lb), width))
 

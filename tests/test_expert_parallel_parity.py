@@ -3,7 +3,8 @@ top-2, a shared expert, the load-balancing loss weighed 0.1) and Hugging Face Mi
 parallelism alone (the load-balancing loss averages its token statistics over the data axis); the
 zoo model with the experts spread over ep = 2 and 4 ranks, alone, with expert replicas (dp > ep),
 with pp, with cp and with full checkpointing; Hugging Face Mixtral, Qwen3-MoE and LFM2-MoE (stacked
-experts: each ep rank holds its rows of them) at ep = 2 and 4: per-step losses (the LM loss plus
+experts: each ep rank holds its rows of them) at ep = 2 and 4, with expert replicas, with pp and
+with full checkpointing: per-step losses (the LM loss plus
 the aux loss), gradient norms, final parameters and last gradients (router included) at rtol 1e-5,
 and each rank holding experts / ep of the expert parameters.
 A checkpoint saved at ep=2 loads at ep=4 (the next step's loss and parameters as the ep=2 run's)
@@ -51,6 +52,10 @@ PLANS = [
     _plan(dp=4, ep=4, model="hf-qwen3-moe"),
     _plan(dp=2, ep=2, model="hf-lfm2-moe"),
     _plan(dp=4, ep=4, model="hf-lfm2-moe"),
+    _plan(dp=4, ep=2, model="hf-lfm2-moe"),  # expert replicas
+    # a stage boundary between the MoE layers: layer 0's router logits travel to the last stage's aux loss
+    _plan(dp=2, ep=2, pp=2, model="hf-qwen3-moe"),
+    _plan(dp=2, ep=2, checkpointing="full", model="hf-mixtral"),
 ]
 # expert weights of the whole model: the zoo's per expert, Hugging Face's stacked per layer
 EXPERT_WEIGHTS = {"moe": 4 * 4 * 3, "hf-mixtral": 2 * 2, "hf-qwen3-moe": 2 * 2, "hf-lfm2-moe": 2 * 2}

@@ -63,8 +63,8 @@ def apply_expert_parallel(gm: fx.GraphModule, ctx: Any = None, *, degree: int, g
     nodes = {n.name: n for n in gm.graph.nodes}
     slots = []
     for block in layers.blocks:
-        if block.router not in nodes:
-            continue  # a block of another pipeline stage
+        if block.router not in nodes or nodes[block.router].op != "call_function":
+            continue  # a block of another pipeline stage (its router's output may arrive here as an input)
         rewrite = _rewrite_block if block.form == "dense" else _rewrite_stacked
         slots.append(rewrite(gm, nodes, block, degree, group))
     gm.meta[EXPERT_PARALLEL] = ExpertParallelPlan(degree=degree, group=group, blocks=tuple(slots))

@@ -66,6 +66,7 @@ from passes.ir.meta import (
     dim_symbol,
 )
 from passes.ir.program import RankProgram
+from passes.ir.graph_modules import compiled
 import passes.ir.cp_ops  # noqa: F401  (the ops must exist before their symbolics)
 import passes.ir.moe_ops  # noqa: F401
 import passes.ir.ops  # noqa: F401
@@ -386,7 +387,7 @@ def _export_dynamo(module: fx.GraphModule, args: tuple[Any, ...], io: StageIO, o
     with warnings.catch_warnings(), _quiet_exporter_logs():
         # training-mode and pytree deprecation warnings say nothing about this stage
         warnings.simplefilter("ignore")
-        exported = torch.export.export(module, args, strict=False)
+        exported = torch.export.export(compiled(module), args, strict=False)
         drop_bracket_nodes(exported)
         program = torch.onnx.export(
             exported, args, dynamo=True, opset_version=opset, verbose=False, report=False,
@@ -480,7 +481,7 @@ def _export_torchscript(module: fx.GraphModule, args: tuple[Any, ...], io: Stage
         # its deprecation and training-mode dropout warnings say nothing about this stage
         warnings.simplefilter("ignore")
         try:
-            torch.onnx.export(module, args, str(path), dynamo=False, do_constant_folding=False, opset_version=opset,
+            torch.onnx.export(compiled(module), args, str(path), dynamo=False, do_constant_folding=False, opset_version=opset,
                               input_names=[i.name for i in io.inputs], output_names=[o.name for o in io.outputs])
         except Exception as exc:  # noqa: BLE001 - name the stage and the fix
             raise PassError(f"onnx_export: stage {stage} did not export ({type(exc).__name__}: {exc}); "

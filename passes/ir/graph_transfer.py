@@ -25,6 +25,7 @@ from torch import fx, nn
 
 from passes.ir.errors import PassError
 from passes.ir.meta import EXPORT_MODULE_STACK, KEYS
+from passes.ir.graph_modules import graph_module
 
 PASS_KEYS = tuple(KEYS)
 """Every meta key a pass writes (node or graph): these must travel."""
@@ -117,7 +118,7 @@ def unpack_graph(payload: GraphPayload, module: nn.Module) -> fx.GraphModule:
     body = pickle.loads(payload.data)
     # Tensors registered in the captured graph's order (an fx.GraphModule built from a root
     # would register only what get_attr nodes name, in node order).
-    gm = fx.GraphModule(nn.Module(), fx.Graph())
+    gm = graph_module(nn.Module(), fx.Graph())
     for attr in body["attrs"]:
         value = attr.value if attr.value is not None else _owned(module, attr)
         *path, local = attr.name.split(".")

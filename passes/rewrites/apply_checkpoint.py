@@ -47,6 +47,7 @@ from passes.ir.errors import PassError
 from passes.policies.checkpoint_policy import region_io
 from passes.ir.meta import CHECKPOINT, CHECKPOINT_PLAN, REMAT, CheckpointMeta, CheckpointRegion
 from passes.analysis.saved_tensors import tensor_leaves
+from passes.ir.graph_modules import graph_module
 
 
 def apply_checkpoint(gm: fx.GraphModule, ctx: Any = None) -> fx.GraphModule:
@@ -97,7 +98,7 @@ def extract_region(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[fx.GraphMo
     graph.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
     # GraphModule(root, graph) sets each get_attr target on the new module to root's own object,
     # so the submodule shares the model's Parameters.
-    sub = fx.GraphModule(gm, graph, class_name="CheckpointRegion")
+    sub = graph_module(gm, graph, class_name="CheckpointRegion")
     return sub, inputs, outputs
 
 

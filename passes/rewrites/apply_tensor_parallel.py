@@ -35,6 +35,7 @@ from passes.ir.meta import (FLOP_SUMMARY, FLOPS, MEMORY, MEMORY_SUMMARY, SHAPE, 
 from passes.rewrites.sequence_parallel import apply_sequence_parallel, sequence_size
 from passes.rewrites.sharded_dropout import rewrite_sharded_dropout
 from passes.policies.tensor_parallel_patterns import _SPLITS, _VIEWS
+from passes.ir.graph_modules import graph_module
 
 aten = torch.ops.aten
 tp_ops = torch.ops.partitioner
@@ -83,7 +84,7 @@ def apply_tensor_parallel(gm: fx.GraphModule, ctx: Any = None, *, rank: int, gro
     # A plain program, not export's: pickling then retraces with fx's default tracer (export's
     # module-stack tracer cannot be rebuilt), so a rank program can be shipped to its process.
     graph._tracer_cls, graph._tracer_extras = None, {}
-    out = fx.GraphModule(attrs, graph, class_name=type(gm).__name__)
+    out = graph_module(attrs, graph, class_name=type(gm).__name__)
     # the graph's decisions travel on (the summaries described the unsharded graph and do not)
     out.meta.update({k: v for k, v in gm.meta.items() if k not in _STALE_GRAPH})
     out.meta[TENSOR_PARALLEL_PLAN] = TensorParallelPlan(degree=tp, params=plan.params, rank=rank,

@@ -60,6 +60,7 @@ import passes.ir.cp_ops  # noqa: F401  (defines torch.ops.partitioner.ring_atten
 from passes.ir.meta import CONTEXT_PARALLEL
 from passes.ir.cp_ops import CP_MODES, ContextParallelPlan, CPMode, check_heads, check_layout
 from passes.ir.errors import ConfigError, PassError
+from passes.ir.graph_modules import graph_module
 from passes.ir.meta import (
     CAPTURE,
     EXPORT_VAL,
@@ -125,7 +126,7 @@ def apply_context_parallel(gm: fx.GraphModule, ctx: Any = None, *, degree: int, 
     graph.eliminate_dead_code()
     graph.lint()
     graph._tracer_cls, graph._tracer_extras = None, {}  # a plain program (picklable), as the tp rewrite leaves it
-    out = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    out = graph_module(gm, graph, class_name=type(gm).__name__)
     _carry_attributes(gm, out)
     out.meta.update({k: v for k, v in gm.meta.items() if k not in _STALE_GRAPH})
     out.meta[CAPTURE] = _local_capture(info, seq_dim, degree)

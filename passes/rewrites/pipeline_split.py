@@ -51,6 +51,7 @@ from torch import fx, nn
 from passes.ir.errors import PassError
 from passes.ir.meta import module_path
 from passes.ir.module_attrs import install
+from passes.ir.graph_modules import graph_module
 from passes.ir.meta import (
     PIPELINE_STAGE, SHAPE, PipelineSplit, StageAssignment, StageInput, StageIO, StageOutput, TensorMeta,
 )
@@ -213,7 +214,7 @@ def _build_stage(gm, s, nodes, reads, recv, send, sizes, graph_outputs, stage_of
             result.append(env[out])
     graph.output(tuple(result))
     graph.lint()
-    module = fx.GraphModule(root, graph, class_name=f"PipelineStage{s}")
+    module = graph_module(root, graph, class_name=f"PipelineStage{s}")
     module.meta[PIPELINE_STAGE] = s
     return module, StageIO(stage=s, inputs=tuple(inputs), outputs=tuple(outputs))
 

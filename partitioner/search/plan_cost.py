@@ -297,7 +297,7 @@ class PlanContext:
         # rank 1/cp of them (mbs·S/cp queries against S keys). What cp changes beyond that is
         # the attention kernel and its exchanges (:meth:`_cp_attention`).
         b = mbs / cp
-        fwd, bwd = self._matmul_times(layer, tp, b, ep if layer.moe_form == "gathered" else 1)
+        fwd, bwd = self._matmul_times(layer, tp, b, ep)  # a gathered-form expert kernel runs on the ep group's rows
         matmul_fwd = fwd
         wgrad = bwd / 2  # of each matmul-class kernel's two backward kernels, the weight gradient's
         mem_fwd = memory_bound_time(self._memory_bound_bytes(layer, tp, b, sp), dev)

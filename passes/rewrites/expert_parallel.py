@@ -170,11 +170,11 @@ def _rewrite_stacked(gm: fx.GraphModule, nodes: dict[str, fx.Node], block: MoeBl
     cone, _ = backward_cone(other, inputs)
     picks = [n for n in cone if op_of(n) is aten.index and n.args[0].op == "get_attr"
              and tensor_shape(n.args[0])[:1] == (block.experts,)]
-    ids = {n.args[1][0] for n in picks if len(n.args[1]) == 1}
-    if not picks or len(ids) != 1 or any(len(n.args[1]) != 1 for n in picks):
+    indices = {tuple(n.args[1]) for n in picks}
+    if len(indices) != 1 or len(next(iter(indices))) != 1:
         raise PassError(f"apply_expert_parallel: the experts of {block.layer} are not stacked [experts, ...] "
                         f"weights indexed by one id tensor (W[ids]); the ep rewrite spreads their rows")
-    ids = ids.pop()
+    (ids,), = indices
     rows = tensor_shape(ids)[:1]
     # the expert computation proper: from the block input's rows to the weighted output, cut at the ids
     stacked = sorted({p.args[0] for p in picks}, key=lambda n: n.name)

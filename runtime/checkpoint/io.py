@@ -483,8 +483,9 @@ def _local_params(pm) -> list[_LocalParam]:
             layout_shape = _full_shape(record.shape if record is not None else p.shape, sharding, tp)
             layout = ParamLayout.from_sharding(layout_shape, sharding, tp_index, tp)
             if canon in stacked:  # ep: this rank's rows of a stacked expert weight
-                n, ep_index = p.shape[0], pm.mesh.dp_index % pm.config.ep
-                layout = ParamLayout(shape=(n * pm.config.ep, *p.shape[1:]), dim=0, segments=((0, ep_index * n, n),))
+                n = p.shape[0]
+                layout = ParamLayout(shape=(n * pm.config.ep, *p.shape[1:]), dim=0,
+                                     segments=((0, pm.program.ep_index * n, n),))
             # A tied weight is written by the lowest stage holding a copy (one writer per box).
             tied = next((t.stages for k, t in pm.program.tied.items() if canon_of.get(k, k) == canon), ())
             lowest = min(tied, default=s)

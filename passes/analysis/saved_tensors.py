@@ -160,13 +160,14 @@ class FakeRun:
     inner: dict[fx.Node, list[fx.Node]]
 
 
-_LAST_RUN: list = []
-"""The last :class:`FakeRun` made without an offload observer and with every dim concrete, as
-(signature, graph, run): the stage pipeline asks for the same run two or three times in a row
-(``shard_parameters`` observes the gathers' savers, ``annotate_shapes`` and ``annotate_memory``
-re-analyse the program), the planner's memory replay once more on a copy of the program, and a
-fake run is most of what each costs. One entry: the nodes it holds keep their graph alive until
-the next run."""
+_RECENT_RUNS: list = []
+"""The last :data:`_RECENT` :class:`FakeRun` s made without an offload observer and with every dim
+concrete, newest first, as (signature, the nodes of the graph it ran, run). The stage pipeline
+asks for the same run two or three times in a row (``shard_parameters`` observes the gathers'
+savers, ``annotate_shapes`` and ``annotate_memory`` re-analyse the program); the planner's memory replay, the dumps and the job's
+own lowering ask again for the programs of the same plan, and a fake run is most of what each
+costs. The nodes an entry holds keep them alive until it is pushed out."""
+_RECENT = 8
 
 
 def _signature(gm: fx.GraphModule, watching: bool) -> tuple:
@@ -195,14 +196,19 @@ def _same(a: tuple, b: tuple) -> bool:
         return False
 
 
-def _rebind(run: FakeRun, made_on: fx.GraphModule, gm: fx.GraphModule) -> FakeRun:
-    """``run`` (made on ``made_on``) as a run of ``gm``, a graph of the same signature: each node
-    of ``made_on`` (and of its regions) stands for the node of ``gm`` at the same place."""
-    if made_on is gm:
+def _nodes(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
+    """Every (sub)graph's nodes in order, by module name: where a run's nodes stood when it was made."""
+    return {name: list(sub.graph.nodes) for name, sub in gm.named_modules() if isinstance(sub, fx.GraphModule)}
+
+
+def _rebind(run: FakeRun, made_on: dict[str, list[fx.Node]], gm: fx.GraphModule) -> FakeRun:
+    """``run`` (made on a graph whose nodes were ``made_on``) as a run of ``gm``, a graph of the
+    same signature: each node of the first stands for the node of ``gm`` at the same place (the
+    first graph may have changed since)."""
+    now = _nodes(gm)
+    if all(a is b for name, nodes in made_on.items() for a, b in zip(nodes, now[name])):
         return run
-    subs = dict(gm.named_modules())
-    node = {a: b for name, sub in made_on.named_modules() if isinstance(sub, fx.GraphModule)
-            for a, b in zip(sub.graph.nodes, subs[name].graph.nodes)}
+    node = {a: b for name, nodes in made_on.items() for a, b in zip(nodes, now[name])}
     return FakeRun(fake=run.fake, attrs=run.attrs, values={node[n]: v for n, v in run.values.items()},
                    packed=[(node.get(n), t) for n, t in run.packed],  # None: saved before any node ran
                    inner={node[c]: [node[n] for n in nodes] for c, nodes in run.inner.items()})
@@ -211,13 +217,16 @@ def _rebind(run: FakeRun, made_on: fx.GraphModule, gm: fx.GraphModule) -> FakeRu
 def fake_forward_run(gm: fx.GraphModule, *, observer: MemoryObserver | None = None) -> FakeRun:
     """Run ``gm``'s forward on fake tensors under ``saved_tensors_hooks``, each checkpointed region
     interpreted node by node (what :func:`observe_saved_tensors` reads, and the shapes
-    ``annotate_shapes`` writes). The last run at concrete dims is remembered while its graph is
-    unchanged (:data:`_LAST_RUN`), unless an offload ``observer`` must see the run's packs."""
+    ``annotate_shapes`` writes). The last few runs at concrete dims are remembered by what they
+    depend on (:data:`_RECENT_RUNS`): a graph of the same signature, this one unchanged or a copy,
+    gets its run again, unless an offload ``observer`` must see the run's packs."""
     watching = observer is not None and _has_offload(gm)  # without offload regions there is nothing to watch
     sig = _signature(gm, watching)
-    if not watching and _LAST_RUN and _same(_LAST_RUN[0][0], sig):
-        _, made_on, run = _LAST_RUN[0]
-        return _rebind(run, made_on, gm)
+    if not watching:
+        for i, (known, made_on, run) in enumerate(_RECENT_RUNS):
+            if _same(known, sig):
+                _RECENT_RUNS.insert(0, _RECENT_RUNS.pop(i))
+                return _rebind(run, made_on, gm)
     info = capture_info(gm)
     fake = fake_context(info)
     attrs = fake_attrs(fake, gm, info.device, requires_grad=True)
@@ -237,7 +246,8 @@ def fake_forward_run(gm: fx.GraphModule, *, observer: MemoryObserver | None = No
     # Only runs with every dim concrete are kept: with symbols, a reader that asks a size
     # concretely installs a guard in the run's shape environment, which would specialize the
     # next reader's sizes.
-    _LAST_RUN[:] = [] if watching or fake.symbolic else [(sig, gm, run)]
+    if not (watching or fake.symbolic):
+        _RECENT_RUNS[:] = [(sig, _nodes(gm), run), *_RECENT_RUNS[:_RECENT - 1]]
     return run
 
 

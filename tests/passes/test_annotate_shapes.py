@@ -96,3 +96,32 @@ def test_symbolic_shapes_from_export_equal_the_symbolic_fake_run(spec):
     slow = {n.name: shapes.shape_meta(fake, v) for n, v in results.items()}
     assert {n.name: m for n, m in fast.items()} == slow
     assert any(t.requires_grad for m in fast.values() for t in m.tensors)
+
+
+def test_a_graph_of_a_signature_seen_recently_gets_its_fake_run_again(monkeypatch):
+    """The last few concrete fake runs are remembered by what they depend on: a copy of a graph
+    run two graphs ago gets that run (its own nodes), even after the original changed; another
+    graph runs anew."""
+    import copy
+
+    from passes.analysis import saved_tensors
+
+    made = []
+    fake_context = saved_tensors.fake_context
+    monkeypatch.setattr(saved_tensors, "fake_context", lambda info: made.append(info) or fake_context(info))
+    monkeypatch.setattr(saved_tensors, "_RECENT_RUNS", [])
+    first = _capture(TwoLinear(), ("batch", 8))
+    twin = copy.deepcopy(first)
+    other = _capture(nn.Sequential(nn.Linear(8, 4)), ("batch", 8))
+    saved_tensors.fake_forward_run(first)
+    saved_tensors.fake_forward_run(other)
+    relu = next(n for n in first.graph.nodes if n.name == "relu")
+    with first.graph.inserting_after(relu):  # the original changes after its run
+        first.graph.call_function(torch.ops.aten.neg.default, (relu,))
+    run = saved_tensors.fake_forward_run(twin)
+    assert len(made) == 2  # the twin ran nothing
+    assert {n for n in twin.graph.nodes if n.op != "output"} <= set(run.values)
+    assert all(n.graph is twin.graph for n in run.values)  # the twin's nodes, not the changed original's
+    assert {n.name: tuple(v.shape) for n, v in run.values.items() if isinstance(v, torch.Tensor)}["linear"] == (4, 32)
+    saved_tensors.fake_forward_run(first)  # changed: a new signature
+    assert len(made) == 3

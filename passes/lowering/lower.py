@@ -27,7 +27,6 @@ rewrite so that they contain its collectives; offload brackets go in last.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import hashlib
@@ -43,6 +42,7 @@ from torch import fx
 from passes.ir.config import TORCH_DTYPES, ParallelConfig, dtype_name
 from passes.ir.meta import CONTEXT_PARALLEL, EXPERT_PARALLEL, MOE_LAYERS
 from passes.ir.module_attrs import install, remove
+from passes.ir.graph_modules import copy_graph_module
 from passes.ir.moe_ops import DATA_OPS, EP_OPS
 from passes.ir.cp_ops import CP_OPS
 from passes.ir.cost import CostHooks
@@ -223,7 +223,7 @@ def lower(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
     if instrument is None:
         gm = _whole_graph(gm, whole_passes, ctx)
     else:  # dumped pass by pass: run as one pipeline
-        gm = whole.run(copy.deepcopy(gm), ctx)
+        gm = whole.run(copy_graph_module(gm), ctx)
     records = [PipelineRecord(name="whole_graph", text=whole.text())]
 
     assignment = StageAssignment(n_stages=config.n_stages, stage_of={
@@ -236,7 +236,7 @@ def lower(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
         if config.tp > 1 or config.zero_stage == 3 or config.ep > 1 or sum(1 for w in wanted if w[0] == s) > 1:
             # several programs start from one split module, ZeRO-3 replaces its parameters, or ep
             # drops the other ranks' experts (which their programs take from the split)
-            stage = copy.deepcopy(stage)
+            stage = copy_graph_module(stage)
         stage.meta[CAPTURE] = stage_capture(gm, split.io[s])
         stage.meta[STAGE_IO] = split.io[s]
         stage.meta.update({k: gm.meta[k] for k in _INHERITED if k in gm.meta})
@@ -295,8 +295,8 @@ def _whole_graph(gm: fx.GraphModule, passes: list, ctx: PassContext) -> fx.Graph
     runs each time."""
     n = _prefix_length(passes)
     if not n:
-        return manager(passes).run(copy.deepcopy(gm), ctx)
-    return manager(passes[n:]).run(copy.deepcopy(_prefix(gm, passes[:n], ctx)), ctx)
+        return manager(passes).run(copy_graph_module(gm), ctx)
+    return manager(passes[n:]).run(copy_graph_module(_prefix(gm, passes[:n], ctx)), ctx)
 
 
 def _prefix(gm: fx.GraphModule, passes: list, ctx: PassContext) -> fx.GraphModule:
@@ -305,7 +305,7 @@ def _prefix(gm: fx.GraphModule, passes: list, ctx: PassContext) -> fx.GraphModul
     if key in memo:
         prefix = memo[key]
     else:
-        prefix = manager(passes).run(copy.deepcopy(gm), ctx)
+        prefix = manager(passes).run(copy_graph_module(gm), ctx)
     _remember(gm, key, prefix)
     return prefix
 
@@ -447,7 +447,7 @@ def _with_experts(program: fx.GraphModule, split: fx.GraphModule, renames: Mappi
     rows ``slices`` names, copied from the stage's ``split`` module, which holds every expert. A
     checkpointed region re-lists the parameters it reads: each module holding a slot holds the
     expert instead, one parameter object for all of them."""
-    out = copy.deepcopy(program)
+    out = copy_graph_module(program)
     made: dict[str, torch.nn.Parameter] = {}
     for sub in out.modules():
         if not isinstance(sub, fx.GraphModule):

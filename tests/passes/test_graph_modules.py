@@ -1,0 +1,52 @@
+"""passes.ir.graph_modules: lazy code generation, and copies that share immutable metadata."""
+import copy
+from dataclasses import dataclass
+
+import sympy
+import torch
+from torch import fx, nn
+
+from passes.ir.graph_modules import compiled, copy_graph_module, graph_module
+
+
+@dataclass(frozen=True)
+class _Summary:
+    bytes: sympy.Expr
+    per_node: dict
+
+
+def _module() -> fx.GraphModule:
+    gm = fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    b = sympy.Symbol("batch", positive=True, integer=True)
+    gm.meta["summary"] = _Summary(bytes=16 * b + 64, per_node={"relu": [4 * b]})
+    gm.meta["plain"] = {"counts": [1, 2]}
+    return gm
+
+
+def test_a_copy_shares_expressions_and_nothing_else():
+    gm = _module()
+    twin = copy_graph_module(gm)
+    assert twin.meta["summary"] == gm.meta["summary"]
+    assert twin.meta["summary"] is not gm.meta["summary"]  # the dataclass, its dict and list are copies
+    assert twin.meta["summary"].per_node["relu"] is not gm.meta["summary"].per_node["relu"]
+    assert twin.meta["summary"].bytes is gm.meta["summary"].bytes  # the expression is shared
+    assert twin.meta["summary"].per_node["relu"][0] is gm.meta["summary"].per_node["relu"][0]
+    assert twin.meta["plain"] == gm.meta["plain"] and twin.meta["plain"]["counts"] is not gm.meta["plain"]["counts"]
+    assert twin.graph is not gm.graph and [n.name for n in twin.graph.nodes] == [n.name for n in gm.graph.nodes]
+    p, q = dict(gm.named_parameters()), dict(twin.named_parameters())
+    assert all(q[k] is not p[k] and torch.equal(q[k], p[k]) for k in p)
+    x = torch.randn(2, 4)
+    assert torch.equal(twin(x), gm(x))
+
+
+def test_a_copy_is_what_deepcopy_makes():
+    gm = _module()
+    a, b = copy_graph_module(gm), copy.deepcopy(gm)
+    assert a.code == b.code and a.meta["summary"] == b.meta["summary"]
+
+
+def test_lazy_modules_make_their_code_when_asked():
+    gm = fx.symbolic_trace(nn.Linear(3, 3))
+    lazy = graph_module(gm, gm.graph)
+    assert "linear" in compiled(lazy).code
+    assert torch.equal(lazy(torch.ones(1, 3)), gm(torch.ones(1, 3)))

@@ -13,6 +13,7 @@ seconds, no weights allocated.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import math
 import operator
@@ -230,7 +231,7 @@ class ModelProfile:
     """The blocks' attention (None: no ``scaled_dot_product_attention`` in a block): what the
     search needs to offer and price context parallelism."""
 
-    @property
+    @functools.cached_property
     def tensor_remat_asked(self) -> bool:
         """Whether the profile was asked to price ``checkpointing="tensor"`` (priced or refused)."""
         return not self.blocks or self.blocks[0].tensor_refusal != TENSOR_NOT_ASKED
@@ -241,49 +242,49 @@ class ModelProfile:
         the profiled sequence (``seq`` 0: the inputs name no sequence dim)."""
         return sequence_parallel_refusal(self.seq or None, tp, cp)
 
-    @property
+    @functools.cached_property
     def context_parallel(self) -> bool:
         """Whether the sequence can be cut over cp ranks (:mod:`passes.rewrites.context_parallel`)."""
         return self.attention is not None and not self.attention.cp_refusal and self.seq > 0
 
-    @property
+    @functools.cached_property
     def layers(self) -> tuple[LayerProfile, ...]:
         """The whole chain: embedding, blocks, head."""
         return (self.embedding, *self.blocks, self.head)
 
-    @property
+    @functools.cached_property
     def experts(self) -> int:
         """Routed experts every MoE block divides into (their gcd; 0 for a dense model): the ep
         degrees the search offers divide it."""
         return math.gcd(*(b.experts for b in self.blocks)) if any(b.experts for b in self.blocks) else 0
 
-    @property
+    @functools.cached_property
     def ep_refusal(self) -> str:
         """Why expert parallelism cannot spread this model's experts (empty when it can)."""
         if not self.experts:
             return "the model has no mixture-of-experts block"
         return ""
 
-    @property
+    @functools.cached_property
     def param_count(self) -> int:
         """All parameters, shared ones once."""
         return sum(layer.param_count for layer in self.layers) + self.shared_param_count
 
-    @property
+    @functools.cached_property
     def param_bytes(self) -> int:
         return sum(layer.param_bytes for layer in self.layers) + self.shared_param_bytes
 
-    @property
+    @functools.cached_property
     def fwd_flops(self) -> int:
         """Forward FLOPs per sample."""
         return sum(layer.fwd_flops for layer in self.layers)
 
-    @property
+    @functools.cached_property
     def bwd_flops(self) -> int:
         """Backward FLOPs per sample."""
         return sum(layer.bwd_flops for layer in self.layers)
 
-    @property
+    @functools.cached_property
     def activation_bytes(self) -> int:
         """Saved activation bytes per sample, all layers."""
         return sum(layer.activation_bytes for layer in self.layers)

@@ -119,8 +119,10 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 from partitioner.cost.cluster import Cluster
 from partitioner.cost.cost_model import (
@@ -594,40 +596,53 @@ def _assignment(ctx: PlanContext, c: ParallelConfig, costs, limit: float | None)
     cands = sorted({n * blk.time + e * emb.time + h * head.time
                     for n in range(L + 1) for e in (0, 1) for h in (0, 1) if n + e + h > 0})
     lo = bisect.bisect_left(cands, max(sum(times[i] * (L if i == 1 else 1) for i in range(3)) / p, max(times)) * (1 - 1e-12))
-    if _greedy(ctx, c, costs, float("inf"), limit) is None:
+    greedy = _greedy(ctx, c, costs)
+    if greedy(float("inf"), limit) is None:
         return None
     hi = len(cands) - 1
     lo = min(lo, hi)
     while lo < hi:
         mid = (lo + hi) // 2
-        if _greedy(ctx, c, costs, cands[mid], limit) is None:
+        if greedy(cands[mid], limit) is None:
             lo = mid + 1
         else:
             hi = mid
-    return _greedy(ctx, c, costs, cands[lo], limit) or _greedy(ctx, c, costs, float("inf"), limit)
+    return greedy(cands[lo], limit) or greedy(float("inf"), limit)
 
 
-def _greedy(ctx: PlanContext, c: ParallelConfig, costs, T: float, limit: float | None):
-    """Fill stages left to right with as many layers as time ``T`` and memory allow."""
+def _greedy(ctx: PlanContext, c: ParallelConfig, costs) -> Callable[[float, float | None], list | None]:
+    """``fill(T, limit)``: fill stages left to right with as many layers as time ``T`` and memory
+    ``limit`` allow (None: the layers do not fit). What does not depend on ``T`` and ``limit`` is
+    worked out once here: the binary search over ``T`` fills a config's stages about ten times."""
     L, p = ctx.L, c.pp
     emb, blk, head = costs
     wp, wg, wo = _state_per_param(ctx, c)
     per_param = wp + wg + wo
     shared = ctx.profile.shared_param_count / c.tp
     runs = [(emb, 1, shared if p > 1 else 0.0), (blk, L, 0.0), (head, 1, shared)]
+    in_flight = [_inflight(c, stage) for stage in range(p)]
+    base = _buffers(ctx, c) + _recompute_working_set(c, blk)
+    bucket = 2 * DEFAULT_BUCKET_BYTES if c.dp_cp > 1 else 0.0
+    return functools.partial(_fill, p=p, runs=runs, per_param=per_param, in_flight=in_flight, base=base,
+                             bucket=bucket, itemsize=ctx.itemsize if c.dp_cp > 1 else 0.0)
+
+
+def _fill(T: float, limit: float | None, *, p: int, runs, per_param: float, in_flight: list[float],
+          base: float, bucket: float, itemsize: float) -> list | None:
+    """:func:`_greedy`'s fill of the stages (``itemsize``: gradient bytes per parameter that the dp
+    buckets grow by, 0 without dp)."""
     eps = 1e-12 * max(T, 1e-30) if math.isfinite(T) else 0.0
     counts = []
     run, left = 0, runs[0][1]
     for stage in range(p):
-        n_in = _inflight(c, stage)
+        n_in = in_flight[stage]
         t = grads = 0.0
         taken = 0
-        mem = _buffers(ctx, c) + _recompute_working_set(c, blk)
-        bucket = 2 * DEFAULT_BUCKET_BYTES if c.dp_cp > 1 else 0.0
+        mem = base
         while run < 3:
             cost, _, extra = runs[run]
             w = (cost.params + extra) * per_param + n_in * cost.act_bytes
-            g = (cost.params + extra) * ctx.itemsize if c.dp_cp > 1 else 0.0  # gradient bucket growth
+            g = (cost.params + extra) * itemsize  # gradient bucket growth
             n = left
             if cost.time > 0:
                 n = min(n, int((T - t + eps) // cost.time)) if math.isfinite(T) else n

@@ -12,7 +12,6 @@ seconds, no weights allocated.
 """
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 import math
@@ -23,6 +22,7 @@ import sympy
 from torch import fx
 
 from passes.policies.checkpoint_policy import checkpoint_policy
+from passes.ir.graph_modules import copy_graph_module
 from passes.analysis.graph_view import to_networkx
 from passes.solvers.remat_solver import plain_backward_peak, problem_from_view
 from passes.policies.tensor_remat_policy import decide as decide_tensor_remat
@@ -467,8 +467,7 @@ def _dag_per_block(gm: fx.GraphModule, stack: list[str], subs: dict | None) -> t
 def _tagging_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A deep copy of ``gm`` for a policy that tags its nodes and meta, sharing the parameters and
     buffers (a policy reads them, never writes them), so a real model's weights are not copied."""
-    memo = {id(t): t for t in (*gm.parameters(), *gm.buffers())}
-    return copy.deepcopy(gm, memo)
+    return copy_graph_module(gm, share=(*gm.parameters(), *gm.buffers()))
 
 
 def with_tensor_remat(profile: ModelProfile, gm: fx.GraphModule) -> ModelProfile:

@@ -55,7 +55,6 @@ every rank (ranks wait for each other at the end of a step).
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping
@@ -63,6 +62,7 @@ from typing import Hashable, Mapping
 import torch
 from torch import fx
 
+from passes.ir.graph_modules import copy_graph_module
 from passes.ir.errors import ConfigError
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -178,7 +178,7 @@ def stage_events(module: fx.GraphModule, dims: Mapping[str, int], *, optimizer: 
     micro-batch of named ``dims`` (e.g. ``{"batch": 2, "seq": 8}``). ``module`` is not changed.
     ``dtype``: the plan's training dtype (16-bit: the optimizer temporaries are fp32, the masters')."""
 
-    gm = copy.deepcopy(module)
+    gm = copy_graph_module(module)
     info = gm.meta.get(CAPTURE)
     if info is None:
         raise ConfigError("fidelity: the stage module has no meta['capture']; lower it with "

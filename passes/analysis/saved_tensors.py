@@ -164,9 +164,10 @@ _RECENT_RUNS: list = []
 """The last :data:`_RECENT` :class:`FakeRun` s made without an offload observer and with every dim
 concrete, newest first, as (signature, the nodes of the graph it ran, run). The stage pipeline
 asks for the same run two or three times in a row (``shard_parameters`` observes the gathers'
-savers, ``annotate_shapes`` and ``annotate_memory`` re-analyse the program); the planner's memory replay, the dumps and the job's
-own lowering ask again for the programs of the same plan, and a fake run is most of what each
-costs. The nodes an entry holds keep them alive until it is pushed out."""
+savers, ``annotate_shapes`` and ``annotate_memory`` re-analyse the program); the planner's
+memory replay, the dumps and the job's own lowering ask again for the programs of the same
+plan, and a fake run is most of what each costs. The nodes an entry holds stay alive until it
+is pushed out."""
 _RECENT = 8
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
+from typing import Any, Iterable
 
 import sympy
 from torch import fx, nn
@@ -36,9 +36,10 @@ def compiled(module: nn.Module) -> nn.Module:
     return module
 
 
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """``copy.deepcopy(gm)``, sharing the sympy expressions of its (and its submodules') ``meta``."""
-    memo: dict[int, Any] = {}
+def copy_graph_module(gm: fx.GraphModule, *, share: Iterable[Any] = ()) -> fx.GraphModule:
+    """``copy.deepcopy(gm)``, sharing the sympy expressions of its (and its submodules') ``meta``
+    and the objects of ``share`` (e.g. its parameters, for a copy that only reads them)."""
+    memo: dict[int, Any] = {id(obj): obj for obj in share}
     seen: set[int] = set()
     for sub in gm.modules():
         if isinstance(sub, fx.GraphModule):

@@ -39,6 +39,13 @@ def test_a_copy_shares_expressions_and_nothing_else():
     assert torch.equal(twin(x), gm(x))
 
 
+def test_a_copy_shares_what_it_is_told_to():
+    gm = _module()
+    twin = copy_graph_module(gm, share=tuple(gm.parameters()))
+    assert [id(p) for p in twin.parameters()] == [id(p) for p in gm.parameters()]
+    assert twin.graph is not gm.graph and twin.meta["plain"] is not gm.meta["plain"]
+
+
 def test_a_copy_is_what_deepcopy_makes():
     gm = _module()
     a, b = copy_graph_module(gm), copy.deepcopy(gm)

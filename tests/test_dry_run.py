@@ -272,19 +272,25 @@ def test_cp_plans_run_the_calls_the_communication_check_predicts(fix, nodes, ran
         assert r.static == [] and r.static_calls > 0
 
 
-def test_ep_plans_run_the_calls_the_communication_check_predicts():
+@pytest.mark.parametrize("zero", [0, 2])
+def test_ep_plans_run_the_calls_the_communication_check_predicts(zero):
     """Expert parallelism (ep=2 of dp=4, so each expert on two ranks whose gradient buckets launch
     from backward hooks) with a pipeline and two micro-batches: the ep dispatch and combine, the
     load-balancing loss's averages over the data axis (the count of chosen experts carries no
-    gradient: no backward call) and the expert buckets run as the communication check predicts."""
+    gradient: no backward call) and the expert buckets run as the communication check predicts;
+    under ZeRO-2 those buckets reduce-scatter after each backward over the two ranks holding the
+    same experts, and the updated chunks are gathered over them."""
     report = dry_run("moe:layers=2,hidden=32,heads=4,vocab=64,seq=16,experts=4,top_k=2,expert_hidden=32,dropout=0.0",
                      "dgx-h100", nodes=1, training=Training(global_batch=8),
-                     fix="dp=4,ep=2,tp=1,pp=2,num_micro_batches=2", ranks=(0, 4))
+                     fix=f"dp=4,ep=2,tp=1,pp=2,num_micro_batches=2,zero_stage={zero}", ranks=(0, 4))
     assert report.ok and not report.static_mismatches, report.text()
     for r in report.ranks:
         assert r.static == [] and r.static_calls > 0
         groups = {c.group for c in r.collectives}
         assert (r.rank, r.rank + 1) in groups  # the ep group: two consecutive ranks of the data axis
+        replicas = (r.rank, r.rank + 2)  # the ranks holding the same experts
+        ops = {c.op.split("(")[0] for c in r.collectives if c.group == replicas}
+        assert ops == ({"reduce_scatter", "all_gather"} if zero else {"all_reduce"}), ops
 
 
 def test_stacked_expert_plans_run_the_calls_the_communication_check_predicts():

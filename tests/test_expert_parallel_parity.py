@@ -7,8 +7,10 @@ experts: each ep rank holds its rows of them) at ep = 2 and 4, with expert repli
 with full checkpointing: per-step losses (the LM loss plus
 the aux loss), gradient norms, final parameters and last gradients (router included) at rtol 1e-5,
 and each rank holding experts / ep of the expert parameters.
-A checkpoint saved at ep=2 loads at ep=4 (the next step's loss and parameters as the ep=2 run's)
-and into the plain module (its parameters as saved). The planner's memory replay of ep plans is
+Under ZeRO-1/2 the experts' gradients and optimizer state are sharded over the ranks holding the
+same experts, the rest over dp.
+A checkpoint saved at ep=2 (also under ZeRO-2) loads at ep=4 (the next step's loss and parameters
+as the ep=2 run's) and into the plain module (its parameters as saved). The planner's memory replay of ep plans is
 within 5% of each rank's measured peak, and an ep rank holds less than a replica of the whole.
 
 One micro-batch per replica: the aux loss of a step is then one device's (with micro-batches it is
@@ -17,6 +19,7 @@ each micro-batch's, as under any gradient accumulation).
 One spawn of 8 ranks runs every plan."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -30,9 +33,10 @@ from tests.runtime_cases import measure_memory, packed_graph, unpacked_graph
 pytestmark = pytest.mark.slow
 
 
-def _plan(*, dp: int, ep: int = 1, pp: int = 1, cp: int = 1, checkpointing: str = "none", model: str = "moe") -> Plan:
+def _plan(*, dp: int, ep: int = 1, pp: int = 1, cp: int = 1, checkpointing: str = "none", model: str = "moe",
+          zero: int = 0) -> Plan:
     return Plan(model=model, dp=dp, tp=1, pp=pp, schedule="1f1b", virtual_pp=1, num_micro_batches=1,
-                global_batch=2 * dp, zero=0, checkpointing=checkpointing, offload="none", cp=cp, ep=ep)
+                global_batch=2 * dp, zero=zero, checkpointing=checkpointing, offload="none", cp=cp, ep=ep)
 
 
 PLANS = [
@@ -56,18 +60,26 @@ PLANS = [
     # a stage boundary between the MoE layers: layer 0's router logits travel to the last stage's aux loss
     _plan(dp=2, ep=2, pp=2, model="hf-qwen3-moe"),
     _plan(dp=2, ep=2, checkpointing="full", model="hf-mixtral"),
+    # ZeRO: the experts' state sharded over the ranks holding them (two here), the rest over dp
+    _plan(dp=4, ep=2, zero=2),
+    _plan(dp=4, ep=2, zero=1, model="hf-qwen3-moe"),
+    _plan(dp=4, ep=2, zero=2, model="hf-lfm2-moe"),
+    _plan(dp=2, ep=2, zero=2, model="hf-qwen3-moe"),  # one rank holds each expert: its shard is all of it
 ]
 # expert weights of the whole model: the zoo's per expert, Hugging Face's stacked per layer
 EXPERT_WEIGHTS = {"moe": 4 * 4 * 3, "hf-mixtral": 2 * 2, "hf-qwen3-moe": 2 * 2, "hf-lfm2-moe": 2 * 2}
 
 
-CHECKPOINT_MODELS = ("moe", "hf-qwen3-moe")  # experts per module; stacked experts
+# (case, model, the saving run's knobs): experts per module, stacked experts, and ZeRO-2's flat
+# state (the experts' sharded over their two replicas); each loads at dp=4 ep=4 without ZeRO
+CHECKPOINT_CASES = [("moe", "moe", {"dp": 2, "ep": 2}), ("hf-qwen3-moe", "hf-qwen3-moe", {"dp": 2, "ep": 2}),
+                    ("moe-zero2", "moe", {"dp": 4, "ep": 2, "zero_stage": 2})]
 
 
 def _plans_then_checkpoint(plans, payloads, root: str) -> dict:
-    """On each rank: :func:`train_plans`, then the checkpoint case for each of
-    :data:`CHECKPOINT_MODELS`: dp=2 ep=2 trains two steps and saves, then a third step; dp=4 ep=4
-    loads the checkpoint and takes that third step."""
+    """On each rank: :func:`train_plans`, then each of :data:`CHECKPOINT_CASES`: its saving run
+    trains two steps and saves, then a third step; dp=4 ep=4 loads the checkpoint and takes that
+    third step."""
     from partitioner.calibration.job_cluster import local_cluster
     from partitioner.compile.build import build_parallel_model
     from passes.ir.config import ParallelConfig
@@ -75,32 +87,36 @@ def _plans_then_checkpoint(plans, payloads, root: str) -> dict:
     from runtime.dist.mesh import Mesh
 
     out = train_plans(plans, payloads)
-    configs = [ParallelConfig.for_global_batch(4, dp=dp, ep=dp) for dp in (2, 4)]
-    meshes = [Mesh.for_config(c, timeout_s=TIMEOUT_S) for c in configs]
-    for name in CHECKPOINT_MODELS:
+    load = ParallelConfig.for_global_batch(4, dp=4, ep=4)
+    configs = [ParallelConfig.for_global_batch(4, **knobs) for _, _, knobs in CHECKPOINT_CASES]
+    meshes = {c: Mesh.for_config(c, timeout_s=TIMEOUT_S) for c in dict.fromkeys([*configs, load])}
+    for (case, name, _), save in zip(CHECKPOINT_CASES, configs):
         spec, graph = unpacked_graph(MODELS[name], payloads.get(name) or packed_graph(MODELS[name]))
         batches = [spec.example_inputs({"batch": 4}, seed=200 + k) for k in range(3)]
-        for kind, config, mesh in zip(("save", "load"), configs, meshes):
+        for kind, config in (("save", save), ("load", load)):
             torch.distributed.barrier()  # the load starts after the save has finished
+            mesh = meshes[config]
             if not mesh.active:
                 continue
             model = build_parallel_model(graph, config, mesh, optimizer=ADAMW, cluster=local_cluster(mesh.size))
             if kind == "save":
                 for b in batches[:2]:
                     model.train_step(b)
-                save_checkpoint(model, f"{root}/{name}-ep2", step=2)
+                save_checkpoint(model, f"{root}/{case}-ep2", step=2)
                 saved = model.full_parameters()
             else:
-                assert load_checkpoint(model, f"{root}/{name}-ep2") == 2
+                assert load_checkpoint(model, f"{root}/{case}-ep2") == 2
                 saved = None
             loss = model.train_step(batches[2])
-            out[f"{name}-{kind}"] = {"loss": loss, "params": model.full_parameters(), "saved": saved}
+            out[f"{case}-{kind}"] = {"loss": loss, "params": model.full_parameters(), "saved": saved}
     return out
 
 
 MEMORY_PLANS = [_plan(dp=2), _plan(dp=2, ep=2), _plan(dp=4, ep=2), _plan(dp=4, ep=4),
                 _plan(dp=2, model="hf-qwen3-moe"), _plan(dp=2, ep=2, model="hf-qwen3-moe"),
-                _plan(dp=4, ep=4, model="hf-qwen3-moe")]
+                _plan(dp=4, ep=4, model="hf-qwen3-moe"),
+                _plan(dp=4, ep=2, zero=2), _plan(dp=4, ep=2, zero=1, model="hf-qwen3-moe"),
+                _plan(dp=4, ep=2, zero=2, model="hf-qwen3-moe")]
 
 
 def _all(plans, payloads, root: str) -> dict:
@@ -156,17 +172,17 @@ def _plain(model: str) -> torch.nn.Module:
     return build_model(MODELS[model]).module
 
 
-@pytest.mark.parametrize("model", CHECKPOINT_MODELS)
-def test_a_checkpoint_saved_at_ep2_loads_at_ep4_and_into_the_plain_model(run, model):
+@pytest.mark.parametrize("case, model", [(case, model) for case, model, _ in CHECKPOINT_CASES])
+def test_a_checkpoint_saved_at_ep2_loads_at_ep4_and_into_the_plain_model(run, case, model):
     from runtime.checkpoint.io import load_into_module
     root, results = run
-    saved, loaded = results[0][f"{model}-save"], results[0][f"{model}-load"]
+    saved, loaded = results[0][f"{case}-save"], results[0][f"{case}-load"]
     assert loaded["loss"] == pytest.approx(saved["loss"], rel=1e-6)
     assert set(loaded["params"]) == set(saved["params"])
     for name, value in saved["params"].items():
         torch.testing.assert_close(loaded["params"][name], value, rtol=1e-5, atol=1e-7, msg=name)
     module = _plain(model)
-    assert load_into_module(module, f"{root}/{model}-ep2") == 2
+    assert load_into_module(module, f"{root}/{case}-ep2") == 2
     for name, value in saved["saved"].items():  # a tied weight under the name the rank lists it by
         torch.testing.assert_close(module.get_parameter(name).detach(), value, rtol=0, atol=0, msg=name)
     assert {id(module.get_parameter(n)) for n in saved["saved"]} == {id(p) for p in module.parameters()}
@@ -188,3 +204,6 @@ def test_replayed_peak_matches_each_rank_measured(run, plan):
             f"rank {rank}: replay {replayed[rank].peak_bytes}, measured {measured['peak']}")
         if plan.ep > 1:  # its 1/ep of the experts: fewer parameters than a replica of the whole
             assert measured["params"] < plain["params"]
+        unsharded = dataclasses.replace(plan, zero=0)
+        if plan.zero and unsharded in MEMORY_PLANS:  # ZeRO's share of the optimizer state, the experts' included
+            assert measured["optimizer"] < results[rank]["memory"][unsharded.id]["optimizer"]

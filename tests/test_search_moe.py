@@ -44,6 +44,23 @@ def test_ep_prices_the_experts_once_per_group_and_the_exchanges(profile):
         plans[1].stages[0].memory["optimizer"]
 
 
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_shards_an_ep_ranks_experts_over_the_ranks_holding_them(profile, zero):
+    """dp=4 ep=2: a rank holds half the experts, their state sharded over the 2 ranks holding the
+    same ones, the rest over dp: every state byte of the model 1/dp per rank, as without ep."""
+    cluster = local_cluster(4)
+    plans = {ep: search(profile, cluster, global_batch=8, fix={**PINNED, "dp": 4, "ep": ep, "zero_stage": zero})
+             for ep in (1, 2)}
+    assert plans[2].config.ep == 2 and plans[2].config.zero_stage == zero
+    sharded = ("optimizer", "gradients") if zero == 2 else ("optimizer",)
+    for part in sharded:
+        assert plans[2].stages[0].memory[part] == pytest.approx(plans[1].stages[0].memory[part], rel=1e-9), part
+    experts = sum(b.expert_param_count for b in profile.blocks) * 4  # fp32 bytes
+    assert plans[1].stages[0].param_bytes - plans[2].stages[0].param_bytes == pytest.approx(experts / 2)
+    unsharded = search(profile, cluster, global_batch=8, fix={**PINNED, "dp": 4, "ep": 2})
+    assert plans[2].stages[0].memory["optimizer"] < unsharded.stages[0].memory["optimizer"]
+
+
 def test_the_search_spreads_the_experts_when_a_replica_does_not_fit(profile):
     cluster = local_cluster(4)
     peak = {ep: search(profile, cluster, global_batch=8, fix={**PINNED, "dp": 4, "ep": ep}).predicted.peak_memory_bytes
@@ -64,7 +81,7 @@ def test_refusals(profile):
         search(dense, cluster, global_batch=8, fix={"ep": 2})
     # pinned knobs ep does not run with yet: one rule each, before any candidate
     for fix, rule in [({"ep": 2, "tp": 2, "dp": 2}, "ep=2 with tp=2 is not supported yet"),
-                      ({"ep": 2, "zero_stage": 2}, "ep=2 with zero_stage=2 is not supported yet"),
+                      ({"ep": 2, "zero_stage": 3}, "ep=2 with zero_stage=3 is not supported yet"),
                       ({"ep": 2, "offload": "activations"}, "ep=2 with offload='activations' is not supported yet")]:
         with pytest.raises(ConfigError, match=rule) as caught:
             search(profile, cluster, global_batch=8, fix=fix)

@@ -530,17 +530,19 @@ def optimizer_tensors(profile: ModelProfile, ranges: list[tuple[int, int]], zero
     return float(sum(layer.param_tensors for layer in layers))
 
 
-def _state_per_param(ctx: PlanContext, c: ParallelConfig) -> tuple[float, float, float]:
+def _state_per_param(ctx: PlanContext, c: ParallelConfig, *, experts: bool = False) -> tuple[float, float, float]:
     """Device bytes per (tp-sharded) parameter: (params, grads, optimizer) under ZeRO/offload.
-    ZeRO shards over the ``dp * cp`` ranks that hold the same parameters (cp ranks replicate them)."""
-    ms = model_state_bytes(1.0, c.shard_degree if c.zero_stage == 3 else c.dp_cp, c.zero_stage, ctx.dtype,
-                           ctx.optimizer)
+    ZeRO shards over the ``dp * cp`` ranks that hold the same parameters (cp ranks replicate them);
+    ``experts``: per parameter of the routed experts a rank holds, which ZeRO-1/2 shard over the
+    ``dp * cp / ep`` ranks holding the same experts."""
+    shards = c.expert_replicas if experts else c.shard_degree if c.zero_stage == 3 else c.dp_cp
+    ms = model_state_bytes(1.0, shards, c.zero_stage, ctx.dtype, ctx.optimizer)
     opt = 0.0 if c.offload == "optimizer" else ms.optimizer
     if c.zero_stage in (1, 2) and not is_mixed(ctx.dtype) and opt:
-        opt += 4.0 / c.dp_cp  # runtime.optim.grad_sync.ShardedOptimizer steps an fp32 copy of its chunk
+        opt += 4.0 / shards  # runtime.optim.grad_sync.ShardedOptimizer steps an fp32 copy of its chunk
     grads = ms.grads
     if c.zero_stage == 2 and is_mixed(ctx.dtype):
-        grads = 4.0 / c.dp_cp  # the sharded accumulator sums in fp32 (runtime.optim.grad_sync)
+        grads = 4.0 / shards  # the sharded accumulator sums in fp32 (runtime.optim.grad_sync)
     # ZeRO-3: the optimizer steps the shards themselves, whose gradients are in the parameters' dtype
     return ms.params, grads, opt
 
@@ -618,18 +620,21 @@ def _greedy(ctx: PlanContext, c: ParallelConfig, costs) -> Callable[[float, floa
     emb, blk, head = costs
     wp, wg, wo = _state_per_param(ctx, c)
     per_param = wp + wg + wo
+    per_expert_param = sum(_state_per_param(ctx, c, experts=True)) - per_param  # more where ZeRO shards them over fewer
     shared = ctx.profile.shared_param_count / c.tp
     runs = [(emb, 1, shared if p > 1 else 0.0), (blk, L, 0.0), (head, 1, shared)]
     in_flight = [_inflight(c, stage) for stage in range(p)]
     base = _buffers(ctx, c) + _recompute_working_set(c, blk)
     bucket = 2 * DEFAULT_BUCKET_BYTES if c.dp_cp > 1 else 0.0
-    return functools.partial(_fill, p=p, runs=runs, per_param=per_param, in_flight=in_flight, base=base,
-                             bucket=bucket, itemsize=ctx.itemsize if c.dp_cp > 1 else 0.0)
+    return functools.partial(_fill, p=p, runs=runs, per_param=per_param, per_expert_param=per_expert_param,
+                             in_flight=in_flight, base=base, bucket=bucket,
+                             itemsize=ctx.itemsize if c.dp_cp > 1 else 0.0)
 
 
-def _fill(T: float, limit: float | None, *, p: int, runs, per_param: float, in_flight: list[float],
-          base: float, bucket: float, itemsize: float) -> list | None:
-    """:func:`_greedy`'s fill of the stages (``itemsize``: gradient bytes per parameter that the dp
+def _fill(T: float, limit: float | None, *, p: int, runs, per_param: float, per_expert_param: float,
+          in_flight: list[float], base: float, bucket: float, itemsize: float) -> list | None:
+    """:func:`_greedy`'s fill of the stages (``per_expert_param``: the state bytes an expert
+    parameter holds beyond ``per_param``; ``itemsize``: gradient bytes per parameter that the dp
     buckets grow by, 0 without dp)."""
     eps = 1e-12 * max(T, 1e-30) if math.isfinite(T) else 0.0
     counts = []
@@ -641,7 +646,7 @@ def _fill(T: float, limit: float | None, *, p: int, runs, per_param: float, in_f
         mem = base
         while run < 3:
             cost, _, extra = runs[run]
-            w = (cost.params + extra) * per_param + n_in * cost.act_bytes
+            w = (cost.params + extra) * per_param + cost.expert_params * per_expert_param + n_in * cost.act_bytes
             g = (cost.params + extra) * itemsize  # gradient bucket growth
             n = left
             if cost.time > 0:
@@ -709,10 +714,11 @@ def _stage_numbers(ctx: PlanContext, c: ParallelConfig, costs, ranges: list[tupl
             if (i == 0 and p > 1) or i == L + 1:
                 params += shared
     wp, wg, wo = _state_per_param(ctx, c)
+    xp, xg, xo = _state_per_param(ctx, c, experts=True)  # the experts' (ZeRO shards them over their replicas)
     memory = {
-        "parameters": params * wp,
-        "gradients": params * wg,
-        "optimizer": params * wo,
+        "parameters": params * wp + experts * (xp - wp),
+        "gradients": params * wg + experts * (xg - wg),
+        "optimizer": params * wo + experts * (xo - wo),
         "activations": act * _inflight(c, stage) + _recompute_working_set(c, blk),
         "buffers": _buffers(ctx, c, None if c.zero_stage == 3 else params * ctx.itemsize),
     }
@@ -751,8 +757,13 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
             return collective(shared, c.dp_cp, link) + extra * collective(0.0, c.dp_cp, link)
 
         rs, ag, ar = per_bucket(reduce_scatter_time), per_bucket(all_gather_time), per_bucket(all_reduce_time)
-        if experts:
-            ar += all_reduce_time(experts * ctx.itemsize, c.expert_replicas, ctx.sync_link(c.expert_replicas, c.ep))
+        if experts:  # ZeRO-1/2 shard them over the expert replicas: reduce-scatter, then gather the update
+            e_bytes, e_link = experts * ctx.itemsize, ctx.sync_link(c.expert_replicas, c.ep)
+            if c.zero_stage in (1, 2):
+                rs += reduce_scatter_time(e_bytes, c.expert_replicas, e_link)
+                ag += all_gather_time(e_bytes, c.expert_replicas, e_link)
+            else:
+                ar += all_reduce_time(e_bytes, c.expert_replicas, e_link)
         # the fixed wait of each synchronising call after the last backward, in the term of its phase
         waits = {}
         for kind, n in step_end_calls(ctx, c, ranges, grads).items():
@@ -776,6 +787,8 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
             dp_exposed = c.num_micro_batches * max(0.0, rs - hide) + ag
         dp_exposed += waits.get("dp_comm", 0.0)
         updated = params / (shards if c.zero_stage >= 1 else 1)  # parameters this rank updates
+        if c.zero_stage in (1, 2) and experts:  # its experts' share: over their replicas
+            updated += experts / c.expert_replicas - experts / shards
         opt_bytes = updated * ms1.optimizer * (shards if c.zero_stage >= 1 else 1)
         opt_rate = dev.optimizer_bytes_per_s or dev.memory_bandwidth_bytes_per_s  # 0: the memory's, not the nodes'
         if c.offload == "optimizer":

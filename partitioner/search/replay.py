@@ -553,14 +553,22 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
     # shards, which an unsharded AdamW steps (the parameters are the shards)
     sharded_state = zero in (1, 2)
     sync = (dp > 1 or zero > 0) and zero != 3  # runtime.exec.parallel_model builds gradient buckets
-    layout = _bucket_layout(params, dp if sharded_state else 1, shard=sharded_state) if zero != 3 else ()
-    # ep: the experts' gradients sync in buckets of their own; over one rank (ep = dp * cp) those
-    # start only at the ALL_REDUCE (no hooks), after the other buckets have become the gradients
+    # ep: the experts' gradients sync in buckets of their own; unsharded over one rank (ep = dp * cp)
+    # those start only at the ALL_REDUCE (no hooks), after the other buckets have become the gradients
     experts = set(program.expert_params)
-    late_experts = program.config.expert_replicas == 1 and bool(experts)
-    expert_bytes = sum(p.numel() * p.element_size() for n, p in _named(program).items() if n in experts)
-    buckets = [b.numel for b in layout]
-    chunk_bytes = sum(4 * b // dp for b in buckets) if sharded_state else 0  # this rank's fp32 chunk of every bucket
+    expert_ids = {id(p) for n, p in _named(program).items() if n in experts}
+    late_experts = not sharded_state and program.config.expert_replicas == 1 and bool(experts)
+    expert_bytes = sum(p.numel() * p.element_size() for p in params if id(p) in expert_ids)
+    # ZeRO-1/2 shard the dp buckets over dp and the expert buckets over the ranks holding the same
+    # experts (runtime.optim.grad_sync.ShardedOptimizer over both syncs)
+    syncs = ([([p for p in params if id(p) not in expert_ids], dp),
+              ([p for p in params if id(p) in expert_ids], program.config.expert_replicas)]
+             if sharded_state and expert_ids else [(params, dp)])
+    layouts = ([(_bucket_layout(ps, size if sharded_state else 1, shard=sharded_state), size) for ps, size in syncs]
+               if zero != 3 else [])
+    buckets = [b.numel for layout, _ in layouts for b in layout]
+    # this rank's fp32 chunk of every bucket
+    chunk_bytes = sum(4 * b.numel // size for layout, size in layouts for b in layout) if sharded_state else 0
     host_optimizer = program.config.offload == "optimizer"  # runtime.optim.optimizer_offload: state on the host
     host_is_device = bool(params) and params[0].device.type == "cpu"
     live = _Live()
@@ -588,8 +596,9 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
     grads_made: set[int] = set()
     sent: list[Hashable] = []
     bucket_launched = False
-    zero2 = _Zero2Buckets(live, layout, dp) if zero == 2 else None
-    member = {id(p): i for i, p in enumerate(params)}
+    zero2 = ([_Zero2Buckets(live, layout, size, name) for (layout, size), name in zip(layouts, ("dp", "experts"))]
+             if zero == 2 else None)
+    member = {id(p): (k, i) for k, (ps, _) in enumerate(syncs) for i, p in enumerate(ps)}  # its sync, its place there
     for k, a in enumerate(actions):
         where = f"{a}"
         s, i = a.stage, a.microbatch
@@ -638,7 +647,8 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
                 if e.key in ev[s].param_grads:
                     if zero2 is not None:  # every backward's gradients, reduced bucket by bucket
                         param = program.modules[s].get_parameter(ev[s].param_grads[e.key])
-                        zero2.grad(e, ("pgrad", s, i, e.key), member[id(param)], where)
+                        k_sync, m = member[id(param)]
+                        zero2[k_sync].grad(e, ("pgrad", s, i, e.key), m, where)
                     elif first:
                         _apply(live, e, ("pgrad", s), "grads", where)
                     elif z3 is not None and e.op == "+":  # a site's shards live until its reduce-scatter returns
@@ -672,7 +682,8 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
                     live.free(key)
             sent.clear()
             if zero2 is not None:
-                zero2.finish(where)
+                for z in zero2:  # the dp buckets, then the experts'
+                    z.finish(where)
             elif bucket_launched:  # the gradients become views of the bucket (ZeRO-1: are freed)
                 pgrads = [key for key in live.size if isinstance(key, tuple) and key[0] == "pgrad"]
                 late = {key for key in pgrads if late_experts and ev[key[1]].param_grads.get(key[2]) in experts}
@@ -834,8 +845,8 @@ class _Zero2Buckets:
     copy, and its chunk becomes the bucket's summed chunk (the first time) or is added into it
     and freed."""
 
-    def __init__(self, live: _Live, layout, dp: int) -> None:
-        self.live, self.layout, self.dp = live, layout, dp
+    def __init__(self, live: _Live, layout, dp: int, name: str = "dp") -> None:
+        self.live, self.layout, self.dp, self.name = live, layout, dp, name
         self.machine = BucketMachine(layout, "reduce_scatter_each")
         self.pending: dict[int, list[Hashable]] = {}  # bucket -> its gradients made since its last launch
         self.summed: set[int] = set()  # buckets whose summed chunk exists
@@ -863,14 +874,14 @@ class _Zero2Buckets:
         for step in steps:
             b = self.layout[step.bucket]
             if isinstance(step, Launch):
-                self.live.alloc(("zero2_flat", step.launch), 4 * b.numel, "grads", where)
+                self.live.alloc((self.name, "zero2_flat", step.launch), 4 * b.numel, "grads", where)
                 for key in self.pending.pop(step.bucket, []):
                     self.live.free(key)
-                self.live.alloc(("zero2_chunk", step.launch), 4 * b.numel // self.dp, "grads", where)
+                self.live.alloc((self.name, "zero2_chunk", step.launch), 4 * b.numel // self.dp, "grads", where)
                 continue
-            self.live.free(("zero2_flat", step.launch))
+            self.live.free((self.name, "zero2_flat", step.launch))
             if step.bucket in self.summed:
-                self.live.free(("zero2_chunk", step.launch))  # added into the bucket's summed chunk
+                self.live.free((self.name, "zero2_chunk", step.launch))  # added into the bucket's summed chunk
             else:
                 self.summed.add(step.bucket)  # the first chunk is the summed chunk (kept to the step)
 

@@ -785,10 +785,16 @@ class _GradSync:
             out.append(CommCall(world, "all_reduce(max)", 1, torch.float32, "fp16 overflow flag", "world"))
         if len(world) > 1:
             out.append(CommCall(world, "all_reduce(sum)", 1, torch.float64, "global gradient norm", "world"))
-        if self.zero in (1, 2) and self.r.c.offload != "optimizer" and self.dp > 1:  # ShardedOptimizer.publish
-            out += [CommCall(self.r.dp_group, "all_gather", b.numel, b.dtype, f"dp bucket {k} updated chunks", "dp")
-                    for k, b in enumerate(self.buckets)]
-        return out
+        return out + self._publish()
+
+    def _publish(self) -> list[CommCall]:
+        """ZeRO-1/2's all-gathers of the updated chunks (ShardedOptimizer.publish): the dp
+        buckets', then the expert buckets' over the ranks holding the same experts."""
+        out = []
+        if self.zero in (1, 2) and self.r.c.offload != "optimizer" and self.dp > 1:
+            out = [CommCall(self.group, "all_gather", b.numel, b.dtype, f"{self.what} {k} updated chunks", self.channel)
+                   for k, b in enumerate(self.buckets)]
+        return out + (self.experts._publish() if self.experts is not None else [])
 
 
 def _named_parameters(modules: Iterable[fx.GraphModule]) -> dict[str, nn.Parameter]:

@@ -77,18 +77,18 @@ _CHOICES = {"schedule": SCHEDULES, "zero_stage": ZERO_STAGES, "checkpointing": C
 def expert_parallel_refusals(ep: int, *, tp: int | None = None, zero_stage: int | None = None,
                              offload: str | None = None) -> list[str]:
     """The knobs ``ep > 1`` does not run with yet, each as a rule with its fix (None: not known):
-    tensor parallelism (the experts' matmuls would need a tp layout of their own), ZeRO (the
-    expert gradients average over their own group, which the ZeRO buckets do not take yet) and
-    offload."""
+    tensor parallelism (the experts' matmuls would need a tp layout of their own), ZeRO-3 (its
+    parameter shards and gathers span the whole data axis, not an expert's replicas) and offload.
+    ZeRO-1/2 shard the experts' state over the ranks holding the same experts."""
     out = []
     if ep <= 1:
         return out
     if tp is not None and tp > 1:
         out.append(f"ep={ep} with tp={tp} is not supported yet (the experts are not laid out over tp); use tp=1 with "
                    f"ep, or ep=1")
-    if zero_stage:
-        out.append(f"ep={ep} with zero_stage={zero_stage} is not supported yet (the expert gradients average over "
-                   f"their own group, outside the ZeRO buckets); use zero_stage=0 with ep, or ep=1")
+    if zero_stage == 3:
+        out.append(f"ep={ep} with zero_stage=3 is not supported yet (its parameter shards span the whole data axis, "
+                   f"not the ranks holding the same experts); use zero_stage 0, 1 or 2 with ep, or ep=1")
     if offload is not None and offload != "none":
         out.append(f"ep={ep} with offload={offload!r} is not supported yet; use offload='none' with ep")
     return out

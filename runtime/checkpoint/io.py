@@ -591,14 +591,10 @@ class _OwnedRange:
 
 
 def _owned_ranges(zero) -> list[_OwnedRange]:
-    """ZeRO-1/2 (``runtime.optim.grad_sync.ShardedOptimizer``): one flat group per gradient bucket (padded
-    to a multiple of dp), this rank's chunk of each, the chunks back to back in its state."""
-    out, offset = [], 0
-    for b in zero.sync.buckets:
-        n = b.numel // zero.size
-        out.append(_OwnedRange(tuple(b.params), zero.rank * n, (zero.rank + 1) * n, offset))
-        offset += n
-    return out
+    """ZeRO-1/2 (``runtime.optim.grad_sync.ShardedOptimizer``): one flat group per gradient bucket
+    (padded to a multiple of its group's size: dp, or an expert's replicas), this rank's chunk of
+    each, the chunks back to back in its state (``ShardedOptimizer.ranges``)."""
+    return [_OwnedRange(tuple(r.bucket.params), r.lo, r.hi, r.offset) for r in zero.ranges]
 
 
 def _zero_state_param(zero) -> nn.Parameter:
@@ -641,7 +637,7 @@ def _zero_optim_entries(zero, local: Sequence[_LocalParam], *, write: bool, flat
 
 
 def _is_zero(optimizer) -> bool:
-    return hasattr(optimizer, "optimizer") and hasattr(optimizer, "sync")
+    return hasattr(optimizer, "optimizer") and hasattr(optimizer, "ranges")
 
 
 def _zero_load_buffers(zero) -> dict[str, torch.Tensor]:

@@ -142,7 +142,9 @@ class ParallelModel:
                               else build(factory, param_groups(self.params, flags)))
             check_shardable(getattr(self.optimizer, "optimizer", self.optimizer), 3)
         elif self.zero:
-            self.optimizer = ShardedOptimizer(self.grad_buckets, factory=factory, no_decay=no_decay, norm_weight=weights)
+            # ep: the experts a rank holds are sharded over their replicas, stepped by the same optimizer
+            syncs = [b for b in (self.grad_buckets, self.expert_buckets) if b is not None]
+            self.optimizer = ShardedOptimizer(syncs, factory=factory, no_decay=no_decay, norm_weight=weights)
         elif is_mixed(c.dtype):
             self.optimizer = MasterWeightOptimizer(self.params, factory=factory, no_decay=flags)
         else:
@@ -209,7 +211,7 @@ class ParallelModel:
             self.expert_buckets = BucketedGradSync(
                 self.expert_params, self.mesh.ep_replica_group, self.config.expert_replicas,
                 rank=self.mesh.dp_index // self.config.ep, bucket_bytes=self.bucket_bytes, overlap=overlap,
-                accumulations=accumulations, divisor=self.dp_cp)
+                mode=MODE_OF_ZERO_STAGE[self.zero], accumulations=accumulations, divisor=self.dp_cp)
         return BucketedGradSync([p for p in self.params if id(p) not in experts], self.mesh.dp_group, self.dp_cp,
                                 rank=self.mesh.dp_index, bucket_bytes=self.bucket_bytes,
                                 late=[p for t in self.tied_sync.tied for p in t.copies] + self.sp_params,
@@ -232,11 +234,11 @@ class ParallelModel:
             self.tied_sync()
             self._sp_grad_sync()
 
-        chunk = self.grad_buckets.finish(before_late=tied)
+        chunks = [self.grad_buckets.finish(before_late=tied)]
         if self.expert_buckets is not None:
-            self.expert_buckets.finish()
-        if chunk is not None:
-            self.optimizer.set_grad(chunk)  # ZeRO: this rank's averaged chunk
+            chunks.append(self.expert_buckets.finish())
+        if chunks[0] is not None:
+            self.optimizer.set_grad(torch.cat(chunks))  # ZeRO: this rank's averaged chunks, dp's then the experts'
 
     def _step(self) -> None:
         """The OPTIMIZER_STEP action: (fp16) unscale; the global gradient norm; stop, skip or

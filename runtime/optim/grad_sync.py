@@ -30,6 +30,8 @@
   every bucket and the optimizer state of that chunk, steps it with the averaged gradient chunk, and
   all-gathers the updated chunks (in the parameters' dtype: 16 bits under bf16/fp16) into the
   parameters. An elementwise optimizer (AdamW, Adam, SGD, ...) gives the same parameters as unsharded.
+  With expert parallelism the experts a rank holds are sharded the same way over the ranks that
+  hold the same experts (their own buckets), stepped by the same optimizer.
 """
 from __future__ import annotations
 
@@ -322,33 +324,69 @@ class Segment:
     """How much the segment's elements count in the global gradient norm (see ParallelModel)."""
 
 
+@dataclass(frozen=True, eq=False)
+class ChunkRange:
+    """This rank's part of one bucket of a sharded sync: elements ``[lo, hi)`` of the bucket's
+    flat (padded) tensor, at ``offset`` in the rank's concatenated chunk (what the
+    :class:`ShardedOptimizer` steps and a ZeRO checkpoint writes)."""
+
+    sync: BucketedGradSync
+    bucket: GradBucket
+    lo: int
+    hi: int
+    offset: int
+
+    @property
+    def stop(self) -> int:
+        return self.offset + self.hi - self.lo
+
+
+def chunk_ranges(syncs: Sequence[BucketedGradSync]) -> list[ChunkRange]:
+    """The :class:`ChunkRange` of every bucket of ``syncs`` in order: one rank's chunk of each
+    bucket (1/size of it, at the rank's place in the sync's group), back to back."""
+    out, offset = [], 0
+    for sync in syncs:
+        for b in sync.buckets:
+            n = b.numel // sync.size
+            out.append(ChunkRange(sync, b, sync.rank * n, (sync.rank + 1) * n, offset))
+            offset += n
+    return out
+
+
 class ShardedOptimizer:
-    """ZeRO-1/2 over the dp group of ``sync`` (a sharded :class:`BucketedGradSync`): this rank's
-    fp32 master weights, optimizer state and gradients cover only its chunk of every bucket (1/dp
-    of the padded flat parameters); same results as the unsharded optimizer for an elementwise
-    one (:data:`runtime.optim.optimizers.ELEMENTWISE`; others are refused).
+    """ZeRO-1/2 over the groups of ``syncs`` (sharded :class:`BucketedGradSync` s: the dp buckets
+    and, with expert parallelism, the expert buckets over the ranks holding the same experts):
+    this rank's fp32 master weights, optimizer state and gradients cover only its chunk of every
+    bucket (1/size of the padded flat parameters of each sync); same results as the unsharded
+    optimizer for an elementwise one (:data:`runtime.optim.optimizers.ELEMENTWISE`; others are
+    refused). One torch optimizer steps every chunk, so a learning-rate scheduler and the global
+    gradient norm see one optimizer whatever the groups.
 
     The chunk is cut into :class:`Segment` s at every parameter whose group (decay / no decay) or
-    norm weight differs from the one before; each segment is a leaf tensor sharing the master chunk's storage,
-    so the torch optimizer (``factory``) steps the chunk in place with per-group settings. The
-    padding past a bucket's last parameter belongs to no segment and never changes.
+    norm weight differs from the one before (and at every sync's end); each segment is a leaf
+    tensor sharing the master chunk's storage, so the torch optimizer (``factory``) steps the
+    chunk in place with per-group settings. The padding past a bucket's last parameter belongs to
+    no segment and never changes.
 
-    The step: ``sync.finish`` (called by the gradient-sync action) hands over the averaged chunk;
-    :meth:`step` steps the segments and all-gathers every bucket's updated chunks into the params
-    (at most ``MAX_IN_FLIGHT`` buckets' gathers at once, so the gathered copies stay small).
+    The step: each ``sync.finish`` (called by the gradient-sync action) hands over its averaged
+    chunk, :meth:`set_grad` takes them concatenated; :meth:`step` steps the segments and
+    all-gathers every bucket's updated chunks into the params over its sync's group (at most
+    ``MAX_IN_FLIGHT`` buckets' gathers at once, so the gathered copies stay small).
     """
 
-    def __init__(self, sync: BucketedGradSync, *, factory: OptimizerFactory | None = None,
+    def __init__(self, syncs: BucketedGradSync | Sequence[BucketedGradSync], *, factory: OptimizerFactory | None = None,
                  no_decay: Mapping[int, bool] | None = None, norm_weight: Mapping[int, float] | None = None):
-        if not sync.shard:
-            raise ConfigError("grad_sync: ShardedOptimizer needs a BucketedGradSync in a reduce_scatter mode")
-        self.sync = sync
-        self.params = sync.params
-        self.rank, self.size, self.group = sync.rank, sync.size, sync.group
+        self.syncs = [syncs] if isinstance(syncs, BucketedGradSync) else list(syncs)
+        if not self.syncs or any(not s.shard for s in self.syncs):
+            raise ConfigError("grad_sync: ShardedOptimizer needs BucketedGradSyncs in a reduce_scatter mode")
+        if len({s.mode for s in self.syncs}) > 1:
+            raise ConfigError("grad_sync: the syncs of one ShardedOptimizer must share one ZeRO mode")
+        self.params = [p for s in self.syncs for p in s.params]
+        self.ranges = chunk_ranges(self.syncs)
         with torch.no_grad():
-            chunks = [self._flat(b, [p.detach().float() for p in b.params]).chunk(self.size)[self.rank]
-                      for b in sync.buckets]
-        self.master = nn.Parameter(torch.cat(chunks).clone())
+            chunks = [self._flat(r.bucket, [p.detach().float() for p in r.bucket.params])[r.lo:r.hi]
+                      for r in self.ranges]
+        self.master = nn.Parameter(torch.cat(chunks).clone() if chunks else torch.zeros(0))
         flags = no_decay if no_decay is not None else {id(p): p.dim() < 2 for p in self.params}
         weights = norm_weight or {}
         self.segments = self._segments(lambda p: (int(bool(flags[id(p)])), float(weights.get(id(p), 1.0))))
@@ -357,7 +395,7 @@ class ShardedOptimizer:
         groups = [[pc for pc, s in zip(self.pieces, self.segments) if s.group == g] for g in (0, 1)]
         self.optimizer = build(factory or as_factory(None),
                                param_groups(groups[0] + groups[1], [False] * len(groups[0]) + [True] * len(groups[1])))
-        check_shardable(self.optimizer, 2 if sync.mode == "reduce_scatter_each" else 1)
+        check_shardable(self.optimizer, 2 if self.syncs[0].mode == "reduce_scatter_each" else 1)
         init_state_exact(self.optimizer)
 
     @property
@@ -367,22 +405,20 @@ class ShardedOptimizer:
 
     def _segments(self, group_of) -> list[Segment]:
         out: list[Segment] = []
-        offset = 0
-        for b in self.sync.buckets:
-            n = b.numel // self.size
-            lo, hi = self.rank * n, (self.rank + 1) * n
+        previous = None
+        for r in self.ranges:
             pos = 0
-            for p in b.params:
-                a, z = max(pos, lo), min(pos + p.numel(), hi)
+            for p in r.bucket.params:
+                a, z = max(pos, r.lo), min(pos + p.numel(), r.hi)
                 pos += p.numel()
                 if a >= z:
                     continue
-                start, stop, (g, w) = offset + a - lo, offset + z - lo, group_of(p)
-                if out and out[-1].stop == start and (out[-1].group, out[-1].weight) == (g, w):
+                start, stop, (g, w) = r.offset + a - r.lo, r.offset + z - r.lo, group_of(p)
+                if out and out[-1].stop == start and (out[-1].group, out[-1].weight) == (g, w) and r.sync is previous:
                     out[-1] = Segment(out[-1].start, stop, g, w)
                 else:
                     out.append(Segment(start, stop, g, w))
-            offset += n
+                previous = r.sync
         return out
 
     def flat_state(self) -> dict[str, torch.Tensor]:
@@ -432,41 +468,35 @@ class ShardedOptimizer:
         return torch.nn.functional.pad(flat, (0, b.numel - flat.numel()))
 
     def set_grad(self, chunk: torch.Tensor) -> None:
-        """The averaged gradient chunk from :meth:`BucketedGradSync.finish` (each segment's
-        gradient a view of it)."""
+        """The averaged gradient chunks of :meth:`BucketedGradSync.finish`, concatenated in the
+        order of the syncs (each segment's gradient a view of it)."""
         self.master.grad = chunk
         for pc, seg in zip(self.pieces, self.segments):
             pc.grad = chunk[seg.start:seg.stop]
 
-    def _chunks(self, flat: torch.Tensor) -> Iterator[tuple[GradBucket, torch.Tensor]]:
-        offset = 0
-        for b in self.sync.buckets:
-            n = b.numel // self.size
-            yield b, flat[offset:offset + n]
-            offset += n
-
     def _gather_into(self, flat: torch.Tensor, write: Callable[[GradBucket, torch.Tensor], None], *,
                      in_param_dtype: bool = False) -> None:
-        """All-gather every bucket's chunk of ``flat`` (this rank's concatenated chunks) and hand
-        each bucket's full flat tensor to ``write``; at most ``MAX_IN_FLIGHT`` at once.
-        ``in_param_dtype``: gather each chunk cast to its bucket's parameter dtype (a 16-bit
-        plan's updated parameters travel in 16 bits)."""
-        pending: list[tuple[GradBucket, list[torch.Tensor], object]] = []
+        """All-gather every bucket's chunk of ``flat`` (this rank's concatenated chunks) over its
+        sync's group and hand each bucket's full flat tensor to ``write``; at most
+        ``MAX_IN_FLIGHT`` at once. ``in_param_dtype``: gather each chunk cast to its bucket's
+        parameter dtype (a 16-bit plan's updated parameters travel in 16 bits)."""
+        pending: list[tuple[ChunkRange, list[torch.Tensor], object]] = []
 
         def drain(keep: int) -> None:
             while len(pending) > keep:
-                b, parts, work = pending.pop(0)
-                comm.wait(work, self.group)
-                write(b, torch.cat(parts))
+                r, parts, work = pending.pop(0)
+                comm.wait(work, r.sync.group)
+                write(r.bucket, torch.cat(parts))
 
-        for b, mine in self._chunks(flat):
+        for r in self.ranges:
+            mine = flat[r.offset:r.stop]
             if in_param_dtype:
-                mine = mine.to(b.params[0].dtype)
-            if self.size > 1:
-                parts = [torch.empty_like(mine) for _ in range(self.size)]
-                pending.append((b, parts, comm.all_gather(parts, mine, self.group, async_op=True)))
+                mine = mine.to(r.bucket.params[0].dtype)
+            if r.sync.size > 1:
+                parts = [torch.empty_like(mine) for _ in range(r.sync.size)]
+                pending.append((r, parts, comm.all_gather(parts, mine, r.sync.group, async_op=True)))
             else:
-                pending.append((b, [mine], _DONE))
+                pending.append((r, [mine], _DONE))
             drain(MAX_IN_FLIGHT)
         drain(0)
 
@@ -478,7 +508,7 @@ class ShardedOptimizer:
     @torch.no_grad()
     def publish(self) -> None:
         """All-gather every bucket's updated master chunks into the parameters (collective over
-        the dp group)."""
+        each sync's group)."""
 
         def write(b: GradBucket, full: torch.Tensor) -> None:
             pos = 0
@@ -491,7 +521,7 @@ class ShardedOptimizer:
     @torch.no_grad()
     def full_masters(self) -> dict[int, torch.Tensor]:
         """The fp32 master weight of every parameter (by ``id``), all-gathered from the chunks.
-        Collective over the dp group."""
+        Collective over each sync's group."""
         out: dict[int, torch.Tensor] = {}
 
         def write(b: GradBucket, full: torch.Tensor) -> None:
@@ -506,7 +536,7 @@ class ShardedOptimizer:
     @torch.no_grad()
     def full_gradients(self) -> dict[int, torch.Tensor]:
         """The averaged gradient of every parameter (by ``id``), all-gathered from the chunks of
-        the last sync. Collective over the dp group."""
+        the last sync. Collective over each sync's group."""
         out: dict[int, torch.Tensor] = {}
         if self.master.grad is None:
             return out

@@ -44,7 +44,7 @@ MODELS = {
     "deepseek-v3": dict(
         spec=("moe:layers=61,hidden=7168,heads=128,vocab=129280,seq=4096,experts=256,top_k=8,expert_hidden=2048,"
               "shared_experts=1,aux_loss=0.0001,dropout=0.0"),
-        nodes=256, global_batch=15360, published={"tp": 1, "pp": 16, "ep": 64},
+        nodes=256, global_batch=15360, published={"tp": 1, "pp": 16, "ep": 64, "zero_stage": 1},
         figure="tokens", value=1.0e12 / (180e3 * 3600)),  # tokens/s per H800, DeepSeek-V3 report
 }
 

@@ -115,8 +115,10 @@ def _plans_then_checkpoint(plans, payloads, root: str) -> dict:
 MEMORY_PLANS = [_plan(dp=2), _plan(dp=2, ep=2), _plan(dp=4, ep=2), _plan(dp=4, ep=4),
                 _plan(dp=2, model="hf-qwen3-moe"), _plan(dp=2, ep=2, model="hf-qwen3-moe"),
                 _plan(dp=4, ep=4, model="hf-qwen3-moe"),
+                _plan(dp=2, ep=2, pp=2, model="hf-qwen3-moe"),
+                _plan(dp=2, model="hf-lfm2-moe"), _plan(dp=4, ep=4, model="hf-lfm2-moe"),
                 _plan(dp=4, ep=2, zero=2), _plan(dp=4, ep=2, zero=1, model="hf-qwen3-moe"),
-                _plan(dp=4, ep=2, zero=2, model="hf-qwen3-moe")]
+                _plan(dp=4, ep=2, zero=2, model="hf-qwen3-moe"), _plan(dp=4, ep=2, zero=2, model="hf-lfm2-moe")]
 
 
 def _all(plans, payloads, root: str) -> dict:

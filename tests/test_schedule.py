@@ -192,6 +192,36 @@ def test_simulation_timeline_and_communication_time():
     assert slow.bubble_fraction(1) < slow.bubble_fraction(0)
 
 
+@pytest.mark.parametrize("name", ["1f1b", "interleaved", "zb1p", "zbv"])
+def test_the_dataflow_makespan_is_the_simulators_at_zero_message_time(name):
+    """compute_makespan (what the cost model times zero-bubble schedules with) against simulate of
+    the lowered lists, over pipeline depths, micro-batch counts around the phase changes and
+    weight-half shares."""
+    from passes.ir.schedule import build, compute_makespan
+    checked = 0
+    for p in range(2, 9):
+        v = 2 if name in ("interleaved", "zbv") else 1
+        for m in sorted({1, 2, p - 1, p, p + 1, 2 * p - 1, 2 * p, 3 * p} - {0}):
+            if name == "interleaved" and m % p:
+                continue
+            full = build(name, p, m, v, check=False)
+            for share in (0.25, 0.5, 0.7):
+                f, b = 1.0 / v, 2.0 / v
+                expected = simulate(full, f, b, weight_time=b * share, check=False).makespan
+                assert compute_makespan(compute_only(full), f, b, b * share) == pytest.approx(expected, rel=1e-12), \
+                    (name, p, m, share)
+                checked += 1
+    assert checked > 50
+
+
+def test_the_dataflow_makespan_refuses_lists_that_cannot_complete():
+    from passes.ir.schedule import compute_makespan
+    compute = compute_only(one_f_one_b(2, 2))
+    compute[1] = list(reversed(compute[1]))  # a backward before its forward
+    with pytest.raises(ScheduleError, match="cannot complete"):
+        compute_makespan(compute, 1.0, 2.0, 1.0)
+
+
 # --- broken schedules -----------------------------------------------------------------------
 
 

@@ -409,3 +409,34 @@ def test_the_alternatives_show_the_fastest_plan_of_every_other_zero_stage():
     assert [a.step_time_s for a in slower] == sorted(a.step_time_s for a in slower)
     for a in slower:
         assert a.reason == f"slower by {(a.step_time_s / chosen.predicted.step_time_s - 1) * 100:.1f}%"
+
+
+@pytest.mark.parametrize("spec, devices", [
+    (SPEC, 8),
+    ("moe:layers=4,hidden=64,heads=4,vocab=128,seq=32,experts=4,top_k=2,expert_hidden=256,dropout=0.0", 4),
+])
+def test_the_state_bound_never_exceeds_a_candidates_peak(spec, devices):
+    """The search skips a candidate whose model state alone (spread evenly over its stages)
+    exceeds the device without evaluating it: that bound is below every candidate's evaluated
+    peak (ZeRO, ep and its ZeRO-sharded experts, pp, tp among them), and the plan found with the
+    skip is the one evaluating everything finds."""
+    from partitioner.search import search as search_module
+    from partitioner.search.plan_cost import PlanContext, evaluate, state_lower_bound
+    prof = profile_model(spec, dtype="fp32")
+    cluster = _cluster(devices=devices)
+    ctx = PlanContext(prof, cluster, 8, "adamw")
+    cands = candidates(prof, cluster, 8)
+    assert len({(c.zero_stage, c.pp, c.ep) for c in cands}) > 6
+    peaks = [(state_lower_bound(ctx, c), evaluate(ctx, c, limit=None).peak) for c in cands]
+    assert all(0 < bound <= peak * (1 + 1e-12) for bound, peak in peaks)
+    # a device that holds some candidates' state but not others': the skip changes nothing
+    bounds = sorted(b for b, _ in peaks)
+    small = _cluster(memory_bytes=bounds[len(bounds) // 2], devices=devices)
+    chosen = search(prof, small, global_batch=8)
+    original = search_module.state_lower_bound
+    try:
+        search_module.state_lower_bound = lambda ctx, c: 0.0  # evaluate every candidate
+        everything = search(prof, small, global_batch=8)
+    finally:
+        search_module.state_lower_bound = original
+    assert chosen == everything

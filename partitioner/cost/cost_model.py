@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 from partitioner.cost.cluster import Cluster, CollectiveFit, Device, EfficiencyCurve, Link
 from passes.ir.config import DTYPES as TRAINING_DTYPES
 from passes.ir.optimizers import optimizer_model
-from passes.ir.schedule import build, peak_in_flight, simulate, zb1p_compute, zbv_compute
+from passes.ir.schedule import compute_makespan, peak_in_flight, zb1p_compute, zbv_compute
 from passes.ir.config import SCHEDULES, is_mixed
 from passes.ir.errors import ConfigError
 
@@ -357,8 +357,10 @@ def _steady_micro_batches(p: int, m: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _actions(schedule: str, p: int, m: int, v: int):
-    return build(schedule, p, m, v, check=False)  # read only; what runs is built and checked by the lowering
+def _zero_bubble_compute(schedule: str, p: int, m: int):
+    """The compute order of a zero-bubble schedule (read only: what runs is built and checked by
+    the lowering)."""
+    return (zb1p_compute if schedule == "zb1p" else zbv_compute)(p, m)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -375,9 +377,9 @@ def _simulated_bubble_slots(schedule: str, p: int, m: int, v: int, weight_share:
         return (p - 1) * _simulated_bubble_slots(schedule, 2, 4, v, weight_share)
     m = _steady_micro_batches(p, m)
     f, b = 1.0 / v, FWD_BWD_RATIO / v
-    result = simulate(_actions(schedule, p, m, v), f, b, weight_time=b * weight_share, check=False)
+    makespan = compute_makespan(_zero_bubble_compute(schedule, p, m), f, b, b * weight_share)
     work = m * v * (f + b)
-    return (result.makespan - work) / (work / m)
+    return (makespan - work) / (work / m)
 
 
 def _bubble_slots(schedule: str, p: int, m: int, v: int, weight_share: float = WEIGHT_GRAD_SHARE) -> float:
@@ -445,8 +447,7 @@ def _zero_bubble_in_flight(schedule: str, stage: int, p: int, m: int, v: int) ->
 def _zero_bubble_peaks(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]:
     # Read off the compute order (the messages the lowering adds do not change it): a
     # micro-batch's graph lives from its F until its W. One list serves every stage.
-    compute = zb1p_compute if schedule == "zb1p" else zbv_compute
-    actions = compute(p, _steady_micro_batches(p, m))
+    actions = _zero_bubble_compute(schedule, p, _steady_micro_batches(p, m))
     return tuple(peak_in_flight(actions, stage) for stage in range(p))
 
 

@@ -1048,6 +1048,18 @@ def _name(ctx: PlanContext, i: int) -> str:
     return ctx.profile.layers[i].name
 
 
+def state_lower_bound(ctx: PlanContext, c: ParallelConfig) -> float:
+    """Bytes no stage split of ``c`` brings its fullest device below: the model state (parameters,
+    gradients, optimizer state as :func:`evaluate` counts them) of every layer spread evenly over
+    the ``pp`` ranks. A candidate above the device's memory is infeasible without evaluating it."""
+    emb, blk, head = ctx.layer_costs(c)
+    params = emb.params + ctx.L * blk.params + head.params + ctx.profile.shared_param_count / c.tp
+    experts = emb.expert_params + ctx.L * blk.expert_params + head.expert_params
+    per_param = sum(_state_per_param(ctx, c))
+    per_expert_param = sum(_state_per_param(ctx, c, experts=True)) - per_param
+    return (params * per_param + experts * per_expert_param) / c.pp
+
+
 def lower_bound(ctx: PlanContext, c: ParallelConfig) -> float:
     """A step time no partition of ``c`` beats: perfect balance, bubble, no dp/optimizer cost."""
     emb, blk, head = ctx.layer_costs(c)

@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 from partitioner.cost.cluster import Cluster
 from partitioner.cost.cost_model import bubble_fraction
 from partitioner.inputs.knobs import check_fix, fix_text
-from partitioner.search.plan_cost import Evaluated, PlanContext, evaluate, lower_bound
+from partitioner.search.plan_cost import Evaluated, PlanContext, evaluate, lower_bound, state_lower_bound
 from partitioner.search.profile import ModelProfile
 from passes.ir.config import (CHECKPOINTING, CP_MODES, KNOBS, OFFLOAD, SCHEDULES, ZERO_STAGES, ParallelConfig,
                               expert_parallel_refusals)
@@ -471,9 +471,13 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: d
     ordered = sorted(((lower_bound(ctx, c), _key(c), c) for c in cands), key=lambda t: t[:2])
     feasible: list[Evaluated] = []
     infeasible: list[Evaluated] = []
-    for bound, _, c in ordered:
+    too_big = []  # (bound, key, config) of candidates whose model state alone exceeds the device
+    for bound, key, c in ordered:
         if len(feasible) > N_ALTERNATIVES and bound > feasible[N_ALTERNATIVES].step_time:
             break
+        if state_lower_bound(ctx, c) > ctx.cap:
+            too_big.append((bound, key, c))
+            continue
         e = evaluate(ctx, c)
         if e.feasible:
             bisect.insort(feasible, e, key=lambda x: (x.step_time, _key(x.config)))
@@ -507,10 +511,26 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: d
     alts = [Alternative(knobs=e.config.knobs(), step_time_s=e.step_time, peak_memory_bytes=e.peak,
                         reason=f"slower by {(e.step_time / best.step_time - 1) * 100:.1f}%")
             for e in shown]
-    faster = sorted((e for e in infeasible if e.step_time < best.step_time), key=lambda e: (e.step_time, _key(e.config)))
+    faster = _fastest_infeasible(ctx, infeasible, too_big, best.step_time, 2)
     alts += [Alternative(knobs=e.config.knobs(), step_time_s=e.step_time, peak_memory_bytes=e.peak,
-                         reason=_memory_reason(ctx, e)) for e in faster[:2]]
+                         reason=_memory_reason(ctx, e)) for e in faster]
     return dataclasses.replace(chosen, alternatives=tuple(alts))
+
+
+def _fastest_infeasible(ctx: PlanContext, evaluated: list[Evaluated], too_big: list, below: float,
+                        n: int) -> list[Evaluated]:
+    """The ``n`` fastest candidates that do not fit and step in under ``below`` seconds: of those
+    evaluated, and of ``too_big`` (``(lower bound, key, config)`` in bound order, not evaluated by
+    the search) as many as their bounds leave in the running."""
+    order = lambda e: (e.step_time, _key(e.config))  # noqa: E731
+    out = sorted((e for e in evaluated if e.step_time < below), key=order)
+    for bound, _, c in too_big:
+        if bound >= below or (len(out) >= n and bound > out[n - 1].step_time):
+            break
+        e = evaluate(ctx, c)
+        if e.step_time < below:
+            bisect.insort(out, e, key=order)
+    return out[:n]
 
 
 def _first_that_fits(ctx: PlanContext, feasible: list[Evaluated], check: Callable[[Plan], Plan] | None):

@@ -477,6 +477,53 @@ def simulate(
     return SimResult({r: tuple(t) for r, t in timelines.items()}, makespan)
 
 
+def compute_makespan(compute: Schedule, fwd_time: float, bwd_time: float, weight_time: float) -> float:
+    """The makespan :func:`simulate` gives the lowered form of ``compute`` (compute actions only,
+    the same time on every stage) with messages that take no time: each rank runs its list in
+    order, an action starts when its rank is free and its input is computed (a forward after the
+    previous stage's forward of its micro-batch, a backward (or its input half I) after its own
+    forward and the next stage's backward, a weight half W after its I). The lowering's RECV sits
+    right before its consumer and a posted SEND right after its producer, so they wait for exactly
+    these inputs. A dataflow pass over tuples instead of the simulator's actions and messages: the
+    cost model times hundreds of zero-bubble schedules per search. Raises :class:`ScheduleError`
+    for lists that cannot complete."""
+    forward, backward, weight = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_WEIGHT
+    lists = {r: [(a.kind, a.stage, a.microbatch) for a in compute[r]] for r in compute}
+    last_stage = max((s for acts in lists.values() for _, s, _ in acts), default=-1)
+    duration = {forward: fwd_time, backward: bwd_time, Kind.BACKWARD_INPUT: bwd_time - weight_time,
+                weight: weight_time}
+    done: dict[tuple, float] = {}  # (F|B, stage, mb) -> end; an I is recorded as B
+    free = dict.fromkeys(lists, 0.0)
+    pc = dict.fromkeys(lists, 0)
+    moved = True
+    while moved:
+        moved = False
+        for r, acts in lists.items():
+            k, t = pc[r], free[r]
+            while k < len(acts):
+                kind, s, i = acts[k]
+                if kind is forward:
+                    ready = done.get((forward, s - 1, i)) if s > 0 else 0.0
+                elif kind is weight:
+                    ready = done.get((backward, s, i))
+                else:
+                    mine = done.get((forward, s, i))
+                    after = done.get((backward, s + 1, i)) if s < last_stage else 0.0
+                    ready = None if mine is None or after is None else max(mine, after)
+                if ready is None:
+                    break
+                t = max(t, ready) + duration[kind]
+                if kind is not weight:
+                    done[(forward if kind is forward else backward, s, i)] = t
+                k += 1
+            if k != pc[r]:
+                pc[r], free[r], moved = k, t, True
+    stuck = {r: k for r, k in pc.items() if k < len(lists[r])}
+    if stuck:
+        raise ScheduleError(f"compute_makespan: the lists cannot complete; ranks stuck at steps {stuck}")
+    return max(free.values(), default=0.0)
+
+
 def peak_in_flight(schedule: Schedule, rank: int) -> int:
     """Most (stage, microbatch) activation sets rank ``rank`` holds at once: forward ran, backward
     (or, split, its weight half W, which still reads the saved inputs of the weight ops) not yet.

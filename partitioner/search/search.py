@@ -37,7 +37,7 @@ from partitioner.inputs.knobs import check_fix, fix_text
 from partitioner.search.plan_cost import Evaluated, PlanContext, evaluate, lower_bound, state_lower_bound
 from partitioner.search.profile import ModelProfile
 from passes.ir.config import (CHECKPOINTING, CP_MODES, KNOBS, OFFLOAD, SCHEDULES, ZERO_STAGES, ParallelConfig,
-                              expert_parallel_refusals)
+                              expert_parallel_refusals, knob_conflicts)
 from passes.ir.errors import ConfigError, InfeasiblePlanError
 from passes.ir.meta import InputSpec
 from passes.ir.plan import Alternative, Plan, Prediction, format_bytes
@@ -349,6 +349,7 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
 
     out = []
     why = _Refusals()  # why configs were left out, with the depth of the rule
+    data_axis: dict[tuple[int, int, int], list[tuple[str, int]]] = {}  # (tp, cp, dp) -> its (cp_mode, ep) options
     has_scores = any(layer.attention_score_bytes for layer in profile.layers)
     ckpts = ["none", "selective", "full"] if has_scores else ["none", "full"]
     if profile.blocks and profile.blocks[0].dag_activation_bytes is not None:
@@ -398,8 +399,16 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
                         for sp in opts("sequence_parallel", _sp_options(profile, tp, cp)):
                             for ckpt in opts("checkpointing", ckpts):
                                 for off in opts("offload", offloads):
-                                    for mode, ep in itertools.product(_cp_modes(fix, profile, cp, tp, why),
-                                                                      _ep_options(fix, profile, dp * cp, why)):
+                                    # the rules between these knobs, once per combination (not per config)
+                                    conflicts = knob_conflicts(zero_stage=zero, offload=off, schedule=sched,
+                                                               checkpointing=ckpt)
+                                    if conflicts:
+                                        why.add(7, "; ".join(conflicts))
+                                        continue
+                                    if (tp, cp, dp) not in data_axis:
+                                        data_axis[(tp, cp, dp)] = list(itertools.product(
+                                            _cp_modes(fix, profile, cp, tp, why), _ep_options(fix, profile, dp * cp, why)))
+                                    for mode, ep in data_axis[(tp, cp, dp)]:
                                         try:  # only configs the lowering and the runtime carry out are offered
                                             out.append(ParallelConfig(
                                                 dp=dp, tp=tp, pp=pp, cp=cp, cp_mode=mode, ep=ep, virtual_pp=v,

@@ -12,6 +12,7 @@ loss), as :mod:`passes.analysis.annotate_blocks` numbers them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -92,6 +93,36 @@ def expert_parallel_refusals(ep: int, *, tp: int | None = None, zero_stage: int 
     if offload is not None and offload != "none":
         out.append(f"ep={ep} with offload={offload!r} is not supported yet; use offload='none' with ep")
     return out
+
+
+SPLIT_BACKWARD_SCHEDULES = ("zb1p", "zbv")
+"""The schedules that run each backward as an input half and a weight half."""
+
+
+@functools.lru_cache(maxsize=None)
+def knob_conflicts(*, zero_stage: int, offload: str, schedule: str, checkpointing: str) -> tuple[str, ...]:
+    """The rules between ZeRO, offload, the schedule and checkpointing that a combination breaks,
+    each with its fix (part of :meth:`ParallelConfig.problems`; the search asks once per
+    combination instead of once per config)."""
+    out = []
+    split = schedule in SPLIT_BACKWARD_SCHEDULES
+    if offload == "optimizer" and zero_stage:
+        out.append(f"offload='optimizer' keeps the whole optimizer state on the host, zero_stage="
+                   f"{zero_stage} shards it over dp: choose one (zero_stage=0 or offload='none')")
+    if zero_stage == 3:
+        if split:
+            out.append(f"zero_stage=3 gathers a block's parameters for one backward; schedule={schedule!r} "
+                       f"splits it in two (input and weight halves), which ZeRO-3 does not run; use "
+                       f"schedule=1f1b or interleaved, or zero_stage <= 2")
+        if offload == "activations":
+            out.append("zero_stage=3 with offload='activations' is not supported (the offload brackets would keep "
+                       "the gathered parameters alive until backward); use checkpointing to save activation "
+                       "memory, or zero_stage <= 2")
+    if checkpointing == "dag" and split:
+        out.append(f"checkpointing='dag' keeps op outputs in torch's selective checkpointing, which replays a "
+                   f"region for one backward only; schedule={schedule!r} splits each backward in two (input "
+                   f"and weight halves); use checkpointing='full' with it, or schedule=1f1b, gpipe or interleaved")
+    return tuple(out)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -223,7 +254,7 @@ class ParallelConfig:
     @property
     def split_backward(self) -> bool:
         """Whether the schedule runs each backward as an input half and a weight half."""
-        return self.schedule in ("zb1p", "zbv")
+        return self.schedule in SPLIT_BACKWARD_SCHEDULES
 
     # ------------------------------------------------------------------------------ validation
     def problems(self, *, world_size: int | None = None, blocks: int | None = None,
@@ -270,9 +301,8 @@ class ParallelConfig:
         if self.cp > 1 and self.hsdp_shard is not None:
             out.append(f"cp={self.cp} with hsdp_shard={self.hsdp_shard}: HSDP's shard groups are not laid out over "
                        f"the dp x cp ranks yet; use hsdp_shard=None (ZeRO-3 shards over all dp * cp ranks)")
-        if self.offload == "optimizer" and self.zero_stage:
-            out.append(f"offload='optimizer' keeps the whole optimizer state on the host, zero_stage="
-                       f"{self.zero_stage} shards it over dp: choose one (zero_stage=0 or offload='none')")
+        out += knob_conflicts(zero_stage=self.zero_stage, offload=self.offload, schedule=self.schedule,
+                              checkpointing=self.checkpointing)
         if self.hsdp_shard is not None:
             s = self.hsdp_shard
             if self.zero_stage != 3:
@@ -285,19 +315,6 @@ class ParallelConfig:
         if not self.reshard_after_forward and self.zero_stage != 3:
             out.append(f"reshard_after_forward=false keeps ZeRO-3's gathered parameters through backward and needs "
                        f"zero_stage=3, got zero_stage={self.zero_stage}; set zero_stage=3 or reshard_after_forward=true")
-        if self.zero_stage == 3:
-            if self.split_backward:
-                out.append(f"zero_stage=3 gathers a block's parameters for one backward; schedule={self.schedule!r} "
-                           f"splits it in two (input and weight halves), which ZeRO-3 does not run; use "
-                           f"schedule=1f1b or interleaved, or zero_stage <= 2")
-            if self.offload == "activations":
-                out.append("zero_stage=3 with offload='activations' is not supported (the offload brackets would keep "
-                           "the gathered parameters alive until backward); use checkpointing to save activation "
-                           "memory, or zero_stage <= 2")
-        if self.checkpointing == "dag" and self.split_backward:
-            out.append(f"checkpointing='dag' keeps op outputs in torch's selective checkpointing, which replays a "
-                       f"region for one backward only; schedule={self.schedule!r} splits each backward in two (input "
-                       f"and weight halves); use checkpointing='full' with it, or schedule=1f1b, gpipe or interleaved")
         if self.checkpointing == "tensor":
             out += self._tensor_remat_refusals()
         if self.stage_boundaries is not None:

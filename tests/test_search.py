@@ -440,3 +440,26 @@ def test_the_state_bound_never_exceeds_a_candidates_peak(spec, devices):
     finally:
         search_module.state_lower_bound = original
     assert chosen == everything
+
+
+def test_each_other_zero_stage_is_shown_at_its_fastest(profile):
+    """The alternatives explain the choice of ZeRO stage with the fastest plan of each other stage
+    that fits, found past where the search stopped when its bound leaves it in the running."""
+    from partitioner.search.plan_cost import PlanContext, evaluate
+    cluster = _cluster(nodes=2)
+    chosen = search(profile, cluster, global_batch=16)
+    ctx = PlanContext(profile, cluster, 16, "adamw")
+    fastest: dict[int, float] = {}
+    for c in candidates(profile, cluster, 16):
+        e = evaluate(ctx, c)
+        if e.feasible:
+            fastest[c.zero_stage] = min(fastest.get(c.zero_stage, math.inf), e.step_time)
+    shown = {}
+    for a in chosen.alternatives:
+        if a.reason.startswith("slower"):
+            z = a.knobs["zero_stage"]
+            shown[z] = min(shown.get(z, math.inf), a.step_time_s)
+    others = set(fastest) - {chosen.config.zero_stage}
+    assert others and set(shown) >= others
+    for z in others:
+        assert shown[z] == pytest.approx(fastest[z], rel=1e-12), z

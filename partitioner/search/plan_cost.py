@@ -593,14 +593,14 @@ def _assignment(ctx: PlanContext, c: ParallelConfig, costs, limit: float | None)
             chunks[c.stage_rank(j)].append((start, stop))
         return chunks
     emb, blk, head = costs
+    greedy = _greedy(ctx, c, costs)
+    if greedy(float("inf"), limit) is None:
+        return None
     times = [emb.time, blk.time, head.time]
     # Possible bottleneck times: contiguous sums of the chain (n blocks, with or without the ends).
     cands = sorted({n * blk.time + e * emb.time + h * head.time
                     for n in range(L + 1) for e in (0, 1) for h in (0, 1) if n + e + h > 0})
     lo = bisect.bisect_left(cands, max(sum(times[i] * (L if i == 1 else 1) for i in range(3)) / p, max(times)) * (1 - 1e-12))
-    greedy = _greedy(ctx, c, costs)
-    if greedy(float("inf"), limit) is None:
-        return None
     hi = len(cands) - 1
     lo = min(lo, hi)
     while lo < hi:
@@ -756,7 +756,12 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
         def per_bucket(collective) -> float:  # one call per gradient bucket, each paying the latency
             return collective(shared, c.dp_cp, link) + extra * collective(0.0, c.dp_cp, link)
 
-        rs, ag, ar = per_bucket(reduce_scatter_time), per_bucket(all_gather_time), per_bucket(all_reduce_time)
+        # the collectives the stage's ZeRO stage issues (ZeRO-3's are its gathers, priced below)
+        rs = ag = ar = 0.0
+        if c.zero_stage in (1, 2):
+            rs, ag = per_bucket(reduce_scatter_time), per_bucket(all_gather_time)
+        elif c.zero_stage == 0:
+            ar = per_bucket(all_reduce_time)
         if experts:  # ZeRO-1/2 shard them over the expert replicas: reduce-scatter, then gather the update
             e_bytes, e_link = experts * ctx.itemsize, ctx.sync_link(c.expert_replicas, c.ep)
             if c.zero_stage in (1, 2):
@@ -824,18 +829,12 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
     slow = max(range(p), key=lambda i: (per_stage[i][0], -i))
     t_max, comp, tpc, rc = per_stage[slow][:4]
     cpc, epc = per_stage[slow][7], per_stage[slow][9]
-    t_p2p = 0.0
-    if p > 1:
-        pp_link = ctx.pp_link(c)
-        if ctx.cluster.p2p_latency_s is not None:  # calibrated per-message seconds of pipeline sends
-            pp_link = dataclasses.replace(pp_link, latency_s=ctx.cluster.p2p_latency_s)
-        t_p2p = send_recv_time(boundary_message_bytes(ctx, c), pp_link)
     tail = max(range(p), key=lambda i: (sum(per_stage[i][4:7]), -i))
     terms = StepTimeTerms(
         # a split backward recomputes a checkpointed region for its input half and again for its
         # weight half (runtime.exec.split_backward)
         compute=m * comp, tp_comm=m * tpc, cp_comm=m * cpc, ep_comm=m * epc, recompute=m * rc * (2 if c.split_backward else 1),
-        pp_comm=2 * t_p2p * m * v if p > 1 else 0.0,
+        pp_comm=_pp_comm_time(ctx, c),
         # a zero-bubble schedule fills its bubble with W: how much depends on W's share of the
         # slowest stage's backward (matmul-heavy on GPUs, about half; dispatch-bound CPU ranks less)
         bubble=_bubble_time(c, [st[0] for st in per_stage], per_stage[slow][8]),
@@ -847,6 +846,17 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
     peak = max(s.peak_memory_bytes for s in stages)
     feasible = feasible and peak <= ctx.cap
     return Evaluated(config=c, feasible=feasible, step_time=terms.total, peak=peak, stages=tuple(stages), terms=terms)
+
+
+def _pp_comm_time(ctx: PlanContext, c: ParallelConfig) -> float:
+    """Seconds of pipeline messages per step: each micro-batch's boundary activations and their
+    gradients, per model chunk, on the pipeline link (whatever the stage split)."""
+    if c.pp == 1:
+        return 0.0
+    pp_link = ctx.pp_link(c)
+    if ctx.cluster.p2p_latency_s is not None:  # calibrated per-message seconds of pipeline sends
+        pp_link = dataclasses.replace(pp_link, latency_s=ctx.cluster.p2p_latency_s)
+    return 2 * send_recv_time(boundary_message_bytes(ctx, c), pp_link) * c.num_micro_batches * c.virtual_pp
 
 
 def _bubble_time(c: ParallelConfig, stage_s: list[float], weight_share: float) -> float:
@@ -1061,8 +1071,11 @@ def state_lower_bound(ctx: PlanContext, c: ParallelConfig) -> float:
 
 
 def lower_bound(ctx: PlanContext, c: ParallelConfig) -> float:
-    """A step time no partition of ``c`` beats: perfect balance, bubble, no dp/optimizer cost."""
+    """A step time no partition of ``c`` beats: perfect balance, bubble, and the terms no split
+    changes (pipeline messages, the tied-weight sync, the step's fixed work); no dp or optimizer
+    cost."""
     emb, blk, head = ctx.layer_costs(c)
     total = emb.time + ctx.L * blk.time + head.time
     per_stage = max(total / c.pp, blk.time * math.ceil(ctx.L / c.pp) if c.virtual_pp > 1 else 0.0)
-    return (c.num_micro_batches + _bubble_slots(c.schedule, c.pp, c.num_micro_batches, c.virtual_pp)) * per_stage
+    pipeline = (c.num_micro_batches + _bubble_slots(c.schedule, c.pp, c.num_micro_batches, c.virtual_pp)) * per_stage
+    return pipeline + _pp_comm_time(ctx, c) + _tied_sync_time(ctx, c) + _framework_time(ctx)

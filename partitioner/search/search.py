@@ -481,8 +481,10 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: d
     feasible: list[Evaluated] = []
     infeasible: list[Evaluated] = []
     too_big = []  # (bound, key, config) of candidates whose model state alone exceeds the device
-    for bound, key, c in ordered:
+    stop = len(ordered)  # where the search stopped: the candidates from here on were not evaluated
+    for k, (bound, key, c) in enumerate(ordered):
         if len(feasible) > N_ALTERNATIVES and bound > feasible[N_ALTERNATIVES].step_time:
+            stop = k
             break
         if state_lower_bound(ctx, c) > ctx.cap:
             too_big.append((bound, key, c))
@@ -510,11 +512,14 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: d
     infeasible += dropped  # the candidates before ``best`` in ``feasible``
     slower = feasible[feasible.index(best) + 1:]
     shown = slower[:N_ALTERNATIVES - 1]
-    # and the fastest plan of every other ZeRO stage evaluated, so the choice of stage is explained
-    # even when variants of the chosen one (HSDP, resharding, micro-batching) fill the list
+    # and the fastest plan of every other ZeRO stage, so the choice of stage is explained even
+    # when variants of the chosen one (HSDP, resharding, micro-batching) fill the list
     for zero in ZERO_STAGES:
-        other = next((e for e in slower if e.config.zero_stage == zero), None)
-        if other is not None and zero != best.config.zero_stage and other not in shown:
+        if zero == best.config.zero_stage:
+            continue
+        other = _fastest_of_stage(ctx, zero, next((e for e in slower if e.config.zero_stage == zero), None),
+                                  ordered[stop:])
+        if other is not None and other not in shown:
             shown.append(other)
     shown.sort(key=lambda e: (e.step_time, _key(e.config)))
     alts = [Alternative(knobs=e.config.knobs(), step_time_s=e.step_time, peak_memory_bytes=e.peak,
@@ -524,6 +529,21 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: d
     alts += [Alternative(knobs=e.config.knobs(), step_time_s=e.step_time, peak_memory_bytes=e.peak,
                          reason=_memory_reason(ctx, e)) for e in faster]
     return dataclasses.replace(chosen, alternatives=tuple(alts))
+
+
+def _fastest_of_stage(ctx: PlanContext, zero: int, fastest: Evaluated | None, rest: list) -> Evaluated | None:
+    """The fastest feasible candidate of ZeRO stage ``zero``: ``fastest`` (the search's, or None),
+    or one of ``rest`` (``(lower bound, key, config)`` in bound order, not evaluated by the
+    search) that its bound leaves in the running and that turns out faster."""
+    for bound, _, c in rest:
+        if fastest is not None and bound > fastest.step_time:
+            break
+        if c.zero_stage != zero or state_lower_bound(ctx, c) > ctx.cap:
+            continue
+        e = evaluate(ctx, c)
+        if e.feasible and (fastest is None or (e.step_time, _key(c)) < (fastest.step_time, _key(fastest.config))):
+            fastest = e
+    return fastest
 
 
 def _fastest_infeasible(ctx: PlanContext, evaluated: list[Evaluated], too_big: list, below: float,

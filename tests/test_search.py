@@ -415,20 +415,23 @@ def test_the_alternatives_show_the_fastest_plan_of_every_other_zero_stage():
     (SPEC, 8),
     ("moe:layers=4,hidden=64,heads=4,vocab=128,seq=32,experts=4,top_k=2,expert_hidden=256,dropout=0.0", 4),
 ])
-def test_the_state_bound_never_exceeds_a_candidates_peak(spec, devices):
+def test_the_bounds_never_exceed_a_candidates_numbers(spec, devices):
     """The search skips a candidate whose model state alone (spread evenly over its stages)
     exceeds the device without evaluating it: that bound is below every candidate's evaluated
     peak (ZeRO, ep and its ZeRO-sharded experts, pp, tp among them), and the plan found with the
-    skip is the one evaluating everything finds."""
+    skip is the one evaluating everything finds. Its time bound is below every step time."""
     from partitioner.search import search as search_module
-    from partitioner.search.plan_cost import PlanContext, evaluate, state_lower_bound
+    from partitioner.search.plan_cost import PlanContext, evaluate, lower_bound, state_lower_bound
     prof = profile_model(spec, dtype="fp32")
     cluster = _cluster(devices=devices)
     ctx = PlanContext(prof, cluster, 8, "adamw")
     cands = candidates(prof, cluster, 8)
     assert len({(c.zero_stage, c.pp, c.ep) for c in cands}) > 6
-    peaks = [(state_lower_bound(ctx, c), evaluate(ctx, c, limit=None).peak) for c in cands]
+    evaluated = [evaluate(ctx, c, limit=None) for c in cands]
+    peaks = [(state_lower_bound(ctx, c), e.peak) for c, e in zip(cands, evaluated)]
     assert all(0 < bound <= peak * (1 + 1e-12) for bound, peak in peaks)
+    # and the time bound the search orders candidates by is below each one's step time
+    assert all(lower_bound(ctx, c) <= e.step_time * (1 + 1e-12) for c, e in zip(cands, evaluated))
     # a device that holds some candidates' state but not others': the skip changes nothing
     bounds = sorted(b for b, _ in peaks)
     small = _cluster(memory_bytes=bounds[len(bounds) // 2], devices=devices)

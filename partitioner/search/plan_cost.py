@@ -1063,7 +1063,7 @@ def state_lower_bound(ctx: PlanContext, c: ParallelConfig) -> float:
     gradients, optimizer state as :func:`evaluate` counts them) of every layer spread evenly over
     the ``pp`` ranks. A candidate above the device's memory is infeasible without evaluating it."""
     emb, blk, head = ctx.layer_costs(c)
-    params = emb.params + ctx.L * blk.params + head.params + ctx.profile.shared_param_count / c.tp
+    params = total_params(ctx, c)
     experts = emb.expert_params + ctx.L * blk.expert_params + head.expert_params
     per_param = sum(_state_per_param(ctx, c))
     per_expert_param = sum(_state_per_param(ctx, c, experts=True)) - per_param
@@ -1078,4 +1078,17 @@ def lower_bound(ctx: PlanContext, c: ParallelConfig) -> float:
     total = emb.time + ctx.L * blk.time + head.time
     per_stage = max(total / c.pp, blk.time * math.ceil(ctx.L / c.pp) if c.virtual_pp > 1 else 0.0)
     pipeline = (c.num_micro_batches + _bubble_slots(c.schedule, c.pp, c.num_micro_batches, c.virtual_pp)) * per_stage
-    return pipeline + _pp_comm_time(ctx, c) + _tied_sync_time(ctx, c) + _framework_time(ctx)
+    gather = 0.0
+    if c.zero_stage in (1, 2) and c.dp_cp > 1:
+        # ZeRO-1/2 all-gather the updated parameters after the step, unhidden: the stage with the
+        # most parameters (at least the average's) sets the dp term
+        dense = (total_params(ctx, c) - (emb.expert_params + ctx.L * blk.expert_params + head.expert_params)) / c.pp
+        gather = all_gather_time(dense * ctx.itemsize, c.dp_cp, ctx.sync_link(c.dp_cp, c.tp))
+    return pipeline + gather + _pp_comm_time(ctx, c) + _tied_sync_time(ctx, c) + _framework_time(ctx)
+
+
+def total_params(ctx: PlanContext, c: ParallelConfig) -> float:
+    """Parameters one rank of each pipeline position holds, summed over the positions (a tp
+    rank's shards; the experts an ep rank holds; the tied embedding and head once)."""
+    emb, blk, head = ctx.layer_costs(c)
+    return emb.params + ctx.L * blk.params + head.params + ctx.profile.shared_param_count / c.tp

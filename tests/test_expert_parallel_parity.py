@@ -59,6 +59,7 @@ PLANS = [
     _plan(dp=4, ep=2, model="hf-lfm2-moe"),  # expert replicas
     # a stage boundary between the MoE layers: layer 0's router logits travel to the last stage's aux loss
     _plan(dp=2, ep=2, pp=2, model="hf-qwen3-moe"),
+    _plan(dp=2, ep=2, pp=2, model="hf-lfm2-moe"),
     _plan(dp=2, ep=2, checkpointing="full", model="hf-mixtral"),
     # ZeRO: the experts' state sharded over the ranks holding them (two here), the rest over dp
     _plan(dp=4, ep=2, zero=2),

@@ -89,8 +89,9 @@ def lower_plan(graph: fx.GraphModule, config: ParallelConfig, *, cluster: Cluste
     ``.rank_program(rank, first=first)``), priced on ``cluster`` (what the policy passes cost
     against), then its communication checked.
 
-    Which programs: with ``mesh`` (a process of a job) this rank's only, checked together with
-    the mesh's other ranks before any collective of the plan runs (:func:`check_before_launch`);
+    Which programs: with ``mesh`` (a process of a job) this rank's only, lowered once per data
+    axis (:func:`share_stage_programs`; a rank with a ``writer`` lowers alone) and checked together
+    with the mesh's other ranks before any collective of the plan runs (:func:`check_before_launch`);
     with ``ranks`` those global ranks' (``first``: the rank of the plan's rank 0); else every
     program, checked in this one process (:func:`passes.checks.communication_check.check_lowering`).
     ``check=False`` skips the check (a part of a plan cannot be checked alone). ``writer``: an

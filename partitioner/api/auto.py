@@ -45,7 +45,7 @@ from torch import fx
 from ir_dumps.report import write_report
 from ir_dumps.writer import DumpWriter
 from partitioner.compile.build import (capture_training_step, check_before_launch, lower_plan, run_analysis_passes,
-                                      share_whole_graph_prefix)
+                                      share_stage_programs, share_whole_graph_prefix)
 from partitioner.calibration.job_cluster import detect_cluster
 from partitioner.cost.cost_model import cost_hooks
 from partitioner.cost.cluster import Cluster
@@ -431,6 +431,9 @@ def auto_parallelize(model: str | ModelSpec, cluster: Cluster | str | None = Non
         # the other ranks' lower_plan takes the whole-graph prefix from this one: make and send it
         share_whole_graph_prefix(graph, chosen.config, mesh, cost=cost_hooks(cluster), ctx=ctx)
         dumps = write_plan_dumps(out_dir, graph=graph, plan=chosen, cluster=cluster, writer=writer)
+        # the ranks of its data axis wait for its programs: it sends none, they lower alone
+        share_stage_programs(graph, chosen.config, mesh, lambda: dumps.lowering, cost=cost_hooks(cluster), ctx=ctx,
+                             share=False)
         program = dumps.lowering.rank_program(rank)
         check_before_launch(mesh, dumps.lowering, program)
         clock.lap("lower+dumps")

@@ -12,7 +12,7 @@ search in between; tests and benchmarks call these directly with a config of the
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Literal, Sequence
+from typing import TYPE_CHECKING, Callable, Literal, Sequence
 
 from torch import fx
 
@@ -28,6 +28,7 @@ from passes.ir.program import RankProgram
 from passes.ir.graph_transfer import pack_graph, unpack_graph
 from passes.lowering.lower import Lowering, lower, programs_of, remember_whole_graph_prefix, whole_graph_prefix
 from passes.lowering.manager import PassContext
+from passes.lowering.shared_programs import pack_programs, take_programs
 from passes.lowering.pipelines import analysis_passes, manager
 from passes.ir.zero3_ops import ZERO3_PREFETCH
 from runtime.dist import comm
@@ -88,8 +89,9 @@ def lower_plan(graph: fx.GraphModule, config: ParallelConfig, *, cluster: Cluste
     ``.rank_program(rank, first=first)``), priced on ``cluster`` (what the policy passes cost
     against), then its communication checked.
 
-    Which programs: with ``mesh`` (a process of a job) this rank's only, checked together with
-    the mesh's other ranks before any collective of the plan runs (:func:`check_before_launch`);
+    Which programs: with ``mesh`` (a process of a job) this rank's only, lowered once per data
+    axis (:func:`share_stage_programs`; a rank with a ``writer`` lowers alone) and checked together
+    with the mesh's other ranks before any collective of the plan runs (:func:`check_before_launch`);
     with ``ranks`` those global ranks' (``first``: the rank of the plan's rank 0); else every
     program, checked in this one process (:func:`passes.checks.communication_check.check_lowering`).
     ``check=False`` skips the check (a part of a plan cannot be checked alone). ``writer``: an
@@ -109,11 +111,20 @@ def lower_plan(graph: fx.GraphModule, config: ParallelConfig, *, cluster: Cluste
     programs = None if ranks is None else sorted({p for r in ranks for p in programs_of(config, r, first=first)})
     instrument_for = None if writer is None else (
         lambda name: writer if name == "whole_graph" else writer.scope(name))  # whole graph at the top, stages in folders
-    lowering = lower(graph, config, cost=cost, tp_group=tp_group, programs=programs,
-                     instrument_for=instrument_for, ctx=ctx)
-    if writer is not None:
-        for record in lowering.pipelines:
-            writer.record_pipeline(record.name, record.text)
+
+    def lower_here() -> Lowering:
+        made = lower(graph, config, cost=cost, tp_group=tp_group, programs=programs, instrument_for=instrument_for,
+                     ctx=ctx)
+        if writer is not None:
+            for record in made.pipelines:
+                writer.record_pipeline(record.name, record.text)
+        return made
+
+    if mesh is not None:  # a rank that dumps lowers alone: its writer records every pass
+        lowering, _ = share_stage_programs(graph, config, mesh, lower_here, cost=cost, tp_group=tp_group, ctx=ctx,
+                                           share=writer is None)
+    else:
+        lowering = lower_here()
     if check and mesh is not None:
         check_before_launch(mesh, lowering, lowering.rank_program(mesh.rank, first=mesh.first),
                             bucket_bytes=bucket_bytes, overlap_grad_sync=overlap_grad_sync,
@@ -154,6 +165,50 @@ def share_whole_graph_prefix(graph: fx.GraphModule, config: ParallelConfig, mesh
         return "alone" if costly else "none"
     remember_whole_graph_prefix(graph, config, unpack_graph(made, graph), cost=cost, tp_group=tp_group, ctx=ctx)
     return "made" if mesh.rank == mesh.first else "taken"
+
+
+def share_stage_programs(graph: fx.GraphModule, config: ParallelConfig, mesh: Mesh, lower_here: Callable[[], Lowering],
+                         *, cost, tp_group: str = "tp", ctx: PassContext | None = None,
+                         share: bool = True) -> tuple[Lowering, Literal["made", "taken", "alone", "none"]]:
+    """Lower each distinct program of the plan once per job, not once per data-parallel rank.
+
+    The ranks of one data axis (the dp x cp ranks at one pipeline rank and tp rank: ``mesh.dp_group``)
+    run the same (stage, tp rank) programs (what differs, an ep rank's experts, comes later, in
+    :meth:`Lowering.rank_program`). So the first of them lowers them (``lower_here()``: this rank's
+    lowering), packs them (:func:`passes.lowering.shared_programs.pack_programs`) and broadcasts them
+    over its data axis, and each other one rebuilds them around its own whole graph and tensors
+    (:func:`passes.lowering.shared_programs.take_programs`) instead of lowering. Every rank of the
+    mesh calls it at the same point (:func:`lower_plan` does, after the whole-graph prefix); the
+    data axes broadcast side by side, each over its own group. When the first rank cannot lower or
+    pack them it sends nothing (and raises, if lowering failed) and each rank lowers alone; a rank
+    that cannot rebuild them lowers alone too. ``share=False``: this rank neither sends nor takes
+    (a rank that dumps: its writer records every pass; as a first rank it sends nothing). Returns
+    this rank's lowering and what it did: ``made`` (and sent) the programs, ``taken`` them, lowered
+    ``alone``, or ``none`` (a data axis of one rank)."""
+    if not mesh.active or mesh.dp == 1:
+        return lower_here(), "none"
+    src = mesh.dp_ranks[0]
+    if mesh.rank == src:
+        try:
+            lowering = lower_here()
+        except Exception:
+            comm.broadcast_object(None, src=src, group=mesh.dp_group)  # the others lower alone and meet it too
+            raise
+        shared = None
+        if share:
+            try:
+                shared = pack_programs(lowering, programs_of(config, mesh.rank, first=mesh.first))
+            except Exception:  # noqa: BLE001 - not lost: each rank lowers alone
+                shared = None
+        comm.broadcast_object(shared, src=src, group=mesh.dp_group)
+        return lowering, "made" if shared is not None else "alone"
+    shared = comm.broadcast_object(None, src=src, group=mesh.dp_group)
+    if shared is not None and share:
+        try:
+            return take_programs(graph, config, shared, cost=cost, tp_group=tp_group, ctx=ctx), "taken"
+        except Exception:  # noqa: BLE001 - lowering alone makes the same programs or meets the error
+            pass
+    return lower_here(), "alone"
 
 
 def rank_program(graph: fx.GraphModule, config: ParallelConfig, rank: int, *, cluster: Cluster,

@@ -73,3 +73,47 @@ def test_a_model_without_a_tensor_of_the_graph_is_named():
     smaller.module.ln_f = nn.Identity()
     with pytest.raises(PassError, match="no parameter 'ln_f.weight'.*same model"):
         unpack_graph(payload, smaller.module)
+
+
+def test_a_program_with_checkpointed_regions_comes_back_with_them():
+    """A lowered stage program's checkpointed regions (graph modules in it) travel as graphs of
+    their own; a parameter a region re-lists comes back as the program's one object; a tensor
+    packed as a token comes back as what ``resolve`` makes of it."""
+    from passes.lowering.lower import lower
+
+    spec = build_model(MODELS["gpt"], seed=0)
+    graph = capture_for_pipeline(spec)
+    config = ParallelConfig(pp=2, micro_batch_size=2, num_micro_batches=2, checkpointing="full")
+    lowering = lower(graph, config, cost=None, programs=[(0, 0)])
+    program = lowering.programs[(0, 0)]
+    regions = [n for n, m in program.named_children() if isinstance(m, torch.fx.GraphModule)]
+    assert regions
+    token = "wpe"  # one tensor as a token, the others by name from the whole graph
+    wpe = program.get_parameter("wpe.weight")
+    made = torch.nn.Parameter(wpe.detach().clone())
+    rebuilt = unpack_graph(pack_graph(program, lowering.graph, refs={id(wpe): token}), lowering.graph,
+                           resolve={token: made}.__getitem__)
+    assert rebuilt.code == program.code
+    assert [n for n, _ in rebuilt.named_modules()] == [n for n, _ in program.named_modules()]
+    for name in regions:
+        mine, theirs = rebuilt.get_submodule(name), program.get_submodule(name)
+        assert type(mine).__name__ == type(theirs).__name__ == "CheckpointRegion"
+        assert mine.code == theirs.code
+    assert ([n for n, _ in rebuilt.named_parameters(remove_duplicate=False)]
+            == [n for n, _ in program.named_parameters(remove_duplicate=False)])
+    own = {id(t) for t in lowering.graph.parameters()}
+    groups: dict[tuple[int, int], list[str]] = {}  # names of one object in both
+    for (name, mine), (_, theirs) in zip(rebuilt.named_parameters(remove_duplicate=False),
+                                         program.named_parameters(remove_duplicate=False)):
+        if theirs is wpe:
+            assert mine is made
+        elif id(theirs) in own:
+            assert mine is theirs, name  # the whole graph's own, by name
+        else:  # a tied weight's copy on this stage: by value
+            assert mine is not theirs and torch.equal(mine, theirs), name
+        groups.setdefault((id(mine), id(theirs)), []).append(name)
+    assert len({i for i, _ in groups}) == len({j for _, j in groups}) == len(groups)  # regions share, as there
+    assert any(len(names) > 1 for names in groups.values())
+    batch = spec.example_inputs({"batch": 2}, seed=3)
+    for mine, theirs in zip(rebuilt(*batch), program(*batch), strict=True):
+        assert torch.equal(mine, theirs)

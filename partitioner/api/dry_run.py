@@ -76,7 +76,7 @@ from partitioner.inputs.knobs import check_fix
 from partitioner.inputs.model_spec import ModelSpec, meta_copy
 from partitioner.inputs.models import as_spec
 from partitioner.inputs.training import Training
-from partitioner.search.memory_check import replay_rank_memory
+from partitioner.search.memory_check import replay_ranks
 from passes.checks.communication_check import rank_calls
 from passes.ir.config import ParallelConfig, TORCH_DTYPES
 from passes.ir.errors import ConfigError
@@ -868,12 +868,12 @@ def dry_run(model: str | ModelSpec, cluster: Cluster | str, *, training: Trainin
     lowering: Lowering = lower_plan(graph, config, cluster=cluster, ctx=PassContext(
         optimizer=training.optimizer_name(), dtype=config.dtype))
     reps = representatives(config)
-    peaks = plan.predicted.rank_peak_memory_bytes
-    if len(peaks) != config.world_size:  # the plan has no replayed peaks (analytic): replay its rank programs
-        peaks = tuple(m.peak_bytes for m in replay_rank_memory(graph, config, cluster,
-                                                                 optimizer=training.optimizer_name()))
     runs = []
     chosen = {r: m for r, m in reps.items() if ranks is None or r in ranks}
+    peaks = dict(enumerate(plan.predicted.rank_peak_memory_bytes))
+    if len(peaks) != config.world_size:  # the plan has no replayed peaks (analytic): replay the programs run
+        peaks = {r: m.peak_bytes for r, m in replay_ranks(graph, lowering, chosen,
+                                                         optimizer=training.optimizer_name()).items()}
     bar = terminal_bar(len(chosen), unit="rank")  # a large model's rank takes minutes here
     for rank, members in chosen.items():
         bar.set_description(f"dry run: rank {rank} (stands for {len(members)})")

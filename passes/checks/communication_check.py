@@ -44,6 +44,13 @@ mismatch raises :class:`CommunicationMismatchError` naming the group, the ranks 
 with a call x rank grid, the first disagreement marked. Deadlock freedom of the action lists
 themselves is :func:`passes.ir.schedule.validate.check_batches`' (run when they are built).
 
+At scale (1,536 ranks) the calls are not derived rank by rank: a rank's calls name their groups
+by reference (``"tp"``, ``"dp"``, ``("to", q)``: :class:`_MeshGroups`), so the ranks whose
+programs are the same objects with the same schedule (data-parallel replicas) share one
+derivation (:func:`_program_key`), and a group's members are compared once per distinct
+(program, references) among them. What is matched is what the rank-by-rank check matches
+(:func:`check_calls`, which a job's gathered calls go through), with the same messages.
+
 Autograd runs a stage's backward nodes in reverse creation (graph) order. What requires grad is
 propagated from the received boundary tensors (their contracts), the parameters and the graph,
 not read from the stage's shape meta, whose analysis sees received tensors as plain inputs. A

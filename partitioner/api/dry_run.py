@@ -474,10 +474,12 @@ class LiveBytes(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self._ref = StorageWeakRef
+        # storage pointer -> (weak reference, bytes, what made it); the weak reference keeps the
+        # pointer from being reused by another storage while the entry is here
         self.live: dict[int, tuple[Any, int, str]] = {}
         self.total = 0  # bytes of self.live, some of whose storages may have died since the last sweep
         self.peak = 0
-        self.at_peak: list[tuple[int, str]] = []
+        self.at_peak: list[tuple[Any, int, str]] = []  # self.live's entries at the peak
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -491,30 +493,35 @@ class LiveBytes(TorchDispatchMode):
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
             return
-        ref = self._ref(storage)
-        old = self.live.get(ref.cdata)
+        key = storage._cdata
+        old = self.live.get(key)
         if old is not None:
-            if not old[0].expired():
+            if not _expired(key):
                 return  # a view, or the input returned
             self.total -= old[1]
         size = allocator_bytes(storage.nbytes())
-        self.live[ref.cdata] = (ref, size, f"{func.__name__ if hasattr(func, '__name__') else func} -> "
-                                           f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}")
+        self.live[key] = (self._ref(storage), size, f"{func.__name__ if hasattr(func, '__name__') else func} -> "
+                                                    f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}")
         self.total += size
         if self.total > self.peak:
             self._sweep()
             if self.total > self.peak:
                 self.peak = self.total
-                self.at_peak = [(b, what) for _, b, what in self.live.values()]
+                # a long ramp makes a new peak at each allocation: copy the entries, read them at the end
+                self.at_peak = list(self.live.values())
 
     def _sweep(self) -> None:
-        dead = [k for k, (ref, _, _) in self.live.items() if ref.expired()]
+        dead = [k for k in self.live if _expired(k)]
         for k in dead:
             self.total -= self.live.pop(k)[1]
 
     def largest(self, n: int = 8) -> list[str]:
         """The ``n`` largest storages alive at the peak: ``bytes MiB: op -> shape dtype``."""
-        return [f"{b / 2**20:.2f} MiB: {what}" for b, what in sorted(self.at_peak, key=lambda x: -x[0])[:n]]
+        return [f"{b / 2**20:.2f} MiB: {what}" for _, b, what in sorted(self.at_peak, key=lambda x: -x[1])[:n]]
+
+
+_expired = torch.UntypedStorage._expired
+"""Whether the storage at a pointer (held by a :class:`StorageWeakRef`) has been freed."""
 
 
 def _fake_modules(modules: dict[int, nn.Module], device: torch.device) -> dict[int, nn.Module]:

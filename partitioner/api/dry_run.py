@@ -76,7 +76,7 @@ from partitioner.inputs.knobs import check_fix
 from partitioner.inputs.model_spec import ModelSpec, meta_copy
 from partitioner.inputs.models import as_spec
 from partitioner.inputs.training import Training
-from partitioner.search.memory_check import replay_rank_memory
+from partitioner.search.memory_check import replay_ranks
 from passes.checks.communication_check import rank_calls
 from passes.ir.config import ParallelConfig, TORCH_DTYPES
 from passes.ir.errors import ConfigError
@@ -474,10 +474,12 @@ class LiveBytes(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self._ref = StorageWeakRef
+        # storage pointer -> (weak reference, bytes, what made it); the weak reference keeps the
+        # pointer from being reused by another storage while the entry is here
         self.live: dict[int, tuple[Any, int, str]] = {}
         self.total = 0  # bytes of self.live, some of whose storages may have died since the last sweep
         self.peak = 0
-        self.at_peak: list[tuple[int, str]] = []
+        self.at_peak: list[tuple[Any, int, str]] = []  # self.live's entries at the peak
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -491,30 +493,35 @@ class LiveBytes(TorchDispatchMode):
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
             return
-        ref = self._ref(storage)
-        old = self.live.get(ref.cdata)
+        key = storage._cdata
+        old = self.live.get(key)
         if old is not None:
-            if not old[0].expired():
+            if not _expired(key):
                 return  # a view, or the input returned
             self.total -= old[1]
         size = allocator_bytes(storage.nbytes())
-        self.live[ref.cdata] = (ref, size, f"{func.__name__ if hasattr(func, '__name__') else func} -> "
-                                           f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}")
+        self.live[key] = (self._ref(storage), size, f"{func.__name__ if hasattr(func, '__name__') else func} -> "
+                                                    f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}")
         self.total += size
         if self.total > self.peak:
             self._sweep()
             if self.total > self.peak:
                 self.peak = self.total
-                self.at_peak = [(b, what) for _, b, what in self.live.values()]
+                # a long ramp makes a new peak at each allocation: copy the entries, read them at the end
+                self.at_peak = list(self.live.values())
 
     def _sweep(self) -> None:
-        dead = [k for k, (ref, _, _) in self.live.items() if ref.expired()]
+        dead = [k for k in self.live if _expired(k)]
         for k in dead:
             self.total -= self.live.pop(k)[1]
 
     def largest(self, n: int = 8) -> list[str]:
         """The ``n`` largest storages alive at the peak: ``bytes MiB: op -> shape dtype``."""
-        return [f"{b / 2**20:.2f} MiB: {what}" for b, what in sorted(self.at_peak, key=lambda x: -x[0])[:n]]
+        return [f"{b / 2**20:.2f} MiB: {what}" for _, b, what in sorted(self.at_peak, key=lambda x: -x[1])[:n]]
+
+
+_expired = torch.UntypedStorage._expired
+"""Whether the storage at a pointer (held by a :class:`StorageWeakRef`) has been freed."""
 
 
 def _fake_modules(modules: dict[int, nn.Module], device: torch.device) -> dict[int, nn.Module]:
@@ -868,12 +875,12 @@ def dry_run(model: str | ModelSpec, cluster: Cluster | str, *, training: Trainin
     lowering: Lowering = lower_plan(graph, config, cluster=cluster, ctx=PassContext(
         optimizer=training.optimizer_name(), dtype=config.dtype))
     reps = representatives(config)
-    peaks = plan.predicted.rank_peak_memory_bytes
-    if len(peaks) != config.world_size:  # the plan has no replayed peaks (analytic): replay its rank programs
-        peaks = tuple(m.peak_bytes for m in replay_rank_memory(graph, config, cluster,
-                                                                 optimizer=training.optimizer_name()))
     runs = []
     chosen = {r: m for r, m in reps.items() if ranks is None or r in ranks}
+    peaks = dict(enumerate(plan.predicted.rank_peak_memory_bytes))
+    if len(peaks) != config.world_size:  # the plan has no replayed peaks (analytic): replay the programs run
+        peaks = {r: m.peak_bytes for r, m in replay_ranks(graph, lowering, chosen,
+                                                         optimizer=training.optimizer_name()).items()}
     bar = terminal_bar(len(chosen), unit="rank")  # a large model's rank takes minutes here
     for rank, members in chosen.items():
         bar.set_description(f"dry run: rank {rank} (stands for {len(members)})")

@@ -68,19 +68,31 @@ def replay_rank_memory(graph: fx.GraphModule, config: ParallelConfig, cluster: C
     ``config.global_batch``)."""
     c = config
     lowering = lower_plan(graph, c, cluster=cluster, check=False)
-    # the lowered whole graph's dims: with context parallelism its sequence is one cp rank's
-    dims = {**dict(lowering.graph.meta[CAPTURE].dims), "batch": c.micro_batch_size}
-    batch_bytes = global_batch_bytes(graph, c.global_batch if global_batch is None else global_batch)
+    # dp (and cp) ranks run the same program (ZeRO-3: equal, padded shards): one replay per (stage, tp rank)
+    firsts = [global_rank(s, 0, t, dp=c.dp_cp, tp=c.tp) for s in range(c.pp) for t in range(c.tp)]
+    replayed = replay_ranks(graph, lowering, firsts, global_batch=global_batch, optimizer=optimizer,
+                            zero3_prefetch=zero3_prefetch)
     out: dict[int, MemoryPrediction] = {}
     for s in range(c.pp):
         for t in range(c.tp):
-            program = lowering.rank_program(global_rank(s, 0, t, dp=c.dp_cp, tp=c.tp))
-            mem = predict_memory(program, schedule=c.schedule, num_micro_batches=c.num_micro_batches, dims=dims,
-                                 global_batch_bytes=batch_bytes, zero=c.zero_stage, optimizer=optimizer,
-                                 zero3_prefetch=zero3_prefetch)
-            for d in range(c.dp_cp):  # dp (and cp) ranks run the same program (ZeRO-3: equal, padded shards)
-                out[global_rank(s, d, t, dp=c.dp_cp, tp=c.tp)] = mem
+            for d in range(c.dp_cp):
+                out[global_rank(s, d, t, dp=c.dp_cp, tp=c.tp)] = replayed[global_rank(s, 0, t, dp=c.dp_cp, tp=c.tp)]
     return tuple(out[r] for r in range(c.world_size))
+
+
+def replay_ranks(graph: fx.GraphModule, lowering, ranks, *, global_batch: int | None = None,
+                 optimizer: str = "adamw", zero3_prefetch: int = ZERO3_PREFETCH) -> dict[int, MemoryPrediction]:
+    """The replay of the programs of global ``ranks`` (of a mesh from rank 0) of ``lowering``
+    (:func:`partitioner.compile.build.lower_plan`'s, of ``graph``): what :func:`replay_rank_memory`
+    says of them, without lowering the plan again or replaying the ranks not asked for (a dry
+    run replays the representatives it runs)."""
+    c = lowering.config
+    # the lowered whole graph's dims: with context parallelism its sequence is one cp rank's
+    dims = {**dict(lowering.graph.meta[CAPTURE].dims), "batch": c.micro_batch_size}
+    batch_bytes = global_batch_bytes(graph, c.global_batch if global_batch is None else global_batch)
+    return {r: predict_memory(lowering.rank_program(r), schedule=c.schedule, num_micro_batches=c.num_micro_batches,
+                              dims=dims, global_batch_bytes=batch_bytes, zero=c.zero_stage, optimizer=optimizer,
+                              zero3_prefetch=zero3_prefetch) for r in ranks}
 
 
 def with_rank_peaks(plan: Plan, peaks: tuple[int, ...]) -> Plan:

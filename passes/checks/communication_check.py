@@ -44,6 +44,13 @@ mismatch raises :class:`CommunicationMismatchError` naming the group, the ranks 
 with a call x rank grid, the first disagreement marked. Deadlock freedom of the action lists
 themselves is :func:`passes.ir.schedule.validate.check_batches`' (run when they are built).
 
+At scale (1,536 ranks) the calls are not derived rank by rank: a rank's calls name their groups
+by reference (``"tp"``, ``"dp"``, ``("to", q)``: :class:`_MeshGroups`), so the ranks whose
+programs are the same objects with the same schedule (data-parallel replicas) share one
+derivation (:func:`_program_key`), and a group's members are compared once per distinct
+(program, references) among them. What is matched is what the rank-by-rank check matches
+(:func:`check_calls`, which a job's gathered calls go through), with the same messages.
+
 Autograd runs a stage's backward nodes in reverse creation (graph) order. What requires grad is
 propagated from the received boundary tensors (their contracts), the parameters and the graph,
 not read from the stage's shape meta, whose analysis sees received tensors as plain inputs. A
@@ -166,24 +173,80 @@ def rank_calls(program: RankProgram, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     """The communication calls ``program`` issues in one training step (see the module
     docstring). ``bucket_bytes`` (bytes) and ``overlap_grad_sync``: as the
     :class:`~runtime.exec.parallel_model.ParallelModel` that runs it takes them (``zero3_prefetch``: sites)."""
-    return RankCalls(program.rank, tuple(_RankModel(program, bucket_bytes, overlap_grad_sync, zero3_prefetch).calls()))
+    model = _RankModel(program, bucket_bytes, overlap_grad_sync, zero3_prefetch)
+    return RankCalls(program.rank, _resolve(model.calls(), model.groups))
+
+
+def _resolve(template: Sequence[CommCall], groups: Mapping[object, tuple[int, ...]]) -> tuple[CommCall, ...]:
+    """A rank's calls from a template's (:meth:`_RankModel.calls`): each group reference replaced
+    by the rank's group (``groups``: :meth:`_MeshGroups.of`)."""
+    return tuple(CommCall(groups[c.group], c.op, c.numel, c.dtype, c.label, c.channel, c.shape, c.message)
+                 for c in template)
+
+
+class _MeshGroups:
+    """The groups of a mesh's ranks by what they are to the rank: ``"tp"``, ``"dp"`` (the data
+    axis: dp x cp), ``"cp"``, ``"ep"``, ``"expert_dp"`` (the ranks holding the same experts),
+    ``"zero3_shard"``/``"zero3_replica"`` (ZeRO-3's shard group and, HSDP, the replicas across),
+    ``"pipeline"`` (the rank's pipeline), ``"pipeline_ends"`` (its first and last rank),
+    ``"world"``, ``("to", q)``/``("from", q)`` (a message to / from the rank's peer on pipeline
+    rank ``q``: ``(sender, receiver)``). A rank's calls are computed with these references
+    (:class:`_RankModel`), so the ranks running the same program (data-parallel replicas) share
+    one computation; a group along the data axis is made once for all its members."""
+
+    def __init__(self, config, first: int = 0):
+        self.c, self.first = config, first
+        self._axes: dict[tuple, tuple[int, ...]] = {}
+        self.world = tuple(range(first, first + config.world_size))
+
+    def _rank(self, p: int, d: int, t: int) -> int:
+        return global_rank(p, d, t, dp=self.c.dp_cp, tp=self.c.tp, first=self.first)
+
+    def _axis(self, p: int, t: int, start: int, stop: int, step: int = 1) -> tuple[int, ...]:
+        key = (p, t, start, stop, step)
+        group = self._axes.get(key)
+        if group is None:
+            group = self._axes[key] = tuple(self._rank(p, d, t) for d in range(start, stop, step))
+        return group
+
+    def of(self, rank: int) -> dict[object, tuple[int, ...]]:
+        """Every group reference of global ``rank`` -> its global ranks."""
+        c = self.c
+        p, d, t = mesh_coords(rank, dp=c.dp_cp, tp=c.tp, first=self.first)
+        degree = c.shard_degree
+        replica, ep_first, shard_first = d - d % c.cp, d - d % c.ep, d // degree * degree
+        pipeline = tuple(self._rank(j, d, t) for j in range(c.pp))
+        out: dict[object, tuple[int, ...]] = {
+            "tp": tuple(self._rank(p, d, j) for j in range(c.tp)),
+            "dp": self._axis(p, t, 0, c.dp_cp),
+            "cp": self._axis(p, t, replica, replica + c.cp),
+            "ep": self._axis(p, t, ep_first, ep_first + c.ep),
+            "expert_dp": self._axis(p, t, d % c.ep, c.dp_cp, c.ep),
+            # HSDP: the shard group of consecutive dp ranks, the replicas across
+            "zero3_shard": self._axis(p, t, shard_first, shard_first + degree),
+            "zero3_replica": self._axis(p, t, d % degree, c.dp_cp, degree),
+            "pipeline": pipeline,
+            "pipeline_ends": (pipeline[0], pipeline[-1]),
+            "world": self.world,
+        }
+        for q, peer in enumerate(pipeline):
+            out[("to", q)] = (rank, peer)
+            out[("from", q)] = (peer, rank)
+        return out
 
 
 class _RankModel:
     """Walks one rank's actions as the runtime runs them (see :func:`rank_calls`)."""
 
-    def __init__(self, program: RankProgram, bucket_bytes: int, overlap: bool, zero3_prefetch: int = ZERO3_PREFETCH):
+    def __init__(self, program: RankProgram, bucket_bytes: int, overlap: bool, zero3_prefetch: int = ZERO3_PREFETCH,
+                 mesh_groups: _MeshGroups | None = None):
         self.p, self.c = program, program.config
         c = self.c
         self.pp_index, self.dp_index, self.tp_index = mesh_coords(program.rank, dp=c.dp_cp, tp=c.tp, first=program.first)
-        self.tp_group = tuple(self._rank(self.pp_index, t=t) for t in range(c.tp))
-        self.dp_group = tuple(self._rank(self.pp_index, d=d) for d in range(c.dp_cp))
-        replica = self.dp_index - self.dp_index % c.cp
-        self.cp_group = tuple(self._rank(self.pp_index, d=replica + j) for j in range(c.cp))
-        ep_first = self.dp_index - self.dp_index % c.ep
-        self.ep_group = tuple(self._rank(self.pp_index, d=ep_first + j) for j in range(c.ep))
-        self.expert_dp_group = tuple(self._rank(self.pp_index, d=d) for d in range(self.dp_index % c.ep, c.dp_cp, c.ep))
-        self.world = tuple(range(program.first, program.first + c.world_size))
+        # the calls name their groups by reference (_MeshGroups); groups: this rank's, whose sizes decide some calls
+        self.groups = (mesh_groups or _MeshGroups(c, program.first)).of(program.rank)
+        self.tp_group, self.dp_group, self.cp_group, self.ep_group, self.expert_dp_group, self.world = (
+            "tp", "dp", "cp", "ep", "expert_dp", "world")
         self.dims = {dim_symbol(k): v for k, v in _dims(program).items()}
         self._sizes: dict[object, int] = {}
         self.bucket_bytes, self.overlap = bucket_bytes, overlap
@@ -192,11 +255,6 @@ class _RankModel:
         io = program.io
         # boundary[s]: names stage s sends stage s + 1, in the receiver's input order (as the executor)
         self.boundary = {s: [i.name for i in io[s + 1].inputs if i.kind == "recv"] for s in range(len(io) - 1)}
-
-    def _rank(self, p: int, d: int | None = None, t: int | None = None) -> int:
-        c = self.c
-        return global_rank(p, self.dp_index if d is None else d, self.tp_index if t is None else t, dp=c.dp_cp,
-                           tp=c.tp, first=self.p.first)
 
     def numel(self, meta: TensorMeta) -> int:
         n = 1
@@ -243,19 +301,19 @@ class _RankModel:
                 out += grads.step()
             if kind in ("B", "W"):  # weight gradients accumulate: buckets may launch (overlap, ZeRO-2)
                 out += grads.accumulated(a.stage, done)
-        if len(self.world) > 1:
+        if len(self.groups["world"]) > 1:
             out.append(CommCall(self.world, "all_reduce(sum)", 1, torch.float64, "loss of the step", "world"))
         return out
 
     def p2p(self, a) -> list[CommCall]:
         """The messages of one SEND/RECV action (runtime.exec.stage_executor's, tensor by tensor)."""
         io, s, i, kind = self.p.io, a.stage, a.microbatch, a.kind.value
-        me, peer = self.p.rank, self._rank(a.peer)
+        me, to, frm = self.p.rank, ("to", a.peer), ("from", a.peer)  # group references (_MeshGroups)
         out = []
         if kind == "RECV_F":
             metas = {x.name: x.meta for x in io[s].inputs}
             for j, name in enumerate(self.boundary[s - 1]):
-                out.append(self._msg("recv", (peer, me), metas[name], ("F", s - 1, i, j), f"{a}: {name}"))
+                out.append(self._msg("recv", frm, metas[name], ("F", s - 1, i, j), f"{a}: {name}"))
         elif kind == "SEND_F":
             made = self.stage_calls[s].output_meta()
             missing = [n for n in self.boundary[s] if n not in made]
@@ -263,17 +321,17 @@ class _RankModel:
                 raise ConfigError(f"communication_check: rank {me}'s stage {s} sends {missing} to stage {s + 1}, "
                                   f"but its program has no such outputs (it has {sorted(made)}); lower the plan again")
             for j, name in enumerate(self.boundary[s]):
-                out.append(self._msg("send", (me, peer), made[name], ("F", s, i, j), f"{a}: {name}"))
+                out.append(self._msg("send", to, made[name], ("F", s, i, j), f"{a}: {name}"))
         elif kind == "RECV_B":
             metas = {x.name: x.meta for x in io[s + 1].inputs}
             names = [n for n in self.boundary[s] if metas[n].requires_grad]
             for j, name in enumerate(names):
-                out.append(self._msg("recv", (peer, me), metas[name], ("B", s + 1, i, j), f"{a}: grad of {name}"))
+                out.append(self._msg("recv", frm, metas[name], ("B", s + 1, i, j), f"{a}: grad of {name}"))
         else:  # SEND_B: the grad of each received input that requires one (zeros when none reached it)
             metas = {x.name: x.meta for x in io[s].inputs}
             names = [n for n in self.boundary[s - 1] if metas[n].requires_grad]
             for j, name in enumerate(names):
-                out.append(self._msg("send", (me, peer), metas[name], ("B", s, i, j), f"{a}: grad of {name}"))
+                out.append(self._msg("send", to, metas[name], ("B", s, i, j), f"{a}: grad of {name}"))
         return out
 
     def _msg(self, op, group, meta: TensorMeta, message, label) -> CommCall:
@@ -336,11 +394,10 @@ class _Zero3Calls:
         self.r = rank
         plans = {s: m.meta[ZERO3_PLAN] for s, m in rank.p.modules.items() if ZERO3_PLAN in m.meta}
         c = rank.c
-        degree = c.shard_degree
         self.on = bool(plans) and c.dp_cp > 1
-        first = rank.dp_index // degree * degree  # HSDP: the shard group of consecutive dp ranks, the replicas across
-        self.shard_group = tuple(rank._rank(rank.pp_index, d=d) for d in range(first, first + degree))
-        self.replica_group = tuple(rank._rank(rank.pp_index, d=d) for d in range(rank.dp_index % degree, c.dp_cp, degree))
+        # HSDP: the shard group of consecutive dp ranks, the replicas across (group references)
+        self.shard_group, self.replica_group = "zero3_shard", "zero3_replica"
+        self.replicas = len(rank.groups["zero3_replica"])
         self.sites = {(site.stage, site.site): (site, plans[s]) for s, plan in plans.items() for site in plan.sites}
         self.savers: dict[int, dict[str, list[tuple[int, int]]]] = {}
         for (stage, _), (site, _) in sorted(self.sites.items()):
@@ -368,7 +425,7 @@ class _Zero3Calls:
         if op.startswith("reduce"):
             if plan.degree > 1:
                 out.append(CommCall(self.shard_group, op, n * plan.degree, torch.float32, label, "dp"))
-            if len(self.replica_group) > 1:
+            if self.replicas > 1:
                 out.append(CommCall(self.replica_group, "all_reduce(sum)", n, torch.float32,
                                     label + " across replicas", "dp"))
         elif plan.degree > 1:
@@ -783,7 +840,7 @@ class _GradSync:
         world = self.r.world
         if self.r.c.dtype == "fp16":
             out.append(CommCall(world, "all_reduce(max)", 1, torch.float32, "fp16 overflow flag", "world"))
-        if len(world) > 1:
+        if len(self.r.groups[world]) > 1:
             out.append(CommCall(world, "all_reduce(sum)", 1, torch.float64, "global gradient norm", "world"))
         return out + self._publish()
 
@@ -824,14 +881,14 @@ def _tied_syncs(rank: _RankModel, p: RankProgram):
                     except AttributeError:
                         continue
                     copies[id(q)] = q
-        whole = tuple(rank._rank(j) for j in range(pp))
         if len(holders) == 1:
             group = None
         elif holders == [0, pp - 1]:
-            group = (whole[0], whole[-1])  # the pipeline's ends (with pp = 2 the pipeline group itself)
+            group = "pipeline_ends"  # the pipeline's ends (with pp = 2 the pipeline group itself)
         else:
-            group = whole
-        if copies or (group == whole and len(holders) > 1):
+            group = "pipeline"
+        whole = group is not None and rank.groups[group] == rank.groups["pipeline"]
+        if copies or (whole and len(holders) > 1):
             n = 1
             for d in tied.local_shape:
                 n *= int(d)
@@ -858,9 +915,110 @@ def check_communication(programs: Sequence[RankProgram], *, bucket_bytes: int = 
     exactly one program per rank of the mesh."""
     start = time.perf_counter()
     by_rank = _by_rank(programs)
-    calls = {r: rank_calls(p, bucket_bytes=bucket_bytes, overlap_grad_sync=overlap_grad_sync,
-                           zero3_prefetch=zero3_prefetch) for r, p in by_rank.items()}
-    return check_calls(calls, config=next(iter(by_rank.values())).config, start=start)
+    p0 = next(iter(by_rank.values()))
+    mesh = _MeshGroups(p0.config, p0.first)
+    # a rank's calls are a function of its program and the sizes of its groups, its groups given by
+    # reference: the ranks running the same program (data-parallel replicas) share one computation
+    templates: dict[tuple, _Template] = {}
+    ranks: dict[int, tuple[_Template, dict]] = {}
+    for r, p in by_rank.items():
+        groups = mesh.of(r)
+        key = _program_key(p, groups)
+        if key not in templates:
+            model = _RankModel(p, bucket_bytes, overlap_grad_sync, zero3_prefetch, mesh_groups=mesh)
+            templates[key] = _Template(model.calls())
+        ranks[r] = (templates[key], groups)
+    problems = _template_collective_problems(ranks) + _template_p2p_problems(ranks, p0.config, p0.first)
+    if problems:
+        raise CommunicationMismatchError(_message(problems, p0.config))
+    groups = {(channel, g[ref]) for t, g in ranks.values() for channel, refs in t.refs.items() for ref in refs}
+    return CommunicationSummary(ranks=len(ranks), groups=len(groups),
+                                collectives=sum(t.collectives for t, _ in ranks.values()),
+                                messages=sum(t.sends for t, _ in ranks.values()), seconds=time.perf_counter() - start)
+
+
+def _program_key(p: RankProgram, groups: Mapping[object, tuple[int, ...]]) -> tuple:
+    """What :class:`_RankModel` reads of a rank's program besides its place in the mesh: two
+    ranks with the same key issue the same calls on their own groups. Modules and contracts are
+    compared by identity (a lowering hands the replicas of a program the same objects; an edited
+    copy is another program), the rest by value; with the sizes of the rank's groups."""
+    return (p.config, p.first, tuple((s, id(m)) for s, m in p.modules.items()), id(p.io), p.actions,
+            tuple(sorted(p.tied.items())), p.expert_params, p.sp_grad_params,
+            tuple((ref, len(g)) for ref, g in groups.items() if isinstance(ref, str)))
+
+
+class _Template:
+    """One program's calls, their groups by reference (:class:`_MeshGroups`), and what the
+    matching asks of them, each worked out once for every rank that runs the program."""
+
+    def __init__(self, calls: Sequence[CommCall]):
+        self.calls = tuple(calls)
+        self.refs: dict[str, set] = {}  # channel -> the references its collectives use
+        self.peers: set = set()  # the p2p references
+        for c in self.calls:
+            if c.is_p2p:
+                self.peers.add(c.group)
+            else:
+                self.refs.setdefault(c.channel, set()).add(c.group)
+        self.collectives = sum(1 for c in self.calls if not c.is_p2p)
+        self.sends = sum(1 for c in self.calls if c.op == "send")
+        self._on: dict[tuple, list[CommCall]] = {}
+
+    def on(self, channel: str, refs: frozenset) -> list[CommCall]:
+        """The collectives on ``channel`` over the references ``refs`` (one group of a rank), in order."""
+        key = (channel, refs)
+        if key not in self._on:
+            self._on[key] = [c for c in self.calls if not c.is_p2p and c.channel == channel and c.group in refs]
+        return self._on[key]
+
+    def messages(self, ref) -> list[CommCall]:
+        key = ("p2p", ref)
+        if key not in self._on:
+            self._on[key] = [c for c in self.calls if c.is_p2p and c.group == ref]
+        return self._on[key]
+
+
+def _template_collective_problems(ranks: Mapping[int, tuple[_Template, dict]]) -> list[_Problem]:
+    """:func:`_collective_problems` over every rank, from the ranks' templates: each group's
+    members' calls are compared once per distinct (template, references) among them."""
+    members: dict[tuple[str, tuple[int, ...]], dict[int, set]] = {}
+    for r, (t, groups) in ranks.items():
+        for channel, refs in t.refs.items():
+            for ref in refs:
+                members.setdefault((channel, groups[ref]), {}).setdefault(r, set()).add(ref)
+    verdicts: dict[frozenset, bool] = {}
+    problems = []
+    for channel, group in sorted(members, key=lambda g: (len(g[1]), g[1], g[0])):
+        on = members[(channel, group)]
+        views = {r: (ranks[r][0], frozenset(on.get(r, ()))) for r in group}
+        distinct = frozenset((id(t), refs) for t, refs in views.values())
+        if distinct not in verdicts:
+            seqs = {tuple(c.signature for c in t.on(channel, refs)) for t, refs in set(views.values())}
+            verdicts[distinct] = len(seqs) == 1
+        if not verdicts[distinct]:
+            problem = _group_problem(channel, group, {r: t.on(channel, refs) for r, (t, refs) in views.items()})
+            if problem is not None:
+                problems.append(problem)
+    return problems
+
+
+def _template_p2p_problems(ranks: Mapping[int, tuple[_Template, dict]], config, first: int) -> list[_Problem]:
+    """:func:`_p2p_problems` over every rank, from the ranks' templates: a pair's messages are
+    matched once per (sender's template, receiver's template, their pipeline ranks)."""
+    pairs = {groups[ref] for t, groups in ranks.values() for ref in t.peers}  # (sender, receiver)
+    verdicts: dict[tuple, bool] = {}
+    problems = []
+    for src, dst in sorted(pairs):
+        p_src = mesh_coords(src, dp=config.dp_cp, tp=config.tp, first=first)[0]
+        p_dst = mesh_coords(dst, dp=config.dp_cp, tp=config.tp, first=first)[0]
+        (ts, _), (td, _) = ranks[src], ranks[dst]
+        out, got = ts.messages(("to", p_dst)), td.messages(("from", p_src))
+        key = (id(ts), p_dst, id(td), p_src)
+        if key not in verdicts:
+            verdicts[key] = _pair_problem(src, dst, out, got) is None
+        if not verdicts[key]:
+            problems.append(_pair_problem(src, dst, out, got))
+    return problems
 
 
 def check_calls(calls: Mapping[int, RankCalls], *, config: object, start: float | None = None) -> CommunicationSummary:
@@ -977,29 +1135,35 @@ def _collective_problems(calls: Mapping[int, RankCalls]) -> list[_Problem]:
                 per_group.setdefault((c.channel, c.group), {}).setdefault(r, []).append(c)
     problems = []
     for channel, group in sorted(per_group, key=lambda g: (len(g[1]), g[1], g[0])):
-        seqs = {r: per_group[(channel, group)].get(r, []) for r in group}
-        n = max(len(s) for s in seqs.values())
-        k = next((k for k in range(n) if len({_sig(seqs[r], k) for r in group}) > 1), None)
-        if k is None:
-            continue
-        variants: dict[object, list[int]] = {}
-        for r in group:
-            variants.setdefault(_sig(seqs[r], k), []).append(r)
-        # the call most members make is the reference; the others disagree
-        ref = max(variants.values(), key=len)
-        lines = []
-        for sig, ranks in variants.items():
-            call = seqs[ranks[0]][k] if k < len(seqs[ranks[0]]) else None
-            what = str(call) if call is not None else "nothing (its calls on this group end here)"
-            lines.append(f"  rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {what}")
-        odd = [r for r in group if r not in ref]
-        title = (f"{describe_group(group, channel)}: call {k} differs between its members (rank"
-                 f"{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd))} against "
-                 f"{', '.join(map(str, ref))}); {len(seqs[group[0]])} vs "
-                 f"{', '.join(str(len(seqs[r])) for r in group[1:])} calls on it")
-        columns = {f"rank {r}": [_cell(c) for c in seqs[r]] for r in group}
-        problems.append(_Problem(title, "\n".join(lines), format_call_grid(columns, k)))
+        problem = _group_problem(channel, group, {r: per_group[(channel, group)].get(r, []) for r in group})
+        if problem is not None:
+            problems.append(problem)
     return problems
+
+
+def _group_problem(channel: str, group: tuple[int, ...], seqs: Mapping[int, list[CommCall]]) -> _Problem | None:
+    """The first disagreement between the members' calls ``seqs`` on one group, or None."""
+    n = max(len(s) for s in seqs.values())
+    k = next((k for k in range(n) if len({_sig(seqs[r], k) for r in group}) > 1), None)
+    if k is None:
+        return None
+    variants: dict[object, list[int]] = {}
+    for r in group:
+        variants.setdefault(_sig(seqs[r], k), []).append(r)
+    # the call most members make is the reference; the others disagree
+    ref = max(variants.values(), key=len)
+    lines = []
+    for sig, ranks in variants.items():
+        call = seqs[ranks[0]][k] if k < len(seqs[ranks[0]]) else None
+        what = str(call) if call is not None else "nothing (its calls on this group end here)"
+        lines.append(f"  rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {what}")
+    odd = [r for r in group if r not in ref]
+    title = (f"{describe_group(group, channel)}: call {k} differs between its members (rank"
+             f"{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd))} against "
+             f"{', '.join(map(str, ref))}); {len(seqs[group[0]])} vs "
+             f"{', '.join(str(len(seqs[r])) for r in group[1:])} calls on it")
+    columns = {f"rank {r}": [_cell(c) for c in seqs[r]] for r in group}
+    return _Problem(title, "\n".join(lines), format_call_grid(columns, k))
 
 
 def _sig(seq: list[CommCall], k: int):
@@ -1017,38 +1181,44 @@ def _p2p_problems(calls: Mapping[int, RankCalls]) -> list[_Problem]:
                 recvs.setdefault(c.group, []).append(c)
     problems = []
     for pair in sorted(set(sends) | set(recvs)):
-        src, dst = pair
-        out, got = sends.get(pair, []), recvs.get(pair, [])
-        issues: list[tuple[str, int | None, int | None]] = []  # (text, send index, recv index)
-        by_msg: dict[tuple, list[int]] = {}
-        for j, c in enumerate(got):
-            by_msg.setdefault(c.message, []).append(j)
-        used: set[int] = set()
-        for i, c in enumerate(out):
-            match = [j for j in by_msg.get(c.message, []) if j not in used]
-            if not match:
-                issues.append((f"rank {src} sends {_tensor(c)} to rank {dst}, which never receives it", i, None))
-                continue
-            j = match[0]
-            used.add(j)
-            r = got[j]
-            if (r.shape, r.dtype) != (c.shape, c.dtype):
-                issues.append((f"rank {src} sends {_tensor(c)}, but rank {dst} receives it as {_tensor(r)}", i, j))
-        for j, r in enumerate(got):
-            if j not in used:
-                issues.append((f"rank {dst} receives {_tensor(r)} from rank {src}, which never sends it", None, j))
-        if not issues:
-            continue
-        text, i, j = issues[0]
-        columns = {f"rank {src} sends to {dst}": [_cell(c) for c in out],
-                   f"rank {dst} receives from {src}": [_cell(c) for c in got]}
-        marks = {f"rank {src} sends to {dst}": i, f"rank {dst} receives from {src}": j}
-        row = min(x for x in (i, j) if x is not None)
-        more = f"\n  ({len(issues) - 1} more on this pair)" if len(issues) > 1 else ""
-        problems.append(_Problem(f"point-to-point rank {src} -> rank {dst}: {len(issues)} unmatched message"
-                                 f"{'s' if len(issues) > 1 else ''}", "  " + text + more,
-                                 format_call_grid(columns, row, marks=marks)))
+        problem = _pair_problem(*pair, sends.get(pair, []), recvs.get(pair, []))
+        if problem is not None:
+            problems.append(problem)
     return problems
+
+
+def _pair_problem(src: int, dst: int, out: Sequence[CommCall], got: Sequence[CommCall]) -> _Problem | None:
+    """The messages rank ``src`` sends rank ``dst`` (``out``) against those ``dst`` receives
+    from ``src`` (``got``): each send needs one receive of the same message, shape and dtype."""
+    issues: list[tuple[str, int | None, int | None]] = []  # (text, send index, recv index)
+    by_msg: dict[tuple, list[int]] = {}
+    for j, c in enumerate(got):
+        by_msg.setdefault(c.message, []).append(j)
+    used: set[int] = set()
+    for i, c in enumerate(out):
+        match = [j for j in by_msg.get(c.message, []) if j not in used]
+        if not match:
+            issues.append((f"rank {src} sends {_tensor(c)} to rank {dst}, which never receives it", i, None))
+            continue
+        j = match[0]
+        used.add(j)
+        r = got[j]
+        if (r.shape, r.dtype) != (c.shape, c.dtype):
+            issues.append((f"rank {src} sends {_tensor(c)}, but rank {dst} receives it as {_tensor(r)}", i, j))
+    for j, r in enumerate(got):
+        if j not in used:
+            issues.append((f"rank {dst} receives {_tensor(r)} from rank {src}, which never sends it", None, j))
+    if not issues:
+        return None
+    text, i, j = issues[0]
+    columns = {f"rank {src} sends to {dst}": [_cell(c) for c in out],
+               f"rank {dst} receives from {src}": [_cell(c) for c in got]}
+    marks = {f"rank {src} sends to {dst}": i, f"rank {dst} receives from {src}": j}
+    row = min(x for x in (i, j) if x is not None)
+    more = f"\n  ({len(issues) - 1} more on this pair)" if len(issues) > 1 else ""
+    return _Problem(f"point-to-point rank {src} -> rank {dst}: {len(issues)} unmatched message"
+                    f"{'s' if len(issues) > 1 else ''}", "  " + text + more,
+                    format_call_grid(columns, row, marks=marks))
 
 
 def _message(problems: list[_Problem], config: object) -> str:

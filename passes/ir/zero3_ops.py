@@ -28,6 +28,7 @@ The fake kernels here give output shapes; the real kernels live in the runtime.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -142,7 +143,16 @@ class Zero3Plan:
     from its forward gather to its reduce-scatter (:class:`GatherSchedule`)."""
 
     def param(self, name: str) -> ShardedParam:
-        return next(p for p in self.params if p.name == name)
+        """The record of parameter ``name`` (a dict lookup: a 96-layer stage has thousands)."""
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise ConfigError(f"zero3: the stage program shards no parameter {name!r} (it shards "
+                              f"{len(self.params)}); lower the plan again") from None
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, ShardedParam]:
+        return {p.name: p for p in self.params}
 
 
 def keeps_gathered(plans) -> bool:

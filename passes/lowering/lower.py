@@ -87,6 +87,10 @@ class Lowering:
     """Every stage's contract as a tp rank runs it (:func:`rank_io`)."""
     pipelines: tuple[PipelineRecord, ...] = ()
     tp_group: str = "tp"
+    _made: dict = field(default_factory=dict, repr=False, compare=False)
+    """What every rank program shares, made once (a 1,536-rank plan asks 1,536 times): the
+    parameters without weight decay, the tied parameters, the canonical names, the collective
+    nodes of each stage program, the groups along the data axis."""
 
     def rank_program(self, rank: int, *, first: int = 0) -> RankProgram:
         """The program of global ``rank`` (the mesh spans ``first .. first + world_size - 1``)."""
@@ -116,20 +120,43 @@ class Lowering:
         cp_plan = self.graph.meta.get(CONTEXT_PARALLEL)
         sp_grads = sorted({g for m in modules.values() if TENSOR_PARALLEL_PLAN in m.meta
                            for g in m.meta[TENSOR_PARALLEL_PLAN].sequence_parallel_grads})
-        actions = self.schedule[pp_index]
         info = self.graph.meta[CAPTURE]
-        canonical = info.canonical_names()
-        for key, aliases in self.split.aliases.items():
-            canon = canonical.get(key, key)
-            canonical.update({a: canon for a in aliases})
+        canonical, no_weight_decay, tied, actions = self._shared(plan)
         return RankProgram(
             rank=rank, first=first, config=c, pp_index=pp_index, dp_index=dp_index, tp_index=tp_index, stages=mine,
-            modules=modules, io=self.io, tied=self._tied(plan), canonical_names=canonical, tp_plan=plan,
+            modules=modules, io=self.io, tied=tied, canonical_names=canonical, tp_plan=plan,
             tp_group=self.tp_group, cp_plan=cp_plan,
-            comms=tuple(_comms(self.split, modules, mine, c, pp_index, dp_index, tp_index, first, self.tp_group)),
-            actions=tuple(actions), inputs=info.inputs, sp_grad_params=tuple(sp_grads),
-            no_weight_decay=self._no_weight_decay(canonical), expert_params=experts, stacked_experts=stacked,
+            comms=tuple(_comms(self.split, modules, mine, c, pp_index, dp_index, tp_index, first, self.tp_group,
+                               made=self._made, nodes_of=self._collective_nodes)),
+            actions=actions[pp_index], inputs=info.inputs, sp_grad_params=tuple(sp_grads),
+            no_weight_decay=no_weight_decay, expert_params=experts, stacked_experts=stacked,
             ep_group=ep_group(self.tp_group), data_group=data_group(self.tp_group))
+
+    def _collective_nodes(self, module: fx.GraphModule) -> list[tuple[str, str, str]]:
+        """:func:`_collective_nodes` of a program this lowering holds, made once (another module,
+        e.g. a copy holding other experts, is read each time)."""
+        held = self._made.setdefault("held", {})
+        if len(held) != len(self.programs):
+            held.clear()
+            held.update({id(m): key for key, m in self.programs.items()})
+        key = held.get(id(module))
+        if key is None or self.programs[key] is not module:
+            return _collective_nodes(module)
+        if ("collective nodes", key) not in self._made:
+            self._made[("collective nodes", key)] = _collective_nodes(module)
+        return self._made[("collective nodes", key)]
+
+    def _shared(self, plan):
+        """(canonical names, names without weight decay, tied parameters, each pipeline rank's
+        actions): the same for every rank program, made once."""
+        if "shared" not in self._made:
+            canonical = self.graph.meta[CAPTURE].canonical_names()
+            for key, aliases in self.split.aliases.items():
+                canon = canonical.get(key, key)
+                canonical.update({a: canon for a in aliases})
+            actions = {p: tuple(a) for p, a in self.schedule.items()}
+            self._made["shared"] = (canonical, self._no_weight_decay(canonical), self._tied(plan), actions)
+        return self._made["shared"]
 
     @functools.cached_property
     def schedule(self) -> dict:
@@ -388,11 +415,21 @@ def stage_capture(gm: fx.GraphModule, io: StageIO):
 
 
 def _comms(split: PipelineSplit, modules: Mapping[int, fx.GraphModule], mine, c: ParallelConfig, pp_index: int,
-           dp_index: int, tp_index: int, first: int, tp_group: str) -> list[Comm]:
+           dp_index: int, tp_index: int, first: int, tp_group: str, *, made: dict | None = None,
+           nodes_of: Callable[[fx.GraphModule], list[tuple[str, str, str]]] | None = None) -> list[Comm]:
+    """``made``: a cache of the data axis' ranks the ranks of one lowering share; ``nodes_of``:
+    :func:`_collective_nodes`, or a cached one."""
     dp, tp = c.dp_cp, c.tp  # the data axis: dp x cp ranks average gradients
+    made = {} if made is None else made
+    nodes_of = nodes_of or _collective_nodes
 
     def rank_of(p, d=dp_index, t=tp_index):
         return global_rank(p, d, t, dp=dp, tp=tp, first=first)
+
+    data_key = ("data axis", first, pp_index, tp_index)
+    if data_key not in made:
+        made[data_key] = tuple(rank_of(pp_index, d) for d in range(dp))
+    data_ranks = made[data_key]
 
     out: list[Comm] = []
     for s in mine:
@@ -416,27 +453,37 @@ def _comms(split: PipelineSplit, modules: Mapping[int, fx.GraphModule], mine, c:
         cp_ranks = tuple(rank_of(pp_index, replica + j) for j in range(c.cp))
         ep_first = dp_index - dp_index % c.ep
         ep_ranks = tuple(rank_of(pp_index, ep_first + j) for j in range(c.ep))
-        data_ranks = tuple(rank_of(pp_index, d) for d in range(dp))
-        # the stage's graph and its checkpointed regions' (collectives recomputed there too)
-        for sub in modules[s].modules():
-            if not isinstance(sub, fx.GraphModule):
-                continue
-            for node in sub.graph.nodes:
-                op = op_name(node.target) if node.op == "call_function" else None
-                if op in TP_OPS:
-                    out.append(Comm("tp", tp_ranks, stage=s, op=op, node=node.name, group=tp_group))
-                elif op in CP_OPS:
-                    out.append(Comm("cp", cp_ranks, stage=s, op=op, node=node.name, group=cp_group(tp_group)))
-                elif op in EP_OPS:
-                    out.append(Comm("ep", ep_ranks, stage=s, op=op, node=node.name, group=ep_group(tp_group)))
-                elif op in DATA_OPS:
-                    out.append(Comm("data", data_ranks, stage=s, op=op, node=node.name, group=data_group(tp_group)))
+        kinds = {"tp": (tp_ranks, tp_group), "cp": (cp_ranks, cp_group(tp_group)),
+                 "ep": (ep_ranks, ep_group(tp_group)), "data": (data_ranks, data_group(tp_group))}
+        for kind, op, name in nodes_of(modules[s]):
+            ranks, group = kinds[kind]
+            out.append(Comm(kind, ranks, stage=s, op=op, node=name, group=group))
     if dp > 1:
-        out.append(Comm("dp_all_reduce", tuple(rank_of(pp_index, d) for d in range(dp))))
+        out.append(Comm("dp_all_reduce", data_ranks))
     for name in sorted(split.tied):
         holders = sorted({c.stage_rank(st) for st in split.tied[name]})
         if pp_index in holders and len(holders) > 1:
             out.append(Comm("tied_all_reduce", tuple(rank_of(h) for h in holders), tensors=split.aliases[name]))
+    return out
+
+
+def _collective_nodes(module: fx.GraphModule) -> list[tuple[str, str, str]]:
+    """(kind, op, node name) of each collective op of a stage program: its graph's and its
+    checkpointed regions' (collectives recomputed there too); kind ``tp``, ``cp``, ``ep`` or ``data``."""
+    out = []
+    for sub in module.modules():
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        for node in sub.graph.nodes:
+            op = op_name(node.target) if node.op == "call_function" else None
+            if op in TP_OPS:
+                out.append(("tp", op, node.name))
+            elif op in CP_OPS:
+                out.append(("cp", op, node.name))
+            elif op in EP_OPS:
+                out.append(("ep", op, node.name))
+            elif op in DATA_OPS:
+                out.append(("data", op, node.name))
     return out
 
 

@@ -213,6 +213,46 @@ def test_rank_with_one_micro_batch_less_is_caught():
     assert "point-to-point rank 1 -> rank 3" in text  # and the sends rank 3 never receives
 
 
+def _per_rank_check(programs):
+    """The check from every rank's own calls (what a job's ranks gather), for comparison."""
+    from passes.checks.communication_check import check_calls
+
+    return check_calls({p.rank: rank_calls(p) for p in programs}, config=programs[0].config)
+
+
+def _edited_replica(programs, rank: int):
+    """``programs`` with ``rank`` (a data-parallel replica of rank ``rank - 2``) carrying a stray
+    parameter and missing its last forward receive: two problems the replicas must not hide."""
+    p = programs[rank]
+    gm = copy.deepcopy(p.modules[p.stages[0]])
+    gm.register_parameter("stray_bias", nn.Parameter(torch.zeros(7)))
+    drop = [a for a in p.actions if a.kind.value == "RECV_F"][-1:]
+    out = list(programs)
+    out[rank] = dataclasses.replace(p, modules={p.stages[0]: gm}, actions=tuple(a for a in p.actions if a not in drop))
+    return out
+
+
+@pytest.mark.parametrize("knobs", [dict(dp=2, tp=2, pp=2, zero_stage=1), dict(dp=2, tp=1, pp=2, zero_stage=3)],
+                         ids=["zero1-tp2-pp2", "zero3-pp2"])
+def test_the_check_of_shared_programs_finds_what_each_rank_finds(knobs):
+    """check_communication works out the calls once per program the data-parallel replicas share
+    (their groups by reference): it passes and fails as the check of every rank's own calls does,
+    with the same message, when one replica's program is edited."""
+    programs = _programs(GPT, **knobs)
+    shared, own = check_communication(programs), _per_rank_check(programs)
+    assert (shared.ranks, shared.groups, shared.collectives, shared.messages) == \
+           (own.ranks, own.groups, own.collectives, own.messages)
+    broken = _edited_replica(programs, len(programs) - 1)
+    with pytest.raises(CommunicationMismatchError) as fast:
+        check_communication(broken)
+    with pytest.raises(CommunicationMismatchError) as slow:
+        _per_rank_check(broken)
+    assert str(fast.value) == str(slow.value)
+    assert "point-to-point" in str(fast.value)
+    # the stray parameter joins a dp bucket (ZeRO-3 gathers only the sharded ones: no call for it)
+    assert ("dp group" in str(fast.value)) == (knobs["zero_stage"] != 3)
+
+
 def test_missing_program_is_refused():
     programs = _programs(GPT, dp=2, tp=1, pp=1)
     with pytest.raises(ConfigError, match="programs missing for \\[1\\]"):

@@ -110,7 +110,7 @@ def test_refusals(graph):
     with pytest.raises(ConfigError, match="model has none"):
         lower(dense, ParallelConfig(dp=2, ep=2, micro_batch_size=1), cost=None)
     for knobs, rule in [({"dp": 2, "ep": 4}, "dividing 2"), ({"dp": 2, "ep": 2, "tp": 2}, "tp=2 is not supported"),
-                        ({"dp": 2, "ep": 2, "zero_stage": 1}, "zero_stage=1 is not supported"),
+                        ({"dp": 2, "ep": 2, "zero_stage": 3}, "zero_stage=3 is not supported"),
                         ({"dp": 2, "ep": 0}, "ep must be an integer >= 1")]:
         with pytest.raises(ConfigError, match=rule):
             ParallelConfig(**knobs)

@@ -27,11 +27,11 @@ PLANS = [
 ]
 
 
-def _lower_each(plans: list[Plan], payloads) -> dict:
-    from partitioner.compile.build import build_parallel_model, share_whole_graph_prefix
-    from partitioner.cost.cost_model import cost_hooks
+def _recording_passes(payloads):
+    """On a rank: (spec, the analysed graph, the list every pass the lowering runs from now on is
+    appended to, by name), after the world group is up."""
     from passes.lowering import manager as manager_module
-    from runtime.dist.mesh import Mesh, init_distributed
+    from runtime.dist.mesh import init_distributed
 
     init_distributed(timeout_s=120)
     spec, graph = runtime_cases.unpacked_graph(runtime_cases.MODELS["gpt-cp"], payloads["gpt-cp"])
@@ -43,6 +43,15 @@ def _lower_each(plans: list[Plan], payloads) -> dict:
         return run(self, gm, ctx)
 
     manager_module.PassManager.run = recording
+    return spec, graph, ran
+
+
+def _lower_each(plans: list[Plan], payloads) -> dict:
+    from partitioner.compile.build import build_parallel_model, share_whole_graph_prefix
+    from partitioner.cost.cost_model import cost_hooks
+    from runtime.dist.mesh import Mesh
+
+    spec, graph, ran = _recording_passes(payloads)
     out = {}
     for plan in plans:
         mesh = Mesh.for_config(plan.config(), timeout_s=runtime_cases.TIMEOUT_S)
@@ -122,20 +131,10 @@ def _share_programs(plans: list[Plan], payloads) -> dict:
 
     from partitioner.compile.build import build_parallel_model, share_stage_programs
     from partitioner.cost.cost_model import cost_hooks
-    from passes.lowering import manager as manager_module
     from passes.lowering.lower import lower, programs_of
-    from runtime.dist.mesh import Mesh, init_distributed
+    from runtime.dist.mesh import Mesh
 
-    init_distributed(timeout_s=120)
-    spec, graph = runtime_cases.unpacked_graph(runtime_cases.MODELS["gpt-cp"], payloads["gpt-cp"])
-    ran: list[str] = []
-    run = manager_module.PassManager.run
-
-    def recording(self, gm, ctx=None):
-        ran.extend(p.name for p in self.passes)
-        return run(self, gm, ctx)
-
-    manager_module.PassManager.run = recording
+    spec, graph, ran = _recording_passes(payloads)
     out = {}
     for plan in plans:
         config = plan.config()

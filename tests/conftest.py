@@ -6,6 +6,7 @@ process it spawns, which inherits the environment) sees the ``local-cpu`` preset
 machine) and a cache directory of its own. Tests of the calibration cache unset the file and point
 the cache at their ``tmp_path``. Ranks start from a fork server that has imported what they need.
 """
+import gc
 import os
 import shutil
 import tempfile
@@ -35,6 +36,14 @@ def pytest_configure(config):
     # each over the graphs a worker leaves; one collection still finds what it reports
     if gc_collect_iterations_key is not None:
         config.stash[gc_collect_iterations_key] = 1
+
+
+def pytest_collection_finish(session):
+    # what the tests import stays loaded to the end (torch's compiler stack too, which the first
+    # capture would load): out of every collection from here on
+    import passes.capture.preload  # noqa: F401
+
+    gc.freeze()
 
 
 def pytest_unconfigure(config):

@@ -517,10 +517,30 @@ def _failure_lines(exc: Exception) -> list[str]:
     return lines
 
 
+# What the work of every command but ``models`` imports (capturing a model loads torch's compiler
+# stack and, at its first shape guard, the modules passes.capture.preload names): imported first,
+# with the collector off, and frozen (passes.ir.heap).
+_STACK = ("torch", "torch._dynamo", "passes.capture.preload")
+
+
+def _import_stack() -> None:
+    if all(m in sys.modules for m in _STACK):  # called in a process that has it (a test's): freeze nothing
+        return
+    import importlib
+
+    from passes.ir.heap import importing
+
+    with importing():
+        for module in _STACK:
+            importlib.import_module(module)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = args.debug
     try:
+        if args.fn is not _cmd_models:
+            _import_stack()
         _check_run_options(args)
         return args.fn(args)
     except PartitionerError as exc:

@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 from passes.ir.errors import PartitionerError
 from passes.ir.launcher_env import scrub_environ
+from passes.ir.heap import freeze_inherited
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +118,7 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args:
     scrub_environ()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    freeze_inherited()  # the fork server's imports, scanned by every full collection otherwise
     try:
         import torch
         torch.set_num_threads(1)  # as torchrun does (OMP_NUM_THREADS=1): ranks share the cores

@@ -1,6 +1,8 @@
 """The dry run: a 16-rank job's distinct rank programs run here, on fake tensors and a fake group."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from partitioner import Training
@@ -106,6 +108,35 @@ def test_messages_are_matched_by_shape():
     (problem,) = check_sequences(runs)
     assert problem == ("messages rank 0 -> rank 2 on (0, 2): message 0 is [4, 8] float32 as sent and "
                        "[4, 16] float32 as received (1 sent, 1 received)")
+
+
+def test_messages_match_in_order_within_each_communicator():
+    """Two groups over the same ranks are two communicators (the zero-bubble V schedule sends its
+    forward and backward messages on two): each keeps its own order, as on NCCL."""
+    act_f = Collective("send", (0, 2), (1, 4, 8), "torch.bfloat16", peer=2, group_id="5")
+    rope_f = Collective("send", (0, 2), (4, 2), "torch.float32", peer=2, group_id="5")
+    grad_b = Collective("send", (0, 2), (1, 4, 8), "torch.bfloat16", peer=2, group_id="6")
+
+    def recv(c):
+        return dataclasses.replace(c, op="recv", peer=0)
+
+    runs = [RankRun(0, (0,), 0, 0, 0, ok=True, collectives=[grad_b, act_f, rope_f]),
+            RankRun(2, (2,), 1, 0, 0, ok=True, collectives=[recv(act_f), recv(rope_f), recv(grad_b)])]
+    assert check_sequences(runs) == []
+    runs[1].collectives = [recv(rope_f), recv(act_f), recv(grad_b)]  # out of order within group "5"
+    (problem,) = check_sequences(runs)
+    assert problem.startswith("messages rank 0 -> rank 2 on (0, 2): message 0 is [1, 4, 8] bfloat16 as sent and "
+                              "[4, 2] float32 as received")
+
+
+def test_a_zero_bubble_v_plan_of_a_rope_model_runs_and_agrees():
+    """Llama's rotary tables cross every stage boundary beside the activations, on the forward
+    stream, while the gradients come back on the backward one."""
+    report = dry_run("llama:layers=8,hidden=64,heads=4,kv_heads=2,intermediate=128,vocab=256,seq=64", "dgx-h100",
+                     nodes=1, training=Training(global_batch=16),
+                     fix="tp=1,pp=2,dp=4,schedule=zbv,virtual_pp=2,num_micro_batches=4")
+    assert report.ok, report.text()
+    assert len(report.ranks) == 2
 
 
 # --- the recorded calls against the communication check's prediction ----------------------------

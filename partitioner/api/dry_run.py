@@ -791,14 +791,16 @@ def check_sequences(runs: Sequence[RankRun]) -> list[str]:
     covered = {m for r in done.values() for m in r.stands_for}
     problems: list[str] = []
     groups: set[tuple[str, tuple[int, ...]]] = set()
-    sends: dict[tuple[int, int, tuple[int, ...]], list[tuple[int, Collective]]] = {}
-    recvs: dict[tuple[int, int, tuple[int, ...]], list[tuple[int, Collective]]] = {}
+    # messages match in order within one communicator: two groups over the same ranks (the
+    # zero-bubble V schedule's forward and backward streams) are two orders, as on NCCL
+    sends: dict[tuple[int, int, tuple[int, ...], str], list[tuple[int, Collective]]] = {}
+    recvs: dict[tuple[int, int, tuple[int, ...], str], list[tuple[int, Collective]]] = {}
     for rank, run in done.items():
         for k, call in enumerate(run.collectives):
             if call.op == "send":
-                sends.setdefault((rank, call.peer, call.group), []).append((k, call))
+                sends.setdefault((rank, call.peer, call.group, call.group_id), []).append((k, call))
             elif call.op == "recv":
-                recvs.setdefault((call.peer, rank, call.group), []).append((k, call))
+                recvs.setdefault((call.peer, rank, call.group, call.group_id), []).append((k, call))
             else:
                 groups.add((call.group_id, call.group))
     for key in sorted(groups, key=lambda k: (k[1], k[0])):
@@ -809,8 +811,8 @@ def check_sequences(runs: Sequence[RankRun]) -> list[str]:
         members = {r: [c for c in done[r].collectives if (c.group_id, c.group) == key and c.peer is None]
                    for r in reps}
         problems += _compare(ranks, reps, members, {r: done[r].collectives for r in reps})
-    for pair in sorted(set(sends) | set(recvs), key=lambda k: (k[0], k[1])):
-        src, dst, group = pair
+    for pair in sorted(set(sends) | set(recvs), key=lambda k: (k[0], k[1], k[3])):
+        src, dst, group, _ = pair
         if src not in done or dst not in done:
             continue
         sent, got = sends.get(pair, []), recvs.get(pair, [])

@@ -131,12 +131,14 @@ def test_messages_match_in_order_within_each_communicator():
 
 def test_a_zero_bubble_v_plan_of_a_rope_model_runs_and_agrees():
     """Llama's rotary tables cross every stage boundary beside the activations, on the forward
-    stream, while the gradients come back on the backward one."""
-    report = dry_run("llama:layers=8,hidden=64,heads=4,kv_heads=2,intermediate=128,vocab=256,seq=64", "dgx-h100",
-                     nodes=1, training=Training(global_batch=16),
-                     fix="tp=1,pp=2,dp=4,schedule=zbv,virtual_pp=2,num_micro_batches=4")
+    stream, while the gradients come back on the backward one. The first pipeline rank holds the
+    first and the last stage: the LM head's gradient bucket (one bucket of its own, as the
+    embedding's) launches first, where backward makes its gradient, not in parameter order."""
+    report = dry_run("llama:layers=8,hidden=1024,heads=8,kv_heads=4,intermediate=2816,vocab=32000,seq=64",
+                     "dgx-h100", nodes=1, training=Training(global_batch=8),
+                     fix="tp=2,pp=2,dp=2,schedule=zbv,virtual_pp=2,num_micro_batches=4")
     assert report.ok, report.text()
-    assert len(report.ranks) == 2
+    assert len(report.ranks) == 4 and all(r.static_calls > 0 for r in report.ranks)
 
 
 # --- the recorded calls against the communication check's prediction ----------------------------

@@ -10,8 +10,9 @@ then a summary: wall seconds, max RSS, distinct rank programs, the worst memory 
 whether the report says OK.
 
 Run: python bench/dry_run_scale.py [CASE ...]   (default: every case; --list names them)
-A pinned 175B case runs 96 distinct rank programs of 96 micro-batches each: about an hour and
-a half on the development machine.
+What each case cost on the development machine (2 cores) is in bench/README.md: from 2 minutes
+(175B, the planner's plan: one distinct rank program) to about an hour of CPU (the pinned 70B
+plan: 32 programs of 32 micro-batches, 1-2 minutes each).
 """
 from __future__ import annotations
 
@@ -47,10 +48,12 @@ def run_case(name: str) -> dict:
     print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
     start = time.perf_counter()
-    done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wall = time.perf_counter() - start
     rss_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # the largest child so far
     print(done.stdout, flush=True)
+    if done.returncode:  # the progress bar and warnings go to stderr: its end says why the run stopped
+        print(f"exit status {done.returncode}; the end of its stderr:\n" + done.stderr[-3000:], flush=True)
     header = next((line for line in done.stdout.splitlines() if line.startswith("dry run of ")), "")
     distinct = re.search(r"(\d+) distinct rank programs", header)
     rows = [m.groups() for m in map(_ROW.match, done.stdout.splitlines()) if m]

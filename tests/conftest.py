@@ -11,8 +11,6 @@ import os
 import shutil
 import tempfile
 
-import pytest
-
 try:  # pytest >= 8.4: how many collections its unraisable-exception check runs when a worker ends
     from _pytest.unraisableexception import gc_collect_iterations_key
 except ImportError:
@@ -45,16 +43,6 @@ def pytest_collection_finish(session):
     # capture would load): out of every collection from here on
     import passes.capture.preload  # noqa: F401
 
-    gc.freeze()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _freeze_what_survives_a_file():
-    """After each test file: what is still alive (module caches, profiles and graphs the next
-    files reuse) is frozen too, so the full collections of the next files do not rescan it; the
-    collection first frees the file's cyclic garbage."""
-    yield
-    gc.collect()
     gc.freeze()
 
 

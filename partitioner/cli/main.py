@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -9,6 +10,7 @@ import time
 import traceback
 
 from passes.ir.errors import ConfigError, PartitionerError
+from passes.ir.heap import importing
 from passes.ir.launcher_env import under_launcher
 
 
@@ -526,10 +528,6 @@ _STACK = ("torch", "torch._dynamo", "passes.capture.preload")
 def _import_stack() -> None:
     if all(m in sys.modules for m in _STACK):  # called in a process that has it (a test's): freeze nothing
         return
-    import importlib
-
-    from passes.ir.heap import importing
-
     with importing():
         for module in _STACK:
             importlib.import_module(module)

@@ -301,7 +301,7 @@ class _RankModel:
                 self.zero3.reset()
                 out += grads.step()
             if kind in ("B", "W"):  # weight gradients accumulate: buckets may launch (overlap, ZeRO-2)
-                out += grads.accumulated(a.stage, done, self.stage_calls[a.stage].grad_order())
+                out += grads.accumulated(a.stage, done, self.stage_calls[a.stage].grad_order)
         if len(self.groups["world"]) > 1:
             out.append(CommCall(self.world, "all_reduce(sum)", 1, torch.float64, "loss of the step", "world"))
         return out
@@ -450,18 +450,12 @@ class _StageCollectives:
         flags = _requires_grad(module, inputs)
         self._fwd = self._walk(module, "", flags, backward=False)
         self._bwd = self._walk(module, "", flags, backward=True)
-        self._grad_order: dict[int, int] | None = None
+        # id(parameter) -> its place in the order the stage's backward accumulates gradients (after
+        # the backward of its last reader in backward order, as _calls places it)
+        self.grad_order = {n: k for k, (op, n, _, _) in enumerate(self._bwd) if op == _GRAD}
 
     def forward(self, where: str) -> list[CommCall]:
         return self._calls(self._fwd, where)
-
-    def grad_order(self) -> dict[int, int]:
-        """``id(parameter)`` -> its place in the order the stage's backward accumulates gradients
-        (after the backward of its last reader in backward order, as :meth:`_calls` places it)."""
-        order = self._grad_order
-        if order is None:
-            order = self._grad_order = {n: k for k, (op, n, _, _) in enumerate(self._bwd) if op == _GRAD}
-        return order
 
     def backward(self, where: str, on_grad: Callable[[int], list[CommCall]] | None = None) -> list[CommCall]:
         """The backward's calls; ``on_grad(id(parameter))``, where given, is called where the
@@ -799,13 +793,11 @@ class _GradSync:
         """How member ``m`` is recorded in a ``done`` set the dp and expert buckets share."""
         return ("expert", m) if self.is_experts else m
 
-    def accumulated(self, stage: int, done: set[int] = frozenset(),
-                    backward: Mapping[int, int] | None = None) -> list[CommCall]:
+    def accumulated(self, stage: int, done: set[int], backward: Mapping[int, int]) -> list[CommCall]:
         """The end of a backward (or weight-gradient) action of ``stage``: its parameters not in
         ``done`` (those whose accumulation its backward placed) got one gradient, in the order
         backward reaches them: ``backward`` (``id(parameter)`` -> place,
-        :meth:`_StageCollectives.grad_order`), then reverse parameter order (the buckets')."""
-        backward = backward or {}
+        ``_StageCollectives.grad_order``), then reverse parameter order (the buckets')."""
         pending = [(sync, m) for sync in (self, self.experts) if sync is not None and sync.buckets
                    for m in sync.member_of_stage.get(stage, ()) if sync._mark(m) not in done]
         pending.sort(key=lambda sm: (backward.get(id(sm[0].params[sm[1]]), math.inf),

@@ -141,6 +141,19 @@ def test_a_zero_bubble_v_plan_of_a_rope_model_runs_and_agrees():
     assert len(report.ranks) == 4 and all(r.static_calls > 0 for r in report.ranks)
 
 
+def test_zero_bubble_buckets_launch_in_the_order_the_check_predicts():
+    """A split backward's weight half (W) under ZeRO-1, with a bucket per layer norm (ZeRO cuts
+    its chunks where weight decay changes) between the matmuls' buckets: W accumulates in reverse
+    parameter order, bucket by bucket, as the check predicts (one backward from every weight
+    edge would accumulate the norms first, in the autograd engine's heap order)."""
+    report = dry_run("gpt:layers=4,hidden=4096,heads=8,vocab=1024,seq=16", "dgx-h100", nodes=1,
+                     training=Training(global_batch=8), ranks=(0,),
+                     fix="tp=2,pp=2,dp=2,schedule=zbv,virtual_pp=2,num_micro_batches=4,zero_stage=1")
+    assert report.ok and not report.ranks[0].static, report.text()
+    sizes = {c.numel for c in report.ranks[0].collectives if c.op.startswith("reduce_scatter")}
+    assert len(sizes) > 2  # norms' and matmuls' buckets apart: an order to get right
+
+
 # --- the recorded calls against the communication check's prediction ----------------------------
 
 def test_every_rank_issues_the_calls_the_communication_check_predicts(plan):

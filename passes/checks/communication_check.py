@@ -300,8 +300,10 @@ class _RankModel:
             elif kind == "STEP":
                 self.zero3.reset()
                 out += grads.step()
-            if kind in ("B", "W"):  # weight gradients accumulate: buckets may launch (overlap, ZeRO-2)
+            if kind == "B":  # weight gradients accumulate: buckets may launch (overlap, ZeRO-2)
                 out += grads.accumulated(a.stage, done, self.stage_calls[a.stage].grad_order)
+            elif kind == "W":  # in reverse parameter order (runtime.exec.split_backward.backward_weight)
+                out += grads.accumulated(a.stage, done, {})
         if len(self.groups["world"]) > 1:
             out.append(CommCall(self.world, "all_reduce(sum)", 1, torch.float64, "loss of the step", "world"))
         return out

@@ -61,6 +61,7 @@ from runtime.optim.optimizer_offload import HostOffloadedOptimizer
 from runtime.optim.optimizers import OptimizerFactory, as_factory, build, check_shardable, param_groups
 from runtime.optim.lr_schedules import SchedulerFactory
 from runtime.exec.stage_executor import LocalStage, StageExecutor, backward_counts
+from runtime.exec.split_backward import WeightOrder
 
 STAGE_SEED_STRIDE = 1009
 """Seed offset per pipeline stage (a prime, so stage seeds do not collide with nearby user seeds)."""
@@ -132,6 +133,7 @@ class ParallelModel:
         self.zero = c.zero_stage
         self.expert_buckets: BucketedGradSync | None = None
         self.grad_buckets = self._grad_buckets(overlap_grad_sync)
+        self.executor.weight_order = self._weight_order()
         no_decay = self._no_decay()
         flags = [no_decay[id(p)] for p in self.params]
         weights = self._param_norm_weights()
@@ -216,6 +218,15 @@ class ParallelModel:
                                 rank=self.mesh.dp_index, bucket_bytes=self.bucket_bytes,
                                 late=[p for t in self.tied_sync.tied for p in t.copies] + self.sp_params,
                                 overlap=overlap, mode=MODE_OF_ZERO_STAGE[self.zero], accumulations=accumulations)
+
+    def _weight_order(self) -> WeightOrder | None:
+        """The order a split backward's weight half accumulates parameters in, where gradient
+        buckets launch from its hooks: reverse parameter order, each bucket in one call."""
+        syncs = [s for s in (self.grad_buckets, self.expert_buckets) if s is not None and s.hooked]
+        if not syncs:
+            return None
+        return WeightOrder(position={id(p): -k for k, p in enumerate(self.params)},
+                           buckets={id(p): (id(s), k) for s in syncs for k, b in enumerate(s.buckets) for p in b.params})
 
     def _sp_grad_sync(self) -> None:
         if self.sp_params:

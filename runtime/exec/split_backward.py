@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -152,8 +152,10 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     return pending
 
 
-def backward_weight(pending: PendingWeights) -> None:
-    """Run W: accumulate the parameters' gradients of one (stage, micro-batch)."""
+def backward_weight(pending: PendingWeights, order: WeightOrder | None = None) -> None:
+    """Run W: accumulate the parameters' gradients of one (stage, micro-batch). ``order``: the
+    order their post-accumulate hooks must fire in (gradient buckets launch from them); without
+    it, the engine's."""
     if pending.outputs:  # no target: the whole backward is W
         torch.autograd.backward(pending.outputs, pending.grads)
         return
@@ -171,8 +173,65 @@ def backward_weight(pending: PendingWeights) -> None:
         for edge, g in pending.entries:
             edges.append(edge)
             grads.append(g)
-        if edges:
+        if not edges:
+            return
+        if order is None:
             torch.autograd.backward(edges, grads)
+            return
+        # One backward from every edge would accumulate in the engine's order: the parameters a
+        # mixing node reads directly (AccumulateGrad roots, all of the same priority) first, among
+        # themselves in the order of its heap. So the parameters go in ``order``'s, one call per
+        # gradient bucket: a bucket launches when its last member accumulates, at its call's end.
+        calls: list[tuple[object, list[tuple[GradientEdge, torch.Tensor]]]] = []
+        for params, pairs in sorted(_by_parameters(edges, grads), key=lambda pp: min(order.key(p) for p in pp[0])):
+            buckets = {order.bucket(p) for p in params}
+            bucket = buckets.pop() if len(buckets) == 1 else object()  # a group over two buckets: alone
+            if calls and calls[-1][0] == bucket:
+                calls[-1][1].extend(pairs)
+            else:
+                calls.append((bucket, list(pairs)))
+        for _, pairs in calls:
+            torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
+
+
+@dataclass(frozen=True)
+class WeightOrder:
+    """The order W accumulates parameters in: ``key(param)`` ascending (the runtime gives reverse
+    parameter order, the buckets' fill order, which the communication check predicts), and
+    ``bucket(param)``, the gradient bucket it launches with (None: none)."""
+
+    position: Mapping[int, int]  # id(param) -> sort key
+    buckets: Mapping[int, object]  # id(param) -> its bucket
+
+    def key(self, p: torch.Tensor) -> int:
+        return self.position.get(id(p), 0)
+
+    def bucket(self, p: torch.Tensor) -> object:
+        return self.buckets.get(id(p))
+
+
+def _by_parameters(edges: Sequence[GradientEdge], grads: Sequence[torch.Tensor]
+                   ) -> list[tuple[list[torch.Tensor], list[tuple[GradientEdge, torch.Tensor]]]]:
+    """The edges grouped so that no parameter is reached from two groups (it must accumulate
+    once per backward: the buckets count accumulations), with the parameters each group reaches."""
+    below: list[set[Node]] = []
+    for edge in edges:
+        seen: set[Node] = set()
+        stack = [edge.node]
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            stack.extend(c for c, _ in node.next_functions if c is not None)
+        below.append({n for n in seen if hasattr(n, "variable")})  # AccumulateGrad nodes
+    groups: list[tuple[set[Node], list[int]]] = []
+    for k, leaves in enumerate(below):
+        joined = [g for g in groups if g[0] & leaves]
+        merged = (set(leaves).union(*(g[0] for g in joined)), [i for g in joined for i in g[1]] + [k])
+        groups = [g for g in groups if not any(g is j for j in joined)] + [merged]
+    return [([n.variable for n in leaves], [(edges[i], grads[i]) for i in sorted(members)])
+            for leaves, members in groups]
 
 
 def _one_recompute():

@@ -54,7 +54,7 @@ from passes.ir.errors import ConfigError
 from passes.ir.meta import StageIO, dim_symbol
 from passes.ir.schedule.actions import Action, Kind
 from runtime.dist import comm
-from runtime.exec.split_backward import PendingWeights, backward_input, backward_weight
+from runtime.exec.split_backward import PendingWeights, WeightOrder, backward_input, backward_weight
 
 _COMM = (Kind.RECV_F, Kind.SEND_F, Kind.RECV_B, Kind.SEND_B)
 
@@ -107,6 +107,8 @@ class StageExecutor:
         # perf_counter seconds at which each backward action of the last run ended (tests
         # check that gradient buckets start before the last one ends).
         self.backward_done_s: dict[tuple[int, int], float] = {}
+        # the order W accumulates parameters in where buckets launch from their hooks (ParallelModel sets it)
+        self.weight_order: WeightOrder | None = None
 
     # ------------------------------------------------------------------------------------------
     def run(self, actions: Sequence[Action], micro_inputs: Sequence[Mapping[str, torch.Tensor]],
@@ -260,7 +262,7 @@ class StageExecutor:
         self.backward_done_s[(s, i)] = time.perf_counter()
 
     def _backward_weight(self, a: Action) -> None:
-        backward_weight(self._weights.pop((a.stage, a.microbatch)))
+        backward_weight(self._weights.pop((a.stage, a.microbatch)), self.weight_order)
         self.backward_done_s[(a.stage, a.microbatch)] = time.perf_counter()
 
     def _send_b(self, a: Action) -> None:

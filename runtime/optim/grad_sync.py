@@ -182,8 +182,8 @@ class BucketedGradSync:
         self.events: list[LaunchEvent] = []  # this step's launches so far
         self.last_events: list[LaunchEvent] = []  # the last finished step's (tests check the overlap)
         early = [p for b in self.buckets if not b.late for p in b.params]
-        hooked = self.overlap or self.each_backward
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in early] if hooked else []
+        self.hooked = self.overlap or self.each_backward  # buckets launch from backward's hooks
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in early] if self.hooked else []
         self.reset()
 
     def reset(self) -> None:

@@ -79,3 +79,25 @@ def test_the_zoo_captures_without_a_side_effect_warning(model):
         warnings.simplefilter("error", SideEffectWarning)
         capture_training_step(_spec(quiet, _mean))
     assert torch.is_tensor(quiet.fc.weight)
+
+
+def test_a_zoo_model_on_the_meta_device_is_captured_once_per_process():
+    """Its capture is a function of the spec string, dtype and dims: the second front door gets a
+    copy of the first's graph (its own: a pass that rewrites it leaves the next caller's alone);
+    a model with weights, or a module of the user's own, is captured every time."""
+    from passes.capture.capture import capture_count
+
+    spec = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
+    first = capture_training_step(build_model(spec, device="meta"))
+    before = capture_count()
+    second = capture_training_step(build_model(spec, device="meta"))
+    assert capture_count() == before and second is not first
+    assert [(n.op, str(n.target)) for n in second.graph.nodes] == [(n.op, str(n.target)) for n in first.graph.nodes]
+    next(n for n in second.graph.nodes if n.op == "call_function").meta["mark"] = True
+    assert not any("mark" in n.meta for n in first.graph.nodes)
+    capture_training_step(build_model(spec, device="meta", dtype=torch.bfloat16))  # another dtype: captured
+    capture_training_step(build_model(spec))  # weights: captured
+    assert capture_count() == before + 2
+    own = build_model(spec, device="meta")
+    capture_training_step(ModelSpec(module=own.module, inputs=own.inputs, loss=own.loss, dims=own.dims, name=spec))
+    assert capture_count() == before + 3

@@ -24,6 +24,7 @@ from passes.capture.training_step_checks import check_loss, check_trainable, wat
 from passes.ir.config import DType, ParallelConfig
 from passes.ir.errors import ConfigError
 from passes.ir.grad_buckets import DEFAULT_BUCKET_BYTES
+from passes.ir.graph_modules import copy_graph_module
 from passes.ir.program import RankProgram
 from passes.ir.graph_transfer import pack_graph, unpack_graph
 from passes.lowering.lower import Lowering, lower, programs_of, remember_whole_graph_prefix, whole_graph_prefix
@@ -51,11 +52,38 @@ def capture_training_step(spec: ModelSpec, *, symbolic: Sequence[str] | None = N
     ``analyze``, ``plan`` and ``auto_parallelize`` refuse and warn alike."""
     if symbolic is None:
         symbolic = sorted({d for inp in spec.inputs for d in inp.shape if isinstance(d, str)})
+    key = _capture_key(spec, tuple(symbolic), device, dims)
+    if key is not None and key in _CAPTURED:
+        _CAPTURED[key] = _CAPTURED.pop(key)  # most recent last
+        return copy_graph_module(_CAPTURED[key])
     check_trainable(spec.module, spec.name)
     with watch_side_effects(spec.module, spec.name):
         gm = capture_spec(spec, dims=dims, symbolic=tuple(symbolic), device=device)
     check_loss(gm, spec.name)
+    if key is not None:
+        _CAPTURED[key] = copy_graph_module(gm)
+        while len(_CAPTURED) > _CAPTURED_KEPT:
+            _CAPTURED.pop(next(iter(_CAPTURED)))
     return gm
+
+
+_CAPTURED: dict[tuple, fx.GraphModule] = {}
+"""Captures of zoo models on the meta device (no weights: the capture is a function of the spec
+string, dtype, dims and device), by :func:`_capture_key`: planning, analysing and dry-running one
+model in one process capture it once. Each caller gets its own copy."""
+_CAPTURED_KEPT = 8
+
+
+def _capture_key(spec: ModelSpec, symbolic: tuple[str, ...], device: str | None,
+                 dims: dict[str, int] | None) -> tuple | None:
+    """What a capture of ``spec`` depends on, or None when it may depend on more (a module of the
+    user's own, or one with weights: its values are the user's)."""
+    tensors = [*spec.module.parameters(), *spec.module.buffers()]
+    if not spec.source or not tensors or any(t.device.type != "meta" for t in tensors):
+        return None
+    dtypes = tuple(sorted({str(t.dtype) for t in tensors}))
+    return (spec.source, dtypes, spec.inputs, tuple(sorted(spec.dims.items())), symbolic, device,
+            tuple(sorted((dims or {}).items())))
 
 
 def run_analysis_passes(gm: fx.GraphModule, *, optimizer: str = "adamw", dtype: DType = "fp32", writer=None,

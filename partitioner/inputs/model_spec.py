@@ -41,6 +41,10 @@ class ModelSpec:
     loss: LossFn
     dims: dict[str, int] = field(default_factory=dict)
     name: str = ""
+    source: str = field(default="", repr=False, compare=False)
+    """The zoo spec string :func:`partitioner.inputs.models.build_model` built the module from
+    (empty for a module of your own): a capture of its meta module is a function of it alone,
+    which :func:`partitioner.compile.build.capture_training_step` remembers."""
 
     def __post_init__(self) -> None:
         # checked here, where every front door builds one, so a wrong field is named before any work

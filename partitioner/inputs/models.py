@@ -156,7 +156,7 @@ def build_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.d
     with torch.device(device):
         model = builder(**kwargs)
     model.module.to(dtype=dtype)
-    model.name = spec
+    model.name = model.source = spec
     return model
 
 

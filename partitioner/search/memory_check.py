@@ -24,6 +24,7 @@ from partitioner.compile.build import lower_plan
 from partitioner.cost.cluster import Cluster
 from partitioner.search.replay import MemoryPrediction, predict_memory
 from passes.ir.config import ParallelConfig
+from passes.ir.graph_modules import weightless_copy
 from passes.ir.meta import CAPTURE
 from passes.ir.plan import Plan
 from passes.ir.program import global_rank
@@ -67,7 +68,8 @@ def replay_rank_memory(graph: fx.GraphModule, config: ParallelConfig, cluster: C
     (bytes). ``global_batch``: samples of the batch every rank is handed (default
     ``config.global_batch``)."""
     c = config
-    lowering = lower_plan(graph, c, cluster=cluster, check=False)
+    # shapes are what the replay reads: a real model's weights would be copied and sharded for nothing
+    lowering = lower_plan(weightless_copy(graph), c, cluster=cluster, check=False)
     # dp (and cp) ranks run the same program (ZeRO-3: equal, padded shards): one replay per (stage, tp rank)
     firsts = [global_rank(s, 0, t, dp=c.dp_cp, tp=c.tp) for s in range(c.pp) for t in range(c.tp)]
     replayed = replay_ranks(graph, lowering, firsts, global_batch=global_batch, optimizer=optimizer,

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import sympy
+import torch
 from torch import fx, nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
@@ -36,10 +37,13 @@ def compiled(module: nn.Module) -> nn.Module:
     return module
 
 
-def copy_graph_module(gm: fx.GraphModule, *, share: Iterable[Any] = ()) -> fx.GraphModule:
+def copy_graph_module(gm: fx.GraphModule, *, share: Iterable[Any] = (),
+                      replace: Mapping[int, Any] | None = None) -> fx.GraphModule:
     """``copy.deepcopy(gm)``, sharing the sympy expressions of its (and its submodules') ``meta``
-    and the objects of ``share`` (e.g. its parameters, for a copy that only reads them)."""
+    and the objects of ``share`` (e.g. its parameters, for a copy that only reads them);
+    ``replace``: ``id(object)`` -> what the copy holds in its place."""
     memo: dict[int, Any] = {id(obj): obj for obj in share}
+    memo.update(replace or {})
     seen: set[int] = set()
     for sub in gm.modules():
         if isinstance(sub, fx.GraphModule):
@@ -65,3 +69,17 @@ def _share_expressions(value: Any, memo: dict[int, Any], seen: set[int]) -> None
             stack.extend(v)
         elif dataclasses.is_dataclass(v) and not isinstance(v, type):
             stack.extend(getattr(v, f.name) for f in dataclasses.fields(v))
+
+
+def weightless_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose parameters and buffers are meta tensors of their shapes and dtypes
+    (ties kept: one tensor under several names stays one): what lowering a plan only to measure
+    it needs (the memory replay), without copying and sharding a real model's weights."""
+    meta: dict[int, Any] = {}
+    for sub in gm.modules():
+        for t in [*sub._parameters.values(), *sub._buffers.values()]:
+            if t is None or id(t) in meta:
+                continue
+            empty = torch.empty_like(t, device="meta")
+            meta[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    return copy_graph_module(gm, replace=meta)

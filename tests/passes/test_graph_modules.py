@@ -57,3 +57,30 @@ def test_lazy_modules_make_their_code_when_asked():
     lazy = graph_module(gm, gm.graph)
     assert "linear" in compiled(lazy).code
     assert torch.equal(lazy(torch.ones(1, 3)), gm(torch.ones(1, 3)))
+
+
+def test_a_weightless_copy_has_meta_tensors_of_the_same_shapes_and_ties():
+    """What the memory replay lowers: the graph and its metadata as they are, every parameter and
+    buffer a meta tensor (no storage), a tied weight still one parameter; the original untouched."""
+    from partitioner.compile.build import capture_for_pipeline
+    from partitioner.inputs.models import build_model
+    from passes.ir.graph_modules import weightless_copy
+
+    gm = capture_for_pipeline(build_model("gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"))
+    light = weightless_copy(gm)
+    assert [str(n.target) for n in light.graph.nodes] == [str(n.target) for n in gm.graph.nodes]
+    named = dict(gm.named_parameters(remove_duplicate=False))
+    for name, p in light.named_parameters(remove_duplicate=False):
+        assert p.device.type == "meta" and p.shape == named[name].shape and p.dtype == named[name].dtype
+        assert p.requires_grad == named[name].requires_grad
+    ties = lambda m: sorted(len(ns) for ns in _names_by_id(m).values())  # noqa: E731
+    assert ties(light) == ties(gm) and max(ties(gm)) == 2  # the embedding and the LM head
+    assert all(b.device.type == "meta" for b in light.buffers())
+    assert all(p.device.type == "cpu" for p in gm.parameters())
+
+
+def _names_by_id(module) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), []).append(name)
+    return out

@@ -499,6 +499,22 @@ class _Live:
         self.free(("bump", where))
 
 
+def _launch_buckets(live: "_Live", zero: int, buckets: list[int], chunk_bytes: int, hooked_bytes: int,
+                    where: str, late_grad=lambda key: False) -> None:
+    """The gradient buckets backward's hooks launch (runtime.optim.grad_sync.BucketedGradSync; the
+    trailing ones, ``late_grad``, wait for the ALL_REDUCE): ZeRO-1 replaces each bucket's gradients
+    with a flat fp32 copy, held beside its reduced chunk until the ALL_REDUCE action waits for it;
+    without ZeRO, a flat copy of every gradient the hooks launch (``hooked_bytes``), which the
+    gradients become views of."""
+    if zero == 1:
+        for key in [key for key in live.size if isinstance(key, tuple) and key[0] == "pgrad" and not late_grad(key)]:
+            live.free(key)
+        live.alloc("zero1_flats", 4 * sum(buckets), "grads", where)
+        live.alloc("zero_chunks", chunk_bytes, "grads", where)
+    else:
+        live.alloc("bucket", hooked_bytes, "grads", where)
+
+
 def _tensor_bytes(meta, dims_sym) -> int:
     n = 1
     for d in meta.shape:
@@ -564,9 +580,24 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
     syncs = ([([p for p in params if id(p) not in expert_ids], dp),
               ([p for p in params if id(p) in expert_ids], program.config.expert_replicas)]
              if sharded_state and expert_ids else [(params, dp)])
-    layouts = ([(_bucket_layout(ps, size if sharded_state else 1, shard=sharded_state), size) for ps, size in syncs]
-               if zero != 3 else [])
-    buckets = [b.numel for layout, _ in layouts for b in layout]
+    # tied copies and sequence-parallel parameters go in trailing buckets, launched at the ALL_REDUCE
+    named = _named(program)
+    late_ids = {id(named[n]) for n in program.sp_grad_params if n in named}
+    for tied in program.tied.values():
+        for s in tied.stages:
+            if s in program.stages:
+                for alias in tied.aliases:
+                    try:
+                        late_ids.add(id(program.modules[s].get_parameter(alias)))
+                    except AttributeError:
+                        continue
+    layouts = ([(_bucket_layout(ps, size if sharded_state else 1, shard=sharded_state, late=late_ids), size)
+                for ps, size in syncs] if zero != 3 else [])
+    buckets = [b.numel for layout, _ in layouts for b in layout if not b.late]  # those backward's hooks launch
+    late_buckets = [b.numel for layout, _ in layouts for b in layout if b.late]
+
+    def late_grad(key) -> bool:  # a ("pgrad", stage, event key) of a parameter in a trailing bucket
+        return id(program.modules[key[1]].get_parameter(ev[key[1]].param_grads[key[2]])) in late_ids
     # this rank's fp32 chunk of every bucket
     chunk_bytes = sum(4 * b.numel // size for layout, size in layouts for b in layout) if sharded_state else 0
     host_optimizer = program.config.offload == "optimizer"  # runtime.optim.optimizer_offload: state on the host
@@ -635,7 +666,14 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
             first = s not in grads_made
             grads_made.add(s)
             weight_half = a.kind == Kind.BACKWARD_WEIGHT
-            for e in (deferred.pop((s, i)) if weight_half else ev[s].backward):
+            events = deferred.pop((s, i)) if weight_half else ev[s].backward
+            kept = set()
+            if weight_half:  # W makes every weight gradient of the micro-batch, then accumulates them
+                made = sum(e.bytes for e in events if e.key in ev[s].param_grads and e.op == "+")
+                live.alloc((s, i, "w_grads"), made, "grads", where)  # (runtime.exec.split_backward)
+                # and the graph (what forward saved) lives until W returns: freed below, not as it goes
+                kept = {key for key in live.size if _of(key, s, i)}
+            for e in events:
                 key = (s, i, e.key)
                 if e.op in Z3_OPS:
                     if e.op == Z3_DONE:  # the shards returned are accumulated into .grad and released
@@ -653,10 +691,19 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
                         _apply(live, e, ("pgrad", s), "grads", where)
                     elif z3 is not None and e.op == "+":  # a site's shards live until its reduce-scatter returns
                         live.alloc(("z3_acc", s, i, e.key), e.bytes, "grads", where)
-                    elif e.op == "+":
+                    elif e.op == "+" and not weight_half:  # W's are counted in its w_grads
                         live.bump(e.bytes, "grads", where)  # accumulated in place, then released
                     continue
+                if e.op == "-" and (s, i, e.key) in kept:
+                    continue
                 _apply(live, e, (s, i), "activations", where)
+            launch = sync and zero < 2 and not bucket_launched and all(last_backward[t] <= k for t in last_backward)
+            if weight_half:
+                if launch:  # the hooks launch the buckets while W still holds its gradients and graph
+                    bucket_launched = True
+                    _launch_buckets(live, zero, buckets, chunk_bytes, param_bytes - (expert_bytes if late_experts else 0),
+                                    where, late_grad)
+                live.free((s, i, "w_grads"))
             if s > 0 and not weight_half:  # the gradient of each received input, held until its send completes
                 for inp in boundary[s - 1]:
                     if inp.meta.requires_grad:
@@ -666,13 +713,10 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
             for key in [key for key in live.size if _of(key, s, i)]:
                 if not (("out", s, i) in sent and _is_output_key(key, ev[s])):
                     live.free(key)
-            if sync and zero < 2 and not bucket_launched and all(last_backward[t] <= k for t in last_backward):
+            if launch and not bucket_launched:
                 bucket_launched = True
-                if zero == 1:  # each bucket's flat fp32 copy replaces its gradients; the chunks arrive
-                    live.bump(4 * max(buckets, default=0), "grads", where)
-                    live.alloc("zero_chunks", chunk_bytes, "grads", where)
-                else:  # flat copy of every gradient (those the hooks launch)
-                    live.alloc("bucket", param_bytes - (expert_bytes if late_experts else 0), "grads", where)
+                _launch_buckets(live, zero, buckets, chunk_bytes, param_bytes - (expert_bytes if late_experts else 0),
+                                where, late_grad)
         elif a.kind == Kind.SEND_B:
             for inp in boundary[s - 1]:
                 live.free_if(("recv", s, i, inp.name))
@@ -681,6 +725,10 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
                 if (isinstance(key, tuple) and key and key[0] == "igrad") or _sent_output(key, sent, ev):
                     live.free(key)
             sent.clear()
+            if "zero1_flats" in live.size:  # the trailing buckets' flat copies join them, then all are waited
+                live.alloc("zero1_late_flats", 4 * sum(late_buckets), "grads", where)
+                live.free("zero1_late_flats")
+                live.free("zero1_flats")
             if zero2 is not None:
                 for z in zero2:  # the dp buckets, then the experts'
                     z.finish(where)
@@ -825,11 +873,11 @@ def _named(program) -> dict[str, torch.nn.Parameter]:
     return out
 
 
-def _bucket_layout(params, size: int, *, shard: bool):
+def _bucket_layout(params, size: int, *, shard: bool, late: set[int] = frozenset()):
     """The gradient buckets :class:`runtime.optim.grad_sync.BucketedGradSync` makes of ``params``
-    (:func:`passes.ir.grad_buckets.bucket_layout`; sharded ones padded to a multiple of ``size``).
-    Tied copies, which the runtime puts in buckets of their own, are not told apart here."""
-    return bucket_layout([GradSlot(p.numel(), p.dtype) for p in params], size=size, shard=shard)
+    (:func:`passes.ir.grad_buckets.bucket_layout`; sharded ones padded to a multiple of ``size``),
+    those of ``late`` (``id``: tied copies, sequence-parallel parameters) in trailing buckets."""
+    return bucket_layout([GradSlot(p.numel(), p.dtype, id(p) in late) for p in params], size=size, shard=shard)
 
 
 def _own(numel: int, params) -> int:

@@ -144,12 +144,7 @@ def test_weight_half_accumulates_in_the_order_it_is_given_each_parameter_once(ck
     ref(x_ref).backward(g)
     x_run = x.clone().requires_grad_()
     pending = backward_input([model(x_run)], [g], [x_run])
-    # one bucket per parameter: the order is exact (within a bucket it is the engine's)
-    order = WeightOrder(position={id(p): -k for k, p in enumerate(params)}, buckets={id(p): k for k, p in enumerate(params)})
-    backward_weight(pending, order)
-    assert fired == [id(p) for p in reversed(params)]
-    for (name, p), q in zip(ref.named_parameters(), params):
-        assert torch.equal(q.grad, p.grad), name
+    _weights_in_reverse_order(pending, params, fired, ref)
 
 
 def test_a_parameter_reached_from_two_edges_accumulates_once_in_order():
@@ -165,6 +160,12 @@ def test_a_parameter_reached_from_two_edges_accumulates_once_in_order():
     for p in params:
         p.register_post_accumulate_grad_hook(lambda p: fired.append(id(p)))
     pending = backward_input([gm(ids)], [None], [])
+    _weights_in_reverse_order(pending, params, fired, ref)
+
+
+def _weights_in_reverse_order(pending, params, fired, ref) -> None:
+    """W with one bucket per parameter (the order is exact; within a bucket it is the engine's):
+    the hooks fire in reverse parameter order, the gradients are ``ref``'s."""
     order = WeightOrder(position={id(p): -k for k, p in enumerate(params)}, buckets={id(p): k for k, p in enumerate(params)})
     backward_weight(pending, order)
     assert fired == [id(p) for p in reversed(params)]

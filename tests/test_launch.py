@@ -22,3 +22,55 @@ def test_ranks_write_to_the_callers_stdout_and_stderr_of_the_moment(capfd, monke
     out, err = capfd.readouterr()
     assert sorted(out.splitlines()) == ["rank 0 says again", "rank 1 says again"]
     assert sorted(err.splitlines()) == ["rank 0 warns again", "rank 1 warns again"]
+
+
+_CALLER = """
+import os, sys, time
+from runtime.dist.launch import spawn
+
+def rank(folder):
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+    time.sleep(300)  # as a rank waiting in a collective
+
+if __name__ == "__main__":
+    spawn(rank, 2, sys.argv[1], timeout_s=600)
+"""
+
+
+def test_the_ranks_of_a_killed_caller_end_with_it(tmp_path):
+    """Killing the caller (SIGKILL: no clean-up runs) ends its ranks within seconds, not after
+    their collective timeouts (minutes)."""
+    import signal
+    import subprocess
+    import time
+
+    script = tmp_path / "caller.py"
+    script.write_text(_CALLER)
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    caller = subprocess.Popen([sys.executable, str(script), str(folder)], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while len(os.listdir(folder)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ranks = [int(p) for p in os.listdir(folder)]
+        assert len(ranks) == 2
+    finally:
+        caller.send_signal(signal.SIGKILL)
+        caller.wait()
+    deadline = time.monotonic() + 30
+    alive = ranks
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [pid for pid in ranks if _running(pid)]
+    assert not alive, f"ranks {alive} outlived their killed caller"
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False

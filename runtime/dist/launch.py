@@ -15,7 +15,8 @@ If a rank raises, the job stops at once (the other ranks are killed: they would 
 in a collective until their timeout) and :class:`LaunchError` names the rank and carries its
 traceback (``LaunchError.failures``: each failed rank's one-line error and its traceback, for a
 command line that prints one line per rank); likewise for a rank that dies without reporting, or
-ranks still running after ``timeout_s`` seconds.
+ranks still running after ``timeout_s`` seconds. A rank ends when its caller does: the ranks of
+a caller that is killed do not wait out their timeouts.
 """
 from __future__ import annotations
 
@@ -106,8 +107,40 @@ def _redirect(out, err) -> None:
     os.dup2(err.detach(), 2)
 
 
+def _end_with_caller(caller: int) -> None:
+    """Send this rank SIGTERM when process ``caller`` (the one that called :func:`spawn`) ends, so
+    the ranks of a caller that was killed stop instead of waiting out their collective timeouts (a
+    fork server's ranks are not its caller's children, and the server lives as long as they do).
+    A daemon thread waits on the caller's pidfd (Linux), else checks it every second."""
+    import signal
+    import threading
+
+    def watch() -> None:
+        try:
+            import select
+            fd = os.pidfd_open(caller)
+            select.select([fd], [], [])  # readable once the caller has ended
+        except (AttributeError, OSError):
+            while _alive(caller):
+                time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    if caller > 0 and _alive(caller):
+        threading.Thread(target=watch, name="partitioner-caller-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results,
-            env: dict[str, str], stdio: None = None) -> None:
+            env: dict[str, str], stdio: None = None, caller: int = 0) -> None:
     # ``stdio`` did its work while the rank unpickled its arguments (:class:`_CallerStdio`).
     # The environment of the caller at the time of the call (a fork server's is that of its own
     # start), less the launcher of the caller's own job: a job started from inside a rank
@@ -119,6 +152,7 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     freeze_inherited()  # the fork server's imports, scanned by every full collection otherwise
+    _end_with_caller(caller)
     try:
         import torch
         torch.set_num_threads(1)  # as torchrun does (OMP_NUM_THREADS=1): ranks share the cores
@@ -174,8 +208,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
     results = ctx.Queue()
     port = free_port()
     env = dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results, env, _CallerStdio()),
-                         daemon=True)
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results, env, _CallerStdio(),
+                                               os.getpid()), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

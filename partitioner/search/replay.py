@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Hashable, Mapping
+from typing import Callable, Hashable, Mapping
 
 import torch
 from torch import fx
@@ -500,7 +500,7 @@ class _Live:
 
 
 def _launch_buckets(live: "_Live", zero: int, buckets: list[int], chunk_bytes: int, hooked_bytes: int,
-                    where: str, late_grad=lambda key: False) -> None:
+                    where: str, late_grad: Callable[[tuple], bool]) -> None:
     """The gradient buckets backward's hooks launch (runtime.optim.grad_sync.BucketedGradSync; the
     trailing ones, ``late_grad``, wait for the ALL_REDUCE): ZeRO-1 replaces each bucket's gradients
     with a flat fp32 copy, held beside its reduced chunk until the ALL_REDUCE action waits for it;
@@ -583,14 +583,7 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
     # tied copies and sequence-parallel parameters go in trailing buckets, launched at the ALL_REDUCE
     named = _named(program)
     late_ids = {id(named[n]) for n in program.sp_grad_params if n in named}
-    for tied in program.tied.values():
-        for s in tied.stages:
-            if s in program.stages:
-                for alias in tied.aliases:
-                    try:
-                        late_ids.add(id(program.modules[s].get_parameter(alias)))
-                    except AttributeError:
-                        continue
+    late_ids |= {id(q) for tied in program.tied.values() for q in tied.copies(program.modules)}
     layouts = ([(_bucket_layout(ps, size if sharded_state else 1, shard=sharded_state, late=late_ids), size)
                 for ps, size in syncs] if zero != 3 else [])
     buckets = [b.numel for layout, _ in layouts for b in layout if not b.late]  # those backward's hooks launch
@@ -598,6 +591,10 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
 
     def late_grad(key) -> bool:  # a ("pgrad", stage, event key) of a parameter in a trailing bucket
         return id(program.modules[key[1]].get_parameter(ev[key[1]].param_grads[key[2]])) in late_ids
+
+    def launch_buckets(where: str) -> None:
+        _launch_buckets(live, zero, buckets, chunk_bytes, param_bytes - (expert_bytes if late_experts else 0),
+                        where, late_grad)
     # this rank's fp32 chunk of every bucket
     chunk_bytes = sum(4 * b.numel // size for layout, size in layouts for b in layout) if sharded_state else 0
     host_optimizer = program.config.offload == "optimizer"  # runtime.optim.optimizer_offload: state on the host
@@ -698,11 +695,10 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
                     continue
                 _apply(live, e, (s, i), "activations", where)
             launch = sync and zero < 2 and not bucket_launched and all(last_backward[t] <= k for t in last_backward)
+            bucket_launched = bucket_launched or launch
             if weight_half:
                 if launch:  # the hooks launch the buckets while W still holds its gradients and graph
-                    bucket_launched = True
-                    _launch_buckets(live, zero, buckets, chunk_bytes, param_bytes - (expert_bytes if late_experts else 0),
-                                    where, late_grad)
+                    launch_buckets(where)
                 live.free((s, i, "w_grads"))
             if s > 0 and not weight_half:  # the gradient of each received input, held until its send completes
                 for inp in boundary[s - 1]:
@@ -713,10 +709,8 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
             for key in [key for key in live.size if _of(key, s, i)]:
                 if not (("out", s, i) in sent and _is_output_key(key, ev[s])):
                     live.free(key)
-            if launch and not bucket_launched:
-                bucket_launched = True
-                _launch_buckets(live, zero, buckets, chunk_bytes, param_bytes - (expert_bytes if late_experts else 0),
-                                where, late_grad)
+            if launch and not weight_half:
+                launch_buckets(where)
         elif a.kind == Kind.SEND_B:
             for inp in boundary[s - 1]:
                 live.free_if(("recv", s, i, inp.name))

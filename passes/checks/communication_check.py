@@ -62,7 +62,6 @@ unequally often is taken to complete a round each time all of them have.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Literal, Mapping, Protocol, Sequence
@@ -300,10 +299,8 @@ class _RankModel:
             elif kind == "STEP":
                 self.zero3.reset()
                 out += grads.step()
-            if kind == "B":  # weight gradients accumulate: buckets may launch (overlap, ZeRO-2)
-                out += grads.accumulated(a.stage, done, self.stage_calls[a.stage].grad_order)
-            elif kind == "W":  # in reverse parameter order (runtime.exec.split_backward.backward_weight)
-                out += grads.accumulated(a.stage, done, {})
+            if kind in ("B", "W"):  # weight gradients accumulate: buckets may launch (overlap, ZeRO-2)
+                out += grads.accumulated(a.stage, done)
         if len(self.groups["world"]) > 1:
             out.append(CommCall(self.world, "all_reduce(sum)", 1, torch.float64, "loss of the step", "world"))
         return out
@@ -452,9 +449,6 @@ class _StageCollectives:
         flags = _requires_grad(module, inputs)
         self._fwd = self._walk(module, "", flags, backward=False)
         self._bwd = self._walk(module, "", flags, backward=True)
-        # id(parameter) -> its place in the order the stage's backward accumulates gradients (after
-        # the backward of its last reader in backward order, as _calls places it)
-        self.grad_order = {n: k for k, (op, n, _, _) in enumerate(self._bwd) if op == _GRAD}
 
     def forward(self, where: str) -> list[CommCall]:
         return self._calls(self._fwd, where)
@@ -795,15 +789,14 @@ class _GradSync:
         """How member ``m`` is recorded in a ``done`` set the dp and expert buckets share."""
         return ("expert", m) if self.is_experts else m
 
-    def accumulated(self, stage: int, done: set[int], backward: Mapping[int, int]) -> list[CommCall]:
+    def accumulated(self, stage: int, done: set[int]) -> list[CommCall]:
         """The end of a backward (or weight-gradient) action of ``stage``: its parameters not in
-        ``done`` (those whose accumulation its backward placed) got one gradient, in the order
-        backward reaches them: ``backward`` (``id(parameter)`` -> place,
-        ``_StageCollectives.grad_order``), then reverse parameter order (the buckets')."""
+        ``done`` (those a backward placed where it makes their gradient) got one gradient, in
+        reverse parameter order, the buckets' (a weight-gradient action accumulates in that order:
+        :func:`runtime.exec.split_backward.backward_weight`)."""
         pending = [(sync, m) for sync in (self, self.experts) if sync is not None and sync.buckets
                    for m in sync.member_of_stage.get(stage, ()) if sync._mark(m) not in done]
-        pending.sort(key=lambda sm: (backward.get(id(sm[0].params[sm[1]]), math.inf),
-                                     -self.position[id(sm[0].params[sm[1]])]))
+        pending.sort(key=lambda sm: -self.position[id(sm[0].params[sm[1]])])
         out: list[CommCall] = []
         for sync, m in pending:
             out += sync._calls(sync.machine.accumulated(m))
@@ -867,15 +860,7 @@ def _tied_syncs(rank: _RankModel, p: RankProgram):
     out = []
     for name, tied in sorted(p.tied.items()):
         holders = sorted({rank.c.stage_rank(s) for s in tied.stages})
-        copies: dict[int, nn.Parameter] = {}
-        for s in tied.stages:
-            if s in p.modules:
-                for alias in tied.aliases:
-                    try:
-                        q = p.modules[s].get_parameter(alias)
-                    except AttributeError:
-                        continue
-                    copies[id(q)] = q
+        copies = tied.copies(p.modules)
         if len(holders) == 1:
             group = None
         elif holders == [0, pp - 1]:
@@ -887,7 +872,7 @@ def _tied_syncs(rank: _RankModel, p: RankProgram):
             n = 1
             for d in tied.local_shape:
                 n *= int(d)
-            out.append((name, group, (n, tied.dtype), list(copies.values())))
+            out.append((name, group, (n, tied.dtype), copies))
     return out
 
 

@@ -81,6 +81,20 @@ class TiedParam:
     local_shape: tuple[int, ...]
     dtype: torch.dtype
 
+    def copies(self, modules: Mapping[int, torch.nn.Module]) -> list[torch.nn.Parameter]:
+        """Its copies among ``modules`` (stage -> program: a rank's stages), each parameter once:
+        what the rank sums over the tied weight's holders, in trailing gradient buckets."""
+        out: dict[int, torch.nn.Parameter] = {}
+        for s in self.stages:
+            if s in modules:
+                for alias in self.aliases:
+                    try:
+                        q = modules[s].get_parameter(alias)
+                    except AttributeError:
+                        continue
+                    out[id(q)] = q
+        return list(out.values())
+
 
 @dataclass(frozen=True, kw_only=True)
 class RankProgram:

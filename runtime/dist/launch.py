@@ -25,8 +25,11 @@ from multiprocessing.reduction import DupFd
 import os
 import pickle
 import queue
+import select
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -112,12 +115,8 @@ def _end_with_caller(caller: int) -> None:
     the ranks of a caller that was killed stop instead of waiting out their collective timeouts (a
     fork server's ranks are not its caller's children, and the server lives as long as they do).
     A daemon thread waits on the caller's pidfd (Linux), else checks it every second."""
-    import signal
-    import threading
-
     def watch() -> None:
         try:
-            import select
             fd = os.pidfd_open(caller)
             select.select([fd], [], [])  # readable once the caller has ended
         except (AttributeError, OSError):
@@ -134,8 +133,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # someone else's process: alive
+        pass
     return True
 
 

@@ -180,16 +180,7 @@ class ParallelModel:
         out = []
         for name, tied in sorted(self.program.tied.items()):
             holders = sorted({self.config.stage_rank(s) for s in tied.stages})
-            copies: dict[int, torch.nn.Parameter] = {}
-            for s in tied.stages:
-                if s in self.stages:
-                    module = self.stages[s].module
-                    for alias in tied.aliases:
-                        try:
-                            p = module.get_parameter(alias)
-                        except AttributeError:
-                            continue
-                        copies[id(p)] = p
+            copies = tied.copies({s: st.module for s, st in self.stages.items()})
             if len(holders) == 1:
                 group = None  # every copy on this rank
             elif holders == [0, self.pp - 1]:
@@ -197,7 +188,7 @@ class ParallelModel:
             else:
                 group = self.mesh.pp_group  # general: the whole pipeline, zeros from non-holders
             if copies or (group is self.mesh.pp_group and len(holders) > 1):
-                out.append(TiedCopies(name, list(copies.values()), group, tied.local_shape, tied.dtype))
+                out.append(TiedCopies(name, copies, group, tied.local_shape, tied.dtype))
         return out
 
     def _grad_buckets(self, overlap: bool) -> BucketedGradSync | None:

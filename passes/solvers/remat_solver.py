@@ -615,12 +615,46 @@ def _unsolved(problem: RematProblem, budget_bytes: int, costs: RematCosts, bound
                      method="milp", optimal=False, bound=bound, mip_gap=math.inf)
 
 
-def milp(*args, **kwargs):
-    """``scipy.optimize.milp`` (HiGHS), imported when a problem is first solved: a process that
-    solves none does not load scipy."""
-    from scipy.optimize import milp as highs
+_SOLVED: dict[bytes, object] = {}
+"""HiGHS's answers to the last :data:`_SOLVED_ENTRIES` problems proven optimal or infeasible, by
+:func:`_problem_key` (the most recently used last): the ranks of a job that share a process, the
+plans of one model and the planner's replays solve the same problem again, seconds each."""
+_SOLVED_ENTRIES = 64
 
-    return highs(*args, **kwargs)
+
+def milp(c, *, integrality, bounds, constraints, options):
+    """``scipy.optimize.milp`` (HiGHS), imported when a problem is first solved: a process that
+    solves none does not load scipy. A problem this process proved before (the same arrays and
+    gap asked; the time limit aside) gets that answer again: HiGHS is deterministic, so it is the
+    answer it would give; answers cut short by the time limit are not kept."""
+    key = _problem_key(c, integrality, bounds, constraints, options)
+    known = _SOLVED.pop(key, None)
+    if known is None:
+        from scipy.optimize import milp as highs
+
+        known = highs(c, integrality=integrality, bounds=bounds, constraints=constraints, options=options)
+        if known.status not in (0, 2):  # 0: optimal, 2: infeasible; else a limit stopped it
+            return known
+    _SOLVED[key] = known
+    while len(_SOLVED) > _SOLVED_ENTRIES:
+        _SOLVED.pop(next(iter(_SOLVED)))
+    return known
+
+
+def _problem_key(c, integrality, bounds, constraints, options) -> bytes:
+    """A digest of everything a MILP's answer depends on: objective, integrality, bounds, rows
+    (a ``scipy.sparse`` matrix) and the options but the time limit."""
+    import hashlib
+
+    h = hashlib.sha256()
+    a = constraints.A.tocsr()
+    for part in (c, integrality, bounds.lb, bounds.ub, constraints.lb, constraints.ub, a.data, a.indices, a.indptr,
+                 np.asarray(a.shape)):
+        arr = np.ascontiguousarray(part)
+        h.update(str(arr.dtype).encode() + b":" + str(arr.shape).encode())
+        h.update(arr.tobytes())
+    h.update(repr(sorted((k, v) for k, v in options.items() if k != "time_limit")).encode())
+    return h.digest()
 
 
 def _solve_milp(problem: RematProblem, budget_bytes: int | None, costs: RematCosts, bound: Bound,

@@ -80,6 +80,14 @@ def test_gradients_match_eager(captured):
         assert torch.allclose(from_graph[name], grad, rtol=1e-6, atol=1e-9), name
 
 
+def test_capture_takes_no_stack_traces_and_leaves_the_setting_as_it_was(captured):
+    # a stack trace per node was a fifth of a capture's CPU; nothing reads them
+    _, gm, _ = captured
+    traced = [n.name for n in gm.graph.nodes if "runtime_assert" not in (n.meta.get("stack_trace") or "runtime_assert")]
+    assert not traced  # export's own runtime asserts, added after tracing, carry torch's frame
+    assert torch.fx.config.do_not_emit_stack_traces is False
+
+
 def test_dims_stay_symbolic(captured):
     spec, gm, symbolic = captured
     assert gm.meta[CAPTURE].symbolic == tuple(sorted(symbolic))

@@ -328,3 +328,38 @@ def test_out_of_time_without_a_solution_recomputes_nothing_and_says_so(monkeypat
     assert d.named("recompute") == () and d.recompute_flops == 0 and not d.optimal and d.mip_gap == float("inf")
     saved = solve_milp(problem, 10 ** 9, costs=GPU, time_limit_s=5.0)
     assert saved.mip_gap == float("inf") and not saved.optimal
+
+
+def test_a_problem_proven_once_is_answered_again_without_solving(monkeypatch):
+    import scipy.optimize
+    from scipy.optimize import OptimizeResult
+
+    import passes.solvers.remat_solver as solver
+
+    calls = []
+    real = scipy.optimize.milp
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["options"]["time_limit"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(scipy.optimize, "milp", counted)
+    monkeypatch.setattr(solver, "_SOLVED", {})
+    problem = _random_problem(random.Random(5), 8)
+    lowest, highest = min(_peaks(problem)), max(_peaks(problem))
+    first = solve_milp(problem, lowest, costs=GPU, bound="peak")
+    assert len(calls) == 1 and first.optimal
+    assert solve_milp(problem, lowest, costs=GPU, bound="peak", time_limit_s=7.0) == first  # another limit, same problem
+    assert len(calls) == 1
+    solve_milp(problem, highest, costs=GPU, bound="peak")  # another budget: another problem
+    assert len(calls) == 2
+
+    def out_of_time(*args, **kwargs):  # an answer cut short by the limit is not kept
+        calls.append(kwargs["options"]["time_limit"])
+        return OptimizeResult(x=None, status=1, success=False, mip_gap=None)
+
+    monkeypatch.setattr(scipy.optimize, "milp", out_of_time)
+    monkeypatch.setattr(solver, "_SOLVED", {})
+    for _ in range(2):
+        assert solve_milp(problem, lowest, costs=GPU, bound="peak").mip_gap == float("inf")
+    assert len(calls) == 4

@@ -597,9 +597,7 @@ def _assignment(ctx: PlanContext, c: ParallelConfig, costs, limit: float | None)
     if greedy(float("inf"), limit) is None:
         return None
     times = [emb.time, blk.time, head.time]
-    # Possible bottleneck times: contiguous sums of the chain (n blocks, with or without the ends).
-    cands = sorted({n * blk.time + e * emb.time + h * head.time
-                    for n in range(L + 1) for e in (0, 1) for h in (0, 1) if n + e + h > 0})
+    cands = _bottlenecks(L, *times)
     lo = bisect.bisect_left(cands, max(sum(times[i] * (L if i == 1 else 1) for i in range(3)) / p, max(times)) * (1 - 1e-12))
     hi = len(cands) - 1
     lo = min(lo, hi)
@@ -612,6 +610,13 @@ def _assignment(ctx: PlanContext, c: ParallelConfig, costs, limit: float | None)
     return greedy(cands[lo], limit) or greedy(float("inf"), limit)
 
 
+@functools.lru_cache(maxsize=256)
+def _bottlenecks(L: int, emb: float, blk: float, head: float) -> list[float]:
+    """Possible bottleneck times of a stage split (seconds, sorted): contiguous sums of the chain
+    (n blocks, with or without the ends); the same for every config of the same layer times."""
+    return sorted({n * blk + e * emb + h * head for n in range(L + 1) for e in (0, 1) for h in (0, 1) if n + e + h > 0})
+
+
 def _greedy(ctx: PlanContext, c: ParallelConfig, costs) -> Callable[[float, float | None], list | None]:
     """``fill(T, limit)``: fill stages left to right with as many layers as time ``T`` and memory
     ``limit`` allow (None: the layers do not fit). What does not depend on ``T`` and ``limit`` is
@@ -622,7 +627,7 @@ def _greedy(ctx: PlanContext, c: ParallelConfig, costs) -> Callable[[float, floa
     per_param = wp + wg + wo
     per_expert_param = sum(_state_per_param(ctx, c, experts=True)) - per_param  # more where ZeRO shards them over fewer
     shared = ctx.profile.shared_param_count / c.tp
-    runs = [(emb, 1, shared if p > 1 else 0.0), (blk, L, 0.0), (head, 1, shared)]
+    runs = [(emb, 1, shared if p > 1 else 0.0, emb.time), (blk, L, 0.0, blk.time), (head, 1, shared, head.time)]
     in_flight = [_inflight(c, stage) for stage in range(p)]
     base = _buffers(ctx, c) + _recompute_working_set(c, blk)
     bucket = 2 * DEFAULT_BUCKET_BYTES if c.dp_cp > 1 else 0.0
@@ -645,19 +650,19 @@ def _fill(T: float, limit: float | None, *, p: int, runs, per_param: float, per_
         taken = 0
         mem = base
         while run < 3:
-            cost, _, extra = runs[run]
+            cost, _, extra, seconds = runs[run]
             w = (cost.params + extra) * per_param + cost.expert_params * per_expert_param + n_in * cost.act_bytes
             g = (cost.params + extra) * itemsize  # gradient bucket growth
             n = left
-            if cost.time > 0:
-                n = min(n, int((T - t + eps) // cost.time)) if math.isfinite(T) else n
+            if seconds > 0:
+                n = min(n, int((T - t + eps) // seconds)) if math.isfinite(T) else n
             if limit is not None and w + g > 0:
                 # fits when mem + n·w + min(bucket, grads + n·g) <= limit: either bound suffices
                 full = (limit - mem - bucket) // w if w > 0 else float("inf")
                 growing = (limit - mem - grads) // (w + g)
                 n = min(n, int(max(full, growing)))
             n = max(n, 0)
-            t += n * cost.time
+            t += n * seconds
             mem += n * w
             grads += n * g
             taken += n

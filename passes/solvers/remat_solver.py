@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import hashlib
 import itertools
 import math
 import time
@@ -625,8 +626,8 @@ _SOLVED_ENTRIES = 64
 def milp(c, *, integrality, bounds, constraints, options):
     """``scipy.optimize.milp`` (HiGHS), imported when a problem is first solved: a process that
     solves none does not load scipy. A problem this process proved before (the same arrays and
-    gap asked; the time limit aside) gets that answer again: HiGHS is deterministic, so it is the
-    answer it would give; answers cut short by the time limit are not kept."""
+    gap asked; the time limit aside) gets that answer again, the one HiGHS, which is
+    deterministic, reaches given the time; answers cut short by a limit are not kept."""
     key = _problem_key(c, integrality, bounds, constraints, options)
     known = _SOLVED.pop(key, None)
     if known is None:
@@ -644,8 +645,6 @@ def milp(c, *, integrality, bounds, constraints, options):
 def _problem_key(c, integrality, bounds, constraints, options) -> bytes:
     """A digest of everything a MILP's answer depends on: objective, integrality, bounds, rows
     (a ``scipy.sparse`` matrix) and the options but the time limit."""
-    import hashlib
-
     h = hashlib.sha256()
     a = constraints.A.tocsr()
     for part in (c, integrality, bounds.lb, bounds.ub, constraints.lb, constraints.ub, a.data, a.indices, a.indptr,

@@ -49,6 +49,7 @@ in onnxruntime.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import warnings
 from dataclasses import dataclass
@@ -382,20 +383,40 @@ def _first_line(exc: BaseException) -> str:
 def _export_dynamo(module: fx.GraphModule, args: tuple[Any, ...], io: StageIO, opset: int) -> Any:
     """``torch.onnx.export(..., dynamo=True)`` with our ops as custom-domain nodes
     (:mod:`ir_dumps.onnx_translations`); the model, in memory (nothing written)."""
-    from ir_dumps.onnx_translations import custom_translation_table, drop_bracket_nodes  # imports onnxscript
+    from ir_dumps.onnx_translations import drop_bracket_nodes  # imports onnxscript
 
     with warnings.catch_warnings(), _quiet_exporter_logs():
         # training-mode and pytree deprecation warnings say nothing about this stage
         warnings.simplefilter("ignore")
         exported = torch.export.export(compiled(module), args, strict=False)
         drop_bracket_nodes(exported)
-        program = torch.onnx.export(
-            exported, args, dynamo=True, opset_version=opset, verbose=False, report=False,
-            # no graph optimisation: it folds constant expressions of parameters (a transposed
-            # weight) into new initializers, and the parameters must keep their names
-            optimize=False, custom_translation_table=custom_translation_table())
+        # what torch.onnx.export(exported, args, dynamo=True, opset_version=opset,
+        # custom_translation_table=custom_translation_table()) does, with the registry of ONNX
+        # functions (torchlib and ours) built once per process instead of once per program
+        from torch.onnx._internal.exporter import _core
+
+        program = _core.export(exported, args, registry=_registry(opset), verbose=False, report=False,
+                               # no graph optimisation: it folds constant expressions of parameters (a
+                               # transposed weight) into new initializers; parameters must keep their names
+                               optimize=False, opset_version=opset)
     _name_boundary(program.model.graph, [i.name for i in io.inputs if i.kind != "size"], [o.name for o in io.outputs])
     return program.model_proto
+
+
+@functools.lru_cache(maxsize=None)
+def _registry(opset: int) -> Any:
+    """The dynamo exporter's registry of ONNX functions, torchlib's and our custom ops'
+    (:func:`ir_dumps.onnx_translations.custom_translation_table`), as ``torch.onnx.export`` builds
+    it for ``opset``: building it parses every torchlib function, about a third of exporting a
+    small program."""
+    from torch.onnx._internal.exporter import _constants, _registration
+
+    from ir_dumps.onnx_translations import custom_translation_table
+
+    registry = _registration.ONNXRegistry.from_torchlib(opset_version=max(opset, _constants.TORCHLIB_OPSET))
+    for op, function in custom_translation_table().items():
+        registry.register_op(op, function, is_complex=False)
+    return registry
 
 
 def _name_boundary(graph: Any, inputs: Sequence[str], outputs: Sequence[str]) -> None:

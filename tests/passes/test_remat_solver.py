@@ -363,3 +363,20 @@ def test_a_problem_proven_once_is_answered_again_without_solving(monkeypatch):
     for _ in range(2):
         assert solve_milp(problem, lowest, costs=GPU, bound="peak").mip_gap == float("inf")
     assert len(calls) == 4
+
+
+def test_what_the_solver_prints_on_stdout_does_not_reach_it(capfd):
+    # HiGHS prints a debug line on file descriptor 1 from one of its heuristics; a command's
+    # --json output is on stdout
+    import ctypes
+    import os
+
+    import passes.solvers.remat_solver as solver
+
+    print("before", flush=True)
+    with solver._native_stdout_silenced():
+        os.write(1, b"native write\n")
+        ctypes.CDLL(None).printf(b"buffered C write\n")
+    print("after", flush=True)
+    ctypes.CDLL(None).fflush(None)  # what C still buffered would come out now
+    assert capfd.readouterr().out == "before\nafter\n"

@@ -330,6 +330,21 @@ def test_cp_plans_run_the_calls_the_communication_check_predicts(fix, nodes, ran
         assert r.static == [] and r.static_calls > 0
 
 
+@pytest.mark.parametrize("fix", [
+    "dp=8,tp=1,pp=1,zero_stage=3",
+    "dp=4,tp=2,pp=1,zero_stage=3",
+    "dp=2,tp=2,pp=2,offload=activations,checkpointing=none",
+    # a split backward's weight half recomputes each checkpointed region again, tp collectives included
+    "dp=2,tp=2,pp=2,checkpointing=full,schedule=zb1p,sequence_parallel=false",
+    "dp=2,tp=2,pp=2,checkpointing=full,schedule=zb1p,sequence_parallel=true,zero_stage=1",
+], ids=["zero3-dp8", "zero3-tp2", "offload-activations", "zb1p-ckpt-full", "zb1p-ckpt-full-sp-zero1"])
+def test_zero3_offload_and_checkpointed_zero_bubble_plans_of_eight_ranks_run_as_predicted(fix):
+    report = dry_run(MODEL, "dgx-h100", nodes=1, training=TRAINING, fix=fix, ranks=(0,))
+    assert report.world_size == 8 and report.ok and not report.static_mismatches, report.text()
+    (r,) = report.ranks
+    assert r.static == [] and r.static_calls > 0
+
+
 @pytest.mark.parametrize("zero", [0, 2])
 def test_ep_plans_run_the_calls_the_communication_check_predicts(zero):
     """Expert parallelism (ep=2 of dp=4, so each expert on two ranks whose gradient buckets launch

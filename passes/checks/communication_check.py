@@ -20,6 +20,8 @@ local compute)::
     B s,i / I    the backward collectives of those ops (passes.ir.ops: copy_to_tp's all-reduce,
                  the sequence ops' gathers and scatters) in reverse graph order, as autograd
                  runs them; a checkpointed region's recompute repeats its forward collectives
+    W s,i        a checkpointed region holding trainable parameters recomputes its forward
+                 again (the weight gradients unpack what it saved), the last region first
     SEND/RECV    one message per boundary tensor (runtime.exec.stage_executor): the sender's shape and
                  dtype from its stage graph, the receiver's from its StageIO contract
     ALL_REDUCE   the dp gradient buckets (passes.ir.grad_buckets.bucket_layout, the layout the
@@ -292,6 +294,8 @@ class _RankModel:
                     f"{a.stage}B{a.microbatch}", on_grad=lambda key, s=a.stage, done=done: grads.param(s, key, done))
             elif kind == "I":  # the backward collectives run where the input gradients are made
                 out += self.stage_calls[a.stage].backward(f"{a.stage}I{a.microbatch}")
+            elif kind == "W":  # checkpointed regions recompute again for the weight gradients
+                out += self.stage_calls[a.stage].weight(f"{a.stage}W{a.microbatch}")
             elif kind in ("SEND_F", "RECV_F", "SEND_B", "RECV_B"):
                 out += self.p2p(a)
             elif kind == "ALL_REDUCE":
@@ -449,6 +453,7 @@ class _StageCollectives:
         flags = _requires_grad(module, inputs)
         self._fwd = self._walk(module, "", flags, backward=False)
         self._bwd = self._walk(module, "", flags, backward=True)
+        self._weight = self._weight_half(module, flags)
 
     def forward(self, where: str) -> list[CommCall]:
         return self._calls(self._fwd, where)
@@ -457,6 +462,22 @@ class _StageCollectives:
         """The backward's calls; ``on_grad(id(parameter))``, where given, is called where the
         parameter's gradient is accumulated (its post-accumulate hook) and its calls inserted there."""
         return self._calls(self._bwd, where, on_grad)
+
+    def weight(self, where: str) -> list[CommCall]:
+        """The calls of a split backward's weight half (W, :func:`runtime.exec.split_backward.backward_weight`):
+        the weight gradients unpack what the region saved, so each checkpointed region holding
+        trainable parameters recomputes its forward again, the last region first (autograd runs
+        the later nodes first)."""
+        return self._calls(self._weight, where)
+
+    def _weight_half(self, module: fx.GraphModule, flags) -> list:
+        out = []
+        for node in reversed(_calls(module)):
+            sub = _region(module, node)
+            if sub is None or not flags.get(node, True) or not any(p.requires_grad for p in sub[1].parameters()):
+                continue
+            out += self._region_recompute(sub[1], sub[0] + "/", _requires_grad(sub[1], _region_inputs(node, flags)))[1]
+        return out
 
     def _calls(self, events, where: str, on_grad: Callable[[int], list[CommCall]] | None = None) -> list[CommCall]:
         out = []
@@ -590,14 +611,7 @@ class _StageCollectives:
         (the last one that saved any), the recompute of its forward, which stops right after
         that node (torch's early stop), then the backward of the rest."""
         nodes = _calls(gm)
-        if any(MEMORY not in n.meta for n in nodes):
-            last = len(nodes)  # no saved-tensor facts: the whole forward is recomputed first
-        else:
-            last = max((k for k, n in enumerate(nodes) if n.meta[MEMORY].saved), default=-1)
-        # a gather in the recompute runs inside backward: ZeRO-3 gathers it as backward does
-        recompute = [("zero3_backward" if op == "zero3_forward" else op, n, dt, _recomputed(what))
-                     for node in nodes[:max(last, 0)]
-                     for op, n, dt, what in self._node(gm, node, region, flags, backward=False)]
+        last, recompute = self._region_recompute(gm, region, flags)
         out = list(recompute) if last == len(nodes) else []
         for k in reversed(range(len(nodes))):
             if k == last:
@@ -605,6 +619,19 @@ class _StageCollectives:
             out += self._node(gm, nodes[k], region, flags, backward=True)
             out += self._grads(gm, nodes[k])
         return out
+
+    def _region_recompute(self, gm: fx.GraphModule, region: str, flags) -> tuple[int, list]:
+        """Where a checkpointed region's recompute stops (the index of its last node that saved
+        tensors, :meth:`_region_backward`) and the calls of its forward up to there."""
+        nodes = _calls(gm)
+        if any(MEMORY not in n.meta for n in nodes):
+            last = len(nodes)  # no saved-tensor facts: the whole forward is recomputed first
+        else:
+            last = max((k for k, n in enumerate(nodes) if n.meta[MEMORY].saved), default=-1)
+        # a gather in the recompute runs inside backward: ZeRO-3 gathers it as backward does
+        return last, [("zero3_backward" if op == "zero3_forward" else op, n, dt, _recomputed(what))
+                      for node in nodes[:max(last, 0)]
+                      for op, n, dt, what in self._node(gm, node, region, flags, backward=False)]
 
     def _call(self, node: fx.Node, op: str, collective: str, size: str, region: str, backward: bool):
         out = self._meta(node, op, region)

@@ -195,7 +195,7 @@ class ParamGatherer:
         key = (stage, site)
         self._check(key)
         mine = self.sites[key][1]
-        if shards and (len(shards) != len(mine) or shards[0].data_ptr() != mine[0].data_ptr()):
+        if shards and (len(shards) != len(mine) or not _same_memory(shards[0], mine[0])):
             raise ConfigError("zero3: a program gathered shards that are not those of the model registered under "
                               "its ZeRO-3 group; two models in one process need different group names: build "
                               "them with different tp_group= (build_parallel_model / lower)")
@@ -310,3 +310,10 @@ MEASURED_KERNELS = {
 """The ZeRO-3 kernels by op, for :class:`runtime.observe.measure.LiveBytes`: a dispatch mode is off inside a
 custom op's kernel, and these allocate there what a device's allocator would count (prefetched
 gathers, the reduce-scatter's fp32 buffers), so the mode runs them itself to see it."""
+
+
+def _same_memory(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` view the same storage at the same offset: by storage, not address,
+    so that it holds for fake tensors too (a dry run's, whose addresses are all 0)."""
+    return StorageWeakRef(a.untyped_storage()) == StorageWeakRef(b.untyped_storage()) and \
+        a.storage_offset() == b.storage_offset()

@@ -35,10 +35,14 @@ def test_replicated_profile_matches_full_capture_and_analysis(profile):
     for key in ("param_count", "param_bytes", "fwd_flops", "bwd_flops", "activation_bytes"):
         assert getattr(profile, key) == getattr(direct, key), key
     # the per-tensor decision is made on the whole captured graph, so the share of it one block
-    # takes moves a little with the number of blocks sharing its budget: near, not equal
+    # takes moves a little with the number of blocks sharing its budget: near, not equal; what its
+    # recomputes hold at the fullest moment (working bytes) depends on which of the decisions of
+    # equal cost the MILP returns, and may be none
     tensor = ("tensor_activation_bytes", "tensor_recompute_flops", "tensor_recomputed_ops")
-    assert [dataclasses.replace(b, **dict.fromkeys(tensor, 0)) for b in profile.blocks] == \
-        [dataclasses.replace(b, **dict.fromkeys(tensor, 0)) for b in direct.blocks]
+    decided = (*tensor, "tensor_working_bytes")
+    assert [dataclasses.replace(b, **dict.fromkeys(decided, 0)) for b in profile.blocks] == \
+        [dataclasses.replace(b, **dict.fromkeys(decided, 0)) for b in direct.blocks]
+    assert all(b.tensor_working_bytes >= 0 for b in [*profile.blocks, *direct.blocks])
     for key in tensor:
         got, want = getattr(profile.blocks[0], key), getattr(direct.blocks[0], key)
         assert 0 < got == pytest.approx(want, rel=0.2), key

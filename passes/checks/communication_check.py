@@ -453,7 +453,8 @@ class _StageCollectives:
         flags = _requires_grad(module, inputs)
         self._fwd = self._walk(module, "", flags, backward=False)
         self._bwd = self._walk(module, "", flags, backward=True)
-        self._weight = self._weight_half(module, flags)
+        self._flags = flags
+        self._weight: list | None = None  # made when a split backward's W first asks
 
     def forward(self, where: str) -> list[CommCall]:
         return self._calls(self._fwd, where)
@@ -468,6 +469,8 @@ class _StageCollectives:
         the weight gradients unpack what the region saved, so each checkpointed region holding
         trainable parameters recomputes its forward again, the last region first (autograd runs
         the later nodes first)."""
+        if self._weight is None:
+            self._weight = self._weight_half(self.module, self._flags)
         return self._calls(self._weight, where)
 
     def _weight_half(self, module: fx.GraphModule, flags) -> list:

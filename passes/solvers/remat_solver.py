@@ -650,7 +650,9 @@ def milp(c, *, integrality, bounds, constraints, options):
 def _native_stdout_silenced() -> Iterator[None]:
     """File descriptor 1 on /dev/null: HiGHS 1.12 prints a debug line on the process's stdout
     from one of its heuristics (``HighsMipSolverData::transformNewIntegerFeasibleSolution``),
-    which would land in the middle of a command's ``--json`` output."""
+    which would land in the middle of a command's ``--json`` output. Process-wide: what another
+    thread writes on stdout during a solve is lost too (solves run while planning and lowering,
+    before a job prints anything of its own)."""
     try:
         sys.stdout.flush()
         saved = os.dup(1)

@@ -470,17 +470,14 @@ class _StageCollectives:
         trainable parameters recomputes its forward again, the last region first (autograd runs
         the later nodes first)."""
         if self._weight is None:
-            self._weight = self._weight_half(self.module, self._flags)
+            self._weight = []
+            for node in reversed(_calls(self.module)):
+                sub = _region(self.module, node)
+                if sub is None or not self._flags.get(node, True) or not any(p.requires_grad for p in sub[1].parameters()):
+                    continue
+                inner = _requires_grad(sub[1], _region_inputs(node, self._flags))
+                self._weight += self._region_recompute(sub[1], sub[0] + "/", inner)[1]
         return self._calls(self._weight, where)
-
-    def _weight_half(self, module: fx.GraphModule, flags) -> list:
-        out = []
-        for node in reversed(_calls(module)):
-            sub = _region(module, node)
-            if sub is None or not flags.get(node, True) or not any(p.requires_grad for p in sub[1].parameters()):
-                continue
-            out += self._region_recompute(sub[1], sub[0] + "/", _requires_grad(sub[1], _region_inputs(node, flags)))[1]
-        return out
 
     def _calls(self, events, where: str, on_grad: Callable[[int], list[CommCall]] | None = None) -> list[CommCall]:
         out = []

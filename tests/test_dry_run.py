@@ -335,10 +335,12 @@ def test_cp_plans_run_the_calls_the_communication_check_predicts(fix, nodes, ran
     "dp=8,tp=1,pp=1,zero_stage=3",
     "dp=4,tp=2,pp=1,zero_stage=3",
     "dp=2,tp=2,pp=2,offload=activations,checkpointing=none",
+    # the offloaded saves of a checkpointed region's nodes set where its recompute stops
+    "dp=2,tp=2,pp=2,offload=activations,checkpointing=full,sequence_parallel=true",
     # a split backward's weight half recomputes each checkpointed region again, tp collectives included
     "dp=2,tp=2,pp=2,checkpointing=full,schedule=zb1p,sequence_parallel=false",
     "dp=2,tp=2,pp=2,checkpointing=full,schedule=zb1p,sequence_parallel=true,zero_stage=1",
-], ids=["zero3-dp8", "zero3-tp2", "offload-activations", "zb1p-ckpt-full", "zb1p-ckpt-full-sp-zero1"])
+], ids=["zero3-dp8", "zero3-tp2", "offload-activations", "offload-activations-ckpt-full-sp", "zb1p-ckpt-full", "zb1p-ckpt-full-sp-zero1"])
 def test_zero3_offload_and_checkpointed_zero_bubble_plans_of_eight_ranks_run_as_predicted(fix):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

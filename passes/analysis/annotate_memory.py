@@ -148,10 +148,11 @@ def _write_node_meta(run: _ForwardRun, state: _ModelState) -> None:
     for node in run.order:
         new = [st.size for st in run.node_storages.get(node, ()) if st.kind == "activation" and st.owner is node]
         saved = tuple(SavedTensor(owner=st.owner.name, nbytes=st.size) for st in run.saved_by.get(node, ()))
-        meta = MemoryMeta(output_bytes=_sum(new), saved=saved, kept_bytes=_sum(kept.get(node, [])))
+        offloaded = tuple(SavedTensor(owner=owner.name, nbytes=size) for owner, size in run.offloaded_by.get(node, ()))
+        meta = MemoryMeta(output_bytes=_sum(new), saved=saved, offloaded=offloaded, kept_bytes=_sum(kept.get(node, [])))
         params = [st for st, first in state.first_node.items() if first is node]
         if params:
-            meta = MemoryMeta(output_bytes=meta.output_bytes, saved=saved, kept_bytes=meta.kept_bytes,
+            meta = MemoryMeta(output_bytes=meta.output_bytes, saved=saved, offloaded=offloaded, kept_bytes=meta.kept_bytes,
                               param_bytes=_sum([state.param[st][0] for st in params]),
                               grad_bytes=_sum([state.grad[st][0] for st in params if st in state.grad]),
                               optimizer_bytes=_sum([state.opt[st][0] for st in params if st in state.opt]))

@@ -133,6 +133,9 @@ class _ForwardRun:
         return self.region_of.get(node, node)
     alias: dict[fx.Node, fx.Node] = field(default_factory=dict)
     region_outputs: dict[fx.Node, tuple[fx.Node, ...]] = field(default_factory=dict)
+    # what each node saves that an activation-offload region moves to the host: (owner, bytes);
+    # saved for its backward, but not device memory (not in ``storages``)
+    offloaded_by: dict[fx.Node, list[tuple[fx.Node, sympy.Expr]]] = field(default_factory=dict)
 
     def size(self, value: Any) -> tuple[sympy.Expr, int]:
         return self.fake.to_sympy(value), _hint(value)
@@ -151,13 +154,16 @@ def tensor_leaves(value: Any) -> list[torch.Tensor]:
 class FakeRun:
     """One forward run of a graph on fake tensors under ``saved_tensors_hooks``: every node's
     result (``values``, checkpointed regions' nodes included), each packed tensor with the node
-    that saved it, each region call's nodes in run order, and the fake parameters."""
+    that saved it, each region call's nodes in run order, and the fake parameters. ``offloaded``:
+    the saved tensors activation-offload regions moved to the host, with the node that saved
+    each (they are saved for backward, but hold no device memory)."""
 
     fake: FakeContext
     attrs: dict[str, torch.Tensor]
     values: dict[fx.Node, Any]
     packed: list[tuple[fx.Node, torch.Tensor]]
     inner: dict[fx.Node, list[fx.Node]]
+    offloaded: list[tuple[fx.Node, torch.Tensor]] = field(default_factory=list)
 
 
 _RECENT_RUNS: list = []
@@ -212,7 +218,8 @@ def _rebind(run: FakeRun, made_on: dict[str, list[fx.Node]], gm: fx.GraphModule)
     node = {a: b for name, nodes in made_on.items() for a, b in zip(nodes, now[name])}
     return FakeRun(fake=run.fake, attrs=run.attrs, values={node[n]: v for n, v in run.values.items()},
                    packed=[(node.get(n), t) for n, t in run.packed],  # None: saved before any node ran
-                   inner={node[c]: [node[n] for n in nodes] for c, nodes in run.inner.items()})
+                   inner={node[c]: [node[n] for n in nodes] for c, nodes in run.inner.items()},
+                   offloaded=[(node.get(n), t) for n, t in run.offloaded])
 
 
 def fake_forward_run(gm: fx.GraphModule, *, observer: MemoryObserver | None = None) -> FakeRun:
@@ -220,10 +227,15 @@ def fake_forward_run(gm: fx.GraphModule, *, observer: MemoryObserver | None = No
     interpreted node by node (what :func:`observe_saved_tensors` reads, and the shapes
     ``annotate_shapes`` writes). The last few runs at concrete dims are remembered by what they
     depend on (:data:`_RECENT_RUNS`): a graph of the same signature, this one unchanged or a copy,
-    gets its run again, unless an offload ``observer`` must see the run's packs."""
-    watching = observer is not None and _has_offload(gm)  # without offload regions there is nothing to watch
-    sig = _signature(gm, watching)
-    if not watching:
+    gets its run again, unless an offload ``observer`` must see the run's packs.
+
+    Offload regions replace the run's saved-tensor hooks with their own; the run watches them
+    (:func:`passes.ir.offload_ops.watch_packs`), so what a region keeps on the device is packed
+    here and what it moves to the host is in ``offloaded`` (and told to ``observer``)."""
+    offload = _has_offload(gm)
+    live = observer is not None and offload  # the observer is told the packs as they are made
+    sig = _signature(gm, live)
+    if not live:
         for i, (known, made_on, run) in enumerate(_RECENT_RUNS):
             if _same(known, sig):
                 _RECENT_RUNS.insert(0, _RECENT_RUNS.pop(i))
@@ -233,21 +245,27 @@ def fake_forward_run(gm: fx.GraphModule, *, observer: MemoryObserver | None = No
     attrs = fake_attrs(fake, gm, info.device, requires_grad=True)
     values: dict[fx.Node, Any] = {}  # strong refs: no storage is recycled during the run
     packed: list[tuple[fx.Node, torch.Tensor]] = []
+    offloaded: list[tuple[fx.Node, torch.Tensor]] = []
     interp = _InliningInterpreter(gm, attrs, on_node=values.__setitem__, symbolic=fake.symbolic)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         packed.append((interp.current, t))
         return t
 
-    watch = watch_packs(observer.offloaded) if watching else contextlib.nullcontext()
+    def to_host(region: int, t: torch.Tensor) -> None:
+        offloaded.append((interp.current, t))
+        if live:
+            observer.offloaded(region, t)
+
+    watch = watch_packs(to_host) if offload else contextlib.nullcontext()
     with _eager_dropout(info.device), fake.mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             watch:
         interp.run(*fake_inputs(fake, info))
-    run = FakeRun(fake=fake, attrs=attrs, values=values, packed=packed, inner=interp.inner)
+    run = FakeRun(fake=fake, attrs=attrs, values=values, packed=packed, inner=interp.inner, offloaded=offloaded)
     # Only runs with every dim concrete are kept: with symbols, a reader that asks a size
     # concretely installs a guard in the run's shape environment, which would specialize the
     # next reader's sizes.
-    if not (watching or fake.symbolic):
+    if not (live or fake.symbolic):
         _RECENT_RUNS[:] = [(sig, _nodes(gm), run), *_RECENT_RUNS[:_RECENT - 1]]
     return run
 
@@ -339,6 +357,16 @@ def observe_saved_tensors(gm: fx.GraphModule, *, observer: MemoryObserver | None
                 run.saved_by.setdefault(saver, []).append(st)
         if st.kind == "internal" and t.requires_grad and st.inner_grad is None:
             st.inner_grad = run.size(t.numel() * t.element_size())
+
+    moved: dict[fx.Node, set] = {}
+    for saver, t in raw.offloaded:  # each storage once per saver, unless the saver also keeps it on the device
+        ref = StorageWeakRef(t.untyped_storage())
+        st = run.storages.get(ref)
+        if ref in moved.setdefault(saver, set()) or (st is not None and st in run.saved_by.get(saver, ())):
+            continue
+        moved[saver].add(ref)
+        size = st.size if st is not None else run.size(t.untyped_storage().nbytes())[0]
+        run.offloaded_by.setdefault(saver, []).append((st.owner if st is not None else saver, size))
 
     # torch.utils.checkpoint holds a region's inputs until the region's backward is over, i.e.
     # until its first node's backward: that node stands for the holder.

@@ -57,7 +57,7 @@ Autograd runs a stage's backward nodes in reverse creation (graph) order. What r
 propagated from the received boundary tensors (their contracts), the parameters and the graph,
 not read from the stage's shape meta, whose analysis sees received tensors as plain inputs. A
 checkpointed region (torch's non-reentrant checkpoint) recomputes at the backward of its last
-node that saved tensors (``node.meta[MEMORY].saved``) and stops right after it (early stop):
+node that saved tensors (``node.meta[MEMORY].saved`` or ``.offloaded``) and stops right after it (early stop):
 the collectives after that node run once. The tests record a real ``train_step`` on torch's
 fake process group and compare. Not modelled: a ZeRO-2 bucket whose parameters are accumulated
 unequally often is taken to complete a round each time all of them have.
@@ -627,7 +627,7 @@ class _StageCollectives:
         if any(MEMORY not in n.meta for n in nodes):
             last = len(nodes)  # no saved-tensor facts: the whole forward is recomputed first
         else:
-            last = max((k for k, n in enumerate(nodes) if n.meta[MEMORY].saved), default=-1)
+            last = max((k for k, n in enumerate(nodes) if n.meta[MEMORY].saved or n.meta[MEMORY].offloaded), default=-1)
         # a gather in the recompute runs inside backward: ZeRO-3 gathers it as backward does
         return last, [("zero3_backward" if op == "zero3_forward" else op, n, dt, _recomputed(what))
                       for node in nodes[:max(last, 0)]

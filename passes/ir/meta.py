@@ -227,7 +227,10 @@ class MemoryMeta:
     """``node.meta[MEMORY]``: bytes tied to one node.
 
     * ``output_bytes``: new storage the node's forward allocates (0 for views).
-    * ``saved``: storages autograd saves for this node's backward (what it really saves).
+    * ``saved``: storages autograd saves for this node's backward (what it really saves) and
+      keeps on the device.
+    * ``offloaded``: storages autograd saves for this node's backward that an activation-offload
+      region moves to the host and the node does not also keep on the device.
     * ``kept_bytes``: bytes of this node's own outputs (or internals) that some backward keeps
       alive; summed over nodes this is the activation memory of one forward, with no storage
       counted twice.
@@ -236,6 +239,7 @@ class MemoryMeta:
 
     output_bytes: sympy.Expr = sympy.Integer(0)
     saved: tuple[SavedTensor, ...] = ()
+    offloaded: tuple[SavedTensor, ...] = ()
     kept_bytes: sympy.Expr = sympy.Integer(0)
     param_bytes: sympy.Expr = sympy.Integer(0)
     grad_bytes: sympy.Expr = sympy.Integer(0)

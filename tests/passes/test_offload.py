@@ -264,3 +264,27 @@ def test_offload_after_full_checkpointing_moves_the_region_inputs_and_stays_exac
     loss.backward()
     assert moved.reloaded_bytes == moved.offloaded_bytes
     _assert_exact(expected, (loss.detach(), {k: p.grad.clone() for k, p in gm.named_parameters()}))
+
+
+def _saves(gm) -> dict[tuple[str, str], list]:
+    """(module, node) -> what the node saves for its backward, on the device or the host."""
+    return {(name, n.name): sorted((s.owner, str(s.nbytes)) for s in (*n.meta[MEMORY].saved, *n.meta[MEMORY].offloaded))
+            for name, sub in gm.named_modules() if isinstance(sub, torch.fx.GraphModule)
+            for n in sub.graph.nodes if MEMORY in n.meta}
+
+
+def test_what_offload_moves_to_the_host_is_still_recorded_as_saved_for_backward(annotated):
+    """A checkpointed region recomputes up to its last node that saves: the communication check reads
+    that from each node's saved tensors, wherever the offload decision keeps them."""
+    from passes.rewrites.apply_checkpoint import apply_checkpoint
+    from passes.policies.checkpoint_policy import checkpoint_policy
+
+    ckpt = apply_checkpoint(checkpoint_policy(copy.deepcopy(annotated), policy="full"))
+    ckpt = annotate_flops(annotate_blocks(annotate_shapes(ckpt)))
+    before = _saves(annotate_memory(copy.deepcopy(ckpt)))
+    gm = annotate_memory(apply_offload(offload_policy(ckpt, cost=LOCAL, selection="all")))
+    region_nodes = [(name, n) for name, sub in gm.named_modules() if name and isinstance(sub, torch.fx.GraphModule)
+                    for n in sub.graph.nodes if MEMORY in n.meta]
+    assert any(n.meta[MEMORY].offloaded for _, n in region_nodes)  # the regions' saves went to the host
+    after = _saves(gm)
+    assert {k: v for k, v in after.items() if k in before} == before and any(before.values())

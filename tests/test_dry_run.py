@@ -299,6 +299,36 @@ def test_live_bytes_counts_storages_alive_once_and_keeps_the_peak():
     del a, c
 
 
+def test_host_storages_and_what_is_made_of_them_alone_are_not_device_memory():
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from partitioner.api.dry_run import LiveBytes
+
+    memory = LiveBytes()
+    with FakeTensorMode(), memory:
+        master = torch.empty(1000)  # 4096: counted as it is made, then named host memory
+        param = torch.empty(1000)  # 4096
+        memory.on_host([master])
+        assert memory.total == memory.peak == 4096
+        step = master * 0.9 + 1.0  # a host optimizer's temporaries: host alone in, host out
+        param.copy_(step)  # in place on the device parameter: nothing new
+        grad = param * 2  # device in, device out: 4096
+        master.copy_(grad)  # the host buffer stays host
+    assert memory.peak == 8192
+    del master, param, step, grad
+
+
+def test_an_offloaded_optimizers_state_is_not_in_the_device_peak():
+    from partitioner.api.dry_run import MEMORY_TOLERANCE
+
+    report = dry_run(MODEL, "dgx-h100", nodes=1, training=TRAINING, fix="dp=2,tp=2,pp=2,offload=optimizer",
+                     ranks=(0,))
+    assert report.ok and not report.static_mismatches, report.text()
+    (r,) = report.ranks
+    assert abs(r.memory_difference) <= MEMORY_TOLERANCE, report.text()
+
+
 def test_each_rank_has_its_peak_against_the_plans(plan, monkeypatch):
     from partitioner.api import dry_run as module
 

@@ -60,7 +60,7 @@ import functools
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -482,7 +482,12 @@ class LiveBytes(TorchDispatchMode):
     """Between a :class:`FakeTensorMode` and the modes above it: every op's output storages are
     tracked (weakly: a storage no tensor holds any more is freed) with :func:`allocator_bytes`,
     and the peak of their sum kept, with the storages alive at that peak (each with the op that
-    made it, its shape and dtype). Views share their base's storage and count once."""
+    made it, its shape and dtype). Views share their base's storage and count once.
+
+    Host memory is not the device's: the storages :meth:`on_host` names (an offloaded optimizer's
+    masters, state and gradient buffers) count 0 bytes, and so does what an op makes from host
+    storages alone (the host optimizer step's temporaries). Every tensor of the dry run is on the
+    CPU device (see the module docstring), so where a storage lives is told, not read."""
 
     def __init__(self):
         super().__init__()
@@ -493,17 +498,37 @@ class LiveBytes(TorchDispatchMode):
         self.total = 0  # bytes of self.live, some of whose storages may have died since the last sweep
         self.peak = 0
         self.at_peak: list[tuple[Any, int, str]] = []  # self.live's entries at the peak
+        self.host: set[int] = set()  # pointers of live host storages (their entries count 0 bytes)
+
+    def on_host(self, tensors: Iterable[torch.Tensor]) -> None:
+        """``tensors`` live in host memory: their storages count 0 bytes from now on, and the peak
+        starts again from what is alive now (they were counted as they were made)."""
+        for t in tensors:
+            storage = t.untyped_storage()
+            key = storage._cdata
+            old = self.live.pop(key, None)
+            if old is not None:
+                self.total -= old[1]
+            self.live[key] = (self._ref(storage), 0, "host")
+            self.host.add(key)
+        self._sweep()
+        self.peak, self.at_peak = self.total, list(self.live.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func is _DEVICE:  # a fake tensor's device, asked for tens of thousands of times a step
             return out
+        host = bool(self.host) and self._all_host((args, kwargs))
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self._track(t, func)
+                self._track(t, func, host=host)
         return out
 
-    def _track(self, t: torch.Tensor, func) -> None:
+    def _all_host(self, args) -> bool:
+        tensors = [t for t in torch.utils._pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
+        return bool(tensors) and all(t.untyped_storage()._cdata in self.host for t in tensors)
+
+    def _track(self, t: torch.Tensor, func, *, host: bool = False) -> None:
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
@@ -514,6 +539,11 @@ class LiveBytes(TorchDispatchMode):
             if not _expired(key):
                 return  # a view, or the input returned
             self.total -= old[1]
+            self.host.discard(key)
+        if host:
+            self.live[key] = (self._ref(storage), 0, "host")
+            self.host.add(key)
+            return
         size = allocator_bytes(storage.nbytes())
         self.live[key] = (self._ref(storage), size, f"{func.__name__ if hasattr(func, '__name__') else func} -> "
                                                     f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}")
@@ -529,6 +559,7 @@ class LiveBytes(TorchDispatchMode):
         dead = [k for k in self.live if _expired(k)]
         for k in dead:
             self.total -= self.live.pop(k)[1]
+            self.host.discard(k)
 
     def largest(self, n: int = 8) -> list[str]:
         """The ``n`` largest storages alive at the peak: ``bytes MiB: op -> shape dtype``."""
@@ -610,6 +641,8 @@ def run_rank(program: RankProgram, spec: ModelSpec, *, stands_for: Sequence[int]
             mine = dataclasses.replace(program, modules=_fake_modules(modules, device))
             model = ParallelModel(mine, mesh, optimizer=training.optimizer_factory(), clip_grad_norm=training.clip_grad_norm,
                                   nonfinite=training.nonfinite)
+            if getattr(model.optimizer, "on_host", False):  # an offloaded optimizer: its state is host memory
+                memory.on_host(model.optimizer.state_tensors())
             if edit is not None:
                 edit(model)
             batch = _fake_batch(spec, c.global_batch, device)

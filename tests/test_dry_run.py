@@ -319,10 +319,28 @@ def test_host_storages_and_what_is_made_of_them_alone_are_not_device_memory():
     del master, param, step, grad
 
 
-def test_an_offloaded_optimizers_state_is_not_in_the_device_peak():
+def test_a_host_copy_told_right_after_it_is_made_undoes_the_peak_it_made():
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from partitioner.api.dry_run import LiveBytes
+
+    memory = LiveBytes()
+    with FakeTensorMode(), memory:
+        saved = torch.empty(1000)  # 4096 on the device
+        copy = saved.clone()  # 8192: a peak, until it is told to be a host copy
+        memory.host_copy(copy)
+        assert (memory.total, memory.peak) == (4096, 4096)
+        other = torch.empty(2000)  # 8192 + 4096: a peak of device memory alone
+    assert memory.peak == 12288 and len(memory.largest(3)) == 2  # the host copy is not listed
+    del saved, copy, other
+
+
+@pytest.mark.parametrize("offload", ["optimizer", "activations"])
+def test_what_offload_moves_to_the_host_is_not_in_the_device_peak(offload):
     from partitioner.api.dry_run import MEMORY_TOLERANCE
 
-    report = dry_run(MODEL, "dgx-h100", nodes=1, training=TRAINING, fix="dp=2,tp=2,pp=2,offload=optimizer",
+    report = dry_run(MODEL, "dgx-h100", nodes=1, training=TRAINING, fix=f"dp=2,tp=2,pp=2,offload={offload}",
                      ranks=(0,))
     assert report.ok and not report.static_mismatches, report.text()
     (r,) = report.ranks

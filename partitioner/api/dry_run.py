@@ -88,6 +88,7 @@ from passes.lowering.manager import PassContext
 from runtime.dist.mesh import Mesh
 from runtime.exec.parallel_model import ParallelModel
 from runtime.kernels.collectives import unregister_group
+from runtime.kernels.offload import watch_host_copies
 from runtime.observe.progress import terminal_bar
 
 CUDA_SEAMS = (
@@ -499,6 +500,8 @@ class LiveBytes(TorchDispatchMode):
         self.peak = 0
         self.at_peak: list[tuple[Any, int, str]] = []  # self.live's entries at the peak
         self.host: set[int] = set()  # pointers of live host storages (their entries count 0 bytes)
+        # (storage pointer, (peak, at_peak) before it): the last allocation, when it raised the peak
+        self._raised: tuple[int, tuple[int, list]] | None = None
 
     def on_host(self, tensors: Iterable[torch.Tensor]) -> None:
         """``tensors`` live in host memory: their storages count 0 bytes from now on, and the peak
@@ -513,6 +516,22 @@ class LiveBytes(TorchDispatchMode):
             self.host.add(key)
         self._sweep()
         self.peak, self.at_peak = self.total, list(self.live.values())
+
+    def host_copy(self, t: torch.Tensor) -> None:
+        """``t`` was just made as a host copy (an offloaded activation's,
+        :func:`runtime.kernels.offload.watch_host_copies`): it counts 0 bytes, and a peak its
+        allocation made is undone (nothing else was allocated since)."""
+        storage = t.untyped_storage()
+        key = storage._cdata
+        old = self.live.get(key)
+        if old is None or key in self.host:
+            return
+        if self._raised is not None and self._raised[0] == key:  # the peak was this allocation's
+            self.peak, self.at_peak = self._raised[1]
+            self._raised = None
+        self.total -= old[1]
+        self.live[key] = (old[0], 0, "host")
+        self.host.add(key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -548,9 +567,11 @@ class LiveBytes(TorchDispatchMode):
         self.live[key] = (self._ref(storage), size, f"{func.__name__ if hasattr(func, '__name__') else func} -> "
                                                     f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}")
         self.total += size
+        self._raised = None
         if self.total > self.peak:
             self._sweep()
             if self.total > self.peak:
+                self._raised = (key, (self.peak, self.at_peak))
                 self.peak = self.total
                 # a long ramp makes a new peak at each allocation: copy the entries, read them at the end
                 self.at_peak = list(self.live.values())
@@ -563,7 +584,8 @@ class LiveBytes(TorchDispatchMode):
 
     def largest(self, n: int = 8) -> list[str]:
         """The ``n`` largest storages alive at the peak: ``bytes MiB: op -> shape dtype``."""
-        return [f"{b / 2**20:.2f} MiB: {what}" for _, b, what in sorted(self.at_peak, key=lambda x: -x[1])[:n]]
+        device = [e for e in self.at_peak if e[1] > 0]  # host storages count nothing
+        return [f"{b / 2**20:.2f} MiB: {what}" for _, b, what in sorted(device, key=lambda x: -x[1])[:n]]
 
 
 _DEVICE = torch.ops.prim.device.default
@@ -635,7 +657,8 @@ def run_rank(program: RankProgram, spec: ModelSpec, *, stands_for: Sequence[int]
     model = None
     try:
         with torch.random.fork_rng(devices=[]), _FakeMode(allow_non_fake_inputs=True), memory, host, \
-                recording(run.collectives, check=functools.partial(_strict_device, run, job_device or device.type)):
+                recording(run.collectives, check=functools.partial(_strict_device, run, job_device or device.type)), \
+                watch_host_copies(memory.host_copy):
             _fake_group(program.rank, program.first + c.world_size)
             mesh = Mesh.for_config(c)
             mine = dataclasses.replace(program, modules=_fake_modules(modules, device))

@@ -28,10 +28,12 @@ Counters: :func:`offload_counters` (bytes and storages moved each way, per regio
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -84,6 +86,22 @@ def reset_offload_counters() -> None:
 # ---------------------------------------------------------------------------------------------
 # Host copies of storages.
 
+_HOST_WATCHERS: list = []
+"""Callables told each host copy as it is made (:func:`watch_host_copies`)."""
+
+
+@contextlib.contextmanager
+def watch_host_copies(on_copy) -> Iterator[None]:
+    """While open, ``on_copy(tensor)`` is told every host copy a saved tensor gets, right after it
+    is made: a memory count that cannot tell host from device by the tensor's device (on CPU the
+    two are one memory) learns which storages are host memory from it."""
+    _HOST_WATCHERS.append(on_copy)
+    try:
+        yield
+    finally:
+        _HOST_WATCHERS.remove(on_copy)
+
+
 class _HostStorage:
     """One device storage moved to host; shared by every saved view of it."""
 
@@ -110,6 +128,8 @@ class _HostStorage:
         else:
             # CPU: host and "device" are one memory; clone anyway so the path is exercised.
             self.host = src.clone()
+        for watcher in _HOST_WATCHERS:
+            watcher(self.host)
         _COUNTERS.offloaded_bytes += self.nbytes
         _COUNTERS.offloaded_storages += 1
         _COUNTERS.by_region[region] = _COUNTERS.by_region.get(region, 0) + self.nbytes

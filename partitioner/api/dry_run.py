@@ -32,6 +32,9 @@ What happens, in this one process:
 6. measure each representative's peak memory (:class:`LiveBytes`: fake storages alive, rounded by
    :func:`allocator_bytes`) against the plan's per-rank peak; above :data:`MEMORY_TOLERANCE` the
    report lists the largest tensors alive at the peak. A difference is reported, not a failure.
+   Host memory is not counted: an offloaded optimizer's masters, state and gradient buffers (and
+   what its host step makes from them alone), and the host copies of offloaded activations
+   (:func:`runtime.kernels.offload.watch_host_copies`).
 
 The strict group also refuses, while the rank runs, a collective carrying a tensor off the job's
 device (``job_device``; a CPU tensor in a CUDA job): :class:`StrictGroupError` names the rank and

@@ -1,5 +1,6 @@
 """runtime.dist.launch.spawn: ranks forked from a fork server still write where their caller writes
-now, and see their caller's environment of the moment (not the server's, started earlier)."""
+now, and see their caller's environment of the moment (not the server's, started earlier); the
+collector of a rank skips what it inherited and collects its young generation less often."""
 from __future__ import annotations
 
 import os
@@ -74,3 +75,16 @@ def _running(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
     except FileNotFoundError:
         return False
+
+
+def _collector() -> tuple[int, int]:
+    import gc
+    return gc.get_threshold()[0], gc.get_freeze_count()
+
+
+def test_a_rank_leaves_its_inherited_objects_out_of_collections_and_collects_young_ones_less_often():
+    from passes.ir.heap import YOUNG_THRESHOLD
+
+    for young, frozen in spawn(_collector, 2, timeout_s=60):
+        assert young == YOUNG_THRESHOLD
+        assert frozen > 100_000  # torch and the project, imported by the fork server

@@ -10,7 +10,7 @@ import time
 import traceback
 
 from passes.ir.errors import ConfigError, PartitionerError
-from passes.ir.heap import importing
+from passes.ir.heap import collect_young_less_often, importing
 from passes.ir.launcher_env import under_launcher
 
 
@@ -534,6 +534,7 @@ def _import_stack() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    collect_young_less_often()  # the command's own process: it captures, plans and lowers
     args = build_parser().parse_args(argv)
     debug = args.debug
     try:

@@ -5,6 +5,14 @@ about 280,000 objects that live as long as the process. Each full collection sca
 (about 0.15 s of CPU here), and the collector runs one every time the heap has grown by a quarter:
 a process that imports, captures and trains spends 10-25% of its CPU in the collector. Frozen
 objects (:func:`gc.freeze`) are never scanned again.
+
+Capturing, analysing and lowering a graph make and drop millions of small objects (fx nodes,
+sympy expressions, fake tensors). At Python's default threshold a young collection runs every
+700 allocations, and their survivors trigger a full collection every ~70,000: measured on the
+dry-run and search tests (one process, one thread), 7,800 young and 51 full collections, 9% of
+the CPU. :func:`collect_young_less_often` raises the young threshold to
+:data:`YOUNG_THRESHOLD`: 460 young and 6 full collections, and 11% less CPU (a threshold of
+100,000 gave nothing back: the young generation no longer fits the cache).
 """
 from __future__ import annotations
 
@@ -26,6 +34,20 @@ def importing() -> Iterator[None]:
         gc.freeze()
         if enabled:
             gc.enable()
+
+
+YOUNG_THRESHOLD = 10_000
+"""Allocations (less deallocations) between two collections of the young generation, in the
+processes the project starts (ranks, the command line)."""
+
+
+def collect_young_less_often() -> None:
+    """Collect the young generation every :data:`YOUNG_THRESHOLD` allocations, not Python's 700
+    (never fewer than a threshold already set higher). For processes the project owns: a
+    library call does not change its caller's collector."""
+    young, *older = gc.get_threshold()
+    if 0 < young < YOUNG_THRESHOLD:
+        gc.set_threshold(YOUNG_THRESHOLD, *older)
 
 
 def freeze_inherited() -> None:

@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 from passes.ir.errors import PartitionerError
 from passes.ir.launcher_env import scrub_environ
-from passes.ir.heap import freeze_inherited
+from passes.ir.heap import collect_young_less_often, freeze_inherited
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,6 +151,7 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     freeze_inherited()  # the fork server's imports, scanned by every full collection otherwise
+    collect_young_less_often()
     _end_with_caller(caller)
     try:
         import torch

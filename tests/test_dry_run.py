@@ -135,7 +135,7 @@ def test_a_zero_bubble_v_plan_of_a_rope_model_runs_and_agrees():
     stream, while the gradients come back on the backward one. The first pipeline rank holds the
     first and the last stage: the LM head's gradient bucket (one bucket of its own, as the
     embedding's) launches first, where backward makes its gradient, not in parameter order."""
-    report = dry_run("llama:layers=8,hidden=1024,heads=8,kv_heads=4,intermediate=2816,vocab=32000,seq=64",
+    report = dry_run("llama:layers=4,hidden=1024,heads=8,kv_heads=4,intermediate=2816,vocab=32000,seq=64",
                      "dgx-h100", nodes=1, training=Training(global_batch=8),
                      fix="tp=2,pp=2,dp=2,schedule=zbv,virtual_pp=2,num_micro_batches=4")
     assert report.ok, report.text()

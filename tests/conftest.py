@@ -67,29 +67,51 @@ def pytest_unconfigure(config):
 # a long file collected last does not run alone at the end while the other worker idles. Only the
 # order changes; every other file keeps its place after these.
 LONGEST_FIRST = (
-    "test_expert_parallel_parity.py",     # 80 s: one spawn of 8 ranks
-    "test_context_parallel_parity.py",    # 70: one spawn of 8 ranks
-    "test_first_run.py",                  # 70: torchrun and fresh calibrations
-    "test_data.py",                       # 69: two 2-rank command-line trainings
-    "test_zero3.py",                      # 65: spawns of 4 and 8 ranks
-    "test_search.py",                     # 64
-    "test_runtime_property.py",           # 64: one spawn of 8 ranks
-    "test_search_memory.py",              # 61: per-tensor remat MILPs
-    "test_dry_run.py",                    # 60
-    "test_runtime_tp_parity.py",          # 54
-    "test_faults.py",                     # 51: 4 train processes, waits of the timeout
-    "test_dumped_is_what_runs.py",        # 50
-    "test_train_resume.py",               # 47
-    "test_tensor_remat.py",               # 43
-    "test_zero_bubble.py",                # 43
-    "test_onnx_export.py",                # 40
-    "test_mixed_precision.py",            # 36
-    "test_readme.py",                     # 35
-    "test_fault_naming.py",               # 29
-    "test_valid_inputs.py",               # 28
-    "test_tensor_remat_runtime.py",       # 25
-    "test_plan_dumps.py",                 # 25
-    "test_checkpoint_dag.py",             # 25
+    "test_expert_parallel_parity.py",     # 90 s: one spawn of 8 ranks
+    "test_dry_run.py",                    # 81
+    "test_first_run.py",                  # 75: torchrun and fresh calibrations
+    "test_search.py",                     # 61
+    "test_context_parallel_parity.py",    # 57: one spawn of 8 ranks
+    "test_zero3.py",                      # 47: spawns of 4 and 8 ranks
+    "test_train_resume.py",               # 39
+    "test_faults.py",                     # 39: 4 train processes, waits of the timeout
+    "test_runtime_property.py",           # 32: one spawn of 8 ranks
+    "test_dumped_is_what_runs.py",        # 32
+    "test_readme.py",                     # 32
+    "test_fault_naming.py",               # 28
+    "test_search_memory.py",              # 26: per-tensor remat MILPs
+    "test_onnx_export.py",                # 22
+    "test_valid_inputs.py",               # 19
+    "test_data.py",                       # 19: two 2-rank command-line trainings
+    "test_mixed_precision.py",            # 19
+    "test_checkpoint_dag_memory.py",      # 17
+    "test_zero_bubble.py",                # 17
+    "test_two_node.py",                   # 17
+    "test_runtime_tp_parity.py",          # 16
+    "test_plan_dumps.py",                 # 16
+    "test_analyze_cli.py",                # 15
+    "test_capture.py",                    # 15
+    "test_step_collectives.py",           # 14
+    "test_zero3_memory.py",               # 13
+    "test_context_parallel_memory.py",    # 12
+    "test_tensor_remat_runtime.py",       # 12
+    "test_bad_models.py",                 # 12
+    "test_runtime_dp_features.py",        # 11
+    "test_auto_parallelize.py",           # 11
+    "test_bad_input.py",                  # 10
+    "test_sequence_parallel.py",          # 10
+    "test_tensor_remat.py",               # 10
+    "test_bench_plan_quality.py",         # 10
+    "test_communication_check.py",        # 10
+    "test_shared_programs.py",            # 9
+    "test_checkpoint_io.py",              # 9
+    "test_search_lowers_property.py",     # 8
+    "test_annotate_flops.py",             # 8
+    "test_graph_transfer.py",             # 8
+    "test_runtime_parity.py",             # 8
+    "test_tensor_parallel.py",            # 8
+    "test_bench_smoke.py",                # 8
+    "test_remat_solver.py",               # 8
 )
 
 

@@ -511,12 +511,7 @@ class LiveBytes(TorchDispatchMode):
         starts again from what is alive now (they were counted as they were made)."""
         for t in tensors:
             storage = t.untyped_storage()
-            key = storage._cdata
-            old = self.live.pop(key, None)
-            if old is not None:
-                self.total -= old[1]
-            self.live[key] = (self._ref(storage), 0, "host")
-            self.host.add(key)
+            self._as_host(storage._cdata, self._ref(storage))
         self._sweep()
         self.peak, self.at_peak = self.total, list(self.live.values())
 
@@ -532,8 +527,14 @@ class LiveBytes(TorchDispatchMode):
         if self._raised is not None and self._raised[0] == key:  # the peak was this allocation's
             self.peak, self.at_peak = self._raised[1]
             self._raised = None
-        self.total -= old[1]
-        self.live[key] = (old[0], 0, "host")
+        self._as_host(key, old[0])
+
+    def _as_host(self, key: int, ref: Any) -> None:
+        """The storage under ``key`` (weakly ``ref``) is host memory: 0 bytes from now on."""
+        old = self.live.get(key)
+        if old is not None:
+            self.total -= old[1]
+        self.live[key] = (ref, 0, "host")
         self.host.add(key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -560,11 +561,10 @@ class LiveBytes(TorchDispatchMode):
         if old is not None:
             if not _expired(key):
                 return  # a view, or the input returned
-            self.total -= old[1]
+            self.total -= self.live.pop(key)[1]
             self.host.discard(key)
         if host:
-            self.live[key] = (self._ref(storage), 0, "host")
-            self.host.add(key)
+            self._as_host(key, self._ref(storage))
             return
         size = allocator_bytes(storage.nbytes())
         self.live[key] = (self._ref(storage), size, f"{func.__name__ if hasattr(func, '__name__') else func} -> "

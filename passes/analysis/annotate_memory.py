@@ -152,10 +152,9 @@ def _write_node_meta(run: _ForwardRun, state: _ModelState) -> None:
         meta = MemoryMeta(output_bytes=_sum(new), saved=saved, offloaded=offloaded, kept_bytes=_sum(kept.get(node, [])))
         params = [st for st, first in state.first_node.items() if first is node]
         if params:
-            meta = MemoryMeta(output_bytes=meta.output_bytes, saved=saved, offloaded=offloaded, kept_bytes=meta.kept_bytes,
-                              param_bytes=_sum([state.param[st][0] for st in params]),
-                              grad_bytes=_sum([state.grad[st][0] for st in params if st in state.grad]),
-                              optimizer_bytes=_sum([state.opt[st][0] for st in params if st in state.opt]))
+            meta = dataclasses.replace(meta, param_bytes=_sum([state.param[st][0] for st in params]),
+                                       grad_bytes=_sum([state.grad[st][0] for st in params if st in state.grad]),
+                                       optimizer_bytes=_sum([state.opt[st][0] for st in params if st in state.opt]))
         node.meta[MEMORY] = meta
 
 

@@ -8,11 +8,12 @@ objects (:func:`gc.freeze`) are never scanned again.
 
 Capturing, analysing and lowering a graph make and drop millions of small objects (fx nodes,
 sympy expressions, fake tensors). At Python's default threshold a young collection runs every
-700 allocations, and their survivors trigger a full collection every ~70,000: measured on the
-dry-run and search tests (one process, one thread), 7,800 young and 51 full collections, 9% of
-the CPU. :func:`collect_young_less_often` raises the young threshold to
-:data:`YOUNG_THRESHOLD`: 460 young and 6 full collections, and 11% less CPU (a threshold of
-100,000 gave nothing back: the young generation no longer fits the cache).
+700 allocations, and their survivors trigger a full collection every ~70,000. Measured on the
+dry-run and search tests (one process, one thread): 7,811 young and 51 full collections, 9% of
+the CPU; with a young threshold of 20,000, 222 and 3, and 11% less CPU; with 100,000 no gain (the
+young generation no longer fits the cache). :func:`collect_young_less_often` sets
+:data:`YOUNG_THRESHOLD`, 10,000: run beside another test process (as the suite's two workers
+run), 10,000 took 3% less CPU than 20,000 (464 young and 6 full collections).
 """
 from __future__ import annotations
 

@@ -33,6 +33,7 @@ MODELS = {
                 "embd_pdrop=0.0,attn_pdrop=0.0,seq=8"),
     # eight layers: ZBV on four pipeline ranks has eight stages
     "gpt8": "gpt:layers=8,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0",
+    "gpt2l": "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0",
     # context parallelism: four heads (Ulysses at cp=4), a sequence of 2 * 4 chunks of 2 tokens;
     # llama with grouped-query attention (2 kv heads) and rotary tables
     "gpt-cp": "gpt:layers=4,hidden=32,heads=4,vocab=64,seq=16,dropout=0.0",
@@ -90,6 +91,7 @@ class Plan:
     cp_mode: str = "ring"
     sp: bool = False  # sequence parallelism (tp > 1)
     ep: int = 1  # expert-parallel degree (taken from the dp x cp ranks)
+    compile: bool = False  # stage programs compiled (torch.compile, inductor)
 
     @property
     def size(self) -> int:
@@ -104,7 +106,7 @@ class Plan:
                 + (f"-offload_{self.offload}" if self.offload != "none" else "")
                 + (f"-hsdp{self.hsdp}" if self.hsdp else "") + ("" if self.reshard else "-keep")
                 + (f"-cp{self.cp}_{self.cp_mode}" if self.cp > 1 else "") + ("-sp" if self.sp else "")
-                + (f"-ep{self.ep}" if self.ep > 1 else ""))
+                + (f"-ep{self.ep}" if self.ep > 1 else "") + ("-compiled" if self.compile else ""))
 
     def config(self) -> ParallelConfig:
         """The :class:`ParallelConfig` the plan is lowered with."""
@@ -112,7 +114,7 @@ class Plan:
             self.global_batch, dp=self.dp, tp=self.tp, pp=self.pp, schedule=self.schedule, virtual_pp=self.virtual_pp,
             num_micro_batches=self.num_micro_batches, zero_stage=self.zero, checkpointing=self.checkpointing,
             offload=self.offload, hsdp_shard=self.hsdp, reshard_after_forward=self.reshard, cp=self.cp,
-            cp_mode=self.cp_mode, sequence_parallel=self.sp, ep=self.ep)
+            cp_mode=self.cp_mode, sequence_parallel=self.sp, ep=self.ep, compile=self.compile)
 
 
 def _mesh_shape(c: ParallelConfig) -> tuple:
@@ -196,6 +198,7 @@ def train_plans(plans: list[Plan], payloads: dict[str, GraphPayload] | None = No
         if not mesh.active:
             continue
         t0 = time.perf_counter()
+        graphs_before = _compiled_graphs()
         try:
             pm = build_parallel_model(graphs[plan.model], plan.config(), mesh, optimizer=ADAMW,
                                       lr_scheduler=SCHEDULE, clip_grad_norm=CLIP, cluster=local_cluster(mesh.size))
@@ -210,13 +213,20 @@ def train_plans(plans: list[Plan], payloads: dict[str, GraphPayload] | None = No
                             "expert_params": list(pm.program.expert_params),
                             "expert_numel": {n: p.numel() for n, p in pm.named_parameters().items()
                                              if n in set(pm.program.expert_params)},
-                            "data_ops": sorted({c.op for c in pm.program.comms_of("data")})}
+                            "data_ops": sorted({c.op for c in pm.program.comms_of("data")}),
+                            "compiled_graphs": _compiled_graphs() - graphs_before}
         except Exception as exc:  # noqa: BLE001 - reported per plan by the test
             import traceback
             out[plan.id] = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-12)}",
                             "seconds": time.perf_counter() - t0}
     out["setup"]["plans_s"] = time.perf_counter() - meshed
     return out
+
+
+def _compiled_graphs() -> int:
+    """Graphs ``torch.compile`` has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
 
 
 def measure_memory(plans: list[Plan], payloads: dict[str, GraphPayload], models: dict[str, str] | None = None,

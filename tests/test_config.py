@@ -37,6 +37,14 @@ def test_is_mixed_is_the_16bit_dtypes_and_refuses_unknown_ones():
     (dict(offload="optimizer", zero_stage=1, dp=2), "offload='optimizer' keeps the whole optimizer state on the host"),
     (dict(pp=2, stage_boundaries=(1, 2)), "stage_boundaries has 2 entries for pp*virtual_pp = 2 stages"),
     (dict(pp=3, stage_boundaries=(2, 2)), "strictly increasing"),
+    (dict(compile="yes"), "compile must be true or false"),
+    (dict(pp=2, num_micro_batches=2, schedule="zb1p", compile=True), "compile=true with schedule='zb1p'"),
+    (dict(pp=2, num_micro_batches=2, schedule="zbv", virtual_pp=2, compile=True), "compile=true with schedule='zbv'"),
+    (dict(offload="activations", compile=True), "compile=true with offload='activations' is not supported yet"),
+    (dict(checkpointing="dag", compile=True), "compile=true with checkpointing='dag'"),
+    (dict(checkpointing="tensor", compile=True), "compile=true with checkpointing='tensor'"),
+    (dict(cp=2, compile=True), "compile=true with cp=2"),
+    (dict(dp=2, ep=2, compile=True), "compile=true with ep=2"),
 ])
 def test_each_rule_names_the_constraint_and_the_fix(knobs, needle):
     with pytest.raises(ConfigError, match="invalid parallel config") as err:
@@ -66,3 +74,15 @@ def test_round_trip_and_global_batch_constructor():
 def test_the_choices_are_spelled_here():
     assert SCHEDULES == ("gpipe", "1f1b", "interleaved", "zb1p", "zbv")
     assert CHECKPOINTING == ("none", "selective", "full", "dag", "tensor") and OFFLOAD == ("none", "activations", "optimizer")
+
+
+def test_compiled_plans_run_with_every_other_knob_the_runtime_compiles():
+    """What compile=true takes: the non-split schedules, every ZeRO stage, tp with sp, full and
+    selective checkpointing; and it round-trips."""
+    for knobs in (dict(dp=2, zero_stage=2), dict(dp=2, zero_stage=3), dict(tp=2, sequence_parallel=True),
+                  dict(pp=2, num_micro_batches=2, checkpointing="full"),
+                  dict(pp=2, num_micro_batches=2, schedule="interleaved", virtual_pp=2, checkpointing="selective")):
+        c = ParallelConfig(compile=True, **knobs)
+        assert ParallelConfig.from_dict(c.to_dict()) == c and c.compile
+        assert "compile=True" in c.text()
+    assert "compile" not in ParallelConfig().text()

@@ -101,6 +101,35 @@ def test_a_rank_that_raises_is_named_and_the_cli_fails(plan, tmp_path, monkeypat
     assert "rank 0 (pp=0 tp=0 cp=0) for ranks (0, 2, 4, 6): OK" in out
 
 
+def test_a_compiled_plan_is_refused_before_any_planning(plan, monkeypatch):
+    """The dry run executes the uncompiled programs: a plan with compile=true (pinned, or given) is
+    refused, naming the way out, before the planner runs."""
+    import partitioner.api.dry_run as module
+    from passes.ir.errors import ConfigError
+
+    monkeypatch.setattr(module, "make_plan", lambda *a, **k: pytest.fail("planned a refused dry run"))
+    with pytest.raises(ConfigError, match="compile=true cannot be dry-run yet.*compile=false"):
+        dry_run(MODEL, "dgx-h100", nodes=2, training=TRAINING, fix=FIX + ",compile=true")
+    compiled = dataclasses.replace(plan, config=plan.config.replace(compile=True, schedule="1f1b"))
+    with pytest.raises(ConfigError, match="compile=true cannot be dry-run yet"):
+        dry_run(MODEL, "dgx-h100", nodes=2, training=TRAINING, plan=compiled)
+
+
+def test_a_rank_whose_peak_exceeds_the_device_is_out_of_memory(plan):
+    """The dry run says where the job would run out of memory: a rank whose peak is above the
+    cluster's device memory fails the report, naming the rank, its peak and the device's."""
+    from partitioner.cost.cluster import Cluster
+
+    big = Cluster.preset("dgx-h100", nodes=2)
+    report = dry_run(MODEL, big, training=TRAINING, plan=plan, ranks=(0,))
+    assert report.ok and "OUT OF MEMORY" not in report.text()
+    peak = report.ranks[0].peak_bytes
+    small = dataclasses.replace(big, device=dataclasses.replace(big.device, memory_bytes=peak - 1))
+    report = dry_run(MODEL, small, training=TRAINING, plan=plan, ranks=(0,))
+    assert not report.ok and not report.ranks[0].fits and report.ranks[0].ok
+    assert f"OUT OF MEMORY: rank 0 (for ranks (0, 2, 4, 6)) peaks at {peak / 2**30:.2f} GiB" in report.text()
+
+
 def test_messages_are_matched_by_shape():
     send = Collective("send", (0, 2), (4, 8), "torch.float32", peer=2, group_id="5")
     recv = Collective("recv", (0, 2), (4, 16), "torch.float32", peer=0, group_id="5")

@@ -113,6 +113,16 @@ def test_fix_pins_knobs(profile):
         search(profile, _cluster(), global_batch=64, fix={"tensor_parallel": 2})
 
 
+def test_compile_is_off_unless_pinned_and_pinned_leaves_out_what_it_does_not_run_with(profile):
+    cluster = _cluster(nodes=2)
+    assert not search(profile, cluster, global_batch=64).compile
+    pinned = search(profile, cluster, global_batch=64, fix={"compile": True, "pp": 2})
+    assert pinned.compile and pinned.schedule not in ("zb1p", "zbv") and pinned.offload == "none"
+    assert pinned.alternatives and all(a.knobs["compile"] for a in pinned.alternatives)
+    with pytest.raises(ConfigError, match="compile=true with schedule='zb1p'"):
+        search(profile, cluster, global_batch=64, fix={"compile": True, "pp": 2, "schedule": "zb1p"})
+
+
 def test_search_is_deterministic(profile):
     a = search(profile, _cluster(nodes=2), global_batch=64)
     b = search(profile, _cluster(nodes=2), global_batch=64)

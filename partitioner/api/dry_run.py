@@ -31,7 +31,10 @@ What happens, in this one process:
    does not model are notes (:attr:`RankRun.static_notes`), differences mismatches;
 6. measure each representative's peak memory (:class:`LiveBytes`: fake storages alive, rounded by
    :func:`allocator_bytes`) against the plan's per-rank peak; above :data:`MEMORY_TOLERANCE` the
-   report lists the largest tensors alive at the peak. A difference is reported, not a failure.
+   report lists the largest tensors alive at the peak. A difference is reported, not a failure;
+   a peak above the device's memory is (:attr:`RankRun.fits`: the job would run out of memory
+   there). The search's own per-device estimate (``plan.predicted.peak_memory_bytes``, what a plan
+   made without a captured graph states) is set beside the largest dry-run peak.
    Host memory is not counted: an offloaded optimizer's masters, state and gradient buffers (and
    what its host step makes from them alone), and the host copies of offloaded activations
    (:func:`runtime.kernels.offload.watch_host_copies`).
@@ -175,9 +178,16 @@ class RankRun:
     (:class:`LiveBytes`)."""
     predicted_bytes: float | None = None
     """The plan's peak for this rank (``plan.predicted.rank_peak_memory_bytes``), when it has one."""
+    device_bytes: float | None = None
+    """The memory of the job's device (the cluster's), when known."""
     peak_tensors: list[str] = field(default_factory=list)
     """When the two differ by more than :data:`MEMORY_TOLERANCE`: the largest tensors alive at the
     dry run's peak, each with the op that made it."""
+
+    @property
+    def fits(self) -> bool:
+        """Whether its peak fits in the device's memory (True when either is unknown)."""
+        return not (self.device_bytes and self.peak_bytes > self.device_bytes)
 
     @property
     def memory_difference(self) -> float | None:
@@ -200,7 +210,8 @@ class DryRunReport:
 
     @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.ranks) and not self.mismatches and not self.static_mismatches
+        return (all(r.ok for r in self.ranks) and not self.mismatches and not self.static_mismatches
+                and all(r.fits for r in self.ranks))
 
     @property
     def static_mismatches(self) -> list[str]:
@@ -223,13 +234,23 @@ class DryRunReport:
                          f"{' (' + static + ')' if static else ''}, {r.host_reads} host reads, {r.seconds:.2f} s")
         if any(r.peak_bytes for r in self.ranks):
             lines.append("  memory: peak bytes of each rank, the dry run's (storages alive, rounded as the CUDA caching "
-                         "allocator holds them) and the plan's")
+                         "allocator holds them) and the plan's (the replay of the rank's program)")
             lines.append(f"    {'rank':>6}  {'dry run':>12}  {'plan':>12}  {'difference':>10}")
             for r in self.ranks:
                 d = r.memory_difference
                 plan_text = f"{r.predicted_bytes / 2**20:.1f} MiB" if r.predicted_bytes else "-"
                 lines.append(f"    {r.rank:>6}  {r.peak_bytes / 2**20:>8.1f} MiB  {plan_text:>12}  "
                              f"{'-' if d is None else f'{100 * d:+.1f}%':>10}")
+            largest = max(self.ranks, key=lambda r: r.peak_bytes)
+            estimate = self.plan.predicted.peak_memory_bytes
+            if estimate and abs(largest.peak_bytes - estimate) > MEMORY_TOLERANCE * estimate:
+                lines.append(f"  the search's estimate of the peak per device, {estimate / 2**30:.2f} GiB, is "
+                             f"{100 * (largest.peak_bytes - estimate) / estimate:+.1f}% off the largest dry-run peak "
+                             f"(rank {largest.rank}, {largest.peak_bytes / 2**30:.2f} GiB)")
+            for r in self.ranks:
+                if not r.fits:
+                    lines.append(f"  OUT OF MEMORY: rank {r.rank} (for ranks {_ranks_text(r.stands_for)}) peaks at "
+                                 f"{r.peak_bytes / 2**30:.2f} GiB; the device has {r.device_bytes / 2**30:.2f} GiB")
             for r in self.ranks:
                 if r.peak_tensors:
                     lines.append(f"  rank {r.rank}'s peak differs from the plan's by more than "
@@ -950,8 +971,14 @@ def dry_run(model: str | ModelSpec, cluster: Cluster | str, *, training: Trainin
         cluster = Cluster.load(cluster, nodes=nodes)
     elif nodes is not None:
         cluster = cluster.with_nodes(nodes)
+    pinned = check_fix(fix, where="dry_run: fix")
+    if pinned.get("compile") or (plan is not None and plan.config.compile):
+        # fake tensors run the programs' ops one by one; a compiled program would run other kernels
+        raise ConfigError("dry_run: a plan with compile=true cannot be dry-run yet (the dry run executes the "
+                          "uncompiled programs on fake tensors); dry-run it with compile=false: the same "
+                          "collectives and the uncompiled memory")
     if plan is None:
-        plan = make_plan(model, cluster, training=training, fix=check_fix(fix, where="dry_run: fix"))
+        plan = make_plan(model, cluster, training=training, fix=pinned)
     elif plan.global_batch != training.global_batch:
         raise ConfigError(f"dry_run: the plan is for global batch {plan.global_batch}, not {training.global_batch}; "
                           f"pass Training(global_batch={plan.global_batch})")
@@ -978,6 +1005,7 @@ def dry_run(model: str | ModelSpec, cluster: Cluster | str, *, training: Trainin
         if run.ok:
             compare_static(run, program)
         run.predicted_bytes = float(peaks[rank])
+        run.device_bytes = float(cluster.device.memory_bytes)
         difference = run.memory_difference
         if difference is None or abs(difference) <= MEMORY_TOLERANCE:
             run.peak_tensors = []

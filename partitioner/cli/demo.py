@@ -346,9 +346,11 @@ def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str | None = DEMO
 
     plan = Plan.from_json(results[0].plan_json)
     step_s, peak = med[len(med) // 2], max(peaks)
+    memory = (f"peak memory {peak / 2**20:.2f} MiB measured, {plan.predicted.peak_memory_bytes / 2**20:.2f} MiB "
+              f"predicted ({_off(plan.predicted.peak_memory_bytes, peak)})") if peak else \
+        "peak memory not measured (compiled programs on CPU ranks run outside the memory tracker)"
     say(f"step time (median over ranks): {step_s:.3f} s measured, {plan.predicted.step_time_s:.3f} s "
-        f"predicted ({_off(plan.predicted.step_time_s, step_s)}); peak memory {peak / 2**20:.2f} MiB measured, "
-        f"{plan.predicted.peak_memory_bytes / 2**20:.2f} MiB predicted ({_off(plan.predicted.peak_memory_bytes, peak)})")
+        f"predicted ({_off(plan.predicted.step_time_s, step_s)}); {memory}")
     if "+refit" not in plan.cluster:
         say(f"  (predicted on cluster '{plan.cluster}'; to predict this machine, fit it to this run: "
             f"partitioner calibrate --from-run {dump})")

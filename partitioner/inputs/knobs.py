@@ -57,6 +57,7 @@ KNOB_RULES: dict[str, Knob] = {k.name: k for k in (
     Knob(name="sequence_parallel", kind="bool", meaning="sequence parallelism"),
     Knob(name="checkpointing", kind="choice", choices=CHECKPOINTING, meaning="activation recomputation"),
     Knob(name="offload", kind="choice", choices=OFFLOAD, meaning="what waits in host memory"),
+    Knob(name="compile", kind="bool", meaning="stage programs compiled with torch.compile (off unless pinned)"),
 )}
 assert tuple(KNOB_RULES) == KNOBS, "every knob of passes.ir.config.KNOBS has a rule here, in its order"
 

@@ -961,8 +961,9 @@ def predict_step_time(profile, cluster, knobs: Mapping[str, object], *, global_b
     the search's memory check (:func:`partitioner.search.memory_check.replay_check`), so the plan carries
     the memory numbers the planner returns for a captured model."""
 
-    # off unless given (knob sets written before HSDP, reshard_after_forward, cp and ep existed)
-    knobs = {"hsdp_shard": None, "reshard_after_forward": True, "cp": 1, "cp_mode": "ring", "ep": 1, **knobs}
+    # off unless given (knob sets written before HSDP, reshard_after_forward, cp, ep and compile existed)
+    knobs = {"hsdp_shard": None, "reshard_after_forward": True, "cp": 1, "cp_mode": "ring", "ep": 1, "compile": False,
+             **knobs}
     missing = [k for k in KNOBS if k not in knobs]
     if missing:
         raise ConfigError(f"fidelity: pin every knob to evaluate one plan; missing {missing}")

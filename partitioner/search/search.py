@@ -37,7 +37,7 @@ from partitioner.inputs.knobs import check_fix, fix_text
 from partitioner.search.plan_cost import Evaluated, PlanContext, evaluate, lower_bound, state_lower_bound
 from partitioner.search.profile import ModelProfile
 from passes.ir.config import (CHECKPOINTING, CP_MODES, KNOBS, OFFLOAD, SCHEDULES, ZERO_STAGES, ParallelConfig,
-                              expert_parallel_refusals, knob_conflicts)
+                              compile_refusals, expert_parallel_refusals, knob_conflicts)
 from passes.ir.errors import ConfigError, InfeasiblePlanError
 from passes.ir.meta import InputSpec
 from passes.ir.plan import Alternative, Plan, Prediction, format_bytes
@@ -173,6 +173,10 @@ def _pinned_problems(fix: dict, world: int, L: int, heads: int, global_batch: in
     if fix.get("checkpointing") == "tensor" and profile is not None and profile.blocks \
             and profile.blocks[0].tensor_activation_bytes is None:
         out.append(_tensor_problem(profile))
+    if fix.get("compile"):  # what it does not run with among the pinned knobs (the others: per candidate)
+        out += compile_refusals(schedule=fix.get("schedule", "1f1b"), offload=fix.get("offload", "none"),
+                                checkpointing=fix.get("checkpointing", "none"), cp=fix.get("cp", 1),
+                                ep=fix.get("ep", 1))
     return out
 
 
@@ -343,6 +347,9 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
             return [fix[name]]
         return values
 
+    # compiled stage programs only when pinned: the cost model prices a plan's step as eager
+    (compiled,) = opts("compile", [False])
+
     # CPU ranks (a loopback host link): their "host" memory is their own, so offloading to it
     # frees nothing and adds copies; offered only when pinned
     offloads = ["none"] if cluster.host_to_device.kind == "loopback" else list(OFFLOAD)
@@ -415,7 +422,7 @@ def candidates(profile: ModelProfile, cluster: Cluster, global_batch: int,
                                                 micro_batch_size=mbs, num_micro_batches=m, schedule=sched,
                                                 zero_stage=zero, hsdp_shard=hsdp, reshard_after_forward=reshard,
                                                 sequence_parallel=sp, checkpointing=ckpt, offload=off,
-                                                dtype=profile.dtype))
+                                                compile=compiled, dtype=profile.dtype))
                                         except ConfigError as exc:
                                             why.add(7, str(exc).removeprefix("invalid parallel config: "))
     if not out:

@@ -66,9 +66,9 @@ CHECKPOINT_POLICIES: tuple[str, ...] = get_args(CheckpointPolicy)
 OFFLOAD_SELECTIONS: tuple[str, ...] = get_args(OffloadSelection)
 
 KNOBS = ("dp", "tp", "pp", "cp", "cp_mode", "ep", "virtual_pp", "micro_batch_size", "num_micro_batches", "schedule", "zero_stage",
-         "hsdp_shard", "reshard_after_forward", "sequence_parallel", "checkpointing", "offload")
+         "hsdp_shard", "reshard_after_forward", "sequence_parallel", "checkpointing", "offload", "compile")
 """The fields the search chooses and ``fix=`` may pin (``dtype`` is the user's; ``stage_boundaries``
-follows from the others)."""
+follows from the others; ``compile`` is off unless pinned)."""
 
 _POSITIVE = ("dp", "tp", "pp", "cp", "ep", "virtual_pp", "micro_batch_size", "num_micro_batches")
 _CHOICES = {"schedule": SCHEDULES, "zero_stage": ZERO_STAGES, "checkpointing": CHECKPOINTING,
@@ -123,6 +123,28 @@ def knob_conflicts(*, zero_stage: int, offload: str, schedule: str, checkpointin
                    f"region for one backward only; schedule={schedule!r} splits each backward in two (input "
                    f"and weight halves); use checkpointing='full' with it, or schedule=1f1b, gpipe or interleaved")
     return tuple(out)
+
+
+def compile_refusals(*, schedule: str, offload: str, checkpointing: str, cp: int, ep: int) -> list[str]:
+    """What ``compile=true`` does not run with yet, each rule with its fix. A compiled program is
+    one autograd node, so a split backward (zb1p, zbv) would run its whole backward in each half;
+    offload's brackets, the checkpoint policies that replay single ops (``dag``, ``tensor``) and
+    the cp and ep exchanges were not tried compiled."""
+    out, off = [], "or compile=false"
+    if schedule in SPLIT_BACKWARD_SCHEDULES:
+        out.append(f"compile=true with schedule={schedule!r}: a compiled stage is one autograd node, which the input "
+                   f"and weight halves of a split backward cannot run apart; use schedule=1f1b, gpipe or "
+                   f"interleaved, {off}")
+    if offload != "none":
+        out.append(f"compile=true with offload={offload!r} is not supported yet; use offload='none', {off}")
+    if checkpointing in ("dag", "tensor"):
+        out.append(f"compile=true with checkpointing={checkpointing!r} is not supported yet; use checkpointing='full' "
+                   f"or 'selective', {off}")
+    if cp > 1:
+        out.append(f"compile=true with cp={cp} is not supported yet; use cp=1, {off}")
+    if ep > 1:
+        out.append(f"compile=true with ep={ep} is not supported yet; use ep=1, {off}")
+    return out
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -188,6 +210,11 @@ class ParallelConfig:
     ``optimizer``: optimizer state and step on the host (ZeRO-Offload style)."""
     dtype: DType = "fp32"
     """Training precision: ``fp32``, or ``bf16``/``fp16`` compute with fp32 master weights."""
+    compile: bool = False
+    """Run each stage program compiled (``torch.compile``, inductor; random draws as in eager, so a
+    compiled plan trains like the uncompiled one): every rank compiles its programs at their first
+    forward. Not with the schedules that split a backward in two, offload, ``dag`` or ``tensor``
+    checkpointing, cp or ep yet (:meth:`problems` refuses them)."""
     stage_boundaries: tuple[int, ...] | None = None
     """Layer-chain index where each virtual stage ``1 .. pp*virtual_pp - 1`` starts (see the module
     docstring); ``None``: the blocks are spread evenly, the embedding on the first stage, the head on
@@ -273,7 +300,7 @@ class ParallelConfig:
             value = getattr(self, name)
             if value not in choices or isinstance(value, bool) != isinstance(choices[0], bool):
                 out.append(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
-        for name in ("sequence_parallel", "reshard_after_forward"):
+        for name in ("sequence_parallel", "reshard_after_forward", "compile"):
             if not isinstance(getattr(self, name), bool):
                 out.append(f"{name} must be true or false, got {getattr(self, name)!r}")
         if out:
@@ -317,6 +344,9 @@ class ParallelConfig:
                        f"zero_stage=3, got zero_stage={self.zero_stage}; set zero_stage=3 or reshard_after_forward=true")
         if self.checkpointing == "tensor":
             out += self._tensor_remat_refusals()
+        if self.compile:
+            out += compile_refusals(schedule=self.schedule, offload=self.offload, checkpointing=self.checkpointing,
+                                    cp=self.cp, ep=self.ep)
         if self.stage_boundaries is not None:
             b = self.stage_boundaries
             if len(b) != self.n_stages - 1:

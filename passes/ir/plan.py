@@ -164,6 +164,7 @@ class Plan:
         v = f" v={c.virtual_pp}" if c.virtual_pp > 1 else ""
         v += f" cp={c.cp} {c.cp_mode}" if c.cp > 1 else ""
         v += f" ep={c.ep}" if c.ep > 1 else ""
+        v += " compiled" if c.compile else ""
         return (f"dp={c.dp} tp={c.tp} pp={c.pp}{v} mbs={c.micro_batch_size} m={c.num_micro_batches} "
                 f"{c.schedule} zero={c.zero_stage} sp={c.sequence_parallel} ckpt={c.checkpointing} "
                 f"offload={c.offload} {c.dtype}: step {p.step_time_s:.3f} s, {p.tflops_per_device:.1f} TFLOP/s/device, "

@@ -60,6 +60,7 @@ from runtime.optim.mixed_precision import DynamicLossScaler, MasterWeightOptimiz
 from runtime.optim.optimizer_offload import HostOffloadedOptimizer
 from runtime.optim.optimizers import OptimizerFactory, as_factory, build, check_shardable, param_groups
 from runtime.optim.lr_schedules import SchedulerFactory
+from runtime.exec.compiled import compile_stage
 from runtime.exec.stage_executor import LocalStage, StageExecutor, backward_counts
 from runtime.exec.split_backward import WeightOrder
 
@@ -109,8 +110,8 @@ class ParallelModel:
             register_group(program.ep_group, DistGroup(mesh.ep_group))
         if c.dp_cp > 1:  # a load-balancing loss averages its token statistics over the data axis
             register_group(program.data_group, DistGroup(mesh.dp_group))
-        self.stages = {s: LocalStage(s, _on_device(module, mesh.device), program.io[s])
-                       for s, module in program.modules.items()}
+        self.stages = {s: LocalStage(s, module, program.io[s], compile_stage(module) if c.compile else None)
+                       for s, module in ((s, _on_device(m, mesh.device)) for s, m in program.modules.items())}
         # ZeRO-3: keep this dp rank's shard of every parameter; the gathers run through this
         self.zero3 = (zero3_gatherer({s: st.module for s, st in self.stages.items()}, mesh, prefetch=zero3_prefetch)
                       if c.zero_stage == 3 else None)
@@ -489,6 +490,12 @@ class ParallelModel:
         return self._run_step(micro, dims)
 
     def _run_step(self, micro: list[dict[str, torch.Tensor]], dims: dict[str, int]) -> float:
+        if self.config.compile and torch._C._len_torch_dispatch_stack():
+            # torch.compile runs a program met under a dispatch mode eagerly (and keeps doing so)
+            raise ConfigError("parallel_model: this plan runs compiled stage programs, and the step was called "
+                              "under a torch dispatch mode (a FlopCounterMode, a memory tracker, ...), under which "
+                              "torch.compile would run them uncompiled; step outside the mode, or plan with "
+                              "compile=false")
         self.optimizer.zero_grad()
         for buckets in (self.grad_buckets, self.expert_buckets):
             if buckets is not None:

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,11 +61,14 @@ _COMM = (Kind.RECV_F, Kind.SEND_F, Kind.RECV_B, Kind.SEND_B)
 
 @dataclass(frozen=True)
 class LocalStage:
-    """A stage program this rank runs: global stage index, its module and its I/O contract."""
+    """A stage program this rank runs: global stage index, its module and its I/O contract;
+    ``run``: what runs the module (:func:`runtime.exec.compiled.compile_stage` of it under a
+    compiled plan; None: the module itself)."""
 
     index: int
     module: fx.GraphModule
     io: StageIO
+    run: Callable[..., Any] | None = None
 
 
 class StageExecutor:
@@ -223,7 +226,7 @@ class StageExecutor:
                 t = received[inp.name].requires_grad_(inp.meta.requires_grad)
                 leaves[inp.name] = t
                 args.append(t)
-        result = stage.module(*args)
+        result = (stage.module if stage.run is None else stage.run)(*args)
         self._leaves[(s, i)] = leaves
         self._outputs[(s, i)] = {out.name: value for out, value in zip(stage.io.outputs, result)}
         for out, value in zip(stage.io.outputs, result):

@@ -158,7 +158,8 @@ class StepTimer:
     ``track_memory``: on CPU, the number of first steps whose live bytes are tracked (a dispatch
     mode, which slows every op, so later steps run untracked and time cleanly; the peak is
     reached by the second step, once gradients and optimizer state exist); ``True`` = every
-    step, ``False``/0 = none. CUDA peaks cost nothing and are read every step. ``last_action`` is the action running or last run, for
+    step, ``False``/0 = none; none under a compiled plan (torch.compile does not compile what runs
+    under a dispatch mode). CUDA peaks cost nothing and are read every step. ``last_action`` is the action running or last run, for
     fault messages.
     """
 
@@ -245,7 +246,11 @@ class StepTimer:
             torch.cuda.reset_peak_memory_stats()
         mode = None
         limit = None if self.track_memory is True else int(self.track_memory)
-        if not cuda and (limit is None or len(self.steps) < limit):
+        # under a dispatch mode torch.compile runs a program eagerly, and for good:
+        # dynamo marks a frame it first meets under one as not to compile; so a compiled plan's
+        # CPU steps are not counted (its memory is not measured on CPU)
+        compiled = getattr(getattr(self.model, "config", None), "compile", False)
+        if not cuda and not compiled and (limit is None or len(self.steps) < limit):
             mode = LiveBytes(self._persistent(), host=self._host_resident())
         zero3 = getattr(self.model, "zero3", None)
         if zero3 is not None:

@@ -101,3 +101,27 @@ def test_a_zoo_model_on_the_meta_device_is_captured_once_per_process():
     own = build_model(spec, device="meta")
     capture_training_step(ModelSpec(module=own.module, inputs=own.inputs, loss=own.loss, dims=own.dims, name=spec))
     assert capture_count() == before + 3
+
+
+def test_a_zoo_model_on_the_meta_device_is_analysed_once_per_optimizer_and_dtype(monkeypatch):
+    """The symbolic analysis of a capture is cached like the capture: the second dry run of one
+    model gets a copy of the first's analysed graph (the same memory facts, its own objects);
+    another optimizer, or a module of the user's own, is analysed again."""
+    from partitioner.compile import build
+    from passes.ir.meta import MEMORY
+
+    calls = []
+    real = build.run_analysis_passes
+    monkeypatch.setattr(build, "run_analysis_passes", lambda gm, **kw: calls.append(kw) or real(gm, **kw))
+    spec = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
+    first = build.analysed_training_step(build_model(spec, device="meta"), device="cpu", optimizer="sgd")
+    second = build.analysed_training_step(build_model(spec, device="meta"), device="cpu", optimizer="sgd")
+    assert len(calls) == 1 and second is not first
+    memory = [(n.name, n.meta[MEMORY]) for n in first.graph.nodes if MEMORY in n.meta]
+    assert memory and memory == [(n.name, n.meta[MEMORY]) for n in second.graph.nodes if MEMORY in n.meta]
+    assert all(a is not b for a, b in zip(first.graph.nodes, second.graph.nodes))
+    build.analysed_training_step(build_model(spec, device="meta"), device="cpu", optimizer="adamw")
+    own = build_model(spec, device="meta")
+    build.analysed_training_step(ModelSpec(module=own.module, inputs=own.inputs, loss=own.loss, dims=own.dims,
+                                           name=spec), device="cpu", optimizer="sgd")
+    assert len(calls) == 3

@@ -76,7 +76,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from partitioner.api.planning import plan as make_plan
-from partitioner.compile.build import capture_training_step, lower_plan, run_analysis_passes
+from partitioner.compile.build import analysed_training_step, lower_plan
 from partitioner.cost.cluster import Cluster
 from partitioner.inputs.knobs import check_fix
 from partitioner.inputs.model_spec import ModelSpec, meta_copy
@@ -985,8 +985,7 @@ def dry_run(model: str | ModelSpec, cluster: Cluster | str, *, training: Trainin
     config = plan.config
     spec = as_spec(model, device="meta")
     spec = (meta_copy(spec) if isinstance(model, ModelSpec) else spec).cast(TORCH_DTYPES[config.dtype])
-    graph = run_analysis_passes(capture_training_step(spec, device="cpu"), optimizer=training.optimizer_name(),
-                                dtype=config.dtype)
+    graph = analysed_training_step(spec, device="cpu", optimizer=training.optimizer_name(), dtype=config.dtype)
     lowering: Lowering = lower_plan(graph, config, cluster=cluster, ctx=PassContext(
         optimizer=training.optimizer_name(), dtype=config.dtype))
     reps = representatives(config)

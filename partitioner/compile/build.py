@@ -101,6 +101,32 @@ def run_analysis_passes(gm: fx.GraphModule, *, optimizer: str = "adamw", dtype: 
     return gm
 
 
+def analysed_training_step(spec: ModelSpec, *, device: str | None = None, optimizer: str = "adamw",
+                           dtype: DType = "fp32") -> fx.GraphModule:
+    """:func:`capture_training_step` of ``spec`` (every named dim symbolic), then
+    :func:`run_analysis_passes` (symbolic memory). Like the capture, the analysis of a zoo model
+    on the meta device is made once per process for its spec, device, optimizer and dtype (a plan
+    and the dry runs of its variants analyse it once; the symbolic run is most of their cost);
+    each caller gets its own copy. Any other model is captured and analysed every time."""
+    symbolic = sorted({d for inp in spec.inputs for d in inp.shape if isinstance(d, str)})
+    capture = _capture_key(spec, tuple(symbolic), device, None)
+    key = None if capture is None else (capture, optimizer, dtype)
+    if key is not None and key in _ANALYSED:
+        _ANALYSED[key] = _ANALYSED.pop(key)  # most recent last
+        return copy_graph_module(_ANALYSED[key])
+    gm = run_analysis_passes(capture_training_step(spec, device=device), optimizer=optimizer, dtype=dtype)
+    if key is not None:
+        _ANALYSED[key] = copy_graph_module(gm)
+        while len(_ANALYSED) > _CAPTURED_KEPT:
+            _ANALYSED.pop(next(iter(_ANALYSED)))
+    return gm
+
+
+_ANALYSED: dict[tuple, fx.GraphModule] = {}
+"""Analysed captures of zoo models on the meta device, by capture key, optimizer and dtype
+(:func:`analysed_training_step`)."""
+
+
 def capture_for_pipeline(spec: ModelSpec, symbolic: Sequence[str] | None = None, *,
                          device: str | None = None) -> fx.GraphModule:
     """Capture and analyse ``spec`` (what :func:`build_parallel_model` lowers): one capture, shared

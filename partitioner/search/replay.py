@@ -15,7 +15,9 @@ around them (:mod:`runtime.exec.stage_executor`, :mod:`runtime.optim.grad_sync`)
                    gradients + the global batch
     RECV_F         a receive buffer per boundary tensor (kept until SEND_B: the leaf of backward)
     FORWARD        the stage's forward events (activations saved for backward stay live)
-    SEND_F         the output is held by the pending isend until the ALL_REDUCE action waits
+    SEND_F         the output is held by the pending isend until its micro-batch's output
+                   gradient comes back (RECV_B, taken at the start of its backward: the next stage
+                   had received it), else until the ALL_REDUCE action waits
     BACKWARD       the stage's backward events; a parameter's first gradient of the step stays
                    (``.grad``), later micro-batches' are added in place (allocated, then freed);
                    the gradient of each received input is made and held for its SEND_B
@@ -623,6 +625,7 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
                    for s in program.stages} if program.config.split_backward else {})
     grads_made: set[int] = set()
     sent: list[Hashable] = []
+    returned: set[tuple[int, int]] = set()  # (stage, micro-batch) whose output gradient came back
     bucket_launched = False
     zero2 = ([_Zero2Buckets(live, layout, size, name) for (layout, size), name in zip(layouts, ("dp", "experts"))]
              if zero == 2 else None)
@@ -641,7 +644,11 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
                     _apply(live, e, (s, i), "activations", where)
         elif a.kind == Kind.SEND_F:
             sent.append(("out", s, i))
+        elif a.kind == Kind.RECV_B:
+            if any(inp.meta.requires_grad for inp in boundary[s]):
+                returned.add((s, i))
         elif a.kind == Kind.BACKWARD_INPUT:
+            _sends_returned(sent, returned, s, i)
             later = deferred.setdefault((s, i), [])
             held = {key for key in live.size if _of(key, s, i)}  # what the forward left: kept until W
             for e in ev[s].backward:
@@ -652,6 +659,12 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
                     later.append(e)
                 else:
                     _apply(live, e, (s, i), "activations", where)
+            # the stage's outputs no backward op saved go once nothing else holds them: the send
+            # is complete (its gradient came back) and the executor has let go of them
+            if ("out", s, i) not in sent:
+                saved = {e.key for e in ev[s].backward if e.op == "-"}
+                for key in [k for k in live.size if _of(k, s, i) and _is_output_key(k, ev[s]) and k[2] not in saved]:
+                    live.free(key)
             # the output gradients of the ops that read a weight, captured for W
             live.alloc((s, i, "held_grads"), held_grads[s], "activations", where)
             if s > 0:
@@ -663,6 +676,8 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
             first = s not in grads_made
             grads_made.add(s)
             weight_half = a.kind == Kind.BACKWARD_WEIGHT
+            if not weight_half:
+                _sends_returned(sent, returned, s, i)
             events = deferred.pop((s, i)) if weight_half else ev[s].backward
             kept = set()
             if weight_half:  # W makes every weight gradient of the micro-batch, then accumulates them
@@ -942,6 +957,13 @@ def _of(key, s: int, i: int) -> bool:
 
 def _is_output_key(key, events: StageEvents) -> bool:
     return getattr(key[2], "graph_output", False)
+
+
+def _sends_returned(sent: list, returned: set, s: int, i: int) -> None:
+    """Micro-batch ``i``'s output gradient came back to stage ``s``: the next stage had received
+    its forward sends, which the runtime then drops (``StageExecutor._release_forward_sends``)."""
+    if (s, i) in returned and ("out", s, i) in sent:
+        sent.remove(("out", s, i))
 
 
 def _sent_output(key, sent, ev) -> bool:

@@ -129,6 +129,9 @@ class StageExecutor:
         self._leaves: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._outputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._sends: list[list] = []  # [tensor, work] of each posted send
+        # the forward sends of each (stage, micro-batch): complete once that micro-batch's output
+        # gradient has come back from the next stage, so released then, not at the step's end
+        self._forward_sends: dict[tuple[int, int], list[list]] = {}
         self._pending: list[tuple[comm.P2P, list]] = []  # messages of the current schedule step, not yet posted
         self._losses: list[torch.Tensor] = []
         self._weights: dict[tuple[int, int], PendingWeights] = {}
@@ -236,7 +239,9 @@ class StageExecutor:
     def _send_f(self, a: Action) -> None:
         outputs = self._outputs[(a.stage, a.microbatch)]
         for j, name in enumerate(self.boundary[a.stage]):
-            self._isend(outputs[name].detach().contiguous(), a.peer, "F", self._tag("F", a.stage, a.microbatch, j))
+            entry = self._isend(outputs[name].detach().contiguous(), a.peer, "F",
+                                self._tag("F", a.stage, a.microbatch, j))
+            self._forward_sends.setdefault((a.stage, a.microbatch), []).append(entry)
 
     def _backward(self, a: Action) -> None:
         s, i = a.stage, a.microbatch
@@ -244,6 +249,8 @@ class StageExecutor:
         outputs = self._outputs.pop((s, i))
         names = self._grad_names(s) if s + 1 < len(self.io) else []
         grads = dict(zip(names, self._take_recvs(("B", s, i))))
+        if grads:  # the next stage ran this micro-batch's backward: it had received our forward sends
+            self._release_forward_sends(s, i)
         if names and not grads and (s + 1) in self.stages:  # neighbour on this rank: in memory
             leaves = self._leaves.pop((s + 1, i))
             grads = {n: _grad_or_zeros(leaves[n]) for n in names}
@@ -273,11 +280,21 @@ class StageExecutor:
         for j, name in enumerate(self._grad_names(a.stage - 1)):
             self._isend(_grad_or_zeros(leaves[name]), a.peer, "B", self._tag("B", a.stage, a.microbatch, j))
 
-    def _isend(self, tensor: torch.Tensor, peer: int, direction: str, tag: int) -> None:
+    def _isend(self, tensor: torch.Tensor, peer: int, direction: str, tag: int) -> list:
         entry = [tensor, None]  # the tensor must live until the send completes
         self._pending.append((comm.P2P("send", tensor, self.pp_ranks[peer], tag,
                                        self._group(peer, sending=True, direction=direction)), entry))
         self._sends.append(entry)
+        return entry
+
+    def _release_forward_sends(self, s: int, i: int) -> None:
+        """Wait (at once: they are complete) for the forward sends of micro-batch ``i`` of stage
+        ``s`` and drop them, so their tensors do not outlive the micro-batch's backward."""
+        done = self._forward_sends.pop((s, i), [])
+        for entry in done:
+            comm.wait(entry[1], self.pp_group)
+        ids = {id(entry) for entry in done}
+        self._sends = [entry for entry in self._sends if id(entry) not in ids]
 
     def _group(self, peer: int, *, sending: bool, direction: str):
         """The group of a message with pipeline index ``peer``: ``pp_group`` towards higher
@@ -294,6 +311,7 @@ class StageExecutor:
         for _, work in self._sends:
             comm.wait(work, self.pp_group)  # both pp groups have the mesh's timeout
         self._sends.clear()
+        self._forward_sends.clear()
 
 
 def backward_counts(actions: Sequence[Action]) -> dict[int, int]:

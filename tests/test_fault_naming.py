@@ -129,6 +129,7 @@ def _refuse_on_odd_ranks():
     from runtime.dist.mesh import init_distributed
 
     init_distributed(backend="gloo", timeout_s=30)
+    dist.barrier()  # every rank is connected (a rank still joining when its peer leaves fails in init instead)
     if dist.get_rank() % 2:
         raise ConfigError(f"refused on rank {dist.get_rank() % 2}; pin something else")
     dist.barrier()  # ranks 0 and 2 wait here until the job is stopped

@@ -53,25 +53,42 @@ def capture_training_step(spec: ModelSpec, *, symbolic: Sequence[str] | None = N
     if symbolic is None:
         symbolic = sorted({d for inp in spec.inputs for d in inp.shape if isinstance(d, str)})
     key = _capture_key(spec, tuple(symbolic), device, dims)
-    if key is not None and key in _CAPTURED:
-        _CAPTURED[key] = _CAPTURED.pop(key)  # most recent last
-        return copy_graph_module(_CAPTURED[key])
+    cached = _CAPTURED.get(key)
+    if cached is not None:
+        return cached
     check_trainable(spec.module, spec.name)
     with watch_side_effects(spec.module, spec.name):
         gm = capture_spec(spec, dims=dims, symbolic=tuple(symbolic), device=device)
     check_loss(gm, spec.name)
-    if key is not None:
-        _CAPTURED[key] = copy_graph_module(gm)
-        while len(_CAPTURED) > _CAPTURED_KEPT:
-            _CAPTURED.pop(next(iter(_CAPTURED)))
+    _CAPTURED.put(key, gm)
     return gm
 
 
-_CAPTURED: dict[tuple, fx.GraphModule] = {}
+class _GraphMemo:
+    """The last few graphs made for keys (None: not kept); each caller gets its own copy."""
+
+    def __init__(self, kept: int = 8) -> None:
+        self.kept = kept
+        self.graphs: dict[tuple, fx.GraphModule] = {}
+
+    def get(self, key: tuple | None) -> fx.GraphModule | None:
+        if key is None or key not in self.graphs:
+            return None
+        self.graphs[key] = self.graphs.pop(key)  # most recent last
+        return copy_graph_module(self.graphs[key])
+
+    def put(self, key: tuple | None, gm: fx.GraphModule) -> None:
+        if key is None:
+            return
+        self.graphs[key] = copy_graph_module(gm)
+        while len(self.graphs) > self.kept:
+            self.graphs.pop(next(iter(self.graphs)))
+
+
+_CAPTURED = _GraphMemo()
 """Captures of zoo models on the meta device (no weights: the capture is a function of the spec
 string, dtype, dims and device), by :func:`_capture_key`: planning, analysing and dry-running one
-model in one process capture it once. Each caller gets its own copy."""
-_CAPTURED_KEPT = 8
+model in one process capture it once."""
 
 
 def _capture_key(spec: ModelSpec, symbolic: tuple[str, ...], device: str | None,
@@ -111,18 +128,15 @@ def analysed_training_step(spec: ModelSpec, *, device: str | None = None, optimi
     symbolic = sorted({d for inp in spec.inputs for d in inp.shape if isinstance(d, str)})
     capture = _capture_key(spec, tuple(symbolic), device, None)
     key = None if capture is None else (capture, optimizer, dtype)
-    if key is not None and key in _ANALYSED:
-        _ANALYSED[key] = _ANALYSED.pop(key)  # most recent last
-        return copy_graph_module(_ANALYSED[key])
+    cached = _ANALYSED.get(key)
+    if cached is not None:
+        return cached
     gm = run_analysis_passes(capture_training_step(spec, device=device), optimizer=optimizer, dtype=dtype)
-    if key is not None:
-        _ANALYSED[key] = copy_graph_module(gm)
-        while len(_ANALYSED) > _CAPTURED_KEPT:
-            _ANALYSED.pop(next(iter(_ANALYSED)))
+    _ANALYSED.put(key, gm)
     return gm
 
 
-_ANALYSED: dict[tuple, fx.GraphModule] = {}
+_ANALYSED = _GraphMemo()
 """Analysed captures of zoo models on the meta device, by capture key, optimizer and dtype
 (:func:`analysed_training_step`)."""
 

@@ -347,7 +347,7 @@ def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str | None = DEMO
     plan = Plan.from_json(results[0].plan_json)
     step_s, peak = med[len(med) // 2], max(peaks)
     memory = (f"peak memory {peak / 2**20:.2f} MiB measured, {plan.predicted.peak_memory_bytes / 2**20:.2f} MiB "
-              f"predicted ({_off(plan.predicted.peak_memory_bytes, peak)})") if peak else \
+              f"predicted ({_off(plan.predicted.peak_memory_bytes, peak)})") if not plan.config.compile else \
         "peak memory not measured (compiled programs on CPU ranks run outside the memory tracker)"
     say(f"step time (median over ranks): {step_s:.3f} s measured, {plan.predicted.step_time_s:.3f} s "
         f"predicted ({_off(plan.predicted.step_time_s, step_s)}); {memory}")

@@ -490,12 +490,6 @@ class ParallelModel:
         return self._run_step(micro, dims)
 
     def _run_step(self, micro: list[dict[str, torch.Tensor]], dims: dict[str, int]) -> float:
-        if self.config.compile and torch._C._len_torch_dispatch_stack():
-            # torch.compile runs a program met under a dispatch mode eagerly (and keeps doing so)
-            raise ConfigError("parallel_model: this plan runs compiled stage programs, and the step was called "
-                              "under a torch dispatch mode (a FlopCounterMode, a memory tracker, ...), under which "
-                              "torch.compile would run them uncompiled; step outside the mode, or plan with "
-                              "compile=false")
         self.optimizer.zero_grad()
         for buckets in (self.grad_buckets, self.expert_buckets):
             if buckets is not None:

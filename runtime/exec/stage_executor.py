@@ -121,6 +121,12 @@ class StageExecutor:
         ``micro_inputs[i]``: graph inputs of micro-batch i by name (on ``device``); ``dims``: the
         named dims of one micro-batch (e.g. ``{"batch": 2, "seq": 8}``).
         """
+        if torch._C._len_torch_dispatch_stack() and any(st.run is not None for st in self.stages.values()):
+            # torch.compile runs a program first met under a dispatch mode eagerly, and keeps doing so
+            raise ConfigError("stage executor: this plan runs compiled stage programs, and the step was called "
+                              "under a torch dispatch mode (a FlopCounterMode, a memory tracker, ...), under which "
+                              "torch.compile would run them uncompiled; step outside the mode, or plan with "
+                              "compile=false")
         self._dims = {dim_symbol(k): v for k, v in dims.items()}
         self._dims_key = tuple(sorted(dims.items()))
         self.backward_done_s = {}

@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass, field, fields
 from partitioner.cost.cluster import Cluster, CollectiveFit, Device, EfficiencyCurve, Link
 from passes.ir.config import DTYPES as TRAINING_DTYPES
 from passes.ir.optimizers import optimizer_model
-from passes.ir.schedule import compute_makespan, peak_in_flight, zb1p_compute, zbv_compute
+from passes.ir.schedule import (compute_makespan, gpipe_compute, interleaved_1f1b_compute, one_f_one_b_compute,
+                                peak_in_flight, zb1p_compute, zbv_compute)
 from passes.ir.config import SCHEDULES, is_mixed
 from passes.ir.errors import ConfigError
 
@@ -449,6 +450,73 @@ def _zero_bubble_peaks(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]
     # micro-batch's graph lives from its F until its W. One list serves every stage.
     actions = _zero_bubble_compute(schedule, p, _steady_micro_batches(p, m))
     return tuple(peak_in_flight(actions, stage) for stage in range(p))
+
+
+MESSAGE_STATES_MAX_MICRO_BATCHES = 1024
+"""Micro-batches :func:`pipeline_states` walks at most (its message count grows with them)."""
+
+
+@functools.lru_cache(maxsize=256)
+def _compute_order(schedule: str, p: int, m: int, v: int):
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        return _zero_bubble_compute(schedule, p, m)
+    if schedule == "gpipe":
+        return gpipe_compute(p, m)
+    if schedule == "1f1b":
+        return one_f_one_b_compute(p, m)
+    return interleaved_1f1b_compute(p, m, v)
+
+
+@functools.lru_cache(maxsize=1024)
+def pipeline_states(schedule: str, stage: int, p: int, m: int, v: int) -> tuple[tuple, ...]:
+    """The memory states pipeline rank ``stage`` passes through under ``schedule``: after each of
+    its compute actions, ``(graphs, held, weight, messages)`` with ``graphs[k]`` the micro-batches
+    of its k-th model chunk (in stage order) whose forward ran and whose backward (a split one's
+    weight half, W) has not (each holds what its forward saved), ``held[k]`` those of them past
+    their input half (I: each also holds the output gradients of its weight-reading ops for W;
+    zero-bubble schedules only), ``weight`` the chunk whose W runs (it makes the chunk's weight
+    gradients all at once, beside the accumulated ones) or -1, ``grads[k]`` 1 once a backward of
+    chunk k ran (its accumulated gradients exist from then on), and ``messages`` the pipeline
+    messages the rank holds: each received input until its backward, and each input gradient it
+    sent from then to the step's end. A peak is the largest
+    ``Σ graphs[k]·A[k] + Σ held[k]·H[k] + G[weight] + Σ grads[k]·G[k] + messages·M`` over these,
+    for a chunk's activations A, held gradients H, weight gradients G and a message M (the last
+    state: the step's end, every gradient made, no activation or message left)
+    (:func:`partitioner.search.replay.predict_memory` replays the same); of states alike but for
+    ``messages`` only the one with the most is kept."""
+    _check_pipeline(schedule, p, m, v)
+    walked = m if m <= MESSAGE_STATES_MAX_MICRO_BATCHES else MESSAGE_STATES_MAX_MICRO_BATCHES // p * p
+    actions = _compute_order(schedule, p, walked, v)[stage]
+    chunk = {s: k for k, s in enumerate(sorted({a.stage for a in actions}))}
+    graphs = [set() for _ in chunk]
+    held = [set() for _ in chunk]
+    grads = [0 for _ in chunk]
+    received = sent = 0
+    most: dict[tuple, int] = {}
+
+    def note(weight: int) -> None:
+        key = (tuple(len(g) for g in graphs), tuple(len(h) for h in held), weight, tuple(grads))
+        most[key] = max(most.get(key, 0), received + sent)
+
+    for a in actions:
+        k, i, kind = chunk[a.stage], a.microbatch, a.kind.value
+        if kind == "F":
+            graphs[k].add(i)
+            received += a.stage > 0
+        elif kind in ("I", "B"):  # the input gradient is made and sent
+            received -= a.stage > 0
+            sent += a.stage > 0
+            if kind == "I":
+                held[k].add(i)
+        if kind in ("W", "B"):  # a whole backward (B) frees its graph as it goes, one gradient at a time
+            note(k if kind == "W" else -1)
+            graphs[k].discard(i)
+            held[k].discard(i)
+            grads[k] = 1
+        note(-1)
+    received = sent = 0
+    note(-1)
+    return tuple(sorted((*key, n) for key, n in most.items()))
 
 
 def in_flight_microbatches(schedule: str, stage: int, p: int, m: int, v: int = 1) -> float:

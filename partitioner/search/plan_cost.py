@@ -135,6 +135,7 @@ from partitioner.cost.cost_model import (
     ulysses_all_to_all_time,
     group_link,
     in_flight_microbatches,
+    pipeline_states,
     _bubble_slots,
     memory_bound_time,
     model_state_bytes,
@@ -217,6 +218,9 @@ class _LayerCost:
     expert_params: float = 0.0
     """Of ``params``, the routed experts' (this rank's ``1/ep`` of them): their gradients average
     over the ``dp * cp / ep`` ranks holding the same experts."""
+    held_grad_bytes: float = 0.0
+    """A split backward's output gradients of the weight-reading ops, held from a micro-batch's I
+    to its W, on one device (0 without a split backward)."""
 
     @property
     def time(self) -> float:
@@ -321,6 +325,10 @@ class PlanContext:
         fwd_comm = layer.tp_all_reduces * one
         repl = layer.replicated_activation_bytes / (tp if sp else 1)
         full = (repl + (layer.activation_bytes - layer.replicated_activation_bytes) / tp) * b
+        if sp and tp > 1 and layer.name != "embedding":
+            # the input each all-gather makes whole for the column-parallel matmuls is what they
+            # save: a whole [b, s, h] per gather, where the profile's own tensor there is one shard
+            full += layer.tp_all_reduces * layer.boundary_bytes * b * (1 - 1 / tp)
         cpa = _CpAttention()
         if cp > 1 and self.profile.attention is not None and any(k.fused_attention for k in layer.kernels):
             cpa = self._cp_attention(layer, mbs, cp, mode, tp)
@@ -377,7 +385,17 @@ class PlanContext:
             recompute += ep_comm / 2 if ckpt == "full" else 0.0  # the rerun forward dispatches again
             experts = layer.expert_param_count / ep
             params = (layer.param_count - layer.expert_param_count) / tp + experts
+        held = 0.0
+        if split:
+            # tensor parallelism shards the column-parallel outputs; the row-parallel ones (one per
+            # all-reduce of the boundary tensor: attention and MLP outputs, the embedding's lookup)
+            # are whole on every rank before their reduction; the norms' [.., h] outputs shard with
+            # sequence parallelism
+            hidden = layer.hidden_held_grad_bytes
+            whole = 0.0 if loss else min(layer.held_grad_bytes - hidden, layer.tp_all_reduces * layer.boundary_bytes)
+            held = ((layer.held_grad_bytes - hidden - whole) / tp + whole + hidden / (tp if sp else 1)) * b
         return _LayerCost(fwd=fwd, bwd=bwd, tp_comm=2 * fwd_comm, recompute=recompute, act_bytes=act,
+                          held_grad_bytes=held,
                           full_act_bytes=full, params=params,
                           cp_comm=cpa.comm_fwd + cpa.comm_bwd, working_bytes=cpa.working_bytes, weight_grad=wgrad,
                           remat_working_bytes=remat_working, ep_comm=ep_comm, expert_params=experts)
@@ -563,16 +581,19 @@ def boundary_message_bytes(ctx: PlanContext, c: ParallelConfig) -> float:
     return ctx.profile.blocks[0].boundary_bytes * c.micro_batch_size / (c.tp if c.sequence_parallel else 1) / c.cp
 
 
-def _buffers(ctx: PlanContext, c: ParallelConfig, grads: float | None = None) -> float:
+def _buffers(ctx: PlanContext, c: ParallelConfig, grads: float | None = None, messages: int | None = None) -> float:
     """Communication buffers of one device, bytes: pp and tp buffers, plus the dp gradient
     buckets (``min(2 buckets, grads)`` when the stage's full-size ``grads`` bytes are given), plus
-    the working set of a block's context-parallel attention (received blocks, fp32 score blocks)."""
+    the working set of a block's context-parallel attention (received blocks, fp32 score blocks).
+    ``messages``: the received inputs and sent input gradients the stage holds at its peak
+    (:func:`partitioner.cost.cost_model.pipeline_states`), beside a forward send and a gradient
+    received; without it, one of each of the four kinds of pipeline message."""
     msg = boundary_message_bytes(ctx, c)
     out = ctx.layer_costs(c)[1].working_bytes if c.cp > 1 else 0.0
     if c.dp_cp > 1 and grads is not None:
         out += min(2 * DEFAULT_BUCKET_BYTES, grads)
     if c.pp > 1:
-        out += 4 * msg  # send and receive, forward activations and backward gradients
+        out += 4 * msg if messages is None else (2 + messages) * msg
     if c.tp > 1:
         out += msg
     return out
@@ -697,10 +718,14 @@ def _stage_numbers(ctx: PlanContext, c: ParallelConfig, costs, ranges: list[tupl
     emb, blk, head = costs
     L, p = ctx.L, c.pp
     f = b = tpc = rc = cpc = epc = params = experts = act = w_grad = 0.0
+    chunk_act, chunk_held, chunk_params = [], [], []  # per model chunk of the stage (range)
     shared = ctx.profile.shared_param_count / c.tp
     largest = 0.0  # the most parameters one layer of the stage has (ZeRO-3 gathers a layer at a time)
     kept = 0.0  # parameters of the layers whose backward reads them (the embedding's reads only ids)
     for start, stop in ranges:
+        chunk_act.append(0.0)
+        chunk_held.append(0.0)
+        chunk_params.append(0.0)
         for i in range(start, stop):
             cost = emb if i == 0 else head if i == L + 1 else blk
             largest = max(largest, cost.params + (shared if (i == 0 and p > 1) or i == L + 1 else 0.0))
@@ -716,8 +741,12 @@ def _stage_numbers(ctx: PlanContext, c: ParallelConfig, costs, ranges: list[tupl
             params += cost.params
             experts += cost.expert_params
             act += cost.act_bytes
+            chunk_act[-1] += cost.act_bytes
+            chunk_held[-1] += cost.held_grad_bytes
+            chunk_params[-1] += cost.params
             if (i == 0 and p > 1) or i == L + 1:
                 params += shared
+                chunk_params[-1] += shared
     wp, wg, wo = _state_per_param(ctx, c)
     xp, xg, xo = _state_per_param(ctx, c, experts=True)  # the experts' (ZeRO shards them over their replicas)
     memory = {
@@ -727,6 +756,27 @@ def _stage_numbers(ctx: PlanContext, c: ParallelConfig, costs, ranges: list[tupl
         "activations": act * _inflight(c, stage) + _recompute_working_set(c, blk),
         "buffers": _buffers(ctx, c, None if c.zero_stage == 3 else params * ctx.itemsize),
     }
+    if p > 1 and (c.offload != "activations" or c.split_backward):
+        # each chunk's graph lives until its backward (a split one's: until its W, with its held
+        # gradients from its I, and a W makes the chunk's weight gradients at once), and the
+        # rank holds pipeline messages (received inputs, input gradients sent): the schedule's
+        # fullest moment (:func:`partitioner.cost.cost_model.pipeline_states`). Offloaded
+        # activations are not counted off a split backward's: I brings a micro-batch's back and
+        # they stay until its W
+        msg = boundary_message_bytes(ctx, c)
+        stage_grads = memory["gradients"]
+
+        def parts(state) -> tuple[float, float, float]:  # (activations, gradients, messages)
+            graphs, held_n, weight, made, messages = state
+            accumulated = stage_grads * sum(n for n, made_k in zip(chunk_params, made) if made_k) / (params or 1.0)
+            return (sum(n * a for n, a in zip(graphs, chunk_act)) + sum(n * h for n, h in zip(held_n, chunk_held)),
+                    accumulated + (chunk_params[weight] * ctx.itemsize if weight >= 0 else 0.0), messages * msg)
+
+        peak = max(pipeline_states(c.schedule, stage, p, c.num_micro_batches, c.virtual_pp),
+                   key=lambda state: sum(parts(state)))
+        activations, memory["gradients"], _ = parts(peak)
+        memory["activations"] = activations + _recompute_working_set(c, blk)
+        memory["buffers"] = _buffers(ctx, c, None if c.zero_stage == 3 else params * ctx.itemsize, peak[4])
     if c.zero_stage == 3:  # the gathered full parameters count as communication buffers
         memory["buffers"] += zero3_gathered_bytes(largest, ctx.itemsize,
                                                   kept_params=None if c.reshard_after_forward else kept)

@@ -181,6 +181,14 @@ class LayerProfile:
     moe_form: str = ""
     """How the block holds its experts (:class:`passes.ir.meta.MoeBlock`): ``dense`` (one module
     per expert) or ``gathered`` (stacked weights indexed per row); ep spreads both."""
+    held_grad_bytes: int = 0
+    """Bytes per sample of the output gradients of the layer's weight-reading ops (no tensor
+    parallelism): what a split backward (zero-bubble schedules) holds from a micro-batch's input
+    half (I) to its weight half (W), which reads them (:func:`passes.rewrites.split_backward.held_gradient_meta`)."""
+    hidden_held_grad_bytes: int = 0
+    """Part of ``held_grad_bytes`` from weight-reading ops that are not matmul-class with a [.., h]
+    output (norm scales and shifts): replicated over tensor-parallel ranks unless sequence
+    parallelism shards it."""
     tensor_working_bytes: float = 0.0
     """Bytes per sample that ``tensor``'s recomputes hold at the fullest moment of backward on top
     of what forward kept (the decision's backward peak minus its saved bytes, whole graph): held
@@ -410,7 +418,8 @@ def _chain(gm: fx.GraphModule, seq: int, shared: _SharedMap, subs: dict | None =
     hidden = int(boundary[stack[0]].shape[-1])
     heads = _heads(gm)
     no_decay = no_weight_decay_names(gm)  # the runtime's weight-decay groups (ZeRO cuts its chunk where they change)
-    layers = {g: _sum(g, ns, seq, hidden, boundary.get(g), shared, no_decay, subs) for g, ns in groups.items()}
+    mixing = _weight_readers(gm)
+    layers = {g: _sum(g, ns, seq, hidden, boundary.get(g), shared, no_decay, subs, mixing) for g, ns in groups.items()}
     dag = _dag_per_block(gm, stack, subs)
     if isinstance(dag, str):
         layers.update({g: replace(layers[g], dag_refusal=dag) for g in stack})
@@ -629,9 +638,33 @@ def _attention_core(n: fx.Node, kind: str, seq: int, subs: dict | None) -> bool:
     return kind == "attention" or _scores(n, seq, subs) or any(_scores(a, seq, subs) for a in n.all_input_nodes)
 
 
+def _weight_readers(gm: fx.GraphModule) -> frozenset[fx.Node]:
+    """The ops whose output gradient a split backward holds for its weight half: those reading a
+    parameter (directly or through a view of it) and the data, with a floating-point output (the
+    rule of :func:`passes.rewrites.split_backward.held_gradient_meta`)."""
+    data: dict[fx.Node, bool] = {}
+    weight: dict[fx.Node, bool] = {}  # computed from parameters alone
+    out = set()
+    for n in gm.graph.nodes:
+        ins = n.all_input_nodes
+        if n.op == "placeholder":
+            data[n] = True
+        elif n.op == "get_attr":
+            mem = n.meta.get(MEMORY)
+            weight[n] = mem is not None and bool(mem.param_bytes)
+        else:
+            data[n] = any(data.get(a, False) for a in ins)
+            weight[n] = not data[n] and any(weight.get(a, False) for a in ins)
+            sm = n.meta.get(SHAPE)
+            if (n.op == "call_function" and data[n] and any(weight.get(a, False) for a in ins) and sm is not None
+                    and sm.tensors and sm.tensors[0].dtype.is_floating_point):
+                out.add(n)
+    return frozenset(out)
+
+
 def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap, no_decay: frozenset[str],
-         subs: dict | None = None) -> LayerProfile:
-    params = pbytes = fwd = bwd = matmuls = attn = act = repl = score = saved = ops = 0
+         subs: dict | None = None, mixing: frozenset[fx.Node] = frozenset()) -> LayerProfile:
+    params = pbytes = fwd = bwd = matmuls = attn = act = repl = score = saved = ops = held = hidden_held = 0
     decays: list[bool] = []  # weight-decay group of each parameter tensor, in first-use order
     kernels: list[Kernel] = []
     mem_bytes = repl_mem_bytes = score_mem_bytes = 0
@@ -658,6 +691,11 @@ def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap, no_decay: froze
                 matmuls += 1
             if f.kind == "attention":
                 attn += node_fwd
+        if n in mixing:
+            nbytes = _int(n.meta[SHAPE].tensors[0].nbytes, subs)
+            held += nbytes
+            if not node_fwd and _hidden_output(n, hidden, subs) and not str(n.target).startswith(GATHER_OPS):
+                hidden_held += nbytes
         if node_fwd:
             moved, weights = _moved_bytes(n, subs)
             # a routed expert captured in the dense form runs on every token: the kernel is timed
@@ -695,6 +733,7 @@ def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap, no_decay: froze
                         saved_tensors=saved, ops=ops, tp_all_reduces=2, kernels=tuple(kernels),
                         memory_bound_bytes=mem_bytes, replicated_memory_bound_bytes=repl_mem_bytes,
                         score_memory_bound_bytes=score_mem_bytes, param_tensors=len(decays),
+                        held_grad_bytes=held, hidden_held_grad_bytes=hidden_held,
                         param_runs=sum(1 for k, d in enumerate(decays) if k == 0 or d != decays[k - 1]))
 
 

@@ -13,7 +13,7 @@ from passes.analysis.annotate_shapes import annotate_shapes
 from passes.capture.capture import capture_model, capture_spec, module_path
 from passes.ir.meta import PIPELINE_STAGE, InputSpec, StageInput, StageIO, StageOutput, TensorMeta, dim_symbol
 from passes.policies.pipeline_stages import (
-    assign_stages, assign_stages_by_chain, assign_stages_by_layers, balanced_boundaries, find_layers, stage_rank_chunk,
+    assign_stages, assign_stages_by_layers, balanced_boundaries, find_layers, stage_rank_chunk,
 )
 from passes.rewrites.pipeline_split import split_pipeline_stages
 
@@ -182,27 +182,6 @@ def test_symbolic_boundaries_and_sizes_rebuilt_locally():
     inputs = spec.example_inputs(dims)
     loss = run_pipeline(split, dict(zip(("idx", "targets"), inputs)), dims)
     assert torch.equal(loss, gm(*inputs))
-
-
-def test_rotary_tables_are_made_on_the_stage_that_reads_them():
-    # Each Llama block makes its RoPE tables from the sequence length alone; export checks each
-    # table's metadata with a node nothing reads, which must not pull the table to stage 0 (every
-    # later stage would receive its blocks' tables with each micro-batch)
-    spec = build_model("llama:layers=4,hidden=32,heads=4,kv_heads=2,vocab=64,seq=8")
-    gm = annotate_blocks(annotate_shapes(capture_spec(spec, symbolic=("batch", "seq"))))
-    checks = [n for n in gm.graph.nodes if "assert_tensor_metadata" in str(n.target) and not n.users]
-    assert checks  # the case this guards
-    assignment = assign_stages_by_chain(gm, [2, 3, 4])
-    split = split_pipeline_stages(gm, assignment)
-    for io in split.io[1:]:
-        assert [i.meta.shape for i in io.inputs if i.kind == "recv"] == [(B, S, 32)], io.inputs
-    tables = [n for n in gm.graph.nodes if n.name.startswith(("cos", "sin"))]
-    assert len({assignment.stage_of[n.name] for n in tables}) == 4
-    for n in tables:
-        assert {assignment.stage_of[u.name] for u in n.users} == {assignment.stage_of[n.name]}
-    dims = {"batch": 2, "seq": 8}
-    inputs = spec.example_inputs(dims)
-    assert torch.equal(run_pipeline(split, dict(zip(("idx", "targets"), inputs)), dims), gm(*inputs))
 
 
 class Skip(nn.Module):

@@ -232,6 +232,49 @@ def test_zero_bubble_costs_past_2p_micro_batches_equal_the_full_simulation(sched
         assert cost_model._zero_bubble_peaks(schedule, p, m, v) == tuple(peak_in_flight(actions, s) for s in range(p))
 
 
+def test_pipeline_states_of_one_f_one_b_read_off_by_hand():
+    """Rank 1 of 1F1B on two stages, 3 micro-batches: F0 B0 F1 B1 F2 B2. Each forward holds its
+    graph and its received input; each backward sends the input gradient, held to the step's end,
+    and frees the graph; the gradients exist from B0 on; the step's end holds them alone."""
+    from partitioner.cost.cost_model import pipeline_states
+
+    # (graphs, held, weight, grads made, messages): F0 (one graph, its input received); during
+    # B0..B2 (a graph, gradients made, 1-3 input gradients sent) the most is B2's; the end
+    assert pipeline_states("1f1b", 1, 2, 3, 1) == (((0,), (0,), -1, (1,), 3), ((1,), (0,), -1, (0,), 1),
+                                                   ((1,), (0,), -1, (1,), 3))
+    # rank 0 (F0 F1 B0 F2 B1 B2): two graphs at once, no message (stage 0 receives none)
+    assert max(pipeline_states("1f1b", 0, 2, 3, 1)) == ((2,), (0,), -1, (1,), 0)
+
+
+@pytest.mark.parametrize("m", [1, 2, 7])
+@pytest.mark.parametrize("stage", [0, 2])
+def test_gpipe_states_cover_every_state_of_its_walk(m, stage):
+    """GPipe's states are written down, not walked: each state of the walk holds no more of
+    anything than one of them."""
+    from partitioner.cost import cost_model
+
+    states = cost_model.pipeline_states("gpipe", stage, 3, m, 1)
+    for graphs, held, weight, grads, n in ((*k, n) for k, n in cost_model._walk("gpipe", stage, 3, m, 1).items()):
+        assert any(s[0][0] >= graphs[0] and s[3][0] >= grads[0] and s[4] >= n for s in states), (graphs, grads, n)
+    assert len(states) == 3
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zb1p", 1), ("zbv", 2)])
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_pipeline_states_past_3p_micro_batches_equal_the_full_walk(schedule, v, p):
+    """Past 3p micro-batches the search walks a schedule at 3p and 4p and takes each state's
+    messages linearly to m: the same states as walking every micro-batch."""
+    from partitioner.cost import cost_model
+
+    def walked(stage: int, m: int) -> tuple:
+        return tuple(sorted((*key, n) for key, n in cost_model._walk(schedule, stage, p, m, v).items()))
+
+    for m in (3 * p + (p if schedule == "interleaved" else 1), 5 * p, 6 * p + (0 if schedule == "interleaved" else 1),
+              11 * p):
+        for stage in range(p):
+            assert cost_model.pipeline_states(schedule, stage, p, m, v) == walked(stage, m), (m, stage)
+
+
 @pytest.mark.parametrize("m", [1, 4])
 def test_unequal_pipeline_stages_pay_the_fill_and_drain_of_each_stage_once(m):
     """A 4-stage pipeline of hf-gpt2 (embedding + block, block, block, block + head: the end

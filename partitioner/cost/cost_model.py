@@ -24,11 +24,12 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 
+import numpy as np
+
 from partitioner.cost.cluster import Cluster, CollectiveFit, Device, EfficiencyCurve, Link
 from passes.ir.config import DTYPES as TRAINING_DTYPES
 from passes.ir.optimizers import optimizer_model
-from passes.ir.schedule import (compute_makespan, gpipe_compute, interleaved_1f1b_compute, one_f_one_b_compute,
-                                peak_in_flight, zb1p_compute, zbv_compute)
+from passes.ir.schedule import Kind, compute as compute_order, compute_makespan, peak_in_flight
 from passes.ir.config import SCHEDULES, is_mixed
 from passes.ir.errors import ConfigError
 
@@ -358,10 +359,9 @@ def _steady_micro_batches(p: int, m: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _zero_bubble_compute(schedule: str, p: int, m: int):
-    """The compute order of a zero-bubble schedule (read only: what runs is built and checked by
-    the lowering)."""
-    return (zb1p_compute if schedule == "zb1p" else zbv_compute)(p, m)
+def _compute_order(schedule: str, p: int, m: int, v: int):
+    """The compute order of a schedule (read only: what runs is built and checked by the lowering)."""
+    return compute_order(schedule, p, m, v)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -378,7 +378,7 @@ def _simulated_bubble_slots(schedule: str, p: int, m: int, v: int, weight_share:
         return (p - 1) * _simulated_bubble_slots(schedule, 2, 4, v, weight_share)
     m = _steady_micro_batches(p, m)
     f, b = 1.0 / v, FWD_BWD_RATIO / v
-    makespan = compute_makespan(_zero_bubble_compute(schedule, p, m), f, b, b * weight_share)
+    makespan = compute_makespan(_compute_order(schedule, p, m, v), f, b, b * weight_share)
     work = m * v * (f + b)
     return (makespan - work) / (work / m)
 
@@ -448,75 +448,111 @@ def _zero_bubble_in_flight(schedule: str, stage: int, p: int, m: int, v: int) ->
 def _zero_bubble_peaks(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]:
     # Read off the compute order (the messages the lowering adds do not change it): a
     # micro-batch's graph lives from its F until its W. One list serves every stage.
-    actions = _zero_bubble_compute(schedule, p, _steady_micro_batches(p, m))
+    actions = _compute_order(schedule, p, _steady_micro_batches(p, m), v)
     return tuple(peak_in_flight(actions, stage) for stage in range(p))
 
 
-MESSAGE_STATES_MAX_MICRO_BATCHES = 1024
-"""Micro-batches :func:`pipeline_states` walks at most (its message count grows with them)."""
-
-
-@functools.lru_cache(maxsize=256)
-def _compute_order(schedule: str, p: int, m: int, v: int):
-    if schedule in ZERO_BUBBLE_SCHEDULES:
-        return _zero_bubble_compute(schedule, p, m)
-    if schedule == "gpipe":
-        return gpipe_compute(p, m)
-    if schedule == "1f1b":
-        return one_f_one_b_compute(p, m)
-    return interleaved_1f1b_compute(p, m, v)
-
-
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=8192)
 def pipeline_states(schedule: str, stage: int, p: int, m: int, v: int) -> tuple[tuple, ...]:
     """The memory states pipeline rank ``stage`` passes through under ``schedule``: after each of
-    its compute actions, ``(graphs, held, weight, messages)`` with ``graphs[k]`` the micro-batches
-    of its k-th model chunk (in stage order) whose forward ran and whose backward (a split one's
-    weight half, W) has not (each holds what its forward saved), ``held[k]`` those of them past
-    their input half (I: each also holds the output gradients of its weight-reading ops for W;
-    zero-bubble schedules only), ``weight`` the chunk whose W runs (it makes the chunk's weight
-    gradients all at once, beside the accumulated ones) or -1, ``grads[k]`` 1 once a backward of
-    chunk k ran (its accumulated gradients exist from then on), and ``messages`` the pipeline
-    messages the rank holds: each received input until its backward, and each input gradient it
-    sent from then to the step's end. A peak is the largest
+    its compute actions, ``(graphs, held, weight, grads, messages)`` with ``graphs[k]`` the
+    micro-batches of its k-th model chunk (in stage order) whose forward ran and whose backward (a
+    split one's weight half, W) has not (each holds what its forward saved), ``held[k]`` those of
+    them past their input half (I: each also holds the output gradients of its weight-reading ops
+    for W; zero-bubble schedules only), ``weight`` the chunk whose W runs (it makes the chunk's
+    weight gradients all at once, beside the accumulated ones) or -1, ``grads[k]`` 1 once a
+    backward of chunk k ran (its accumulated gradients exist from then on), and ``messages`` the
+    pipeline messages the rank holds: each received input until its backward, and each input
+    gradient it sent from then to the step's end. A peak is the largest
     ``Σ graphs[k]·A[k] + Σ held[k]·H[k] + G[weight] + Σ grads[k]·G[k] + messages·M`` over these,
     for a chunk's activations A, held gradients H, weight gradients G and a message M (the last
-    state: the step's end, every gradient made, no activation or message left)
-    (:func:`partitioner.search.replay.predict_memory` replays the same); of states alike but for
-    ``messages`` only the one with the most is kept."""
+    state: the step's end, every gradient made, no activation or message left;
+    :func:`partitioner.search.replay.predict_memory` replays the same). Of states alike but for
+    their messages, the one with the most is kept.
+
+    GPipe's are known without a walk: every forward, then every backward; the fullest states are
+    all ``m`` graphs before the first backward, ``m - 1`` with the gradients made, and the end
+    (those cover every other state of its walk: tests/test_cost_model.py). The others repeat
+    their steady phase as micro-batches are added, and a state's messages grow by the same count
+    per micro-batch or not at all: past ``3p`` micro-batches they are walked at ``3p`` and ``4p``
+    and each state's messages taken linearly to ``m`` (the same states as the walk at ``m`` for
+    the schedules and sizes tests/test_cost_model.py tries; every such ``m`` of a pipeline depth
+    shares the two walks)."""
     _check_pipeline(schedule, p, m, v)
-    walked = m if m <= MESSAGE_STATES_MAX_MICRO_BATCHES else MESSAGE_STATES_MAX_MICRO_BATCHES // p * p
-    actions = _compute_order(schedule, p, walked, v)[stage]
+    if schedule == "gpipe":
+        received = m if stage > 0 else 0  # every input received, or its gradient sent, until the end
+        return (((0,), (0,), -1, (1,), 0), ((m - 1,), (0,), -1, (1,), received), ((m,), (0,), -1, (0,), received))
+    if m <= 3 * p:
+        most = _walk(schedule, stage, p, m, v)
+    else:
+        short, longer = _walk(schedule, stage, p, 3 * p, v), _walk(schedule, stage, p, 4 * p, v)
+        most = {key: n + (m - 4 * p) * (n - short.get(key, n)) // p for key, n in longer.items()}
+    return tuple(sorted((*key, n) for key, n in most.items()))
+
+
+@dataclass(frozen=True, eq=False)
+class PipelineStateArrays:
+    """:func:`pipeline_states` as arrays, one row a state, for pricing them all at once:
+    ``graphs``, ``held`` and ``grads`` [states, chunks], ``weight`` [states, chunks] (1 for the
+    chunk whose W runs), ``messages`` [states]."""
+
+    graphs: np.ndarray
+    held: np.ndarray
+    weight: np.ndarray
+    grads: np.ndarray
+    messages: np.ndarray
+
+
+@functools.lru_cache(maxsize=8192)
+def pipeline_state_arrays(schedule: str, stage: int, p: int, m: int, v: int) -> PipelineStateArrays:
+    """:func:`pipeline_states` of pipeline rank ``stage`` as :class:`PipelineStateArrays`."""
+    states = pipeline_states(schedule, stage, p, m, v)
+    chunks = len(states[0][0])
+    weight = np.zeros((len(states), chunks))
+    for row, state in enumerate(states):
+        if state[2] >= 0:
+            weight[row, state[2]] = 1.0
+    return PipelineStateArrays(graphs=np.array([s[0] for s in states], dtype=float),
+                               held=np.array([s[1] for s in states], dtype=float), weight=weight,
+                               grads=np.array([s[3] for s in states], dtype=float),
+                               messages=np.array([s[4] for s in states], dtype=float))
+
+
+@functools.lru_cache(maxsize=4096)
+def _walk(schedule: str, stage: int, p: int, m: int, v: int) -> dict[tuple, int]:
+    """:func:`pipeline_states`' states of a walk of the compute order at ``m`` micro-batches, each
+    with the most messages it holds (cached: read it, do not change it)."""
+    actions = _compute_order(schedule, p, m, v)[stage]
     chunk = {s: k for k, s in enumerate(sorted({a.stage for a in actions}))}
-    graphs = [set() for _ in chunk]
-    held = [set() for _ in chunk]
-    grads = [0 for _ in chunk]
-    received = sent = 0
+    graphs = [0] * len(chunk)  # each micro-batch's F, I and W (or B) run once per chunk: counts suffice
+    held = [0] * len(chunk)
+    grads = [0] * len(chunk)
+    messages = 0  # received inputs, then the input gradients sent in their place
     most: dict[tuple, int] = {}
 
     def note(weight: int) -> None:
-        key = (tuple(len(g) for g in graphs), tuple(len(h) for h in held), weight, tuple(grads))
-        most[key] = max(most.get(key, 0), received + sent)
+        key = (tuple(graphs), tuple(held), weight, tuple(grads))
+        if most.get(key, -1) < messages:
+            most[key] = messages
 
     for a in actions:
-        k, i, kind = chunk[a.stage], a.microbatch, a.kind.value
-        if kind == "F":
-            graphs[k].add(i)
-            received += a.stage > 0
-        elif kind in ("I", "B"):  # the input gradient is made and sent
-            received -= a.stage > 0
-            sent += a.stage > 0
-            if kind == "I":
-                held[k].add(i)
-        if kind in ("W", "B"):  # a whole backward (B) frees its graph as it goes, one gradient at a time
-            note(k if kind == "W" else -1)
-            graphs[k].discard(i)
-            held[k].discard(i)
+        k, kind, receives = chunk[a.stage], a.kind, a.stage > 0
+        if kind is Kind.FORWARD:
+            graphs[k] += 1
+            messages += receives
+        elif kind is Kind.BACKWARD_INPUT:  # the input gradient is sent in place of the input
+            held[k] += 1
+        elif kind is Kind.BACKWARD or kind is Kind.BACKWARD_WEIGHT:
+            # a whole backward (B) frees its graph as it goes, one gradient at a time; W makes the
+            # chunk's weight gradients at once
+            note(k if kind is Kind.BACKWARD_WEIGHT else -1)
+            graphs[k] -= 1
+            held[k] -= kind is Kind.BACKWARD_WEIGHT
             grads[k] = 1
         note(-1)
-    received = sent = 0
+    messages = 0
     note(-1)
-    return tuple(sorted((*key, n) for key, n in most.items()))
+    return most
 
 
 def in_flight_microbatches(schedule: str, stage: int, p: int, m: int, v: int = 1) -> float:

@@ -135,7 +135,7 @@ from partitioner.cost.cost_model import (
     ulysses_all_to_all_time,
     group_link,
     in_flight_microbatches,
-    pipeline_states,
+    pipeline_state_arrays,
     _bubble_slots,
     memory_bound_time,
     model_state_bytes,
@@ -328,6 +328,7 @@ class PlanContext:
         if sp and tp > 1 and layer.name != "embedding":
             # the input each all-gather makes whole for the column-parallel matmuls is what they
             # save: a whole [b, s, h] per gather, where the profile's own tensor there is one shard
+            # (the embedding gathers nothing: its output is reduce-scattered)
             full += layer.tp_all_reduces * layer.boundary_bytes * b * (1 - 1 / tp)
         cpa = _CpAttention()
         if cp > 1 and self.profile.attention is not None and any(k.fused_attention for k in layer.kernels):
@@ -718,7 +719,7 @@ def _stage_numbers(ctx: PlanContext, c: ParallelConfig, costs, ranges: list[tupl
     emb, blk, head = costs
     L, p = ctx.L, c.pp
     f = b = tpc = rc = cpc = epc = params = experts = act = w_grad = 0.0
-    chunk_act, chunk_held, chunk_params = [], [], []  # per model chunk of the stage (range)
+    chunk_act, chunk_held, chunk_params = [], [], []  # per model chunk of the stage (range), bytes and parameters
     shared = ctx.profile.shared_param_count / c.tp
     largest = 0.0  # the most parameters one layer of the stage has (ZeRO-3 gathers a layer at a time)
     kept = 0.0  # parameters of the layers whose backward reads them (the embedding's reads only ids)
@@ -763,20 +764,16 @@ def _stage_numbers(ctx: PlanContext, c: ParallelConfig, costs, ranges: list[tupl
         # fullest moment (:func:`partitioner.cost.cost_model.pipeline_states`). Offloaded
         # activations are not counted off a split backward's: I brings a micro-batch's back and
         # they stay until its W
-        msg = boundary_message_bytes(ctx, c)
-        stage_grads = memory["gradients"]
-
-        def parts(state) -> tuple[float, float, float]:  # (activations, gradients, messages)
-            graphs, held_n, weight, made, messages = state
-            accumulated = stage_grads * sum(n for n, made_k in zip(chunk_params, made) if made_k) / (params or 1.0)
-            return (sum(n * a for n, a in zip(graphs, chunk_act)) + sum(n * h for n, h in zip(held_n, chunk_held)),
-                    accumulated + (chunk_params[weight] * ctx.itemsize if weight >= 0 else 0.0), messages * msg)
-
-        peak = max(pipeline_states(c.schedule, stage, p, c.num_micro_batches, c.virtual_pp),
-                   key=lambda state: sum(parts(state)))
-        activations, memory["gradients"], _ = parts(peak)
-        memory["activations"] = activations + _recompute_working_set(c, blk)
-        memory["buffers"] = _buffers(ctx, c, None if c.zero_stage == 3 else params * ctx.itemsize, peak[4])
+        states = pipeline_state_arrays(c.schedule, stage, p, c.num_micro_batches, c.virtual_pp)
+        held_bytes = states.graphs @ chunk_act + states.held @ chunk_held
+        # the accumulated gradients of the chunks whose backward ran, the weight half's at once
+        grad_bytes = states.grads @ chunk_params * (memory["gradients"] / (params or 1.0)) \
+            + states.weight @ chunk_params * ctx.itemsize
+        k = int((held_bytes + grad_bytes + states.messages * boundary_message_bytes(ctx, c)).argmax())
+        memory["activations"] = float(held_bytes[k]) + _recompute_working_set(c, blk)
+        memory["gradients"] = float(grad_bytes[k])
+        memory["buffers"] = _buffers(ctx, c, None if c.zero_stage == 3 else params * ctx.itemsize,
+                                     int(states.messages[k]))
     if c.zero_stage == 3:  # the gathered full parameters count as communication buffers
         memory["buffers"] += zero3_gathered_bytes(largest, ctx.itemsize,
                                                   kept_params=None if c.reshard_after_forward else kept)

@@ -28,6 +28,7 @@ from passes.solvers.remat_solver import plain_backward_peak, problem_from_view
 from passes.policies.tensor_remat_policy import decide as decide_tensor_remat
 from passes.rewrites.context_parallel import attention_problems, repeat_kv_source, sdpa_args
 from passes.rewrites.sequence_parallel import sequence_parallel_refusal
+from passes.rewrites.split_backward import held_gradient_nodes
 from passes.analysis.weight_decay import no_weight_decay_names
 from passes.ir.errors import AnalysisError, ConfigError, PassError
 from partitioner.compile.analysis import analyze
@@ -184,7 +185,7 @@ class LayerProfile:
     held_grad_bytes: int = 0
     """Bytes per sample of the output gradients of the layer's weight-reading ops (no tensor
     parallelism): what a split backward (zero-bubble schedules) holds from a micro-batch's input
-    half (I) to its weight half (W), which reads them (:func:`passes.rewrites.split_backward.held_gradient_meta`)."""
+    half (I) to its weight half (W), which reads them (:func:`passes.rewrites.split_backward.held_gradient_nodes`)."""
     hidden_held_grad_bytes: int = 0
     """Part of ``held_grad_bytes`` from weight-reading ops that are not matmul-class with a [.., h]
     output (norm scales and shifts): replicated over tensor-parallel ranks unless sequence
@@ -418,7 +419,7 @@ def _chain(gm: fx.GraphModule, seq: int, shared: _SharedMap, subs: dict | None =
     hidden = int(boundary[stack[0]].shape[-1])
     heads = _heads(gm)
     no_decay = no_weight_decay_names(gm)  # the runtime's weight-decay groups (ZeRO cuts its chunk where they change)
-    mixing = _weight_readers(gm)
+    mixing = frozenset(held_gradient_nodes(gm))
     layers = {g: _sum(g, ns, seq, hidden, boundary.get(g), shared, no_decay, subs, mixing) for g, ns in groups.items()}
     dag = _dag_per_block(gm, stack, subs)
     if isinstance(dag, str):
@@ -636,30 +637,6 @@ def _scores(n: fx.Node, seq: int, subs: dict | None) -> bool:
 def _attention_core(n: fx.Node, kind: str, seq: int, subs: dict | None) -> bool:
     """A fused attention node, or a matmul that makes or consumes [s, s] scores."""
     return kind == "attention" or _scores(n, seq, subs) or any(_scores(a, seq, subs) for a in n.all_input_nodes)
-
-
-def _weight_readers(gm: fx.GraphModule) -> frozenset[fx.Node]:
-    """The ops whose output gradient a split backward holds for its weight half: those reading a
-    parameter (directly or through a view of it) and the data, with a floating-point output (the
-    rule of :func:`passes.rewrites.split_backward.held_gradient_meta`)."""
-    data: dict[fx.Node, bool] = {}
-    weight: dict[fx.Node, bool] = {}  # computed from parameters alone
-    out = set()
-    for n in gm.graph.nodes:
-        ins = n.all_input_nodes
-        if n.op == "placeholder":
-            data[n] = True
-        elif n.op == "get_attr":
-            mem = n.meta.get(MEMORY)
-            weight[n] = mem is not None and bool(mem.param_bytes)
-        else:
-            data[n] = any(data.get(a, False) for a in ins)
-            weight[n] = not data[n] and any(weight.get(a, False) for a in ins)
-            sm = n.meta.get(SHAPE)
-            if (n.op == "call_function" and data[n] and any(weight.get(a, False) for a in ins) and sm is not None
-                    and sm.tensors and sm.tensors[0].dtype.is_floating_point):
-                out.add(n)
-    return frozenset(out)
 
 
 def _sum(name, nodes, seq, hidden, boundary, shared: _SharedMap, no_decay: frozenset[str],

@@ -120,7 +120,8 @@ def assign_stages(gm: fx.GraphModule, mapping: Mapping[str | fx.Node, int], *,
     Compute nodes left out are placed:
 
     * one that reads graph inputs only (``sym_size`` of the token ids, an ``arange``, the
-      flattened targets) on the earliest stage that uses it, so it is never sent;
+      flattened targets) on the earliest stage that uses it, so it is never sent (one no node
+      uses, such as export's check of a tensor's metadata, on the stage of its inputs);
     * any other on the stage of the latest placed node before it in graph order (or of its
       latest input, if later): embeddings before the first mapped node land on stage 0, the
       final norm, head and loss after the last one on its stage.
@@ -158,9 +159,15 @@ def assign_stages(gm: fx.GraphModule, mapping: Mapping[str | fx.Node, int], *,
         else:
             inputs = [stage[a.name] for a in _compute_inputs(node) if a.name in stage]
             current = stage[node.name] = max([current, *inputs])
+    unused = []  # placed after their inputs: an assertion on a tensor must not pull it to stage 0
     for node in reversed(deferred):
         users = [stage[u.name] for u in node.users if u.name in stage]
-        stage[node.name] = min(users, default=0)
+        if users:
+            stage[node.name] = min(users)
+        else:
+            unused.append(node)
+    for node in reversed(unused):
+        stage[node.name] = max((stage[a.name] for a in _compute_inputs(node) if a.name in stage), default=0)
     # A multi-output node's getitems run where it does, so only single tensors cross stages.
     for node in gm.graph.nodes:
         if node.op in COMPUTE_OPS and _is_tuple_getitem(node):

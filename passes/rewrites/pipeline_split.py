@@ -24,8 +24,9 @@ Design choices (each recorded in :class:`PipelineSplit` so a runtime can follow 
   non-neighbour p2p). ``PipelineSplit.skip`` records the choice.
 * **Sizes** (``sym_size`` and other SymInt nodes) never cross a boundary as tensors. A stage
   that needs a size made elsewhere rebuilds it with ``sym_size.int`` from one of its input
-  tensors that has a dim equal to it (the hidden state carries batch and seq); a concrete size
-  is inlined as an int; failing both, it becomes a ``size`` input (``StageInput.value`` is its
+  tensors that has a dim equal to it (the hidden state carries batch and seq), or a product of
+  such dims (``batch * seq``) from theirs; a concrete size is inlined as an int; failing those,
+  it becomes a ``size`` input (``StageInput.value`` is its
   expression in the named dims), which the runtime evaluates from the micro-batch's dims.
 * **Graph inputs** (token ids, targets) are not relayed: each stage that reads one takes it as
   a graph input (``StageInput.source is None``) fed by the runtime's data loader.
@@ -42,6 +43,7 @@ Virtual stages: ``n_stages = pp * v`` stages; stage ``s`` runs on rank ``s % pp`
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Mapping, Sequence
 
 import sympy
@@ -164,7 +166,7 @@ def _build_stage(gm, s, nodes, reads, recv, send, sizes, graph_outputs, stage_of
         value = a.meta[SHAPE].value
         if value.is_Integer:
             env[a] = int(value)
-        elif (found := _find_dim(placeholders, value)) is not None:
+        elif (found := _find_dims(placeholders, value)) is not None:
             rebuilt[a] = found
         else:
             size_inputs.append(a)
@@ -195,8 +197,16 @@ def _build_stage(gm, s, nodes, reads, recv, send, sizes, graph_outputs, stage_of
         install(root, target, orig)
         env[a] = graph.get_attr(target)
         env[a].meta = dict(a.meta)
-    for a, (tensor, d) in rebuilt.items():
-        node = graph.call_function(torch.ops.aten.sym_size.int, (env[tensor], d), name=a.name)
+    sym_size = torch.ops.aten.sym_size.int
+    for a, (coeff, dims) in rebuilt.items():  # an integer times dims, each read off its carrier
+        carriers = [(env[t], d) for t, d in dims]
+        if coeff == 1 and len(carriers) == 1:
+            node = graph.call_function(sym_size, carriers[0], name=a.name)
+        else:
+            node = coeff if coeff != 1 else graph.call_function(sym_size, carriers.pop(0))
+            for k, carrier in enumerate(carriers):
+                node = graph.call_function(operator.mul, (node, graph.call_function(sym_size, carrier)),
+                                           name=a.name if k == len(carriers) - 1 else None)
         node.meta[SHAPE] = a.meta[SHAPE]
         env[a] = node
 
@@ -241,6 +251,23 @@ def _find_dim(candidates: Sequence[fx.Node], value: sympy.Expr) -> tuple[fx.Node
             if sympy.expand(size - value) == 0:
                 return node, d
     return None
+
+
+def _find_dims(candidates: Sequence[fx.Node], value: sympy.Expr) -> tuple[int, list[tuple[fx.Node, int]]] | None:
+    """``value`` as an integer times named dims, each found on one of ``candidates``: one dim
+    equal to it (the hidden state's seq), or a product of such dims (``batch * seq``):
+    ``(coefficient, [(tensor, dim), ...])``; None when there is no such carrier."""
+    found = _find_dim(candidates, value)
+    if found is not None:
+        return 1, [found]
+    coeff, factors = sympy.expand(value).as_coeff_mul()
+    dims = []
+    for f in factors:
+        base, exp = f.as_base_exp()
+        if not (base.is_Symbol and exp.is_Integer and exp > 0) or (carrier := _find_dim(candidates, base)) is None:
+            return None
+        dims += [carrier] * int(exp)
+    return (int(coeff), dims) if dims and coeff.is_Integer else None
 
 
 def _fetch_attr(gm: nn.Module, target: str) -> Any:

@@ -134,10 +134,10 @@ def _is_float_tensor(node: fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and val.dtype.is_floating_point
 
 
-def held_gradient_meta(gm: fx.GraphModule) -> list:
-    """The TensorMetas of the gradients a split backward holds from I to W, per micro-batch: the
-    output gradient of every node that reads a parameter and the data (what I captures at each
-    mixing node, :mod:`runtime.exec.split_backward`), in ``gm`` and its checkpointed regions."""
+def held_gradient_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes whose output gradient a split backward holds from I to W, per micro-batch: every
+    node that reads a parameter and the data (what I captures at each mixing node,
+    :mod:`runtime.exec.split_backward`), in ``gm`` and its checkpointed regions."""
     out = []
     for g in (m for m in gm.modules() if isinstance(m, fx.GraphModule)):
         trainable = {id(p) for p in g.parameters() if p.requires_grad}
@@ -150,5 +150,11 @@ def held_gradient_meta(gm: fx.GraphModule) -> list:
                               for a in ins)
             shape = node.meta.get(SHAPE)
             if reads_param and shape is not None and shape.tensors:
-                out.append(shape.tensors[0])
+                out.append(node)
     return out
+
+
+def held_gradient_meta(gm: fx.GraphModule) -> list:
+    """The TensorMetas of the gradients a split backward holds from I to W, per micro-batch
+    (:func:`held_gradient_nodes`' first outputs)."""
+    return [node.meta[SHAPE].tensors[0] for node in held_gradient_nodes(gm)]

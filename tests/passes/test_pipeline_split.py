@@ -2,6 +2,8 @@
 bit for bit, with every boundary tensor, size and tied weight recorded in the split."""
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 from torch import nn
@@ -13,7 +15,7 @@ from passes.analysis.annotate_shapes import annotate_shapes
 from passes.capture.capture import capture_model, capture_spec, module_path
 from passes.ir.meta import PIPELINE_STAGE, InputSpec, StageInput, StageIO, StageOutput, TensorMeta, dim_symbol
 from passes.policies.pipeline_stages import (
-    assign_stages, assign_stages_by_layers, balanced_boundaries, find_layers, stage_rank_chunk,
+    assign_stages, assign_stages_by_chain, assign_stages_by_layers, balanced_boundaries, find_layers, stage_rank_chunk,
 )
 from passes.rewrites.pipeline_split import split_pipeline_stages
 
@@ -184,6 +186,27 @@ def test_symbolic_boundaries_and_sizes_rebuilt_locally():
     assert torch.equal(loss, gm(*inputs))
 
 
+def test_rotary_tables_are_made_on_the_stage_that_reads_them():
+    # Each Llama block makes its RoPE tables from the sequence length alone; export checks each
+    # table's metadata with a node nothing reads, which must not pull the table to stage 0 (every
+    # later stage would receive its blocks' tables with each micro-batch)
+    spec = build_model("llama:layers=4,hidden=32,heads=4,kv_heads=2,vocab=64,seq=8")
+    gm = annotate_blocks(annotate_shapes(capture_spec(spec, symbolic=("batch", "seq"))))
+    checks = [n for n in gm.graph.nodes if "assert_tensor_metadata" in str(n.target) and not n.users]
+    assert checks  # the case this guards
+    assignment = assign_stages_by_chain(gm, [2, 3, 4])
+    split = split_pipeline_stages(gm, assignment)
+    for io in split.io[1:]:
+        assert [i.meta.shape for i in io.inputs if i.kind == "recv"] == [(B, S, 32)], io.inputs
+    tables = [n for n in gm.graph.nodes if n.name.startswith(("cos", "sin"))]
+    assert len({assignment.stage_of[n.name] for n in tables}) == 4
+    for n in tables:
+        assert {assignment.stage_of[u.name] for u in n.users} == {assignment.stage_of[n.name]}
+    dims = {"batch": 2, "seq": 8}
+    inputs = spec.example_inputs(dims)
+    assert torch.equal(run_pipeline(split, dict(zip(("idx", "targets"), inputs)), dims), gm(*inputs))
+
+
 class Skip(nn.Module):
     """x -> a -> b -> c -> d, with ``a`` also read by ``d`` three stages later."""
 
@@ -252,6 +275,41 @@ def test_explicit_mapping_fills_in_the_rest():
     assert [assignment.stage_of[n.name] for n in linears] == [0, 0, 1, 1]
     x = torch.randn(4, 8)
     assert torch.equal(run_pipeline(split_pipeline_stages(gm, assignment), {"x": x}, {"batch": 4}), gm(x))
+
+
+class _Flatten(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, h, rows):
+        return self.linear(h.reshape(rows, 8))
+
+
+class FlattensLate(nn.Module):
+    """Stage 1 flattens the boundary (batch, seq, 8) into ``batch * seq`` rows, a size made on stage 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8), _Flatten()])
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        return self.layers[1](self.layers[0](x), b * s).cumsum(0).sum()
+
+
+def test_a_product_of_sizes_is_rebuilt_from_the_received_tensor():
+    torch.manual_seed(0)
+    gm = annotate_blocks(annotate_shapes(capture_model(FlattensLate(), inputs=(InputSpec(name="x", shape=("batch", "seq", 8)),),
+                                       dims={"batch": 2, "seq": 3}, symbolic=("batch", "seq"))))
+    split = split_pipeline_stages(gm, assign_stages_by_layers(gm, [1]))
+    assert [(i.kind, i.meta.shape if i.meta else i.value) for i in split.io[1].inputs] == [("recv", (B, S, 8))]
+    products = [n for n in split.modules[1].graph.nodes if n.target is operator.mul]
+    assert len(products) == 1 and all(a.target is torch.ops.aten.sym_size.int and a.args[0].op == "placeholder"
+                                      for a in products[0].args)
+    dims = {"batch": 4, "seq": 5}
+    x = torch.randn(4, 5, 8)
+    assert torch.allclose(run_pipeline(split, {"x": x}, dims), gm(x))
 
 
 class Flattened(nn.Module):

@@ -286,6 +286,23 @@ def zbv(p: int, m: int) -> Schedule:
     return lower(zbv_compute(p, m), stage_placement(p, 2, shape="v"))
 
 
+def compute(schedule: str, p: int, m: int, v: int = 1) -> Schedule:
+    """The compute order (F, B, or I and W) of the schedule named ``schedule`` with ``v`` chunks
+    per rank: what :func:`build` lowers, for readers of the order alone (the cost model)."""
+    if schedule == "gpipe" and v == 1:
+        return gpipe_compute(p, m)
+    if schedule == "1f1b" and v == 1:
+        return one_f_one_b_compute(p, m)
+    if schedule == "interleaved":
+        return interleaved_1f1b_compute(p, m, v)
+    if schedule == "zb1p" and v == 1:
+        return zb1p_compute(p, m)
+    if schedule == "zbv" and v == 2:
+        return zbv_compute(p, m)
+    raise ScheduleError(f"no schedule {schedule!r} with {v} chunks per rank; use gpipe, 1f1b or zb1p with one "
+                        f"chunk, zbv with two, interleaved with any")
+
+
 def build(schedule: str, p: int, m: int, v: int = 1, *, check: bool = True) -> Schedule:
     """The full schedule named ``schedule`` (``gpipe``, ``1f1b``, ``interleaved``, ``zb1p`` or
     ``zbv``), checked to complete as the runtime posts it on NCCL
@@ -294,19 +311,8 @@ def build(schedule: str, p: int, m: int, v: int = 1, *, check: bool = True) -> S
     what runs is built with it."""
     from passes.ir.schedule.validate import check_batches, stream_for
 
-    if schedule == "gpipe" and v == 1:
-        full = gpipe(p, m)
-    elif schedule == "1f1b" and v == 1:
-        full = one_f_one_b(p, m)
-    elif schedule == "interleaved":
-        full = interleaved_1f1b(p, m, v)
-    elif schedule == "zb1p" and v == 1:
-        full = zb1p(p, m)
-    elif schedule == "zbv" and v == 2:
-        full = zbv(p, m)
-    else:
-        raise ScheduleError(f"no schedule {schedule!r} with {v} chunks per rank; use gpipe, 1f1b or zb1p with one "
-                            f"chunk, zbv with two, interleaved with any")
+    order = compute(schedule, p, m, v)
+    full = lower(order, stage_placement(p, v, shape="v" if schedule == "zbv" else "loop"))
     if check:
         check_batches(full, stream=stream_for(schedule))
     return full

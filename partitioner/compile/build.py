@@ -210,7 +210,7 @@ def share_whole_graph_prefix(graph: fx.GraphModule, config: ParallelConfig, mesh
                              ctx: PassContext | None = None) -> Literal["made", "taken", "alone", "none"]:
     """Make the whole-graph prefix of the plan's lowering once per job: the mesh's first rank
     makes it (:func:`passes.lowering.lower.whole_graph_prefix`: the context-parallel rewrite with
-    its symbolic shapes, the tensor-parallel tags, the checkpoint policy's fake run of the whole
+    its symbolic shapes, the tensor-parallel tags, the checkpoint and offload policies' fake runs of the whole
     graph), packs it (its tensors travel as names) and broadcasts it over the mesh; every rank,
     the first included, lowers its own programs from the rebuilt copy. So lowering costs the
     distinct programs, not the ranks, and every rank starts from the same bytes. Every rank of

@@ -529,29 +529,29 @@ def _walk(schedule: str, stage: int, p: int, m: int, v: int) -> dict[tuple, int]
     grads = [0] * len(chunk)
     messages = 0  # received inputs, then the input gradients sent in their place
     most: dict[tuple, int] = {}
-
-    def note(weight: int) -> None:
-        key = (tuple(graphs), tuple(held), weight, tuple(grads))
-        if most.get(key, -1) < messages:
-            most[key] = messages
+    forward, weight_half, input_half = Kind.FORWARD, Kind.BACKWARD_WEIGHT, Kind.BACKWARD_INPUT
 
     for a in actions:
-        k, kind, receives = chunk[a.stage], a.kind, a.stage > 0
-        if kind is Kind.FORWARD:
+        k, kind = chunk[a.stage], a.kind
+        if kind is forward:
             graphs[k] += 1
-            messages += receives
-        elif kind is Kind.BACKWARD_INPUT:  # the input gradient is sent in place of the input
+            messages += a.stage > 0
+        elif kind is input_half:  # the input gradient is sent in place of the input
             held[k] += 1
-        elif kind is Kind.BACKWARD or kind is Kind.BACKWARD_WEIGHT:
+        else:  # B or W (a compute order holds F, B, I and W only)
             # a whole backward (B) frees its graph as it goes, one gradient at a time; W makes the
             # chunk's weight gradients at once
-            note(k if kind is Kind.BACKWARD_WEIGHT else -1)
+            key = (tuple(graphs), tuple(held), k if kind is weight_half else -1, tuple(grads))
+            if most.get(key, -1) < messages:
+                most[key] = messages
             graphs[k] -= 1
-            held[k] -= kind is Kind.BACKWARD_WEIGHT
+            held[k] -= kind is weight_half
             grads[k] = 1
-        note(-1)
-    messages = 0
-    note(-1)
+        key = (tuple(graphs), tuple(held), -1, tuple(grads))
+        if most.get(key, -1) < messages:
+            most[key] = messages
+    key = (tuple(graphs), tuple(held), -1, tuple(grads))  # the step's end: every message freed
+    most.setdefault(key, 0)
     return most
 
 

@@ -724,30 +724,33 @@ def _stage_numbers(ctx: PlanContext, c: ParallelConfig, costs, ranges: list[tupl
     largest = 0.0  # the most parameters one layer of the stage has (ZeRO-3 gathers a layer at a time)
     kept = 0.0  # parameters of the layers whose backward reads them (the embedding's reads only ids)
     for start, stop in ranges:
+        # every block costs the same (the profile prices one): a range's layers are counted, not walked
+        blocks = max(0, min(stop, L + 1) - max(start, 1))
+        parts = [(blk, blocks, 0.0)] if blocks else []  # (cost, layers, tied parameters it holds)
+        if start == 0 < stop:
+            parts.insert(0, (emb, 1, shared if p > 1 else 0.0))
+        if start <= L + 1 < stop:
+            parts.append((head, 1, shared))
         chunk_act.append(0.0)
         chunk_held.append(0.0)
         chunk_params.append(0.0)
-        for i in range(start, stop):
-            cost = emb if i == 0 else head if i == L + 1 else blk
-            largest = max(largest, cost.params + (shared if (i == 0 and p > 1) or i == L + 1 else 0.0))
-            if i > 0:
-                kept += cost.params + (shared if i == L + 1 else 0.0)
-            f += cost.fwd
-            b += cost.bwd
-            w_grad += cost.weight_grad
-            tpc += cost.tp_comm
-            rc += cost.recompute
-            cpc += cost.cp_comm
-            epc += cost.ep_comm
-            params += cost.params
-            experts += cost.expert_params
-            act += cost.act_bytes
-            chunk_act[-1] += cost.act_bytes
-            chunk_held[-1] += cost.held_grad_bytes
-            chunk_params[-1] += cost.params
-            if (i == 0 and p > 1) or i == L + 1:
-                params += shared
-                chunk_params[-1] += shared
+        for k, (cost, n, extra) in enumerate(parts):
+            largest = max(largest, cost.params + extra)
+            if k or start > 0:  # not the embedding
+                kept += n * cost.params + extra
+            f += n * cost.fwd
+            b += n * cost.bwd
+            w_grad += n * cost.weight_grad
+            tpc += n * cost.tp_comm
+            rc += n * cost.recompute
+            cpc += n * cost.cp_comm
+            epc += n * cost.ep_comm
+            params += n * cost.params + extra
+            experts += n * cost.expert_params
+            act += n * cost.act_bytes
+            chunk_act[-1] += n * cost.act_bytes
+            chunk_held[-1] += n * cost.held_grad_bytes
+            chunk_params[-1] += n * cost.params + extra
     wp, wg, wo = _state_per_param(ctx, c)
     xp, xg, xo = _state_per_param(ctx, c, experts=True)  # the experts' (ZeRO shards them over their replicas)
     memory = {
@@ -843,19 +846,8 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
         else:                    # sharded grads: a reduce-scatter per micro-batch, each behind its backward
             dp_exposed = c.num_micro_batches * max(0.0, rs - hide) + ag
         dp_exposed += waits.get("dp_comm", 0.0)
-        updated = params / (shards if c.zero_stage >= 1 else 1)  # parameters this rank updates
-        if c.zero_stage in (1, 2) and experts:  # its experts' share: over their replicas
-            updated += experts / c.expert_replicas - experts / shards
-        opt_bytes = updated * ms1.optimizer * (shards if c.zero_stage >= 1 else 1)
-        opt_rate = dev.optimizer_bytes_per_s or dev.memory_bandwidth_bytes_per_s  # 0: the memory's, not the nodes'
-        if c.offload == "optimizer":
-            h2d = ctx.cluster.host_to_device.bandwidth_bytes_per_s
-            t_opt = (updated * 2 * ctx.itemsize) / h2d + 2 * opt_bytes / ctx.host_rate
-        else:
-            t_opt = memory_bound_time(2 * opt_bytes + updated * 2 * ctx.itemsize, opt_rate)
-        t_opt += optimizer_tensors(ctx.profile, ranges, c.zero_stage, shards) * dev.optimizer_tensor_s
-        if c.zero_stage in (1, 2):  # flatten the stage's grads into the bucket, copy the gathered params back
-            t_opt += memory_bound_time(4 * grads, opt_rate)
+        t_opt, opt_bytes = _optimizer_time(ctx, c, params, experts, shards, ms1,
+                                           optimizer_tensors(ctx.profile, ranges, c.zero_stage, shards))
         t_off = 0.0
         host = opt_bytes if c.offload == "optimizer" else 0.0
         if c.offload == "activations":
@@ -898,6 +890,29 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
     peak = max(s.peak_memory_bytes for s in stages)
     feasible = feasible and peak <= ctx.cap
     return Evaluated(config=c, feasible=feasible, step_time=terms.total, peak=peak, stages=tuple(stages), terms=terms)
+
+
+def _optimizer_time(ctx: PlanContext, c: ParallelConfig, params: float, experts: float, shards: int, ms1,
+                    tensors: float) -> tuple[float, float]:
+    """(seconds, optimizer state bytes) of one rank's optimizer step over a stage of ``params``
+    parameters (``experts`` of them the routed experts' it holds) and ``tensors`` tensors, its
+    ZeRO stage's state sharded over ``shards`` ranks (``ms1``: the model-state bytes of one
+    parameter). Linear in ``params``: the search's bound takes it at the average stage."""
+    dev = ctx.cluster.device
+    updated = params / (shards if c.zero_stage >= 1 else 1)  # parameters this rank updates
+    if c.zero_stage in (1, 2) and experts:  # its experts' share: over their replicas
+        updated += experts / c.expert_replicas - experts / shards
+    opt_bytes = updated * ms1.optimizer * (shards if c.zero_stage >= 1 else 1)
+    opt_rate = dev.optimizer_bytes_per_s or dev.memory_bandwidth_bytes_per_s  # 0: the memory's, not the nodes'
+    if c.offload == "optimizer":
+        h2d = ctx.cluster.host_to_device.bandwidth_bytes_per_s
+        t_opt = (updated * 2 * ctx.itemsize) / h2d + 2 * opt_bytes / ctx.host_rate
+    else:
+        t_opt = memory_bound_time(2 * opt_bytes + updated * 2 * ctx.itemsize, opt_rate)
+    t_opt += tensors * dev.optimizer_tensor_s
+    if c.zero_stage in (1, 2):  # flatten the stage's grads into the bucket, copy the gathered params back
+        t_opt += memory_bound_time(4 * params * ctx.itemsize, opt_rate)
+    return t_opt, opt_bytes
 
 
 def _pp_comm_time(ctx: PlanContext, c: ParallelConfig) -> float:
@@ -1123,19 +1138,48 @@ def state_lower_bound(ctx: PlanContext, c: ParallelConfig) -> float:
 
 
 def lower_bound(ctx: PlanContext, c: ParallelConfig) -> float:
-    """A step time no partition of ``c`` beats: perfect balance, bubble, and the terms no split
-    changes (pipeline messages, the tied-weight sync, the step's fixed work); no dp or optimizer
-    cost."""
+    """A step time no partition of ``c`` beats: perfect balance, bubble, the terms no split
+    changes (pipeline messages, the tied-weight sync, the step's fixed work), and the average
+    stage's optimizer step, ZeRO-1/2/3 collectives and activation offload copies beyond what
+    hides them (ZeRO-0's all-reduce is not bounded)."""
     emb, blk, head = ctx.layer_costs(c)
     total = emb.time + ctx.L * blk.time + head.time
     per_stage = max(total / c.pp, blk.time * math.ceil(ctx.L / c.pp) if c.virtual_pp > 1 else 0.0)
     pipeline = (c.num_micro_batches + _bubble_slots(c.schedule, c.pp, c.num_micro_batches, c.virtual_pp)) * per_stage
-    gather = 0.0
+    # The rank whose data-parallel and optimizer work ends the step does at least the average
+    # stage's (each is linear in a stage's parameters; max(0, x) is convex): ZeRO-1/2's
+    # reduce-scatters beyond the backward that hides them (one per micro-batch under ZeRO-2) and
+    # all-gather of the updated parameters, and the optimizer step over the dense parameters
+    dense = (total_params(ctx, c) - (emb.expert_params + ctx.L * blk.expert_params + head.expert_params)) / c.pp
+    shards = c.shard_degree if c.zero_stage == 3 else c.dp_cp
+    ms1 = model_state_bytes(1.0, shards, c.zero_stage, ctx.dtype, ctx.optimizer)
+    gather = _optimizer_time(ctx, c, dense, 0.0, shards, ms1, 0.0)[0]
     if c.zero_stage in (1, 2) and c.dp_cp > 1:
-        # ZeRO-1/2 all-gather the updated parameters after the step, unhidden: the stage with the
-        # most parameters (at least the average's) sets the dp term
-        dense = (total_params(ctx, c) - (emb.expert_params + ctx.L * blk.expert_params + head.expert_params)) / c.pp
-        gather = all_gather_time(dense * ctx.itemsize, c.dp_cp, ctx.sync_link(c.dp_cp, c.tp))
+        link, grads = ctx.sync_link(c.dp_cp, c.tp), dense * ctx.itemsize
+        # a stage's buckets (:func:`gradient_buckets`) are at least max(1, (bytes - first) / size), convex
+        extra = max(1.0, (grads - FIRST_BUCKET_BYTES) / DEFAULT_BUCKET_BYTES) - 1.0
+        hide = 0.0 if ctx.on_host else (emb.bwd + ctx.L * blk.bwd + head.bwd) / c.pp
+        rs = reduce_scatter_time(grads, c.dp_cp, link) + extra * reduce_scatter_time(0.0, c.dp_cp, link)
+        gather += all_gather_time(grads, c.dp_cp, link) + extra * all_gather_time(0.0, c.dp_cp, link) \
+            + max(0.0, rs - hide) * (c.num_micro_batches if c.zero_stage == 2 else 1)
+    m = c.num_micro_batches
+    fwd, bwd = (emb.fwd + ctx.L * blk.fwd + head.fwd) / c.pp, (emb.bwd + ctx.L * blk.bwd + head.bwd) / c.pp
+    redo = (emb.recompute + ctx.L * blk.recompute + head.recompute) / c.pp
+    if c.zero_stage == 3 and shards > 1:
+        # per micro-batch at least the stage's gathers (again in backward when resharded) and
+        # reduce-scatters beyond its compute (:func:`zero3_exposed_time` without prefetch's
+        # first-layer terms and HSDP's all-reduce), over the average stage's layers
+        n, link = (ctx.L + 2) / c.pp, ctx.sync_link(shards, c.tp)
+        every = total_params(ctx, c) / c.pp
+        ag = n * all_gather_time(every * ctx.itemsize / n, shards, link)
+        rs = n * reduce_scatter_time(every * 4 / n, shards, link)
+        busy = 0.0 if ctx.on_host else fwd + bwd + redo
+        gather += m * max(0.0, (2 if c.reshard_after_forward else 1) * ag + rs - busy)
+    if c.offload == "activations":
+        # each micro-batch's saved activations copied out and back beyond the compute they hide behind
+        act = (emb.act_bytes + ctx.L * blk.act_bytes + head.act_bytes) / c.pp
+        copy = 2 * act / min(ctx.cluster.host_to_device.bandwidth_bytes_per_s, ctx.host_rate)
+        gather += m * (copy if ctx.on_host else max(0.0, copy / 2 - fwd) + max(0.0, copy / 2 - bwd - redo))
     return pipeline + gather + _pp_comm_time(ctx, c) + _tied_sync_time(ctx, c) + _framework_time(ctx)
 
 

@@ -283,13 +283,15 @@ def lower(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
 
 _PREFIX_MEMO: "weakref.WeakKeyDictionary[fx.GraphModule, dict]" = weakref.WeakKeyDictionary()
 """The last few whole-graph prefixes of each analysed graph: the context-parallel rewrite (its
-shapes run symbolically) and the checkpoint policy (it observes the whole graph's saved tensors)
-cost far more than a copy, and the plans and rank programs that share them start from the same
+shapes run symbolically), the checkpoint policy and the activation offload policy (each observes
+the whole graph's saved tensors; the offload policy's key holds the cluster costs it reads) cost
+far more than a copy, and the plans and rank programs that share them start from the same
 graph (the planner's replay makes a plan's rank programs one by one; every rank of a job that
 shares a process, as in the tests, lowers the same whole graph). A job's ranks share one: its first
 rank makes it and the others take it (:func:`whole_graph_prefix`, :func:`remember_whole_graph_prefix`)."""
-_PREFIX_PASSES = ("context_parallel", "annotate_shapes", "annotate_flops", "tag_tensor_parallel", "checkpoint_policy")
-_COSTLY = ("context_parallel", "checkpoint_policy")
+_PREFIX_PASSES = ("context_parallel", "annotate_shapes", "annotate_flops", "tag_tensor_parallel", "checkpoint_policy",
+                  "offload_policy")
+_COSTLY = ("context_parallel", "checkpoint_policy", "offload_policy")  # each runs the whole graph on fake tensors
 _MEMO_ENTRIES = 4  # per analysed graph, the least recently used dropped
 
 
@@ -318,8 +320,8 @@ def _remember(gm: fx.GraphModule, key: tuple, prefix: fx.GraphModule) -> None:
 def _whole_graph(gm: fx.GraphModule, passes: list, ctx: PassContext) -> fx.GraphModule:
     """``passes`` run on a copy of ``gm``, their leading rewrite and policy passes
     (:data:`_PREFIX_PASSES`) taken from :data:`_PREFIX_MEMO` when this graph went through the same
-    ones before; what follows (the offload policy, which reads the cluster, and the stage tags)
-    runs each time."""
+    ones before (the offload policy's options hold the cluster costs it reads); what follows (the
+    stage tags) runs each time."""
     n = _prefix_length(passes)
     if not n:
         return manager(passes).run(copy_graph_module(gm), ctx)
@@ -352,7 +354,7 @@ def _prefix_passes(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHook
 def whole_graph_prefix(gm: fx.GraphModule, config: ParallelConfig, *, cost: CostHooks | None,
                        tp_group: str = "tp", ctx: PassContext | None = None) -> fx.GraphModule | None:
     """The whole-graph prefix :func:`lower` of ``gm`` under ``config`` starts from (the
-    context-parallel rewrite, tensor-parallel tags and checkpoint policy: the costly part that
+    context-parallel rewrite, tensor-parallel tags, checkpoint and offload policies: the costly part that
     every rank program of a plan shares), made or remembered in this process; None when the
     plan's lowering has no costly whole-graph pass. What one rank of a job makes and ships to the
     others (:func:`remember_whole_graph_prefix`). Do not change it: the memo holds it."""

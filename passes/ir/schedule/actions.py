@@ -18,6 +18,7 @@ A whole schedule is one line per rank: ``rank 0: 0F0 0SEND_F0->1 ...``.
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from enum import Enum
@@ -119,21 +120,25 @@ _ACTION_FORM = ("STAGE KIND MICROBATCH [->PEER | <-PEER], e.g. 2F0, 1B3, 1I3, 1W
                 "ALL_REDUCE, STEP")
 
 
+@functools.lru_cache(maxsize=1 << 16)  # actions are immutable: a schedule's lists share them
 def F(stage: int, microbatch: int) -> Action:
     """Forward of ``stage`` on ``microbatch``."""
     return Action(Kind.FORWARD, stage, microbatch)
 
 
+@functools.lru_cache(maxsize=1 << 16)  # actions are immutable: a schedule's lists share them
 def B(stage: int, microbatch: int) -> Action:
     """Full backward (input and weight grads) of ``stage`` on ``microbatch``."""
     return Action(Kind.BACKWARD, stage, microbatch)
 
 
+@functools.lru_cache(maxsize=1 << 16)  # actions are immutable: a schedule's lists share them
 def I(stage: int, microbatch: int) -> Action:
     """Input-gradient half of the backward of ``stage`` on ``microbatch``."""
     return Action(Kind.BACKWARD_INPUT, stage, microbatch)
 
 
+@functools.lru_cache(maxsize=1 << 16)  # actions are immutable: a schedule's lists share them
 def W(stage: int, microbatch: int) -> Action:
     """Weight-gradient half of the backward of ``stage`` on ``microbatch`` (after its I)."""
     return Action(Kind.BACKWARD_WEIGHT, stage, microbatch)

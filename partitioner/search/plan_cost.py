@@ -724,33 +724,30 @@ def _stage_numbers(ctx: PlanContext, c: ParallelConfig, costs, ranges: list[tupl
     largest = 0.0  # the most parameters one layer of the stage has (ZeRO-3 gathers a layer at a time)
     kept = 0.0  # parameters of the layers whose backward reads them (the embedding's reads only ids)
     for start, stop in ranges:
-        # every block costs the same (the profile prices one): a range's layers are counted, not walked
-        blocks = max(0, min(stop, L + 1) - max(start, 1))
-        parts = [(blk, blocks, 0.0)] if blocks else []  # (cost, layers, tied parameters it holds)
-        if start == 0 < stop:
-            parts.insert(0, (emb, 1, shared if p > 1 else 0.0))
-        if start <= L + 1 < stop:
-            parts.append((head, 1, shared))
         chunk_act.append(0.0)
         chunk_held.append(0.0)
         chunk_params.append(0.0)
-        for k, (cost, n, extra) in enumerate(parts):
-            largest = max(largest, cost.params + extra)
-            if k or start > 0:  # not the embedding
-                kept += n * cost.params + extra
-            f += n * cost.fwd
-            b += n * cost.bwd
-            w_grad += n * cost.weight_grad
-            tpc += n * cost.tp_comm
-            rc += n * cost.recompute
-            cpc += n * cost.cp_comm
-            epc += n * cost.ep_comm
-            params += n * cost.params + extra
-            experts += n * cost.expert_params
-            act += n * cost.act_bytes
-            chunk_act[-1] += n * cost.act_bytes
-            chunk_held[-1] += n * cost.held_grad_bytes
-            chunk_params[-1] += n * cost.params + extra
+        for i in range(start, stop):
+            cost = emb if i == 0 else head if i == L + 1 else blk
+            largest = max(largest, cost.params + (shared if (i == 0 and p > 1) or i == L + 1 else 0.0))
+            if i > 0:
+                kept += cost.params + (shared if i == L + 1 else 0.0)
+            f += cost.fwd
+            b += cost.bwd
+            w_grad += cost.weight_grad
+            tpc += cost.tp_comm
+            rc += cost.recompute
+            cpc += cost.cp_comm
+            epc += cost.ep_comm
+            params += cost.params
+            experts += cost.expert_params
+            act += cost.act_bytes
+            chunk_act[-1] += cost.act_bytes
+            chunk_held[-1] += cost.held_grad_bytes
+            chunk_params[-1] += cost.params
+            if (i == 0 and p > 1) or i == L + 1:
+                params += shared
+                chunk_params[-1] += shared
     wp, wg, wo = _state_per_param(ctx, c)
     xp, xg, xo = _state_per_param(ctx, c, experts=True)  # the experts' (ZeRO shards them over their replicas)
     memory = {

@@ -1143,41 +1143,40 @@ def lower_bound(ctx: PlanContext, c: ParallelConfig) -> float:
     total = emb.time + ctx.L * blk.time + head.time
     per_stage = max(total / c.pp, blk.time * math.ceil(ctx.L / c.pp) if c.virtual_pp > 1 else 0.0)
     pipeline = (c.num_micro_batches + _bubble_slots(c.schedule, c.pp, c.num_micro_batches, c.virtual_pp)) * per_stage
-    # The rank whose data-parallel and optimizer work ends the step does at least the average
-    # stage's (each is linear in a stage's parameters; max(0, x) is convex): ZeRO-1/2's
-    # reduce-scatters beyond the backward that hides them (one per micro-batch under ZeRO-2) and
-    # all-gather of the updated parameters, and the optimizer step over the dense parameters
-    dense = (total_params(ctx, c) - (emb.expert_params + ctx.L * blk.expert_params + head.expert_params)) / c.pp
+    # The rank whose data-parallel, optimizer and offload work ends the step does at least the
+    # average stage's: each term is linear in a stage's parameters, or convex where clipped at zero
+    m, pp = c.num_micro_batches, c.pp
+    fwd, bwd = (emb.fwd + ctx.L * blk.fwd + head.fwd) / pp, (emb.bwd + ctx.L * blk.bwd + head.bwd) / pp
+    redo = (emb.recompute + ctx.L * blk.recompute + head.recompute) / pp
+    every = total_params(ctx, c) / pp
+    dense = every - (emb.expert_params + ctx.L * blk.expert_params + head.expert_params) / pp
     shards = c.shard_degree if c.zero_stage == 3 else c.dp_cp
     ms1 = model_state_bytes(1.0, shards, c.zero_stage, ctx.dtype, ctx.optimizer)
-    gather = _optimizer_time(ctx, c, dense, 0.0, shards, ms1, 0.0)[0]
+    tail = _optimizer_time(ctx, c, dense, 0.0, shards, ms1, 0.0)[0]
     if c.zero_stage in (1, 2) and c.dp_cp > 1:
+        # the all-gather of the updated parameters, and the reduce-scatters beyond the backward
+        # that hides them (one per micro-batch under ZeRO-2); a stage's buckets
+        # (:func:`gradient_buckets`) are at least max(1, (bytes - first) / size), convex
         link, grads = ctx.sync_link(c.dp_cp, c.tp), dense * ctx.itemsize
-        # a stage's buckets (:func:`gradient_buckets`) are at least max(1, (bytes - first) / size), convex
         extra = max(1.0, (grads - FIRST_BUCKET_BYTES) / DEFAULT_BUCKET_BYTES) - 1.0
-        hide = 0.0 if ctx.on_host else (emb.bwd + ctx.L * blk.bwd + head.bwd) / c.pp
         rs = reduce_scatter_time(grads, c.dp_cp, link) + extra * reduce_scatter_time(0.0, c.dp_cp, link)
-        gather += all_gather_time(grads, c.dp_cp, link) + extra * all_gather_time(0.0, c.dp_cp, link) \
-            + max(0.0, rs - hide) * (c.num_micro_batches if c.zero_stage == 2 else 1)
-    m = c.num_micro_batches
-    fwd, bwd = (emb.fwd + ctx.L * blk.fwd + head.fwd) / c.pp, (emb.bwd + ctx.L * blk.bwd + head.bwd) / c.pp
-    redo = (emb.recompute + ctx.L * blk.recompute + head.recompute) / c.pp
+        tail += all_gather_time(grads, c.dp_cp, link) + extra * all_gather_time(0.0, c.dp_cp, link) \
+            + max(0.0, rs - (0.0 if ctx.on_host else bwd)) * (m if c.zero_stage == 2 else 1)
     if c.zero_stage == 3 and shards > 1:
-        # per micro-batch at least the stage's gathers (again in backward when resharded) and
+        # per micro-batch the stage's gathers (again in backward when resharded) and
         # reduce-scatters beyond its compute (:func:`zero3_exposed_time` without prefetch's
         # first-layer terms and HSDP's all-reduce), over the average stage's layers
-        n, link = (ctx.L + 2) / c.pp, ctx.sync_link(shards, c.tp)
-        every = total_params(ctx, c) / c.pp
+        n, link = (ctx.L + 2) / pp, ctx.sync_link(shards, c.tp)
         ag = n * all_gather_time(every * ctx.itemsize / n, shards, link)
         rs = n * reduce_scatter_time(every * 4 / n, shards, link)
         busy = 0.0 if ctx.on_host else fwd + bwd + redo
-        gather += m * max(0.0, (2 if c.reshard_after_forward else 1) * ag + rs - busy)
+        tail += m * max(0.0, (2 if c.reshard_after_forward else 1) * ag + rs - busy)
     if c.offload == "activations":
         # each micro-batch's saved activations copied out and back beyond the compute they hide behind
-        act = (emb.act_bytes + ctx.L * blk.act_bytes + head.act_bytes) / c.pp
+        act = (emb.act_bytes + ctx.L * blk.act_bytes + head.act_bytes) / pp
         copy = 2 * act / min(ctx.cluster.host_to_device.bandwidth_bytes_per_s, ctx.host_rate)
-        gather += m * (copy if ctx.on_host else max(0.0, copy / 2 - fwd) + max(0.0, copy / 2 - bwd - redo))
-    return pipeline + gather + _pp_comm_time(ctx, c) + _tied_sync_time(ctx, c) + _framework_time(ctx)
+        tail += m * (copy if ctx.on_host else max(0.0, copy / 2 - fwd) + max(0.0, copy / 2 - bwd - redo))
+    return pipeline + tail + _pp_comm_time(ctx, c) + _tied_sync_time(ctx, c) + _framework_time(ctx)
 
 
 def total_params(ctx: PlanContext, c: ParallelConfig) -> float:

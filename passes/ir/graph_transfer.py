@@ -28,9 +28,7 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-import sympy
 import torch
-from sympy.core.operations import AssocOp
 from torch import fx, nn
 
 from passes.ir.errors import PassError
@@ -264,14 +262,9 @@ def _picklable(value: Any) -> bool:
 
 
 class _Pickler(pickle.Pickler):
-    """Pickles ops by their registered names (torch's op objects do not pickle themselves), and
-    sums, products, powers, maxima and minima of sympy expressions by their arguments as they
-    are: sympy's own pickling rebuilds each one through its constructor, which simplifies it
-    again (a memory summary's ``Max`` over byte counts took a rank a third of a second)."""
+    """Pickles ops by their registered names (torch's op objects do not pickle themselves)."""
 
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, _AS_BUILT):
-            return _expression, (type(obj), obj.args)
         if isinstance(obj, torch._ops.OpOverload):
             return _op, (obj._schema.name, obj._overloadname)
         if isinstance(obj, torch._ops.OpOverloadPacket):
@@ -279,17 +272,6 @@ class _Pickler(pickle.Pickler):
         if isinstance(obj, torch._ops.HigherOrderOperator):
             return _higher_order_op, (obj.name(),)
         return NotImplemented
-
-
-_AS_BUILT = (sympy.Add, sympy.Mul, sympy.Max, sympy.Min, sympy.Pow)
-
-
-def _expression(cls: type, args: tuple) -> sympy.Expr:
-    """The expression ``cls`` of ``args``, already in the canonical form the packing process
-    built (not simplified again)."""
-    if issubclass(cls, AssocOp):  # Add, Mul, Max, Min
-        return cls._from_args(args)
-    return cls(*args, evaluate=False)
 
 
 def _op(qualified: str, overload: str | None) -> Any:

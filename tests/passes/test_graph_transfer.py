@@ -118,26 +118,3 @@ def test_a_program_with_checkpointed_regions_comes_back_with_them():
     for mine, theirs in zip(rebuilt(*batch), program(*batch), strict=True):
         assert torch.equal(mine, theirs)
 
-
-def test_expressions_come_back_equal_without_being_simplified_again():
-    """Sums, products, powers, maxima and minima travel by their arguments (rebuilding them
-    through sympy's constructors simplified each again: most of a rank's unpacking): they come
-    back equal, with the same hash and form, nested or not."""
-    import io
-    import pickle
-
-    import sympy
-
-    from passes.ir.graph_transfer import _Pickler
-    from passes.ir.meta import dim_symbol
-
-    b, s = dim_symbol("batch"), dim_symbol("seq")
-    exprs = [sympy.Max(4 * b * s + 7, b * s**2, 3 * b), sympy.Min(b, s + 1), (b + 1) ** 2, 2 * b * s + s,
-             sympy.floor(b * s / 3) + sympy.Max(b, 2), sympy.Integer(5), b]
-    buf = io.BytesIO()
-    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(exprs)
-    back = pickle.loads(buf.getvalue())
-    assert back == exprs
-    assert [hash(e) for e in back] == [hash(e) for e in exprs]
-    assert [sympy.srepr(e) for e in back] == [sympy.srepr(e) for e in exprs]
-    assert back[0].subs({b: 2, s: 3}) == 31 and back[0].subs({b: 1, s: 20}) == 400

@@ -17,8 +17,8 @@ rank ``r``, i.e. stage s on rank ``s mod p`` (Narayanan et al. 2021, interleaved
 """
 from passes.ir.schedule.actions import (COMPUTE_KINDS, Action, B, F, I, Kind, ScheduleError, W, format_grid,
                                         format_schedule, parse_action, parse_schedule)
-from passes.ir.schedule.build import (Schedule, add_communication, build, compute, add_grad_sync_and_step, compute_only, gpipe,
-                                      gpipe_compute, interleaved_1f1b, interleaved_1f1b_compute, lower, one_f_one_b,
+from passes.ir.schedule.build import (Schedule, add_communication, build, compute, add_grad_sync_and_step, compute_only,
+                                      gpipe, gpipe_compute, interleaved_1f1b, interleaved_1f1b_compute, lower, one_f_one_b,
                                       one_f_one_b_compute, stage_placement, zb1p, zb1p_compute, zbv, zbv_compute)
 from passes.ir.schedule.validate import (SimResult, TimedAction, compute_makespan, peak_in_flight, simulate,
                                          stage_to_rank_of, validate)

@@ -33,6 +33,8 @@ MODELS = {
                 "embd_pdrop=0.0,attn_pdrop=0.0,seq=8"),
     # eight layers: ZBV on four pipeline ranks has eight stages
     "gpt8": "gpt:layers=8,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0",
+    # six layers: two ranks' four chunks (interleaved, ZBV) cannot all be equally deep
+    "gpt6": "gpt:layers=6,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0",
     "gpt2l": "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0",
     # context parallelism: four heads (Ulysses at cp=4), a sequence of 2 * 4 chunks of 2 tokens;
     # llama with grouped-query attention (2 kv heads) and rotary tables
@@ -92,6 +94,7 @@ class Plan:
     sp: bool = False  # sequence parallelism (tp > 1)
     ep: int = 1  # expert-parallel degree (taken from the dp x cp ranks)
     compile: bool = False  # stage programs compiled (torch.compile, inductor)
+    stage_boundaries: tuple[int, ...] | None = None  # where each virtual stage starts (None: spread evenly)
 
     @property
     def size(self) -> int:
@@ -106,7 +109,8 @@ class Plan:
                 + (f"-offload_{self.offload}" if self.offload != "none" else "")
                 + (f"-hsdp{self.hsdp}" if self.hsdp else "") + ("" if self.reshard else "-keep")
                 + (f"-cp{self.cp}_{self.cp_mode}" if self.cp > 1 else "") + ("-sp" if self.sp else "")
-                + (f"-ep{self.ep}" if self.ep > 1 else "") + ("-compiled" if self.compile else ""))
+                + (f"-ep{self.ep}" if self.ep > 1 else "") + ("-compiled" if self.compile else "")
+                + (f"-at{'_'.join(map(str, self.stage_boundaries))}" if self.stage_boundaries else ""))
 
     def config(self) -> ParallelConfig:
         """The :class:`ParallelConfig` the plan is lowered with."""
@@ -114,7 +118,8 @@ class Plan:
             self.global_batch, dp=self.dp, tp=self.tp, pp=self.pp, schedule=self.schedule, virtual_pp=self.virtual_pp,
             num_micro_batches=self.num_micro_batches, zero_stage=self.zero, checkpointing=self.checkpointing,
             offload=self.offload, hsdp_shard=self.hsdp, reshard_after_forward=self.reshard, cp=self.cp,
-            cp_mode=self.cp_mode, sequence_parallel=self.sp, ep=self.ep, compile=self.compile)
+            cp_mode=self.cp_mode, sequence_parallel=self.sp, ep=self.ep, compile=self.compile,
+            stage_boundaries=self.stage_boundaries)
 
 
 def _mesh_shape(c: ParallelConfig) -> tuple:

@@ -9,6 +9,7 @@ from partitioner.cost.cluster import Cluster
 from partitioner.errors import ConfigError, InfeasiblePlanError
 from passes.ir.plan import format_bytes
 from partitioner.search.profile import profile_model
+from partitioner.search.plan_cost import chunk_sizes
 from partitioner.search.search import candidates, min_memory, search
 from partitioner.calibration.job_cluster import local_cluster
 
@@ -183,10 +184,22 @@ def test_tp_stays_in_a_node_unless_fixed(profile):
     assert forced.predicted.terms["tp_comm"] > inside.predicted.terms["tp_comm"]
 
 
-def test_interleaved_needs_divisible_layers(profile):
-    with pytest.raises(ConfigError, match="divisible"):
+def test_interleaved_chunks_may_differ_in_depth_but_each_needs_a_block(profile):
+    with pytest.raises(ConfigError, match="12 stages but the model has 4 blocks"):
         search(profile, _cluster(nodes=2), global_batch=64,
              fix={"pp": 4, "schedule": "interleaved", "virtual_pp": 3})
+    # six blocks over 2 ranks x 2 chunks: the two extra blocks go to the middle chunks, one per rank
+    assert chunk_sizes(6, [0, 1, 0, 1], 2) == [1, 2, 2, 1]
+    assert chunk_sizes(8, [0, 1, 0, 1], 2, embedding=5.0, head=5.0) == [2, 2, 2, 2]  # equal when they divide
+    # a V: chunks 0 and 3 on rank 0, which also holds the embedding and the head
+    assert chunk_sizes(6, [0, 1, 1, 0], 2, embedding=0.5, head=0.5) == [1, 2, 2, 1]
+    # Llama 3 405B's 126 blocks over 16 ranks x 6 chunks: every rank within one block of the others,
+    # the first and last chunk (embedding, head) among the shallowest
+    ranks = [j % 16 for j in range(96)]
+    sizes = chunk_sizes(126, ranks, 16, embedding=0.2, head=0.3)
+    per_rank = [sum(n for n, r in zip(sizes, ranks) if r == k) for k in range(16)]
+    assert sum(sizes) == 126 and min(sizes) >= 1 and max(per_rank) - min(per_rank) <= 1
+    assert sizes[0] == sizes[-1] == min(sizes)
 
 
 def test_every_operator_belongs_to_one_layer_and_llama_blocks_dispatch_more(profile):

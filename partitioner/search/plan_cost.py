@@ -603,18 +603,17 @@ def _buffers(ctx: PlanContext, c: ParallelConfig, grads: float | None = None, me
 def _assignment(ctx: PlanContext, c: ParallelConfig, costs, limit: float | None) -> list[list[tuple[int, int]]] | None:
     """Chain ranges per stage; ``limit`` bytes per device (None: ignore memory)."""
     L, p, v = ctx.L, c.pp, c.virtual_pp
-    if v > 1:  # interleaved, zbv: equal chunks, placed as the schedule places its stages
-        per = L // (p * v)
-        chunks = [[] for _ in range(p)]
-        for j in range(p * v):
-            start, stop = 1 + j * per, 1 + (j + 1) * per
-            if j == 0:
-                start = 0
-            if j == p * v - 1:
-                stop = L + 2
-            chunks[c.stage_rank(j)].append((start, stop))
-        return chunks
     emb, blk, head = costs
+    if v > 1:  # interleaved, zbv: chunks placed as the schedule places its stages
+        sizes = chunk_sizes(L, [c.stage_rank(j) for j in range(p * v)], p, emb.time / (blk.time or 1.0),
+                            head.time / (blk.time or 1.0))
+        chunks = [[] for _ in range(p)]
+        start = 1
+        for j, n in enumerate(sizes):
+            stop = start + n
+            chunks[c.stage_rank(j)].append((0 if j == 0 else start, L + 2 if j == p * v - 1 else stop))
+            start = stop
+        return chunks
     greedy = _greedy(ctx, c, costs)
     if greedy(float("inf"), limit) is None:
         return None
@@ -630,6 +629,29 @@ def _assignment(ctx: PlanContext, c: ParallelConfig, costs, limit: float | None)
         else:
             hi = mid
     return greedy(cands[lo], limit) or greedy(float("inf"), limit)
+
+
+def chunk_sizes(blocks: int, ranks: list[int], p: int, embedding: float = 0.0, head: float = 0.0) -> list[int]:
+    """Blocks per model chunk (virtual stage ``j`` runs on pipeline rank ``ranks[j]``) when the
+    chunks of an interleaved or V schedule cannot all hold the same number: each chunk gets
+    ``blocks // len(ranks)``, and each remaining block goes to the chunk of the rank with the least
+    work so far (``embedding`` and ``head``: the first and last chunk's extra work, in blocks), the
+    first and last chunks last, the lowest index on a tie. Equal chunks when they divide."""
+    n = len(ranks)
+    sizes = [blocks // n] * n
+    load = [0.0] * p
+    for j, r in enumerate(ranks):
+        load[r] += sizes[j]
+    load[ranks[0]] += embedding
+    load[ranks[-1]] += head
+    middle = list(range(1, n - 1)) or list(range(n))
+    ends = [j for j in (0, n - 1) if j not in middle]
+    for _ in range(blocks - sum(sizes)):
+        pool = [j for j in middle if sizes[j] == min(sizes[k] for k in middle)] or ends
+        j = min(pool, key=lambda j: (load[ranks[j]], j))
+        sizes[j] += 1
+        load[ranks[j]] += 1
+    return sizes
 
 
 @functools.lru_cache(maxsize=256)

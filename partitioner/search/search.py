@@ -106,9 +106,9 @@ def _pinned_problems(fix: dict, world: int, L: int, heads: int, global_batch: in
     sched, m, mbs = fix.get("schedule"), fix.get("num_micro_batches"), fix.get("micro_batch_size")
     if pp is not None and pp > L:
         out.append(f"pp={pp} needs at least {pp} blocks, the model has {L}; use pp <= {L}")
-    elif pp is not None and v is not None and v > 1 and sched in (None, "interleaved") and L % (pp * v):
-        out.append(f"the interleaved schedule with pp={pp}, virtual_pp={v} needs the model's blocks ({L}) divisible "
-                   f"by pp*virtual_pp = {pp * v}; pick virtual_pp so that pp*virtual_pp divides {L}")
+    elif pp is not None and v is not None and pp * v > L:
+        out.append(f"pp*virtual_pp = {pp * v} stages but the model has {L} blocks; every stage needs one: use "
+                   f"pp*virtual_pp <= {L}")
     if tp is not None and heads and heads % tp:
         out.append(f"tp={tp} must divide the model's {heads} attention heads; use tp among "
                    f"{', '.join(map(str, _divisors(heads)))}")
@@ -230,11 +230,9 @@ def _schedules(fix: dict, pp: int, L: int, m: int, why: _Refusals) -> list[tuple
     pinned = [(s, v) for s, v in pairs if fix.get("schedule", s) == s and fix.get("virtual_pp", v) == v]
     out = []
     for sched, v in pinned:
-        if sched == "interleaved" and L % (pp * v):
-            why.add(6, f"the interleaved schedule with pp={pp}, virtual_pp={v} needs the model's blocks ({L}) "
-                       f"divisible by pp*virtual_pp = {pp * v}")
-        elif sched == "zbv" and L % (pp * v):
-            why.add(6, f"the zbv schedule with pp={pp} needs the model's blocks ({L}) divisible by 2*pp = {pp * v}")
+        if pp * v > L:
+            why.add(6, f"the {sched} schedule with pp={pp}, virtual_pp={v} has {pp * v} stages, more than the "
+                       f"model's {L} blocks")
         elif sched == "interleaved" and m % pp:
             why.add(6, f"the interleaved schedule needs num_micro_batches ({m}) divisible by pp ({pp}); use a "
                        f"multiple of {pp} micro-batches")

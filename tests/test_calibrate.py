@@ -91,7 +91,9 @@ def test_efficiency_fit_is_monotone_and_matches_the_large_matmuls(cal):
         samples = sorted((s for s in cal.matmul if s.dtype == dtype), key=lambda s: s.n)
         assert fit.peak_flops_per_s == max(s.flops_per_s for s in samples)
         eff = [fit.curve.efficiency(s.flops, fit.peak_flops_per_s) for s in samples]
-        assert all(a < b for a, b in zip(eff, eff[1:])), (dtype, eff)
+        # non-decreasing: flat where the machine shows no fixed cost per kernel (bf16 on an AVX2
+        # CPU without bf16 instructions took time proportional to the FLOPs at every size)
+        assert all(a <= b for a, b in zip(eff, eff[1:])), (dtype, eff)
         largest = samples[-1]
         assert 0.5 < fit.predict_seconds(largest.flops) / largest.seconds < 2, (dtype, fit, largest)
 

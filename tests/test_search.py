@@ -191,6 +191,11 @@ def test_interleaved_chunks_may_differ_in_depth_but_each_needs_a_block(profile):
     # six blocks over 2 ranks x 2 chunks: the two extra blocks go to the middle chunks, one per rank
     assert chunk_sizes(6, [0, 1, 0, 1], 2) == [1, 2, 2, 1]
     assert chunk_sizes(8, [0, 1, 0, 1], 2, embedding=5.0, head=5.0) == [2, 2, 2, 2]  # equal when they divide
+    # more extra blocks than middle chunks: the last one goes to an end chunk, never a third to a middle one
+    assert chunk_sizes(7, [0, 1, 0, 1], 2) == [2, 2, 2, 1]
+    for blocks in range(4, 40):
+        sizes = chunk_sizes(blocks, [0, 1, 2, 3, 3, 2, 1, 0], 4, embedding=0.3, head=0.6)
+        assert sum(sizes) == blocks and max(sizes) - min(sizes) <= 1, (blocks, sizes)
     # a V: chunks 0 and 3 on rank 0, which also holds the embedding and the head
     assert chunk_sizes(6, [0, 1, 1, 0], 2, embedding=0.5, head=0.5) == [1, 2, 2, 1]
     # Llama 3 405B's 126 blocks over 16 ranks x 6 chunks: every rank within one block of the others,

@@ -14,8 +14,11 @@ import time
 
 import pytest
 
+from partitioner.cost.cluster import Cluster
+from partitioner.search.profile import profile_model
+from partitioner.search.search import search
 from runtime.dist.launch import spawn
-from tests.runtime_cases import Plan, check_plan, payloads_for, train_plans
+from tests.runtime_cases import MODELS, Plan, check_plan, payloads_for, train_plans
 
 
 def _plan(model, dp, pp, schedule, m, *, zero=0, ckpt="none", offload="none", batch=None, tp=1, cp=1,
@@ -50,11 +53,6 @@ PLANS = [
 
 @pytest.mark.parametrize("schedule", ["zbv", "interleaved"])
 def test_the_uneven_plans_split_as_the_search_does(schedule):
-    from partitioner.cost.cluster import Cluster
-    from partitioner.search.profile import profile_model
-    from partitioner.search.search import search
-    from tests.runtime_cases import MODELS
-
     plan = next(p for p in PLANS if p.model == "gpt6" and p.schedule == schedule)
     chosen = search(profile_model(MODELS["gpt6"], dtype="fp32"), Cluster.preset("local-cpu", nodes=2),
                     global_batch=plan.global_batch, fix={"pp": 2, "dp": 1, "tp": 1, "schedule": schedule,

@@ -634,9 +634,10 @@ def _assignment(ctx: PlanContext, c: ParallelConfig, costs, limit: float | None)
 def chunk_sizes(blocks: int, ranks: list[int], p: int, embedding: float = 0.0, head: float = 0.0) -> list[int]:
     """Blocks per model chunk (virtual stage ``j`` runs on pipeline rank ``ranks[j]``) when the
     chunks of an interleaved or V schedule cannot all hold the same number: each chunk gets
-    ``blocks // len(ranks)``, and each remaining block goes to the chunk of the rank with the least
-    work so far (``embedding`` and ``head``: the first and last chunk's extra work, in blocks), the
-    first and last chunks last, the lowest index on a tie. Equal chunks when they divide."""
+    ``blocks // len(ranks)``, and each remaining block goes to one of the shallowest chunks, a
+    middle one before the first and last (they also hold the embedding and the head), that of the
+    rank with the least work so far (``embedding`` and ``head``: the first and last chunk's extra
+    work, in blocks), the lowest index on a tie. No two chunks differ by more than one block."""
     n = len(ranks)
     sizes = [blocks // n] * n
     load = [0.0] * p
@@ -644,10 +645,9 @@ def chunk_sizes(blocks: int, ranks: list[int], p: int, embedding: float = 0.0, h
         load[r] += sizes[j]
     load[ranks[0]] += embedding
     load[ranks[-1]] += head
-    middle = list(range(1, n - 1)) or list(range(n))
-    ends = [j for j in (0, n - 1) if j not in middle]
     for _ in range(blocks - sum(sizes)):
-        pool = [j for j in middle if sizes[j] == min(sizes[k] for k in middle)] or ends
+        least = min(sizes)
+        pool = [j for j in range(1, n - 1) if sizes[j] == least] or [j for j in range(n) if sizes[j] == least]
         j = min(pool, key=lambda j: (load[ranks[j]], j))
         sizes[j] += 1
         load[ranks[j]] += 1

@@ -117,4 +117,3 @@ def test_a_program_with_checkpointed_regions_comes_back_with_them():
     batch = spec.example_inputs({"batch": 2}, seed=3)
     for mine, theirs in zip(rebuilt(*batch), program(*batch), strict=True):
         assert torch.equal(mine, theirs)
-

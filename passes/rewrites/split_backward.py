@@ -125,11 +125,15 @@ def _mark_entries(gm: fx.GraphModule, trainable: set[int], grad_inputs: set[str]
     for node in entries:
         with gm.graph.inserting_after(node):
             marker = gm.graph.call_function(ops.split_point.default, (node,))
-        marker.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta")})
+        marker.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", SHAPE)})
         node.replace_all_uses_with(marker, delete_user_cb=lambda user: user is not marker)
 
 
 def _is_float_tensor(node: fx.Node) -> bool:
+    # a stage program's nodes carry the analysis' shapes (export's "val" only in a fresh capture)
+    shape = node.meta.get(SHAPE)
+    if shape is not None:
+        return bool(shape.tensors) and shape.tensors[0].dtype.is_floating_point
     val = node.meta.get("val")
     return isinstance(val, torch.Tensor) and val.dtype.is_floating_point
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 import copy
 
 import pytest
+import sympy
 import torch
 import torch.utils.checkpoint as checkpoint
 from torch import nn
 
 from passes.ir.errors import PartitionerError
+from passes.ir.meta import SHAPE, ShapeMeta, TensorMeta
 from passes.rewrites.split_backward import split_backward
 from runtime.exec.split_backward import WeightOrder, backward_input, backward_weight
 
@@ -66,6 +68,21 @@ def test_pass_marks_the_data_entry_and_aliases_shared_uses():
     assert "embedding" in str(entry.args[0].target)  # right after the lookup
     # lin.weight and lin.bias are read by two linears each: every read has its own alias
     assert targets.count("aten.alias.default") == 4
+
+
+def test_a_stage_program_is_marked_from_the_analysis_shapes():
+    """A lowered stage program carries the analysis' shapes, not export's values: the entry is
+    found from them (without a marker, a first stage's I does nothing and W the whole backward)."""
+    gm = _exported(Shared(), torch.randint(0, 16, (2, 5)))
+    for node in gm.graph.nodes:
+        val = node.meta.pop("val", None)
+        if isinstance(val, torch.Tensor):
+            node.meta[SHAPE] = ShapeMeta(tensors=(TensorMeta(shape=tuple(sympy.Integer(d) for d in val.shape),
+                                                             dtype=val.dtype),))
+    gm = split_backward(gm)
+    entry = next(n for n in gm.graph.nodes if "split_point" in str(n.target))
+    assert "embedding" in str(entry.args[0].target)
+    assert entry.meta[SHAPE] == entry.args[0].meta[SHAPE]
 
 
 def test_split_halves_give_the_full_backward_exactly_on_a_first_stage():

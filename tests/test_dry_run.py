@@ -367,10 +367,13 @@ def test_a_host_copy_told_right_after_it_is_made_undoes_the_peak_it_made():
 
 @pytest.mark.parametrize("offload", ["optimizer", "activations"])
 def test_what_offload_moves_to_the_host_is_not_in_the_device_peak(offload):
+    """At a shape whose tensors are not mostly a few hundred bytes: the dry run rounds every
+    storage as the caching allocator does (512 bytes at least), the plan does not, which at
+    :data:`MODEL` alone is over 5%."""
     from partitioner.api.dry_run import MEMORY_TOLERANCE
 
-    report = dry_run(MODEL, "dgx-h100", nodes=1, training=TRAINING, fix=f"dp=2,tp=2,pp=2,offload={offload}",
-                     ranks=(0,))
+    report = dry_run("gpt:layers=2,hidden=128,heads=4,vocab=256,seq=32", "dgx-h100", nodes=1, training=TRAINING,
+                     fix=f"dp=2,tp=2,pp=2,offload={offload},checkpointing=none", ranks=(0,))
     assert report.ok and not report.static_mismatches, report.text()
     (r,) = report.ranks
     assert abs(r.memory_difference) <= MEMORY_TOLERANCE, report.text()

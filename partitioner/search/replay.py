@@ -78,7 +78,7 @@ from passes.ir.meta import ZERO3_PLAN
 from passes.ir.meta import dim_symbol
 from passes.ir.schedule import build as build_schedule
 from passes.ir.schedule.actions import Kind
-from passes.rewrites.split_backward import held_gradient_meta
+from passes.rewrites.split_backward import copied_weight_gradients, held_gradient_meta, weight_half_nodes
 from partitioner.search.search import search
 from passes.ir.grad_buckets import MAX_IN_FLIGHT, BucketMachine, GradSlot, Launch, bucket_layout
 from partitioner.compile.build import rank_program
@@ -491,6 +491,13 @@ class _Live:
         self.total -= nbytes
         self._by[kind] -= nbytes
 
+    def shrink(self, key: Hashable, nbytes: int) -> None:
+        """``nbytes`` of ``key``'s now belong to another key (allocated next): no new peak."""
+        size, kind = self.size[key]
+        self.size[key] = (size - nbytes, kind)
+        self.total -= nbytes
+        self._by[kind] -= nbytes
+
     def free_if(self, key: Hashable) -> None:
         if key in self.size:
             self.free(key)
@@ -623,6 +630,11 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
     deferred: dict[tuple[int, int], list] = {}
     held_grads = ({s: sum(_tensor_bytes(meta, sym) for meta in held_gradient_meta(program.modules[s]))
                    for s in program.stages} if program.config.split_backward else {})
+    kept_for_w = ({s: weight_half_nodes(program.modules[s]) for s in program.stages}
+                  if program.config.split_backward else {})
+    copied_in_w = ({s: copied_weight_gradients(program.modules[s]) for s in program.stages}
+                   if program.config.split_backward else {})
+    recompute_in_w = {s: _recompute_peak(ev[s].backward) for s in kept_for_w}
     grads_made: set[int] = set()
     sent: list[Hashable] = []
     returned: set[tuple[int, int]] = set()  # (stage, micro-batch) whose output gradient came back
@@ -655,7 +667,8 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
                 if e.op in Z3_OPS:
                     raise ConfigError("fidelity: a split backward (zero-bubble schedules) with zero_stage=3 is not run "
                                       "by the runtime; choose schedule=1f1b or interleaved, or zero_stage <= 2")
-                if e.key in ev[s].param_grads or (e.op == "-" and (s, i, e.key) in held):
+                if e.key in ev[s].param_grads or (e.op == "-" and (s, i, e.key) in held
+                                                  and not _released_by_input_half(e.key, kept_for_w[s])):
                     later.append(e)
                 else:
                     _apply(live, e, (s, i), "activations", where)
@@ -685,6 +698,9 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
                 live.alloc((s, i, "w_grads"), made, "grads", where)  # (runtime.exec.split_backward)
                 # and the graph (what forward saved) lives until W returns: freed below, not as it goes
                 kept = {key for key in live.size if _of(key, s, i)}
+                # W walks into each checkpointed region again and recomputes it (one at a time)
+                if recompute_in_w[s]:
+                    live.bump(recompute_in_w[s], "activations", where)
             for e in events:
                 key = (s, i, e.key)
                 if e.op in Z3_OPS:
@@ -700,6 +716,8 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
                         k_sync, m = member[id(param)]
                         zero2[k_sync].grad(e, ("pgrad", s, i, e.key), m, where)
                     elif first:
+                        if weight_half and e.op == "+" and ev[s].param_grads[e.key] not in copied_in_w[s]:
+                            live.shrink((s, i, "w_grads"), e.bytes)  # .grad becomes W's gradient itself
                         _apply(live, e, ("pgrad", s), "grads", where)
                     elif z3 is not None and e.op == "+":  # a site's shards live until its reduce-scatter returns
                         live.alloc(("z3_acc", s, i, e.key), e.bytes, "grads", where)
@@ -941,6 +959,26 @@ class _Zero2Buckets:
                 self.live.free((self.name, "zero2_chunk", step.launch))  # added into the bucket's summed chunk
             else:
                 self.summed.add(step.bucket)  # the first chunk is the summed chunk (kept to the step)
+
+
+def _recompute_peak(events) -> int:
+    """The most bytes of recomputed storages (keys ``("re", storage)``) alive at once in a
+    backward: a checkpointed region's recompute, which a split backward's W makes again."""
+    live = peak = 0
+    for e in events:
+        if isinstance(e.key, tuple) and len(e.key) == 2 and e.key[0] == "re":
+            live += e.bytes if e.op == "+" else -e.bytes if e.op == "-" else 0
+            peak = max(peak, live)
+    return peak
+
+
+def _released_by_input_half(key, kept: set[str]) -> bool:
+    """A storage saved for backward only by nodes of the stage's own graph that the weight half
+    does not keep (:func:`passes.rewrites.split_backward.weight_half_nodes`): I frees it."""
+    savers = getattr(key, "savers", None)
+    # a region's nodes live in its own graph module, which carries no capture facts
+    return bool(savers) and not getattr(key, "cached", False) and all(
+        CAPTURE in n.graph.owning_module.meta and n.name not in kept for n in savers)
 
 
 def _apply(live: _Live, e: Event, tag: tuple, kind: str, where: str) -> None:

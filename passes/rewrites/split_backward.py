@@ -33,6 +33,7 @@ from passes.ir.meta import SHAPE
 from passes.ir.ops import ops
 
 _ALIAS = torch.ops.aten.alias.default
+_LINEAR = torch.ops.aten.linear.default
 
 
 def split_backward(gm: fx.GraphModule, ctx: Any = None, *, grad_inputs: tuple[str, ...] = ()) -> fx.GraphModule:
@@ -162,3 +163,49 @@ def held_gradient_meta(gm: fx.GraphModule) -> list:
     """The TensorMetas of the gradients a split backward holds from I to W, per micro-batch
     (:func:`held_gradient_nodes`' first outputs)."""
     return [node.meta[SHAPE].tensors[0] for node in held_gradient_nodes(gm)]
+
+
+def weight_half_nodes(gm: fx.GraphModule) -> set[str]:
+    """Names of the nodes of ``gm``'s own graph whose autograd nodes a split backward keeps from I
+    to W: those that read a parameter and the data, the split points, and every node they read
+    from, transitively (W walks down from them). A checkpointed region's call counts when a node
+    inside reads a parameter. What only the loss side reads (the cross entropy's saved
+    log-softmax on a last stage) is released by I, once the stage lets go of its outputs."""
+    held = {id(n) for n in held_gradient_nodes(gm)}
+    regions = {name for name, m in gm.named_modules() if name and isinstance(m, fx.GraphModule)
+               and any(id(n) in held for n in m.graph.nodes)}
+    roots = [n for n in gm.graph.nodes
+             if id(n) in held or (n.op == "call_function" and n.target == ops.split_point.default)
+             or (n.op == "call_module" and n.target in regions)]
+    out: set[str] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node.name in out:
+            continue
+        out.add(node.name)
+        stack.extend(node.all_input_nodes)
+    return out
+
+
+def copied_weight_gradients(gm: fx.GraphModule) -> set[str]:
+    """Qualified names (in ``gm``) of the parameters whose weight-half gradient ``.grad`` copies
+    on a step's first accumulation: those an op of :func:`held_gradient_nodes` reads directly.
+    W hands that gradient to the parameter's AccumulateGrad while still holding it, so it cannot
+    be taken over; a gradient that comes through another node first (the ``t`` before a matmul,
+    an ``alias``; ``aten.linear``'s weight, which autograd reads through its ``t``) is a new
+    tensor, which ``.grad`` becomes without a copy."""
+    names = {id(p): n for n, p in gm.named_parameters()}
+    out: set[str] = set()
+    for node in held_gradient_nodes(gm):
+        if any(u.op == "call_function" and u.target == ops.split_point.default for u in node.users):
+            continue  # below a split point W runs an ordinary backward from the marker's gradient
+        g = node.graph.owning_module
+        for k, a in enumerate(node.args):
+            if not isinstance(a, fx.Node) or (node.target == _LINEAR and k == 1):
+                continue
+            p = _param(g, a)
+            if p is not None and id(p) in names:
+                out.add(names[id(p)])
+    return out
+

@@ -16,7 +16,7 @@ from torch import nn
 
 from passes.ir.errors import PartitionerError
 from passes.ir.meta import SHAPE, ShapeMeta, TensorMeta
-from passes.rewrites.split_backward import split_backward
+from passes.rewrites.split_backward import copied_weight_gradients, split_backward, weight_half_nodes
 from runtime.exec.split_backward import WeightOrder, backward_input, backward_weight
 
 
@@ -70,19 +70,36 @@ def test_pass_marks_the_data_entry_and_aliases_shared_uses():
     assert targets.count("aten.alias.default") == 4
 
 
-def test_a_stage_program_is_marked_from_the_analysis_shapes():
-    """A lowered stage program carries the analysis' shapes, not export's values: the entry is
-    found from them (without a marker, a first stage's I does nothing and W the whole backward)."""
-    gm = _exported(Shared(), torch.randint(0, 16, (2, 5)))
+def _as_stage_program(gm):
+    """``gm`` as a lowered stage program carries it: the analysis' shapes, no export values."""
     for node in gm.graph.nodes:
         val = node.meta.pop("val", None)
         if isinstance(val, torch.Tensor):
             node.meta[SHAPE] = ShapeMeta(tensors=(TensorMeta(shape=tuple(sympy.Integer(d) for d in val.shape),
                                                              dtype=val.dtype),))
-    gm = split_backward(gm)
+    return gm
+
+
+def test_a_stage_program_is_marked_from_the_analysis_shapes():
+    """A lowered stage program carries the analysis' shapes, not export's values: the entry is
+    found from them (without a marker, a first stage's I does nothing and W the whole backward)."""
+    gm = split_backward(_as_stage_program(_exported(Shared(), torch.randint(0, 16, (2, 5)))))
     entry = next(n for n in gm.graph.nodes if "split_point" in str(n.target))
     assert "embedding" in str(entry.args[0].target)
     assert entry.meta[SHAPE] == entry.args[0].meta[SHAPE]
+
+
+def test_what_the_weight_half_keeps_and_which_gradients_it_copies():
+    torch.manual_seed(0)
+    gm = split_backward(_as_stage_program(_exported(Shared(), torch.randint(0, 16, (2, 5)))))
+    kept = weight_half_nodes(gm)
+    norm = next(n for n in gm.graph.nodes if "layer_norm" in str(n.target))
+    square = next(n for n in gm.graph.nodes if "square" in str(n.target) or "pow" in str(n.target))
+    assert norm.name in kept and "split_point_default" in kept  # W walks down from them
+    assert square.name not in kept  # only the loss side reads it: I releases what it saved
+    # the norm reads its parameters directly (W's gradients are handed over, then copied); the
+    # linears read theirs through aliases and the embedding sits below the split point
+    assert copied_weight_gradients(gm) == {"norm.weight", "norm.bias"}
 
 
 def test_split_halves_give_the_full_backward_exactly_on_a_first_stage():

@@ -274,6 +274,7 @@ API = [
     ("job-timeout", lambda ctx: Job(timeout_s=-1), ConfigError, r"Job\.timeout_s must be > 0 seconds, got -1"),
     ("job-timeout-zero", lambda ctx: Job(timeout_s=0), ConfigError, r"Job\.timeout_s must be > 0 seconds, got 0"),
     ("job-dump-dir", lambda ctx: Job(dump_dir=3), ConfigError, r"Job\.dump_dir is int; give a directory path"),
+    ("job-onnx", lambda ctx: Job(onnx="yes"), ConfigError, r"Job\.onnx is str; give True"),
     ("job-track-memory", lambda ctx: Job(track_memory=-1), ConfigError,
      r"Job\.track_memory must be True, False or a number of steps >= 0, got -1"),
     ("auto-training", lambda ctx: auto_parallelize(GPT, training={"global_batch": 4}), ConfigError,

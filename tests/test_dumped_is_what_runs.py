@@ -29,18 +29,9 @@ PLANS = {
 
 
 def _rank(root: str):
-    import functools
-
-    import partitioner.api.auto
-    import partitioner.api.dumps
     from ir_dumps.writer import program_text
+    from partitioner import Job, Training, auto_parallelize
     from passes.capture.capture import capture_count
-
-    # program.txt is what is compared here; ONNX of the same programs is checked by
-    # tests/test_plan_dumps.py and tests/test_demo.py, and exporting it for seven plans was a
-    # fifth of rank 0's time (the job's critical path). Only this spawned process is patched.
-    partitioner.api.auto.write_plan_dumps = functools.partial(partitioner.api.dumps.write_plan_dumps, onnx=False)
-    auto_parallelize = partitioner.api.auto.auto_parallelize
 
     spec = build_model(MODEL)
     batch = spec.example_inputs({"batch": GLOBAL_BATCH}, seed=7)
@@ -48,8 +39,8 @@ def _rank(root: str):
     for name, fix in PLANS.items():
         before = capture_count()
         start = time.perf_counter()
-        trainer = auto_parallelize(MODEL, training=partitioner.Training(global_batch=GLOBAL_BATCH), fix=fix,
-                                   job=partitioner.Job(dump_dir=f"{root}/{name}", timeout_s=60, track_memory=False))
+        trainer = auto_parallelize(MODEL, training=Training(global_batch=GLOBAL_BATCH), fix=fix,
+                                   job=Job(dump_dir=f"{root}/{name}", timeout_s=60, track_memory=False))
         built = time.perf_counter() - start
         captures = capture_count() - before
         pm = trainer.model

@@ -430,7 +430,8 @@ def auto_parallelize(model: str | ModelSpec, cluster: Cluster | str | None = Non
     if writer is not None:
         # the other ranks' lower_plan takes the whole-graph prefix from this one: make and send it
         share_whole_graph_prefix(graph, chosen.config, mesh, cost=cost_hooks(cluster), ctx=ctx)
-        dumps = write_plan_dumps(out_dir, graph=graph, plan=chosen, cluster=cluster, writer=writer)
+        dumps = write_plan_dumps(out_dir, graph=graph, plan=chosen, cluster=cluster, writer=writer,
+                                 onnx=job.onnx)
         # the ranks of its data axis wait for its programs: it sends none, they lower alone
         share_stage_programs(graph, chosen.config, mesh, lambda: dumps.lowering, cost=cost_hooks(cluster), ctx=ctx,
                              share=False)

@@ -8,7 +8,9 @@
     D/00_input.* .. NN_*     the captured graph, then each analysis and whole-graph tag pass
     D/stage<s>_tp<r>/        each (pipeline stage, tp rank) program: 00_split, then its passes,
                              program.txt (the program the runtime executes, as text) and
-                             program.onnx (the same program in ONNX, our ops as a custom domain)
+                             program.onnx (the same program in ONNX, our ops as a custom domain;
+                             ``partitioner lower`` and ``plan`` write it, a job only when asked:
+                             ``Job(onnx=True)``, ``--onnx``)
     D/stages.dot (.svg)      the whole graph coloured by stage, tp and recompute marked
     D/plan.json, report.html
 
@@ -81,6 +83,9 @@ def write_plan_dumps(root: str | Path, *, graph: fx.GraphModule, plan: Plan, clu
     paths: list[Path] = []
     if onnx:
         paths, notes = _write_onnx(lowering, root)
+    else:
+        notes.append("no program.onnx: not asked for (Job(onnx=True), --onnx); the reproduce command writes the "
+                     "same tree with it")
     writer.extra.update({
         "config": plan.config.to_dict(), "cluster": plan.cluster,
         "reproduce": reproduce_command(str(root / "plan.json"), cluster, extra=reproduce_args),

@@ -7,7 +7,8 @@ knob (``--fix`` pins some), prints the chosen plan and the runner-up with how mu
 (:func:`runtime.dist.launch.spawn`), trains on the byte-level stdlib corpus (:mod:`partitioner.cli.corpus`),
 prints the loss per step (and a tqdm bar when stderr is a terminal), checks the first steps
 against single-process training of the same model, and leaves in ``--dump-dir`` the plan's dump tree
-(:mod:`partitioner.api.dumps`: every pass of the lowering, each rank program as text and ONNX),
+(:mod:`partitioner.api.dumps`: every pass of the lowering, each rank program as text, and as ONNX
+with ``--onnx``),
 ``plan.json``, ``report.html`` and ``measurements.json``.
 
 ``partitioner train`` is the same loop for any model spec, run by every rank of a job that
@@ -300,9 +301,13 @@ def max_rel_diff(a: Sequence[float], b: Sequence[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
+ONNX_NOTE = {True: " (+ .onnx)", False: " (ONNX: --onnx, or the manifest's partitioner lower command)"}
+"""What the closing line says of ``program.onnx``, with and without ``--onnx``."""
+
+
 def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str | None = DEMO_FIX, dump_dir: str = "demo_out",
              global_batch: int = DEMO_GLOBAL_BATCH, timeout_s: float = 60.0, track_memory: bool | int = 2,
-             dtype: str = "fp32", out=None) -> dict:
+             dtype: str = "fp32", onnx: bool = False, out=None) -> dict:
     """The whole demo; returns a summary dict. Raises :class:`ParityError` when the first
     :data:`CHECK_STEPS` losses differ from single-process training by more than :data:`CHECK_RTOL`."""
     from partitioner.inputs.job import Job
@@ -322,7 +327,7 @@ def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str | None = DEMO
     # starting a calibration job of its own first; rank 0 prints what it found
     say(f"demo: {model} on {DEMO_WORLD} local gloo ranks, {f'fix {fix}' if fix else 'nothing pinned'}, "
         f"global batch {global_batch}, {steps} steps; the ranks detect the cluster")
-    job = Job(dump_dir=dump, timeout_s=timeout_s, track_memory=track_memory)
+    job = Job(dump_dir=dump, timeout_s=timeout_s, track_memory=track_memory, onnx=onnx)
     results = spawn(_demo_rank, DEMO_WORLD, model, steps, fix, training, job, None,
                     timeout_s=max(600.0, 20.0 * steps))
     distributed_s = time.perf_counter() - start
@@ -361,7 +366,7 @@ def run_demo(*, model: str = DEMO_MODEL, steps: int = 30, fix: str | None = DEMO
     phases = results[0].build_phases
     say("build on rank 0: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
     total = time.perf_counter() - start
-    say(f"wrote {dump}/: every pass, stage<s>_tp<r>/program.txt (+ .onnx), plan.json, report.html, "
+    say(f"wrote {dump}/: every pass, stage<s>_tp<r>/program.txt{ONNX_NOTE[onnx]}, plan.json, report.html, "
         f"measurements.json  (total {total:.1f} s: build "
         f"{max(r.build_s for r in results):.1f} s, train {max(r.train_s for r in results):.1f} s)")
     return {"losses": losses, "reference": ref, "max_rel_diff": diff, "seconds": total,
@@ -374,7 +379,7 @@ def run_train(*, model: str, global_batch: int, steps: int, fix: str | None, dum
               tokenizer: str | None = None, seed: int = 0, metrics: str | None = None, save_dir: str | None = None,
               save_every: int | None = None, keep: int | None = None, resume: str | None = None,
               clip_grad_norm: float | None = None, warmup: int | None = None, nodes: int | None = None,
-              debug: bool = False) -> int:
+              debug: bool = False, onnx: bool = False) -> int:
     """``partitioner train`` on this rank (env:// rendezvous); returns the exit code.
 
     ``data``: a text file (:func:`token_dataset`; ``tokenizer``: a Hugging Face tokenizer name,
@@ -400,7 +405,7 @@ def run_train(*, model: str, global_batch: int, steps: int, fix: str | None, dum
     training = Training(global_batch=global_batch, optimizer=with_lr(optimizer, lr), dtype=dtype,
                         clip_grad_norm=clip_grad_norm,
                         lr_scheduler=warmup_cosine(warmup, steps) if warmup is not None else None)
-    job = Job(timeout_s=timeout_s, dump_dir=dump_dir)
+    job = Job(timeout_s=timeout_s, dump_dir=dump_dir, onnx=onnx)
     chosen = read_plan(plan) if plan is not None else None
     _report_before_sigterm(timeout_s + 5.0)
     job_cluster = Cluster.load(cluster, nodes=nodes) if nodes is not None else cluster
@@ -461,7 +466,7 @@ def run_train(*, model: str, global_batch: int, steps: int, fix: str | None, dum
         logger.close()
     trainer.finish()
     if rank0 and dump_dir:
-        print(f"wrote {dump_dir}/: every pass, stage<s>_tp<r>/program.txt (+ .onnx), plan.json, report.html, "
+        print(f"wrote {dump_dir}/: every pass, stage<s>_tp<r>/program.txt{ONNX_NOTE[onnx]}, plan.json, report.html, "
               f"measurements.json", flush=True)
     from runtime.dist import heartbeat
 

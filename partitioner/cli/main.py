@@ -310,11 +310,15 @@ def _show_calibrations() -> int:
     return 0
 
 
+ONNX_HELP = ("also write program.onnx beside each rank program's program.txt at build (each program is "
+             "traced again by the ONNX exporter: seconds per program before the first step)")
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from partitioner.cli.demo import run_demo
 
     run_demo(model=args.model, steps=args.steps, fix=args.fix, dump_dir=args.dump_dir, global_batch=args.global_batch,
-             dtype=args.dtype)
+             dtype=args.dtype, onnx=args.onnx)
     return 0
 
 
@@ -368,6 +372,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                      optimizer=args.optimizer, plan=args.plan,
                      data=args.data, tokenizer=args.tokenizer, seed=args.seed, metrics=args.metrics,
                      save_dir=args.save_dir, save_every=args.save_every, keep=args.keep, resume=args.resume,
+                     onnx=args.onnx,
                      clip_grad_norm=args.clip_grad_norm, warmup=args.warmup, nodes=args.nodes, debug=args.debug)
 
 
@@ -457,6 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fix", default=DEMO_FIX, help="pin knobs, e.g. dp=2,pp=2 (default: none, the search chooses)")
     p.add_argument("--global-batch", type=int, default=DEMO_GLOBAL_BATCH, help="samples per step")
     p.add_argument("--dump-dir", default="demo_out", help="the dump tree, plan.json, report.html, measurements.json")
+    p.add_argument("--onnx", action="store_true", help=ONNX_HELP)
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
                    help="training precision (16-bit: fp32 master weights; checked against one process in that dtype)")
     p.add_argument("--debug", action="store_true", help="on a failure, print the full traceback of each failed rank")
@@ -471,6 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "searching; not with --fix")
     p.add_argument("--cluster", help="preset or cluster file (default: this machine, one device per rank)")
     p.add_argument("--dump-dir", help="write the dump tree, plan.json, report.html, measurements.json here (rank 0)")
+    p.add_argument("--onnx", action="store_true", help=ONNX_HELP)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective/receive may wait (default 60)")
     p.add_argument("--optimizer", default="adamw", help=OPTIMIZER_HELP)
     p.add_argument("--lr", type=float, help="learning rate of --optimizer (default torch's)")

@@ -22,6 +22,12 @@ class Job:
     """Rank 0 writes the dump tree here (every pass of the lowering, each rank program,
     ``plan.json``, ``report.html``; ``measurements.json`` at ``finish()``; ``--dump-dir``).
     ``None``: nothing is written."""
+    onnx: bool = False
+    """Rank 0 also writes ``program.onnx`` beside each ``program.txt`` of the dump tree (``--onnx``).
+    Off by default: the exporter traces every program again (torch.export, then ONNX's own
+    decompositions), which costs more than capture, plan and lowering together and would hold up
+    every rank's first step; ``partitioner lower --plan D/plan.json`` writes the same tree with
+    ONNX afterwards (the command is in ``D/manifest.json``)."""
     track_memory: bool | int = 2
     """On CPU, the number of first steps whose live bytes are tracked (slower steps; the peak is
     reached by the second); ``True``: every step, ``False``/``0``: none. CUDA peaks are read
@@ -32,6 +38,9 @@ class Job:
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise ConfigError(f"Job.dump_dir is {type(self.dump_dir).__name__}; give a directory path (str or "
                               f"pathlib.Path), or None to write nothing")
+        if not isinstance(self.onnx, bool):
+            raise ConfigError(f"Job.onnx is {type(self.onnx).__name__}; give True (write program.onnx at build) or "
+                              f"False")
         if not isinstance(self.track_memory, int) or (self.track_memory is not True and self.track_memory < 0):
             raise ConfigError(f"Job.track_memory must be True, False or a number of steps >= 0, got "
                               f"{self.track_memory!r}; e.g. 2 (the default: the first two steps)")

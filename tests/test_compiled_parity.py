@@ -1,7 +1,7 @@
 """Plans with ``compile=true`` train like one device: each rank runs its stage programs compiled
 with inductor (:mod:`runtime.exec.compiled`) under data parallelism, ZeRO-2 and ZeRO-3, tensor
-parallelism with sequence parallelism, and 1F1B and interleaved pipelines with full and selective
-checkpointing, compared with single-process AdamW training, clipped and scheduled, at rtol 1e-5
+parallelism with sequence parallelism, 1F1B and interleaved pipelines with full and selective
+checkpointing, and the zero-bubble ZB-H1 schedule (its weight-free segments compiled), compared with single-process AdamW training, clipped and scheduled, at rtol 1e-5
 (tests/runtime_cases.py's check).
 
 The ranks compile into an empty inductor cache (the first compile a user's job makes), one they
@@ -33,6 +33,8 @@ PLANS = [
     _plan(dp=2, m=2, zero=2),  # the same programs as dp=2: compiled once
     _plan(tp=2, sp=True, batch=2, ckpt="selective"),
     _plan(pp=2, m=2, ckpt="full"),
+    # a split backward: the segments between the weight-reading ops compiled, those ops eager
+    _plan(pp=2, m=2, schedule="zb1p"),
 ]
 
 

@@ -118,10 +118,17 @@ def test_compile_is_off_unless_pinned_and_pinned_leaves_out_what_it_does_not_run
     cluster = _cluster(nodes=2)
     assert not search(profile, cluster, global_batch=64).compile
     pinned = search(profile, cluster, global_batch=64, fix={"compile": True, "pp": 2})
-    assert pinned.compile and pinned.schedule not in ("zb1p", "zbv") and pinned.offload == "none"
+    assert pinned.compile and pinned.offload == "none"
     assert pinned.alternatives and all(a.knobs["compile"] for a in pinned.alternatives)
+    # a split backward compiles the segments between the weight-reading ops: no checkpointed region there
+    for knobs in [pinned.knobs(), *(a.knobs for a in pinned.alternatives)]:
+        assert knobs["offload"] == "none"
+        assert knobs["schedule"] not in ("zb1p", "zbv") or knobs["checkpointing"] == "none", knobs
+    zb = search(profile, cluster, global_batch=64, fix={"compile": True, "pp": 2, "schedule": "zb1p"})
+    assert zb.compile and zb.schedule == "zb1p" and zb.checkpointing == "none"
     with pytest.raises(ConfigError, match="compile=true with schedule='zb1p'"):
-        search(profile, cluster, global_batch=64, fix={"compile": True, "pp": 2, "schedule": "zb1p"})
+        search(profile, cluster, global_batch=64, fix={"compile": True, "pp": 2, "schedule": "zb1p",
+                                                       "checkpointing": "full"})
 
 
 def test_search_is_deterministic(profile):

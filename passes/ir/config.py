@@ -126,15 +126,18 @@ def knob_conflicts(*, zero_stage: int, offload: str, schedule: str, checkpointin
 
 
 def compile_refusals(*, schedule: str, offload: str, checkpointing: str, cp: int, ep: int) -> list[str]:
-    """What ``compile=true`` does not run with yet, each rule with its fix. A compiled program is
-    one autograd node, so a split backward (zb1p, zbv) would run its whole backward in each half;
-    offload's brackets, the checkpoint policies that replay single ops (``dag``, ``tensor``) and
-    the cp and ep exchanges were not tried compiled."""
+    """What ``compile=true`` does not run with yet, each rule with its fix. Under a split backward
+    (zb1p, zbv) a compiled stage would be one autograd node, which the input and weight halves
+    cannot run apart, so only the weight-free segments between its weight-reading ops compile
+    (:func:`runtime.exec.compiled.compile_segments`); a checkpointed region is one call of a
+    submodule there, whose inside would stay uncompiled, so those plans are refused. Offload's
+    brackets, the checkpoint policies that replay single ops (``dag``, ``tensor``) and the cp and
+    ep exchanges were not tried compiled."""
     out, off = [], "or compile=false"
-    if schedule in SPLIT_BACKWARD_SCHEDULES:
-        out.append(f"compile=true with schedule={schedule!r}: a compiled stage is one autograd node, which the input "
-                   f"and weight halves of a split backward cannot run apart; use schedule=1f1b, gpipe or "
-                   f"interleaved, {off}")
+    if schedule in SPLIT_BACKWARD_SCHEDULES and checkpointing != "none":
+        out.append(f"compile=true with schedule={schedule!r} compiles the segments between a stage's weight-reading "
+                   f"ops, and a checkpointed region ({checkpointing!r}) would run uncompiled inside; use "
+                   f"checkpointing='none', schedule=1f1b, gpipe or interleaved, {off}")
     if offload != "none":
         out.append(f"compile=true with offload={offload!r} is not supported yet; use offload='none', {off}")
     if checkpointing in ("dag", "tensor"):
@@ -213,8 +216,10 @@ class ParallelConfig:
     compile: bool = False
     """Run each stage program compiled (``torch.compile``, inductor; random draws as in eager, so a
     compiled plan trains like the uncompiled one): every rank compiles its programs at their first
-    forward. Not with the schedules that split a backward in two, offload, ``dag`` or ``tensor``
-    checkpointing, cp or ep yet (:meth:`problems` refuses them)."""
+    forward; under the schedules that split a backward in two (zb1p, zbv), the segments between
+    the weight-reading ops, which stay eager for the split to find. Not with offload, ``dag`` or
+    ``tensor`` checkpointing, cp or ep yet, nor with any checkpointing under a split backward
+    (:meth:`problems` refuses them)."""
     stage_boundaries: tuple[int, ...] | None = None
     """Layer-chain index where each virtual stage ``1 .. pp*virtual_pp - 1`` starts (see the module
     docstring); ``None``: the blocks are spread evenly, the embedding on the first stage, the head on

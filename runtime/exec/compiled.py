@@ -12,18 +12,119 @@ Two choices keep a compiled plan training like the uncompiled one:
 
 The collectives inside a program (tensor-parallel, ZeRO-3 gathers) are custom ops with fake
 implementations; the compiled graph calls them as opaque kernels in program order.
+
+**Split-backward schedules** (``zb1p``, ``zbv``) run a stage's backward in two halves, found on
+the autograd graph op by op (:mod:`runtime.exec.split_backward`): the input half runs the
+activation side of every op that reads a parameter, the weight half the parameter side later. A
+whole stage compiled is one autograd node, which cannot be run apart, so there
+:func:`compile_segments` compiles the *weight-free segments* instead: each run of consecutive
+ops that reads no parameter (attention, activations, dropout, residual adds, the loss) becomes
+one compiled graph, and the ops that read a parameter (linears, norms, embeddings, and whatever
+derives a tensor from a parameter) stay eager, each its own autograd node, where the split finds
+them. The segments hold no parameter; their backward is all input half.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 INDUCTOR_OPTIONS: dict[str, Any] = {"fallback_random": True}
 """Inductor settings of every compiled stage program (see the module docstring)."""
+
+SEGMENT_PREFIX = "compiled_segment_"
+"""Name of each compiled weight-free segment in a segmented stage program (a submodule)."""
+
+# Ops that only reshape or read sizes: a segment of these alone is not worth a compiled graph.
+_NO_COMPUTE = {operator.getitem, torch.ops.aten.sym_size.int, torch.ops.aten.view.default,
+               torch.ops.aten.reshape.default, torch.ops.aten.transpose.int, torch.ops.aten.t.default,
+               torch.ops.aten.permute.default, torch.ops.aten.expand.default, torch.ops.aten.unsqueeze.default,
+               torch.ops.aten.squeeze.dim, torch.ops.aten.flatten.using_ints, torch.ops.aten.split.Tensor,
+               torch.ops.aten.slice.Tensor, torch.ops.aten.select.int}
 
 
 def compile_stage(module: fx.GraphModule) -> Callable[..., Any]:
     """The callable that runs ``module`` compiled (lazily, at its first call)."""
     return torch.compile(module, backend="inductor", dynamic=False, options=dict(INDUCTOR_OPTIONS))
+
+
+def compile_segments(module: fx.GraphModule) -> Callable[..., Any]:
+    """The callable that runs ``module`` with its weight-free segments compiled (see the module
+    docstring), made at its first call from the module as it is then (ZeRO-3 and the
+    runtime's other set-up have changed it by then)."""
+    made: list[fx.GraphModule] = []
+
+    def run(*args: Any) -> Any:
+        if not made:
+            made.append(segmented(module, compile_segment=lambda gm: torch.compile(
+                gm, backend="inductor", dynamic=False, options=dict(INDUCTOR_OPTIONS))))
+        return made[0](*args)
+
+    return run
+
+
+def weight_free_segments(graph: fx.Graph) -> list[list[fx.Node]]:
+    """Runs of consecutive ops of ``graph`` (in its order) that read no parameter, each with at
+    least one op that computes (not only views and sizes).
+
+    An op reads a parameter when an input is a ``get_attr`` node or derives from one (a view, a
+    cast, a gather of a ZeRO-3 shard: every tensor input parameter-derived); those ops, the
+    derived ones, calls of submodules (checkpointed regions), the split-point markers of a
+    split backward and size reads (their ints stay eager) stay out. A run of consecutive nodes is convex (no path leaves it and comes
+    back), so each can be one call."""
+    derived: set[fx.Node] = set()
+    runs: list[list[fx.Node]] = []
+    current: list[fx.Node] = []
+    for node in graph.nodes:
+        inputs = node.all_input_nodes
+        if node.op == "get_attr" or (node.op == "call_function" and inputs and all(i in derived for i in inputs)):
+            derived.add(node)
+        eligible = (node.op == "call_function" and node not in derived and not any(i in derived for i in inputs)
+                    and not _is_marker(node) and node.target is not torch.ops.aten.sym_size.int)
+        if eligible:
+            current.append(node)
+            continue
+        if node.op == "get_attr":
+            continue  # depends on nothing and no op of a run reads it: the run goes on past it
+        runs.append(current)
+        current = []
+    runs.append(current)
+    return [run for run in runs if any(n.target not in _NO_COMPUTE for n in run)]
+
+
+def _is_marker(node: fx.Node) -> bool:
+    target = node.target
+    return getattr(target, "namespace", None) == "partitioner" and "split_point" in str(target)
+
+
+def segmented(module: fx.GraphModule, *, compile_segment: Callable[[fx.GraphModule], nn.Module]) -> fx.GraphModule:
+    """A copy of ``module`` whose :func:`weight_free_segments` are each one call of a submodule
+    (``compiled_segment_<k>``: ``compile_segment`` of that segment's graph); it shares
+    ``module``'s parameters, buffers and submodules."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(module.graph, env))
+    out = fx.GraphModule(module, graph)
+    for k, run in enumerate(weight_free_segments(out.graph)):
+        members = set(run)
+        inputs = list(dict.fromkeys(i for n in run for i in n.all_input_nodes if i not in members))
+        outputs = [n for n in run if any(u not in members for u in n.users)]
+        sub = fx.Graph()
+        inner: dict[fx.Node, fx.Node] = {i: sub.placeholder(f"in_{j}") for j, i in enumerate(inputs)}
+        for n in run:
+            inner[n] = sub.node_copy(n, lambda x: inner[x])
+        sub.output(tuple(inner[n] for n in outputs))
+        name = f"{SEGMENT_PREFIX}{k}"
+        out.add_submodule(name, compile_segment(fx.GraphModule(nn.Module(), sub)))
+        with out.graph.inserting_before(run[0]):
+            call = out.graph.call_module(name, tuple(inputs))
+            results = [out.graph.call_function(operator.getitem, (call, j)) for j in range(len(outputs))]
+        for n, r in zip(outputs, results):
+            n.replace_all_uses_with(r)
+        for n in reversed(run):
+            out.graph.erase_node(n)
+    out.graph.lint()
+    out.recompile()
+    return out

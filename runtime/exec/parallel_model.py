@@ -38,7 +38,7 @@ import math
 import torch
 from torch import fx
 
-from passes.ir.config import is_mixed
+from passes.ir.config import SPLIT_BACKWARD_SCHEDULES, is_mixed
 from passes.ir.errors import ConfigError, NonFiniteError
 from passes.ir.grad_buckets import DEFAULT_BUCKET_BYTES, MODE_OF_ZERO_STAGE, unique_params
 from passes.ir.meta import CAPTURE, InputBounds
@@ -60,7 +60,7 @@ from runtime.optim.mixed_precision import DynamicLossScaler, MasterWeightOptimiz
 from runtime.optim.optimizer_offload import HostOffloadedOptimizer
 from runtime.optim.optimizers import OptimizerFactory, as_factory, build, check_shardable, param_groups
 from runtime.optim.lr_schedules import SchedulerFactory
-from runtime.exec.compiled import compile_stage
+from runtime.exec.compiled import compile_segments, compile_stage
 from runtime.exec.stage_executor import LocalStage, StageExecutor, backward_counts
 from runtime.exec.split_backward import WeightOrder
 
@@ -110,7 +110,9 @@ class ParallelModel:
             register_group(program.ep_group, DistGroup(mesh.ep_group))
         if c.dp_cp > 1:  # a load-balancing loss averages its token statistics over the data axis
             register_group(program.data_group, DistGroup(mesh.dp_group))
-        self.stages = {s: LocalStage(s, module, program.io[s], compile_stage(module) if c.compile else None)
+        # a split backward finds the weight-reading ops on the autograd graph: only the segments between them compile
+        compiler = compile_segments if c.schedule in SPLIT_BACKWARD_SCHEDULES else compile_stage
+        self.stages = {s: LocalStage(s, module, program.io[s], compiler(module) if c.compile else None)
                        for s, module in ((s, _on_device(m, mesh.device)) for s, m in program.modules.items())}
         # ZeRO-3: keep this dp rank's shard of every parameter; the gathers run through this
         self.zero3 = (zero3_gatherer({s: st.module for s, st in self.stages.items()}, mesh, prefetch=zero3_prefetch)

@@ -65,43 +65,32 @@ def _accumulate_grad_node(t: torch.Tensor) -> Node:
     return node.next_functions[0][0]
 
 
-def _nodes_reaching(roots: Sequence[Node], targets: set[Node]) -> set[Node]:
-    """Every node from which some target is reachable along ``next_functions`` (targets included)."""
+def _closure(roots: Sequence[Node], leaves: set[Node]) -> tuple[dict[Node, tuple], list[Node]]:
+    """One walk of the graph below ``roots``: the nodes from which a target is reachable along
+    ``next_functions`` (targets included), each with its ``next_functions``; and the split-point
+    markers found, which are targets too (the walk stops at every target: below a marker is the
+    embedding, W's). ``leaves``: the other targets (the AccumulateGrad nodes of received inputs)."""
     reach: dict[Node, bool] = {}
-    for root in roots:
-        stack: list[tuple[Node, bool]] = [(root, False)]
-        while stack:
-            node, expanded = stack.pop()
-            if node in reach and not expanded:
-                continue
-            children = [c for c, _ in node.next_functions if c is not None]
-            if expanded:
-                reach[node] = node in targets or any(reach.get(c, False) for c in children)
-                continue
-            if node in targets:
-                reach[node] = True
-                continue
-            reach[node] = False  # visiting: a DAG, so no cycle comes back here
-            stack.append((node, True))
-            stack.extend((c, False) for c in children if c not in reach)
-    return {n for n, r in reach.items() if r}
-
-
-def _entry_edges(roots: Sequence[Node]) -> list[GradientEdge]:
-    """The split-point markers of the graph below ``roots``."""
-    seen: set[Node] = set()
-    stack = list(roots)
-    out = []
+    nexts: dict[Node, tuple] = {}
+    entries: list[Node] = []
+    stack: list[tuple[Node, bool]] = [(root, False) for root in roots]
     while stack:
-        node = stack.pop()
-        if node in seen:
+        node, expanded = stack.pop()
+        if expanded:
+            reach[node] = any(reach.get(c, False) for c, _ in nexts[node] if c is not None)
             continue
-        seen.add(node)
-        if SPLIT_POINT_AUTOGRAD_NAME in node.name():
-            out.append(GradientEdge(node, 0))
-            continue  # below a marker is the embedding: W's
-        stack.extend(c for c, _ in node.next_functions if c is not None)
-    return out
+        if node in reach:
+            continue
+        if node in leaves or SPLIT_POINT_AUTOGRAD_NAME in node.name():
+            reach[node] = True
+            if node not in leaves:
+                entries.append(node)
+            continue
+        reach[node] = False  # visiting: a DAG, so no cycle comes back here
+        nexts[node] = node.next_functions
+        stack.append((node, True))
+        stack.extend((c, False) for c, _ in nexts[node] if c is not None and c not in reach)
+    return {n: nexts.get(n, ()) for n, r in reach.items() if r}, entries
 
 
 def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
@@ -109,20 +98,21 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     """Run I: set ``inputs[k].grad`` (received tensors that require grad) from the output
     gradients, and return what W needs. ``grads[k]`` is None for a scalar loss."""
     roots = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    entries = _entry_edges(roots)
     leaves = [t for t in inputs if t.requires_grad]
-    targets = {_accumulate_grad_node(t) for t in leaves} | {e.node for e in entries}
+    leaf_nodes = {_accumulate_grad_node(t) for t in leaves}
+    closure, markers = _closure(roots, leaf_nodes)
+    entries = [GradientEdge(node, 0) for node in markers]
+    targets = leaf_nodes | set(markers)
     if not targets:
         return PendingWeights(outputs=list(outputs), grads=list(grads))
-    closure = _nodes_reaching(roots, targets)
     mixing: list[tuple[Node, list[GradientEdge]]] = []
     owner: dict[tuple[int, int], Node] = {}
     # In the order the engine runs them (latest forward op first), the same on every rank: W
     # walks them in this order and the first walk into a checkpointed region replays its
     # forward, whose tp / cp collectives must meet the same region's on the other ranks (a set's
     # order, by address, pairs one rank's region with another's: same sizes, wrong sums).
-    for node in sorted(closure - targets, key=lambda n: n._sequence_nr(), reverse=True):
-        weight_side = [GradientEdge(c, nr) for c, nr in node.next_functions if c is not None and c not in closure]
+    for node in sorted(closure.keys() - targets, key=lambda n: n._sequence_nr(), reverse=True):
+        weight_side = [GradientEdge(c, nr) for c, nr in closure[node] if c is not None and c not in closure]
         if not weight_side:
             continue
         for edge in weight_side:

@@ -70,7 +70,7 @@ LONGEST_FIRST = (
     "test_expert_parallel_parity.py",     # 90 s: one spawn of 8 ranks
     "test_dry_run.py",                    # 81
     "test_first_run.py",                  # 75: torchrun and fresh calibrations
-    "test_compiled_parity.py",            # 70: inductor compiles of three plans' programs
+    "test_compiled_parity.py",            # 71: inductor compiles of five plans' programs
     "test_search.py",                     # 61
     "test_context_parallel_parity.py",    # 57: one spawn of 8 ranks
     "test_zero3.py",                      # 47: spawns of 4 and 8 ranks

@@ -31,6 +31,8 @@ from typing import Any, Callable
 import torch
 from torch import fx, nn
 
+from passes.ir.ops import ops
+
 INDUCTOR_OPTIONS: dict[str, Any] = {"fallback_random": True}
 """Inductor settings of every compiled stage program (see the module docstring)."""
 
@@ -70,10 +72,10 @@ def weight_free_segments(graph: fx.Graph) -> list[list[fx.Node]]:
     least one op that computes (not only views and sizes).
 
     An op reads a parameter when an input is a ``get_attr`` node or derives from one (a view, a
-    cast, a gather of a ZeRO-3 shard: every tensor input parameter-derived); those ops, the
-    derived ones, calls of submodules (checkpointed regions), the split-point markers of a
-    split backward and size reads (their ints stay eager) stay out. A run of consecutive nodes is convex (no path leaves it and comes
-    back), so each can be one call."""
+    cast, a gather of a ZeRO-3 shard: every tensor input parameter-derived). Those ops, the
+    derived ones, calls of submodules (checkpointed regions), the split-point markers of a split
+    backward and size reads (their ints stay eager) stay out. A run of consecutive nodes is
+    convex (no path leaves it and comes back), so each can be one call."""
     derived: set[fx.Node] = set()
     runs: list[list[fx.Node]] = []
     current: list[fx.Node] = []
@@ -82,7 +84,7 @@ def weight_free_segments(graph: fx.Graph) -> list[list[fx.Node]]:
         if node.op == "get_attr" or (node.op == "call_function" and inputs and all(i in derived for i in inputs)):
             derived.add(node)
         eligible = (node.op == "call_function" and node not in derived and not any(i in derived for i in inputs)
-                    and not _is_marker(node) and node.target is not torch.ops.aten.sym_size.int)
+                    and node.target not in (ops.split_point.default, torch.ops.aten.sym_size.int))
         if eligible:
             current.append(node)
             continue
@@ -92,11 +94,6 @@ def weight_free_segments(graph: fx.Graph) -> list[list[fx.Node]]:
         current = []
     runs.append(current)
     return [run for run in runs if any(n.target not in _NO_COMPUTE for n in run)]
-
-
-def _is_marker(node: fx.Node) -> bool:
-    target = node.target
-    return getattr(target, "namespace", None) == "partitioner" and "split_point" in str(target)
 
 
 def segmented(module: fx.GraphModule, *, compile_segment: Callable[[fx.GraphModule], nn.Module]) -> fx.GraphModule:

@@ -31,6 +31,7 @@ from torch import fx
 
 from passes.ir.meta import SHAPE
 from passes.ir.ops import ops
+from passes.ir.parameter_nodes import parameter_of, parameter_only
 
 _ALIAS = torch.ops.aten.alias.default
 _LINEAR = torch.ops.aten.linear.default
@@ -45,7 +46,7 @@ def split_backward(gm: fx.GraphModule, ctx: Any = None, *, grad_inputs: tuple[st
     uses: dict[int, int] = {}
     for g in graphs:
         for node in g.graph.nodes:
-            p = _param(g, node)
+            p = parameter_of(g, node)
             if p is not None and id(p) in trainable:
                 uses[id(p)] = uses.get(id(p), 0) + len(node.users)
     for g in graphs:
@@ -57,22 +58,12 @@ def split_backward(gm: fx.GraphModule, ctx: Any = None, *, grad_inputs: tuple[st
     return gm
 
 
-def _param(g: fx.GraphModule, node: fx.Node) -> torch.Tensor | None:
-    if node.op != "get_attr":
-        return None
-    try:
-        value = g.get_parameter(str(node.target))
-    except AttributeError:
-        return None
-    return value
-
-
 def _alias_shared(g: fx.GraphModule, shared: set[int], trainable: set[int]) -> None:
     """Every user of a shared parameter, and of a parameter-only node read by several ops, reads
     its own alias."""
-    param_only = _param_only(g, trainable)
+    param_only = parameter_only(g, trainable)
     for node in list(g.graph.nodes):
-        p = _param(g, node)
+        p = parameter_of(g, node)
         many = (p is not None and id(p) in shared) or (node.op == "call_function" and param_only.get(node)
                                                         and len(node.users) > 1)
         if not many:
@@ -86,28 +77,8 @@ def _alias_shared(g: fx.GraphModule, shared: set[int], trainable: set[int]) -> N
             anchor = alias
 
 
-def _param_only(g: fx.GraphModule, trainable: set[int]) -> dict[fx.Node, bool]:
-    """Nodes whose value depends on trainable parameters and on no placeholder."""
-    out: dict[fx.Node, bool] = {}
-    for node in g.graph.nodes:
-        if node.op == "placeholder":
-            out[node] = False
-        elif node.op == "get_attr":
-            p = _param(g, node)
-            out[node] = p is not None and id(p) in trainable
-        else:
-            ins = node.all_input_nodes
-            out[node] = bool(ins) and any(out.get(a, False) for a in ins) and not any(_data(a, out) for a in ins)
-    return out
-
-
-def _data(node: fx.Node, param_only: dict[fx.Node, bool]) -> bool:
-    return node.op == "placeholder" or (node.op == "call_function" and not param_only.get(node, False)
-                                        and any(_data(a, param_only) for a in node.all_input_nodes))
-
-
 def _mark_entries(gm: fx.GraphModule, trainable: set[int], grad_inputs: set[str]) -> None:
-    param_only = _param_only(gm, trainable)
+    param_only = parameter_only(gm, trainable)
     data: dict[fx.Node, bool] = {}
     grad_on_data: dict[fx.Node, bool] = {}  # a gradient flows along the data path through it
     entries = []
@@ -146,7 +117,7 @@ def held_gradient_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     out = []
     for g in (m for m in gm.modules() if isinstance(m, fx.GraphModule)):
         trainable = {id(p) for p in g.parameters() if p.requires_grad}
-        param_only = _param_only(g, trainable)
+        param_only = parameter_only(g, trainable)
         for node in g.graph.nodes:
             if node.op != "call_function" or param_only.get(node, False) or node.target == _ALIAS:
                 continue
@@ -204,8 +175,7 @@ def copied_weight_gradients(gm: fx.GraphModule) -> set[str]:
         for k, a in enumerate(node.args):
             if not isinstance(a, fx.Node) or (node.target == _LINEAR and k == 1):
                 continue
-            p = _param(g, a)
+            p = parameter_of(g, a)
             if p is not None and id(p) in names:
                 out.add(names[id(p)])
     return out
-

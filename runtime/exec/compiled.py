@@ -32,6 +32,7 @@ import torch
 from torch import fx, nn
 
 from passes.ir.ops import ops
+from passes.ir.parameter_nodes import parameter_only
 
 INDUCTOR_OPTIONS: dict[str, Any] = {"fallback_random": True}
 """Inductor settings of every compiled stage program (see the module docstring)."""
@@ -67,29 +68,27 @@ def compile_segments(module: fx.GraphModule) -> Callable[..., Any]:
     return run
 
 
-def weight_free_segments(graph: fx.Graph) -> list[list[fx.Node]]:
-    """Runs of consecutive ops of ``graph`` (in its order) that read no parameter, each with at
-    least one op that computes (not only views and sizes).
+def weight_free_segments(gm: fx.GraphModule) -> list[list[fx.Node]]:
+    """Runs of consecutive ops of ``gm``'s graph (in its order) that read no parameter, each with
+    at least one op that computes (not only views and sizes).
 
-    An op reads a parameter when an input is a ``get_attr`` node or derives from one (a view, a
-    cast, a gather of a ZeRO-3 shard: every tensor input parameter-derived). Those ops, the
-    derived ones, calls of submodules (checkpointed regions), the split-point markers of a split
-    backward and size reads (their ints stay eager) stay out. A run of consecutive nodes is
-    convex (no path leaves it and comes back), so each can be one call."""
-    derived: set[fx.Node] = set()
+    Out of every run: the parameter side (:func:`passes.ir.parameter_nodes.parameter_only`: a
+    parameter's views, casts, aliases, ZeRO-3 gathers), the ops that read it (where the split
+    backward finds the weight side), calls of submodules (checkpointed regions), the split-point
+    markers and size reads (their ints stay eager). ``get_attr`` nodes depend on nothing and do
+    not end a run. A run of consecutive nodes is convex (no path leaves it and comes back), so
+    each can be one call."""
+    param_only = parameter_only(gm)
     runs: list[list[fx.Node]] = []
     current: list[fx.Node] = []
-    for node in graph.nodes:
-        inputs = node.all_input_nodes
-        if node.op == "get_attr" or (node.op == "call_function" and inputs and all(i in derived for i in inputs)):
-            derived.add(node)
-        eligible = (node.op == "call_function" and node not in derived and not any(i in derived for i in inputs)
-                    and node.target not in (ops.split_point.default, torch.ops.aten.sym_size.int))
-        if eligible:
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            continue
+        if (node.op == "call_function" and not param_only[node]
+                and not any(param_only.get(i, False) for i in node.all_input_nodes)
+                and node.target not in (ops.split_point.default, torch.ops.aten.sym_size.int)):
             current.append(node)
             continue
-        if node.op == "get_attr":
-            continue  # depends on nothing and no op of a run reads it: the run goes on past it
         runs.append(current)
         current = []
     runs.append(current)
@@ -104,7 +103,12 @@ def segmented(module: fx.GraphModule, *, compile_segment: Callable[[fx.GraphModu
     env: dict[fx.Node, fx.Node] = {}
     graph.output(graph.graph_copy(module.graph, env))
     out = fx.GraphModule(module, graph)
-    for k, run in enumerate(weight_free_segments(out.graph)):
+    # attribute reads first, so a segment's call (placed at its first op) sees every buffer it reads
+    anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    for n in [n for n in graph.nodes if n.op == "get_attr"]:
+        anchor.append(n)
+        anchor = n
+    for k, run in enumerate(weight_free_segments(out)):
         members = set(run)
         inputs = list(dict.fromkeys(i for n in run for i in n.all_input_nodes if i not in members))
         outputs = [n for n in run if any(u not in members for u in n.users)]

@@ -263,9 +263,10 @@ def test_framework_term_is_step_overhead_plus_grad_norm_and_loss_all_reduces(pro
 
 
 def test_ranks_sharing_compute_slots_pay_for_computing_together(profile):
-    """4 CPU ranks on 2 cores: data parallelism, all 4 computing at once, needs twice its compute
-    (its ranks' busy seconds over 2 slots); a 4-stage pipeline of 2 micro-batches keeps 2 of its
-    4 ranks idle most of the step and pays nothing; without slots nothing changes."""
+    """4 CPU ranks on 2 cores: data parallelism, all 4 computing at once, runs its compute and
+    optimizer step at half speed; a 4-stage pipeline of 2 micro-batches keeps about 2 of its
+    4 ranks busy at once and pays almost nothing; 1F1B over 8 micro-batches keeps all 4 busy in its
+    steady phase and pays for it; without slots nothing changes."""
     from partitioner.search.replay import predict_step_time
 
     alone = dataclasses.replace(Cluster.preset("local-cpu"), devices_per_node=4)
@@ -274,13 +275,15 @@ def test_ranks_sharing_compute_slots_pay_for_computing_together(profile):
           for n, c in (("alone", alone), ("shared", shared))}
     assert dp["alone"]["contention"] == 0.0
     t = dp["shared"]
-    busy = 4 * (t["compute"] + t["optimizer"])  # the node's busy seconds: 4 ranks alike
-    span = t["total"] - t["contention"] - t["dp_comm"] - t["tied_comm"] - t["framework"]
-    assert t["contention"] == pytest.approx(busy / 2 - span) and t["contention"] > 0.5 * t["compute"]
+    assert t["contention"] == pytest.approx(t["compute"] + t["optimizer"])  # everything twice as long
     assert t["total"] == pytest.approx(dp["alone"]["total"] + t["contention"])
     pp = predict_step_time(profile, shared, _knobs(pp=4, micro_batch_size=4, num_micro_batches=2),
                            global_batch=8).predicted.terms
-    assert pp["contention"] == 0.0 and pp["bubble"] > 0
+    assert pp["contention"] < 0.05 * pp["compute"] and pp["bubble"] > 0  # uneven stages overlap a little
+    steady = predict_step_time(profile, shared, _knobs(pp=4, micro_batch_size=1, num_micro_batches=8),
+                               global_batch=8).predicted.terms
+    # the steady phase (4 ranks at half speed) lasts longer than the rest of the pipeline gives back
+    assert steady["contention"] > 0.25 * steady["compute"]
     # a slot per rank: nothing shared
     roomy = dataclasses.replace(alone, compute_slots_per_node=4)
     assert predict_step_time(profile, roomy, _knobs(dp=4, num_micro_batches=1),

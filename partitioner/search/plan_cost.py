@@ -64,9 +64,12 @@ bubble). A copy costs ``bytes`` at the host link plus, per saved tensor
 hook and the op's dispatch).
 
 Shared cores (``Cluster.compute_slots_per_node``, written by the calibration of CPU ranks): when
-a node has more ranks than ranks that can compute at once, the node's busy seconds over its slots
-bound the step (term ``contention``, :func:`_contention_time`): all-rank data parallelism pays for
-its ranks computing together, a pipeline's idle ranks give their cores to the busy ones.
+a node has more ranks than ranks that can compute at once, the schedule's compute is simulated
+with the ranks computing at once sharing the node's slots (:mod:`partitioner.cost.core_sharing`),
+and what that adds to the same simulation on free cores is the term ``contention``
+(:func:`_contention_time`): all-rank data and tensor parallelism pay for their ranks computing
+together, a pipeline's idle ranks give their cores to the busy ones, and the phases in which
+every pipeline rank computes slow the critical path itself.
 
 Per-device memory of a stage: model state of its layers (``cost_model.model_state_bytes``,
 ZeRO-sharded over dp, parameters divided by tp; norms are counted as sharded too, a small
@@ -125,6 +128,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from partitioner.cost.cluster import Cluster
+from partitioner.cost.core_sharing import RankWork, rank_counts, shared_makespan
 from partitioner.cost.cost_model import (
     StepTimeTerms,
     all_gather_time,
@@ -137,6 +141,7 @@ from partitioner.cost.cost_model import (
     in_flight_microbatches,
     pipeline_state_arrays,
     _bubble_slots,
+    _compute_order,
     memory_bound_time,
     model_state_bytes,
     op_overhead_time,
@@ -887,7 +892,7 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
         stages.append(StagePlan(index=s, layers=tuple(tuple(r) for r in ranges), layer_names=names,
                                 param_bytes=params * ctx.itemsize, peak_memory_bytes=peak, memory=memory,
                                 time_s=t_mb))
-        per_stage.append((t_mb, f + b, tpc, rc, dp_exposed, t_opt, t_off, cpc, w_grad / b if b > 0 else 0.0, epc))
+        per_stage.append((t_mb, f + b, tpc, rc, dp_exposed, t_opt, t_off, cpc, w_grad / b if b > 0 else 0.0, epc, f))
     p, v, m = c.pp, c.virtual_pp, c.num_micro_batches
     slow = max(range(p), key=lambda i: (per_stage[i][0], -i))
     t_max, comp, tpc, rc = per_stage[slow][:4]
@@ -904,8 +909,7 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
         dp_comm=per_stage[tail][4], optimizer=per_stage[tail][5], offload=per_stage[tail][6],
         tied_comm=_tied_sync_time(ctx, c) + max(w.get("tied_comm", 0.0) for w in step_end_waits),
         framework=_framework_time(ctx) + max(w.get("framework", 0.0) for w in step_end_waits))
-    busy = [m * (st[1] + st[3] * (2 if c.split_backward else 1)) + st[5] + st[6] for st in per_stage]
-    terms = dataclasses.replace(terms, contention=_contention_time(ctx, c, busy, terms))
+    terms = dataclasses.replace(terms, contention=_contention_time(ctx, c, per_stage))
     peak = max(s.peak_memory_bytes for s in stages)
     feasible = feasible and peak <= ctx.cap
     return Evaluated(config=c, feasible=feasible, step_time=terms.total, peak=peak, stages=tuple(stages), terms=terms)
@@ -1024,29 +1028,32 @@ def _saved_tensors(ctx: PlanContext, c: ParallelConfig, ranges) -> int:
     return sum(count(i) for start, stop in ranges for i in range(start, stop))
 
 
-def _contention_time(ctx: PlanContext, c: ParallelConfig, busy: list[float], terms: StepTimeTerms) -> float:
+def _contention_time(ctx: PlanContext, c: ParallelConfig, per_stage: list[tuple]) -> float:
     """Seconds the step lasts longer because a node's ranks share its compute slots
     (``Cluster.compute_slots_per_node``: CPU ranks on fewer cores than ranks).
 
-    ``busy[i]``: one rank of pipeline rank ``i`` computing per step (forward, backward,
-    recompute, optimizer, offload copies; collectives wait, they do not compute). A node's ranks
-    need at least ``W / slots`` seconds for their ``W`` busy seconds; they can spread that over
-    the step but for the phases every rank waits in together at its end (the dp gradient
-    reduction, the tied-weight sync, the loss all-reduce). What the rest of the step leaves
-    uncovered is added: ``max(0, W / slots − (T − dp − tied − framework))``. Data parallelism on 4
-    ranks of 2 cores doubles its compute; a pipeline's bubble is time its idle ranks give the
-    others, so few micro-batches in a deep pipeline cost less than the bubble alone says."""
+    Each pipeline rank's forward, backward (with its recompute; a split backward's weight half
+    recomputes again) and, after its last action, its optimizer step and offload copies run as
+    the schedule orders them (:func:`partitioner.cost.core_sharing.shared_makespan`), all dp × cp
+    × tp ranks of a stage computing at once; the term is that makespan on the node's slots less
+    the same on a core per rank. Collectives and messages take no core (a rank waiting in one
+    gives its core to the others) and stay in their own terms."""
     slots = ctx.cluster.compute_slots_per_node
     per_node = ctx.cluster.devices_per_node
-    if slots is None or slots >= per_node:
+    if slots is None or slots >= min(per_node, c.world_size):
         return 0.0
-    ranks_per_stage = c.dp_cp * c.tp
-    work: dict[int, float] = {}
-    for rank in range(c.world_size):
-        node = rank // per_node
-        work[node] = work.get(node, 0.0) + busy[rank // ranks_per_stage]
-    span = terms.total - terms.contention - terms.dp_comm - terms.tied_comm - terms.framework
-    return max(0.0, max(work.values()) / slots - span)
+    p, v = c.pp, c.virtual_pp
+    counts = rank_counts(p, c.dp_cp * c.tp, per_node)
+    again = 2 if c.split_backward else 1  # a split backward recomputes for I and again for W
+    work = {}
+    for r, st in enumerate(per_stage):
+        f, b, rc, w_share = st[10], st[1] - st[10], st[3], st[8]
+        weight = (w_share * b + (rc if c.split_backward else 0.0)) / v
+        work[r] = RankWork(forward=f / v, backward=(b + again * rc) / v, weight=weight if c.split_backward else 0.0,
+                           tail=st[5] + st[6], ranks=counts[r])
+    order = _compute_order(c.schedule, p, c.num_micro_batches, v)
+    return max(0.0, shared_makespan(order, work, slots) - shared_makespan(order, work, None))
+
 
 
 def gradient_buckets(ctx: PlanContext, c: ParallelConfig, ranges, grad_bytes: float) -> int:

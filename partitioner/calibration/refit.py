@@ -22,7 +22,9 @@ ranks (:func:`sharing_slowdown`), since the planner prices that in its own ``con
   peak stays within :data:`PEAK_BOUNDS` of what the matmul microbenchmark measured
   (:func:`peak_scale_bounds`), the memory-bound rate within :data:`MEMORY_BOUND_BOUNDS` of the
   memcpy (:func:`memory_bound_scale_bounds`), each weakly anchored to its measurement
-  (:data:`ANCHOR_WEIGHTS`): ``o`` and the later terms carry the rest.
+  (:data:`ANCHOR_WEIGHTS`): ``o`` and the later terms carry the rest. A rate whose part is under
+  :data:`MIN_RATE_SHARE` of the measured seconds is not refitted at all (runs that are mostly
+  dispatch cannot tell it, and a large model's step is mostly that rate).
 * **optimizer stream rate and per-tensor seconds** (``Device.optimizer_bytes_per_s``,
   ``Device.optimizer_tensor_s``): the planner's optimizer term is streamed bytes plus a cost per
   tensor stepped; both scales by non-negative least squares over the runs' median measured
@@ -435,6 +437,19 @@ def _fit_compute(runs: Sequence[RunData], cluster: Cluster, profiles: dict,
                 rows.append((flop_part / measured, mem_part / measured, kernels / measured, 1 - const / measured))
     if not rows:
         raise ConfigError("refit: no rank has a measured compute time")
+    fit = _fit_rows(rows, pure, base, profiles, x_bounds, y_bounds, anchors)
+    # a rate whose part is a small share of the seconds at the value fitted says little: it keeps
+    # its measurement, and the fit is made again without it
+    x_held = _identified(x_bounds, [row[0] * fit[0] for row in rows], anchors[0])
+    y_held = _identified(y_bounds, [row[1] * fit[1] for row in rows], anchors[1])
+    if (x_held, y_held) == (x_bounds, y_bounds):
+        return fit
+    return _fit_rows(rows, pure, base, profiles, x_held, y_held, anchors)
+
+
+def _fit_rows(rows, pure, base: Cluster, profiles: dict, x_bounds, y_bounds, anchors) -> tuple[float, float, float]:
+    """(x, y, o) of :func:`_fit_compute`'s ``rows``: the bounded linear solution (one trimming
+    pass), refined on the planner itself (:func:`_refine_compute`)."""
     # the linear start holds y at 1 (the rate the cluster has): across micro-batch sizes the FLOP
     # and the memory-bound parts grow alike, and a split of nearly collinear columns would be
     # noise; the refinement frees it, anchored to the measurements (:func:`_refine_compute`)
@@ -450,6 +465,30 @@ def _fit_compute(runs: Sequence[RunData], cluster: Cluster, profiles: dict,
         z = _bounded_nnls(kept, bounds)
     return _refine_compute(pure, base, profiles, *z, x_bounds=x_bounds, y_bounds=y_bounds, anchors=anchors)
 
+MIN_RATE_SHARE = 0.25
+"""The least share of the measured compute seconds (median over ranks) a rate's part must have,
+at the value the runs fit, for the runs to refit that rate (the peak FLOP/s, the memory-bound
+nodes' rate); below it the rate keeps its microbenchmark's value and the rest is fitted again.
+
+Runs whose compute is mostly per-op dispatch cannot tell a rate: the calibration's reference GPT
+(hidden 64) spends a few percent of its seconds on FLOPs, and two calibrations of one idle
+machine fitted its peak at x0.81 and x1.81 of the same measured matmul rate, and the memory-bound
+rate at x0.38 and x2 (the bound) of the memcpy. Carried to a model whose steps are 90% matmuls
+(a 30-layer, 576-wide Llama), the second fit halved its predicted compute. A rate the runs say
+little about stays measured; the per-op overhead carries what they do say."""
+
+
+def _identified(bounds: tuple[float, float], shares: Sequence[float], anchor: float | None) -> tuple[float, float]:
+    """``bounds`` of a rate's scale, or that scale held at ``anchor`` (its microbenchmark's;
+    ``None``: 1, the cluster's own rate; kept inside ``bounds``) when the rate's part is under
+    :data:`MIN_RATE_SHARE` of the measured seconds (``shares``: per rank, that part at the
+    fitted scale over the measurement)."""
+    if statistics.median(shares) >= MIN_RATE_SHARE:
+        return bounds
+    a = 1.0 if anchor is None else anchor
+    held = min(max(a, bounds[0]), bounds[1])
+    return held, held
+
 
 def _bounded_nnls(rows: Sequence[tuple[float, ...]], bounds: Sequence[tuple[float, float]]) -> tuple[float, ...]:
     """:func:`_nnls` of the unknowns with each held inside its ``bounds`` (lower, upper): an
@@ -457,7 +496,8 @@ def _bounded_nnls(rows: Sequence[tuple[float, ...]], bounds: Sequence[tuple[floa
     refitted with it held there (the per-op overhead carries what the peak may not), until none
     crosses. An unknown whose bounds are equal is held from the start."""
     n = len(bounds)
-    held: dict[int, float] = {j: lo for j, (lo, hi) in enumerate(bounds) if hi - lo <= 1e-12 * max(abs(hi), 1.0)}
+    held: dict[int, float] = {j: lo for j, (lo, hi) in enumerate(bounds)
+                               if math.isfinite(hi) and hi - lo <= 1e-12 * max(abs(hi), 1.0)}
     while True:
         free = [j for j in range(n) if j not in held]
         sol = dict(held)

@@ -29,6 +29,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from runtime.dist.host_memory import keep_freed_host_memory
 from runtime.dist.launch import free_port
 from passes.ir.errors import ConfigError
 from passes.ir.launcher_env import RENDEZVOUS_VARS
@@ -70,6 +71,8 @@ def init_distributed(*, backend: str | None = None, timeout_s: float = DEFAULT_T
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:  # a CPU rank: its large tensors reuse freed memory instead of new pages each step
+        keep_freed_host_memory()
     dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
 
 

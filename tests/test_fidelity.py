@@ -13,7 +13,7 @@ from partitioner.cost.cluster import Cluster
 from partitioner.search.replay import predict_rank, predict_step_time
 from partitioner.inputs.models import build_model
 from partitioner.search.profile import profile_model
-from partitioner.calibration.refit import MEMORY_BOUND_BOUNDS, load_run, refit, refit_from_runs
+from partitioner.calibration.refit import load_run, refit, refit_from_runs
 from passes.analysis.annotate_memory import annotate_memory
 from passes.ir.meta import CAPTURE, MEMORY_SUMMARY, dim_symbol
 from partitioner.compile.build import capture_for_pipeline, lower_plan, rank_program
@@ -121,11 +121,11 @@ def test_refit_moves_efficiency_towards_measurements(tmp_path):
     result = refit([load_run(run)], cluster)
     assert result.compute_ratio_before == pytest.approx(3.0, rel=1e-6)
     assert result.compute_ratio_after == pytest.approx(1.0, abs=0.02)
-    # slower than predicted: the peak goes (about) as low as it may (half the cluster's,
-    # refit.PEAK_BOUNDS; no matmul measurement anchors it) and the per-op overhead and the
-    # memory-bound rate (never faster than measured here) carry the rest
-    assert 0.5 * (1 - 1e-6) <= result.flops_scale < 0.55 and result.kernel_overhead_s > 0
-    assert MEMORY_BOUND_BOUNDS[0] <= result.memory_bound_scale <= 1.0 + 1e-9
+    # slower than predicted, in one run: a slower peak and a per-op overhead explain it
+    # equally well, so the rates keep their measured values (refit.MIN_RATE_GAIN) and the
+    # per-op overhead carries it all
+    assert result.flops_scale == 1.0 and result.kernel_overhead_s > 0
+    assert result.memory_bound_scale == pytest.approx(1.0)
     assert result.bandwidth_scale == pytest.approx(2.0, rel=0.01)  # faster optimizer: a faster stream
     dev = result.cluster.device  # ... for the optimizer alone: memory-bound nodes keep the measured bandwidth
     assert dev.memory_bandwidth_bytes_per_s == cluster.device.memory_bandwidth_bytes_per_s

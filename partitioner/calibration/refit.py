@@ -467,6 +467,7 @@ def _fit_rows(rows, pure, base: Cluster, profiles: dict, x_bounds, y_bounds, anc
         z = _bounded_nnls(kept, bounds)
     return _refine_compute(pure, base, profiles, *z, x_bounds=x_bounds, y_bounds=y_bounds, anchors=anchors)
 
+
 MIN_RATE_GAIN = 0.25
 """How much of the compute error (median over ranks of |predicted / measured − 1|) that remains
 with the peak FLOP/s and the memory-bound rate at their microbenchmarks' values the refitted

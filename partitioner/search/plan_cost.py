@@ -1055,7 +1055,6 @@ def _contention_time(ctx: PlanContext, c: ParallelConfig, per_stage: list[tuple]
     return max(0.0, shared_makespan(order, work, slots) - shared_makespan(order, work, None))
 
 
-
 def gradient_buckets(ctx: PlanContext, c: ParallelConfig, ranges, grad_bytes: float) -> int:
     """Collectives one gradient reduction of a stage issues (``grad_bytes``: its gradients): one
     per bucket of the runtime's layout (:func:`passes.ir.grad_buckets.bucket_layout`). The first

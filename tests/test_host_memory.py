@@ -37,3 +37,27 @@ def test_freed_large_tensors_are_reused_instead_of_mapped_again():
     default, kept = _faults("default"), _faults("keep")
     assert default > 10 * pages  # every step's three 64 MiB temporaries touched fresh pages
     assert kept <= 2 * pages  # the heap grew once, then the same pages again
+
+
+GROUP_FIRST = """
+import os, torch.distributed as dist
+from runtime.dist import host_memory
+from runtime.dist.mesh import init_distributed
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")  # the user's own, before ours
+assert not host_memory._done
+init_distributed()
+print(host_memory._done)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_a_cpu_rank_whose_group_the_caller_made_keeps_freed_memory_too():
+    import os
+
+    from runtime.dist.launch import free_port
+
+    out = subprocess.run([sys.executable, "-c", GROUP_FIRST], capture_output=True, text=True, timeout=120, check=True,
+                         env={**os.environ, "PORT": str(free_port())})
+    assert out.stdout.strip().splitlines()[-1] == "True"

@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from partitioner.calibration.refit import _nnls
+from partitioner.calibration.refit import _bounded_nnls, _nnls
 
 
 def _brute_force(rows) -> np.ndarray:
@@ -76,3 +76,16 @@ def test_collinear_columns_keep_one_unknown():
 
 def test_no_non_negative_fit_is_all_zeros():
     assert _nnls([(1.0, 1.0, -1.0), (2.0, 1.0, -2.0)]) == (0.0, 0.0)
+
+
+def test_an_unbounded_unknown_is_fitted_beside_held_ones():
+    # the refit's rows: FLOP part, memory-bound part, operators, target; both rates held at 1,
+    # the per-op overhead in [0, inf) fitted (an infinite upper bound is no pinned value)
+    truth = 3e-5
+    rows = [(0.05, 0.01, ops, 0.05 + 0.01 + ops * truth) for ops in (28_000.0, 20_000.0, 12_000.0)]
+    x, y, o = _bounded_nnls(rows, ((1.0, 1.0), (1.0, 1.0), (0.0, float("inf"))))
+    assert (x, y) == (1.0, 1.0) and o == pytest.approx(truth, rel=1e-9)
+    # the peak free within (0.5, 2): this noise-free data tells it, and it is found
+    rows = [(f, 0.01, ops, 2.0 * f + 0.01 + ops * truth) for f, ops in ((0.05, 28_000.0), (0.3, 20_000.0), (0.6, 12_000.0))]
+    x, _, o = _bounded_nnls(rows, ((0.5, 2.0), (1.0, 1.0), (0.0, float("inf"))))
+    assert x == pytest.approx(2.0, rel=1e-9) and o == pytest.approx(truth, rel=1e-9)

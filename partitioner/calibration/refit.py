@@ -544,14 +544,8 @@ def _refine_compute(runs: Sequence[RunData], base: Cluster, profiles: dict, x: f
     no measurement, no anchor)."""
     from scipy.optimize import least_squares
 
-    samples = [(k, _pp_index(run.plan, rank), measured) for k, run in enumerate(runs)
-               for rank, measured in enumerate(run.compute_per_mb_s) if measured > 0]
-
     def residuals(z) -> list[float]:
-        cluster = _with_overheads(_with_memory_bound_scale(_scaled(base, math.exp(-z[0]), 1.0), math.exp(z[1])),
-                                  z[2] * 1e-6)
-        plans = [_reevaluate(run.plan, cluster, profiles) for run in runs]
-        return ([plans[k].stages[i].time_s / measured - 1 for k, i, measured in samples]
+        return (_compute_errors(runs, base, profiles, math.exp(z[0]), math.exp(z[1]), z[2] * 1e-6)
                 + [w * (v - math.log(a)) for w, v, a in zip(ANCHOR_WEIGHTS, z[:2], anchors) if a is not None])
 
     lows, highs = [], []

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from passes.ir.errors import ConfigError
-from passes.ir.schedule import Kind
+from passes.ir.schedule import Kind, compute_done, compute_inputs
 
 _TOLERANCE = 1e-12
 """Seconds of remaining work counted as done (floating-point rests of the rate products)."""
@@ -54,7 +54,8 @@ def shared_makespan(compute: Mapping[int, Sequence], work: Mapping[int, RankWork
     ``stage``, ``microbatch``). An action starts when its rank is free and its inputs are computed
     (a forward after the previous stage's forward of its micro-batch, a backward or its input half
     after its own forward and the next stage's backward, a weight half after its input half),
-    messages taking no time, as :func:`passes.ir.schedule.compute_makespan` has them. Between
+    messages taking no time (:func:`passes.ir.schedule.compute_inputs`, the rule
+    :func:`passes.ir.schedule.compute_makespan` times). Between
     events every computing rank progresses at ``min(1, slots / k)`` on each node it has ranks on
     (``k``: the ranks computing there), the slowest of its nodes. Raises :class:`ConfigError`
     when the lists cannot complete."""
@@ -62,36 +63,23 @@ def shared_makespan(compute: Mapping[int, Sequence], work: Mapping[int, RankWork
         raise ConfigError(f"compute slots must be > 0, got {slots}")
     acts = {r: [(a.kind, a.stage, a.microbatch) for a in compute[r]] for r in compute}
     last_stage = max((s for lst in acts.values() for _, s, _ in lst), default=-1)
-    forward, weight = Kind.FORWARD, Kind.BACKWARD_WEIGHT
 
-    def duration(r: int, kind) -> float:
-        w = work[r]
+    def duration(w: RankWork, kind: Kind) -> float:
         return {Kind.FORWARD: w.forward, Kind.BACKWARD: w.backward,
                 Kind.BACKWARD_INPUT: w.backward - w.weight, Kind.BACKWARD_WEIGHT: w.weight}[kind]
 
-    def ready(kind, s: int, i: int) -> bool:
-        if kind is forward:
-            return s == 0 or (forward, s - 1, i) in done
-        if kind is weight:
-            return ("B", s, i) in done
-        return (forward, s, i) in done and (s == last_stage or ("B", s + 1, i) in done)
-
-    done: set[tuple] = set()
-    pc = dict.fromkeys(acts, 0)
-    tail_done = dict.fromkeys(acts, False)
-    running: dict[int, list] = {}  # rank -> [key or None (its tail), remaining seconds]
+    done: set[tuple] = set()  # compute_done keys of finished actions
+    pc = dict.fromkeys(acts, 0)  # next action of each rank; len(list): its tail, len + 1: finished
+    running: dict[int, list] = {}  # rank -> [compute_done key or None, remaining seconds]
     now = 0.0
     while True:
         for r, lst in acts.items():
-            if r in running or tail_done[r]:
+            if r in running or pc[r] > len(lst):
                 continue
-            if pc[r] < len(lst):
-                kind, s, i = lst[pc[r]]
-                if ready(kind, s, i):
-                    key = None if kind is weight else (forward if kind is forward else "B", s, i)
-                    running[r] = [key, duration(r, kind)]
-            else:
-                running[r] = ["tail", work[r].tail]
+            if pc[r] == len(lst):
+                running[r] = [None, work[r].tail]
+            elif all(key in done for key in compute_inputs(*lst[pc[r]], last_stage)):
+                running[r] = [compute_done(*lst[pc[r]]), duration(work[r], lst[pc[r]][0])]
         if not running:
             break
         load: dict[int, int] = {}
@@ -107,13 +95,10 @@ def shared_makespan(compute: Mapping[int, Sequence], work: Mapping[int, RankWork
             entry[1] -= rate[r] * step
             if entry[1] <= _TOLERANCE * max(1.0, now):
                 del running[r]
-                if entry[0] == "tail":
-                    tail_done[r] = True
-                else:
-                    if entry[0] is not None:
-                        done.add(entry[0])
-                    pc[r] += 1
-    stuck = {r: pc[r] for r in acts if not tail_done[r]}
+                if entry[0] is not None:
+                    done.add(entry[0])
+                pc[r] += 1
+    stuck = {r: pc[r] for r, lst in acts.items() if pc[r] <= len(lst)}
     if stuck:
         raise ConfigError(f"shared_makespan: the compute lists cannot complete; ranks stuck at steps {stuck}")
     return now

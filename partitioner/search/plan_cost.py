@@ -1048,9 +1048,8 @@ def _contention_time(ctx: PlanContext, c: ParallelConfig, per_stage: list[tuple]
     work = {}
     for r, st in enumerate(per_stage):
         f, b, rc, w_share = st[10], st[1] - st[10], st[3], st[8]
-        weight = (w_share * b + (rc if c.split_backward else 0.0)) / v
-        work[r] = RankWork(forward=f / v, backward=(b + again * rc) / v, weight=weight if c.split_backward else 0.0,
-                           tail=st[5] + st[6], ranks=counts[r])
+        work[r] = RankWork(forward=f / v, backward=(b + again * rc) / v,
+                           weight=(w_share * b + rc) / v if c.split_backward else 0.0, tail=st[5] + st[6], ranks=counts[r])
     order = _compute_order(c.schedule, p, c.num_micro_batches, v)
     return max(0.0, shared_makespan(order, work, slots) - shared_makespan(order, work, None))
 

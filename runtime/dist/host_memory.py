@@ -15,8 +15,9 @@ process keeps for its next step: 5.3 GB at its largest against 5.0 GB in the sam
 tensors peak at 3.8 GB); a freed block that an aligned request of the same size cannot reuse
 (posix_memalign asks for a little more) grows the heap until freed neighbours merge.
 
-Linux with glibc only (``mallopt``); elsewhere nothing changes. Called once per rank process
-by :func:`runtime.dist.mesh.init_distributed` on gloo.
+Linux with glibc only (``mallopt``); elsewhere nothing changes. Called by
+:func:`runtime.dist.mesh.init_distributed` in every rank process that is not on NCCL, also when
+the caller initialised the process group itself.
 """
 from __future__ import annotations
 

@@ -51,15 +51,23 @@ def default_backend() -> str:
 
 def init_distributed(*, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Initialise the default process group from the environment (``env://``: MASTER_ADDR,
-    MASTER_PORT, RANK, WORLD_SIZE, as torchrun and :func:`runtime.dist.launch.spawn` set them).
+    MASTER_PORT, RANK, WORLD_SIZE, as torchrun and :func:`runtime.dist.launch.spawn` set them),
+    unless it already is.
 
-    No-op if already initialised. ``timeout_s`` (seconds) bounds every collective of the default
-    group, so a dead peer turns into an error instead of a hang. A process started without any
-    launcher (``python train.py``) is the one rank of a job of one: its rendezvous is set here, on
-    a free local port.
+    ``timeout_s`` (seconds) bounds every collective of the default group, so a dead peer turns
+    into an error instead of a hang. A process started without any launcher (``python train.py``)
+    is the one rank of a job of one: its rendezvous is set here, on a free local port. A CPU rank
+    (any backend but NCCL), whoever initialised its group, keeps its freed host memory
+    (:func:`runtime.dist.host_memory.keep_freed_host_memory`): its large tensors reuse their pages
+    instead of new ones each step.
     """
-    if dist.is_initialized():
-        return
+    if not dist.is_initialized():
+        _init_from_environment(backend or default_backend(), timeout_s)
+    if dist.get_backend() != "nccl":
+        keep_freed_host_memory()
+
+
+def _init_from_environment(backend: str, timeout_s: float) -> None:
     missing = [k for k in RENDEZVOUS_VARS if k not in os.environ]
     if len(missing) == len(RENDEZVOUS_VARS):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
@@ -68,11 +76,8 @@ def init_distributed(*, backend: str | None = None, timeout_s: float = DEFAULT_T
     if missing:
         raise ConfigError(f"mesh: environment variable(s) {missing} not set; run under torchrun or "
                           f"runtime.dist.launch.spawn, or call torch.distributed.init_process_group first")
-    backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    else:  # a CPU rank: its large tensors reuse freed memory instead of new pages each step
-        keep_freed_host_memory()
     dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
 
 

@@ -20,8 +20,8 @@ from passes.ir.schedule.actions import (COMPUTE_KINDS, Action, B, F, I, Kind, Sc
 from passes.ir.schedule.build import (Schedule, add_communication, build, compute, add_grad_sync_and_step, compute_only,
                                       gpipe, gpipe_compute, interleaved_1f1b, interleaved_1f1b_compute, lower, one_f_one_b,
                                       one_f_one_b_compute, stage_placement, zb1p, zb1p_compute, zbv, zbv_compute)
-from passes.ir.schedule.validate import (SimResult, TimedAction, compute_makespan, peak_in_flight, simulate,
-                                         stage_to_rank_of, validate)
+from passes.ir.schedule.validate import (SimResult, TimedAction, compute_done, compute_inputs, compute_makespan,
+                                         peak_in_flight, simulate, stage_to_rank_of, validate)
 
 __all__ = [
     "COMPUTE_KINDS", "Action", "Kind", "ScheduleError", "SimResult", "TimedAction", "F", "B", "I", "W", "Schedule",
@@ -29,5 +29,5 @@ __all__ = [
     "stage_placement", "gpipe_compute", "one_f_one_b_compute", "interleaved_1f1b_compute",
     "gpipe", "one_f_one_b", "interleaved_1f1b", "zb1p_compute", "zbv_compute", "zb1p", "zbv",
     "add_communication", "add_grad_sync_and_step", "lower", "compute", "compute_only", "build",
-    "validate", "simulate", "compute_makespan", "peak_in_flight", "stage_to_rank_of",
+    "validate", "simulate", "compute_inputs", "compute_done", "compute_makespan", "peak_in_flight", "stage_to_rank_of",
 ]

@@ -477,6 +477,32 @@ def simulate(
     return SimResult({r: tuple(t) for r, t in timelines.items()}, makespan)
 
 
+_FORWARD, _BACKWARD, _WEIGHT = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_WEIGHT  # read per action: bound once
+
+
+def compute_inputs(kind: Kind, stage: int, microbatch: int, last_stage: int) -> tuple[tuple, ...]:
+    """The compute results an action of a schedule's compute order waits for, as
+    :func:`compute_done` keys: a forward the previous stage's forward of its micro-batch, a
+    backward (or its input half I) its own forward and the next stage's backward, a weight half W
+    its I. The one rule :func:`compute_makespan` and the cost model's shared-core simulation
+    (``partitioner.cost.core_sharing``) both time."""
+    if kind is _FORWARD:
+        return ((_FORWARD, stage - 1, microbatch),) if stage > 0 else ()
+    if kind is _WEIGHT:
+        return ((_BACKWARD, stage, microbatch),)
+    if stage < last_stage:
+        return (_FORWARD, stage, microbatch), (_BACKWARD, stage + 1, microbatch)
+    return ((_FORWARD, stage, microbatch),)
+
+
+def compute_done(kind: Kind, stage: int, microbatch: int) -> tuple | None:
+    """The key under which an action's result is waited for (:func:`compute_inputs`): an input
+    half I counts as its backward; a weight half W is waited for by nothing (``None``)."""
+    if kind is _WEIGHT:
+        return None
+    return (_FORWARD if kind is _FORWARD else _BACKWARD, stage, microbatch)
+
+
 def compute_makespan(compute: Schedule, fwd_time: float, bwd_time: float, weight_time: float) -> float:
     """The makespan :func:`simulate` gives the lowered form of ``compute`` (compute actions only,
     the same time on every stage) with messages that take no time: each rank runs its list in
@@ -487,12 +513,13 @@ def compute_makespan(compute: Schedule, fwd_time: float, bwd_time: float, weight
     these inputs. A dataflow pass over tuples instead of the simulator's actions and messages: the
     cost model times hundreds of zero-bubble schedules per search. Raises :class:`ScheduleError`
     for lists that cannot complete."""
-    forward, backward, weight = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_WEIGHT
-    lists = {r: [(a.kind, a.stage, a.microbatch) for a in compute[r]] for r in compute}
-    last_stage = max((s for acts in lists.values() for _, s, _ in acts), default=-1)
-    duration = {forward: fwd_time, backward: bwd_time, Kind.BACKWARD_INPUT: bwd_time - weight_time,
-                weight: weight_time}
-    done: dict[tuple, float] = {}  # (F|B, stage, mb) -> end; an I is recorded as B
+    last_stage = max((a.stage for r in compute for a in compute[r]), default=-1)
+    duration = {Kind.FORWARD: fwd_time, Kind.BACKWARD: bwd_time, Kind.BACKWARD_INPUT: bwd_time - weight_time,
+                Kind.BACKWARD_WEIGHT: weight_time}
+    # each action once: what it waits for, the key it finishes under, its seconds
+    lists = {r: [(compute_inputs(a.kind, a.stage, a.microbatch, last_stage), compute_done(a.kind, a.stage, a.microbatch),
+                  duration[a.kind]) for a in compute[r]] for r in compute}
+    done: dict[tuple, float] = {}  # compute_done key -> end
     free = dict.fromkeys(lists, 0.0)
     pc = dict.fromkeys(lists, 0)
     moved = True
@@ -501,21 +528,21 @@ def compute_makespan(compute: Schedule, fwd_time: float, bwd_time: float, weight
         for r, acts in lists.items():
             k, t = pc[r], free[r]
             while k < len(acts):
-                kind, s, i = acts[k]
-                if kind is forward:
-                    ready = done.get((forward, s - 1, i)) if s > 0 else 0.0
-                elif kind is weight:
-                    ready = done.get((backward, s, i))
+                inputs, key, seconds = acts[k]
+                start = t
+                for needed in inputs:
+                    end = done.get(needed)
+                    if end is None:
+                        break
+                    if end > start:
+                        start = end
                 else:
-                    mine = done.get((forward, s, i))
-                    after = done.get((backward, s + 1, i)) if s < last_stage else 0.0
-                    ready = None if mine is None or after is None else max(mine, after)
-                if ready is None:
-                    break
-                t = max(t, ready) + duration[kind]
-                if kind is not weight:
-                    done[(forward if kind is forward else backward, s, i)] = t
-                k += 1
+                    t = start + seconds
+                    if key is not None:
+                        done[key] = t
+                    k += 1
+                    continue
+                break
             if k != pc[r]:
                 pc[r], free[r], moved = k, t, True
     stuck = {r: k for r, k in pc.items() if k < len(lists[r])}

@@ -36,7 +36,9 @@ def test_freed_large_tensors_are_reused_instead_of_mapped_again():
     pages = 64 * 2**20 // 4096
     default, kept = _faults("default"), _faults("keep")
     assert default > 10 * pages  # every step's three 64 MiB temporaries touched fresh pages
-    assert kept <= 2 * pages  # the heap grew once, then the same pages again
+    # the heap grows for a step or two (an aligned request does not fit a freed block of the same
+    # size until neighbours merge), then the same pages serve every step
+    assert kept <= 4 * pages and kept < default / 3
 
 
 GROUP_FIRST = """

@@ -52,6 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     timed = time_collectives((4096, 2**20), 3, device=device)
     print("collectives on " + f"{dist.get_world_size()} rank(s): "
           + ", ".join(f"{op} {t[-1][1] * 1e6:.0f} us" for op, t in timed.items() if t))
+    if args.device == "cuda":  # what the planner holds back (partitioner.cost.device_memory), measured
+        from partitioner.cost.device_memory import GPU_COMMUNICATOR_BYTES, GPU_RESERVED_BYTES
+
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        outside = total - free - torch.cuda.memory_reserved()
+        print(f"device memory outside the allocator after matmuls and collectives on {dist.get_world_size()} "
+              f"rank(s) (one rank: NCCL connects no peer, so this is the process's own): "
+              f"{outside / 2**20:.0f} MiB (the planner holds back {GPU_RESERVED_BYTES / 2**20:.0f} MiB for the "
+              f"process and {GPU_COMMUNICATOR_BYTES / 2**20:.0f} MiB per communicator)")
     print(f"gpu_calibrate: done in {time.perf_counter() - start:.1f} s")
     dist.destroy_process_group()
     return 0

@@ -10,6 +10,7 @@ from partitioner import Training
 from partitioner.api.dry_run import Collective, RankRun, check_sequences, dry_run, representatives
 from passes.ir.config import ParallelConfig
 from runtime.kernels.collectives import get_group, register_group
+from tests.memory_devices import NOTHING_HELD_BACK
 
 MODEL = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=16"
 FIX = "dp=4,tp=2,pp=2"
@@ -124,7 +125,7 @@ def test_a_rank_whose_peak_exceeds_the_device_is_out_of_memory(plan):
     report = dry_run(MODEL, big, training=TRAINING, plan=plan, ranks=(0,))
     assert report.ok and "OUT OF MEMORY" not in report.text()
     peak = report.ranks[0].peak_bytes
-    small = dataclasses.replace(big, device=dataclasses.replace(big.device, memory_bytes=peak - 1))
+    small = dataclasses.replace(big, device=dataclasses.replace(big.device, memory_bytes=peak - 1, **NOTHING_HELD_BACK))
     report = dry_run(MODEL, small, training=TRAINING, plan=plan, ranks=(0,))
     assert not report.ok and not report.ranks[0].fits and report.ranks[0].ok
     assert f"OUT OF MEMORY: rank 0 (for ranks (0, 2, 4, 6)) peaks at {peak / 2**30:.2f} GiB" in report.text()

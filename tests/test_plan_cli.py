@@ -1,5 +1,8 @@
 """`partitioner plan`: the documented JSON keys, --fix parsing, and the Python entry point."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -64,3 +67,16 @@ def test_fix_types():
 def test_unknown_cluster_is_a_short_error(capsys):
     assert main(["plan", "--model", MODEL, "--cluster", "dgx-z9000", "--global-batch", "16"]) == 2
     assert "dgx-a100-80gb" in capsys.readouterr().err
+
+
+def test_a_reader_that_stops_early_gets_no_error(tmp_path):
+    """`partitioner plan ... | head -1`: the command stops quietly when its reader goes away."""
+    env = {**os.environ, "PARTITIONER_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "partitioner", "plan", "--model", MODEL, "--cluster",
+                             "dgx-a100-80gb", "--global-batch", "16"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    assert proc.stdout.readline().startswith(b"plan for")
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert "error" not in err and "Exception" not in err, err

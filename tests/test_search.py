@@ -12,6 +12,7 @@ from partitioner.search.profile import profile_model
 from partitioner.search.plan_cost import chunk_sizes
 from partitioner.search.search import candidates, min_memory, search
 from partitioner.calibration.job_cluster import local_cluster
+from tests.memory_devices import NOTHING_HELD_BACK
 
 SPEC = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq=32"
 
@@ -26,7 +27,7 @@ def _cluster(memory_bytes: float | None = None, nodes: int = 1, devices: int | N
     if devices is not None:
         c = dataclasses.replace(c, devices_per_node=devices)
     if memory_bytes is not None:
-        c = dataclasses.replace(c, device=dataclasses.replace(c.device, memory_bytes=int(memory_bytes)))
+        c = dataclasses.replace(c, device=dataclasses.replace(c.device, memory_bytes=int(memory_bytes), **NOTHING_HELD_BACK))
     return c
 
 
@@ -353,7 +354,7 @@ def test_offload_of_checkpointed_blocks_moves_one_tensor_per_block():
 def _shrunk(preset: str, nodes: int, memory_gib: float | None) -> Cluster:
     c = Cluster.preset(preset, nodes=nodes)
     if memory_gib is not None:
-        c = dataclasses.replace(c, device=dataclasses.replace(c.device, memory_bytes=int(memory_gib * 2**30)))
+        c = dataclasses.replace(c, device=dataclasses.replace(c.device, memory_bytes=int(memory_gib * 2**30), **NOTHING_HELD_BACK))
     return c
 
 

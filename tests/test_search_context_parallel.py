@@ -13,6 +13,7 @@ from partitioner.inputs.knobs import parse_fix
 from partitioner.search.plan_cost import RING_WORKING_BLOCKS
 from partitioner.search.profile import AttentionProfile, profile_model
 from partitioner.search.search import candidates, min_memory, search
+from tests.memory_devices import NOTHING_HELD_BACK
 
 # Six heads: tensor parallelism stops at tp=2 on an 8-GPU node (tp divides the heads and the node)
 # and Ulysses at cp=2; ring attention cuts the sequence over all 8 GPUs. Grouped-query attention
@@ -33,7 +34,7 @@ def _node(memory_bytes: float | None = None, nodes: int = 1, devices: int | None
     if devices is not None:
         c = dataclasses.replace(c, devices_per_node=devices)
     if memory_bytes is not None:
-        c = dataclasses.replace(c, device=dataclasses.replace(c.device, memory_bytes=int(memory_bytes)))
+        c = dataclasses.replace(c, device=dataclasses.replace(c.device, memory_bytes=int(memory_bytes), **NOTHING_HELD_BACK))
     for name, changes in links.items():
         c = dataclasses.replace(c, **{name: dataclasses.replace(getattr(c, name), **changes)})
     return c
@@ -41,7 +42,7 @@ def _node(memory_bytes: float | None = None, nodes: int = 1, devices: int | None
 
 def _pinned(profile, cluster, global_batch, **knobs):
     """The plan of one config, every knob pinned, on ``cluster`` with room for anything."""
-    roomy = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=1 << 50))
+    roomy = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=1 << 50, **NOTHING_HELD_BACK))
     return search(profile, roomy, global_batch=global_batch, fix={**ALL, **knobs})
 
 

@@ -78,6 +78,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from partitioner.api.planning import plan as make_plan
 from partitioner.compile.build import analysed_training_step, lower_plan
 from partitioner.cost.cluster import Cluster
+from partitioner.cost.device_memory import memory_budget
 from partitioner.inputs.knobs import check_fix
 from partitioner.inputs.model_spec import ModelSpec, meta_copy
 from partitioner.inputs.models import as_spec
@@ -179,14 +180,15 @@ class RankRun:
     predicted_bytes: float | None = None
     """The plan's peak for this rank (``plan.predicted.rank_peak_memory_bytes``), when it has one."""
     device_bytes: float | None = None
-    """The memory of the job's device (the cluster's), when known."""
+    """What the plan's tensors may use of the job's device, when known: its memory less the CUDA
+    context, NCCL's buffers and the allocator's slack (``partitioner.cost.device_memory``)."""
     peak_tensors: list[str] = field(default_factory=list)
     """When the two differ by more than :data:`MEMORY_TOLERANCE`: the largest tensors alive at the
     dry run's peak, each with the op that made it."""
 
     @property
     def fits(self) -> bool:
-        """Whether its peak fits in the device's memory (True when either is unknown)."""
+        """Whether its peak fits in what the device leaves the plan (True when either is unknown)."""
         return not (self.device_bytes and self.peak_bytes > self.device_bytes)
 
     @property
@@ -250,7 +252,8 @@ class DryRunReport:
             for r in self.ranks:
                 if not r.fits:
                     lines.append(f"  OUT OF MEMORY: rank {r.rank} (for ranks {_ranks_text(r.stands_for)}) peaks at "
-                                 f"{r.peak_bytes / 2**30:.2f} GiB; the device has {r.device_bytes / 2**30:.2f} GiB")
+                                 f"{r.peak_bytes / 2**30:.2f} GiB; the device leaves the plan {r.device_bytes / 2**30:.2f} GiB "
+                                 f"(its memory less the CUDA context, NCCL's buffers and the allocator's slack)")
             for r in self.ranks:
                 if r.peak_tensors:
                     lines.append(f"  rank {r.rank}'s peak differs from the plan's by more than "
@@ -1004,7 +1007,7 @@ def dry_run(model: str | ModelSpec, cluster: Cluster | str, *, training: Trainin
         if run.ok:
             compare_static(run, program)
         run.predicted_bytes = float(peaks[rank])
-        run.device_bytes = float(cluster.device.memory_bytes)
+        run.device_bytes = memory_budget(cluster, config.communicators).usable_bytes
         difference = run.memory_difference
         if difference is None or abs(difference) <= MEMORY_TOLERANCE:
             run.peak_tensors = []

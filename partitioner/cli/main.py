@@ -95,8 +95,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             ("step time", f"{pred.step_time_s:.4g} s"),
             ("TFLOP/s per device", f"{pred.tflops_per_device:.1f}"),
             ("MFU", f"{pred.mfu * 100:.1f}%"),
-            ("peak memory per device", _human(pred.peak_memory_bytes, "B")),
-            ("bubble", f"{pred.bubble_fraction * 100:.1f}%")]
+            ("peak memory per device", _human(pred.peak_memory_bytes, "B"))]
+    budget = pred.memory_budget
+    if budget:
+        rows += [("  usable of the device", f"{_human(budget['usable_bytes'], 'B')} of {_human(budget['device_bytes'], 'B')}")]
+        if budget["reserved_bytes"] or budget["communicator_bytes"] or budget["slack"]:
+            rows += [("  held back", f"{_human(budget['reserved_bytes'], 'B')} CUDA context and workspaces, "
+                                     f"{_human(budget['communicator_bytes'], 'B')} for {int(budget['communicators'])} "
+                                     f"NCCL communicator(s), {budget['slack']:.0%} allocator slack")]
+        rows += [("  headroom", _human(pred.headroom_bytes, "B"))]
+    rows += [("bubble", f"{pred.bubble_fraction * 100:.1f}%")]
     rows += [(f"  {name}", f"{value:.4g} s") for name, value in pred.terms.items()]
     print(_table(rows))
     print()
@@ -548,7 +556,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.fn is not _cmd_models:
             _import_stack()
         _check_run_options(args)
-        return args.fn(args)
+        code = args.fn(args)
+        sys.stdout.flush()  # here, where a reader that went away is caught, not at the interpreter's exit
+        return code
+    except BrokenPipeError:
+        # whoever read our output stopped reading (`partitioner plan ... | head`): stop quietly,
+        # as a Unix filter does, with stdout pointed at nothing so its flush at exit cannot fail
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except PartitionerError as exc:
         lines = _failure_lines(exc)
         if debug:

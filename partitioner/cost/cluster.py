@@ -332,6 +332,18 @@ class Device:
     ``peak_flops``; half-saturation, seconds), which the cost model prices its kernels with
     (``cost_model.efficiency_curve``). ``None`` (the presets): the cost model's default curve
     (0.75, 5 us: a GPU against its datasheet). Written by ``partitioner calibrate``."""
+    reserved_bytes: int | None = None
+    """Device memory one training process holds outside the caching allocator's tensors and
+    NCCL's buffers: the CUDA context with the kernels it loads, and cuBLAS' workspaces. ``None``:
+    the default of the cluster's backend (:mod:`partitioner.cost.device_memory`: a GPU's figure
+    under NCCL, 0 for CPU ranks on gloo)."""
+    communicator_bytes: int | None = None
+    """Device memory of one NCCL communicator's buffers (one per process group of more than one
+    rank, ``ParallelConfig.communicators``); ``None``: the backend's default, as above."""
+    allocator_slack: float | None = None
+    """Share of the plan's peak the caching allocator holds beyond it (blocks split and cached for
+    sizes that come back, segments it cannot release): the budget is divided by ``1 + slack``.
+    ``None``: the backend's default, as above."""
     memory_bound_bytes_per_s: float = 0.0
     """Bytes/s (read plus write) the graph's memory-bound nodes (elementwise ops, norms, softmax,
     dropout, the loss) stream at (``cost_model.memory_bound_rate``); 0 (the presets): the memory
@@ -352,6 +364,15 @@ class Device:
         if self.efficiency is not None and not isinstance(self.efficiency, DeviceEfficiency):
             raise ClusterSpecError(f"Device.efficiency must be a mapping of dtype to {{peak_efficiency, "
                                    f"half_saturation_s}}, got {self.efficiency!r}")
+        for name, fix in (("reserved_bytes", "give the memory a process holds outside its tensors, e.g. '600MiB'"),
+                          ("communicator_bytes", "give one NCCL communicator's buffers, e.g. '256MiB'")):
+            if getattr(self, name) is not None:
+                _normalize(self, name, "bytes", fix, allow_zero=True)
+        if self.allocator_slack is not None:
+            value = self.allocator_slack
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ClusterSpecError(f"Device.allocator_slack must be a fraction in [0, 1), got {value!r}; "
+                                       f"e.g. 0.05 for 5% of the peak, or leave it out for the backend's default")
         for name in ("kernel_overhead_s", "step_overhead_s", "offload_call_s", "optimizer_bytes_per_s",
                      "optimizer_tensor_s", "memory_bound_bytes_per_s"):
             value = getattr(self, name)
@@ -374,6 +395,8 @@ class Device:
                                                           "optimizer_bytes_per_s", "optimizer_tensor_s",
                                                           "memory_bound_bytes_per_s")
                    if getattr(self, name)},
+                **{name: getattr(self, name) for name in ("reserved_bytes", "communicator_bytes", "allocator_slack")
+                   if getattr(self, name) is not None},
                 **({"efficiency": self.efficiency.to_dict()} if self.efficiency is not None else {})}
 
 

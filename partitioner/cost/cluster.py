@@ -292,6 +292,15 @@ class DeviceEfficiency:
         return {name: getattr(self, name).to_dict() for name in DTYPES if getattr(self, name) is not None}
 
 
+GPU_COMM_COMPUTE_SHARE = 0.15
+"""The default ``Device.comm_compute_share`` under NCCL, an estimate: a collective's kernel runs
+one thread block per channel, each holding an SM until the collective ends (NCCL picks the
+channel count from the topology: 16 channels are 15% of an A100's 108 SMs and 12% of an H100's
+132; an all-gather profiled on an H100 in NVIDIA's developer forum held 24), besides the device
+memory bandwidth it streams. Kernels that need every SM at once (a matmul of exactly one wave of
+tiles) lose more: the tiles that no longer fit run in a second wave."""
+
+
 @dataclass(kw_only=True, frozen=True, slots=True)
 class Device:
     """One accelerator (or one CPU process for ``local-cpu``)."""
@@ -344,6 +353,11 @@ class Device:
     """Share of the plan's peak the caching allocator holds beyond it (blocks split and cached for
     sizes that come back, segments it cannot release): the budget is divided by ``1 + slack``.
     ``None``: the backend's default, as above."""
+    comm_compute_share: float | None = None
+    """Share of the device's compute a collective takes while it runs beside kernels (NCCL holds
+    an SM per channel for the collective's whole duration): compute that overlaps a collective
+    runs at ``1 - share`` of its rate (``StepTimeTerms.overlap``). ``None``: the backend's default
+    (:data:`GPU_COMM_COMPUTE_SHARE` under NCCL; 0 on gloo, where nothing overlaps a rank's thread)."""
     memory_bound_bytes_per_s: float = 0.0
     """Bytes/s (read plus write) the graph's memory-bound nodes (elementwise ops, norms, softmax,
     dropout, the loss) stream at (``cost_model.memory_bound_rate``); 0 (the presets): the memory
@@ -368,11 +382,13 @@ class Device:
                           ("communicator_bytes", "give one NCCL communicator's buffers, e.g. '256MiB'")):
             if getattr(self, name) is not None:
                 _normalize(self, name, "bytes", fix, allow_zero=True)
-        if self.allocator_slack is not None:
-            value = self.allocator_slack
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-                raise ClusterSpecError(f"Device.allocator_slack must be a fraction in [0, 1), got {value!r}; "
-                                       f"e.g. 0.05 for 5% of the peak, or leave it out for the backend's default")
+        for name, example in (("allocator_slack", "0.05 for 5% of the peak"),
+                              ("comm_compute_share", "0.15 for 16 of an A100's 108 SMs")):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 <= value < 1):
+                raise ClusterSpecError(f"Device.{name} must be a fraction in [0, 1), got {value!r}; "
+                                       f"e.g. {example}, or leave it out for the backend's default")
         for name in ("kernel_overhead_s", "step_overhead_s", "offload_call_s", "optimizer_bytes_per_s",
                      "optimizer_tensor_s", "memory_bound_bytes_per_s"):
             value = getattr(self, name)
@@ -395,7 +411,8 @@ class Device:
                                                           "optimizer_bytes_per_s", "optimizer_tensor_s",
                                                           "memory_bound_bytes_per_s")
                    if getattr(self, name)},
-                **{name: getattr(self, name) for name in ("reserved_bytes", "communicator_bytes", "allocator_slack")
+                **{name: getattr(self, name) for name in ("reserved_bytes", "communicator_bytes", "allocator_slack",
+                                                          "comm_compute_share")
                    if getattr(self, name) is not None},
                 **({"efficiency": self.efficiency.to_dict()} if self.efficiency is not None else {})}
 

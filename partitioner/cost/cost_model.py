@@ -659,6 +659,11 @@ class StepTimeTerms:
     contention: float = 0.0
     """More ranks of a node computing at once than it has compute slots (CPU ranks sharing
     cores, ``Cluster.compute_slots_per_node``): what their shared compute adds to the step."""
+    overlap: float = 0.0
+    """Compute slowed by the collectives that run beside it on a GPU (the data-parallel
+    reduction hidden behind the backward, ZeRO-2's per-micro-batch reduce-scatters, ZeRO-3's
+    gathers and reduce-scatters): while a collective runs, NCCL holds ``Device.comm_compute_share``
+    of the device, so its hidden seconds cost that share of compute (``plan_cost.overlapped``)."""
     framework: float = 0.0
     """Per-step host work outside the kernels (``Device.step_overhead_s``) and the all-reduce of
     the step's loss over all ranks (which also waits for the last rank to finish)."""

@@ -56,6 +56,12 @@ reduction finishes, ZeRO-1/2's updated-chunk gathers, the tied and sequence-para
 gradient norm, the loss) also waits ``Cluster.step_end_wait_s`` once (ranks on shared cores
 arrive at it one after the other), in ``dp_comm``, ``tied_comm`` or ``framework``; 0 on the presets.
 
+What compute hides still costs it on a GPU: while a collective runs, NCCL holds
+``Device.comm_compute_share`` of the device (an SM per channel), so the compute beside it runs
+at the rest; the term ``overlap`` charges that share of every hidden collective's seconds (the
+reduction behind the last backward, ZeRO-2's per micro-batch, ZeRO-3's gathers and
+reduce-scatters: :func:`overlapped`).
+
 Host devices (``host_to_device.kind == "loopback"``: CPU ranks on gloo): nothing overlaps on a
 rank's one thread, so the dp reduction is fully exposed (no backward hides it), and activation
 offload's copies are added to the stage's time per micro-batch (so they also lengthen the
@@ -127,7 +133,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from partitioner.cost.cluster import Cluster
+from partitioner.cost.cluster import GPU_COMM_COMPUTE_SHARE, Cluster
 from partitioner.cost.device_memory import MemoryBudget, memory_budget
 from partitioner.cost.core_sharing import RankWork, rank_counts, shared_makespan
 from partitioner.cost.cost_model import (
@@ -262,6 +268,11 @@ class PlanContext:
         self.itemsize = 4 if self.dtype == "fp32" else 2
         # device memory IS host memory (CPU ranks): copies and collectives are not overlapped
         self.on_host = cluster.host_to_device.kind == "loopback"
+        # what a collective running beside compute takes of it (NCCL's SMs); nothing on a host rank,
+        # where the collective and the compute take turns on one thread
+        share = cluster.device.comm_compute_share
+        self.comm_share = 0.0 if self.on_host else share if share is not None else \
+            (GPU_COMM_COMPUTE_SHARE if cluster.backend == "nccl" else 0.0)
         self._links: dict = {}
         self._costs: dict = {}
 
@@ -872,19 +883,22 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
         step_end_waits.append(waits)
         # on a host device (gloo on CPU) the bucket's collective shares the rank's one thread
         # with backward: nothing hides it
-        hide = 0.0 if ctx.on_host else b
+        hide, share = (0.0 if ctx.on_host else b), ctx.comm_share
         if c.zero_stage == 3:
             layers = sum(stop - start for start, stop in ranges)
             replicas = c.dp_cp // shards  # HSDP: gathers and reduce-scatters inside a shard group, all-reduce across
-            dp_exposed = zero3_exposed_time(params * ctx.itemsize, params * 4, c, ctx.sync_link(shards, c.tp), f, b + rc,
-                                            ctx.on_host, layers=layers,
-                                            replicas=(replicas, ctx.sync_link(replicas, c.tp * shards)))
+            dp_exposed, slowed = zero3_exposed_time(params * ctx.itemsize, params * 4, c, ctx.sync_link(shards, c.tp),
+                                                    f, b + rc, ctx.on_host, layers=layers,
+                                                    replicas=(replicas, ctx.sync_link(replicas, c.tp * shards)),
+                                                    share=share)
         elif c.zero_stage == 0:    # one all-reduce after the last micro-batch, hidden behind its backward
-            dp_exposed = max(0.0, ar - hide)
+            dp_exposed, slowed = overlapped(ar, hide, share)
         elif c.zero_stage == 1:  # reduce-scatter hidden likewise; all-gather of new weights after the step
-            dp_exposed = max(0.0, rs - hide) + ag
+            dp_exposed, slowed = overlapped(rs, hide, share)
+            dp_exposed += ag
         else:                    # sharded grads: a reduce-scatter per micro-batch, each behind its backward
-            dp_exposed = c.num_micro_batches * max(0.0, rs - hide) + ag
+            dp_exposed, slowed = (c.num_micro_batches * t for t in overlapped(rs, hide, share))
+            dp_exposed += ag
         dp_exposed += waits.get("dp_comm", 0.0)
         t_opt, opt_bytes = _optimizer_time(ctx, c, params, experts, shards, ms1,
                                            optimizer_tensors(ctx.profile, ranges, c.zero_stage, shards))
@@ -908,12 +922,13 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
         stages.append(StagePlan(index=s, layers=tuple(tuple(r) for r in ranges), layer_names=names,
                                 param_bytes=params * ctx.itemsize, peak_memory_bytes=peak, memory=memory,
                                 time_s=t_mb))
-        per_stage.append((t_mb, f + b, tpc, rc, dp_exposed, t_opt, t_off, cpc, w_grad / b if b > 0 else 0.0, epc, f))
+        per_stage.append((t_mb, f + b, tpc, rc, dp_exposed, t_opt, t_off, cpc, w_grad / b if b > 0 else 0.0, epc, f,
+                          slowed))
     p, v, m = c.pp, c.virtual_pp, c.num_micro_batches
     slow = max(range(p), key=lambda i: (per_stage[i][0], -i))
     t_max, comp, tpc, rc = per_stage[slow][:4]
     cpc, epc = per_stage[slow][7], per_stage[slow][9]
-    tail = max(range(p), key=lambda i: (sum(per_stage[i][4:7]), -i))
+    tail = max(range(p), key=lambda i: (sum(per_stage[i][4:7]) + per_stage[i][11], -i))
     terms = StepTimeTerms(
         # a split backward recomputes a checkpointed region for its input half and again for its
         # weight half (runtime.exec.split_backward)
@@ -923,6 +938,7 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
         # slowest stage's backward (matmul-heavy on GPUs, about half; dispatch-bound CPU ranks less)
         bubble=_bubble_time(c, [st[0] for st in per_stage], per_stage[slow][8]),
         dp_comm=per_stage[tail][4], optimizer=per_stage[tail][5], offload=per_stage[tail][6],
+        overlap=per_stage[tail][11],
         tied_comm=_tied_sync_time(ctx, c) + max(w.get("tied_comm", 0.0) for w in step_end_waits),
         framework=_framework_time(ctx) + max(w.get("framework", 0.0) for w in step_end_waits))
     terms = dataclasses.replace(terms, contention=_contention_time(ctx, c, per_stage))
@@ -992,8 +1008,19 @@ def zero3_gathered_bytes(largest_layer_params: float, itemsize: int, prefetch: i
     return (1 + prefetch) * largest_layer_params * itemsize + grads
 
 
+def overlapped(comm: float, compute: float, share: float) -> tuple[float, float]:
+    """(exposed, slowdown) seconds of a collective of ``comm`` seconds issued beside ``compute``
+    seconds of kernels that hide it, while it takes ``share`` of the device
+    (``Device.comm_compute_share``): the compute runs at ``1 - share`` while the collective runs,
+    so the two end after ``max(comm, compute + share * comm)``. ``exposed`` is what the collective
+    outlasts the compute by at full rate, ``slowdown`` the rest of the difference."""
+    exposed = max(0.0, comm - compute)
+    return exposed, max(comm, compute + share * comm) - compute - exposed
+
+
 def zero3_exposed_time(param_bytes: float, grad_bytes_fp32: float, c: ParallelConfig, link, fwd: float, bwd: float,
-                       on_host: bool, *, layers: int = 1, replicas: tuple[int, object] = (1, None)) -> float:
+                       on_host: bool, *, layers: int = 1, replicas: tuple[int, object] = (1, None),
+                       share: float = 0.0) -> tuple[float, float]:
     """Seconds per step of ZeRO-3 communication that compute does not hide, on one stage of
     ``layers`` layers: per micro-batch an all-gather of each layer's parameters before its forward
     and again before its backward (not again with ``reshard_after_forward=False``: the forward's
@@ -1003,7 +1030,8 @@ def zero3_exposed_time(param_bytes: float, grad_bytes_fp32: float, c: ParallelCo
     site ahead) each layer's gather overlaps the layer before it, except the first layer's of each
     pass; on a host device (gloo on CPU) the collectives share the rank's thread with compute and
     nothing hides. ``link``: the shard group's; HSDP's ``replicas``: (replica groups, their link),
-    across which each reduce-scattered shard is all-reduced."""
+    across which each reduce-scattered shard is all-reduced. Returns (exposed, slowdown) seconds:
+    the collectives hidden behind compute slow it by ``share`` of their time (:func:`overlapped`)."""
     degree, n = c.shard_degree, max(layers, 1)
     first = all_gather_time(param_bytes / n, degree, link)  # one layer's gather
     ag = n * first
@@ -1011,10 +1039,12 @@ def zero3_exposed_time(param_bytes: float, grad_bytes_fp32: float, c: ParallelCo
     if replicas[0] > 1:
         rs += n * all_reduce_time(grad_bytes_fp32 / n / degree, replicas[0], replicas[1])
     again = 1 if c.reshard_after_forward else 0  # gathers of the stage's parameters in backward
+    m = c.num_micro_batches
     if on_host:
-        return c.num_micro_batches * ((1 + again) * ag + rs)
-    return c.num_micro_batches * ((1 + again) * first + max(0.0, ag - first - fwd)
-                                  + max(0.0, again * (ag - first) + rs - bwd))
+        return m * ((1 + again) * ag + rs), 0.0
+    forward = overlapped(ag - first, fwd, share)
+    backward = overlapped(again * (ag - first) + rs, bwd, share)
+    return m * ((1 + again) * first + forward[0] + backward[0]), m * (forward[1] + backward[1])
 
 
 SPLIT_OPS_PER_MATMUL = 12

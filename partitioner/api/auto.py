@@ -34,6 +34,7 @@ What happens, in order (every rank, unless said):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -57,7 +58,8 @@ from partitioner.inputs.model_spec import ModelSpec, meta_copy
 from partitioner.inputs.models import as_spec
 from partitioner.inputs.knobs import check_fix
 from partitioner.inputs.training import Training
-from partitioner.search.profile import ModelProfile, profile_graph, profile_model, profile_spec, with_tensor_remat
+from partitioner.search.profile import (ModelProfile, profile_graph, profile_model, profile_spec, with_dag,
+                                        with_tensor_remat)
 from partitioner.search.search import check_pinned_inputs
 from partitioner.search.search import search
 from passes.ir.config import TORCH_DTYPES
@@ -110,8 +112,14 @@ def choose_plan(model: str | ModelSpec, cluster: Cluster, *, world_size: int, gl
                    else profile_spec(meta_copy(model), dtype=dtype, optimizer=optimizer, tensor_remat=tensor))
     elif tensor and graph is not None and not profile.tensor_remat_asked:
         profile = with_tensor_remat(profile, graph)
+    # checkpointing='dag' (the dag policy over every block, a cost that grows with depth) is
+    # priced when pinned, else by the search where a dag plan can win (search's price_dag)
+    later = graph is not None and not profile.dag_asked and pinned.get("checkpointing") in (None, "dag")
+    if later and pinned.get("checkpointing") == "dag":
+        profile, later = with_dag(profile, graph), False
     check = replay_check(graph, cluster, optimizer=optimizer) if graph is not None else None
-    chosen = search(profile, cluster, global_batch=global_batch, fix=pinned, optimizer=optimizer, check=check)
+    chosen = search(profile, cluster, global_batch=global_batch, fix=pinned, optimizer=optimizer, check=check,
+                    price_dag=functools.partial(with_dag, profile, graph) if later else None)
     check_world_size(chosen, world_size)
     return chosen
 
@@ -413,7 +421,7 @@ def auto_parallelize(model: str | ModelSpec, cluster: Cluster | str | None = Non
         chosen = Plan.from_json(_from_rank0(lambda: choose_plan(
             spec, cluster, world_size=world, global_batch=global_batch, fix=fix, dtype=dtype,
             optimizer=planned_optimizer,
-            profile=profile_graph(graph, dtype=dtype, name=spec.name), graph=graph).to_json()))
+            profile=profile_graph(graph, dtype=dtype, name=spec.name, dag=False), graph=graph).to_json()))
     else:
         check_world_size(plan, world)
         chosen = plan

@@ -247,6 +247,9 @@ class Evaluated:
     peak: float
     stages: tuple[StagePlan, ...]
     terms: StepTimeTerms
+    memory_shaped: bool = False
+    """Memory moved its stage split off the fastest one (told only when the profile has not priced
+    ``checkpointing="dag"``, which could then win: ``search(price_dag=...)``)."""
 
 
 class PlanContext:
@@ -255,6 +258,7 @@ class PlanContext:
     def __init__(self, profile: ModelProfile, cluster: Cluster, global_batch: int, optimizer: str):
         self.profile = profile
         self.cluster = cluster
+        self.tell_shaped = not profile.dag_asked  # Evaluated.memory_shaped
         self.global_batch = global_batch
         self.optimizer = optimizer
         self.dtype = profile.dtype
@@ -840,8 +844,11 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
     cap = ctx.cap_for(c)
     assignment = _assignment(ctx, c, costs, cap if limit == "device" else limit)
     feasible = assignment is not None
+    shaped = False
     if assignment is None:  # how much it would need: the time-balanced split, memory ignored
         assignment = _assignment(ctx, c, costs, None)
+    elif ctx.tell_shaped and limit == "device" and c.pp > 1 and c.virtual_pp == 1:
+        shaped = _assignment(ctx, c, costs, None) != assignment
     dev = ctx.cluster.device
     # ranks the sharded model state is spread over: dp x cp hold the same parameters
     shards = c.shard_degree if c.zero_stage == 3 else c.dp_cp
@@ -944,7 +951,8 @@ def evaluate(ctx: PlanContext, c: ParallelConfig, *, limit: float | None | str =
     terms = dataclasses.replace(terms, contention=_contention_time(ctx, c, per_stage))
     peak = max(s.peak_memory_bytes for s in stages)
     feasible = feasible and peak <= cap
-    return Evaluated(config=c, feasible=feasible, step_time=terms.total, peak=peak, stages=tuple(stages), terms=terms)
+    return Evaluated(config=c, feasible=feasible, step_time=terms.total, peak=peak, stages=tuple(stages), terms=terms,
+                     memory_shaped=shaped)
 
 
 def _optimizer_time(ctx: PlanContext, c: ParallelConfig, params: float, experts: float, shards: int, ms1,

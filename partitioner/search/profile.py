@@ -46,6 +46,11 @@ TENSOR_NOT_ASKED = ("not priced: pricing it solves a per-tensor remat MILP over 
                     "checkpointing='tensor' is pinned)")
 """``LayerProfile.tensor_refusal`` of a profile that was not asked to price ``tensor``."""
 
+DAG_NOT_ASKED = ("not priced yet: a job's profile prices checkpointing='dag' (the dag policy over every block "
+                 "of the captured graph) only where it can win: when pinned, or when a plan faster than the "
+                 "best that fits does not fit (partitioner.api.auto.choose_plan)")
+"""``LayerProfile.dag_refusal`` of a profile made with ``dag=False`` and not priced since."""
+
 TENSOR_TIME_LIMIT_S = 30.0
 """Seconds the profile's tensor remat MILP may take (all its solves together); past it the best
 decision found prices ``tensor`` and ``LayerProfile.tensor_mip_gap`` says how far from optimal."""
@@ -241,6 +246,11 @@ class ModelProfile:
     search needs to offer and price context parallelism."""
 
     @functools.cached_property
+    def dag_asked(self) -> bool:
+        """Whether ``checkpointing="dag"`` was priced (or refused) on this profile's graph."""
+        return not self.blocks or self.blocks[0].dag_refusal != DAG_NOT_ASKED
+
+    @functools.cached_property
     def tensor_remat_asked(self) -> bool:
         """Whether the profile was asked to price ``checkpointing="tensor"`` (priced or refused)."""
         return not self.blocks or self.blocks[0].tensor_refusal != TENSOR_NOT_ASKED
@@ -400,9 +410,11 @@ class _SharedMap(dict):
         self.all_names = all_names
 
 
-def _chain(gm: fx.GraphModule, seq: int, shared: _SharedMap, subs: dict | None = None, *, tensor_remat: bool):
+def _chain(gm: fx.GraphModule, seq: int, shared: _SharedMap, subs: dict | None = None, *, tensor_remat: bool,
+           dag: bool = True):
     """Group the analysed nodes by their layer-chain index (``annotate_blocks``) and sum their costs;
-    ``tensor_remat``: also price ``checkpointing="tensor"`` (a MILP over all of ``gm``)."""
+    ``tensor_remat``: also price ``checkpointing="tensor"`` (a MILP over all of ``gm``); ``dag``:
+    price ``checkpointing="dag"`` (the dag policy over every block of ``gm``)."""
     chain = gm.meta.get(LAYER_CHAIN)
     if chain is None or not chain.blocks:
         raise AnalysisError("profile found no repeated blocks (no module path like 'blocks.0'); the planner "
@@ -421,12 +433,8 @@ def _chain(gm: fx.GraphModule, seq: int, shared: _SharedMap, subs: dict | None =
     no_decay = no_weight_decay_names(gm)  # the runtime's weight-decay groups (ZeRO cuts its chunk where they change)
     mixing = frozenset(held_gradient_nodes(gm))
     layers = {g: _sum(g, ns, seq, hidden, boundary.get(g), shared, no_decay, subs, mixing) for g, ns in groups.items()}
-    dag = _dag_per_block(gm, stack, subs)
-    if isinstance(dag, str):
-        layers.update({g: replace(layers[g], dag_refusal=dag) for g in stack})
-    else:
-        layers.update({g: replace(layers[g], dag_activation_bytes=layers[g].activation_bytes - dag[0],
-                                  dag_recompute_flops=dag[1], dag_checkpointed=dag[2]) for g in stack})
+    dag = _dag_per_block(gm, stack, subs) if dag else DAG_NOT_ASKED
+    layers.update({g: _dag_priced(layers[g], dag) for g in stack})
     for block in getattr(gm.meta.get(MOE_LAYERS), "blocks", ()):
         if block.layer in layers:
             layers[block.layer] = replace(layers[block.layer], experts=block.experts, top_k=block.top_k, moe_form=block.form,
@@ -451,6 +459,34 @@ def _expert_params(gm: fx.GraphModule, block, subs: dict | None) -> int:
                 numel = _int(shapes[base].numel, subs)
                 total += numel // block.experts if index else numel
     return total
+
+
+def _dag_priced(layer: LayerProfile, dag: tuple[float, float, float] | str) -> LayerProfile:
+    """``layer`` with :func:`_dag_per_block`'s price of ``dag`` (or why there is none)."""
+    if isinstance(dag, str):
+        return replace(layer, dag_refusal=dag)
+    return replace(layer, dag_activation_bytes=layer.activation_bytes - dag[0], dag_recompute_flops=dag[1],
+                   dag_checkpointed=dag[2], dag_refusal="")
+
+
+def with_dag(profile: ModelProfile, gm: fx.GraphModule) -> ModelProfile:
+    """``profile`` with ``checkpointing="dag"`` priced on ``gm``, the analysed graph it was made
+    from (:func:`profile_graph` with ``dag=False``)."""
+    stack = _profiled_stack(profile, gm, "with_dag")
+    dag = _dag_per_block(gm, stack, {dim_symbol(n): sympy.Integer(1 if n == "batch" else v)
+                                     for n, v in gm.meta[CAPTURE].dims})
+    return replace(profile, blocks=tuple(_dag_priced(b, dag) for b in profile.blocks))
+
+
+def _profiled_stack(profile: ModelProfile, gm: fx.GraphModule, where: str) -> list[str]:
+    """The block names of ``gm``, checked to be ``profile``'s (the graph it was profiled from)."""
+    chain = gm.meta.get(LAYER_CHAIN)
+    stack = list(chain.blocks) if chain is not None else []
+    if [b.name for b in profile.blocks] != stack:
+        raise AnalysisError(f"{where}: the graph's {len(stack)} blocks are not the profile's "
+                            f"{len(profile.blocks)} ({profile.model}); pass the analysed graph the profile was made "
+                            f"from (profile_graph(graph))")
+    return stack
 
 
 def _dag_per_block(gm: fx.GraphModule, stack: list[str], subs: dict | None) -> tuple[float, float, float] | str:
@@ -485,12 +521,7 @@ def with_tensor_remat(profile: ModelProfile, gm: fx.GraphModule) -> ModelProfile
     profiled from (:func:`profile_graph` without ``tensor_remat``): what a job that pins
     ``tensor`` adds to the profile it already has. Solves one MILP over all of ``gm`` (at most
     :data:`TENSOR_TIME_LIMIT_S` seconds)."""
-    chain = gm.meta.get(LAYER_CHAIN)
-    stack = list(chain.blocks) if chain is not None else []
-    if [b.name for b in profile.blocks] != stack:
-        raise AnalysisError(f"with_tensor_remat: the graph's {len(stack)} blocks are not the profile's "
-                            f"{len(profile.blocks)} ({profile.model}); pass the analysed graph the profile was made "
-                            f"from (profile_graph(graph))")
+    stack = _profiled_stack(profile, gm, "with_tensor_remat")
     tensor = _tensor_per_block(gm, stack)
     return replace(profile, blocks=tuple(_tensor_priced(b, tensor) for b in profile.blocks))
 
@@ -731,12 +762,14 @@ def profile_spec(spec: ModelSpec, *, dtype: str = "fp32", optimizer: str = "adam
 
 
 def profile_graph(gm: fx.GraphModule, *, dtype: str = "fp32", name: str | None = None,
-                  tensor_remat: bool = False) -> ModelProfile:
+                  tensor_remat: bool = False, dag: bool = True) -> ModelProfile:
     """A :class:`ModelProfile` of an already captured and analysed graph (shapes, blocks, FLOPs,
     memory; symbolic dims are evaluated at batch 1 and their hints): what a job that captured its
     model once plans from. Tied parameters come from the capture, so they count once.
     ``tensor_remat``: price ``checkpointing="tensor"`` (a MILP over the whole graph, whose time
-    grows with depth: off unless the user pins it, see :func:`with_tensor_remat`)."""
+    grows with depth: off unless the user pins it, see :func:`with_tensor_remat`). ``dag=False``:
+    leave ``checkpointing="dag"`` unpriced (:data:`DAG_NOT_ASKED`; the dag policy over every block
+    also grows with depth) for :func:`with_dag` to price when it can win."""
     info = gm.meta[CAPTURE]
     hints = dict(info.dims)
     subs = {dim_symbol(n): sympy.Integer(1 if n == "batch" else v) for n, v in info.dims}
@@ -749,7 +782,8 @@ def profile_graph(gm: fx.GraphModule, *, dtype: str = "fp32", name: str | None =
             p = params[present[0]]
             tied[names[0]] = (p.numel(), p.numel() * p.element_size())
     shared = _SharedMap(tied, {n for names in info.tied for n in names})
-    embedding, blocks, head, hidden, heads, attention = _chain(gm, seq, shared, subs, tensor_remat=tensor_remat)
+    embedding, blocks, head, hidden, heads, attention = _chain(gm, seq, shared, subs, tensor_remat=tensor_remat,
+                                                               dag=dag)
     return ModelProfile(model=name or info.model, seq=seq, dtype=dtype, hidden=hidden, heads=heads,
                         embedding=embedding, blocks=tuple(blocks), head=head,
                         shared_param_count=sum(n for n, _ in tied.values()),

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import itertools
 from typing import Callable, Sequence
 
@@ -466,7 +467,8 @@ def runner_up(chosen: Plan) -> RunnerUp | None:
 
 
 def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: dict | None = None,
-         optimizer: str = "adamw", check: Callable[[Plan], Plan] | None = None) -> Plan:
+         optimizer: str = "adamw", check: Callable[[Plan], Plan] | None = None,
+         price_dag: Callable[[], ModelProfile] | None = None) -> Plan:
     """The fastest plan for ``profile`` on ``cluster`` that fits every device's memory.
 
     ``global_batch``: samples per step (``dp · micro_batch_size · num_micro_batches``).
@@ -476,8 +478,17 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: d
     ``check``: re-measures a plan's memory exactly (:func:`partitioner.search.memory_check.replay_check`);
     the fastest candidates are checked in order and the first whose checked peak fits the device
     is returned with the checked numbers; a candidate that does not fit is dropped.
+    ``price_dag``: ``profile`` has not priced ``checkpointing="dag"`` (``ModelProfile.dag_asked``)
+    and this returns it priced; called, and the search made again, only where a dag plan can win:
+    nothing fits, a candidate faster than the best does not fit (or its exact replay does not), or
+    memory moved some candidate's stage split off its fastest. Otherwise every dag plan is a
+    layout that fits without checkpointing, split alike, plus recompute: slower than the best.
     Raises :class:`InfeasiblePlanError` when no candidate fits.
     """
+    if price_dag is not None and profile.dag_asked:
+        price_dag = None
+    again = functools.partial(search, cluster=cluster, global_batch=global_batch, fix=fix, optimizer=optimizer,
+                              check=check)
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ConfigError(f"global_batch must be an integer >= 1 (samples per step), got {global_batch!r}")
     ctx = PlanContext(profile, cluster, global_batch, optimizer)
@@ -499,6 +510,8 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: d
             bisect.insort(feasible, e, key=lambda x: (x.step_time, _key(x.config)))
         else:
             infeasible.append(e)
+    if not feasible and price_dag is not None:
+        return again(price_dag())
     if not feasible:
         need, who = _min_memory(ctx, cands)
         err = InfeasiblePlanError(
@@ -508,6 +521,9 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, fix: d
         err.min_bytes = need  # for callers and tests: the exact number behind the message
         raise err
     best, chosen, dropped = _first_that_fits(ctx, feasible, check)
+    if price_dag is not None and (best is None or dropped or any(e.memory_shaped for e in feasible)
+                                  or _fastest_infeasible(ctx, infeasible, too_big, best.step_time, 1)):
+        return again(price_dag())
     if best is None:
         shown = ", ".join(f"{_short(e.config)}: {format_bytes(e.peak)}" for e in dropped)
         raise InfeasiblePlanError(

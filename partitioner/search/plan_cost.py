@@ -259,6 +259,7 @@ class PlanContext:
         self.profile = profile
         self.cluster = cluster
         self.tell_shaped = not profile.dag_asked  # Evaluated.memory_shaped
+        self.framework_s: float | None = None  # _framework_time's
         self.global_batch = global_batch
         self.optimizer = optimizer
         self.dtype = profile.dtype
@@ -1196,7 +1197,9 @@ def _framework_time(ctx: PlanContext) -> float:
     scalar over every rank that end each step (:func:`scalar_all_reduce_time`): the global
     gradient norm's, before the optimizer (``runtime.optim.grad_norm``; every plan issues it, and
     it is where every rank waits for the mesh's last one), and the loss's after it."""
-    return ctx.cluster.device.step_overhead_s + 2 * scalar_all_reduce_time(ctx.cluster)
+    if ctx.framework_s is None:  # the same for every candidate: worked out once
+        ctx.framework_s = ctx.cluster.device.step_overhead_s + 2 * scalar_all_reduce_time(ctx.cluster)
+    return ctx.framework_s
 
 
 def _name(ctx: PlanContext, i: int) -> str:
@@ -1241,8 +1244,10 @@ def lower_bound(ctx: PlanContext, c: ParallelConfig) -> float:
         link, grads = ctx.sync_link(c.dp_cp, c.tp), dense * ctx.itemsize
         extra = max(1.0, (grads - FIRST_BUCKET_BYTES) / DEFAULT_BUCKET_BYTES) - 1.0
         rs = reduce_scatter_time(grads, c.dp_cp, link) + extra * reduce_scatter_time(0.0, c.dp_cp, link)
+        # what a hidden reduce-scatter adds, exposed or slowing the compute (:func:`overlapped`):
+        # max(rs - bwd, share * rs), convex as the bound needs
         tail += all_gather_time(grads, c.dp_cp, link) + extra * all_gather_time(0.0, c.dp_cp, link) \
-            + max(0.0, rs - (0.0 if ctx.on_host else bwd)) * (m if c.zero_stage == 2 else 1)
+            + sum(overlapped(rs, 0.0 if ctx.on_host else bwd, ctx.comm_share)) * (m if c.zero_stage == 2 else 1)
     if c.zero_stage == 3 and shards > 1:
         # per micro-batch the stage's gathers (again in backward when resharded) and
         # reduce-scatters beyond its compute (:func:`zero3_exposed_time` without prefetch's
@@ -1251,7 +1256,7 @@ def lower_bound(ctx: PlanContext, c: ParallelConfig) -> float:
         ag = n * all_gather_time(every * ctx.itemsize / n, shards, link)
         rs = n * reduce_scatter_time(every * 4 / n, shards, link)
         busy = 0.0 if ctx.on_host else fwd + bwd + redo
-        tail += m * max(0.0, (2 if c.reshard_after_forward else 1) * ag + rs - busy)
+        tail += m * sum(overlapped((2 if c.reshard_after_forward else 1) * ag + rs, busy, ctx.comm_share))
     if c.offload == "activations":
         # each micro-batch's saved activations copied out and back beyond the compute they hide behind
         act = (emb.act_bytes + ctx.L * blk.act_bytes + head.act_bytes) / pp

@@ -19,7 +19,6 @@ from partitioner.errors import ConfigError, InfeasiblePlanError
 from partitioner.inputs.models import build_model
 from runtime.dist.launch import spawn
 from partitioner.calibration.job_cluster import local_cluster
-from tests.memory_devices import NOTHING_HELD_BACK
 
 GPT = "gpt:layers=4,hidden=32,heads=2,vocab=64,seq=8,dropout=0.0"
 GLOBAL_BATCH, STEPS, WORLD = 8, 3, 4
@@ -147,7 +146,7 @@ def test_world_size_not_matching_plan_is_refused_with_numbers():
 
 def test_plan_that_fits_no_device_is_infeasible_at_start():
     tiny = local_cluster(4)
-    tiny = dataclasses.replace(tiny, device=dataclasses.replace(tiny.device, memory_bytes=64 * 1024, **NOTHING_HELD_BACK))
+    tiny = dataclasses.replace(tiny, device=dataclasses.replace(tiny.device, memory_bytes=64 * 1024))
     with pytest.raises(InfeasiblePlanError, match="no plan fits"):
         choose_plan(GPT, tiny, world_size=4, global_batch=GLOBAL_BATCH)
 

@@ -1,5 +1,5 @@
 """The device memory a plan may use: the budget's arithmetic, the communicators it counts (the
-mesh's own groups), and the search, the plan and the dry run holding plans to it."""
+mesh's own groups), and the search holding plans to it and the plan reporting it."""
 import dataclasses
 
 import pytest
@@ -11,6 +11,7 @@ from partitioner.cost.device_memory import (GPU_ALLOCATOR_SLACK, GPU_COMMUNICATO
 from partitioner.search.profile import profile_model
 from partitioner.search.search import search
 from passes.ir.config import ParallelConfig
+from passes.ir.errors import InfeasiblePlanError
 from passes.ir.plan import Plan
 
 GiB = 2**30
@@ -92,6 +93,5 @@ def test_the_search_keeps_plans_inside_the_budget_and_reports_it():
                                                                 allocator_slack=0.0))
     fix = roomy.knobs()
     assert search(profile, bare, global_batch=64, fix=fix).predicted.peak_memory_bytes == pytest.approx(peak)
-    from passes.ir.errors import InfeasiblePlanError
     with pytest.raises(InfeasiblePlanError, match="NCCL communicator"):
         search(profile, full, global_batch=64, fix=fix)

@@ -117,18 +117,27 @@ def test_a_compiled_plan_is_refused_before_any_planning(plan, monkeypatch):
 
 
 def test_a_rank_whose_peak_exceeds_the_device_is_out_of_memory(plan):
-    """The dry run says where the job would run out of memory: a rank whose peak is above the
-    cluster's device memory fails the report, naming the rank, its peak and the device's."""
+    """The dry run says where the job would run out of memory: a rank whose peak is above what
+    the device leaves the plan (its memory less the CUDA context, NCCL's buffers and the
+    allocator's slack) fails the report, naming the rank, its peak and that budget."""
     from partitioner.cost.cluster import Cluster
+    from partitioner.cost.device_memory import memory_budget
 
     big = Cluster.preset("dgx-h100", nodes=2)
     report = dry_run(MODEL, big, training=TRAINING, plan=plan, ranks=(0,))
     assert report.ok and "OUT OF MEMORY" not in report.text()
     peak = report.ranks[0].peak_bytes
-    small = dataclasses.replace(big, device=dataclasses.replace(big.device, memory_bytes=peak - 1, **NOTHING_HELD_BACK))
-    report = dry_run(MODEL, small, training=TRAINING, plan=plan, ranks=(0,))
+    # the peak fits the device's memory, but not beside what a GPU process holds besides its tensors
+    held = dataclasses.replace(big, device=dataclasses.replace(big.device, memory_bytes=peak + 2**20))
+    assert report.ranks[0].peak_bytes < held.device.memory_bytes
+    report = dry_run(MODEL, held, training=TRAINING, plan=plan, ranks=(0,))
     assert not report.ok and not report.ranks[0].fits and report.ranks[0].ok
+    assert report.ranks[0].device_bytes == memory_budget(held, plan.config.communicators).usable_bytes
     assert f"OUT OF MEMORY: rank 0 (for ranks (0, 2, 4, 6)) peaks at {peak / 2**30:.2f} GiB" in report.text()
+    # with nothing held back, the device's memory itself is the limit: one byte short of the peak
+    bare = dataclasses.replace(big, device=dataclasses.replace(big.device, memory_bytes=peak - 1, **NOTHING_HELD_BACK))
+    report = dry_run(MODEL, bare, training=TRAINING, plan=plan, ranks=(0,))
+    assert not report.ok and report.ranks[0].device_bytes == peak - 1
 
 
 def test_messages_are_matched_by_shape():

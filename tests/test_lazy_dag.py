@@ -10,7 +10,6 @@ from partitioner.compile.build import capture_training_step, run_analysis_passes
 from partitioner.cost.cluster import Cluster
 from partitioner.inputs.models import build_model
 from partitioner.search.profile import DAG_NOT_ASKED, profile_graph, with_dag
-from tests.memory_devices import NOTHING_HELD_BACK
 
 SPEC = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq=64,dropout=0.0"
 LAYOUT = {"dp": 4, "tp": 1, "pp": 1, "zero_stage": 0, "micro_batch_size": 8, "offload": "none"}
@@ -26,8 +25,7 @@ def captured():
 def _cluster(memory_bytes=None) -> Cluster:
     c = dataclasses.replace(Cluster.preset("local-cpu"), nodes=1, devices_per_node=4)
     if memory_bytes is not None:
-        c = dataclasses.replace(c, device=dataclasses.replace(c.device, memory_bytes=int(memory_bytes),
-                                                              **NOTHING_HELD_BACK))
+        c = dataclasses.replace(c, device=dataclasses.replace(c.device, memory_bytes=int(memory_bytes)))
     return c
 
 

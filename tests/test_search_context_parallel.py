@@ -42,7 +42,7 @@ def _node(memory_bytes: float | None = None, nodes: int = 1, devices: int | None
 
 def _pinned(profile, cluster, global_batch, **knobs):
     """The plan of one config, every knob pinned, on ``cluster`` with room for anything."""
-    roomy = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=1 << 50, **NOTHING_HELD_BACK))
+    roomy = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=1 << 50))
     return search(profile, roomy, global_batch=global_batch, fix={**ALL, **knobs})
 
 

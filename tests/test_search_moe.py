@@ -14,7 +14,6 @@ from partitioner.calibration.job_cluster import local_cluster
 from partitioner.errors import ConfigError
 from partitioner.search.profile import profile_model
 from partitioner.search.search import candidates, search
-from tests.memory_devices import NOTHING_HELD_BACK
 
 MOE = "moe:layers=4,hidden=64,heads=4,vocab=128,seq=32,experts=4,top_k=2,expert_hidden=256,dropout=0.0"
 PINNED = {"tp": 1, "pp": 1, "zero_stage": 0, "offload": "none", "cp": 1, "checkpointing": "none"}
@@ -68,7 +67,7 @@ def test_the_search_spreads_the_experts_when_a_replica_does_not_fit(profile):
             for ep in (1, 4)}
     assert peak[4] < peak[1]
     small = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device,
-                                                                    memory_bytes=int((peak[1] + peak[4]) / 2), **NOTHING_HELD_BACK))
+                                                                    memory_bytes=int((peak[1] + peak[4]) / 2)))
     chosen = search(profile, small, global_batch=8, fix={**PINNED, "dp": 4})
     assert chosen.config.ep > 1
 

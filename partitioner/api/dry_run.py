@@ -189,7 +189,7 @@ class RankRun:
     @property
     def fits(self) -> bool:
         """Whether its peak fits in what the device leaves the plan (True when either is unknown)."""
-        return not (self.device_bytes and self.peak_bytes > self.device_bytes)
+        return self.device_bytes is None or self.peak_bytes <= self.device_bytes
 
     @property
     def memory_difference(self) -> float | None:

@@ -301,6 +301,15 @@ memory bandwidth it streams. Kernels that need every SM at once (a matmul of exa
 tiles) lose more: the tiles that no longer fit run in a second wave."""
 
 
+def backend_default(cluster: Cluster, value, gpu_default):
+    """A device field that may be left unset (``None``), resolved for ``cluster``: its value when
+    set, else ``gpu_default`` under NCCL and 0 on gloo (CPU ranks hold nothing back and overlap
+    nothing)."""
+    if value is not None:
+        return value
+    return gpu_default if cluster.backend == "nccl" else 0
+
+
 @dataclass(kw_only=True, frozen=True, slots=True)
 class Device:
     """One accelerator (or one CPU process for ``local-cpu``)."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from partitioner.cost.cluster import Cluster
+from partitioner.cost.cluster import Cluster, backend_default
 
 MiB = 2**20
 
@@ -84,13 +84,9 @@ class MemoryBudget:
 def memory_budget(cluster: Cluster, communicators: int) -> MemoryBudget:
     """The budget of one device of ``cluster`` for a rank that joins ``communicators`` process
     groups of more than one rank (``ParallelConfig.communicators``)."""
-    device, gpu = cluster.device, cluster.backend == "nccl"
-
-    def pick(value, default):
-        return value if value is not None else (default if gpu else 0)
-
-    per_comm = pick(device.communicator_bytes, GPU_COMMUNICATOR_BYTES)
+    device = cluster.device
+    per_comm = backend_default(cluster, device.communicator_bytes, GPU_COMMUNICATOR_BYTES)
     return MemoryBudget(device_bytes=float(device.memory_bytes),
-                        reserved_bytes=float(pick(device.reserved_bytes, GPU_RESERVED_BYTES)),
+                        reserved_bytes=float(backend_default(cluster, device.reserved_bytes, GPU_RESERVED_BYTES)),
                         communicator_bytes=float(communicators * per_comm), communicators=communicators,
-                        slack=float(pick(device.allocator_slack, GPU_ALLOCATOR_SLACK)))
+                        slack=float(backend_default(cluster, device.allocator_slack, GPU_ALLOCATOR_SLACK)))

@@ -133,7 +133,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from partitioner.cost.cluster import GPU_COMM_COMPUTE_SHARE, Cluster
+from partitioner.cost.cluster import GPU_COMM_COMPUTE_SHARE, Cluster, backend_default
 from partitioner.cost.device_memory import MemoryBudget, memory_budget
 from partitioner.cost.core_sharing import RankWork, rank_counts, shared_makespan
 from partitioner.cost.cost_model import (
@@ -266,7 +266,6 @@ class PlanContext:
         # what a plan's tensors may use of a device: its memory less the CUDA context, NCCL's
         # buffers (one set per communicator the candidate's rank joins) and the allocator's slack
         self._budgets: dict[int, MemoryBudget] = {}
-        self.cap = self.budget_for(1).usable_bytes  # the most any candidate of several ranks gets
         self.host_cap = cluster.host_memory_bytes / cluster.devices_per_node
         self.host_rate = HOST_MEMORY_BYTES_PER_S / cluster.devices_per_node  # per device, bytes/s
         self.L = len(profile.blocks)
@@ -275,9 +274,8 @@ class PlanContext:
         self.on_host = cluster.host_to_device.kind == "loopback"
         # what a collective running beside compute takes of it (NCCL's SMs); nothing on a host rank,
         # where the collective and the compute take turns on one thread
-        share = cluster.device.comm_compute_share
-        self.comm_share = 0.0 if self.on_host else share if share is not None else \
-            (GPU_COMM_COMPUTE_SHARE if cluster.backend == "nccl" else 0.0)
+        self.comm_share = 0.0 if self.on_host else backend_default(
+            cluster, cluster.device.comm_compute_share, GPU_COMM_COMPUTE_SHARE)
         self._links: dict = {}
         self._costs: dict = {}
 

@@ -47,8 +47,8 @@ TENSOR_NOT_ASKED = ("not priced: pricing it solves a per-tensor remat MILP over 
 """``LayerProfile.tensor_refusal`` of a profile that was not asked to price ``tensor``."""
 
 DAG_NOT_ASKED = ("not priced yet: a job's profile prices checkpointing='dag' (the dag policy over every block "
-                 "of the captured graph) only where it can win: when pinned, or when a plan faster than the "
-                 "best that fits does not fit (partitioner.api.auto.choose_plan)")
+                 "of the captured graph) only where it can win: when pinned, or when the search finds memory "
+                 "binding (partitioner.search.search.search's price_dag)")
 """``LayerProfile.dag_refusal`` of a profile made with ``dag=False`` and not priced since."""
 
 TENSOR_TIME_LIMIT_S = 30.0
@@ -473,9 +473,14 @@ def with_dag(profile: ModelProfile, gm: fx.GraphModule) -> ModelProfile:
     """``profile`` with ``checkpointing="dag"`` priced on ``gm``, the analysed graph it was made
     from (:func:`profile_graph` with ``dag=False``)."""
     stack = _profiled_stack(profile, gm, "with_dag")
-    dag = _dag_per_block(gm, stack, {dim_symbol(n): sympy.Integer(1 if n == "batch" else v)
-                                     for n, v in gm.meta[CAPTURE].dims})
+    dag = _dag_per_block(gm, stack, _profiled_dims(gm))
     return replace(profile, blocks=tuple(_dag_priced(b, dag) for b in profile.blocks))
+
+
+def _profiled_dims(gm: fx.GraphModule) -> dict:
+    """The symbolic dims of a captured graph as a profile evaluates them: batch 1, the others at
+    their capture hints."""
+    return {dim_symbol(n): sympy.Integer(1 if n == "batch" else v) for n, v in gm.meta[CAPTURE].dims}
 
 
 def _profiled_stack(profile: ModelProfile, gm: fx.GraphModule, where: str) -> list[str]:
@@ -772,7 +777,7 @@ def profile_graph(gm: fx.GraphModule, *, dtype: str = "fp32", name: str | None =
     also grows with depth) for :func:`with_dag` to price when it can win."""
     info = gm.meta[CAPTURE]
     hints = dict(info.dims)
-    subs = {dim_symbol(n): sympy.Integer(1 if n == "batch" else v) for n, v in info.dims}
+    subs = _profiled_dims(gm)
     seq = int(hints.get("seq", 0) or 0)
     params = dict(gm.named_parameters(remove_duplicate=False))
     tied = {}

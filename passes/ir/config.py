@@ -20,6 +20,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from passes.ir.errors import ConfigError
+from passes.ir.schedule.validate import stream_count
 
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb1p", "zbv"]
 ZeroStage = Literal[0, 1, 2, 3]
@@ -260,13 +261,10 @@ class ParallelConfig:
         stages' for tied weights (``pp > 2``), the data axis's (HSDP: its shard and replica groups
         besides), tensor, context and expert parallelism's. NCCL gives each group a communicator
         with buffers of its own in device memory."""
-        from passes.ir.schedule.validate import stream_count
-
-        pp = self.pp > 1
-        groups = [self.world_size > 1, self.dp_cp > 1, self.tp > 1, self.cp > 1,
-                  self.hsdp_shard is not None, self.hsdp_shard is not None,
+        hsdp = self.hsdp_shard is not None
+        groups = [self.world_size > 1, self.dp_cp > 1, self.tp > 1, self.cp > 1, hsdp, hsdp,
                   self.ep > 1, self.ep > 1 and self.expert_replicas > 1, self.pp > 2]
-        return sum(groups) + (stream_count(self.schedule) if pp else 0)
+        return sum(groups) + (stream_count(self.schedule) if self.pp > 1 else 0)
 
     @property
     def expert_replicas(self) -> int:

@@ -24,7 +24,6 @@ from passes.policies.offload_policy import offload_policy
 from passes.ir import offload_ops as offload_graph
 from runtime.kernels import offload as offload_ops
 from runtime.optim.optimizer_offload import HostOffloadedOptimizer
-from tests.memory_devices import NOTHING_HELD_BACK
 
 SPEC = "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=16"
 
@@ -57,7 +56,7 @@ LOCAL = cost_hooks(Cluster.preset("local-cpu"))
 
 def _cluster(bandwidth: float, latency: float = 0.0, memory: int | None = None) -> Cluster:
     base = Cluster.preset("local-cpu")
-    device = base.device if memory is None else dataclasses.replace(base.device, memory_bytes=memory, **NOTHING_HELD_BACK)
+    device = base.device if memory is None else dataclasses.replace(base.device, memory_bytes=memory)
     return dataclasses.replace(base, device=device, host_to_device=Link(
         kind="pcie", bandwidth_bytes_per_s=bandwidth, latency_s=latency))
 

@@ -105,6 +105,59 @@ def test_efficiency_fit_is_monotone_and_matches_the_large_matmuls(cal):
         assert 0.5 < fit.predict_seconds(largest.flops) / largest.seconds < 2, (dtype, fit, largest)
 
 
+# ---- sampling ------------------------------------------------------------------------------------
+
+
+def _timed_calls(monkeypatch, call_s: float, effort) -> tuple[float, int]:
+    """(what _time_per_call returns, how many calls it made) for an operation whose n-th call
+    takes ``call_s * (1 + n / 100)`` seconds on a fake clock (each a little slower: the first
+    timed call is the fastest)."""
+    from partitioner.calibration import measure
+    clock, calls = [0.0], [0]
+
+    def fn():
+        calls[0] += 1
+        clock[0] += call_s * (1 + calls[0] / 100)
+
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
+    return measure._time_per_call(fn, effort), calls[0]
+
+
+def test_a_long_point_stops_sampling_at_its_budget_and_a_short_one_takes_every_repeat(monkeypatch):
+    from partitioner.calibration.measure import MIN_SAMPLES, Effort
+    effort = Effort(repeats=5, min_sample_s=0.01, comm_repeats=1, point_budget_s=1.0)
+    # 2.2 s a call (a bf16 matmul of 1024 on an AVX2 CPU): warm-up, then MIN_SAMPLES calls, the
+    # first of which sized the loop (7 calls before, 15 s)
+    seconds, calls = _timed_calls(monkeypatch, 2.2, effort)
+    assert calls == 1 + MIN_SAMPLES and seconds == pytest.approx(2.2 * 1.02)
+    # 0.3 s a call: samples until they add up to the budget (4 of them), the fastest kept
+    seconds, calls = _timed_calls(monkeypatch, 0.3, effort)
+    assert calls == 1 + 4 and seconds == pytest.approx(0.3 * 1.02)
+    # a short call loops to min_sample_s per sample, and every repeat is taken
+    seconds, calls = _timed_calls(monkeypatch, 0.001, effort)
+    assert calls == 2 + 5 * 10 and seconds < 0.001 * 1.1
+
+
+def test_matmul_sizes_stop_before_a_call_of_minutes(monkeypatch):
+    """A dtype the CPU emulates (bf16 on AVX2: 0.21 s at 512, 2.2 s at 1024, 56 s at 2048) stops
+    at the size whose call the previous one's rate puts over ``max_call_s``; fp32 runs every
+    size. The timings are made up (a rate per dtype); the sizes are taken smallest first."""
+    from partitioner.calibration import measure
+    rate = {"fp32": 1e11, "bf16": 1e9}  # FLOP/s
+    samples = []
+    for dtype in rate:
+        timed = []
+
+        def fake(fn, effort, sync=lambda: None):
+            timed.append([256, 512, 1024, 2048][len(timed)])
+            return 2.0 * timed[-1] ** 3 / rate[dtype]
+
+        monkeypatch.setattr(measure, "_time_per_call", fake)
+        samples += measure.measure_matmul((dtype,), (2048, 256, 1024, 512), effort=measure.FULL)
+    assert [(s.dtype, s.n) for s in samples] == [("fp32", 256), ("fp32", 512), ("fp32", 1024), ("fp32", 2048),
+                                                 ("bf16", 256), ("bf16", 512), ("bf16", 1024)]
+
+
 # ---- the fits on synthetic data -----------------------------------------------------------------
 
 

@@ -74,9 +74,21 @@ class Effort:
     that timer resolution does not dominate tiny kernels."""
     comm_repeats: int
     """Timed single operations per size for gloo (see ``_gloo_worker``)."""
+    point_budget_s: float = 1.0
+    """Seconds of samples after which a compute point stops sampling, once it has
+    :data:`MIN_SAMPLES` of them: a sample that long already averages the noise within it. A bf16
+    matmul of 1024 on a CPU without bf16 instructions takes 2.2 s a call, and 5 repeats of it
+    were half of a job's first calibration."""
+    max_call_s: float = 5.0
+    """A matmul size whose one call the previous size's rate puts above this many seconds is not
+    timed, nor any larger size of that dtype (a dtype the CPU emulates: bf16 at 2048 took 56 s
+    a call on an AVX2 CPU, most of ``partitioner calibrate``'s 8 minutes there)."""
 
 
-FULL = Effort(repeats=5, min_sample_s=0.05, comm_repeats=30)
+MIN_SAMPLES = 2
+"""Samples a compute point always takes (the fastest is kept)."""
+
+FULL = Effort(repeats=5, min_sample_s=0.05, comm_repeats=30, point_budget_s=4.0)
 QUICK = Effort(repeats=7, min_sample_s=0.005, comm_repeats=15)
 
 
@@ -322,8 +334,10 @@ def device_synchronizer(device: str | None):
 
 def _time_per_call(fn, effort: Effort, sync=lambda: None) -> float:
     """Seconds of one ``fn()`` call: warm up, size an inner loop to ``min_sample_s``, then keep
-    the fastest of ``effort.repeats`` samples (see :class:`Effort`). ``sync`` waits for the
-    device (:func:`device_synchronizer`) before the clock starts and before it stops."""
+    the fastest of ``effort.repeats`` samples, or of fewer once they add up to
+    ``effort.point_budget_s`` (at least :data:`MIN_SAMPLES`; see :class:`Effort`). The call that
+    sizes the loop is the first sample when it alone lasts ``min_sample_s``. ``sync`` waits for
+    the device (:func:`device_synchronizer`) before the clock starts and before it stops."""
     fn()  # warm-up: allocator, thread pool, kernel selection
     sync()
     start = time.perf_counter()
@@ -331,8 +345,10 @@ def _time_per_call(fn, effort: Effort, sync=lambda: None) -> float:
     sync()
     first = max(time.perf_counter() - start, 1e-9)
     loops = max(1, min(10_000, math.ceil(effort.min_sample_s / first)))
-    samples = []
-    for _ in range(effort.repeats):
+    samples = [first] if loops == 1 else []
+    while len(samples) < effort.repeats:
+        if len(samples) >= MIN_SAMPLES and sum(samples) * loops >= effort.point_budget_s:
+            break
         sync()
         start = time.perf_counter()
         for _ in range(loops):
@@ -360,7 +376,8 @@ class MatmulSample:
 
 def measure_matmul(dtypes: Sequence[str] = ("fp32", "bf16"), sizes: Sequence[int] = MATMUL_SIZES, *,
                    threads: int | None = None, effort: Effort = FULL, device: str | None = None) -> list[MatmulSample]:
-    """Time square matmuls of every size in ``sizes`` for every dtype (``fp32``, ``bf16``, ``fp16``).
+    """Time square matmuls of every size in ``sizes`` (smallest first) for every dtype (``fp32``,
+    ``bf16``, ``fp16``), up to the size whose one call would take more than ``effort.max_call_s``.
 
     Runs in this process on ``device`` (``cpu`` by default; ``cuda`` synchronises around every
     timed sample) with ``threads`` torch threads (default: all cores; :func:`calibrate` passes
@@ -379,12 +396,16 @@ def measure_matmul(dtypes: Sequence[str] = ("fp32", "bf16"), sizes: Sequence[int
     with _num_threads(threads or cpu_count()):
         for dtype in dtypes:
             torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
-            for n in sizes:
+            previous = None
+            for n in sorted(sizes):
+                if previous is not None and previous.seconds * (n / previous.n) ** 3 > effort.max_call_s:
+                    break  # (Effort.max_call_s) this size and the larger ones would take minutes
                 gen = torch.Generator().manual_seed(n)
                 a = torch.randn(n, n, generator=gen).to(dev, torch_dtype)
                 b = torch.randn(n, n, generator=gen).to(dev, torch_dtype)
                 seconds = _time_per_call(lambda: torch.mm(a, b), effort, sync)
-                out.append(MatmulSample(dtype=dtype, n=n, flops=2.0 * n**3, seconds=seconds))
+                previous = MatmulSample(dtype=dtype, n=n, flops=2.0 * n**3, seconds=seconds)
+                out.append(previous)
     return out
 
 

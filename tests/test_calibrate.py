@@ -11,7 +11,8 @@ import pytest
 
 from partitioner.calibration.calibrate import Calibration, run_calibration
 
-from partitioner.calibration.measure import fit_alpha_beta, fit_efficiency, measure_gloo, rank_threads
+from partitioner.calibration import measure
+from partitioner.calibration.measure import MIN_SAMPLES, Effort, fit_alpha_beta, fit_efficiency, measure_gloo, rank_threads
 from partitioner.cli.main import main
 from partitioner.cost.cluster import Cluster
 from partitioner.cost.cost_model import EfficiencyCurve, Link, all_reduce_time, compute_time, send_recv_time
@@ -112,7 +113,6 @@ def _timed_calls(monkeypatch, call_s: float, effort) -> tuple[float, int]:
     """(what _time_per_call returns, how many calls it made) for an operation whose n-th call
     takes ``call_s * (1 + n / 100)`` seconds on a fake clock (each a little slower: the first
     timed call is the fastest)."""
-    from partitioner.calibration import measure
     clock, calls = [0.0], [0]
 
     def fn():
@@ -124,7 +124,6 @@ def _timed_calls(monkeypatch, call_s: float, effort) -> tuple[float, int]:
 
 
 def test_a_long_point_stops_sampling_at_its_budget_and_a_short_one_takes_every_repeat(monkeypatch):
-    from partitioner.calibration.measure import MIN_SAMPLES, Effort
     effort = Effort(repeats=5, min_sample_s=0.01, comm_repeats=1, point_budget_s=1.0)
     # 2.2 s a call (a bf16 matmul of 1024 on an AVX2 CPU): warm-up, then MIN_SAMPLES calls, the
     # first of which sized the loop (7 calls before, 15 s)
@@ -142,7 +141,6 @@ def test_matmul_sizes_stop_before_a_call_of_minutes(monkeypatch):
     """A dtype the CPU emulates (bf16 on AVX2: 0.21 s at 512, 2.2 s at 1024, 56 s at 2048) stops
     at the size whose call the previous one's rate puts over ``max_call_s``; fp32 runs every
     size. The timings are made up (a rate per dtype); the sizes are taken smallest first."""
-    from partitioner.calibration import measure
     rate = {"fp32": 1e11, "bf16": 1e9}  # FLOP/s
     samples = []
     for dtype in rate:

@@ -23,7 +23,7 @@ from passes.ir.errors import ConfigError
 from passes.ir.optimizers import OPTIMIZERS
 from runtime.dist.launch import spawn
 from runtime.optim.optimizers import (
-    as_factory, check_shardable, module_param_groups, param_groups, planner_optimizer,
+    as_factory, check_shardable, init_state, module_param_groups, param_groups, planner_optimizer,
 )
 from runtime.optim.lr_schedules import warmup_cosine, warmup_cosine_factor
 from tests.one_device import train_one_device
@@ -241,10 +241,14 @@ def test_optimizer_arguments_are_checked_and_named_for_the_planner():
     assert planner_optimizer(as_factory({"lr": 1e-2})) == "adamw"
     assert planner_optimizer(sgd) == "sgd_momentum"
     assert planner_optimizer(lambda g: torch.optim.SGD(g, lr=0.1)) == "sgd"
-    assert planner_optimizer(adam) == "adam"
+    # a factory's Adam runs torch's default implementation unless it asks for the fused kernel
+    assert planner_optimizer(adam) == "adam_unfused"
+    assert planner_optimizer(lambda g: torch.optim.Adam(g, fused=True)) == "adam"
+    assert planner_optimizer(lambda g: torch.optim.AdamW(g, lr=1e-3)) == "adamw_unfused"
+    assert planner_optimizer(as_factory({"lr": 1e-2, "foreach": False})) == "adamw_unfused"
     for name in OPTIMIZERS:  # a name builds the optimizer the planner costs under that name
         assert planner_optimizer(as_factory(name)) == name
-    with pytest.raises(ConfigError, match="unknown optimizer 'lamb'; choose one of sgd, sgd_momentum, adam, adamw"):
+    with pytest.raises(ConfigError, match="unknown optimizer 'lamb'; choose one of sgd, sgd_momentum, adam, adamw, adam_unfused"):
         as_factory("lamb")
     with pytest.raises(ConfigError, match="AdamW does not take"):
         as_factory({"learning_rate": 1e-3})
@@ -255,3 +259,31 @@ def test_optimizer_arguments_are_checked_and_named_for_the_planner():
     probe = adafactor(param_groups([torch.zeros(2, 2, requires_grad=True)], [False]))
     with pytest.raises(ConfigError, match="Adafactor is not one of the elementwise"):
         check_shardable(probe, 1)
+
+
+def test_named_adam_optimizers_run_the_fused_kernel_where_the_parameters_allow_it():
+    """``adamw``/``adam`` (and None, and a dict that names no implementation) build torch's fused
+    kernel on CPU; the ``_unfused`` names and a dict naming ``foreach`` build torch's default; on
+    the meta device, which has no fused kernel, every name builds the default. A fused optimizer's
+    state made up front (what a checkpoint load reads into) is what its first step makes: ``step``
+    an fp32 scalar on the parameter's device."""
+    def built(optimizer, device="cpu"):
+        groups = param_groups([torch.zeros(3, 2, requires_grad=True, device=device)], [False])
+        return as_factory(optimizer)(groups)
+
+    for optimizer in (None, "adamw", "adam", {"lr": 1e-3}):
+        assert built(optimizer).defaults["fused"] is True, optimizer
+    for optimizer in ("adamw_unfused", "adam_unfused", {"lr": 1e-3, "foreach": False}):
+        assert not built(optimizer).defaults["fused"], optimizer
+    assert not built("adamw", device="meta").defaults["fused"]
+
+    opt = built("adamw")
+    init_state(opt)
+    (state,) = opt.state.values()
+    assert state["step"].dtype == torch.float32 and state["step"].device.type == "cpu" and state["step"].dim() == 0
+    stepped = built("adamw")
+    (p,) = stepped.param_groups[0]["params"]
+    p.grad = torch.ones_like(p)
+    stepped.step()
+    (first,) = stepped.state.values()
+    assert {k: (v.dtype, v.shape) for k, v in first.items()} == {k: (v.dtype, v.shape) for k, v in state.items()}

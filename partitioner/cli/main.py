@@ -384,8 +384,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
                      clip_grad_norm=args.clip_grad_norm, warmup=args.warmup, nodes=args.nodes, debug=args.debug)
 
 
-OPTIMIZER_HELP = ("adamw, adam, sgd or sgd_momentum (the optimizer table, passes.ir.optimizers; default adamw: "
-                  "AdamW, no weight decay on norms, biases and embeddings)")
+OPTIMIZER_HELP = ("adamw, adam, adamw_unfused, adam_unfused, sgd or sgd_momentum (the optimizer table, "
+                  "passes.ir.optimizers; default adamw: AdamW on torch's fused kernel, no weight decay on norms, "
+                  "biases and embeddings; the _unfused names run torch's default implementation)")
 
 
 def build_parser() -> argparse.ArgumentParser:

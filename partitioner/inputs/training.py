@@ -29,10 +29,11 @@ class Training:
     """Samples per optimizer step, over the whole job (``--global-batch``)."""
     optimizer: str | Mapping[str, Any] | OptimizerFactory | None = "adamw"
     """A name of the optimizer table (:data:`passes.ir.optimizers.OPTIMIZERS`: ``"adamw"``,
-    ``"adam"``, ``"sgd"``, ``"sgd_momentum"``; ``--optimizer``), AdamW's keyword arguments
-    (``{"lr": 3e-4}``), or a factory ``f(param_groups) -> torch.optim.Optimizer`` over the two
-    groups ``decay`` and ``no_decay`` (:mod:`runtime.optim.optimizers`; under ZeRO an elementwise
-    one). ``"adamw"`` (or ``None``): AdamW with torch's defaults and no weight decay on norms,
+    ``"adam"``, ``"adamw_unfused"``, ``"adam_unfused"``, ``"sgd"``, ``"sgd_momentum"``;
+    ``--optimizer``), AdamW's keyword arguments (``{"lr": 3e-4}``), or a factory
+    ``f(param_groups) -> torch.optim.Optimizer`` over the two groups ``decay`` and ``no_decay``
+    (:mod:`runtime.optim.optimizers`; under ZeRO an elementwise one). ``"adamw"`` (or ``None``):
+    AdamW with torch's defaults, stepped by its fused kernel, and no weight decay on norms,
     biases and embeddings. The planner counts the state of the optimizer this makes."""
     lr_scheduler: SchedulerFactory | None = None
     """``f(optimizer) -> torch.optim.lr_scheduler.LRScheduler``, stepped with every optimizer step

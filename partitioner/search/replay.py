@@ -84,6 +84,7 @@ from passes.ir.grad_buckets import MAX_IN_FLIGHT, BucketMachine, GradSlot, Launc
 from partitioner.compile.build import rank_program
 from partitioner.cost.cluster import Cluster
 from passes.ir.config import KNOBS, DType, ParallelConfig, is_mixed
+from passes.ir.optimizers import optimizer_model
 
 _STEP_BYTES = 4  # AdamW's 0-dim float32 ``step`` per parameter tensor
 
@@ -574,6 +575,7 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
     numel = sum(p.numel() for p in params)
     n_tensors = len(params)
     masters = is_mixed(program.config.dtype)  # runtime.optim.mixed_precision: fp32 masters of 16-bit params
+    device = program.modules[program.stages[0]].meta[CAPTURE].device  # what the step runs on (params may be meta)
     # ZeRO-3 has no buckets: each site's gradients are reduce-scattered in backward into the
     # shards, which an unsharded AdamW steps (the parameters are the shards)
     sharded_state = zero in (1, 2)
@@ -780,9 +782,10 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
                 if host_is_device:
                     live.bump(max((e.optimizer_bytes for e in ev.values()), default=0), "state", where)
             elif sharded_state:
-                # AdamW temporaries of the chunk; then the all-gather of the updated chunks, at most
-                # MAX_IN_FLIGHT buckets at once, each gathered into its parts and their cat
-                live.bump(2 * chunk_bytes, "state", where)
+                # AdamW temporaries of the chunk (none in the fused kernel); then the all-gather of
+                # the updated chunks, at most MAX_IN_FLIGHT buckets at once, each gathered into its
+                # parts and their cat
+                live.bump(2 * chunk_bytes if optimizer_model(optimizer).temporaries(device) else 0, "state", where)
                 biggest = sorted((_own(b, params) for b in buckets), reverse=True)
                 if dp > 1:
                     # 16-bit parameters: each in-flight chunk is first cast from the fp32 master

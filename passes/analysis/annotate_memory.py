@@ -101,16 +101,15 @@ def annotate_memory(gm: fx.GraphModule, ctx: Any = None, *, optimizer: str = "ad
     run = observe_saved_tensors(gm, observer=observer)
     state = _model_state(run, opt, dtype)
     _write_node_meta(run, state)
-    foreach = info.device == "cuda"
     remat = tensor_remat_events(gm, run)
-    peak = _simulate_step(run, state, opt, foreach=foreach, hints=info.symbols(), remat=remat, observer=observer)
+    peak = _simulate_step(run, state, opt, device=info.device, hints=info.symbols(), remat=remat, observer=observer)
 
     kept = [s for s in run.storages.values() if s.kept and s.kind in ("activation", "internal")] if remat is None \
         else list(remat.release)  # a per-tensor recompute decision: what its saved nodes keep or hold
     activation = sympy.expand(sympy.Add(*[s.size for s in kept]))
     inputs = sympy.expand(sympy.Add(*[s.size for s in run.storages.values() if s.kept and s.kind == "input"]))
     notes = [
-        f"optimizer {optimizer}: {'foreach' if foreach else 'single-tensor'} implementation "
+        f"optimizer {optimizer}: {opt.implementation(info.device)} implementation "
         f"({info.device}); steady state (state exists, gradients set to None before the step)",
         "peak_phase/peak_node located at the dims' hints " + ", ".join(f"{n}={v}" for n, v in info.dims)
         + f" ({peak.hint_bytes} bytes); peak_bytes is the Max over the step's points that are the "

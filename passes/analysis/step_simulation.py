@@ -228,7 +228,7 @@ def tensor_remat_events(gm: fx.GraphModule, run: _ForwardRun) -> TensorRematEven
         freed_early=frozenset(storage(k) for kind, k in last_reader if kind == "storage"))
 
 
-def _simulate_step(run: _ForwardRun, state: _ModelState, opt: OptimizerModel, *, foreach: bool,
+def _simulate_step(run: _ForwardRun, state: _ModelState, opt: OptimizerModel, *, device: str,
                    hints: dict[sympy.Symbol, int], remat: TensorRematEvents | None = None,
                    observer: MemoryObserver | None = None):
     tl = Timeline(observer)
@@ -353,9 +353,9 @@ def _simulate_step(run: _ForwardRun, state: _ModelState, opt: OptimizerModel, *,
             tl.free(("tensor_remat", st))
 
     # Optimizer step: parameters, gradients and state are live; the update adds temporaries.
-    if opt.sqrt_temporaries and state.opt:
+    if opt.temporaries(device) and state.opt:
         elem = state.state_elem_bytes
-        if foreach:
+        if opt.implementation(device) == "foreach":
             tl.at("optimizer", "(all parameters)")
             total = sympy.expand(sympy.Add(*[state.numel[st] for st in state.opt]) * elem)
             tl.alloc(("tmp", 0), total, sum(state.numel_hint[st] for st in state.opt) * elem)

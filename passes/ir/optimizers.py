@@ -24,7 +24,10 @@ class OptimizerModel:
       ``MemTracker`` counts it.
     * ``sqrt_temporaries``: the update computes ``exp_avg_sq.sqrt() / c`` — two parameter-sized
       temporaries live at once in the single-tensor (CPU) implementation, one buffer the size of
-      all parameters in the ``foreach`` (CUDA) implementation.
+      all parameters in the ``foreach`` (CUDA) implementation; none in the fused kernel, which
+      updates each element in place (:meth:`temporaries`).
+    * ``fused``: a run by this name builds torch's fused kernel (``fused=True``) where every
+      parameter it steps is a floating-point tensor on a device of :data:`FUSED_DEVICES`.
     """
 
     name: str
@@ -35,6 +38,19 @@ class OptimizerModel:
     """The ``torch.optim`` class a run by this name builds (``optimizer="sgd"``: ``torch.optim.SGD``)."""
     torch_kwargs: tuple[tuple[str, float], ...] = ()
     """Keyword arguments it is built with besides torch's defaults (SGD with momentum: 0.9)."""
+    fused: bool = False
+    """Built with torch's fused kernel where the parameters allow it (see above)."""
+
+    def implementation(self, device: str) -> str:
+        """What runs the step on a ``device`` type: ``fused``, ``foreach`` (torch's default on
+        CUDA) or ``single-tensor`` (its default elsewhere)."""
+        if self.fused and device in FUSED_DEVICES:
+            return "fused"
+        return "foreach" if device == "cuda" else "single-tensor"
+
+    def temporaries(self, device: str) -> bool:
+        """Whether the step on a ``device`` type makes the ``sqrt_temporaries``."""
+        return self.sqrt_temporaries and self.implementation(device) != "fused"
 
     @property
     def state_bytes_per_element(self) -> int:
@@ -47,11 +63,24 @@ OPTIMIZERS: dict[str, OptimizerModel] = {
     "sgd": OptimizerModel(name="sgd", state_tensors=0, step_tensor=False, sqrt_temporaries=False, torch_class="SGD"),
     "sgd_momentum": OptimizerModel(name="sgd_momentum", state_tensors=1, step_tensor=False, sqrt_temporaries=False,
                                    torch_class="SGD", torch_kwargs=(("momentum", 0.9),)),
-    "adam": OptimizerModel(name="adam", state_tensors=2, step_tensor=True, sqrt_temporaries=True, torch_class="Adam"),
+    # Adam and AdamW run torch's fused kernel (as torchtitan's default configuration does): one
+    # pass over each tensor's elements, no temporaries; about 6x faster than the default
+    # single-tensor loop on CPU. The "_unfused" names are torch's default implementation
+    # (single-tensor on CPU, foreach on CUDA), what a factory that does not ask for fused builds.
+    "adam": OptimizerModel(name="adam", state_tensors=2, step_tensor=True, sqrt_temporaries=True, torch_class="Adam",
+                           fused=True),
     "adamw": OptimizerModel(name="adamw", state_tensors=2, step_tensor=True, sqrt_temporaries=True,
-                            torch_class="AdamW"),
+                            torch_class="AdamW", fused=True),
+    "adam_unfused": OptimizerModel(name="adam_unfused", state_tensors=2, step_tensor=True, sqrt_temporaries=True,
+                                   torch_class="Adam"),
+    "adamw_unfused": OptimizerModel(name="adamw_unfused", state_tensors=2, step_tensor=True, sqrt_temporaries=True,
+                                    torch_class="AdamW"),
 }
 """Every optimizer a run can name (``Training(optimizer="sgd")``, ``--optimizer sgd``), under that name."""
+
+FUSED_DEVICES = ("cpu", "cuda")
+"""Device types on which a ``fused`` optimizer is built with torch's fused kernel; elsewhere (the
+meta device, others) torch's default implementation runs."""
 
 
 def optimizer_model(name: str) -> OptimizerModel:

@@ -6,8 +6,9 @@ Per parameter the host keeps an fp32 master copy and AdamW's ``exp_avg``/``exp_a
 after backward, its gradient. One step:
 
 1. copy each gradient to host (as fp32);
-2. run ``torch.optim.AdamW`` on the host masters — the same implementation a device optimizer
-   runs, so on a CPU "device" the result is bit-identical to ``torch.optim.AdamW`` there;
+2. run the run's optimizer (fused AdamW by default) on the host masters — the same
+   implementation a device optimizer on CPU runs, so on a CPU "device" the result is
+   bit-identical to the optimizer stepping on the device;
 3. copy the masters back into the device parameters (cast to their dtype).
 
 On CUDA the host buffers are pinned and the copies ``non_blocking``, with one synchronization

@@ -3,11 +3,14 @@
 A run names its optimizer as one of
 
 * ``None``: AdamW (torch's defaults, weight decay 0.01) with no weight decay on norms, biases
-  and embeddings, as Megatron-LM and torchtitan train;
+  and embeddings, as Megatron-LM and torchtitan train, stepped by torch's fused kernel
+  (:func:`fused_where_supported`);
 * a name of the optimizer table (:data:`passes.ir.optimizers.OPTIMIZERS`: ``"adamw"`` is the
-  default above, ``"adam"``, ``"sgd"``, ``"sgd_momentum"``), torch's defaults otherwise, with the
+  default above, ``"adam"`` (fused too), ``"adamw_unfused"`` and ``"adam_unfused"`` (torch's
+  default implementation), ``"sgd"``, ``"sgd_momentum"``), torch's defaults otherwise, with the
   same two groups;
-* a dict: AdamW's keyword arguments, with the same two groups;
+* a dict: AdamW's keyword arguments, with the same two groups (fused unless it names
+  ``fused`` or ``foreach``);
 * a factory ``f(param_groups) -> torch.optim.Optimizer``, e.g.
   ``lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9)``. It is called with the two
   groups of :func:`param_groups` (``"decay"`` then ``"no_decay"``, the second with
@@ -30,7 +33,7 @@ import torch
 from torch import nn
 
 from passes.ir.errors import ConfigError
-from passes.ir.optimizers import OPTIMIZERS
+from passes.ir.optimizers import FUSED_DEVICES, OPTIMIZERS
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 
@@ -46,13 +49,15 @@ GROUP_NAMES = ("decay", "no_decay")
 def as_factory(optimizer: None | str | Mapping | OptimizerFactory) -> OptimizerFactory:
     """The factory of an optimizer argument (see the module docstring)."""
     if optimizer is None:
-        return lambda groups: torch.optim.AdamW(groups)
+        return lambda groups: torch.optim.AdamW(groups, **fused_where_supported(groups))
     if isinstance(optimizer, str):
         if optimizer not in OPTIMIZERS:
             raise ConfigError(f"optimizer: unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}, or "
                               f"pass a factory f(param_groups) -> torch.optim.Optimizer")
         model = OPTIMIZERS[optimizer]
         cls, named_kwargs = getattr(torch.optim, model.torch_class), dict(model.torch_kwargs)
+        if model.fused:
+            return lambda groups: cls(groups, **named_kwargs, **fused_where_supported(groups))
         return lambda groups: cls(groups, **named_kwargs)
     if isinstance(optimizer, Mapping):
         kwargs = dict(optimizer)
@@ -61,12 +66,24 @@ def as_factory(optimizer: None | str | Mapping | OptimizerFactory) -> OptimizerF
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"optimizer: AdamW does not take {kwargs}: {exc}; pass AdamW's keyword arguments "
                               f"or a factory f(param_groups) -> torch.optim.Optimizer") from None
-        return lambda groups: torch.optim.AdamW(groups, **kwargs)
+        if {"fused", "foreach", "differentiable"} & set(kwargs):  # the caller chose the implementation
+            return lambda groups: torch.optim.AdamW(groups, **kwargs)
+        return lambda groups: torch.optim.AdamW(groups, **kwargs, **fused_where_supported(groups))
     if callable(optimizer):
         return optimizer
     raise ConfigError(f"optimizer: got {type(optimizer).__name__}; pass None (AdamW), a name "
                       f"({', '.join(OPTIMIZERS)}), a dict of AdamW's keyword arguments, or a factory "
                       f"f(param_groups) -> torch.optim.Optimizer")
+
+
+def fused_where_supported(groups: list[dict]) -> dict:
+    """``{"fused": True}`` when torch's fused kernel can step every parameter of ``groups``
+    (floating point, on a device type of :data:`passes.ir.optimizers.FUSED_DEVICES`), else ``{}``
+    (torch's default implementation): what the named Adam-family optimizers build."""
+    params = [p for g in groups for p in g["params"]]
+    if params and all(torch.is_floating_point(p) and p.device.type in FUSED_DEVICES for p in params):
+        return {"fused": True}
+    return {}
 
 
 def param_groups(params: Sequence[torch.Tensor], no_decay: Sequence[bool]) -> list[dict]:
@@ -153,8 +170,12 @@ def init_state(opt: torch.optim.Optimizer) -> None:
             state = opt.state[p]
             if state:
                 continue
+            # the fused kernel keeps ``step`` on the parameter's device in fp32 (as torch's own
+            # first step makes it); the other implementations keep it on the host
+            on_device = bool(group.get("fused") or group.get("capturable"))
             for key in scalars:
-                state[key] = torch.tensor(_SCALAR_START[key], dtype=torch.get_default_dtype())
+                state[key] = (torch.full((), _SCALAR_START[key], dtype=torch.float32, device=p.device) if on_device
+                              else torch.tensor(_SCALAR_START[key], dtype=torch.get_default_dtype()))
             for key in tensors:
                 state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
@@ -174,17 +195,21 @@ def current_lr(opt: torch.optim.Optimizer) -> float:
 
 
 def planner_optimizer(factory: OptimizerFactory) -> str:
-    """The name the planner costs this optimizer's state by (``"adamw"``, ``"adam"``, ``"sgd"``,
-    ``"sgd_momentum"``): the factory is built once over a one-element tensor to see what it makes.
-    Optimizers whose state is two elementwise tensors cost as Adam, one as SGD with momentum."""
+    """The name the planner costs this optimizer's state by (a key of
+    :data:`passes.ir.optimizers.OPTIMIZERS`): the factory is built once over a one-element tensor
+    to see what it makes, and whether it asked for the fused kernel. Optimizers whose state is two
+    elementwise tensors cost as unfused Adam, one as SGD with momentum."""
     probe = build(factory, param_groups([torch.zeros(1, requires_grad=True)], [False]))
     kind = type(probe)
+    fused = bool(probe.defaults.get("fused"))
     if kind is torch.optim.AdamW:
-        return "adamw"
+        return "adamw" if fused else "adamw_unfused"
+    if kind is torch.optim.Adam:
+        return "adam" if fused else "adam_unfused"
     if kind is torch.optim.SGD:
         return "sgd_momentum" if probe.param_groups[0].get("momentum", 0) else "sgd"
     if kind in ELEMENTWISE:
         _, tensors = state_keys(probe, probe.param_groups[0])
-        return {0: "sgd", 1: "sgd_momentum"}.get(len(tensors), "adam")
+        return {0: "sgd", 1: "sgd_momentum"}.get(len(tensors), "adam_unfused")
     raise ConfigError(f"optimizer: the planner costs the state of {', '.join(c.__name__ for c in ELEMENTWISE)}; "
                       f"{kind.__name__}'s is not known, so its plan's memory could not be trusted")

@@ -167,8 +167,18 @@ def test_peak_by_hand_linear_relu_sgd():
     assert (s.peak_phase, s.peak_node) == ("backward", "linear")
 
 
-def test_peak_adamw_adds_update_temporaries():
+def test_peak_fused_adamw_updates_in_place():
     gm = _annotate(LinearRelu(), optimizer="adamw", batch=2)
+    s = gm.meta[MEMORY_SUMMARY]
+    # The fused kernel makes no temporaries: the peak is the backward's biggest point,
+    # 704 - 64 + 4 + 128 + 576 + state (2 * 576 + 2 steps * 4 = 1160) = 2508 (below).
+    assert s.peak_bytes == 2508
+    assert s.peak_phase == "backward"
+    assert "fused implementation (cpu)" in " ".join(s.notes)
+
+
+def test_peak_unfused_adamw_adds_update_temporaries():
+    gm = _annotate(LinearRelu(), optimizer="adamw_unfused", batch=2)
     s = gm.meta[MEMORY_SUMMARY]
     # After backward: W 512 + b 64 + grads 576 + state (2 * 576 + 2 steps * 4 = 1160) + x 64 + loss 4
     # = 2380; updating W holds sqrt(v) and sqrt(v)/c (2 * 512) -> 3404; the biggest point of the

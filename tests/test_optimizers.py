@@ -287,3 +287,18 @@ def test_named_adam_optimizers_run_the_fused_kernel_where_the_parameters_allow_i
     stepped.step()
     (first,) = stepped.state.values()
     assert {k: (v.dtype, v.shape) for k, v in first.items()} == {k: (v.dtype, v.shape) for k, v in state.items()}
+
+
+def test_the_named_adamw_is_fused_on_cuda_tensors_as_the_dry_run_makes_them():
+    """The GPU path without a GPU: parameters on ``cuda`` under the fake tensor mode (what the dry
+    run executes) get the fused kernel, its ``step`` on the device, and a step runs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        p = torch.nn.Parameter(torch.zeros(4, 3, device="cuda"))
+        opt = as_factory("adamw")(param_groups([p], [False]))
+        assert opt.defaults["fused"] is True
+        init_state(opt)
+        assert opt.state[p]["step"].device.type == "cuda"
+        p.grad = torch.ones_like(p)
+        opt.step()

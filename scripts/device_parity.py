@@ -53,7 +53,7 @@ def _rank(steps: int) -> list[tuple[str, list[float], list[float], int | None]]:
         pm = build_parallel_model(graph, config, mesh, optimizer=ADAMW, cluster=local_cluster(mesh.size))
         timer = StepTimer(pm)
         losses = [timer.measure(k + 1, lambda b=b: pm.train_step(b)).loss for k, b in enumerate(batches)]
-        kernel = "fused" if getattr(pm.torch_optimizer, "defaults", {}).get("fused") else "unfused"
+        kernel = "fused" if pm.torch_optimizer.defaults.get("fused") else "unfused"
         out.append((f"checkpointing={ckpt} offload={offload} on {device}, {kernel} AdamW", losses, ref,
                     max((s.peak_memory_bytes or 0) for s in timer.steps)))
     return out

@@ -110,3 +110,21 @@ def test_search_memory_of_a_pipeline_is_the_replay_of_each_stage(llama, schedule
         predicted = stage.peak_memory_bytes
         assert predicted == pytest.approx(replayed, rel=0.05), (
             f"stage {stage.index}: search {predicted:.0f} B, replay {replayed} B ({(predicted - replayed) / replayed:+.1%})")
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_unfused"])
+def test_the_replay_of_a_weightless_copy_is_the_replay_of_the_weights(optimizer):
+    """The replay lowers a copy of the capture whose weights are meta tensors; what it counts on
+    a CPU device is still the CPU's: under ``offload="optimizer"`` the host optimizer's update
+    temporaries are in the device's memory there (none for the fused kernel)."""
+    from partitioner.compile.build import lower_plan
+    from partitioner.search.memory_check import replay_ranks
+    from passes.ir.config import ParallelConfig
+
+    # a large vocabulary and a short sequence: the step, not the backward, sets the peak
+    graph = capture_for_pipeline(build_model("gpt:layers=1,hidden=64,heads=4,vocab=4096,seq=4,dropout=0.0"))
+    config = ParallelConfig.for_global_batch(1, dp=1, tp=1, pp=1, offload="optimizer")
+    cluster = local_cluster(1)
+    real = replay_ranks(graph, lower_plan(graph, config, cluster=cluster, check=False), [0], optimizer=optimizer)[0]
+    (light,) = replay_config_peaks(graph, config, cluster, optimizer=optimizer)
+    assert light == int(real.peak_bytes)

@@ -609,7 +609,7 @@ def predict_memory(program, *, schedule: str, num_micro_batches: int, dims: Mapp
     # this rank's fp32 chunk of every bucket
     chunk_bytes = sum(4 * b.numel // size for layout, size in layouts for b in layout) if sharded_state else 0
     host_optimizer = program.config.offload == "optimizer"  # runtime.optim.optimizer_offload: state on the host
-    host_is_device = bool(params) and params[0].device.type == "cpu"
+    host_is_device = device == "cpu"  # the capture's device: a weightless copy's parameters are meta
     live = _Live()
     live.alloc("params", param_bytes, "state", "(start)")
     # offload="optimizer": the fp32 masters and AdamW's moments live in host memory, not on the device

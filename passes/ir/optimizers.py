@@ -64,8 +64,8 @@ OPTIMIZERS: dict[str, OptimizerModel] = {
     "sgd_momentum": OptimizerModel(name="sgd_momentum", state_tensors=1, step_tensor=False, sqrt_temporaries=False,
                                    torch_class="SGD", torch_kwargs=(("momentum", 0.9),)),
     # Adam and AdamW run torch's fused kernel (as torchtitan's default configuration does): one
-    # pass over each tensor's elements, no temporaries; about 6x faster than the default
-    # single-tensor loop on CPU. The "_unfused" names are torch's default implementation
+    # pass over each tensor's elements, no temporaries; on CPU 5 to 8x faster than the default
+    # single-tensor loop (1.6 against 7.6 ms on 100 small tensors, 0.12 against 0.92 s on GPT-2 small). The "_unfused" names are torch's default implementation
     # (single-tensor on CPU, foreach on CUDA), what a factory that does not ask for fused builds.
     "adam": OptimizerModel(name="adam", state_tensors=2, step_tensor=True, sqrt_temporaries=True, torch_class="Adam",
                            fused=True),

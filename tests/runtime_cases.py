@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import pytest
@@ -165,9 +166,12 @@ def unpacked_graph(model: str, payload: GraphPayload):
     return spec, unpack_graph(payload, spec.module)
 
 
-def train_plans(plans: list[Plan], payloads: dict[str, GraphPayload] | None = None) -> dict:
+def train_plans(plans: list[Plan], payloads: dict[str, GraphPayload] | None = None, *,
+                track_memory: Collection[str] = ()) -> dict:
     """On each rank of a spawned world: every plan's per-step losses and this rank's full
-    (tp-gathered) parameters and last-step gradients, or the error it raised.
+    (tp-gathered) parameters and last-step gradients, or the error it raised. The plans whose
+    ids are in ``track_memory`` also give what :func:`measure_memory` measures (``"memory"``),
+    over the first two of their steps: one build of a plan checks its training and its memory.
 
     Every rank builds the mesh of every (dp, tp, pp) shape first, in the same order (group creation
     is collective over the world); then each plan runs on the first ``plan.size`` ranks while the
@@ -175,6 +179,7 @@ def train_plans(plans: list[Plan], payloads: dict[str, GraphPayload] | None = No
     one runtime bug does not hide the verdict on the other plans. ``payloads``: the
     :func:`packed_graph` of each model the plans train (by MODELS key); without, each rank captures.
     """
+    import runtime.observe.measure as measure
     from partitioner.compile.build import build_parallel_model, capture_for_pipeline
     from runtime.dist.mesh import Mesh, init_distributed
 
@@ -208,8 +213,15 @@ def train_plans(plans: list[Plan], payloads: dict[str, GraphPayload] | None = No
             pm = build_parallel_model(graphs[plan.model], plan.config(), mesh, optimizer=ADAMW,
                                       lr_scheduler=SCHEDULE, clip_grad_norm=CLIP, cluster=local_cluster(mesh.size))
             losses, norms, lrs = [], [], []
-            for b in batches(specs[plan.model], plan.global_batch):
-                losses.append(pm.train_step(b))
+            timer = measure.StepTimer(pm, track_memory=2) if plan.id in track_memory else None
+            peak = 0
+            for k, b in enumerate(batches(specs[plan.model], plan.global_batch)):
+                if timer is None:
+                    losses.append(pm.train_step(b))
+                else:  # the live bytes of the step, tracked (the first two steps reach the peak)
+                    m = timer.measure(k, lambda b=b: pm.train_step(b))
+                    losses.append(m.loss)
+                    peak = max(peak, m.peak_memory_bytes or 0)
                 norms.append(pm.last_grad_norm)
                 lrs.append(pm.last_lr)
             out[plan.id] = {"losses": losses, "params": pm.full_parameters(), "grads": pm.full_gradients(),
@@ -220,6 +232,8 @@ def train_plans(plans: list[Plan], payloads: dict[str, GraphPayload] | None = No
                                              if n in set(pm.program.expert_params)},
                             "data_ops": sorted({c.op for c in pm.program.comms_of("data")}),
                             "compiled_graphs": _compiled_graphs() - graphs_before}
+            if timer is not None:
+                out[plan.id]["memory"] = {"peak": peak, **model_state_bytes(pm)}
         except Exception as exc:  # noqa: BLE001 - reported per plan by the test
             import traceback
             out[plan.id] = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-12)}",
@@ -268,12 +282,17 @@ def measure_memory(plans: list[Plan], payloads: dict[str, GraphPayload], models:
             batch = spec.example_inputs({"batch": plan.global_batch}, seed=300 + k)
             m = timer.measure(k, lambda: pm.train_step(batch))
             peak = max(peak, m.peak_memory_bytes or 0)
-        params = list(pm.params)
-        state = [t for s in pm.torch_optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-        out[plan.id] = {"peak": peak, "params": measure.tensor_bytes(params),
-                        "grads": measure.tensor_bytes([p.grad for p in params if p.grad is not None]),
-                        "optimizer": measure.tensor_bytes(state), "seconds": time.perf_counter() - start}
+        out[plan.id] = {"peak": peak, **model_state_bytes(pm), "seconds": time.perf_counter() - start}
     return out
+
+
+def model_state_bytes(pm) -> dict[str, int]:
+    """Bytes of the parameters, gradients and optimizer state ``pm`` (a ParallelModel) holds."""
+    from runtime.observe.measure import tensor_bytes
+    params = list(pm.params)
+    state = [t for s in pm.torch_optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return {"params": tensor_bytes(params), "grads": tensor_bytes([p.grad for p in params if p.grad is not None]),
+            "optimizer": tensor_bytes(state)}
 
 
 @functools.cache

@@ -1,6 +1,7 @@
 """Mixture of experts on gloo ranks, trained like one device: the zoo ``moe`` decoder (4 experts,
-top-2, a shared expert, the load-balancing loss weighed 0.1) and Hugging Face Mixtral under data
-parallelism alone (the load-balancing loss averages its token statistics over the data axis); the
+top-2, a shared expert, the load-balancing loss weighed 0.1) and Hugging Face Mixtral, Qwen3-MoE
+and LFM2-MoE under data parallelism alone (a load-balancing loss averages its token statistics
+over the data axis; LFM2-MoE has none); the
 zoo model with the experts spread over ep = 2 and 4 ranks, alone, with expert replicas (dp > ep),
 with pp, with cp and with full checkpointing; Hugging Face Mixtral, Qwen3-MoE and LFM2-MoE (stacked
 experts: each ep rank holds its rows of them) at ep = 2 and 4, with expert replicas, with pp and
@@ -199,6 +200,8 @@ def test_replayed_peak_matches_each_rank_measured(run, plan):
     from partitioner.calibration.job_cluster import local_cluster
     from partitioner.search.memory_check import replay_rank_memory
     _, results = run
+    errors = [f"rank {r}: {results[r][plan.id]['error']}" for r in range(plan.size) if "error" in results[r][plan.id]]
+    assert not errors, f"{plan.id} raised while it trained:\n" + "\n".join(errors)
     _, graph = unpacked_graph(MODELS[plan.model], packed_graph(MODELS[plan.model]))
     replayed = replay_rank_memory(graph, plan.config(), local_cluster(plan.size))
     plain = results[0][_plan(dp=2, model=plan.model).id]["memory"]

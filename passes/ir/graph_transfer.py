@@ -28,7 +28,9 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+import sympy
 import torch
+from sympy.core.parameters import evaluate
 from torch import fx, nn
 
 from passes.ir.errors import PassError
@@ -262,9 +264,12 @@ def _picklable(value: Any) -> bool:
 
 
 class _Pickler(pickle.Pickler):
-    """Pickles ops by their registered names (torch's op objects do not pickle themselves)."""
+    """Pickles ops by their registered names (torch's op objects do not pickle themselves), and
+    symbolic expressions as their head and arguments, rebuilt unevaluated (:func:`_expression`)."""
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, sympy.Basic) and obj.args:
+            return _expression, (obj.func, obj.args)
         if isinstance(obj, torch._ops.OpOverload):
             return _op, (obj._schema.name, obj._overloadname)
         if isinstance(obj, torch._ops.OpOverloadPacket):
@@ -272,6 +277,14 @@ class _Pickler(pickle.Pickler):
         if isinstance(obj, torch._ops.HigherOrderOperator):
             return _higher_order_op, (obj.name(),)
         return NotImplemented
+
+
+def _expression(head: Any, args: tuple) -> sympy.Basic:
+    """``head(*args)`` without evaluating: the packed expression was already in its final form,
+    and sympy's default unpickling evaluates it again (a ``Max`` of a memory bound's terms
+    compares every pair symbolically: over a second per graph, on every rank that unpacks it)."""
+    with evaluate(False):
+        return head(*args)
 
 
 def _op(qualified: str, overload: str | None) -> Any:

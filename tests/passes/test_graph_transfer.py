@@ -117,3 +117,29 @@ def test_a_program_with_checkpointed_regions_comes_back_with_them():
     batch = spec.example_inputs({"batch": 2}, seed=3)
     for mine, theirs in zip(rebuilt(*batch), program(*batch), strict=True):
         assert torch.equal(mine, theirs)
+
+
+def test_symbolic_meta_comes_back_equal_without_being_evaluated_again(monkeypatch):
+    # sympy's own unpickling rebuilds each expression through its evaluating constructor: a Max
+    # of a memory bound's terms compares every pair again, over a second on every rank
+    import sympy
+
+    from passes.ir.meta import MEMORY_SUMMARY
+
+    spec = build_model(MODELS["gpt"], seed=0)
+    graph = capture_for_pipeline(spec)
+    b, s = sympy.symbols("batch seq", positive=True, integer=True)
+    bound = sympy.Max(3 * b * s + 7, 2 * b * s ** 2, b * s + sympy.Min(b, 4 * s))
+    graph.meta["test_bound"] = bound  # a plain picklable entry travels with the graph's meta
+    payload = pack_graph(graph, spec.module)
+
+    def evaluated(*args, **kwargs):
+        raise AssertionError("an expression was evaluated again while unpacking")
+
+    monkeypatch.setattr(sympy.Max, "_find_localzeros", classmethod(evaluated))
+    monkeypatch.setattr(sympy.Min, "_find_localzeros", classmethod(evaluated))
+    rebuilt = unpack_graph(payload, build_model(MODELS["gpt"], seed=1).module)
+    assert rebuilt.meta["test_bound"] == bound and rebuilt.meta["test_bound"].func is sympy.Max
+    assert rebuilt.meta.get(MEMORY_SUMMARY) == graph.meta.get(MEMORY_SUMMARY)
+    monkeypatch.undo()
+    assert sympy.simplify(rebuilt.meta["test_bound"] - bound) == 0

@@ -326,8 +326,31 @@ def test_out_of_time_without_a_solution_recomputes_nothing_and_says_so(monkeypat
     d = solve_milp(problem, min(_peaks(problem)), costs=GPU, bound="peak", time_limit_s=5.0)
     assert len(calls) == 1  # no fallback solves once the time is spent
     assert d.named("recompute") == () and d.recompute_flops == 0 and not d.optimal and d.mip_gap == float("inf")
-    saved = solve_milp(problem, 10 ** 9, costs=GPU, time_limit_s=5.0)
+    keep_all = solve_min_cut(problem, 10 ** 12, costs=GPU)  # every storage saved
+    assert keep_all.named("recompute") == ()
+    saved = solve_milp(problem, keep_all.saved_bytes - 1, costs=GPU, time_limit_s=5.0)
     assert saved.mip_gap == float("inf") and not saved.optimal
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("bound", ["saved", "peak"])
+def test_a_budget_that_holds_everything_is_answered_without_a_solve(monkeypatch, bound):
+    # nothing recomputed adds no seconds: where it fits it is the optimum, and no MILP is built
+    import passes.solvers.remat_solver as solver
+
+    def unexpected(*args, **kwargs):
+        raise AssertionError("a MILP was solved")
+
+    problem = _random_problem(random.Random(5), 8)
+    keep_all = solve_min_cut(problem, 10 ** 12, costs=GPU)
+    budget = keep_all.peak_bytes if bound == "peak" else keep_all.saved_bytes
+    monkeypatch.setattr(solver, "milp", unexpected)
+    d = solve_milp(problem, budget, costs=GPU, bound=bound)
+    assert d.feasible and d.optimal and d.mip_gap == 0.0 and d.method == "milp"
+    assert d.named("recompute") == () and d.recompute_flops == 0 and d.added_s == 0.0
+    monkeypatch.undo()
+    tighter = solve_milp(problem, budget - 1, costs=GPU, bound=bound)  # one byte less: a solve, and something recomputed
+    assert tighter.recompute_flops > 0 or tighter.offload_bytes > 0 or not tighter.feasible
 
 
 def test_a_problem_proven_once_is_answered_again_without_solving(monkeypatch):
@@ -346,12 +369,12 @@ def test_a_problem_proven_once_is_answered_again_without_solving(monkeypatch):
     monkeypatch.setattr(scipy.optimize, "milp", counted)
     monkeypatch.setattr(solver, "_SOLVED", {})
     problem = _random_problem(random.Random(5), 8)
-    lowest, highest = min(_peaks(problem)), max(_peaks(problem))
+    lowest, second = sorted(p for p in _peaks(problem) if p < backward_peak(problem, [False] * len(problem.nodes)))[:2]
     first = solve_milp(problem, lowest, costs=GPU, bound="peak")
     assert len(calls) == 1 and first.optimal
     assert solve_milp(problem, lowest, costs=GPU, bound="peak", time_limit_s=7.0) == first  # another limit, same problem
     assert len(calls) == 1
-    solve_milp(problem, highest, costs=GPU, bound="peak")  # another budget: another problem
+    solve_milp(problem, second, costs=GPU, bound="peak")  # another budget: another problem
     assert len(calls) == 2
 
     def out_of_time(*args, **kwargs):  # an answer cut short by the limit is not kept

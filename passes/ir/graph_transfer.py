@@ -281,8 +281,9 @@ class _Pickler(pickle.Pickler):
 
 def _expression(head: Any, args: tuple) -> sympy.Basic:
     """``head(*args)`` without evaluating: the packed expression was already in its final form,
-    and sympy's default unpickling evaluates it again (a ``Max`` of a memory bound's terms
-    compares every pair symbolically: over a second per graph, on every rank that unpacks it)."""
+    and sympy's default unpickling evaluates it again (a ``Max`` of a memory bound's terms compares
+    every pair symbolically: a 4-layer Llama's graph took 0.17 s to unpack in a fresh process, and
+    0.017 s rebuilt unevaluated)."""
     with evaluate(False):
         return head(*args)
 

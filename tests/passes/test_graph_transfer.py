@@ -121,7 +121,7 @@ def test_a_program_with_checkpointed_regions_comes_back_with_them():
 
 def test_symbolic_meta_comes_back_equal_without_being_evaluated_again(monkeypatch):
     # sympy's own unpickling rebuilds each expression through its evaluating constructor: a Max
-    # of a memory bound's terms compares every pair again, over a second on every rank
+    # of a memory bound's terms compares every pair again, on every rank that unpacks the graph
     import sympy
 
     from passes.ir.meta import MEMORY_SUMMARY

@@ -131,7 +131,6 @@ def _plans_then_checkpoint(plans, payloads, root: str) -> dict:
     return out
 
 
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("ep_ckpt")

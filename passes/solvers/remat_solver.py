@@ -574,7 +574,8 @@ def solve_milp(problem: RematProblem, budget_bytes: int, *, costs: RematCosts, b
     fits (``feasible=False``): with the saved bound, the min-cut decision keeping the fewest
     bytes; with the peak bound, the fewest FLOPs at the lowest peak any decision reaches. When the
     limit passes before HiGHS has any solution (``mip_gap`` inf, :func:`_unsolved`): the saved
-    bound's fewest-bytes decision, or under the peak bound nothing recomputed."""
+    bound's fewest-bytes decision, or under the peak bound nothing recomputed. When nothing
+    recomputed or offloaded fits, that decision is returned as optimal without a solve."""
     if bound == "peak" and costs.offload:
         raise ConfigError("remat MILP: the peak bound prices save and recompute only; solve it without a host "
                           "link (RematCosts(host_bytes_per_s=None)) or bound the saved bytes")
